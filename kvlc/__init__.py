@@ -1,0 +1,15 @@
+"""kvlc — a declarative KV-cache layout compiler and NIXL transfer runtime.
+
+The compiler (``kvlc.compiler``) needs only pydantic, pyyaml, jinja2 and numpy;
+the runtime (``kvlc.runtime``) needs nixl and torch (the ``runtime`` extra).
+"""
+
+from kvlc.compiler import compile_spec, load_spec
+from kvlc.compiler.plan import Plan
+from kvlc.compiler.spec import LayoutSpec
+from kvlc.errors import CompatError, CompileError, KvlcError, SpecError, TransferError
+
+__version__ = "0.1.0"
+
+__all__ = ["compile_spec", "load_spec", "Plan", "LayoutSpec", "KvlcError", "SpecError",
+           "CompileError", "CompatError", "TransferError", "__version__"]

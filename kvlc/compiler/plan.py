@@ -1,0 +1,234 @@
+"""The Plan: one engine's KV-cache memory, compiled, frozen and content-hashed.
+
+A plan is rank-independent: sizes are per rank (a ``head`` dim holds
+``global_size / tp`` heads), which heads a rank holds is decided at pairing.
+It never holds expanded per-block descriptors, only geometry.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from functools import cached_property
+from typing import Literal, Mapping
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict
+
+PLAN_VERSION = 1
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", ignored_types=(cached_property,))
+
+
+class PlanDim(_Frozen):
+    """One axis of a field: per-rank ``size``, ``global_size`` (heads before TP), byte ``stride``."""
+
+    name: str
+    role: Literal["token", "head", ""] = ""
+    size: int
+    global_size: int
+    stride: int
+
+    def text(self) -> str:
+        tag = {"token": "T", "head": "H", "": ""}[self.role]
+        glob = f"/{self.global_size}" if self.role == "head" else ""
+        return f"{self.name}{'@' + tag if tag else ''}={self.size}{glob}:{self.stride}"
+
+
+class PlanField(_Frozen):
+    """A field of a block: byte ``offset`` in the block, dtype, dims (outermost first)."""
+
+    name: str
+    dtype: str
+    itemsize: int
+    offset: int
+    dims: tuple[PlanDim, ...]
+
+    @property
+    def extent(self) -> int:
+        """Bytes from the field's first byte to one past its last."""
+        return sum((d.size - 1) * d.stride for d in self.dims) + self.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        n = self.itemsize
+        for d in self.dims:
+            n *= d.size
+        return n
+
+    def dim(self, role: str) -> PlanDim | None:
+        return next((d for d in self.dims if d.role == role), None)
+
+    def text(self) -> str:
+        return f"{self.name}@{self.offset}:{self.dtype}({','.join(d.text() for d in self.dims)})"
+
+
+class PlanGroup(_Frozen):
+    """A KV-cache group. ``block_size`` tokens per logical block, ``kernel_block_size`` per kernel block."""
+
+    name: str
+    kind: str
+    window: int = 0
+    block_size: int
+    kernel_block_size: int
+
+    @property
+    def is_state(self) -> bool:
+        return self.kind in ("mamba", "linear_attention")
+
+    @property
+    def kernel_blocks_per_block(self) -> int:
+        return self.block_size // self.kernel_block_size
+
+
+class PlanStorage(_Frozen):
+    name: str
+    mem: Literal["DRAM", "VRAM"]
+    device: int
+    size: int
+
+
+class PlanRegion(_Frozen):
+    """A run of ``num_blocks`` kernel blocks of ``block_bytes`` every ``block_stride`` bytes."""
+
+    name: str
+    storage: str
+    mem: Literal["DRAM", "VRAM"]
+    device: int
+    offset: int
+    num_blocks: int
+    block_bytes: int
+    block_stride: int
+    groups: tuple[str, ...]
+    block_tokens: int
+    kernel_blocks_per_block: int
+    optional: bool = False
+    fields: tuple[PlanField, ...]
+
+    @property
+    def is_state(self) -> bool:
+        """Per-request state (Mamba): no token axis, a block is copied whole."""
+        return self.block_tokens == 0
+
+    @property
+    def capacity(self) -> int:
+        """How many logical blocks fit (``num_blocks`` counts kernel blocks)."""
+        return self.num_blocks // self.kernel_blocks_per_block
+
+    @property
+    def end(self) -> int:
+        return self.offset + (self.num_blocks - 1) * self.block_stride + self.block_bytes
+
+    def field(self, name: str) -> PlanField:
+        return next(f for f in self.fields if f.name == name)
+
+    def text(self) -> str:
+        kb = f"x{self.kernel_blocks_per_block}" if self.kernel_blocks_per_block > 1 else ""
+        toks = "state" if self.is_state else f"tokens={self.block_tokens}{kb}"
+        opt = " optional" if self.optional else ""
+        return (f"{self.name} {self.storage}+{self.offset} {self.mem}:{self.device} "
+                f"blocks={self.num_blocks} bytes={self.block_bytes} stride={self.block_stride} "
+                f"{toks} groups={','.join(self.groups)}{opt} | "
+                + " ".join(f.text() for f in self.fields))
+
+
+class PlanModel(_Frozen):
+    name: str
+    num_layers: int
+    sizes: dict[str, int]
+
+
+class PlanParallel(_Frozen):
+    tp_size: int
+    dcp_size: int
+    layers: tuple[int, int]
+
+
+class Plan(_Frozen):
+    """A compiled spec. Same spec → byte-identical :meth:`to_json` → same :attr:`digest`.
+
+    >>> from kvlc import compile_spec
+    >>> plan = compile_spec("layouts/llama-3.1-8b.yaml")
+    >>> Plan.from_json(plan.to_json()) == plan
+    True
+    """
+
+    kvlc: int = PLAN_VERSION
+    name: str
+    model: PlanModel
+    parallel: PlanParallel
+    groups: tuple[PlanGroup, ...]
+    storages: tuple[PlanStorage, ...]
+    regions: tuple[PlanRegion, ...]
+
+    # ---------------------------------------------------------------- identity
+    def to_json(self) -> str:
+        """Canonical JSON: sorted keys, no whitespace, integers and strings only."""
+        return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "Plan":
+        return cls.model_validate_json(text)
+
+    @cached_property
+    def digest(self) -> str:
+        """sha256 of the canonical JSON, hex."""
+        return hashlib.sha256(self.to_json().encode()).hexdigest()
+
+    # ---------------------------------------------------------------- lookups
+    def region(self, name: str) -> PlanRegion:
+        return self._regions_by_name[name]
+
+    def storage(self, name: str) -> PlanStorage:
+        return next(s for s in self.storages if s.name == name)
+
+    def group(self, name: str) -> PlanGroup:
+        return next(g for g in self.groups if g.name == name)
+
+    @cached_property
+    def _regions_by_name(self) -> dict[str, PlanRegion]:
+        return {r.name: r for r in self.regions}
+
+    @property
+    def mem_types(self) -> tuple[str, ...]:
+        """Memory types present, in the order first seen."""
+        return tuple(dict.fromkeys(r.mem for r in self.regions))
+
+    # ---------------------------------------------------------------- text
+    def text(self) -> str:
+        """Short canonical text: a header, one line per group, storage and region."""
+        p = self.parallel
+        lines = [f"plan {self.name} model={self.model.name} layers={self.model.num_layers} "
+                 f"tp={p.tp_size} dcp={p.dcp_size} pp_layers={p.layers[0]}:{p.layers[1]}"]
+        for g in self.groups:
+            win = f" window={g.window}" if g.window else ""
+            lines.append(f"group {g.name} {g.kind} block={g.block_size} kernel={g.kernel_block_size}{win}")
+        for s in self.storages:
+            lines.append(f"storage {s.name} {s.mem}:{s.device} size={s.size}")
+        lines.extend("region " + r.text() for r in self.regions)
+        return "\n".join(lines) + "\n"
+
+    # ---------------------------------------------------------------- descriptors
+    def local_descriptors(self, bases: Mapping[str, int]) -> np.ndarray:
+        """(N, 3) uint64 (addr, len, device) for every kernel block of every region, region-major.
+
+        ``bases`` maps each storage name to its base address.
+        """
+        missing = [s.name for s in self.storages if s.name not in bases]
+        if missing:
+            from kvlc.errors import TransferError
+            raise TransferError(f"no base address for storage(s) {missing}; pass one per storage")
+        total = sum(r.num_blocks for r in self.regions)
+        out = np.empty((total, 3), dtype=np.uint64)
+        start = 0
+        for r in self.regions:
+            stop = start + r.num_blocks
+            col = out[start:stop, 0]
+            np.multiply(np.arange(r.num_blocks, dtype=np.uint64), np.uint64(r.block_stride), out=col)
+            col += np.uint64(int(bases[r.storage]) + r.offset)
+            out[start:stop, 1] = r.block_bytes
+            out[start:stop, 2] = r.device
+            start = stop
+        return out
