@@ -1,0 +1,582 @@
+"""Pairing: two plans and a rank → a frozen transfer program of coalesced run templates.
+
+One general computation covers heterogeneous TP (both ways, GQA replicas,
+replicated fields), block-size ratios (also non-divisible ones, through tiles
+of lcm(tokens) tokens), kernel blocks, Mamba sections and state, and dim orders:
+
+* the **consumer** is the engine that receives bytes, the **producer** the one
+  that sends them. READ: the local engine consumes (pull); WRITE: it produces (push).
+* for every consumer rank and field, each head it holds is assigned one
+  producer rank that holds it (replicas: spread by consumer rank; replicated
+  fields: producer ``consumer_rank % producer_tp``);
+* within a tile, each (field, head slice, token chunk of gcd(tokens)) is a
+  strided copy; :mod:`kvlc.compiler.algebra` turns it into runs contiguous on
+  both sides, merged to the minimum.
+
+Request instantiation (:meth:`TransferProgram.instantiate`) is vectorized numpy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from math import gcd
+from typing import Mapping, NamedTuple, Sequence
+
+import numpy as np
+
+from kvlc.compiler.algebra import coalesce_rows, merge_runs, strided_runs
+from kvlc.compiler.compat import CompatReport, Finding, check_plans, head_major_order
+from kvlc.compiler.plan import Plan, PlanField, PlanRegion
+from kvlc.errors import CompatError, TransferError
+
+
+# ----------------------------------------------------------------------------- TP mapping
+def heads_of(rank: int, heads: int, tp: int) -> tuple[int, int]:
+    """Global head range ``[start, stop)`` a rank holds (one head per replica when tp > heads).
+
+    >>> heads_of(3, 8, 4), heads_of(5, 8, 16)
+    ((6, 8), (2, 3))
+    """
+    if heads % tp == 0:
+        n = heads // tp
+        return rank * n, (rank + 1) * n
+    per = tp // heads
+    return rank // per, rank // per + 1
+
+
+def holders(head: int, heads: int, tp: int) -> range:
+    """Ranks of an engine of TP ``tp`` that hold global ``head``."""
+    if heads % tp == 0:
+        r = head // (heads // tp)
+        return range(r, r + 1)
+    per = tp // heads
+    return range(head * per, (head + 1) * per)
+
+
+def assign(consumer_rank: int, heads: int, consumer_tp: int, producer_tp: int) -> list[tuple[int, int, int]]:
+    """Producer rank per head slice of one consumer rank: ``[(producer, h0, h1), ...]``.
+
+    Each head is read once (replicas deduplicated); among replicas the consumer
+    rank picks ``replicas[consumer_rank % len(replicas)]`` so readers spread.
+
+    >>> assign(0, 8, 2, 4)   # TP4 -> TP2: consumer 0 reads heads 0-1 from 0, 2-3 from 1
+    [(0, 0, 2), (1, 2, 4)]
+    >>> assign(1, 8, 16, 2)  # consumer holds one replicated head
+    [(0, 0, 1)]
+    """
+    h0, h1 = heads_of(consumer_rank, heads, consumer_tp)
+    out: list[list[int]] = []
+    for h in range(h0, h1):
+        cands = holders(h, heads, producer_tp)
+        p = cands[consumer_rank % len(cands)]
+        if out and out[-1][0] == p and out[-1][2] == h:
+            out[-1][2] = h + 1
+        else:
+            out.append([p, h, h + 1])
+    return [tuple(x) for x in out]
+
+
+def sources(consumer_rank: int, f: PlanField, consumer_tp: int, producer_tp: int) -> list[tuple[int, int, int]]:
+    """Producer rank per head slice of field ``f`` for one consumer rank (replicated: one rank)."""
+    hd = f.dim("head")
+    if hd is None:
+        return [(consumer_rank % producer_tp, 0, 0)]
+    return assign(consumer_rank, hd.global_size, consumer_tp, producer_tp)
+
+
+# ----------------------------------------------------------------------------- run templates
+class Runs(NamedTuple):
+    """Run templates of one tile: sub-block and byte offset on each side, and length."""
+
+    kl: np.ndarray
+    ol: np.ndarray
+    kr: np.ndarray
+    orr: np.ndarray
+    n: np.ndarray
+
+    def __len__(self) -> int:  # type: ignore[override]
+        return len(self.n)
+
+    def key(self) -> tuple:
+        return tuple(tuple(a.tolist()) for a in self)
+
+
+def _field_copy_runs(lf: PlanField, rf: PlanField, head_slice, head0_l: int, head0_r: int,
+                     tok) -> tuple[np.ndarray, np.ndarray, int]:
+    """Runs copying one head slice and one token chunk of a field from local to remote layout."""
+    rdims = {d.name: d for d in rf.dims}
+    dims = []
+    off_l, off_r = lf.offset, rf.offset
+    for d in lf.dims:
+        e = rdims[d.name]
+        if d.role == "head":
+            h0, h1 = head_slice
+            size = h1 - h0
+            off_l += (h0 - head0_l) * d.stride
+            off_r += (h0 - head0_r) * e.stride
+        elif d.role == "token":
+            t_l, t_r, size = tok
+            off_l += t_l * d.stride
+            off_r += t_r * e.stride
+        else:
+            size = d.size
+        dims.append((size, d.stride, e.stride))
+    return strided_runs(dims, off_l, off_r, lf.itemsize)
+
+
+@dataclass(frozen=True)
+class _Side:
+    plan: Plan
+    rank: int
+
+    @property
+    def tp(self) -> int:
+        return self.plan.parallel.tp_size
+
+
+def tile_runs(lr: PlanRegion, rr: PlanRegion, pieces: Sequence[tuple[str, tuple[int, int], int, int]],
+              tokens: int | None = None) -> Runs:
+    """Runs of one tile of region ``lr`` (local) ↔ ``rr`` (remote), merged to the minimum.
+
+    ``pieces`` are ``(field, (h0, h1), local head start, remote head start)``;
+    ``tokens`` clips a partial last tile (None: a whole tile).
+    """
+    parts = []
+    if lr.is_state:
+        chunks = [(0, 0, 0, 0, 0)]
+    else:
+        bl, br = lr.block_tokens, rr.block_tokens
+        g = gcd(bl, br)
+        tile = bl * br // g
+        limit = tile if tokens is None else tokens
+        chunks = []
+        for t0 in range(0, limit, g):
+            chunks.append((t0 // bl, t0 % bl, t0 // br, t0 % br, min(g, limit - t0)))
+    for name, hs, h0l, h0r in pieces:
+        lf, rf = lr.field(name), rr.field(name)
+        if lf.dim("token") is None:  # per-block field or state: once per tile
+            use = chunks[:1] if lr.is_state else [(0, 0, 0, 0, 0)]
+        else:
+            use = chunks
+        for kl, tl, kr, tr, cnt in use:
+            lo, ro, run = _field_copy_runs(lf, rf, hs, h0l, h0r, (tl, tr, cnt))
+            parts.append((np.full(len(lo), kl), lo, np.full(len(lo), kr), ro, np.full(len(lo), run)))
+    if not parts:
+        e = np.zeros(0, dtype=np.int64)
+        return Runs(e, e, e, e, e)
+    cat = [np.concatenate([p[i] for p in parts]).astype(np.int64) for i in range(5)]
+    return Runs(*merge_runs(*cat))
+
+
+# ----------------------------------------------------------------------------- program
+@dataclass(frozen=True)
+class PartKey:
+    """One NIXL request of a transfer: the peer rank and both memory types."""
+
+    peer_rank: int
+    local_mem: str
+    remote_mem: str
+
+    def __str__(self) -> str:
+        return f"peer{self.peer_rank}:{self.local_mem}->{self.remote_mem}"
+
+
+@dataclass(frozen=True)
+class Part:
+    """Row-aligned descriptors of one part: ``local[i]`` ↔ ``remote[i]``, (addr, len, dev) uint64."""
+
+    local: np.ndarray
+    remote: np.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.local[:, 1].sum()) if len(self.local) else 0
+
+    def __len__(self) -> int:
+        return len(self.local)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One region (in one group) copied with one peer rank: the runs of one tile."""
+
+    region: str
+    group: str
+    peer: int
+    local_mem: str
+    remote_mem: str
+    tile_tokens: int          # 0 for per-request state
+    local_sub: int            # local kernel blocks per tile
+    remote_sub: int
+    pieces: tuple             # (field, (h0, h1), local head start, remote head start)
+    runs: Runs = field(compare=False, repr=False)
+
+    @property
+    def key(self) -> PartKey:
+        return PartKey(self.peer, self.local_mem, self.remote_mem)
+
+    @property
+    def bytes_per_tile(self) -> int:
+        return int(self.runs.n.sum())
+
+    def text(self) -> str:
+        kind = "state" if not self.tile_tokens else f"tile={self.tile_tokens} sub={self.local_sub}:{self.remote_sub}"
+        runs = " ".join(f"{kl}+{ol}>{kr}+{orr}x{n}" for kl, ol, kr, orr, n in zip(*(a.tolist() for a in self.runs)))
+        return (f"{self.region} [{self.group}] peer={self.peer} {self.local_mem}->{self.remote_mem} {kind} "
+                f"runs={len(self.runs)} bytes={self.bytes_per_tile} | {runs}")
+
+
+@dataclass(frozen=True)
+class _Block:
+    """Entries of one part and group whose run templates are identical (vectorized together)."""
+
+    key: PartKey
+    group: str
+    entries: tuple[int, ...]          # indices into program.entries
+    runs: Runs
+    tile_tokens: int
+    local_sub: int
+    remote_sub: int
+
+
+@dataclass(frozen=True)
+class TransferProgram:
+    """A checked pairing from one local rank's view; instantiate it per request.
+
+    >>> from kvlc import compile_spec
+    >>> from kvlc.compiler.pair import pair
+    >>> p = compile_spec("layouts/llama-3.1-8b.yaml")
+    >>> prog = pair(p, p, local_rank=0, direction="READ")
+    >>> prog.peer_ranks, len(prog.entries)
+    ((0,), 32)
+    """
+
+    local: Plan = field(repr=False)
+    remote: Plan = field(repr=False)
+    local_rank: int
+    direction: str
+    entries: tuple[Entry, ...]
+    consumer_counts: Mapping[int, int]
+    report: CompatReport = field(repr=False)
+
+    # ------------------------------------------------------------------ summary
+    @property
+    def peer_ranks(self) -> tuple[int, ...]:
+        return tuple(sorted({e.peer for e in self.entries}))
+
+    @property
+    def part_keys(self) -> tuple[PartKey, ...]:
+        return tuple(dict.fromkeys(e.key for e in self.entries))
+
+    def stats(self) -> dict[PartKey, dict[str, int]]:
+        """Descriptors and bytes per tile for each (peer, local mem, remote mem)."""
+        out: dict[PartKey, dict[str, int]] = {}
+        for e in self.entries:
+            s = out.setdefault(e.key, {"entries": 0, "runs_per_tile": 0, "bytes_per_tile": 0})
+            s["entries"] += 1
+            s["runs_per_tile"] += len(e.runs)
+            s["bytes_per_tile"] += e.bytes_per_tile
+        return out
+
+    def text(self) -> str:
+        """Canonical text: a header, one line per part, one line per entry."""
+        lines = [f"program {self.direction} local={self.local.name}@{self.local.digest[:12]} rank={self.local_rank} "
+                 f"remote={self.remote.name}@{self.remote.digest[:12]} peers={','.join(map(str, self.peer_ranks))}",
+                 "consumer_counts " + " ".join(f"{k}:{v}" for k, v in sorted(self.consumer_counts.items()))]
+        for key, s in self.stats().items():
+            lines.append(f"part {key} entries={s['entries']} runs/tile={s['runs_per_tile']} "
+                         f"bytes/tile={s['bytes_per_tile']}")
+        lines.extend("entry " + e.text() for e in self.entries)
+        return "\n".join(lines) + "\n"
+
+    @cached_property
+    def digest(self) -> str:
+        import hashlib
+        return hashlib.sha256(self.text().encode()).hexdigest()
+
+    # ------------------------------------------------------------------ hot path
+    @cached_property
+    def _blocks(self) -> tuple[_Block, ...]:
+        groups: dict[tuple, list[int]] = {}
+        for i, e in enumerate(self.entries):
+            k = (e.key, e.group, e.tile_tokens, e.local_sub, e.remote_sub, e.runs.key())
+            groups.setdefault(k, []).append(i)
+        out = []
+        for (key, group, tt, ls, rs, _), idx in groups.items():
+            e = self.entries[idx[0]]
+            out.append(_Block(key, group, tuple(idx), e.runs, tt, ls, rs))
+        order = {k: i for i, k in enumerate(self.part_keys)}
+        out.sort(key=lambda b: (order[b.key], b.entries[0]))
+        return tuple(out)
+
+    @cached_property
+    def _geometry(self):
+        """Per entry: local/remote storage, region offset, block stride (numpy, for the hot path)."""
+        lst = [s.name for s in self.local.storages]
+        rst = [s.name for s in self.remote.storages]
+        li = {n: i for i, n in enumerate(lst)}
+        ri = {n: i for i, n in enumerate(rst)}
+        cols = []
+        for e in self.entries:
+            a, b = self.local.region(e.region), self.remote.region(e.region)
+            cols.append((li[a.storage], a.offset, a.block_stride, ri[b.storage], b.offset, b.block_stride))
+        return lst, rst, np.array(cols, dtype=np.int64).reshape(-1, 6)
+
+    @cached_property
+    def _group_regions(self) -> dict[str, tuple[list[PlanRegion], list[PlanRegion]]]:
+        out: dict[str, tuple[list, list]] = {}
+        for e in self.entries:
+            l, r = out.setdefault(e.group, ([], []))
+            lr, rr = self.local.region(e.region), self.remote.region(e.region)
+            if lr not in l:
+                l.append(lr)
+                r.append(rr)
+        return out
+
+    def _tail_runs(self, block: _Block, tokens: int) -> Runs:
+        cache = self.__dict__.setdefault("_tail_cache", {})
+        key = (block.entries[0], tokens)
+        if key not in cache:
+            e = self.entries[block.entries[0]]
+            cache[key] = tile_runs(self.local.region(e.region), self.remote.region(e.region), e.pieces, tokens)
+        return cache[key]
+
+    def _check_ids(self, side: str, plan: Plan, group: str, regions: list[PlanRegion], ids,
+                   tokens: int | None) -> np.ndarray:
+        arr = np.asarray(ids, dtype=np.int64).ravel()
+        g = plan.group(group)
+        if tokens is not None:
+            need = -(-tokens // g.block_size)
+            if len(arr) != need:
+                raise TransferError(f"group '{group}': {len(arr)} {side} block ids for {tokens} tokens; "
+                                    f"expected {need} (block size {g.block_size})")
+        if len(arr):
+            lo, hi = int(arr.min()), int(arr.max())
+            for r in sorted(regions, key=lambda r: r.capacity):
+                if lo < 0 or hi >= r.capacity:
+                    bad = lo if lo < 0 else hi
+                    raise TransferError(f"{side} block id {bad} out of range for region '{r.name}' "
+                                        f"(group '{group}', capacity {r.capacity} blocks)")
+        m = 1 if g.is_state else g.kernel_blocks_per_block
+        if m > 1:
+            arr = (arr[:, None] * m + np.arange(m)[None, :]).ravel()
+        return arr
+
+    def instantiate(self, local_bases: Mapping[str, object], remote_bases: Mapping[int, Mapping[str, object]],
+                    local_block_ids: Mapping[str, Sequence[int]], remote_block_ids: Mapping[str, Sequence[int]],
+                    num_tokens: int | Mapping[str, int]) -> dict[PartKey, Part]:
+        """Descriptors of one request, per part. Block ids are logical, per group name.
+
+        Bases map storage name → address or (address, device); remote bases are per peer rank.
+        Every id is checked against every region's capacity before any descriptor is built.
+        """
+        kids_l: dict[str, np.ndarray] = {}
+        kids_r: dict[str, np.ndarray] = {}
+        tokens_of: dict[str, int] = {}
+        for group, (lregs, rregs) in self._group_regions.items():
+            if group not in local_block_ids or group not in remote_block_ids:
+                raise TransferError(f"no block ids for group '{group}' "
+                                    f"(give local and remote ids for groups {sorted(self._group_regions)})")
+            state = lregs[0].is_state
+            tok = None
+            if not state:
+                tok = int(num_tokens[group] if isinstance(num_tokens, Mapping) else num_tokens)
+                tokens_of[group] = tok
+            kids_l[group] = self._check_ids("local", self.local, group, lregs, local_block_ids[group], tok)
+            kids_r[group] = self._check_ids("remote", self.remote, group, rregs, remote_block_ids[group], tok)
+            if state and len(kids_l[group]) != len(kids_r[group]):
+                raise TransferError(f"group '{group}': {len(kids_l[group])} local vs {len(kids_r[group])} "
+                                    "remote state blocks; give one remote block per local block")
+
+        lst, rst, geo = self._geometry
+        lbase, ldev = _bases(local_bases, lst, self.local)
+        rbases = {}
+        for peer in self.peer_ranks:
+            if peer not in remote_bases:
+                raise TransferError(f"no remote bases for peer rank {peer}")
+            rbases[peer] = _bases(remote_bases[peer], rst, self.remote)
+
+        chunks: dict[PartKey, list[tuple[np.ndarray, np.ndarray]]] = {}
+        for b in self._blocks:
+            kl, kr = kids_l[b.group], kids_r[b.group]
+            rbase, rdev = rbases[b.key.peer_rank]
+            g = geo[list(b.entries)]
+            if b.tile_tokens:
+                tok = tokens_of[b.group]
+                full, tail = divmod(tok, b.tile_tokens)
+            else:
+                full, tail = len(kl), 0
+            pieces = []
+            if full:
+                pieces.append((b.runs, full))
+            if tail:
+                pieces.append((self._tail_runs(b, tail), 1, full))
+            rows_l, rows_r = [], []
+            for item in pieces:
+                runs, count = item[0], item[1]
+                first = item[2] if len(item) > 2 else 0
+                if not len(runs):
+                    continue
+                tiles = np.arange(first, first + count, dtype=np.int64)[:, None]
+                il = kl[tiles * b.local_sub + runs.kl[None, :]]          # (F, M) kernel ids
+                ir = kr[tiles * b.remote_sub + runs.kr[None, :]]
+                la = (lbase[g[:, 0]] + g[:, 1])[:, None, None] + il[None] * g[:, 2, None, None] + runs.ol
+                ra = (rbase[g[:, 3]] + g[:, 4])[:, None, None] + ir[None] * g[:, 5, None, None] + runs.orr
+                shape = la.shape
+                rows_l.append((la.reshape(len(g), -1), np.broadcast_to(ldev[g[:, 0]][:, None, None], shape).reshape(len(g), -1)))
+                rows_r.append((ra.reshape(len(g), -1), np.broadcast_to(rdev[g[:, 3]][:, None, None], shape).reshape(len(g), -1),
+                               np.broadcast_to(runs.n, shape).reshape(len(g), -1)))
+            if not rows_l:
+                continue
+            la = np.concatenate([x[0] for x in rows_l], axis=1).ravel()
+            ld = np.concatenate([x[1] for x in rows_l], axis=1).ravel()
+            ra = np.concatenate([x[0] for x in rows_r], axis=1).ravel()
+            rd = np.concatenate([x[1] for x in rows_r], axis=1).ravel()
+            n = np.concatenate([x[2] for x in rows_r], axis=1).ravel()
+            local = np.empty((len(la), 3), dtype=np.uint64)
+            remote = np.empty((len(la), 3), dtype=np.uint64)
+            local[:, 0], local[:, 1], local[:, 2] = la, n, ld
+            remote[:, 0], remote[:, 1], remote[:, 2] = ra, n, rd
+            chunks.setdefault(b.key, []).append((local, remote))
+        out = {}
+        for key, lst_ in chunks.items():
+            local = lst_[0][0] if len(lst_) == 1 else np.concatenate([c[0] for c in lst_])
+            remote = lst_[0][1] if len(lst_) == 1 else np.concatenate([c[1] for c in lst_])
+            local, remote = coalesce_rows(local, remote)
+            out[key] = Part(local, remote)
+        return out
+
+
+def _bases(bases: Mapping[str, object], names: list[str], plan: Plan) -> tuple[np.ndarray, np.ndarray]:
+    addr = np.empty(len(names), dtype=np.int64)
+    dev = np.empty(len(names), dtype=np.int64)
+    for i, name in enumerate(names):
+        if name not in bases:
+            raise TransferError(f"no base address for storage '{name}' of plan '{plan.name}'")
+        v = bases[name]
+        if isinstance(v, (tuple, list)):
+            addr[i], dev[i] = int(v[0]), int(v[1])
+        else:
+            addr[i], dev[i] = int(v), plan.storage(name).device
+    return addr, dev
+
+
+# ----------------------------------------------------------------------------- pairing
+def _consumer_counts(cons: Plan, prod: Plan, regions: list[str]) -> dict[int, int]:
+    ctp, ptp = cons.parallel.tp_size, prod.parallel.tp_size
+    readers: dict[int, set] = {p: set() for p in range(ptp)}
+    seen = set()
+    for name in regions:
+        for f in cons.region(name).fields:
+            hd = f.dim("head")
+            key = (hd.global_size if hd else None)
+            if key in seen:
+                continue
+            seen.add(key)
+            for c in range(ctp):
+                for p, _, _ in sources(c, f, ctp, ptp):
+                    readers[p].add(c)
+    return {p: len(c) for p, c in readers.items()}
+
+
+def _pieces(cons_rank: int, cons: Plan, prod: Plan, lr: PlanRegion, local_is_consumer: bool):
+    """Per producer rank: the (field, head slice, local head start, remote head start) pieces."""
+    ctp, ptp = cons.parallel.tp_size, prod.parallel.tp_size
+    out: dict[int, list] = {}
+    for f in lr.fields:
+        hd = f.dim("head")
+        for p, h0, h1 in sources(cons_rank, f, ctp, ptp):
+            if hd is None:
+                piece = (f.name, (0, 0), 0, 0)
+            else:
+                c0 = heads_of(cons_rank, hd.global_size, ctp)[0]
+                p0 = heads_of(p, hd.global_size, ptp)[0]
+                piece = (f.name, (h0, h1), c0, p0) if local_is_consumer else (f.name, (h0, h1), p0, c0)
+            out.setdefault(p, []).append(piece)
+    return out
+
+
+def check_pair(local_plan: Plan, remote_plan: Plan, *, local_rank: int, direction: str) -> CompatReport:
+    """Every compatibility finding of a pairing; never raises for a mismatch."""
+    report = check_plans(local_plan, remote_plan, local_rank, direction)
+    if not report.ok:
+        return report
+    extra = list(report.findings)
+    extra.extend(_explosions(local_plan, remote_plan, local_rank, direction))
+    return CompatReport(report.local, report.remote, report.direction, report.local_rank, tuple(extra))
+
+
+def _explosions(local: Plan, remote: Plan, rank: int, direction: str) -> list[Finding]:
+    """Warn where a field needs about one descriptor per token per tile (token-major + hetero TP)."""
+    out = []
+    seen = set()
+    prog = _build(local, remote, rank, direction, None)
+    for e in prog.entries:
+        lr = local.region(e.region)
+        if not e.tile_tokens:
+            continue
+        for name in dict.fromkeys(p[0] for p in e.pieces):
+            pcs = tuple(p for p in e.pieces if p[0] == name)
+            runs = tile_runs(lr, remote.region(e.region), pcs)
+            lf = lr.field(name)
+            if lf.dim("token") is None or lf.dim("head") is None:
+                continue
+            if len(runs) >= e.tile_tokens and e.tile_tokens > 1:
+                key = (name, lr.fields, remote.region(e.region).fields)
+                if key in seen:
+                    continue
+                seen.add(key)
+                out.append(Finding("descriptor-explosion", "warning",
+                                   f"{len(runs)} descriptors per {e.tile_tokens}-token tile (about one per "
+                                   "token) because a head slice is not contiguous in a token-major order",
+                                   e.region, name, local=_order(lf), remote=_order(remote.region(e.region).field(name)),
+                                   fix=f"order dims {head_major_order(lf)} on both engines (HND)"))
+    return out
+
+
+def _order(f: PlanField) -> str:
+    return "(" + ", ".join(d.name for d in f.dims) + ")"
+
+
+def _build(local: Plan, remote: Plan, rank: int, direction: str, report) -> TransferProgram:
+    local_is_consumer = direction == "READ"
+    cons, prod = (local, remote) if local_is_consumer else (remote, local)
+    rset = {r.name for r in remote.regions}
+    names = [r.name for r in local.regions if r.name in rset]
+    cons_ranks = [rank] if local_is_consumer else range(cons.parallel.tp_size)
+    cache: dict = {}
+    entries = []
+    for name in names:
+        lr, rr = local.region(name), remote.region(name)
+        by_peer: dict[int, list] = {}
+        for c in cons_ranks:
+            for p, pieces in _pieces(c, cons, prod, cons.region(name), local_is_consumer).items():
+                if local_is_consumer:
+                    by_peer[p] = pieces
+                elif p == rank:
+                    by_peer[c] = pieces
+        for peer in sorted(by_peer):
+            pieces = tuple(by_peer[peer])
+            key = (lr.fields, rr.fields, lr.block_tokens, rr.block_tokens, pieces)
+            if key not in cache:
+                cache[key] = tile_runs(lr, rr, pieces)
+            runs = cache[key]
+            if lr.is_state:
+                tt, ls, rs = 0, 1, 1
+            else:
+                g = gcd(lr.block_tokens, rr.block_tokens)
+                tt = lr.block_tokens * rr.block_tokens // g
+                ls, rs = tt // lr.block_tokens, tt // rr.block_tokens
+            for group in lr.groups:
+                entries.append(Entry(name, group, peer, lr.mem, rr.mem, tt, ls, rs, pieces, runs))
+    counts = _consumer_counts(cons, prod, names)
+    return TransferProgram(local, remote, rank, direction, tuple(entries), counts, report)
+
+
+def pair(local_plan: Plan, remote_plan: Plan, *, local_rank: int, direction: str = "READ") -> TransferProgram:
+    """Check two plans and build the transfer program, or raise :class:`CompatError`."""
+    report = check_pair(local_plan, remote_plan, local_rank=local_rank, direction=direction)
+    if not report.ok:
+        raise CompatError(report)
+    return _build(local_plan, remote_plan, local_rank, direction, report)
