@@ -334,6 +334,15 @@ class TransferProgram:
                 r.append(rr)
         return out
 
+    @cached_property
+    def _smallest(self) -> dict[tuple[str, str], PlanRegion]:
+        """Per (side, group): the region with the fewest blocks (bounds every id of the group)."""
+        out = {}
+        for group, (lregs, rregs) in self._group_regions.items():
+            out[("local", group)] = min(lregs, key=lambda r: r.capacity)
+            out[("remote", group)] = min(rregs, key=lambda r: r.capacity)
+        return out
+
     def _tail_runs(self, block: _Block, tokens: int) -> Runs:
         cache = self.__dict__.setdefault("_tail_cache", {})
         key = (block.entries[0], tokens)
@@ -353,24 +362,45 @@ class TransferProgram:
                                     f"expected {need} (block size {g.block_size})")
         if len(arr):
             lo, hi = int(arr.min()), int(arr.max())
-            for r in sorted(regions, key=lambda r: r.capacity):
-                if lo < 0 or hi >= r.capacity:
-                    bad = lo if lo < 0 else hi
-                    raise TransferError(f"{side} block id {bad} out of range for region '{r.name}' "
-                                        f"(group '{group}', capacity {r.capacity} blocks)")
+            r = self._smallest[(side, group)]
+            if lo < 0 or hi >= r.capacity:
+                bad = lo if lo < 0 else hi
+                raise TransferError(f"{side} block id {bad} out of range for region '{r.name}' "
+                                    f"(group '{group}', capacity {r.capacity} blocks)")
         m = 1 if g.is_state else g.kernel_blocks_per_block
         if m > 1:
             arr = (arr[:, None] * m + np.arange(m)[None, :]).ravel()
         return arr
 
+    def bind(self, local_bases: Mapping[str, object],
+             remote_bases: Mapping[int, Mapping[str, object]]) -> "BoundProgram":
+        """Fix storage base addresses once (per connection); then instantiate per request.
+
+        Bases map storage name → address or (address, device); remote bases are per peer rank.
+        """
+        lst, rst, _ = self._geometry
+        lbase, ldev = _bases(local_bases, lst, self.local)
+        rb = {}
+        for peer in self.peer_ranks:
+            if peer not in remote_bases:
+                raise TransferError(f"no remote bases for peer rank {peer} "
+                                    f"(the program reads from ranks {list(self.peer_ranks)})")
+            rb[peer] = _bases(remote_bases[peer], rst, self.remote)
+        return BoundProgram(self, lbase, ldev, rb)
+
     def instantiate(self, local_bases: Mapping[str, object], remote_bases: Mapping[int, Mapping[str, object]],
                     local_block_ids: Mapping[str, Sequence[int]], remote_block_ids: Mapping[str, Sequence[int]],
                     num_tokens: int | Mapping[str, int]) -> dict[PartKey, Part]:
-        """Descriptors of one request, per part. Block ids are logical, per group name.
+        """Descriptors of one request, per part: ``bind(...)`` then ``instantiate(...)``.
 
-        Bases map storage name → address or (address, device); remote bases are per peer rank.
-        Every id is checked against every region's capacity before any descriptor is built.
+        Block ids are logical, per group name. Every id is checked against every
+        region's capacity before any descriptor is built.
         """
+        ids = self.check_request(local_block_ids, remote_block_ids, num_tokens)
+        return self.bind(local_bases, remote_bases)._emit(*ids)
+
+    def check_request(self, local_block_ids, remote_block_ids, num_tokens):
+        """Validate a request's ids (counts, bounds) and expand them to kernel block ids."""
         kids_l: dict[str, np.ndarray] = {}
         kids_r: dict[str, np.ndarray] = {}
         tokens_of: dict[str, int] = {}
@@ -382,83 +412,140 @@ class TransferProgram:
             tok = None
             if not state:
                 tok = int(num_tokens[group] if isinstance(num_tokens, Mapping) else num_tokens)
+                if tok <= 0:
+                    raise TransferError(f"group '{group}': num_tokens must be positive, got {tok}")
                 tokens_of[group] = tok
             kids_l[group] = self._check_ids("local", self.local, group, lregs, local_block_ids[group], tok)
             kids_r[group] = self._check_ids("remote", self.remote, group, rregs, remote_block_ids[group], tok)
             if state and len(kids_l[group]) != len(kids_r[group]):
                 raise TransferError(f"group '{group}': {len(kids_l[group])} local vs {len(kids_r[group])} "
                                     "remote state blocks; give one remote block per local block")
+        return kids_l, kids_r, tokens_of
 
-        lst, rst, geo = self._geometry
-        lbase, ldev = _bases(local_bases, lst, self.local)
-        rbases = {}
-        for peer in self.peer_ranks:
-            if peer not in remote_bases:
-                raise TransferError(f"no remote bases for peer rank {peer}")
-            rbases[peer] = _bases(remote_bases[peer], rst, self.remote)
-
-        chunks: dict[PartKey, list[tuple[np.ndarray, np.ndarray]]] = {}
+    @cached_property
+    def _whole_blocks(self) -> tuple[bool, ...]:
+        """Per block: does each tile copy one whole block, contiguous, on both sides?"""
+        _, _, geo = self._geometry
+        out = []
         for b in self._blocks:
+            r = b.runs
+            ok = (len(r) == 1 and b.local_sub == 1 and b.remote_sub == 1
+                  and int(r.kl[0]) == 0 and int(r.kr[0]) == 0 and int(r.ol[0]) == 0 and int(r.orr[0]) == 0)
+            if ok:
+                g = geo[list(b.entries)]
+                n = int(r.n[0])
+                ok = bool(np.all(g[:, 2] == n) and np.all(g[:, 5] == n))
+            out.append(ok)
+        return tuple(out)
+
+
+@dataclass(frozen=True)
+class BoundProgram:
+    """A program with storage bases fixed: the per-request hot path."""
+
+    program: TransferProgram
+    lbase: np.ndarray
+    ldev: np.ndarray
+    rbases: Mapping[int, tuple[np.ndarray, np.ndarray]]
+
+    def instantiate(self, local_block_ids: Mapping[str, Sequence[int]],
+                    remote_block_ids: Mapping[str, Sequence[int]],
+                    num_tokens: int | Mapping[str, int]) -> dict[PartKey, Part]:
+        """Descriptors of one request, per part (see :meth:`TransferProgram.instantiate`)."""
+        return self._emit(*self.program.check_request(local_block_ids, remote_block_ids, num_tokens))
+
+    def _emit(self, kids_l, kids_r, tokens_of) -> dict[PartKey, Part]:
+        prog = self.program
+        _, _, geo = prog._geometry
+        chunks: dict[PartKey, list[tuple[np.ndarray, np.ndarray]]] = {}
+        segments: dict = {}
+        for b, whole in zip(prog._blocks, prog._whole_blocks):
             kl, kr = kids_l[b.group], kids_r[b.group]
-            rbase, rdev = rbases[b.key.peer_rank]
+            rbase, rdev = self.rbases[b.key.peer_rank]
             g = geo[list(b.entries)]
             if b.tile_tokens:
-                tok = tokens_of[b.group]
-                full, tail = divmod(tok, b.tile_tokens)
+                full, tail = divmod(tokens_of[b.group], b.tile_tokens)
             else:
                 full, tail = len(kl), 0
-            pieces = []
-            if full:
-                pieces.append((b.runs, full))
+            lb = self.lbase[g[:, 0]] + g[:, 1]
+            rbb = rbase[g[:, 3]] + g[:, 4]
+            outs = []
+            if full and whole:
+                if b.group not in segments:
+                    cont = (kl[1:full] == kl[:full - 1] + 1) & (kr[1:full] == kr[:full - 1] + 1)
+                    starts = np.flatnonzero(np.concatenate(([True], ~cont)))
+                    lens = np.diff(np.append(starts, full))
+                    segments[b.group] = (kl[starts], kr[starts], lens)
+                sl, sr, lens = segments[b.group]
+                n = int(b.runs.n[0])
+                outs.append(_rows(sl, g[:, 2], lb, None, sr, g[:, 5], rbb, None, lens * n,
+                                  self.ldev[g[:, 0]], rdev[g[:, 3]]))
+            elif full:
+                outs.append(self._tiles(b.runs, 0, full, b, kl, kr, g, lb, rbb, rdev))
             if tail:
-                pieces.append((self._tail_runs(b, tail), 1, full))
-            rows_l, rows_r = [], []
-            for item in pieces:
-                runs, count = item[0], item[1]
-                first = item[2] if len(item) > 2 else 0
-                if not len(runs):
-                    continue
-                tiles = np.arange(first, first + count, dtype=np.int64)[:, None]
-                il = kl[tiles * b.local_sub + runs.kl[None, :]]          # (F, M) kernel ids
-                ir = kr[tiles * b.remote_sub + runs.kr[None, :]]
-                la = (lbase[g[:, 0]] + g[:, 1])[:, None, None] + il[None] * g[:, 2, None, None] + runs.ol
-                ra = (rbase[g[:, 3]] + g[:, 4])[:, None, None] + ir[None] * g[:, 5, None, None] + runs.orr
-                shape = la.shape
-                rows_l.append((la.reshape(len(g), -1), np.broadcast_to(ldev[g[:, 0]][:, None, None], shape).reshape(len(g), -1)))
-                rows_r.append((ra.reshape(len(g), -1), np.broadcast_to(rdev[g[:, 3]][:, None, None], shape).reshape(len(g), -1),
-                               np.broadcast_to(runs.n, shape).reshape(len(g), -1)))
-            if not rows_l:
+                outs.append(self._tiles(prog._tail_runs(b, tail), full, 1, b, kl, kr, g, lb, rbb, rdev))
+            outs = [o for o in outs if o[0].shape[1]]
+            if not outs:
                 continue
-            la = np.concatenate([x[0] for x in rows_l], axis=1).ravel()
-            ld = np.concatenate([x[1] for x in rows_l], axis=1).ravel()
-            ra = np.concatenate([x[0] for x in rows_r], axis=1).ravel()
-            rd = np.concatenate([x[1] for x in rows_r], axis=1).ravel()
-            n = np.concatenate([x[2] for x in rows_r], axis=1).ravel()
-            local = np.empty((len(la), 3), dtype=np.uint64)
-            remote = np.empty((len(la), 3), dtype=np.uint64)
-            local[:, 0], local[:, 1], local[:, 2] = la, n, ld
-            remote[:, 0], remote[:, 1], remote[:, 2] = ra, n, rd
+            if len(outs) == 1:
+                local, remote = outs[0][0].reshape(-1, 3), outs[0][1].reshape(-1, 3)
+            else:
+                local = np.concatenate([o[0] for o in outs], axis=1).reshape(-1, 3)
+                remote = np.concatenate([o[1] for o in outs], axis=1).reshape(-1, 3)
             chunks.setdefault(b.key, []).append((local, remote))
         out = {}
         for key, lst_ in chunks.items():
             local = lst_[0][0] if len(lst_) == 1 else np.concatenate([c[0] for c in lst_])
             remote = lst_[0][1] if len(lst_) == 1 else np.concatenate([c[1] for c in lst_])
-            local, remote = coalesce_rows(local, remote)
+            local, remote = coalesce_rows(local.view(np.uint64), remote.view(np.uint64))
             out[key] = Part(local, remote)
         return out
+
+    def _tiles(self, runs: Runs, first: int, count: int, b: _Block, kl, kr, g, lb, rbb, rdev):
+        if not len(runs):
+            e = np.zeros((len(g), 0, 3), np.int64)
+            return e, e
+        tiles = np.arange(first, first + count, dtype=np.int64)[:, None]
+        il = kl[tiles * b.local_sub + runs.kl[None, :]].ravel()          # (F*M,) kernel ids
+        ir = kr[tiles * b.remote_sub + runs.kr[None, :]].ravel()
+        return _rows(il, g[:, 2], lb, np.tile(runs.ol, count), ir, g[:, 5], rbb, np.tile(runs.orr, count),
+                     np.tile(runs.n, count), self.ldev[g[:, 0]], rdev[g[:, 3]])
+
+
+def _rows(il, lstride, lbase, loff, ir, rstride, rbase, roff, n, ldev, rdev):
+    """Descriptor rows for E entries x K runs, written in place into two (E, K, 3) int64 arrays.
+
+    Address of run k of entry e: ``base[e] + id[k] * stride[e] + off[k]`` on each side.
+    """
+    E, K = len(lbase), len(il)
+    out = []
+    for ids, stride, base, off, dev in ((il, lstride, lbase, loff, ldev), (ir, rstride, rbase, roff, rdev)):
+        rows = np.empty((E, K, 3), dtype=np.int64)
+        addr = rows[:, :, 0]
+        np.multiply(ids[None, :], stride[:, None], out=addr)
+        addr += base[:, None]
+        if off is not None:
+            addr += off[None, :]
+        rows[:, :, 1] = n[None, :]
+        rows[:, :, 2] = dev[:, None]
+        out.append(rows)
+    return out[0], out[1]
 
 
 def _bases(bases: Mapping[str, object], names: list[str], plan: Plan) -> tuple[np.ndarray, np.ndarray]:
     addr = np.empty(len(names), dtype=np.int64)
     dev = np.empty(len(names), dtype=np.int64)
+    devices = None
     for i, name in enumerate(names):
-        if name not in bases:
+        v = bases.get(name)
+        if v is None:
             raise TransferError(f"no base address for storage '{name}' of plan '{plan.name}'")
-        v = bases[name]
         if isinstance(v, (tuple, list)):
             addr[i], dev[i] = int(v[0]), int(v[1])
         else:
-            addr[i], dev[i] = int(v), plan.storage(name).device
+            if devices is None:
+                devices = {s.name: s.device for s in plan.storages}
+            addr[i], dev[i] = int(v), devices[name]
     return addr, dev
 
 
