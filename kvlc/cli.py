@@ -135,5 +135,82 @@ def render(template: str, config: str | None, sets: tuple[str, ...], output: str
         click.echo(text, nl=False)
 
 
+@main.command()
+@click.argument("spec", metavar="SPEC|PLAN", type=click.Path(exists=True, dir_okay=False))
+@click.option("--full", is_flag=True, help="One row per region and storage (no collapsing of per-layer runs).")
+@click.option("--html", "html_out", type=click.Path(dir_okay=False),
+              help="Also write a standalone HTML page drawing storages and regions to scale.")
+@_config_opt
+@_set_opt
+def explain(spec: str, full: bool, html_out: str | None, config: str | None, sets: tuple[str, ...]) -> None:
+    """Explain a spec or plan .json: regions, groups, storages and memory-type totals in bytes."""
+    from rich.console import Console
+
+    from kvlc.explain import render_html, render_table
+    try:
+        plan = _load_plan(spec, config, sets)
+    except KvlcError as exc:
+        _fail(exc)
+    if html_out:
+        write_atomic(html_out, render_html(plan))
+        click.echo(f"{html_out}: written ({len(plan.regions)} regions, digest {plan.digest[:16]})", err=True)
+    render_table(plan, Console(width=None if sys.stdout.isatty() else 200, highlight=False), full=full)
+
+
+@main.command("pair")
+@click.argument("producer", type=click.Path(exists=True, dir_okay=False))
+@click.argument("consumer", type=click.Path(exists=True, dir_okay=False))
+@click.option("--rank", "rank", type=int, default=0, show_default=True,
+              help="The local rank: the consumer's for a pull, the producer's for a push.")
+@click.option("--direction", type=click.Choice(["pull", "push"]), default="pull", show_default=True,
+              help="pull: the consumer READs from producer ranks; push: the producer WRITEs to consumer ranks.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report and summary as JSON.")
+@click.option("--program", "show_program", is_flag=True, help="Also print the program, one line per entry.")
+def pair_cmd(producer: str, consumer: str, rank: int, direction: str, as_json: bool, show_program: bool) -> None:
+    """Pair PRODUCER and CONSUMER (specs or plan .json): compatibility report and program summary."""
+    import json as _json
+
+    from kvlc.compiler.pair import check_pair, pair
+    try:
+        prod, cons = _load_plan(producer), _load_plan(consumer)
+    except KvlcError as exc:
+        _fail(exc)
+    local, remote = (cons, prod) if direction == "pull" else (prod, cons)
+    op = "READ" if direction == "pull" else "WRITE"
+    report = check_pair(local, remote, local_rank=rank, direction=op)
+    program = pair(local, remote, local_rank=rank, direction=op) if report.ok else None
+    if as_json:
+        doc = {"compatible": report.ok, "direction": op, "local": local.name, "remote": remote.name,
+               "local_rank": rank,
+               "findings": [{"code": f.code, "severity": f.severity, "message": f.message, "region": f.region,
+                             "field": f.field, "local": f.local, "remote": f.remote, "fix": f.fix}
+                            for f in report.findings]}
+        if program is not None:
+            doc["peer_ranks"] = list(program.peer_ranks)
+            doc["consumer_counts"] = {str(k): v for k, v in sorted(program.consumer_counts.items())}
+            doc["parts"] = [{"peer_rank": k.peer_rank, "local_mem": k.local_mem, "remote_mem": k.remote_mem, **v}
+                            for k, v in program.stats().items()]
+            doc["digest"] = program.digest
+        click.echo(_json.dumps(doc, indent=2))
+    else:
+        from rich.console import Console
+        from rich.table import Table
+        console = Console()
+        console.print(report.render(), markup=False, highlight=False)
+        if program is not None:
+            table = Table(title=f"program {op} rank {rank}: peers {list(program.peer_ranks)}")
+            for col in ("part (peer: local -> remote mem)", "entries", "descriptors/tile", "bytes/tile"):
+                table.add_column(col, justify="left" if col.startswith("part") else "right")
+            for key, st in program.stats().items():
+                table.add_row(str(key), str(st["entries"]), str(st["runs_per_tile"]), f"{st['bytes_per_tile']:,}")
+            console.print(table)
+            counts = ", ".join(f"rank {k}: {v}" for k, v in sorted(program.consumer_counts.items()))
+            console.print(f"consumer ranks reading from each producer rank: {counts}", highlight=False)
+            if show_program:
+                click.echo(program.text(), nl=False)
+    if not report.ok:
+        sys.exit(EXIT_SPEC)
+
+
 if __name__ == "__main__":
     main()
