@@ -18,8 +18,8 @@ Request instantiation (:meth:`TransferProgram.instantiate`) is vectorized numpy.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from functools import cached_property
+from dataclasses import dataclass, field, replace
+from functools import cached_property, lru_cache
 from math import gcd
 from typing import Mapping, NamedTuple, Sequence
 
@@ -54,18 +54,23 @@ def holders(head: int, heads: int, tp: int) -> range:
     return range(head * per, (head + 1) * per)
 
 
-def assign(consumer_rank: int, heads: int, consumer_tp: int, producer_tp: int) -> list[tuple[int, int, int]]:
-    """Producer rank per head slice of one consumer rank: ``[(producer, h0, h1), ...]``.
+@lru_cache(maxsize=4096)
+def assign(consumer_rank: int, heads: int, consumer_tp: int, producer_tp: int) -> tuple[tuple[int, int, int], ...]:
+    """Producer rank per head slice of one consumer rank: ``((producer, h0, h1), ...)``.
 
     Each head is read once (replicas deduplicated); among replicas the consumer
     rank picks ``replicas[consumer_rank % len(replicas)]`` so readers spread.
 
     >>> assign(0, 8, 2, 4)   # TP4 -> TP2: consumer 0 reads heads 0-1 from 0, 2-3 from 1
-    [(0, 0, 2), (1, 2, 4)]
+    ((0, 0, 2), (1, 2, 4))
     >>> assign(1, 8, 16, 2)  # consumer holds one replicated head
-    [(0, 0, 1)]
+    ((0, 0, 1),)
     """
     h0, h1 = heads_of(consumer_rank, heads, consumer_tp)
+    if heads % producer_tp == 0:  # no replicas on the producer: intersect contiguous ranges
+        per = heads // producer_tp
+        return tuple((p, max(h0, p * per), min(h1, (p + 1) * per))
+                     for p in range(h0 // per, -(-h1 // per)))
     out: list[list[int]] = []
     for h in range(h0, h1):
         cands = holders(h, heads, producer_tp)
@@ -74,14 +79,14 @@ def assign(consumer_rank: int, heads: int, consumer_tp: int, producer_tp: int) -
             out[-1][2] = h + 1
         else:
             out.append([p, h, h + 1])
-    return [tuple(x) for x in out]
+    return tuple(tuple(x) for x in out)
 
 
-def sources(consumer_rank: int, f: PlanField, consumer_tp: int, producer_tp: int) -> list[tuple[int, int, int]]:
+def sources(consumer_rank: int, f: PlanField, consumer_tp: int, producer_tp: int) -> tuple[tuple[int, int, int], ...]:
     """Producer rank per head slice of field ``f`` for one consumer rank (replicated: one rank)."""
     hd = f.dim("head")
     if hd is None:
-        return [(consumer_rank % producer_tp, 0, 0)]
+        return ((consumer_rank % producer_tp, 0, 0),)
     return assign(consumer_rank, hd.global_size, consumer_tp, producer_tp)
 
 
@@ -589,37 +594,47 @@ def check_pair(local_plan: Plan, remote_plan: Plan, *, local_rank: int, directio
     report = check_plans(local_plan, remote_plan, local_rank, direction)
     if not report.ok:
         return report
-    extra = list(report.findings)
-    extra.extend(_explosions(local_plan, remote_plan, local_rank, direction))
-    return CompatReport(report.local, report.remote, report.direction, report.local_rank, tuple(extra))
+    return _with_warnings(report, _build(local_plan, remote_plan, local_rank, direction, report))
 
 
-def _explosions(local: Plan, remote: Plan, rank: int, direction: str) -> list[Finding]:
+def _with_warnings(report: CompatReport, prog: "TransferProgram") -> CompatReport:
+    return CompatReport(report.local, report.remote, report.direction, report.local_rank,
+                        report.findings + tuple(_explosions(prog)))
+
+
+def _explosions(prog: "TransferProgram") -> list[Finding]:
     """Warn where a field needs about one descriptor per token per tile (token-major + hetero TP)."""
-    out = []
-    seen = set()
-    prog = _build(local, remote, rank, direction, None)
+    local, remote = prog.local, prog.remote
+    out: dict[tuple, list] = {}
     for e in prog.entries:
-        lr = local.region(e.region)
-        if not e.tile_tokens:
+        if not e.tile_tokens or e.tile_tokens < 2:
             continue
+        lr, rr = local.region(e.region), remote.region(e.region)
         for name in dict.fromkeys(p[0] for p in e.pieces):
-            pcs = tuple(p for p in e.pieces if p[0] == name)
-            runs = tile_runs(lr, remote.region(e.region), pcs)
-            lf = lr.field(name)
+            lf, rf = lr.field(name), rr.field(name)
             if lf.dim("token") is None or lf.dim("head") is None:
                 continue
-            if len(runs) >= e.tile_tokens and e.tile_tokens > 1:
-                key = (name, lr.fields, remote.region(e.region).fields)
-                if key in seen:
-                    continue
-                seen.add(key)
-                out.append(Finding("descriptor-explosion", "warning",
-                                   f"{len(runs)} descriptors per {e.tile_tokens}-token tile (about one per "
-                                   "token) because a head slice is not contiguous in a token-major order",
-                                   e.region, name, local=_order(lf), remote=_order(remote.region(e.region).field(name)),
-                                   fix=f"order dims {head_major_order(lf)} on both engines (HND)"))
-    return out
+            key = (name, lf, rf, lr.block_tokens, rr.block_tokens, e.tile_tokens)
+            if key in out:
+                out[key][1].append(e.region)
+                continue
+            pcs = tuple(p for p in e.pieces if p[0] == name)
+            n = len(tile_runs(lr, rr, pcs))
+            out[key] = [n, [e.region], lf, rf, e.tile_tokens] if n >= e.tile_tokens else [0, [], None, None, 0]
+    findings = []
+    for (name, *_), (n, regions, lf, rf, tt) in out.items():
+        if not n:
+            continue
+        regions = list(dict.fromkeys(regions))
+        more = f" and {len(regions) - 1} more region(s)" if len(regions) > 1 else ""
+        findings.append(Finding("descriptor-explosion", "warning",
+                                f"{n} descriptors per {tt}-token tile (about one per token) because a head "
+                                f"slice is not contiguous in a token-major order (and in{more[4:]})" if more else
+                                f"{n} descriptors per {tt}-token tile (about one per token) because a head "
+                                "slice is not contiguous in a token-major order",
+                                regions[0], name, local=_order(lf), remote=_order(rf),
+                                fix=f"order dims {head_major_order(lf)} on both engines (HND)"))
+    return findings
 
 
 def _order(f: PlanField) -> str:
@@ -663,7 +678,8 @@ def _build(local: Plan, remote: Plan, rank: int, direction: str, report) -> Tran
 
 def pair(local_plan: Plan, remote_plan: Plan, *, local_rank: int, direction: str = "READ") -> TransferProgram:
     """Check two plans and build the transfer program, or raise :class:`CompatError`."""
-    report = check_pair(local_plan, remote_plan, local_rank=local_rank, direction=direction)
+    report = check_plans(local_plan, remote_plan, local_rank, direction)
     if not report.ok:
         raise CompatError(report)
-    return _build(local_plan, remote_plan, local_rank, direction, report)
+    prog = _build(local_plan, remote_plan, local_rank, direction, report)
+    return replace(prog, report=_with_warnings(report, prog))
