@@ -88,7 +88,7 @@ def per_block_baseline(cons: kvlc.Plan, prod: kvlc.Plan, rank: int, lb: dict, rb
 
 
 def bench_pairs(quick: bool) -> list[dict]:
-    pairs = yaml.safe_load((LAYOUTS / "pairs.yaml").read_text())["pairs"]
+    pairs = yaml.safe_load((LAYOUTS / "pairs" / "pairs.yaml").read_text())["pairs"]
     out = []
     for p in pairs:
         prod = kvlc.compile_spec(LAYOUTS / p["producer"])

@@ -26,6 +26,9 @@ def write_atomic(path: str | Path, data: str | bytes) -> None:
     try:
         with os.fdopen(fd, mode) as fh:
             fh.write(data)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the file the usual mode
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -70,6 +73,9 @@ _set_opt = click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
 @click.version_option(package_name="kvlc")
 def main() -> None:
     """kvlc: compile KV-cache layout specs into plans and move KV blocks with NIXL."""
+    import signal
+    if hasattr(signal, "SIGPIPE"):  # `kvlc ... | head` ends quietly instead of with a traceback
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
 
 
 @main.command()

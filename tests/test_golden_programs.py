@@ -1,4 +1,4 @@
-"""Golden transfer programs for the checked-in layout pairs (layouts/pairs.yaml).
+"""Golden transfer programs for the checked-in layout pairs (layouts/pairs/pairs.yaml).
 
 Each pair is paired as a pull (consumer rank 0 READs) and as a push (producer
 rank 0 WRITEs); the program's text form must equal the checked-in fixture.
@@ -19,7 +19,7 @@ from kvlc.compiler.pair import pair
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "tests" / "golden" / "programs"
-PAIRS = yaml.safe_load((ROOT / "layouts" / "pairs.yaml").read_text())["pairs"]
+PAIRS = yaml.safe_load((ROOT / "layouts" / "pairs" / "pairs.yaml").read_text())["pairs"]
 UPDATE = os.environ.get("KVLC_UPDATE_GOLDEN") == "1"
 
 _plans: dict = {}
