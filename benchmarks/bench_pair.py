@@ -1,7 +1,7 @@
 """Pairing and request instantiation: kvlc against the per-block descriptor scheme.
 
 Measured in one run, on one machine:
-  * ``pair`` time for every checked-in pair (layouts/pairs.yaml), pull and push;
+  * ``pair`` time for every checked-in pair (layouts/pairs/pairs.yaml), pull and push;
   * ``instantiate`` time for 128 regions x 512 blocks (bases bound once, as the
     runtime does), against a per-block baseline that builds one descriptor per
     block per region per source rank with numpy (the way upstream connectors do);
