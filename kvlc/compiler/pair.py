@@ -305,10 +305,13 @@ class TransferProgram:
     def _blocks(self) -> tuple[_Block, ...]:
         groups: dict[tuple, list[int]] = {}
         for i, e in enumerate(self.entries):
-            k = (e.key, e.group, e.tile_tokens, e.local_sub, e.remote_sub, e.runs.key())
+            # the geometry (fields, pieces) is part of the key: a partial last tile clips each
+            # region by its own layout even where whole tiles copy alike
+            k = (e.key, e.group, e.tile_tokens, e.local_sub, e.remote_sub, e.runs.key(),
+                 self.local.region(e.region).fields, self.remote.region(e.region).fields, e.pieces)
             groups.setdefault(k, []).append(i)
         out = []
-        for (key, group, tt, ls, rs, _), idx in groups.items():
+        for (key, group, tt, ls, rs, *_), idx in groups.items():
             e = self.entries[idx[0]]
             out.append(_Block(key, group, tuple(idx), e.runs, tt, ls, rs))
         order = {k: i for i, k in enumerate(self.part_keys)}
@@ -395,14 +398,15 @@ class TransferProgram:
 
     def instantiate(self, local_bases: Mapping[str, object], remote_bases: Mapping[int, Mapping[str, object]],
                     local_block_ids: Mapping[str, Sequence[int]], remote_block_ids: Mapping[str, Sequence[int]],
-                    num_tokens: int | Mapping[str, int]) -> dict[PartKey, Part]:
+                    num_tokens: int | Mapping[str, int], *, coalesce: str = "order") -> dict[PartKey, Part]:
         """Descriptors of one request, per part: ``bind(...)`` then ``instantiate(...)``.
 
         Block ids are logical, per group name. Every id is checked against every
-        region's capacity before any descriptor is built.
+        region's capacity before any descriptor is built. See
+        :meth:`BoundProgram.instantiate` for ``coalesce``.
         """
         ids = self.check_request(local_block_ids, remote_block_ids, num_tokens)
-        return self.bind(local_bases, remote_bases)._emit(*ids)
+        return self.bind(local_bases, remote_bases)._emit(*ids, coalesce=coalesce)
 
     def check_request(self, local_block_ids, remote_block_ids, num_tokens):
         """Validate a request's ids (counts, bounds) and expand them to kernel block ids."""
@@ -455,11 +459,20 @@ class BoundProgram:
 
     def instantiate(self, local_block_ids: Mapping[str, Sequence[int]],
                     remote_block_ids: Mapping[str, Sequence[int]],
-                    num_tokens: int | Mapping[str, int]) -> dict[PartKey, Part]:
-        """Descriptors of one request, per part (see :meth:`TransferProgram.instantiate`)."""
-        return self._emit(*self.program.check_request(local_block_ids, remote_block_ids, num_tokens))
+                    num_tokens: int | Mapping[str, int], *, coalesce: str = "order") -> dict[PartKey, Part]:
+        """Descriptors of one request, per part.
 
-    def _emit(self, kids_l, kids_r, tokens_of) -> dict[PartKey, Part]:
+        ``coalesce="order"`` (the hot path, O(N)): within each region and group the
+        descriptors are the coalesced minimum; across regions and groups rows merge
+        where they continue in request order. ``coalesce="sort"`` sorts each part by
+        address first and reaches the minimum for the whole part, at O(N log N).
+        """
+        ids = self.program.check_request(local_block_ids, remote_block_ids, num_tokens)
+        return self._emit(*ids, coalesce=coalesce)
+
+    def _emit(self, kids_l, kids_r, tokens_of, coalesce: str = "order") -> dict[PartKey, Part]:
+        if coalesce not in ("order", "sort"):
+            raise ValueError(f"coalesce must be 'order' or 'sort', got {coalesce!r}")
         prog = self.program
         _, _, geo = prog._geometry
         chunks: dict[PartKey, list[tuple[np.ndarray, np.ndarray]]] = {}
@@ -502,6 +515,9 @@ class BoundProgram:
         for key, lst_ in chunks.items():
             local = lst_[0][0] if len(lst_) == 1 else np.concatenate([c[0] for c in lst_])
             remote = lst_[0][1] if len(lst_) == 1 else np.concatenate([c[1] for c in lst_])
+            if coalesce == "sort" and len(local) > 1:
+                order = np.lexsort((local[:, 0], local[:, 2]))
+                local, remote = local[order], remote[order]
             local, remote = coalesce_rows(local.view(np.uint64), remote.view(np.uint64))
             out[key] = Part(local, remote)
         return out
