@@ -9,19 +9,23 @@ from __future__ import annotations
 from collections import defaultdict
 
 from kvlc.compiler.geometry import Resolved, ResolvedRegion
-from kvlc.errors import CompileError, Problem
+from kvlc.errors import CompileError, Problem, format_path
 
 
 def _duplicates(items, what: str, problems: list) -> None:
-    seen: dict[str, object] = {}
+    seen: dict[str, tuple] = {}
     for item, name, path in items:
         if name in seen:
+            first = seen[name]
             problems.append(Problem(path, f"duplicate {what} name '{name}'",
-                                    expected="unique names", found=f"'{name}' declared twice",
+                                    expected="unique names",
+                                    found=f"'{name}' declared again" + (
+                                        " by another value of the same repeat" if first == path
+                                        else f" (first at {format_path(first)})"),
                                     fix=f"rename one {what}" + (" or use '{var}' in a repeated name"
                                                                  if what != "group" else "")))
         else:
-            seen[name] = item
+            seen[name] = path
 
 
 def _disjoint(a, b) -> bool:
@@ -36,6 +40,22 @@ def _disjoint(a, b) -> bool:
     return False
 
 
+def _overlap_problem(a, rr: ResolvedRegion) -> Problem:
+    """Region ``rr`` shares bytes with region ``a`` (which starts no later)."""
+    r = rr.region
+    expected = f"bytes disjoint from [{a.offset}, {a.end})"
+    found = f"[{r.offset}, {r.end})"
+    s = a.block_stride
+    if r.block_stride == s and a.block_bytes + r.block_bytes <= s:  # could interleave, but collides
+        phase = f"(offset - {a.offset}) mod {s}" if a.offset else f"offset mod {s}"
+        expected = (f"{phase} in [{a.block_bytes}, {s - r.block_bytes}] to fit between its blocks, "
+                    f"or {expected}")
+        found = f"offset {r.offset}, {phase} = {(r.offset - a.offset) % s}"
+    return Problem(rr.path + ("offset",),
+                   f"region '{r.name}' overlaps region '{a.name}' in storage '{r.storage}'",
+                   expected=expected, found=found, fix="move the offset, or let it default to 'auto'")
+
+
 def _overlaps(regions: list[ResolvedRegion], problems: list) -> None:
     by_storage: dict[str, list[ResolvedRegion]] = defaultdict(list)
     for rr in regions:
@@ -48,12 +68,7 @@ def _overlaps(regions: list[ResolvedRegion], problems: list) -> None:
             active = [a for a in active if a.region.end > r.offset]
             for a in active:
                 if not _disjoint(a.region, r):
-                    problems.append(Problem(rr.path + ("offset",),
-                                            f"region '{r.name}' overlaps region '{a.region.name}' in "
-                                            f"storage '{r.storage}'",
-                                            expected=f"bytes disjoint from [{a.region.offset}, {a.region.end})",
-                                            found=f"[{r.offset}, {r.end})",
-                                            fix="move the offset, or let it default to 'auto'"))
+                    problems.append(_overlap_problem(a.region, rr))
                     break
             active.append(rr)
 

@@ -38,16 +38,32 @@ def _values(rng: Range, spec: LayoutSpec) -> range:
     return range(start, stop)
 
 
+class StampError(ValueError):
+    """A ``{...}`` in a repeated name that the enclosing repeats do not define."""
+
+    def __init__(self, key: tuple, text: str, detail: str):
+        super().__init__(detail)
+        self.key, self.text, self.detail = key, text, detail
+
+
+def _format(text: str, env: dict, key: tuple) -> str:
+    try:
+        return text.format(**env)
+    except KeyError as exc:
+        raise StampError(key, text, f"{{{exc.args[0]}}}") from None
+    except (IndexError, ValueError) as exc:
+        raise StampError(key, text, str(exc)) from None
+
+
 def _stamp(item, env: dict):
     """Substitute ``{var}`` in every string field of a region or storage."""
-    if not env:
-        return item
     updates = {}
     for key, value in item:
-        if isinstance(value, str) and "{" in value:
-            updates[key] = value.format(**env)
+        if isinstance(value, str) and ("{" in value or "}" in value):
+            updates[key] = _format(value, env, (key,))
         elif isinstance(value, tuple) and value and all(isinstance(v, str) for v in value):
-            updates[key] = tuple(v.format(**env) if "{" in v else v for v in value)
+            updates[key] = tuple(_format(v, env, (key, i)) if ("{" in v or "}" in v) else v
+                                 for i, v in enumerate(value))
     return item.model_copy(update=updates) if updates else item
 
 
@@ -58,17 +74,23 @@ def _unroll(entries, key: str, path: tuple, spec, env: dict, out: list, problems
             var = entry.repeat.var
             if var in env:
                 problems.append(Problem(here + ("repeat", "var"), f"repeat variable '{var}' shadows an "
-                                        "outer one", fix="use another name"))
+                                        "outer one", expected=f"a name other than {sorted(env)}",
+                                        found=repr(var), fix="use another name"))
                 continue
             for value in _values(entry.repeat, spec):
                 _unroll(getattr(entry, key), key, here + (key,), spec, {**env, var: value}, out, problems)
         else:
             try:
                 out.append(Sourced(_stamp(entry, env), here))
-            except (KeyError, IndexError, ValueError) as exc:
-                problems.append(Problem(here + ("name",), f"cannot substitute {exc} in '{entry.name}'",
-                                        expected=f"only variables {sorted(env) or 'none'}",
-                                        found=str(exc), fix="use '{var}' of an enclosing repeat"))
+            except StampError as exc:
+                problem = Problem(here + exc.key, f"'{exc.text}' uses {exc.detail}, which no enclosing "
+                                  "repeat defines",
+                                  expected="{" + "}, {".join(sorted(env)) + "}" if env else
+                                  "no '{...}' outside a repeat",
+                                  found=exc.detail, fix="use the variable of an enclosing repeat"
+                                  if env else "put the entry under 'repeat:' or drop the braces")
+                if problem not in problems:  # once per entry, not once per repeated value
+                    problems.append(problem)
 
 
 def expand(spec: LayoutSpec) -> Expanded:

@@ -57,13 +57,18 @@ def resolve_groups(spec: LayoutSpec, problems: list) -> tuple[PlanGroup, ...]:
     for i, g in enumerate(spec.groups):
         block = g.block_size or spec.block_size
         kernel = g.kernel_block_size or spec.kernel_block_size or block
-        where = ("groups", i) if (g.block_size or g.kernel_block_size) else ()
+        own = bool(g.block_size or g.kernel_block_size)
         if block % kernel:
-            problems.append(Problem(where + ("kernel_block_size",),
-                                    f"kernel block size {kernel} does not divide block size {block} "
-                                    f"(group '{g.name}')",
-                                    expected=f"a divisor of {block}", found=str(kernel),
-                                    fix="use a kernel block size that divides the block size"))
+            # A spec-level kernel block size that fails the spec-level block size is one problem,
+            # reported once at the top level, not once per group that inherits both.
+            where = ("groups", i) if own else ()
+            whose = f" (group '{g.name}')" if own else ""
+            problem = Problem(where + ("kernel_block_size",),
+                              f"kernel block size {kernel} does not divide block size {block}{whose}",
+                              expected=f"a divisor of {block}", found=str(kernel),
+                              fix="use a kernel block size that divides the block size")
+            if problem not in problems:
+                problems.append(problem)
             kernel = block
         window = getattr(g, "window", 0) or getattr(g, "chunk", 0)
         out.append(PlanGroup(name=g.name, kind=g.kind, window=window, block_size=block,
@@ -130,8 +135,11 @@ class _LayoutResolver:
                allow_replicas: bool = True) -> int | None:
         local = shard(global_size, self.tp)
         if local is None or (not allow_replicas and global_size % self.tp):
-            problems.append(Problem(path, f"{global_size} '{dim_name}' not divisible by tp_size {self.tp}",
-                                    expected=f"a multiple of {self.tp}" + (f" or a divisor" if allow_replicas else ""),
+            problems.append(Problem(path, f"'{dim_name}' of size {global_size} cannot be split over "
+                                    f"tp_size {self.tp}",
+                                    expected=f"a multiple of {self.tp}" + (f" (sharded) or a divisor of "
+                                                                           f"{self.tp} (replicated)"
+                                                                           if allow_replicas else ""),
                                     found=str(global_size),
                                     fix="change parallel.tp_size or the dim's size"))
             return None
@@ -213,6 +221,13 @@ class _LayoutResolver:
         return tuple(fields), block_bytes
 
 
+def _block_geometry(g: PlanGroup) -> str:
+    """What a group's blocks hold, in words: two groups may share a region only when equal."""
+    if g.is_state:
+        return "per-request state (no token dim)"
+    return f"blocks of {g.block_size} tokens, kernel blocks of {g.kernel_block_size}"
+
+
 def resolve(exp: Expanded) -> Resolved:
     """Resolve every expanded region to a :class:`PlanRegion` with byte geometry."""
     spec = exp.spec
@@ -250,21 +265,22 @@ def resolve(exp: Expanded) -> Resolved:
                                         found=repr(gname), fix="declare it under groups"))
             elif gname in r.groups[:gi]:
                 problems.append(Problem(path + ("groups", gi), f"region '{r.name}' lists group '{gname}' twice",
+                                        expected="each group once",
+                                        found=f"'{gname}' at groups[{r.groups.index(gname)}] and groups[{gi}]",
                                         fix="list each group once"))
             else:
                 rgroups.append(group_by_name[gname])
         if not rgroups:
             continue
         first = rgroups[0]
-        mismatch = [g for g in rgroups[1:] if (g.is_state, g.block_size, g.kernel_block_size)
-                    != (first.is_state, first.block_size, first.kernel_block_size)]
+        mismatch = [g for g in rgroups[1:] if _block_geometry(g) != _block_geometry(first)]
         if mismatch:
             g = mismatch[0]
             problems.append(Problem(path + ("groups",), f"region '{r.name}' is shared by groups "
                                     f"'{first.name}' and '{g.name}' of different block geometry",
-                                    expected=f"block {first.block_size}/{first.kernel_block_size}",
-                                    found=f"block {g.block_size}/{g.kernel_block_size}",
-                                    fix="share a region only between groups of one block size"))
+                                    expected=f"'{g.name}' like '{first.name}': {_block_geometry(first)}",
+                                    found=_block_geometry(g),
+                                    fix="share a region only between groups of one block geometry"))
             continue
         tokens = 0 if first.is_state else first.kernel_block_size
         fields, block_bytes, lprobs = layouts(r.layout, layout, tokens)
@@ -296,5 +312,7 @@ def resolve(exp: Expanded) -> Resolved:
     start, stop = layer_range(spec)
     if stop > spec.model.num_layers:
         problems.append(Problem(("parallel", "layers"), "pipeline layer range ends past the model",
-                                expected=f"stop <= {spec.model.num_layers}", found=str(stop)))
+                                expected=f"stop <= {spec.model.num_layers} (model.num_layers)",
+                                found=f"[{start}, {stop}]",
+                                fix=f"end the range at {spec.model.num_layers} at most"))
     return Resolved(spec, groups, tuple(storages), tuple(regions), tuple(problems))

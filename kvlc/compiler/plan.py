@@ -222,12 +222,16 @@ class Plan(_Frozen):
             raise TransferError(f"no base address for storage(s) {missing}; pass one per storage")
         total = sum(r.num_blocks for r in self.regions)
         out = np.empty((total, 3), dtype=np.uint64)
+        steps: dict[tuple[int, int], np.ndarray] = {}  # i * stride, shared by regions of one shape
         start = 0
         for r in self.regions:
             stop = start + r.num_blocks
-            col = out[start:stop, 0]
-            np.multiply(np.arange(r.num_blocks, dtype=np.uint64), np.uint64(r.block_stride), out=col)
-            col += np.uint64(int(bases[r.storage]) + r.offset)
+            step = steps.get((r.num_blocks, r.block_stride))
+            if step is None:
+                step = np.arange(r.num_blocks, dtype=np.uint64) * np.uint64(r.block_stride)
+                steps[(r.num_blocks, r.block_stride)] = step
+            # One pass per column over the output: addr = i * stride + (base + offset).
+            np.add(step, np.uint64(int(bases[r.storage]) + r.offset), out=out[start:stop, 0])
             out[start:stop, 1] = r.block_bytes
             out[start:stop, 2] = r.device
             start = stop

@@ -7,6 +7,7 @@ stages (pydantic validation, compile passes) can point at file:line:col.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -14,6 +15,10 @@ from typing import Any, Mapping
 import yaml
 
 from kvlc.errors import Mark, Problem, SpecError
+
+# libyaml's parser when PyYAML has it (several times faster on long specs); its nodes carry the
+# same marks. On an error the pure-Python parser runs again, for its clearer messages.
+_FAST_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
 @dataclass(frozen=True)
@@ -42,28 +47,77 @@ def _convert(node: yaml.Node, path: tuple, file: str, marks: dict, problems: lis
         for key_node, value_node in node.value:
             if not isinstance(key_node, yaml.ScalarNode):
                 kmark = Mark(file, key_node.start_mark.line + 1, key_node.start_mark.column + 1)
+                kind = "a list" if isinstance(key_node, yaml.SequenceNode) else "a mapping"
                 problems.append(Problem(path, "a mapping key must be a plain scalar",
-                                        found=key_node.tag, mark=kmark))
+                                        expected="a name or number as key", found=kind,
+                                        fix="write the key as a plain word", mark=kmark))
                 continue
-            key = _scalar(key_node)
+            key = _scalar(key_node, path, file, problems)
             if key in out:
                 kmark = Mark(file, key_node.start_mark.line + 1, key_node.start_mark.column + 1)
+                first = marks.get(path + (key,))
                 problems.append(Problem(path + (key,), f"duplicate key '{key}'",
-                                        expected="each key once", found="a second definition",
+                                        expected="each key once",
+                                        found=f"a second '{key}'" + (f" (first on line {first.line})"
+                                                                     if first else ""),
                                         fix="remove or rename one of them", mark=kmark))
             out[key] = _convert(value_node, path + (key,), file, marks, problems)
         return out
     if isinstance(node, yaml.SequenceNode):
         return [_convert(v, path + (i,), file, marks, problems) for i, v in enumerate(node.value)]
-    return _scalar(node)
+    return _scalar(node, path, file, problems)
 
 
-def _scalar(node: yaml.ScalarNode) -> Any:
-    loader = yaml.SafeLoader("")
+def _scalar(node: yaml.ScalarNode, path: tuple, file: str, problems: list) -> Any:
+    """The Python value of a scalar node, as yaml.safe_load builds it (tags it refuses: a problem)."""
     try:
-        return loader.construct_object(node, deep=True)
-    finally:
-        loader.dispose()
+        return yaml.constructor.SafeConstructor().construct_object(node, deep=True)
+    except yaml.constructor.ConstructorError:
+        problems.append(Problem(path, "YAML tag not allowed", expected="a plain value",
+                                found=f"tag {node.tag!r}", fix="remove the '!' tag",
+                                mark=Mark(file, node.start_mark.line + 1, node.start_mark.column + 1)))
+        return None
+
+
+def _syntax_problem(exc: yaml.MarkedYAMLError, file: str, text: str) -> Problem:
+    """A PyYAML error as a Problem: where it broke, what the parser wanted and what it met."""
+    m = exc.problem_mark or exc.context_mark
+    mark = Mark(file, m.line + 1, m.column + 1) if m else None
+    problem = str(exc.problem or "invalid YAML")
+    what = "YAML syntax error"
+    if exc.context:
+        what += f" {exc.context}"
+        if exc.context_mark is not None and exc.context_mark is not exc.problem_mark:
+            what += f" started at line {exc.context_mark.line + 1}, column {exc.context_mark.column + 1}"
+    parts = re.fullmatch(r"expected (.*), but (?:found|got) (.*)", problem, flags=re.S)
+    if parts:
+        expected, found = parts.group(1), parts.group(2)
+    elif problem.startswith("found "):
+        expected, found = "valid YAML", problem.removeprefix("found ")
+    else:
+        what += f": {problem}"
+        lines = text.splitlines()
+        line = lines[m.line].strip() if m and m.line < len(lines) else ""
+        expected, found = "valid YAML", repr(line) if line else "end of file"
+    fix = None
+    if exc.context and "flow sequence" in exc.context:
+        fix = "close the '[' with ']'"
+    elif exc.context and "flow mapping" in exc.context:
+        fix = "close the '{' with '}'"
+    elif "'\\t'" in problem:
+        fix = "indent with spaces, not tabs"
+    return Problem((), what, expected=expected, found=found, fix=fix, mark=mark)
+
+
+def _reader_problem(exc: yaml.reader.ReaderError, file: str, text: str) -> Problem:
+    """A character YAML does not allow (a control character), located by line and column."""
+    pos = exc.position
+    line = text.count("\n", 0, pos) + 1
+    col = pos - (text.rfind("\n", 0, pos) + 1) + 1
+    char = exc.character if isinstance(exc.character, int) else ord(str(exc.character)[:1] or "\0")
+    return Problem((), f"YAML syntax error: {exc.reason}", expected="printable characters",
+                   found=f"character #x{char:04x}", fix="remove the character",
+                   mark=Mark(file, line, col))
 
 
 def parse_yaml(text: str, file: str = "<string>") -> Source:
@@ -73,13 +127,14 @@ def parse_yaml(text: str, file: str = "<string>") -> Source:
     {'a': [1, 2]}
     """
     try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-    except yaml.MarkedYAMLError as exc:
-        m = exc.problem_mark
-        mark = Mark(file, m.line + 1, m.column + 1) if m else None
-        raise SpecError([Problem((), f"YAML syntax error: {exc.problem}",
-                                 expected="valid YAML", found=str(exc.context or exc.problem),
-                                 mark=mark)]) from None
+        node = yaml.compose(text, Loader=_FAST_LOADER)
+    except yaml.YAMLError:
+        try:  # parse again with the pure-Python parser: its messages say what it expected
+            node = yaml.compose(text, Loader=yaml.SafeLoader)
+        except yaml.MarkedYAMLError as exc:
+            raise SpecError([_syntax_problem(exc, file, text)]) from None
+        except yaml.reader.ReaderError as exc:
+            raise SpecError([_reader_problem(exc, file, text)]) from None
     if node is None:
         raise SpecError([Problem((), "empty spec", expected="a mapping with 'kvlc: 1'",
                                  found="nothing", mark=Mark(file, 1, 1))])
@@ -147,18 +202,34 @@ def load_config(path: str | Path) -> dict:
         raise SpecError([Problem((), f"cannot read config: {exc}", mark=Mark(str(path), 1, 1))]) from None
 
 
+def _is_file(text: str) -> bool:
+    try:
+        return Path(text).is_file()
+    except (OSError, ValueError):  # a long one-line YAML text is no file name
+        return False
+
+
 def read_source(path_or_text: str | Path, config: Mapping | None = None,
                 overrides: Mapping | None = None) -> Source:
     """Read a spec from a path (plain YAML or ``.j2`` template) or from YAML text."""
-    if isinstance(path_or_text, Path) or ("\n" not in str(path_or_text)
-                                          and str(path_or_text).endswith((".yaml", ".yml", ".j2"))):
+    text = str(path_or_text)
+    if isinstance(path_or_text, Path) or ("\n" not in text and (text.endswith((".yaml", ".yml", ".j2"))
+                                                               or _is_file(text))):
         path = Path(path_or_text)
         if path.suffix == ".j2":
             return parse_yaml(render_template(path, config, overrides), str(path))
         try:
-            text = path.read_text()
+            text = path.read_text(encoding="utf-8")
         except OSError as exc:
             raise SpecError([Problem((), f"cannot read spec: {exc.strerror}",
-                                     found=str(path), mark=Mark(str(path), 1, 1))]) from None
+                                     expected="a readable YAML file", found=str(path),
+                                     mark=Mark(str(path), 1, 1))]) from None
+        except UnicodeDecodeError as exc:
+            raw = path.read_bytes()
+            line = raw.count(b"\n", 0, exc.start) + 1
+            col = len(raw[raw.rfind(b"\n", 0, exc.start) + 1:exc.start].decode("utf-8", "replace")) + 1
+            raise SpecError([Problem((), "spec is not UTF-8 text", expected="UTF-8 text",
+                                     found=f"byte 0x{raw[exc.start]:02x}", fix="save the file as UTF-8",
+                                     mark=Mark(str(path), line, col))]) from None
         return parse_yaml(text, str(path))
     return parse_yaml(str(path_or_text), "<string>")

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal, Mapping, Union
 
 from pydantic import (BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, Tag,
                       field_validator, model_validator)
+from pydantic_core import PydanticCustomError
 
 DTYPE_SIZES: Mapping[str, int] = {
     "bf16": 2, "fp16": 2, "fp32": 4, "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1, "uint8": 1,
@@ -21,6 +22,24 @@ MemType = Literal["DRAM", "VRAM"]
 Name = Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z_][A-Za-z0-9_.\-{}]*$")]
 Positive = Annotated[int, Field(gt=0)]
 NonNegative = Annotated[int, Field(ge=0)]
+
+
+def spec_error(what: str, expected: str | None = None, found: str | None = None,
+               fix: str | None = None, at: tuple = ()) -> PydanticCustomError:
+    """A validation error that keeps kvlc's expected / found / fix, located ``at`` below the model.
+
+    :mod:`kvlc.compiler.validate` turns it into a :class:`~kvlc.errors.Problem`.
+    """
+    return PydanticCustomError("kvlc", what, {"expected": expected, "found": found, "fix": fix,
+                                              "at": tuple(at)})
+
+
+def _ordered_range(v, what: str):
+    if v is not None and not isinstance(v, str) and v[0] >= v[1]:
+        raise spec_error(f"{what} is empty or reversed", expected="[start, stop] with start < stop",
+                         found=str(list(v)), fix=f"use [{v[1]}, {v[0]}]" if v[1] < v[0] else
+                         f"use [{v[0]}, {v[0] + 1}] or more")
+    return v
 
 
 class Frozen(BaseModel):
@@ -57,9 +76,7 @@ class Parallel(Frozen):
     @field_validator("layers")
     @classmethod
     def _ordered(cls, v):
-        if v is not None and v[0] >= v[1]:
-            raise ValueError(f"layer range must be [start, stop) with start < stop, got {list(v)}")
-        return v
+        return _ordered_range(v, "pipeline layer range")
 
 
 # ---------------------------------------------------------------- groups
@@ -138,8 +155,12 @@ class ArrayField(Frozen):
     @model_validator(mode="after")
     def _dims(self):
         _check_dim_roles(self.dims)
-        if any(d.sections for d in self.dims):
-            raise ValueError("only a 'kind: sections' field may split a dim into sections")
+        for i, d in enumerate(self.dims):
+            if d.sections:
+                raise spec_error(f"dim '{d.name}' has sections, but field '{self.name}' is a plain array",
+                                 expected="'kind: sections' on a field that splits a dim",
+                                 found="kind: array", at=("dims", i, "sections"),
+                                 fix="add 'kind: sections' to the field, or remove 'sections'")
         return self
 
 
@@ -158,24 +179,39 @@ class SectionsField(Frozen):
     @model_validator(mode="after")
     def _one_split(self):
         _check_dim_roles(self.dims)
-        split = [d for d in self.dims if d.sections]
+        split = [i for i, d in enumerate(self.dims) if d.sections]
         if len(split) != 1:
-            raise ValueError(f"a sections field splits exactly one dim, found {len(split)} dims "
-                             "with 'sections'")
-        if split[0].size is not None:
-            raise ValueError(f"dim '{split[0].name}' has sections; its size is their sum, "
-                             "remove 'size'")
+            names = ", ".join(f"'{self.dims[i].name}'" for i in split)
+            raise spec_error(f"sections field '{self.name}' must split exactly one dim",
+                             expected="one dim with 'sections: {NAME: SIZE, ...}'",
+                             found=f"{len(split)} dims with sections" + (f" ({names})" if names else ""),
+                             at=("dims", split[1]) if split else ("dims",),
+                             fix=("add 'sections:' to the dim to split" if not split
+                                  else "split one dim only"))
+        d = self.dims[split[0]]
+        if d.size is not None:
+            raise spec_error(f"dim '{d.name}' has sections, so its size is their sum",
+                             expected=f"no 'size' (the sections add up to {sum(d.sections.values())})",
+                             found=f"size: {d.size}", at=("dims", split[0], "size"), fix="remove 'size'")
         return self
 
 
 def _check_dim_roles(dims) -> None:
-    names = [d.name for d in dims]
-    dup = sorted({n for n in names if names.count(n) > 1})
-    if dup:
-        raise ValueError(f"dim names must be unique within a field, '{dup[0]}' appears twice")
+    seen: dict[str, int] = {}
+    for i, d in enumerate(dims):
+        if d.name in seen:
+            raise spec_error(f"dim name '{d.name}' is used twice in one field",
+                             expected="unique dim names within a field",
+                             found=f"'{d.name}' at dims[{seen[d.name]}] and dims[{i}]",
+                             at=("dims", i, "name"), fix="rename one of the dims")
+        seen[d.name] = i
     for role in ("token", "head"):
-        if sum(d.role == role for d in dims) > 1:
-            raise ValueError(f"a field has at most one '{role}' dim")
+        having = [i for i, d in enumerate(dims) if d.role == role]
+        if len(having) > 1:
+            names = " and ".join(f"'{dims[i].name}'" for i in having[:2])
+            raise spec_error(f"a field has at most one '{role}' dim",
+                             expected=f"one dim with role {role}", found=f"role {role} on dims {names}",
+                             at=("dims", having[1], "role"), fix="drop the role from one of them")
 
 
 def _field_kind(v: Any) -> str:
@@ -212,6 +248,11 @@ class Region(Frozen):
 class Range(Frozen):
     var: Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
     range: tuple[NonNegative, NonNegative] | Literal["layers"]
+
+    @field_validator("range")
+    @classmethod
+    def _ordered(cls, v):
+        return _ordered_range(v, "repeat range")
 
 
 class RepeatRegions(Frozen):

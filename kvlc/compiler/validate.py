@@ -2,33 +2,145 @@
 
 from __future__ import annotations
 
-from pydantic import ValidationError
+import difflib
+import re
+import types
+import typing
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
 
 from kvlc.compiler.source import Source
 from kvlc.compiler.spec import LayoutSpec
 from kvlc.errors import Problem, SpecError
 
+NAME_RULE = "a name of letters, digits, '_', '.', '-' or '{var}', not starting with a digit"
 
-def _data_path(data, loc: tuple) -> tuple:
-    """Map a pydantic ``loc`` onto a path in the data, dropping union tags it inserted."""
+# pydantic error type → (what, expected); expected is formatted with the error's ctx.
+_KINDS: dict[str, tuple[str, str]] = {
+    "int_parsing": ("wrong type", "an integer"),
+    "int_type": ("wrong type", "an integer"),
+    "int_from_float": ("wrong type", "an integer"),
+    "string_type": ("wrong type", "a string"),
+    "bool_type": ("wrong type", "true or false"),
+    "bool_parsing": ("wrong type", "true or false"),
+    "tuple_type": ("wrong type", "a list"),
+    "list_type": ("wrong type", "a list"),
+    "dict_type": ("wrong type", "a mapping"),
+    "model_type": ("wrong type", "a mapping"),
+    "model_attributes_type": ("wrong type", "a mapping"),
+    "greater_than": ("value out of range", "an integer > {gt}"),
+    "greater_than_equal": ("value out of range", "an integer >= {ge}"),
+    "string_too_short": ("empty string", "a non-empty string"),
+    "string_pattern_mismatch": ("invalid name", NAME_RULE.replace("{", "{{").replace("}", "}}")),
+    "too_short": ("too few items", "at least {min_length} item(s)"),
+    "too_long": ("too many items", "at most {max_length} item(s)"),
+    "literal_error": ("value not allowed", "{expected}"),
+}
+
+
+def _unwrap(tp):
+    while hasattr(tp, "__metadata__"):  # Annotated[...]
+        tp = typing.get_args(tp)[0]
+    return tp
+
+
+def _is_union(tp) -> bool:
+    return typing.get_origin(tp) in (typing.Union, types.UnionType)
+
+
+def _members(tp) -> list[tuple[Any, set]]:
+    """Members of a (possibly tagged) union with the tags that select each."""
+    out = []
+    for arg in typing.get_args(tp):
+        tags = {meta.tag for meta in getattr(arg, "__metadata__", ()) if hasattr(meta, "tag")}
+        inner = _unwrap(arg)
+        if isinstance(inner, type) and issubclass(inner, BaseModel) and "kind" in inner.model_fields:
+            tags.update(typing.get_args(inner.model_fields["kind"].annotation))
+        out.append((inner, tags))
+    return out
+
+
+def _child(tp, part):
+    """The declared type one step below ``tp`` at ``part`` (a field, an index or a dict key)."""
+    tp = _unwrap(tp)
+    if isinstance(tp, type) and issubclass(tp, BaseModel):
+        field = tp.model_fields.get(part) if isinstance(part, str) else None
+        return field.annotation if field else None
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is tuple and isinstance(part, int):
+        if len(args) == 2 and args[1] is Ellipsis:
+            return args[0]
+        return args[part] if part < len(args) else None
+    if origin is dict:
+        return args[1]
+    return None
+
+
+def _walk(data, loc: tuple) -> tuple[tuple, bool, Any]:
+    """Follow a pydantic ``loc`` through the data and the spec's types at once.
+
+    Returns the path in the data, whether the last part of ``loc`` named a union branch
+    (``constrained-int``, ``literal['auto']`` …) rather than a place in the file, and the
+    declared type ``loc`` ends at (None when unknown). Discriminator tags that pydantic puts
+    into ``loc`` (``repeat``, ``item``, ``sliding_window`` …) are recognised by the type and
+    skipped, even where a tag has the same name as a key.
+    """
     path: list = []
-    node = data
+    node, tp = data, LayoutSpec
+    branch = False
     for part in loc:
+        branch = False
+        here = _unwrap(tp) if tp is not None else None
+        if here is not None and _is_union(here):
+            member = next((m for m, tags in _members(here) if part in tags), None)
+            if member is not None:
+                tp = member
+                continue  # a discriminator tag, not a place in the file
         if isinstance(node, dict) and part in node:
             path.append(part)
             node = node[part]
         elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
             path.append(part)
             node = node[part]
-        elif isinstance(part, str) and ("[" in part or part in ("item", "repeat", "array", "sections")
-                                        or not isinstance(node, (dict, list))):
-            continue  # a union tag or a constraint name, not a place in the file
-        elif isinstance(node, dict):
-            path.append(part)  # a missing key: point at the mapping, name the key
+        elif isinstance(node, dict) and isinstance(part, str) and not (
+                here is not None and _is_union(here)):
+            path.append(part)  # a missing (or unknown) key: point at the mapping, name the key
             node = None
         else:
+            branch = True  # a union member or a constraint name
+            tp = None
             continue
-    return tuple(path)
+        tp = _child(tp, part) if tp is not None else None
+    return tuple(path), branch, tp
+
+
+def _union_tags(tp) -> list[str]:
+    tp = _unwrap(tp) if tp is not None else None
+    if tp is None or not _is_union(tp):
+        return []
+    return [t for _, tags in _members(tp) for t in sorted(tags)]
+
+
+def _model_at(loc: tuple) -> type[BaseModel] | None:
+    """The spec model class that ``loc`` (a pydantic location) points into, if any."""
+    tp: Any = LayoutSpec
+    for part in loc:
+        here = _unwrap(tp)
+        if _is_union(here):  # pydantic names the member it tried by its tag
+            tp = next((m for m, tags in _members(here) if part in tags), None)
+        else:
+            tp = _child(here, part)
+        if tp is None:
+            return None
+    tp = _unwrap(tp)
+    return tp if isinstance(tp, type) and issubclass(tp, BaseModel) else None
+
+
+# Keys people bring from elsewhere, and what to do instead.
+_KEY_HINTS = {
+    ("Dim", "stride"): "remove it: byte strides follow from the order of dims (last dim innermost)",
+}
 
 
 def _describe(value) -> str:
@@ -36,47 +148,115 @@ def _describe(value) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _problem(err: dict, source: Source) -> Problem:
+def _did_you_mean(word, choices) -> str | None:
+    """Suggest the choice ``word`` most likely meant: a prefix match first, then a close spelling."""
+    choices = [str(c) for c in choices]
+    prefixed = [c for c in choices if str(word) and c.startswith(str(word))]
+    close = prefixed[:1] or difflib.get_close_matches(str(word), choices, n=1)
+    return f"did you mean '{close[0]}'?" if close else None
+
+
+def _problem(err: dict, source: Source) -> tuple[Problem, bool]:
+    """One pydantic error as a located :class:`Problem`, and whether it is one branch of a union."""
     loc = tuple(err.get("loc", ()))
-    path = _data_path(source.data, loc)
+    path, branch, declared = _walk(source.data, loc)
     kind = err.get("type", "")
+    ctx = err.get("ctx") or {}
     msg = err.get("msg", "invalid value")
-    found = None if kind == "missing" else _describe(err.get("input"))
-    expected = None
-    fix = None
-    if kind == "missing":
-        msg = f"missing required key '{loc[-1]}'" if loc else "missing value"
-        found = "nothing"
-        fix = f"add '{loc[-1]}:'" if loc else None
+    found = _describe(err.get("input"))
+    expected = fix = None
+    if kind == "kvlc":  # raised by a spec validator with its own expected / found / fix
+        path += tuple(ctx.get("at", ()))
+        expected, found, fix = ctx.get("expected"), ctx.get("found"), ctx.get("fix")
+    elif kind == "missing":
+        key = loc[-1] if loc else "?"
+        msg, expected, found, fix = f"missing required key '{key}'", f"a '{key}' key", "nothing", f"add '{key}:'"
     elif kind == "extra_forbidden":
-        msg = f"unknown key '{loc[-1]}'"
-        expected = "one of the keys this object defines"
-        fix = "remove it or check its spelling"
-    elif kind == "literal_error":
-        expected = err.get("ctx", {}).get("expected")
-        msg = "value not allowed"
-    elif kind in ("union_tag_invalid",):
-        ctx = err.get("ctx", {})
-        msg = f"unknown kind {ctx.get('tag')!r}"
-        expected = f"kind one of {ctx.get('expected_tags')}"
-        found = repr(ctx.get('tag'))
+        key = loc[-1]
+        model = _model_at(loc[:-1])
+        allowed = sorted(model.model_fields) if model else []
+        msg, found = f"unknown key '{key}'", f"'{key}'"
+        expected = ("one of " + ", ".join(allowed)) if allowed else "one of the keys this object defines"
+        fix = (_KEY_HINTS.get((model.__name__ if model else "", key)) or _did_you_mean(key, allowed)
+               or "remove it")
+    elif kind == "union_tag_not_found":
+        tags = _union_tags(declared)
+        msg, expected, found = "missing 'kind'", "'kind:' " + (f"one of {', '.join(tags)}" if tags
+                                                             else "naming what this is"), "no 'kind' key"
+        fix = f"add 'kind: {tags[0]}' or another kind" if tags else "add 'kind:'"
+    elif kind == "union_tag_invalid":
+        tags = [t.strip().strip("'") for t in str(ctx.get("expected_tags", "")).split(",")]
+        node = source.data
+        for part in path:
+            node = node[part]
+        if isinstance(node, dict) and "kind" in node:
+            path += ("kind",)
+        msg, found = f"unknown kind {ctx.get('tag')!r}", repr(ctx.get("tag"))
+        expected = "one of " + ", ".join(tags)
+        fix = _did_you_mean(ctx.get("tag"), tags)
+    elif kind in _KINDS:
+        msg, template = _KINDS[kind]
+        expected = template.format(**ctx)
+        if kind == "string_pattern_mismatch" and "var" in loc:
+            expected = "an identifier: letters, digits and '_', not starting with a digit"
+        elif kind == "string_pattern_mismatch" and isinstance(err.get("input"), str):
+            fixed = re.sub(r"[^A-Za-z0-9_.\-{}]", "_", err["input"])
+            fix = f"for example '{'_' + fixed if fixed[:1].isdigit() or fixed[:1] in '.-' else fixed}'"
+        elif kind == "literal_error":
+            fix = _did_you_mean(err.get("input"), re.findall(r"'([^']*)'", expected))
     elif kind.startswith("value_error"):
         msg = msg.removeprefix("Value error, ")
-    return Problem(path, msg, expected=expected, found=found, fix=fix, mark=source.mark(path))
+    return Problem(path, msg, expected=expected, found=found, fix=fix, mark=source.mark(path)), branch
+
+
+def _merge_branches(items: list[tuple[Problem, bool]]) -> list[Problem]:
+    """One problem per place: the failed branches of a union join into one 'expected A or B'."""
+    out: list[Problem] = []
+    where: dict[tuple, int] = {}
+    for p, branch in items:
+        if branch and p.path in where:
+            q = out[where[p.path]]
+            expected = " or ".join(e for e in (q.expected, p.expected) if e)
+            out[where[p.path]] = Problem(q.path, f"invalid value for '{q.path[-1]}'" if q.path else q.what,
+                                         expected=expected, found=q.found, fix=q.fix, mark=q.mark)
+            continue
+        if branch:
+            where[p.path] = len(out)
+        out.append(p)
+    return out
+
+
+def _consequence(err: dict, data) -> bool:
+    """A 'too few items' error that only repeats that some items failed (pydantic reports both)."""
+    if err.get("type") != "too_short":
+        return False
+    node = data
+    for part in _walk(data, tuple(err.get("loc", ())))[0]:
+        try:
+            node = node[part]
+        except (KeyError, IndexError, TypeError):
+            return False
+    ctx = err.get("ctx") or {}
+    return isinstance(node, (list, dict)) and len(node) >= ctx.get("min_length", 0)
 
 
 def validate(source: Source) -> LayoutSpec:
     """Validate loaded data into a frozen :class:`LayoutSpec` or raise :class:`SpecError`."""
     if not isinstance(source.data, dict):
+        found = {list: "a list", str: "a string"}.get(type(source.data), type(source.data).__name__)
         raise SpecError([Problem((), "a spec is a mapping", expected="keys like 'kvlc: 1'",
-                                 found=type(source.data).__name__, mark=source.mark(()))])
-    if source.data.get("kvlc") != 1:
-        raise SpecError([Problem(("kvlc",), "unsupported or missing spec version",
-                                 expected="kvlc: 1", found=_describe(source.data.get("kvlc")),
+                                 found=found, mark=source.mark(()))])
+    version = source.data.get("kvlc")
+    if type(version) is not int or version != 1:  # not True, not 1.0
+        missing = "kvlc" not in source.data
+        raise SpecError([Problem(("kvlc",), "missing spec version" if missing else "unsupported spec version",
+                                 expected="kvlc: 1",
+                                 found="no 'kvlc' key" if missing else _describe(source.data["kvlc"]),
                                  fix="start the file with 'kvlc: 1'", mark=source.mark(("kvlc",)))])
     try:
         return LayoutSpec.model_validate(source.data)
     except ValidationError as exc:
-        problems = [_problem(e, source) for e in exc.errors(include_url=False)]
+        errors = [e for e in exc.errors(include_url=False) if not _consequence(e, source.data)]
+        problems = _merge_branches([_problem(e, source) for e in errors])
         problems.sort(key=lambda p: (p.mark.line, p.mark.col) if p.mark else (0, 0))
         raise SpecError(problems) from None
