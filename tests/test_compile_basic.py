@@ -32,3 +32,25 @@ def test_llama_geometry():
     assert [f.name for f in r.fields] == ["k", "v"] and r.field("v").offset == 32768
     assert [(d.name, d.size, d.stride) for d in r.field("k").dims] == [
         ("token", 16, 2048), ("head", 8, 256), ("head_dim", 128, 2)]
+
+
+def test_repeat_steps_values_and_unsharded_sections():
+    """range [a, b, step] and values [...] stamp exactly those layers; sections without role head stay whole."""
+    plan = kvlc.compile_spec(ROOT / "tests" / "fixtures" / "repeat_steps.yaml")
+    assert [r.name for r in plan.regions] == ["a0", "a2", "a4", "b1", "b5", "m"]
+    conv_x = plan.region("m").field("conv.x")
+    assert [(d.name, d.role, d.size) for d in conv_x.dims] == [("tap", "", 3), ("ch", "", 8)]
+    assert plan.group("swa").kernel_block_size == 4      # its own block size, not the spec's kernel
+    assert plan.storage("s").size == max(r.offset + r.num_blocks * r.block_stride for r in plan.regions)
+
+
+def test_repeat_needs_exactly_one_source():
+    """A repeat with both 'range' and 'values' is refused with a located message."""
+    text = (ROOT / "tests" / "fixtures" / "repeat_steps.yaml").read_text().replace(
+        "{var: l, values: [1, 5]}", "{var: l, values: [1, 5], range: layers}")
+    try:
+        kvlc.compile_spec(text)
+    except kvlc.SpecError as exc:
+        assert "exactly one of 'range' and 'values'" in str(exc) and "<string>:" in str(exc)
+    else:
+        raise AssertionError("a repeat with range and values compiled")

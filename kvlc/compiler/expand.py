@@ -33,9 +33,12 @@ def layer_range(spec: LayoutSpec) -> tuple[int, int]:
     return spec.parallel.layers or (0, spec.model.num_layers)
 
 
-def _values(rng: Range, spec: LayoutSpec) -> range:
-    start, stop = layer_range(spec) if rng.range == "layers" else rng.range
-    return range(start, stop)
+def _values(rng: Range, spec: LayoutSpec):
+    if rng.values is not None:
+        return rng.values
+    if rng.range == "layers":
+        return range(*layer_range(spec))
+    return range(*rng.range)
 
 
 class StampError(ValueError):

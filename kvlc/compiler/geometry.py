@@ -56,7 +56,8 @@ def resolve_groups(spec: LayoutSpec, problems: list) -> tuple[PlanGroup, ...]:
     out = []
     for i, g in enumerate(spec.groups):
         block = g.block_size or spec.block_size
-        kernel = g.kernel_block_size or spec.kernel_block_size or block
+        # a group with its own block size and no kernel size of its own uses whole blocks
+        kernel = g.kernel_block_size or (block if g.block_size else spec.kernel_block_size) or block
         own = bool(g.block_size or g.kernel_block_size)
         if block % kernel:
             # A spec-level kernel block size that fails the spec-level block size is one problem,
@@ -159,7 +160,7 @@ class _LayoutResolver:
                 if d.sections:
                     total_global = sum(d.sections.values())
                     locals_ = [self._local(f"{d.name}.{s}", g, dpath + ("sections", s), problems, False)
-                               for s, g in d.sections.items()]
+                               if d.role == "head" else g for s, g in d.sections.items()]
                     if None in locals_:
                         ok = False
                         continue
@@ -192,7 +193,7 @@ class _LayoutResolver:
                 d_split = sizes[split][0]
                 at = 0
                 for sec, g in d_split.sections.items():
-                    local = g // self.tp
+                    local = g // self.tp if d_split.role == "head" else g
                     dims = tuple(
                         PlanDim(name=d.name, role=d.role or "", size=(local if i == split else lo),
                                 global_size=(g if i == split else gl), stride=strides[i])
@@ -295,7 +296,9 @@ def resolve(exp: Expanded) -> Resolved:
         offset = r.offset if r.offset != "auto" else -(-cursor.get(r.storage, 0) // align) * align
         end = offset + (r.num_blocks - 1) * stride + block_bytes
         cursor[r.storage] = max(cursor.get(r.storage, 0), end)
-        ends[r.storage] = max(ends.get(r.storage, 0), end)
+        # a derived storage size holds every block at its full stride (a tensor of
+        # num_blocks x block_stride bytes), padding after the last block included
+        ends[r.storage] = max(ends.get(r.storage, 0), end, offset + r.num_blocks * stride)
         regions.append(ResolvedRegion(PlanRegion(
             name=r.name, storage=r.storage, mem=st.item.mem, device=st.item.device, offset=offset,
             num_blocks=r.num_blocks, block_bytes=block_bytes, block_stride=stride,

@@ -246,13 +246,28 @@ class Region(Frozen):
 
 
 class Range(Frozen):
+    """The values of a repeat: ``range: layers`` (the engine's layers), ``range: [start, stop]``,
+    ``range: [start, stop, step]`` (e.g. every other layer), or an explicit ``values: [...]`` list."""
+
     var: Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
-    range: tuple[NonNegative, NonNegative] | Literal["layers"]
+    range: tuple[NonNegative, NonNegative] | tuple[NonNegative, NonNegative, Positive] | Literal["layers"] | None = None
+    values: tuple[NonNegative, ...] | None = None
 
     @field_validator("range")
     @classmethod
     def _ordered(cls, v):
         return _ordered_range(v, "repeat range")
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        if (self.range is None) == (self.values is None):
+            raise spec_error("a repeat takes exactly one of 'range' and 'values'",
+                             expected="range: layers | [start, stop] | [start, stop, step], or values: [...]",
+                             found="both" if self.range is not None else "neither")
+        if self.values is not None and len(set(self.values)) != len(self.values):
+            raise spec_error("repeat values must be distinct", found=str(list(self.values)),
+                             fix="list each value once")
+        return self
 
 
 class RepeatRegions(Frozen):
