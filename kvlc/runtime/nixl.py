@@ -1,0 +1,432 @@
+"""The one choke point for NIXL.
+
+Every call into ``nixl._api`` goes through :func:`call` (or :func:`check` for a
+returned value): exceptions, ``"ERR"`` statuses and ``None`` become a
+:class:`~kvlc.runtime.errors.NixlError` that names the operation. Transfer
+states come back as :class:`XferState`; no NIXL status string travels above
+this module.
+
+:class:`Agent` is a thin, thread-safe (one lock) wrapper over ``nixl_agent``.
+Handles it returns (:class:`Xfer`, :class:`Prepped`, :class:`Registration`) own
+their lifetime: ``release()`` is idempotent, and the agent counts live handles
+so that tests can prove nothing leaked.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from kvlc.runtime.errors import NixlError
+
+# NIXL logs every agent creation at INFO on stdout; keep it to warnings unless the user set a level.
+_user_env = dict(os.environ)
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+
+OPS = ("READ", "WRITE")
+MEM_TYPES = ("DRAM", "VRAM")
+
+
+class XferState(enum.Enum):
+    """State of one NIXL transfer request."""
+
+    DONE = "DONE"
+    PROC = "PROC"
+    ERR = "ERR"
+
+    @property
+    def terminal(self) -> bool:
+        return self is not XferState.PROC
+
+
+def _status_of(exc: BaseException) -> str:
+    text = str(exc).strip()
+    if text.startswith("NIXL_"):
+        return text.split()[0]
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def check(value: Any, what: str) -> Any:
+    """Pass ``value`` through, or raise :class:`NixlError` naming ``what``.
+
+    ``value`` may be what a NIXL call returned, or the exception it raised.
+
+    >>> check(b"md", "get metadata")
+    b'md'
+    >>> check("ERR", "post transfer")
+    Traceback (most recent call last):
+    ...
+    kvlc.runtime.errors.NixlError: NIXL post transfer failed: NIXL_ERR
+    """
+    if isinstance(value, NixlError):
+        raise value
+    if isinstance(value, BaseException):
+        raise NixlError(what, _status_of(value)) from value
+    if value is None:
+        raise NixlError(what, "no result", "NIXL returned None")
+    if isinstance(value, str) and value == "ERR":
+        raise NixlError(what, "NIXL_ERR")
+    return value
+
+
+def call(what: str, fn: Callable, *args, **kwargs) -> Any:
+    """Run one NIXL call; any failure becomes a :class:`NixlError` naming ``what``."""
+    try:
+        value = fn(*args, **kwargs)
+    except NixlError:
+        raise
+    except Exception as exc:  # NIXL raises its own exception types, plus ValueError/KeyError
+        raise NixlError(what, _status_of(exc)) from exc
+    return check(value, what)
+
+
+def run(what: str, fn: Callable, *args, **kwargs) -> None:
+    """Run a NIXL call that returns nothing; an exception becomes a :class:`NixlError`."""
+    try:
+        fn(*args, **kwargs)
+    except Exception as exc:
+        raise NixlError(what, _status_of(exc)) from exc
+
+
+def _state(status: str) -> XferState:
+    try:
+        return XferState(status)
+    except ValueError:
+        return XferState.ERR
+
+
+class _Handle:
+    """Common idempotent-release bookkeeping for NIXL handles."""
+
+    __slots__ = ("_agent", "_raw", "what", "released")
+
+    def __init__(self, agent: Agent, raw: Any, what: str):
+        self._agent = agent
+        self._raw = raw
+        self.what = what
+        self.released = False
+        agent._live.add(self)
+
+    def _release_raw(self) -> None:
+        self._raw.release()
+
+    def release(self) -> None:
+        """Free the handle; a second call does nothing. Raises :class:`NixlError` if NIXL refuses."""
+        with self._agent._lock:
+            if self.released:
+                return
+            run(f"release {self.what}", self._release_raw)
+            self.released = True
+            self._agent._live.discard(self)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.what}{' released' if self.released else ''}>"
+
+
+class Xfer(_Handle):
+    """A transfer request. ``error`` holds why it failed once its state is ERR."""
+
+    __slots__ = ("error", "state")
+
+    def __init__(self, agent: Agent, raw: Any, what: str):
+        super().__init__(agent, raw, what)
+        self.error: str | None = None
+        self.state = XferState.PROC
+
+
+class Prepped(_Handle):
+    """A prepared descriptor list (``prep_xfer_dlist``)."""
+
+    __slots__ = ("count",)
+
+    def __init__(self, agent: Agent, raw: Any, what: str, count: int):
+        super().__init__(agent, raw, what)
+        self.count = count
+
+
+class Registration(_Handle):
+    """Registered memory; release deregisters it."""
+
+    __slots__ = ()
+
+    def _release_raw(self) -> None:
+        self._agent._nixl.deregister_memory(self._raw)
+
+
+def _rows(rows: np.ndarray, what: str, width: Sequence[int] = (3,)) -> np.ndarray:
+    arr = np.ascontiguousarray(rows, dtype=np.uint64)
+    if arr.ndim != 2 or arr.shape[1] not in width:
+        raise NixlError(
+            what,
+            "bad descriptors",
+            f"expected an (N, {'|'.join(map(str, width))}) uint64 array, got shape {arr.shape}",
+        )
+    return arr
+
+
+class Agent:
+    """One NIXL agent: registration, metadata, descriptor lists, transfers, notifications.
+
+    Every method takes the agent's lock, so the side-channel thread and the
+    engine's thread may both use it.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        backends: Sequence[str] = ("UCX",),
+        *,
+        telemetry: bool = False,
+        progress_thread: bool = False,
+    ):
+        from nixl._api import nixl_agent, nixl_agent_config  # the only import of nixl in kvlc
+
+        if "NIXL_LOG_LEVEL" not in _user_env:
+            logging.getLogger("nixl").setLevel(logging.WARNING)
+
+        self.name = name
+        self._lock = threading.RLock()
+        self._live: set[_Handle] = set()
+        self._remotes: set[str] = set()
+        # NIXL's progress thread busy-polls a core per agent; without it, transfers and notifications
+        # progress whenever the agent is used (every KvAgent.poll()), which engines do in their loop.
+        config = nixl_agent_config(
+            enable_prog_thread=progress_thread, backends=list(backends), capture_telemetry=telemetry
+        )
+        self._nixl = call(f"create agent {name!r}", nixl_agent, name, config)
+        missing = [b for b in backends if b not in self._nixl.backends]
+        if missing:
+            raise NixlError(
+                f"create agent {name!r}",
+                "backend unavailable",
+                f"backends {missing} not loaded; available plugins: {sorted(self._nixl.get_plugin_list())}",
+            )
+        self.backends = tuple(backends)
+        self.closed = False
+
+    @property
+    def _n(self):
+        if self._nixl is None:
+            raise NixlError(f"use agent {self.name!r}", "closed", "the agent was closed")
+        return self._nixl
+
+    # ------------------------------------------------------------------ memory
+    def register(self, rows: np.ndarray, mem: str, what: str = "memory") -> Registration:
+        """Register (N, 3) rows (addr, len, dev) of memory type ``mem``; one handle for all rows."""
+        rows = _rows(rows, f"register {what}")
+        with self._lock:
+            reg = call(f"register {what} ({mem})", self._n.register_memory, rows, mem)
+            return Registration(self, reg, f"registration of {what}")
+
+    # ------------------------------------------------------------------ metadata
+    def metadata(self) -> bytes:
+        with self._lock:
+            return bytes(call("get agent metadata", self._n.get_agent_metadata))
+
+    def add_remote(self, metadata: bytes) -> str:
+        """Load a peer's metadata; returns the peer agent's name."""
+        with self._lock:
+            name = call("add remote agent", self._n.add_remote_agent, metadata)
+            name = name.decode() if isinstance(name, bytes) else str(name)
+            self._remotes.add(name)
+            return name
+
+    def remove_remote(self, name: str) -> None:
+        """Forget a peer (idempotent)."""
+        with self._lock:
+            if name in self._remotes:
+                self._remotes.discard(name)
+                run(f"remove remote agent {name!r}", self._n.remove_remote_agent, name)
+
+    @property
+    def remotes(self) -> frozenset[str]:
+        return frozenset(self._remotes)
+
+    # ------------------------------------------------------------------ descriptor lists
+    def prep(self, agent_name: str | None, rows: np.ndarray, mem: str) -> Prepped:
+        """Prepare a descriptor list once: local (``agent_name=None``) or of a remote agent.
+
+        ``rows`` is (N, 3) (addr, len, dev) or strided (N, 5) (addr, len, dev, stride, count).
+        """
+        rows = _rows(rows, "prepare descriptor list", (3, 5))
+        count = int(rows[:, 4].sum()) if rows.shape[1] == 5 else len(rows)
+        target = "NIXL_INIT_AGENT" if agent_name is None else agent_name
+        with self._lock:
+            raw = call(f"prepare descriptor list for {target}", self._n.prep_xfer_dlist, target, rows, mem)
+            return Prepped(self, raw, f"dlist {target}/{mem} ({count} descs)", count)
+
+    def make_prepped(
+        self,
+        op: str,
+        local: Prepped,
+        local_idx: np.ndarray,
+        remote: Prepped,
+        remote_idx: np.ndarray,
+        what: str = "transfer",
+    ) -> Xfer:
+        """A transfer from indices into two prepared lists (no notification attached)."""
+        with self._lock:
+            raw = call(
+                f"make {op} {what}",
+                self._n.make_prepped_xfer,
+                op,
+                local._raw,
+                np.ascontiguousarray(local_idx, dtype=np.int32),
+                remote._raw,
+                np.ascontiguousarray(remote_idx, dtype=np.int32),
+                b"",
+            )
+            return Xfer(self, raw, f"{op} {what}")
+
+    def initialize(
+        self,
+        op: str,
+        local_rows: np.ndarray,
+        local_mem: str,
+        remote_rows: np.ndarray,
+        remote_mem: str,
+        remote_agent: str,
+        what: str = "transfer",
+    ) -> Xfer:
+        """A transfer from two row-aligned (N, 3) arrays (no notification attached)."""
+        if op not in OPS:
+            raise NixlError(f"create {what}", "bad operation", f"expected READ or WRITE, got {op!r}")
+        lrows = _rows(local_rows, f"create {op} {what}")
+        rrows = _rows(remote_rows, f"create {op} {what}")
+        if len(lrows) != len(rrows) or not len(lrows):
+            raise NixlError(
+                f"create {op} {what}",
+                "bad descriptors",
+                f"{len(lrows)} local vs {len(rrows)} remote rows; need equal, non-zero counts",
+            )
+        with self._lock:
+            ld = call(f"build local descriptors for {what}", self._n.get_xfer_descs, lrows, local_mem)
+            rd = call(f"build remote descriptors for {what}", self._n.get_xfer_descs, rrows, remote_mem)
+            raw = call(
+                f"create {op} {what} to {remote_agent!r}",
+                self._n.initialize_xfer,
+                op,
+                ld,
+                rd,
+                remote_agent,
+                b"",
+            )
+            return Xfer(self, raw, f"{op} {what} to {remote_agent!r}")
+
+    # ------------------------------------------------------------------ transfers
+    def post(self, xfer: Xfer) -> XferState:
+        """Start a transfer; a failure is returned as ``ERR`` with ``xfer.error`` set."""
+        with self._lock:
+            try:
+                xfer.state = _state(call(f"post {xfer.what}", self._n.transfer, xfer._raw, b""))
+            except NixlError as exc:
+                xfer.state, xfer.error = XferState.ERR, str(exc)
+            else:
+                if xfer.state is XferState.ERR:
+                    xfer.error = f"NIXL post {xfer.what} failed"
+            return xfer.state
+
+    def state(self, xfer: Xfer) -> XferState:
+        """Current state; terminal states stick. A failure sets ``xfer.error``."""
+        with self._lock:
+            if xfer.state.terminal or xfer.released:
+                return xfer.state
+            try:
+                xfer.state = _state(call(f"check {xfer.what}", self._n.check_xfer_state, xfer._raw))
+            except NixlError as exc:
+                xfer.state, xfer.error = XferState.ERR, str(exc)
+            else:
+                if xfer.state is XferState.ERR:
+                    xfer.error = f"NIXL {xfer.what} reported an error"
+            return xfer.state
+
+    def telemetry(self, xfer: Xfer) -> dict[str, int] | None:
+        """Descriptor count and bytes after NIXL's merging, when the agent captures telemetry."""
+        with self._lock:
+            try:
+                t = self._n.get_xfer_telemetry(xfer._raw)
+            except Exception:
+                return None
+            return {
+                "descs": int(t.descCount),
+                "bytes": int(t.totalBytes),
+                "post_us": int(t.postDuration),
+                "xfer_us": int(t.xferDuration),
+            }
+
+    # ------------------------------------------------------------------ notifications
+    def send_notif(self, agent_name: str, message: bytes) -> None:
+        with self._lock:
+            run(f"send notification to {agent_name!r}", self._n.send_notif, agent_name, message)
+
+    def notifs(self) -> dict[str, list[bytes]]:
+        """New notifications since the last call: sender agent name → messages."""
+        with self._lock:
+            got = call("get notifications", self._n.get_new_notifs)
+        return {
+            (k.decode() if isinstance(k, bytes) else str(k)): [bytes(m) for m in v] for k, v in got.items()
+        }
+
+    # ------------------------------------------------------------------ lifetime
+    @property
+    def live_handles(self) -> int:
+        """Handles (transfers, lists, registrations) not yet released."""
+        return len(self._live)
+
+    def live(self, kind: type = _Handle) -> list[_Handle]:
+        return [h for h in self._live if isinstance(h, kind)]
+
+    def close(self) -> list[str]:
+        """Release every live handle (transfers first, registrations last) and forget remotes.
+
+        Returns the problems met (a handle NIXL would not release), so a caller can log them.
+        """
+        problems = []
+        with self._lock:
+            if self.closed:
+                return problems
+            for kind in (Xfer, Prepped, Registration):
+                for h in list(self._live):
+                    if isinstance(h, kind):
+                        try:
+                            h.release()
+                        except NixlError as exc:
+                            problems.append(str(exc))
+            for name in list(self._remotes):
+                try:
+                    self.remove_remote(name)
+                except NixlError as exc:
+                    problems.append(str(exc))
+            self.closed = True
+            if not self._live:
+                self._nixl = None  # drop NIXL's agent (its UCX worker) now, not at interpreter exit
+        return problems
+
+
+def agent_factory(
+    backends: Sequence[str], telemetry: bool = False, progress_thread: bool = False
+) -> Callable[[str], Agent]:
+    """A function that creates a real :class:`Agent` by name (tests substitute a fake one)."""
+    return lambda name: Agent(name, backends, telemetry=telemetry, progress_thread=progress_thread)
+
+
+__all__ = [
+    "Agent",
+    "Xfer",
+    "Prepped",
+    "Registration",
+    "XferState",
+    "check",
+    "call",
+    "run",
+    "agent_factory",
+    "NixlError",
+    "MEM_TYPES",
+    "OPS",
+]

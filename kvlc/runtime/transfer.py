@@ -1,0 +1,282 @@
+"""Transfer execution: split a request into NIXL requests, barrier, notify, fail cleanly.
+
+The runtime does no layout arithmetic: a request arrives as the parts that
+:meth:`kvlc.compiler.pair.TransferProgram.instantiate` built (one per peer rank
+and pair of memory types, row-aligned (N, 3) descriptors). :class:`Executor`
+
+1. creates one NIXL request per non-empty part, none with a notification of
+   its own (if creating any fails, the ones created are released and nothing
+   is posted);
+2. posts them; polls their states without blocking;
+3. once every part is terminal, releases every handle; then, if every part is
+   DONE, sends exactly one ``done`` notification to each involved remote rank;
+   otherwise marks the request failed with the first reason and sends
+   ``failed`` notifications (never ``done``) — only after all parts are
+   terminal, so no byte moves after the peer hears of the request's end;
+4. on a deadline, cancels (releases) parts still in flight; a part NIXL
+   cannot cancel yet is retried on later polls, and the request is reported
+   failed only once no handle is left.
+
+:class:`Tally` is the receiving side of the barrier: it counts notifications
+per request from the expected remote ranks.
+
+It talks to NIXL only through the :class:`~kvlc.runtime.nixl.Agent` interface
+(``initialize``, ``post``, ``state``, ``send_notif``, handle ``release``), so a
+fake agent can drive it in unit tests.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Hashable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvlc.runtime.errors import NixlError
+from kvlc.runtime.nixl import XferState
+from kvlc.runtime.wire import encode_notif
+
+log = logging.getLogger("kvlc.runtime.transfer")
+
+
+@dataclass
+class PartRun:
+    """One NIXL request of a transfer: its part key, handle, size and state."""
+
+    key: Any
+    xfer: Any
+    rows: int
+    nbytes: int
+    state: XferState = XferState.PROC
+    error: str | None = None
+    posted: bool = False
+
+
+@dataclass
+class Outgoing:
+    """A request this agent moves bytes for (it initiated the READs or WRITEs)."""
+
+    key: Hashable
+    req: str
+    op: str
+    notify: Mapping[int, str]  # remote rank → agent name: one notification each
+    parts: list[PartRun]
+    started: float
+    deadline: float | None
+    tag: Any = None
+    status: str = "active"  # active | done | failed
+    reason: str = ""
+    finished: float | None = None
+    notified: tuple[int, ...] = ()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    @property
+    def rows(self) -> int:
+        return sum(p.rows for p in self.parts)
+
+    @property
+    def terminal(self) -> bool:
+        return self.status in ("done", "failed")
+
+    @property
+    def seconds(self) -> float:
+        return (self.finished or self.started) - self.started
+
+
+class Executor:
+    """Runs split transfers for one agent. Not thread-safe: the caller holds its lock."""
+
+    def __init__(self, agent, rank: int, clock: Callable[[], float] = time.monotonic):
+        self.agent = agent
+        self.rank = rank
+        self.clock = clock
+        self.active: dict[Hashable, Outgoing] = {}
+        self.stuck: list[Any] = []  # handles NIXL refused to release; retried on progress/close
+
+    # ------------------------------------------------------------------ submit
+    def submit(
+        self,
+        key: Hashable,
+        req: str,
+        op: str,
+        parts: Mapping[Any, Any],
+        agents: Mapping[int, str],
+        notify: Mapping[int, str],
+        timeout: float | None = None,
+        tag: Any = None,
+    ) -> Outgoing:
+        """Create and post one NIXL request per non-empty part. Raises :class:`NixlError` if a
+        request cannot be created (nothing is posted then); a failed post makes the request fail."""
+        if key in self.active:
+            raise NixlError(f"submit request '{req}'", "duplicate", "a request with this id is in flight")
+        runs: list[PartRun] = []
+        try:
+            for pk, part in parts.items():
+                if not len(part.local):
+                    continue
+                x = self.agent.initialize(
+                    op,
+                    part.local,
+                    pk.local_mem,
+                    part.remote,
+                    pk.remote_mem,
+                    agents[pk.peer_rank],
+                    what=f"request '{req}' part {pk}",
+                )
+                runs.append(PartRun(pk, x, len(part.local), int(part.nbytes)))
+        except BaseException:
+            for r in runs:
+                self._release(r)
+            raise
+        now = self.clock()
+        out = Outgoing(key, req, op, dict(notify), runs, now, None if timeout is None else now + timeout, tag)
+        self.active[key] = out
+        for r in runs:
+            if out.reason:  # an earlier part failed to post: do not start more
+                r.state, r.error = XferState.ERR, "not posted: an earlier part failed"
+                continue
+            r.state = self.agent.post(r.xfer)
+            r.posted = True
+            if r.state is XferState.ERR:
+                r.error = r.xfer.error or "post failed"
+                out.reason = f"part {r.key}: {r.error}"
+        return out
+
+    # ------------------------------------------------------------------ progress
+    def progress(self) -> list[Outgoing]:
+        """Advance every active request without blocking; return those that became terminal."""
+        self._retry_stuck()
+        now = self.clock()
+        done = []
+        for key in list(self.active):
+            out = self.active[key]
+            if self._advance(out, now):
+                del self.active[key]
+                done.append(out)
+        return done
+
+    def _advance(self, out: Outgoing, now: float) -> bool:
+        for r in out.parts:
+            if r.state is XferState.PROC and r.xfer is not None and not r.xfer.released:
+                r.state = self.agent.state(r.xfer)
+                if r.state is XferState.ERR:
+                    r.error = r.xfer.error or "transfer failed"
+                    out.reason = out.reason or f"part {r.key}: {r.error}"
+        pending = [r for r in out.parts if r.state is XferState.PROC]
+        if pending and out.deadline is not None and now >= out.deadline:
+            out.reason = out.reason or (
+                f"timed out after {out.deadline - out.started:.3g}s with "
+                f"{len(pending)} of {len(out.parts)} parts in flight"
+            )
+            for r in pending:
+                if self._release(r):
+                    r.state, r.error = XferState.ERR, "cancelled"
+            pending = [r for r in out.parts if r.state is XferState.PROC]
+        if pending:
+            return False
+        for r in out.parts:
+            self._release(r)
+        if any(r.xfer is not None and not r.xfer.released for r in out.parts):
+            return False  # a handle NIXL would not release yet: try again later
+        self._finish(out, now)
+        return True
+
+    def _finish(self, out: Outgoing, now: float) -> None:
+        out.finished = now
+        if not out.reason:
+            sent = []
+            for rank, name in out.notify.items():
+                try:
+                    self.agent.send_notif(name, encode_notif(out.req, self.rank, "done"))
+                    sent.append(rank)
+                except NixlError as exc:
+                    out.reason = f"all parts done, but notifying rank {rank} failed: {exc}"
+                    break
+            out.notified = tuple(sent)
+            if not out.reason:
+                out.status = "done"
+                return
+        out.status = "failed"
+        for rank, name in out.notify.items():
+            if rank in out.notified:
+                continue
+            try:
+                self.agent.send_notif(name, encode_notif(out.req, self.rank, "failed", out.reason))
+            except NixlError:
+                pass  # the peer may be gone; failing is already decided
+
+    # ------------------------------------------------------------------ release
+    def _release(self, r: PartRun) -> bool:
+        if r.xfer is None or r.xfer.released:
+            return True
+        try:
+            r.xfer.release()
+            return True
+        except NixlError as exc:
+            log.warning("cannot release %s yet: %s", r.xfer, exc)
+            return False
+
+    def _retry_stuck(self) -> None:
+        keep = []
+        for x in self.stuck:
+            try:
+                x.release()
+            except NixlError:
+                keep.append(x)
+        self.stuck = keep
+
+    def cancel_all(self, reason: str) -> list[Outgoing]:
+        """Cancel every active request (agent closing): release handles, mark failed, no notifications
+        of success. Handles NIXL refuses to release are kept in :attr:`stuck`."""
+        out_list = []
+        now = self.clock()
+        for key in list(self.active):
+            out = self.active.pop(key)
+            out.reason = out.reason or reason
+            for r in out.parts:
+                if r.state is XferState.PROC:
+                    # Refresh first: a part that finished meanwhile must not be counted as cancelled.
+                    r.state = self.agent.state(r.xfer) if not r.xfer.released else r.state
+                if not self._release(r):
+                    self.stuck.append(r.xfer)
+                if r.state is XferState.PROC:
+                    r.state, r.error = XferState.ERR, "cancelled"
+            self._finish(out, now)
+            out_list.append(out)
+        return out_list
+
+
+# ----------------------------------------------------------------------------- receiving side
+@dataclass
+class Tally:
+    """Notifications of one request from the remote ranks expected to send one."""
+
+    req: str
+    expected: frozenset[int]
+    deadline: float | None = None
+    seen: dict[int, tuple[str, str]] = field(default_factory=dict)
+    refused: dict[int, str] = field(default_factory=dict)  # ranks that will not notify, with why
+
+    def add(self, rank: int, status: str, why: str = "") -> None:
+        self.seen.setdefault(rank, (status, why))
+
+    @property
+    def complete(self) -> bool:
+        """Every expected rank has notified (or will not); never while the expected ranks are unknown."""
+        return bool(self.expected) and self.expected <= (set(self.seen) | set(self.refused))
+
+    @property
+    def reason(self) -> str:
+        for rank, why in sorted(self.refused.items()):
+            return f"rank {rank}: {why}"
+        for rank, (status, why) in sorted(self.seen.items()):
+            if status != "done":
+                return f"rank {rank} reported failure: {why or 'no reason given'}"
+        return ""
+
+    def missing(self) -> list[int]:
+        return sorted(self.expected - set(self.seen) - set(self.refused))

@@ -1,0 +1,339 @@
+"""Wire formats: the handshake record, side-channel messages and notifications. Never pickle.
+
+Side-channel frames are msgpack maps validated by strict, frozen pydantic models
+(``extra="forbid"``; no coercion: an int is an int, bytes are bytes). The field
+``t`` says which message a frame is:
+
+==========  ===================================================================
+``fetch``   ask a server for its :class:`Record`
+``record``  the :class:`Record`: version, agent name, NIXL agent metadata, plan JSON
+            and its digest, rank, every storage's base address, size, memory type, device
+``hello``   :class:`Introduce`: a connecting agent's record and what it will do
+``pull``    :class:`PullRequest`: pull-via-push, a consumer rank asks a producer rank to WRITE
+``reply``   :class:`Reply`: ok, or the error text
+==========  ===================================================================
+
+Notifications (NIXL ``send_notif``) are compact JSON, at most
+:data:`MAX_NOTIF_BYTES` bytes::
+
+    {"v":1,"req":"<request id>","rank":<sender rank>,"status":"done"}
+    {"v":1,"req":"<request id>","rank":<sender rank>,"status":"failed","why":"<reason, <=200 chars>"}
+
+A sender posts exactly one per request to every peer rank it exchanged bytes
+with, after all parts of the request are terminal: ``done`` if every part
+succeeded, ``failed`` otherwise (never ``done`` for a failed request).
+
+Decoding refuses, with a :class:`~kvlc.runtime.errors.HandshakeError` that says
+why: oversize or truncated input, not msgpack / JSON, wrong version, wrong
+types, unknown or missing keys, a digest that does not match the plan JSON, a
+plan JSON that is not a kvlc plan, a rank outside the plan's TP size, storages
+that do not match the plan's storages.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Annotated, Literal, Union
+
+import msgpack
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    StringConstraints,
+    TypeAdapter,
+    ValidationError,
+)
+
+from kvlc.compiler.plan import Plan
+from kvlc.runtime.errors import HandshakeError
+
+WIRE_VERSION = 1
+MAX_FRAME_BYTES = 8 << 20  # any side-channel frame
+MAX_RECORD_BYTES = 4 << 20  # a handshake record
+MAX_METADATA_BYTES = 1 << 20  # NIXL agent metadata inside a record
+MAX_PLAN_BYTES = 2 << 20  # plan JSON inside a record
+MAX_NOTIF_BYTES = 512
+MAX_BLOCK_IDS = 1 << 20  # per group, per side, in a pull request
+MAX_ERROR_CHARS = 4096
+
+AgentName = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:@\-]+$")]
+RequestId = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[\x21-\x7e]+$")]
+Name = Annotated[str, StringConstraints(min_length=1, max_length=256)]
+Rank = Annotated[int, Field(ge=0, lt=1 << 16)]
+U64 = Annotated[int, Field(ge=0, lt=1 << 64)]
+BlockId = Annotated[int, Field(ge=0, lt=1 << 62)]
+BlockIds = Annotated[
+    dict[Name, Annotated[tuple[BlockId, ...], Field(max_length=MAX_BLOCK_IDS)]], Field(max_length=256)
+]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+
+class StorageBase(_Strict):
+    """Where one storage of the sender lives: base address, registered bytes, memory type, NIXL device."""
+
+    name: Name
+    addr: U64
+    size: U64
+    mem: Literal["DRAM", "VRAM"]
+    device: Annotated[int, Field(ge=0, lt=1 << 16)]
+
+
+class Record(_Strict):
+    """A handshake record: everything a peer needs to pair with and reach one agent (one rank)."""
+
+    t: Literal["record"] = "record"
+    version: Literal[1] = WIRE_VERSION
+    agent: AgentName
+    nixl_md: Annotated[bytes, Field(min_length=1, max_length=MAX_METADATA_BYTES)]
+    plan_json: Annotated[str, Field(min_length=2, max_length=MAX_PLAN_BYTES)]
+    plan_digest: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
+    rank: Rank
+    storages: Annotated[tuple[StorageBase, ...], Field(max_length=1 << 16)]
+    _plan: Plan | None = PrivateAttr(default=None)
+
+    @property
+    def plan(self) -> Plan:
+        """The sender's plan (parsed and checked by :func:`check_record`)."""
+        if self._plan is None:
+            check_record(self)
+        return self._plan
+
+    def bases(self) -> dict[str, tuple[int, int]]:
+        """Storage name → (address, device), as :meth:`TransferProgram.instantiate` takes them."""
+        return {s.name: (s.addr, s.device) for s in self.storages}
+
+
+class Fetch(_Strict):
+    t: Literal["fetch"] = "fetch"
+    version: Literal[1] = WIRE_VERSION
+
+
+class Introduce(_Strict):
+    """A connecting agent introduces itself: its record, its pairing direction and the mode.
+
+    ``direction`` is the sender's: ``READ`` (it consumes) or ``WRITE`` (it produces).
+    ``mode`` is ``direct`` (the sender moves bytes) or ``pull_via_push`` (the sender
+    consumes; the receiver WRITEs on request).
+    """
+
+    t: Literal["hello"] = "hello"
+    version: Literal[1] = WIRE_VERSION
+    record: Record
+    direction: Literal["READ", "WRITE"]
+    mode: Literal["direct", "pull_via_push"]
+
+
+class PullRequest(_Strict):
+    """Pull via push: consumer rank ``rank`` (agent ``agent``) asks a producer rank to WRITE a request."""
+
+    t: Literal["pull"] = "pull"
+    version: Literal[1] = WIRE_VERSION
+    req: RequestId
+    agent: AgentName
+    rank: Rank
+    consumer_blocks: BlockIds
+    producer_blocks: BlockIds
+    num_tokens: Annotated[int, Field(ge=0, lt=1 << 40)]
+    timeout_s: Annotated[float, Field(gt=0, le=86400)] | None = None
+
+
+class Reply(_Strict):
+    t: Literal["reply"] = "reply"
+    ok: bool
+    error: Annotated[str, Field(max_length=MAX_ERROR_CHARS)] = ""
+
+
+Message = Annotated[Union[Fetch, Record, Introduce, PullRequest, Reply], Field(discriminator="t")]
+_MESSAGE = TypeAdapter(Message)
+
+
+class Notif(_Strict):
+    """One notification: request ``req`` is terminal on the sender's (rank ``rank``) side."""
+
+    v: Literal[1] = 1
+    req: RequestId
+    rank: Rank
+    status: Literal["done", "failed"]
+    why: Annotated[str, Field(max_length=200)] = ""
+
+
+# ----------------------------------------------------------------------------- errors
+def _explain(exc: ValidationError, limit: int = 5) -> str:
+    parts = []
+    for e in exc.errors()[:limit]:
+        loc = ".".join(str(x) for x in e["loc"]) or "<root>"
+        got = e.get("input")
+        shown = repr(got)
+        if len(shown) > 60:
+            shown = shown[:57] + "..."
+        parts.append(f"{loc}: {e['msg']} (got {shown})")
+    more = len(exc.errors()) - limit
+    if more > 0:
+        parts.append(f"... and {more} more")
+    return "; ".join(parts)
+
+
+# ----------------------------------------------------------------------------- records
+def check_record(rec: Record) -> Plan:
+    """Facts a schema cannot check: digest, plan, rank and storages agree. Returns the plan."""
+    if type(rec.version) is not int:
+        raise HandshakeError(
+            f"record of agent '{rec.agent}': wire version must be the integer {WIRE_VERSION}"
+        )
+    digest = hashlib.sha256(rec.plan_json.encode()).hexdigest()
+    if digest != rec.plan_digest:
+        raise HandshakeError(
+            f"record of agent '{rec.agent}': plan digest {rec.plan_digest[:16]}... does not "
+            f"match the sha256 of its plan JSON ({digest[:16]}...); refusing a tampered "
+            "or truncated plan"
+        )
+    try:
+        plan = Plan.from_json(rec.plan_json)
+    except ValidationError as exc:
+        raise HandshakeError(
+            f"record of agent '{rec.agent}': plan JSON is not a kvlc plan: {_explain(exc)}"
+        ) from None
+    if plan.digest != rec.plan_digest:
+        raise HandshakeError(
+            f"record of agent '{rec.agent}': plan JSON is not in canonical form "
+            f"(its canonical digest is {plan.digest[:16]}...)"
+        )
+    tp = plan.parallel.tp_size
+    if rec.rank >= tp:
+        raise HandshakeError(
+            f"record of agent '{rec.agent}': rank {rec.rank} outside plan '{plan.name}' (tp_size {tp})"
+        )
+    want = [s.name for s in plan.storages]
+    got = [s.name for s in rec.storages]
+    if got != want:
+        raise HandshakeError(
+            f"record of agent '{rec.agent}': storages {got[:4]}{'...' if len(got) > 4 else ''} "
+            f"do not match plan storages {want[:4]}{'...' if len(want) > 4 else ''} "
+            f"({len(got)} vs {len(want)})"
+        )
+    for s, p in zip(rec.storages, plan.storages):
+        if s.mem != p.mem or s.size < p.size:
+            raise HandshakeError(
+                f"record of agent '{rec.agent}': storage '{s.name}' is {s.mem} with {s.size} "
+                f"bytes; plan needs {p.mem} with {p.size} bytes"
+            )
+    rec._plan = plan  # private attributes stay assignable on frozen models
+    return plan
+
+
+def make_record(agent: str, nixl_md: bytes, plan: Plan, rank: int, storages) -> Record:
+    """Build and check a record (``storages``: :class:`StorageBase` in plan order)."""
+    rec = Record(
+        agent=agent,
+        nixl_md=nixl_md,
+        plan_json=plan.to_json(),
+        plan_digest=plan.digest,
+        rank=rank,
+        storages=tuple(storages),
+    )
+    check_record(rec)
+    return rec
+
+
+# ----------------------------------------------------------------------------- frames
+def encode(msg: BaseModel) -> bytes:
+    """msgpack bytes of a side-channel message.
+
+    >>> decode(encode(Reply(ok=True))) == Reply(ok=True)
+    True
+    """
+    data = msgpack.packb(msg.model_dump(mode="python"), use_bin_type=True)
+    if len(data) > MAX_FRAME_BYTES:
+        raise HandshakeError(f"{type(msg).__name__} is {len(data)} bytes; the limit is {MAX_FRAME_BYTES}")
+    return data
+
+
+def _unpack(data: bytes, limit: int, what: str):
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise HandshakeError(f"{what}: expected bytes, got {type(data).__name__}")
+    if len(data) > limit:
+        raise HandshakeError(f"{what} refused: {len(data)} bytes is over the {limit}-byte limit")
+    if not data:
+        raise HandshakeError(f"{what} refused: empty")
+    try:
+        obj = msgpack.unpackb(bytes(data), raw=False, use_list=False, strict_map_key=True)
+    except msgpack.ExtraData:
+        raise HandshakeError(f"{what} refused: trailing bytes after the message") from None
+    except (ValueError, msgpack.UnpackException, TypeError, RecursionError) as exc:
+        reason = "truncated" if "Unpack failed" in str(exc) or "incomplete" in str(exc) else "not msgpack"
+        raise HandshakeError(f"{what} refused: {reason} ({type(exc).__name__}: {str(exc)[:80]})") from None
+    if not isinstance(obj, dict):
+        raise HandshakeError(f"{what} refused: expected a msgpack map, got {type(obj).__name__}")
+    return obj
+
+
+def _check_version(obj: dict, key: str, what: str) -> None:
+    v = obj.get(key, None)
+    if type(v) is not int or v != WIRE_VERSION:
+        raise HandshakeError(
+            f"{what} refused: wire version {v!r:.20}; this kvlc speaks version {WIRE_VERSION} "
+            "(upgrade the older side)"
+        )
+
+
+def decode(data: bytes, limit: int = MAX_FRAME_BYTES) -> Fetch | Record | Introduce | PullRequest | Reply:
+    """Validate a side-channel frame into its message model; records are fully checked."""
+    obj = _unpack(data, limit, "side-channel message")
+    if obj.get("t") != "reply":
+        _check_version(obj, "version", f"'{str(obj.get('t'))[:20]}' message")
+    try:
+        msg = _MESSAGE.validate_python(obj, strict=True)
+    except ValidationError as exc:
+        kind = obj.get("t") if isinstance(obj.get("t"), str) else "?"
+        raise HandshakeError(f"'{kind[:20]}' message refused: {_explain(exc)}") from None
+    if isinstance(msg, Record):
+        check_record(msg)
+    elif isinstance(msg, Introduce):
+        check_record(msg.record)
+    return msg
+
+
+def decode_record(data: bytes) -> Record:
+    """Decode and fully check a handshake record (size bound :data:`MAX_RECORD_BYTES`)."""
+    obj = _unpack(data, MAX_RECORD_BYTES, "handshake record")
+    _check_version(obj, "version", "handshake record")
+    try:
+        rec = Record.model_validate(obj, strict=True)
+    except ValidationError as exc:
+        raise HandshakeError(f"handshake record refused: {_explain(exc)}") from None
+    check_record(rec)
+    return rec
+
+
+# ----------------------------------------------------------------------------- notifications
+def encode_notif(req: str, rank: int, status: str, why: str = "") -> bytes:
+    """The compact JSON notification.
+
+    >>> encode_notif("r1", 0, "done")
+    b'{"v":1,"req":"r1","rank":0,"status":"done"}'
+    """
+    n = Notif(req=req, rank=rank, status=status, why=why[:200])
+    return json.dumps(n.model_dump(exclude=set() if why else {"why"}), separators=(",", ":")).encode()
+
+
+def decode_notif(data: bytes) -> Notif:
+    """Validate a notification; raises :class:`HandshakeError` for anything else."""
+    if not isinstance(data, (bytes, bytearray)) or len(data) > MAX_NOTIF_BYTES:
+        raise HandshakeError(f"notification refused: not bytes or over {MAX_NOTIF_BYTES} bytes")
+    try:
+        obj = json.loads(bytes(data).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise HandshakeError(f"notification refused: not JSON ({str(exc)[:60]})") from None
+    if not isinstance(obj, dict):
+        raise HandshakeError(f"notification refused: expected a JSON object, got {type(obj).__name__}")
+    _check_version(obj, "v", "notification")
+    try:
+        return Notif.model_validate(obj, strict=True)
+    except ValidationError as exc:
+        raise HandshakeError(f"notification refused: {_explain(exc)}") from None

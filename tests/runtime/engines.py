@@ -1,0 +1,49 @@
+"""Helpers for the multi-process runtime tests: start engine processes, move requests, check bytes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvlc.runtime.demo import verify
+from kvlc.runtime.procs import AgentHandle, EngineConfig
+
+TIMEOUT = 30.0
+ROOT = Path(__file__).resolve().parents[2]
+LAYOUTS = ROOT / "layouts"
+TEST_LAYOUTS = ROOT / "tests" / "runtime" / "layouts"
+
+
+def config(plan, rank: int, fill: str, seed: int = 0, **kw) -> EngineConfig:
+    kw.setdefault("timeout", TIMEOUT)
+    return EngineConfig(plan.to_json(), rank, fill=fill, seed=seed, **kw)
+
+
+def move(initiator: AgentHandle, peer_id: str, method: str, requests, waiters=()) -> dict:
+    """Submit ``requests`` (id, local ids, remote ids, tokens) on the initiator, then wait for every one
+    on the initiator and on each waiting agent. Returns the initiator's outcome."""
+    errors = initiator.call("submit", peer_id, method, list(requests), TIMEOUT)
+    assert not errors, errors
+    ids = [r[0] for r in requests]
+    out = initiator.call("wait", ids, TIMEOUT)
+    assert out["failed"] == {} and out["open"] == [], out
+    for w in waiters:
+        got = w.call("wait", ids, TIMEOUT)
+        assert got["failed"] == {} and got["open"] == [], got
+    return out
+
+
+def check_bytes(consumer: AgentHandle, consumer_plan, producer_plan, before, requests) -> int:
+    """Every requested byte holds its content code; every other byte of the consumer is unchanged.
+
+    ``requests`` are (id, consumer ids, producer ids, tokens). Returns the number of bytes checked.
+    """
+    after = consumer.call("dump")
+    checked, problems = verify(consumer_plan, consumer.config.rank, producer_plan, before, after, requests)
+    assert not problems, problems[:5]
+    assert checked > 0
+    return checked
+
+
+def flip(requests):
+    """(id, a, b, n) → (id, b, a, n): the same requests seen from the other side."""
+    return [(r, b, a, n) for r, a, b, n in requests]

@@ -1,0 +1,246 @@
+"""KvAgent contracts that need no bytes moved: binding, registration lifetime, refusing hostile or
+incompatible peers before anything is added to NIXL, and block ids checked before any request exists.
+
+These agents are real NIXL (UCX) agents in this process; transfers run in the multi-process tests.
+"""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+from engines import LAYOUTS, TEST_LAYOUTS
+
+from kvlc import compile_spec
+from kvlc.errors import CompatError, TransferError
+from kvlc.runtime import BindingError, HandshakeError, KvAgent, allocate
+from kvlc.runtime.channel import ChannelClient, ChannelServer
+from kvlc.runtime.errors import ChannelError
+from kvlc.runtime.nixl import Registration, Xfer
+from kvlc.runtime.wire import Fetch, Introduce, Record, Reply, decode, encode
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("nixl")
+pytestmark = pytest.mark.runtime
+
+L = TEST_LAYOUTS
+
+
+@pytest.fixture(scope="module")
+def plans():
+    return {n: compile_spec(L / f"{n}.yaml") for n in ("dense-tp1", "dense-tp2-hnd-b32", "hybrid-tp1")}
+
+
+@pytest.fixture(scope="module")
+def producer(plans):
+    with KvAgent(plans["dense-tp1"], 0, allocate(plans["dense-tp1"]), name="local-producer") as a:
+        a.serve()
+        yield a
+
+
+@pytest.fixture
+def consumer(plans):
+    with KvAgent(plans["dense-tp1"], 0, allocate(plans["dense-tp1"])) as a:
+        yield a
+
+
+def _nothing_added(agent):
+    assert agent.nixl.remotes == frozenset()
+    assert agent.nixl.live(Xfer) == []
+
+
+# ----------------------------------------------------------------------------- binding
+def test_binding_names_every_problem(plans):
+    """Missing, too small, non-contiguous and unknown tensors are all reported, naming storage and values."""
+    plan = plans["dense-tp1"]
+    tensors = {"kv.0": torch.zeros(100, dtype=torch.uint8), "extra": torch.zeros(4)}
+    with pytest.raises(BindingError) as err:
+        KvAgent(plan, 0, tensors)
+    text = str(err.value)
+    assert "storage 'kv.1': no tensor given" in text
+    assert "storage 'kv.0': plan needs 262144 bytes; tensor has 100" in text
+    assert "tensor(s) ['extra'] match no storage" in text
+    bad = {
+        "kv.0": torch.zeros(262144 * 2, dtype=torch.uint8)[::2],
+        "kv.1": torch.zeros(262144, dtype=torch.uint8),
+    }
+    with pytest.raises(BindingError, match="storage 'kv.0': tensor must be contiguous"):
+        KvAgent(plan, 0, bad)
+
+
+def test_vram_storage_needs_a_cuda_tensor():
+    """A VRAM storage bound to a CPU tensor is refused with both memory types named."""
+    plan = compile_spec(LAYOUTS / "llama-3.1-8b.yaml")
+    fake = {s.name: torch.zeros(1, dtype=torch.uint8).expand(s.size) for s in plan.storages[:1]}
+    with pytest.raises(
+        BindingError, match=r"storage 'kv.0': plan says VRAM on device 0, so a cuda:0 tensor; got"
+    ):
+        KvAgent(plan, 0, fake)
+
+
+def test_rank_outside_plan_is_refused(plans):
+    """A rank outside the plan's TP size is refused before anything is registered."""
+    with pytest.raises(Exception, match="rank 2 outside plan"):
+        KvAgent(plans["dense-tp2-hnd-b32"], 2, allocate(plans["dense-tp2-hnd-b32"]))
+
+
+def test_one_registration_per_storage_released_on_close(plans):
+    """Each storage is registered once; close() deregisters everything and is idempotent."""
+    plan = plans["dense-tp1"]
+    a = KvAgent(plan, 0, allocate(plan))
+    assert len(a.nixl.live(Registration)) == len(plan.storages)
+    a.serve()
+    a.close()
+    a.close()
+    assert a.nixl.live_handles == 0 and a.address is None
+    with pytest.raises(TransferError, match="closed"):
+        a.connect("127.0.0.1:1")
+
+
+# ----------------------------------------------------------------------------- hostile peers
+def _ask(agent, payload: bytes):
+    with ChannelClient(agent.address) as c:
+        return decode(c.request(payload))
+
+
+@pytest.mark.parametrize(
+    "payload, why",
+    [
+        (b"\xc1garbage", "not msgpack"),
+        (msgpack.packb({"t": "hello", "version": 1}), "Field required"),
+        (msgpack.packb({"t": "fetch", "version": 9}), "wire version 9"),
+        (msgpack.packb({"t": "reply", "ok": True}), "unexpected 'reply' message"),
+        (
+            msgpack.packb(
+                {
+                    "t": "pull",
+                    "version": 1,
+                    "req": "r",
+                    "agent": "nobody",
+                    "rank": 0,
+                    "num_tokens": 16,
+                    "consumer_blocks": {"full": [1]},
+                    "producer_blocks": {"full": [1]},
+                }
+            ),
+            "has not connected in pull_via_push mode",
+        ),
+    ],
+)
+def test_served_agent_refuses_hostile_frames(producer, payload, why):
+    """Malformed or unexpected frames get an error reply, nothing is added to NIXL, the server serves on."""
+    reply = _ask(producer, payload)
+    assert isinstance(reply, Reply) and not reply.ok and why in reply.error
+    _nothing_added(producer)
+    assert isinstance(_ask(producer, encode(Fetch())), Record)
+
+
+def test_introduction_with_foreign_metadata_is_refused(producer, plans):
+    """A record whose NIXL metadata belongs to another agent name is refused; the agent is removed again."""
+    with KvAgent(plans["dense-tp1"], 0, allocate(plans["dense-tp1"]), name="real-name") as other:
+        impostor = other.record.model_copy(update={"agent": "impostor"})
+        reply = _ask(producer, encode(Introduce(record=impostor, direction="READ", mode="pull_via_push")))
+    assert not reply.ok and "NIXL metadata is agent 'real-name'" in reply.error
+    _nothing_added(producer)
+
+
+def test_introduction_from_incompatible_plan_is_refused(producer, plans):
+    """An introduction whose plan does not pair reports the compatibility errors; nothing is added."""
+    with KvAgent(plans["hybrid-tp1"], 0, allocate(plans["hybrid-tp1"])) as other:
+        reply = _ask(producer, encode(Introduce(record=other.record, direction="READ", mode="pull_via_push")))
+    assert not reply.ok and "error [" in reply.error
+    _nothing_added(producer)
+
+
+@pytest.fixture
+def hostile():
+    """A side-channel server whose answer the test chooses."""
+    answer = {}
+    server = ChannelServer(lambda frame: answer["bytes"], lambda text: b"")
+    yield server, answer
+    server.close()
+
+
+def test_connect_refuses_hostile_records(consumer, producer, hostile):
+    """Garbage, refusals, tampered or forged records, oversize replies: refused at connect, nothing added."""
+    server, answer = hostile
+    good = producer.record
+    tampered = msgpack.packb(dict(good.model_dump(), plan_digest="f" * 64), use_bin_type=True)
+    bigger = good.plan_json.replace('"num_blocks":64', '"num_blocks":6400')
+    forged = msgpack.packb(dict(good.model_dump(), plan_json=bigger), use_bin_type=True)
+    cases = [
+        (b"\x92\x01\x02", HandshakeError, "expected a msgpack map"),
+        (encode(Reply(ok=False, error="go away")), HandshakeError, "go away"),
+        (tampered, HandshakeError, "does not match the sha256"),
+        (forged, HandshakeError, "does not match the sha256"),
+        (encode(Fetch()), HandshakeError, "not a record"),
+        (b"x" * (9 << 20), ChannelError, "side channel .* connection closed"),
+    ]
+    for data, kind, why in cases:
+        answer["bytes"] = data
+        with pytest.raises(kind, match=why):
+            consumer.connect(server.address, timeout=5)
+        _nothing_added(consumer)
+
+
+def test_incompatible_plans_fail_at_connect(plans, producer):
+    """Pairing errors surface at connect time as CompatError, with nothing added to NIXL."""
+    with KvAgent(plans["hybrid-tp1"], 0, allocate(plans["hybrid-tp1"])) as other:
+        with pytest.raises(CompatError):
+            other.connect(producer.address)
+        _nothing_added(other)
+
+
+def test_missing_remote_rank_fails_at_connect(plans):
+    """A TP1 consumer reading from a TP2 engine needs both producer ranks' addresses."""
+    tp2 = plans["dense-tp2-hnd-b32"]
+    with (
+        KvAgent(tp2, 0, allocate(tp2)) as r0,
+        KvAgent(plans["dense-tp1"], 0, allocate(plans["dense-tp1"])) as c,
+    ):
+        with pytest.raises(HandshakeError, match=r"no address serves rank\(s\) \[1\]"):
+            c.connect(r0.serve())
+        _nothing_added(c)
+
+
+# ----------------------------------------------------------------------------- block ids
+def test_out_of_range_block_ids_are_refused_before_any_request(producer, consumer):
+    """An id beyond a region's capacity raises TransferError naming region, id and capacity; no NIXL
+    request is created, nothing is counted, the producer hears nothing."""
+    peer = consumer.connect(producer.address)
+    cases = [
+        ({"full": [0, 1]}, {"full": [63, 64]}, "remote block id 64 out of range for region 'layer.0'"),
+        ({"full": [64, 1]}, {"full": [0, 1]}, "local block id 64 out of range"),
+        ({"full": [-1, 1]}, {"full": [0, 1]}, "local block id -1"),
+        ({"full": [0]}, {"full": [0, 1]}, "1 local block ids for 20 tokens; expected 2"),
+        ({}, {"full": [0, 1]}, "no block ids for group 'full'"),
+    ]
+    for lids, rids, why in cases:
+        with pytest.raises(TransferError, match=why):
+            peer.read("bad", lids, rids, 20)
+    assert "capacity 64" in str(
+        pytest.raises(TransferError, peer.read, "bad", {"full": [0, 1]}, {"full": [0, 99]}, 20).value
+    )
+    assert consumer.stats["requests"] == 0 and consumer.nixl.live(Xfer) == []
+    with pytest.raises(TransferError, match="request id"):
+        peer.read("has space", {"full": [0]}, {"full": [0]}, 1)
+    with pytest.raises(TransferError, match="direction='WRITE'"):
+        peer.write("w", {"full": [0]}, {"full": [0]}, 1)
+    assert not producer.poll()
+
+
+def _finish(consumer, producer, req, timeout=10.0):
+    """Poll the consumer only: the producer, never polled here, progresses through its progress thread
+    (UCX needs the target's worker to progress for a READ between two agents of one process)."""
+    return consumer.wait([req], timeout=timeout)
+
+
+def test_same_request_id_twice_in_flight_is_refused(producer, consumer):
+    """A request id already in flight is refused; once it finished, the id may be used again."""
+    peer = consumer.connect(producer.address)
+    peer.read("dup", {"full": [1]}, {"full": [2]}, 16)
+    with pytest.raises(TransferError, match="already in flight"):
+        peer.read("dup", {"full": [3]}, {"full": [4]}, 16)
+    assert _finish(consumer, producer, "dup").finished == ("dup",)
+    peer.read("dup", {"full": [3]}, {"full": [4]}, 16)
+    assert _finish(consumer, producer, "dup").finished == ("dup",)
+    assert consumer.nixl.live(Xfer) == []

@@ -1,0 +1,84 @@
+"""The loopback demo: CPU variants of checked-in layouts, the byte checker it relies on, one real run."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from engines import LAYOUTS, TEST_LAYOUTS
+
+from kvlc import compile_spec
+from kvlc.compiler.content import expected_bytes
+from kvlc.compiler.pair import pair
+from kvlc.runtime.demo import cpu_plan, make_workload, scaled_plan, verify
+
+pytestmark = pytest.mark.runtime
+
+
+def test_cpu_variant_keeps_layouts_ratios_and_pairing():
+    """DRAM everywhere, pools scaled by one factor, block layouts untouched: the variants still pair."""
+    full = compile_spec(LAYOUTS / "gemma-3-27b-tp2-b16.yaml")
+    small = cpu_plan(LAYOUTS / "gemma-3-27b-tp2-b16.yaml", 8 << 20)
+    assert small.mem_types == ("DRAM",) and sum(s.size for s in small.storages) <= 8 << 20
+    by_name = {r.name: r for r in small.regions}
+    for r in full.regions:
+        s = by_name[r.name]
+        assert (s.fields, s.block_bytes, s.groups, s.block_tokens) == (
+            r.fields,
+            r.block_bytes,
+            r.groups,
+            r.block_tokens,
+        )
+    local, glob = by_name["layer.0"].num_blocks, by_name["layer.5"].num_blocks
+    assert 4 <= glob / local <= 5  # global:local pools stay about 4:1
+    other = cpu_plan(LAYOUTS / "gemma-3-27b-tp2-b32.yaml", 8 << 20)
+    assert pair(other, small, local_rank=1, direction="READ").peer_ranks == (1,)
+    kept = scaled_plan(LAYOUTS / "deepseek-v3.2-hisparse-tp8.yaml", 64 << 20, to_dram=False)
+    assert kept.mem_types == ("DRAM", "VRAM")
+
+
+def test_workload_rounds_have_disjoint_destinations():
+    """Within a round no two requests share a destination block; every id fits its pool."""
+    c = cpu_plan(LAYOUTS / "gemma-3-27b-tp2-b32.yaml", 32 << 20)
+    p = cpu_plan(LAYOUTS / "gemma-3-27b-tp2-b16.yaml", 32 << 20)
+    rounds = make_workload(c, p, 10, 32)
+    assert sum(len(b) for b in rounds) == 10
+    for batch in rounds:
+        for g in ("local", "global"):
+            ids = [i for _, cids, _, _ in batch for i in cids[g]]
+            assert len(ids) == len(set(ids))
+
+
+def test_verify_catches_wrong_and_stray_bytes():
+    """The checker passes exact content, names a wrong requested byte and a changed byte elsewhere."""
+    plan = compile_spec(TEST_LAYOUTS / "dense-tp1.yaml")
+    rng = np.random.default_rng(0)
+    before = {s.name: rng.integers(0, 256, s.size, dtype=np.uint8) for s in plan.storages}
+    batch = [("r", {"full": [3, 4]}, {"full": [9, 1]}, 20)]
+    after = {k: v.copy() for k, v in before.items()}
+    for storage, idx, vals in expected_bytes(plan, 0, plan, batch[0][1], batch[0][2], 20):
+        after[storage][idx] = vals
+    checked, problems = verify(plan, 0, plan, before, after, batch)
+    assert checked == 20 * 256 * 2 and problems == []
+    after["kv.1"][3 * 4096 + 5] ^= 1
+    after["kv.0"][10 * 4096] ^= 1
+    _, problems = verify(plan, 0, plan, before, after, batch)
+    assert any("r: rank 0 storage kv.1: 1 wrong bytes" in p for p in problems)
+    assert any("storage kv.0: 1 bytes outside the requested blocks changed" in p for p in problems)
+
+
+def test_run_demo_end_to_end():
+    """Two processes, pull-via-push, every byte checked, progress reported after every round."""
+    pytest.importorskip("nixl")
+    seen = []
+    from kvlc.runtime.demo import run_demo
+
+    res = run_demo(
+        TEST_LAYOUTS / "hybrid-tp1.yaml",
+        mode="pull_via_push",
+        requests=6,
+        max_bytes=1 << 20,
+        progress=lambda *a: seen.append(a),
+    )
+    assert res.ok, (res.mismatches, res.failed)
+    assert res.requests == 6 and res.checked_bytes > 0 and res.gbps > 0 and res.descriptors_per_request > 0
+    assert seen and seen[-1][0] == 6 and seen[-1][1] == 6

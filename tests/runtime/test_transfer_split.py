@@ -1,0 +1,207 @@
+"""Split / barrier / failure logic of the Executor, on real transfer programs with VRAM partitions.
+
+A fake agent stands in for NIXL here only (scripted states, recorded calls); the same logic
+runs against real NIXL agents in the multi-process tests.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from engines import LAYOUTS
+from fake import FakeAgent
+
+from kvlc import compile_spec
+from kvlc.compiler.pair import pair
+from kvlc.runtime.errors import NixlError
+from kvlc.runtime.nixl import XferState
+from kvlc.runtime.transfer import Executor
+
+pytestmark = pytest.mark.runtime
+
+DONE, PROC, ERR = XferState.DONE, XferState.PROC, XferState.ERR
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def _bases(plan, tag):
+    return {s.name: ((tag << 40) + (i << 32), s.device) for i, s in enumerate(plan.storages)}
+
+
+@pytest.fixture(scope="module")
+def mixed():
+    """Consumer rank 3 of a host-offload engine (latent in DRAM, indexer in VRAM) reading from
+    rank 3 of an all-VRAM engine: two parts, DRAM<-VRAM and VRAM<-VRAM."""
+    cons = compile_spec(LAYOUTS / "deepseek-v3.2-hisparse-tp8.yaml")
+    prod = compile_spec(LAYOUTS / "deepseek-v3.2-tp8.yaml")
+    prog = pair(cons, prod, local_rank=3, direction="READ")
+    ids_c = {"mla": [1, 2], "indexer": [5, 6, 7, 8]}
+    ids_p = {"mla": [9, 10, 11, 12], "indexer": [3, 4, 5, 6]}
+    parts = prog.instantiate(_bases(cons, 1), {3: _bases(prod, 2)}, ids_c, ids_p, 250)
+    return prog, parts
+
+
+def _submit(ex, parts, req="r1", timeout=None, op="READ"):
+    agents = {k.peer_rank: f"peer{k.peer_rank}" for k in parts}
+    return ex.submit(("direct", req), req, op, parts, agents, agents, timeout)
+
+
+def _notifs(agent):
+    return [(name, json.loads(m)) for name, m in agent.sent]
+
+
+def test_one_nixl_request_per_part_with_its_memory_types(mixed):
+    """Each (peer, local mem, remote mem) part becomes exactly one NIXL request with those memory types."""
+    prog, parts = mixed
+    assert {(k.local_mem, k.remote_mem) for k in parts} == {("DRAM", "VRAM"), ("VRAM", "VRAM")}
+    agent = FakeAgent()
+    ex = Executor(agent, rank=3)
+    out = _submit(ex, parts)
+    assert len(agent.created) == len(parts)
+    for x in agent.created:
+        key = next(k for k in parts if str(k) in x.what)
+        assert (x.local_mem, x.remote_mem, x.remote_agent) == (key.local_mem, key.remote_mem, "peer3")
+        assert (x.local == parts[key].local).all() and (x.remote == parts[key].remote).all()
+        assert x.op == "READ"
+    assert ex.progress() == [out] and out.status == "done"
+    assert out.rows == sum(len(p) for p in parts.values())
+
+
+def test_notification_only_after_every_part_is_done(mixed):
+    """A part done first sends nothing; one 'done' per peer rank follows the last part, after release."""
+    _, parts = mixed
+    agent = FakeAgent()
+    agent.states = {("peer3", "DRAM", "VRAM"): [DONE], ("peer3", "VRAM", "VRAM"): [PROC, PROC, DONE]}
+    ex = Executor(agent, rank=3)
+    out = _submit(ex, parts)
+    assert ex.progress() == [] and agent.sent == []
+    assert ex.progress() == [out]
+    assert _notifs(agent) == [("peer3", {"v": 1, "req": "r1", "rank": 3, "status": "done"})]
+    kinds = [e[0] for e in agent.log]
+    assert kinds.index("notif") > max(i for i, k in enumerate(kinds) if k == "release")
+    assert agent.live_handles == 0
+
+
+def test_failed_part_waits_for_the_others_then_fails_without_done(mixed):
+    """One part errors: the request stays open until every part is terminal, then every handle is
+    released, the request fails with the reason, and no 'done' notification is sent."""
+    _, parts = mixed
+    agent = FakeAgent()
+    agent.states = {
+        ("peer3", "DRAM", "VRAM"): [PROC, ERR],
+        ("peer3", "VRAM", "VRAM"): [PROC, PROC, PROC, DONE],
+    }
+    ex = Executor(agent, rank=3)
+    out = _submit(ex, parts)
+    assert ex.progress() == [] and ex.progress() == []
+    assert agent.live_handles == 2 and agent.sent == []
+    assert ex.progress() == [out]
+    assert out.status == "failed" and "REMOTE_DISCONNECT" in out.reason and "DRAM->VRAM" in out.reason
+    assert agent.live_handles == 0
+    assert [n["status"] for _, n in _notifs(agent)] == ["failed"]
+
+
+def test_failed_post_starts_no_further_part(mixed):
+    """A part whose post fails stops the remaining parts from being posted; all handles are released."""
+    _, parts = mixed
+    agent = FakeAgent()
+    first = next(iter(parts))
+    agent.states = {("peer3", first.local_mem, first.remote_mem): [ERR]}
+    ex = Executor(agent, rank=3)
+    out = _submit(ex, parts)
+    assert sum(x.posted for x in agent.created) == 1
+    assert ex.progress() == [out] and out.status == "failed" and agent.live_handles == 0
+
+
+def test_create_failure_releases_what_was_created_and_posts_nothing(mixed):
+    """If NIXL cannot create one part's request, the created ones are released and nothing is posted."""
+    _, parts = mixed
+    agent = FakeAgent()
+    agent.fail_create = {("peer3", "VRAM", "VRAM")}
+    ex = Executor(agent, rank=3)
+    with pytest.raises(NixlError, match="NOT_FOUND"):
+        _submit(ex, parts)
+    assert agent.live_handles == 0 and not any(x.posted for x in agent.created) and not ex.active
+
+
+def test_timeout_cancels_parts_in_flight(mixed):
+    """Past its deadline a request's in-flight parts are cancelled (released) and it fails."""
+    _, parts = mixed
+    agent = FakeAgent()
+    agent.states = {k: [PROC] for k in [("peer3", "DRAM", "VRAM"), ("peer3", "VRAM", "VRAM")]}
+    clock = Clock()
+    ex = Executor(agent, rank=3, clock=clock)
+    out = _submit(ex, parts, timeout=5.0)
+    clock.t = 4.9
+    assert ex.progress() == []
+    clock.t = 5.0
+    assert ex.progress() == [out]
+    assert out.status == "failed" and "timed out after 5s" in out.reason
+    assert agent.live_handles == 0 and [n["status"] for _, n in _notifs(agent)] == ["failed"]
+
+
+def test_cancel_that_nixl_refuses_is_retried_before_reporting(mixed):
+    """A part NIXL cannot cancel yet keeps the request open; it is reported only once no handle is left."""
+    _, parts = mixed
+    agent = FakeAgent()
+    agent.states = {k: [PROC] for k in [("peer3", "DRAM", "VRAM"), ("peer3", "VRAM", "VRAM")]}
+    clock = Clock()
+    ex = Executor(agent, rank=3, clock=clock)
+    out = _submit(ex, parts, timeout=1.0)
+    agent.created[0].refuse_release = 2
+    clock.t = 2.0
+    assert ex.progress() == [] and agent.live_handles == 1
+    assert ex.progress() == [] and agent.live_handles == 1
+    assert ex.progress() == [out] and agent.live_handles == 0 and out.status == "failed"
+
+
+def test_failed_notification_fails_the_request(mixed):
+    """All bytes moved but a peer cannot be told: the request is failed, not done."""
+    _, parts = mixed
+    agent = FakeAgent()
+    agent.fail_notif = {"peer3"}
+    ex = Executor(agent, rank=3)
+    out = _submit(ex, parts)
+    assert ex.progress() == [out]
+    assert out.status == "failed" and "notifying rank 3 failed" in out.reason
+
+
+def test_cancel_all_releases_in_flight_requests(mixed):
+    """Closing cancels every in-flight request: handles released, requests failed, no 'done' sent."""
+    _, parts = mixed
+    agent = FakeAgent()
+    agent.states = {k: [PROC] for k in [("peer3", "DRAM", "VRAM"), ("peer3", "VRAM", "VRAM")]}
+    ex = Executor(agent, rank=3)
+    outs = [_submit(ex, parts, req=f"r{i}") for i in range(3)]
+    cancelled = ex.cancel_all("agent closed")
+    assert sorted(o.req for o in cancelled) == sorted(o.req for o in outs)
+    assert all(o.status == "failed" and o.reason == "agent closed" for o in outs)
+    assert agent.live_handles == 0 and not ex.active
+    assert {n["status"] for _, n in _notifs(agent)} == {"failed"}
+
+
+def test_hetero_tp_one_notification_per_peer_rank():
+    """TP4 consumer rank reading from two TP8 producer ranks: one request per peer, one 'done' to each."""
+    cons = compile_spec(LAYOUTS / "llama-3.1-70b-hnd-tp4.yaml")
+    prod = compile_spec(LAYOUTS / "llama-3.1-70b-hnd-tp8.yaml")
+    prog = pair(cons, prod, local_rank=1, direction="READ")
+    assert prog.peer_ranks == (2, 3)
+    parts = prog.instantiate(
+        _bases(cons, 1), {2: _bases(prod, 2), 3: _bases(prod, 3)}, {"full": [4, 5]}, {"full": [7, 8]}, 20
+    )
+    agent = FakeAgent()
+    agent.states = {("peer2", "VRAM", "VRAM"): [PROC, DONE], ("peer3", "VRAM", "VRAM"): [PROC, PROC, DONE]}
+    ex = Executor(agent, rank=1)
+    out = _submit(ex, parts)
+    assert len(agent.created) == 2
+    assert ex.progress() == [] and agent.sent == []
+    assert ex.progress() == [out]
+    assert sorted(name for name, _ in agent.sent) == ["peer2", "peer3"]
+    assert all(n == {"v": 1, "req": "r1", "rank": 1, "status": "done"} for _, n in _notifs(agent))

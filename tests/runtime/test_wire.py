@@ -1,0 +1,230 @@
+"""Wire formats: records, side-channel messages and notifications are validated strictly, never pickled."""
+
+from __future__ import annotations
+
+import json
+
+import msgpack
+import pytest
+from engines import TEST_LAYOUTS
+
+from kvlc import compile_spec
+from kvlc.runtime.errors import HandshakeError
+from kvlc.runtime.wire import (
+    MAX_NOTIF_BYTES,
+    MAX_RECORD_BYTES,
+    Fetch,
+    Introduce,
+    PullRequest,
+    Record,
+    Reply,
+    StorageBase,
+    decode,
+    decode_notif,
+    decode_record,
+    encode,
+    encode_notif,
+    make_record,
+)
+
+pytestmark = pytest.mark.runtime
+
+
+@pytest.fixture(scope="module")
+def plan():
+    return compile_spec(TEST_LAYOUTS / "dense-tp2-hnd-b32.yaml")
+
+
+@pytest.fixture(scope="module")
+def record(plan):
+    return make_record(
+        "agent-a",
+        b"\x01nixl-metadata",
+        plan,
+        1,
+        [
+            StorageBase(name=s.name, addr=(i + 1) << 30, size=s.size, mem=s.mem, device=0)
+            for i, s in enumerate(plan.storages)
+        ],
+    )
+
+
+def _raw(record, **changes):
+    d = record.model_dump()
+    d.update(changes)
+    return msgpack.packb(d, use_bin_type=True)
+
+
+def test_record_round_trips(record, plan):
+    """A record survives encode/decode and yields the sender's plan and bases."""
+    back = decode_record(encode(record))
+    assert back == record and back.plan == plan
+    assert back.bases()["kv.1"] == (2 << 30, 0)
+
+
+def test_messages_round_trip(record):
+    """Every side-channel message type decodes to what was encoded."""
+    msgs = [
+        Fetch(),
+        Reply(ok=False, error="no"),
+        Introduce(record=record, direction="READ", mode="pull_via_push"),
+        PullRequest(
+            req="r-1",
+            agent="agent-a",
+            rank=1,
+            consumer_blocks={"full": (1, 2)},
+            producer_blocks={"full": (3, 4)},
+            num_tokens=40,
+            timeout_s=2.5,
+        ),
+    ]
+    for m in msgs:
+        assert decode(encode(m)) == m
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(version=2), "wire version 2"),
+        (dict(version=True), "wire version True"),
+        (dict(plan_digest="0" * 64), "does not match the sha256"),
+        (dict(rank=2), "rank 2 outside plan"),
+        (dict(rank=-1), "greater than or equal to 0"),
+        (dict(rank="0"), "valid integer"),
+        (dict(nixl_md="text"), "valid bytes"),
+        (dict(agent="bad name!"), "should match pattern"),
+        (dict(extra=1), "Extra inputs are not permitted"),
+        (dict(storages=()), "do not match plan storages"),
+    ],
+)
+def test_bad_records_are_refused_with_a_reason(record, change, message):
+    """Wrong version, digest, rank, types, extra keys or storages: HandshakeError saying which."""
+    with pytest.raises(HandshakeError, match=message):
+        decode_record(_raw(record, **change))
+
+
+def test_tampered_plan_is_refused(record):
+    """A plan JSON changed after hashing (digest kept) is refused; so is a non-canonical one."""
+    with pytest.raises(HandshakeError, match="does not match"):
+        decode_record(
+            _raw(record, plan_json=record.plan_json.replace('"num_blocks":40', '"num_blocks":4000'))
+        )
+    spaced = record.plan_json.replace(",", ", ")
+    import hashlib
+
+    with pytest.raises(HandshakeError, match="canonical"):
+        decode_record(_raw(record, plan_json=spaced, plan_digest=hashlib.sha256(spaced.encode()).hexdigest()))
+    junk = '{"not": "a plan"}'
+    with pytest.raises(HandshakeError, match="not a kvlc plan"):
+        decode_record(_raw(record, plan_json=junk, plan_digest=hashlib.sha256(junk.encode()).hexdigest()))
+
+
+def test_storage_smaller_than_plan_is_refused(record):
+    """A record whose storage is smaller than its plan says is refused."""
+    st = [dict(s.model_dump(), size=10) for s in record.storages]
+    with pytest.raises(HandshakeError, match="plan needs DRAM with 163840 bytes"):
+        decode_record(_raw(record, storages=st))
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        (b"", "empty"),
+        (b"\xc1", "not msgpack"),
+        (msgpack.packb([1, 2, 3]), "expected a msgpack map"),
+        (msgpack.packb({"t": "fetch", "version": 1}) + b"\x00", "trailing bytes"),
+        (b"\x91" * 100000, "not msgpack"),
+        (msgpack.packb({"t": "launch", "version": 1}), "does not match any of the expected tags"),
+        (msgpack.packb({"t": "fetch", "version": 1, "x": 1}), "Extra inputs"),
+        (msgpack.packb({1: 2}), "not msgpack"),
+        (
+            msgpack.packb(
+                {
+                    "t": "pull",
+                    "version": 1,
+                    "req": "r",
+                    "agent": "a",
+                    "rank": 0,
+                    "num_tokens": 1.5,
+                    "consumer_blocks": {},
+                    "producer_blocks": {},
+                }
+            ),
+            "valid integer",
+        ),
+        (
+            msgpack.packb(
+                {
+                    "t": "pull",
+                    "version": 1,
+                    "req": "r",
+                    "agent": "a",
+                    "rank": 0,
+                    "num_tokens": 1,
+                    "consumer_blocks": {"g": [-1]},
+                    "producer_blocks": {},
+                }
+            ),
+            "greater than or equal to 0",
+        ),
+    ],
+)
+def test_hostile_frames_are_refused(data, message):
+    """Garbage, deep nesting, unknown types, extra keys, wrong types: refused with a reason, no crash."""
+    with pytest.raises(HandshakeError, match=message):
+        decode(data)
+
+
+def test_truncated_and_oversize_records_are_refused(record):
+    """A record cut anywhere, or over the size bound, is refused."""
+    data = encode(record)
+    for cut in (1, 10, len(data) // 2, len(data) - 1):
+        with pytest.raises(HandshakeError):
+            decode_record(data[:cut])
+    with pytest.raises(HandshakeError, match="over the"):
+        decode_record(b"\x80" + b"\x00" * MAX_RECORD_BYTES)
+
+
+def test_decoding_never_unpickles():
+    """A pickle payload is just refused bytes."""
+    import pickle
+
+    with pytest.raises(HandshakeError):
+        decode(pickle.dumps({"t": "fetch", "version": 1}))
+
+
+def test_notification_format():
+    """Notifications are compact JSON with v, req, rank, status (and why when failed)."""
+    assert encode_notif("req-7", 3, "done") == b'{"v":1,"req":"req-7","rank":3,"status":"done"}'
+    failed = json.loads(encode_notif("req-7", 3, "failed", "x" * 500))
+    assert failed["status"] == "failed" and len(failed["why"]) == 200
+    n = decode_notif(b'{"v":1,"req":"req-7","rank":3,"status":"done"}')
+    assert (n.req, n.rank, n.status) == ("req-7", 3, "done")
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"",
+        b"not json",
+        b"[1]",
+        b'{"v":2,"req":"r","rank":0,"status":"done"}',
+        b'{"v":1,"req":"r","rank":0,"status":"ok"}',
+        b'{"v":1,"req":"r","rank":"0","status":"done"}',
+        b'{"v":1,"req":"r","rank":0,"status":"done","x":1}',
+        b'{"v":1,"req":"has space","rank":0,"status":"done"}',
+        b"x" * (MAX_NOTIF_BYTES + 1),
+        b"\xff\xfe",
+    ],
+)
+def test_bad_notifications_are_refused(data):
+    """Anything but a valid notification raises HandshakeError."""
+    with pytest.raises(HandshakeError):
+        decode_notif(data)
+
+
+def test_record_type_is_frozen(record):
+    """Records are immutable values."""
+    with pytest.raises(Exception):
+        record.rank = 0
+    assert isinstance(record, Record)
