@@ -211,6 +211,7 @@ def run_demo(
     device: str = "cpu",
     check: str = "all",
     progress_mode: str = "thread",
+    fill: str = "content",
 ) -> DemoResult:
     """Run the loopback demo; see the module docstring. ``mode``: pull | push | pull_via_push.
 
@@ -220,6 +221,8 @@ def run_demo(
     on the host). ``check``: ``"all"`` rounds, the ``"first"`` round only, or ``"none"`` (bytes are
     checked on every consumer rank; the result says what failed or mismatched: ``result.ok``).
     ``progress_mode`` is every agent's ``progress`` (see :class:`~kvlc.runtime.agent.KvAgent`).
+    ``fill``: how the producer fills its cache, ``"content"`` (codes; needed for any check) or
+    ``"random"`` (fast, for throughput runs with ``check="none"``).
     """
     from kvlc.runtime.procs import EngineConfig, EngineProcess
 
@@ -227,6 +230,10 @@ def run_demo(
         raise ValueError(f"mode {mode!r}: use one of {', '.join(MODES)}")
     if check not in ("all", "first", "none"):
         raise ValueError(f"check {check!r}: use all, first or none")
+    if fill not in ("content", "random"):
+        raise ValueError(f"fill {fill!r}: use content or random")
+    if fill != "content" and check != "none":
+        raise ValueError("checking bytes needs fill='content'")
     to_dram = device == "cpu"
     prod_plan = scaled_plan(layout, max_bytes, to_dram=to_dram)
     cons_plan = scaled_plan(consumer_layout, max_bytes, to_dram=to_dram) if consumer_layout else prod_plan
@@ -245,7 +252,7 @@ def run_demo(
 
     pproc, cproc = EngineProcess(), EngineProcess()
     try:
-        prods = [pproc.add_async(cfg(prod_plan, r, "content", 0)) for r in range(prod_plan.parallel.tp_size)]
+        prods = [pproc.add_async(cfg(prod_plan, r, fill, 0)) for r in range(prod_plan.parallel.tp_size)]
         cons = [
             cproc.add_async(cfg(cons_plan, r, "random", seed + r)) for r in range(cons_plan.parallel.tp_size)
         ]
