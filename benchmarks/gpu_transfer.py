@@ -30,10 +30,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 CASES = [
-    # name, producer layout, consumer layout, what it shows
-    ("vram llama-3.1-8b", "layouts/llama-3.1-8b.yaml", None, "VRAM -> VRAM, 32 regions"),
+    # name, producer layout, consumer layout, what it shows, large-run sizes per mode:
+    # {"pull"|"other": (requests, tokens per request, pool bytes per rank)}
+    ("vram llama-3.1-8b", "layouts/llama-3.1-8b.yaml", None, "VRAM -> VRAM, 32 regions",
+     {"pull": (8, 512, 1 << 30), "other": (64, 2048, 1 << 30)}),
     ("mixed deepseek-v3.2 -> hisparse", "layouts/deepseek-v3.2-tp8.yaml",
-     "layouts/deepseek-v3.2-hisparse-tp8.yaml", "VRAM producer -> DRAM latent + VRAM indexer consumer"),
+     "layouts/deepseek-v3.2-hisparse-tp8.yaml", "VRAM producer -> DRAM latent + VRAM indexer consumer",
+     {"pull": (4, 256, 128 << 20), "other": (8, 512, 128 << 20)}),
 ]
 MODES = ("push", "pull_via_push", "pull")
 
@@ -64,7 +67,7 @@ def torch_copy_gbps(nbytes: int, kind: str, reps: int = 10) -> float:
     return nbytes / seconds / 1e9
 
 
-def run_case(name, producer, consumer, quick: bool) -> dict:
+def run_case(name, producer, consumer, quick: bool, big: dict) -> dict:
     from kvlc.runtime.demo import run_demo
 
     out = {"case": name, "producer": producer, "consumer": consumer, "modes": {}}
@@ -78,18 +81,19 @@ def run_case(name, producer, consumer, quick: bool) -> dict:
                             "verified_bytes": small.checked_bytes, "mismatches": small.mismatches[:5],
                             "failed": dict(list(small.failed.items())[:5]), "wall_s": time.time() - t0}
             print(f"[{name}] {mode:14s} check: ok={small.ok} verified {small.checked_bytes:,} bytes", flush=True)
-            big_requests = 8 if mode == "pull" else (16 if quick else 64)
-            tokens = 512 if mode == "pull" else 2048
-            t0 = time.time()
-            big = run_demo(producer, consumer, mode=mode, requests=big_requests, tokens=tokens,
-                           max_bytes=(1 << 30) if not quick else (256 << 20), device="gpu", check="none",
-                           fill="random", timeout=300.0)
-            row["throughput"] = {"ok": big.ok, "requests": big.requests, "bytes": big.nbytes,
-                                 "seconds": big.seconds, "gbps": big.gbps,
-                                 "descriptors_per_request": big.descriptors_per_request,
-                                 "failed": dict(list(big.failed.items())[:5]), "wall_s": time.time() - t0}
-            print(f"[{name}] {mode:14s} {big.nbytes / 1e9:.2f} GB in {big.seconds:.3f} s = {big.gbps:.1f} GB/s, "
-                  f"{big.descriptors_per_request:.0f} descriptors/request", flush=True)
+            for ids in (("contiguous",) if mode == "pull" else ("contiguous", "random")):
+                requests, tokens, pool = big["pull" if mode == "pull" else "other"]
+                t0 = time.time()
+                res = run_demo(producer, consumer, mode=mode, requests=requests, tokens=tokens,
+                               max_bytes=pool, device="gpu", check="none", fill="random", ids=ids,
+                               timeout=300.0)
+                row[f"throughput_{ids}"] = {
+                    "ok": res.ok, "requests": res.requests, "tokens": tokens, "bytes": res.nbytes,
+                    "seconds": res.seconds, "gbps": res.gbps,
+                    "descriptors_per_request": res.descriptors_per_request,
+                    "failed": dict(list(res.failed.items())[:5]), "wall_s": time.time() - t0}
+                print(f"[{name}] {mode:14s} {ids:10s} {res.nbytes / 1e9:.2f} GB in {res.seconds:.3f} s = "
+                      f"{res.gbps:.1f} GB/s, {res.descriptors_per_request:.0f} descriptors/request", flush=True)
         except Exception as exc:  # record and go on: one call of the GPU machine should tell everything
             row["error"] = f"{type(exc).__name__}: {exc}"
             row["traceback"] = traceback.format_exc()[-3000:]
@@ -122,15 +126,16 @@ def main(argv=None) -> int:
         print(f"torch {kind}: " + ", ".join(f"{int(k) >> 20} MiB {v:.1f} GB/s" for k, v in baselines[kind].items()),
               flush=True)
     cases = [c for c in CASES if not args.only or any(s in c[0] for s in args.only.split(","))]
-    results = [run_case(name, p, c, args.quick) for name, p, c, _ in cases]
-    for r in results:  # the ceiling for each throughput row: a d2d copy of that many bytes
-        for mode, row in r["modes"].items():
-            tp = row.get("throughput")
-            if tp and tp["bytes"]:
-                per_req = max(1, tp["bytes"] // max(1, tp["requests"]))
-                d2d = torch_copy_gbps(min(per_req * tp["requests"], 4 << 30), "d2d")
-                tp["torch_d2d_gbps_same_bytes"] = d2d
-                tp["fraction_of_d2d"] = tp["gbps"] / d2d
+    results = []
+    for name, p, c, _, big in cases:
+        results.append(run_case(name, p, c, args.quick, big))
+        for mode, row in results[-1]["modes"].items():  # ceiling: a d2d copy of one request's bytes
+            for key, tp in row.items():
+                if key.startswith("throughput") and tp["bytes"]:
+                    per_req = max(1, tp["bytes"] // max(1, tp["requests"]))
+                    d2d = torch_copy_gbps(min(per_req, 4 << 30), "d2d")
+                    tp["torch_d2d_gbps_same_bytes"] = d2d
+                    tp["fraction_of_d2d"] = tp["gbps"] / d2d
     doc = {"benchmark": "gpu", "machine": info, "torch_copy_gbps": baselines, "cases": results}
     path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)

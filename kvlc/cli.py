@@ -230,8 +230,10 @@ def pair_cmd(producer: str, consumer: str, rank: int, direction: str, as_json: b
               help="Shrink every storage pool to about this many MiB (layouts keep their geometry).")
 @click.option("--check", type=click.Choice(["all", "first", "none"]), default="all", show_default=True,
               help="Which rounds to verify byte by byte.")
+@click.option("--ids", type=click.Choice(["random", "contiguous"]), default="random", show_default=True,
+              help="Producer block ids: scattered over the pool, or contiguous runs (descriptors coalesce).")
 def demo(layout: str, consumer: str | None, mode: str, requests: int, tokens: int | None, pool_mib: int,
-         check: str) -> None:
+         check: str, ids: str) -> None:
     """Producer and consumer processes on loopback move a content-coded workload; every byte is checked.
 
     The producer fills its cache with bytes that encode what they are (region, field, head,
@@ -257,7 +259,7 @@ def demo(layout: str, consumer: str | None, mode: str, requests: int, tokens: in
 
         try:
             result = run_demo(layout, consumer, mode=mode, requests=requests, tokens=tokens,
-                              max_bytes=pool_mib << 20, progress=progress, check=check)
+                              max_bytes=pool_mib << 20, progress=progress, check=check, ids=ids)
         except KvlcError as exc:
             _fail(exc)
     table = Table(title="result")

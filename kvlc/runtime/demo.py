@@ -137,8 +137,15 @@ def default_tokens(consumer: Plan, producer: Plan, limit: int = 128) -> int:
     return max(1, best)
 
 
-def make_workload(consumer: Plan, producer: Plan, requests: int, tokens: int | None = None, seed: int = 0):
-    """Rounds of requests: (id, consumer ids, producer ids, tokens); destinations disjoint within a round."""
+def make_workload(consumer: Plan, producer: Plan, requests: int, tokens: int | None = None, seed: int = 0,
+                  ids: str = "random"):
+    """Rounds of requests: (id, consumer ids, producer ids, tokens); destinations disjoint within a round.
+
+    ``ids``: producer block ids drawn at ``"random"`` (a fragmented pool), or ``"contiguous"``
+    runs on both sides (a fresh pool; descriptors coalesce across blocks).
+    """
+    if ids not in ("random", "contiguous"):
+        raise ValueError(f"ids {ids!r}: use random or contiguous")
     rng = np.random.default_rng(seed)
     groups = [g.name for g in consumer.groups if g.name in {x.name for x in producer.groups}]
     cap_c, cap_p = _capacities(consumer), _capacities(producer)
@@ -152,12 +159,17 @@ def make_workload(consumer: Plan, producer: Plan, requests: int, tokens: int | N
                 f"the pools hold {cap_c[g]} / {cap_p[g]}: use fewer tokens or a larger max_bytes"
             )
     per_round = max(1, min(cap_c[g] // need_c[g] for g in groups))
+    if ids == "contiguous":
+        per_round = max(1, min(per_round, *(cap_p[g] // need_p[g] for g in groups)))
     rounds, i = [], 0
     while i < requests:
         batch = []
         for j in range(min(per_round, requests - i)):
             cids = {g: list(range(j * need_c[g], (j + 1) * need_c[g])) for g in groups}
-            pids = {g: rng.choice(cap_p[g], need_p[g], replace=False).tolist() for g in groups}
+            if ids == "contiguous":
+                pids = {g: list(range(j * need_p[g], (j + 1) * need_p[g])) for g in groups}
+            else:
+                pids = {g: rng.choice(cap_p[g], need_p[g], replace=False).tolist() for g in groups}
             batch.append((f"req-{i + j}", cids, pids, tokens))
         rounds.append(batch)
         i += len(batch)
@@ -212,6 +224,7 @@ def run_demo(
     check: str = "all",
     progress_mode: str = "thread",
     fill: str = "content",
+    ids: str = "random",
 ) -> DemoResult:
     """Run the loopback demo; see the module docstring. ``mode``: pull | push | pull_via_push.
 
@@ -222,7 +235,7 @@ def run_demo(
     checked on every consumer rank; the result says what failed or mismatched: ``result.ok``).
     ``progress_mode`` is every agent's ``progress`` (see :class:`~kvlc.runtime.agent.KvAgent`).
     ``fill``: how the producer fills its cache, ``"content"`` (codes; needed for any check) or
-    ``"random"`` (fast, for throughput runs with ``check="none"``).
+    ``"random"`` (fast, for throughput runs with ``check="none"``). ``ids``: see :func:`make_workload`.
     """
     from kvlc.runtime.procs import EngineConfig, EngineProcess
 
@@ -237,7 +250,7 @@ def run_demo(
     to_dram = device == "cpu"
     prod_plan = scaled_plan(layout, max_bytes, to_dram=to_dram)
     cons_plan = scaled_plan(consumer_layout, max_bytes, to_dram=to_dram) if consumer_layout else prod_plan
-    rounds = make_workload(cons_plan, prod_plan, requests, tokens, seed)
+    rounds = make_workload(cons_plan, prod_plan, requests, tokens, seed, ids)
 
     def cfg(plan, rank, fill, seed_):
         return EngineConfig(
