@@ -102,12 +102,42 @@ def run_case(name, producer, consumer, quick: bool, big: dict) -> dict:
     return out
 
 
+def sweep(out: str) -> int:
+    """Where does VRAM push time go? Progress mode (kKV thread vs NIXL's own) x request size."""
+    from kvlc.runtime.demo import run_demo
+
+    rows = []
+    for progress in ("thread", "nixl"):
+        for tokens, requests, pool in ((2048, 64, 1 << 30), (16384, 16, 8 << 30)):
+            for mode in ("push", "pull_via_push"):
+                try:
+                    res = run_demo("layouts/llama-3.1-8b.yaml", mode=mode, requests=requests, tokens=tokens,
+                                   max_bytes=pool, device="gpu", check="none", fill="zeros", ids="contiguous",
+                                   timeout=300.0, progress_mode=progress)
+                    per_req = res.nbytes // max(1, res.requests)
+                    d2d = torch_copy_gbps(per_req, "d2d")
+                    row = {"progress": progress, "mode": mode, "tokens": tokens, "requests": res.requests,
+                           "bytes": res.nbytes, "seconds": res.seconds, "gbps": res.gbps,
+                           "descriptors_per_request": res.descriptors_per_request, "ok": res.ok,
+                           "torch_d2d_gbps_same_bytes": d2d, "fraction_of_d2d": res.gbps / d2d}
+                except Exception as exc:
+                    row = {"progress": progress, "mode": mode, "tokens": tokens, "error": repr(exc)}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    Path(out).write_text(json.dumps({"benchmark": "gpu-sweep", "rows": rows}, indent=2) + "\n")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gpu.json"))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", default="", help="comma-separated case-name substrings")
+    ap.add_argument("--sweep", action="store_true",
+                    help="push sweep on VRAM instead: progress mode x request size, contiguous ids")
     args = ap.parse_args(argv)
+    if args.sweep:
+        return sweep(args.out)
 
     import torch
 

@@ -235,7 +235,8 @@ def run_demo(
     checked on every consumer rank; the result says what failed or mismatched: ``result.ok``).
     ``progress_mode`` is every agent's ``progress`` (see :class:`~kvlc.runtime.agent.KvAgent`).
     ``fill``: how the producer fills its cache, ``"content"`` (codes; needed for any check) or
-    ``"random"`` (fast, for throughput runs with ``check="none"``). ``ids``: see :func:`make_workload`.
+    ``"random"`` / ``"zeros"`` (fast, for throughput runs with ``check="none"``). ``ids``: see
+    :func:`make_workload`.
     """
     from kvlc.runtime.procs import EngineConfig, EngineProcess
 
@@ -243,8 +244,8 @@ def run_demo(
         raise ValueError(f"mode {mode!r}: use one of {', '.join(MODES)}")
     if check not in ("all", "first", "none"):
         raise ValueError(f"check {check!r}: use all, first or none")
-    if fill not in ("content", "random"):
-        raise ValueError(f"fill {fill!r}: use content or random")
+    if fill not in ("content", "random", "zeros"):
+        raise ValueError(f"fill {fill!r}: use content, random or zeros")
     if fill != "content" and check != "none":
         raise ValueError("checking bytes needs fill='content'")
     to_dram = device == "cpu"
