@@ -5,11 +5,14 @@ the runtime (``kvlc.runtime``) needs nixl and torch (the ``runtime`` extra).
 """
 
 from kvlc.compiler import compile_spec, load_spec
+from kvlc.compiler.compat import CompatReport, Finding
+from kvlc.compiler.pair import PartKey, TransferProgram, check_pair, pair
 from kvlc.compiler.plan import Plan
 from kvlc.compiler.spec import LayoutSpec
 from kvlc.errors import CompatError, CompileError, KvlcError, SpecError, TransferError
 
 __version__ = "0.1.0"
 
-__all__ = ["compile_spec", "load_spec", "Plan", "LayoutSpec", "KvlcError", "SpecError",
-           "CompileError", "CompatError", "TransferError", "__version__"]
+__all__ = ["compile_spec", "load_spec", "Plan", "LayoutSpec", "check_pair", "pair", "TransferProgram",
+           "PartKey", "CompatReport", "Finding", "KvlcError", "SpecError", "CompileError", "CompatError",
+           "TransferError", "__version__"]
