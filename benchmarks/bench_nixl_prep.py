@@ -6,7 +6,11 @@ block descriptors as N rows of (addr, len, dev) is what a per-block scheme does;
 as strided rows it is one row per region. Both lists are prepared from the
 same registered DRAM buffer, in the same run, for N = 10k ... 10M.
 
-Run:  python3 benchmarks/bench_nixl_prep.py [--max 10000000] [--quick]
+Section "program lists": the strided lists of real transfer programs (Llama-3.1-70B HND TP8->TP4,
+Qwen3-32B): strided rows against the descriptors they expand to, prep time of both forms, and the
+time to build one request's index arrays (BoundProgram.prepared_indices) against instantiate.
+
+Run:  python3 benchmarks/bench_nixl_prep.py [--max 10000000] [--quick] [--no-programs]
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max", type=int, default=10_000_000, help="largest descriptor count")
     ap.add_argument("--quick", action="store_true", help="one repetition per size")
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--no-programs", action="store_true", help="skip the 'program lists' section")
     args = ap.parse_args(argv)
 
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
@@ -88,9 +93,118 @@ def main(argv=None) -> int:
             del n3
     finally:
         agent.deregister_memory(reg)
+    programs = [] if args.no_programs else program_lists(nixl_agent, nixl_agent_config, args.quick)
     if not args.no_write:
-        print(f"wrote {write_results('nixl_prep', {'block_bytes': BLOCK, 'rows': rows})}")
+        print(f"wrote {write_results('nixl_prep', {'block_bytes': BLOCK, 'rows': rows, 'program_lists': programs})}")
     return 0
+
+
+# ----------------------------------------------------------------------------- program lists
+# (name, consumer layout, producer layout): consumer rank 0 pulls (READ) from the producer.
+PROGRAM_PAIRS = (("llama70b-hnd-tp8-to-tp4", "llama-3.1-70b-hnd-tp4.yaml", "llama-3.1-70b-hnd-tp8.yaml"),
+                 ("qwen3-32b-tp2", "qwen3-32b-tp2.yaml", "qwen3-32b-tp2.yaml"))
+REQUEST_TOKENS = 4096
+
+
+def _storage_buffer(plan):
+    """One zeroed buffer holding every storage of a plan (pages stay untouched) and its bases."""
+    sizes = [-(-s.size // 4096) * 4096 for s in plan.storages]
+    buf = np.zeros(sum(sizes) + 4096, dtype=np.uint8)
+    offs = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+    base = -(-buf.ctypes.data // 4096) * 4096
+    return buf, {s.name: (base + int(o), 0) for s, o in zip(plan.storages, offs)}
+
+
+def _expand(rows5: np.ndarray) -> np.ndarray:
+    """The (N, 3) list a strided (R, 5) list stands for, in NIXL's expansion order."""
+    counts = rows5[:, 4].astype(np.int64)
+    r = np.repeat(np.arange(len(rows5)), counts)
+    k = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+    out = np.empty((len(r), 3), dtype=np.uint64)
+    out[:, 0] = rows5[r, 0] + k.astype(np.uint64) * rows5[r, 3]
+    out[:, 1] = rows5[r, 1]
+    out[:, 2] = rows5[r, 2]
+    return out
+
+
+def program_lists(nixl_agent, nixl_agent_config, quick: bool) -> list[dict]:
+    """Strided lists of real transfer programs: rows vs expanded descriptors, prep time of both forms,
+    and per request the index arrays (prepared_indices) against instantiate."""
+    import kvlc
+    from common import LAYOUTS, timeit
+    from kvlc.compiler.pair import pair
+
+    print(f"\nprogram lists (consumer rank 0 pulls; request of {REQUEST_TOKENS} tokens, random block ids)")
+    out = []
+    reps = 1 if quick else 3
+    for name, cname, pname in PROGRAM_PAIRS:
+        cons, prod = kvlc.compile_spec(LAYOUTS / cname), kvlc.compile_spec(LAYOUTS / pname)
+        prog = pair(cons, prod, local_rank=0, direction="READ")
+        local = nixl_agent(f"plist-local-{name}", nixl_agent_config(backends=["UCX"]))
+        remote = nixl_agent(f"plist-remote-{name}", nixl_agent_config(backends=["UCX"]))
+        lbuf, lbases = _storage_buffer(cons)
+        regs = [(local, local.register_memory(np.array([[lbuf.ctypes.data, lbuf.nbytes, 0]], np.uint64), "DRAM"))]
+        keep, rbases = [lbuf], {}
+        for peer in prog.peer_ranks:
+            rbuf, rbases[peer] = _storage_buffer(prod)
+            keep.append(rbuf)
+            regs.append((remote, remote.register_memory(np.array([[rbuf.ctypes.data, rbuf.nbytes, 0]], np.uint64),
+                                                         "DRAM")))
+        rname = local.add_remote_agent(remote.get_agent_metadata())
+        rname = rname.decode() if isinstance(rname, bytes) else rname
+        try:
+            # the runtime registers DRAM here: prepare every list as DRAM whatever the plan says
+            bound = prog.bind(lbases, rbases)
+            t0 = time.perf_counter()
+            lists = bound.prepared_rows()
+            build5 = time.perf_counter() - t0
+            srows = sum(2 * len(pl) for pl in lists.values())
+            expanded = sum(pl.local_size + pl.remote_size for pl in lists.values())
+            t0 = time.perf_counter()
+            full = [(_expand(pl.local), _expand(pl.remote)) for pl in lists.values()]
+            build3 = time.perf_counter() - t0
+            t5, t3 = [], []
+            for _ in range(reps):
+                for which, times, pairs_ in (("nx5", t5, [(pl.local, pl.remote) for pl in lists.values()]),
+                                             ("nx3", t3, full)):
+                    gc.collect()
+                    t0 = time.perf_counter()
+                    hs = [local.prep_xfer_dlist("NIXL_INIT_AGENT", lrows, "DRAM") for lrows, _ in pairs_]
+                    hs += [local.prep_xfer_dlist(rname, rrows, "DRAM") for _, rrows in pairs_]
+                    times.append(time.perf_counter() - t0)
+                    for h in hs:
+                        local.release_dlist_handle(h)
+            del full
+            rng = np.random.default_rng(0)
+            ids = {}
+            for side, plan in (("local", cons), ("remote", prod)):
+                g = plan.groups[0]
+                cap = min(r.capacity for r in plan.regions if g.name in r.groups)
+                ids[side] = {g.name: rng.choice(cap, -(-REQUEST_TOKENS // g.block_size), replace=False)}
+            req = bound.prepared_indices(ids["local"], ids["remote"], REQUEST_TOKENS)
+            parts = bound.instantiate(ids["local"], ids["remote"], REQUEST_TOKENS)
+            t_idx = timeit(lambda: bound.prepared_indices(ids["local"], ids["remote"], REQUEST_TOKENS), repeat=7)
+            t_inst = timeit(lambda: bound.instantiate(ids["local"], ids["remote"], REQUEST_TOKENS), repeat=7)
+            row = {"pair": name, "parts": len(lists), "strided_rows": srows, "expanded_descriptors": expanded,
+                   "build_nx5_s": build5, "build_nx3_s": build3, "prep_nx5_s": min(t5), "prep_nx3_s": min(t3),
+                   "request_tokens": REQUEST_TOKENS,
+                   "request_indices": sum(len(i[0]) for i in req.indices.values()),
+                   "request_tail_rows": sum(len(p) for p in req.tail.values()),
+                   "instantiate_rows": sum(len(p) for p in parts.values()),
+                   "prepared_indices_s": t_idx["median"], "instantiate_s": t_inst["median"]}
+            out.append(row)
+            print(f"{name:<24} lists: {srows:,d} strided rows = {expanded:,d} descriptors "
+                  f"({len(lists)} parts x local+remote)  prep Nx5 {ms(row['prep_nx5_s'])}  "
+                  f"prep Nx3 {ms(row['prep_nx3_s'])} ({row['prep_nx3_s'] / max(row['prep_nx5_s'], 1e-9):.0f}x)")
+            print(f"{'':<24} request: {row['request_indices']:,d} indices + {row['request_tail_rows']} tail rows "
+                  f"in {ms(row['prepared_indices_s'])}  vs instantiate {row['instantiate_rows']:,d} rows "
+                  f"in {ms(row['instantiate_s'])}")
+        finally:
+            local.remove_remote_agent(rname)
+            for agent, reg in regs:
+                agent.deregister_memory(reg)
+            del keep
+    return out
 
 
 if __name__ == "__main__":

@@ -475,7 +475,11 @@ class BoundProgram:
             raise ValueError(f"coalesce must be 'order' or 'sort', got {coalesce!r}")
         prog = self.program
         _, _, geo = prog._geometry
-        chunks: dict[PartKey, list[tuple[np.ndarray, np.ndarray]]] = {}
+        # Pass 1: per block, the arguments of its row pieces (no rows yet) and the rows per part.
+        # Pass 2 writes every piece straight into one (N, 3) array per side and part: no
+        # intermediate arrays, no concatenation (fresh memory is what costs most here).
+        jobs = []
+        sizes: dict[PartKey, int] = {}
         segments: dict = {}
         for b, whole in zip(prog._blocks, prog._whole_blocks):
             kl, kr = kids_l[b.group], kids_r[b.group]
@@ -487,7 +491,8 @@ class BoundProgram:
                 full, tail = len(kl), 0
             lb = self.lbase[g[:, 0]] + g[:, 1]
             rbb = rbase[g[:, 3]] + g[:, 4]
-            outs = []
+            ldev, rdv = self.ldev[g[:, 0]], rdev[g[:, 3]]
+            pieces = []
             if full and whole:
                 if b.group not in segments:
                     cont = (kl[1:full] == kl[:full - 1] + 1) & (kr[1:full] == kr[:full - 1] + 1)
@@ -496,52 +501,143 @@ class BoundProgram:
                     segments[b.group] = (kl[starts], kr[starts], lens)
                 sl, sr, lens = segments[b.group]
                 n = int(b.runs.n[0])
-                outs.append(_rows(sl, g[:, 2], lb, None, sr, g[:, 5], rbb, None, lens * n,
-                                  self.ldev[g[:, 0]], rdev[g[:, 3]]))
+                pieces.append((sl, g[:, 2], lb, None, sr, g[:, 5], rbb, None, lens * n, ldev, rdv))
             elif full:
-                outs.append(self._tiles(b.runs, 0, full, b, kl, kr, g, lb, rbb, rdev))
+                pieces.append(self._tiles(b.runs, 0, full, b, kl, kr, g, lb, rbb, ldev, rdv))
             if tail:
-                outs.append(self._tiles(prog._tail_runs(b, tail), full, 1, b, kl, kr, g, lb, rbb, rdev))
-            outs = [o for o in outs if o[0].shape[1]]
-            if not outs:
+                pieces.append(self._tiles(prog._tail_runs(b, tail), full, 1, b, kl, kr, g, lb, rbb, ldev, rdv))
+            pieces = [a for a in pieces if a is not None and len(a[0])]
+            if not pieces:
                 continue
-            if len(outs) == 1:
-                local, remote = outs[0][0].reshape(-1, 3), outs[0][1].reshape(-1, 3)
-            else:
-                local = np.concatenate([o[0] for o in outs], axis=1).reshape(-1, 3)
-                remote = np.concatenate([o[1] for o in outs], axis=1).reshape(-1, 3)
-            chunks.setdefault(b.key, []).append((local, remote))
+            rows = len(g) * sum(len(a[0]) for a in pieces)
+            jobs.append((b.key, len(g), pieces, rows))
+            sizes[b.key] = sizes.get(b.key, 0) + rows
+        # Every part, both sides, in ONE allocation (parts are views of it): fresh memory is
+        # what costs most here, and the allocator reuses one block across requests far more
+        # often than several (measured: benchmarks/README.md, "Pairing & instantiation").
+        whole_buf = np.empty((2, sum(sizes.values()), 3), dtype=np.int64)
+        bufs, at = {}, 0
+        for key, n in sizes.items():
+            bufs[key] = whole_buf[:, at:at + n]
+            at += n
+        pos = dict.fromkeys(sizes, 0)
+        for key, E, pieces, rows in jobs:
+            p0 = pos[key]
+            pos[key] = p0 + rows
+            K = rows // E
+            lv = bufs[key][0][p0:p0 + rows].reshape(E, K, 3)
+            rv = bufs[key][1][p0:p0 + rows].reshape(E, K, 3)
+            k0 = 0
+            for a in pieces:
+                k = len(a[0])
+                _rows(*a, out=(lv[:, k0:k0 + k], rv[:, k0:k0 + k]))
+                k0 += k
         out = {}
-        for key, lst_ in chunks.items():
-            local = lst_[0][0] if len(lst_) == 1 else np.concatenate([c[0] for c in lst_])
-            remote = lst_[0][1] if len(lst_) == 1 else np.concatenate([c[1] for c in lst_])
+        for key, (local, remote) in bufs.items():
             if coalesce == "sort" and len(local) > 1:
                 order = np.lexsort((local[:, 0], local[:, 2]))
                 local, remote = local[order], remote[order]
-            local, remote = coalesce_rows(local.view(np.uint64), remote.view(np.uint64))
+            local, remote = _coalesce(local.view(np.uint64), remote.view(np.uint64))
             out[key] = Part(local, remote)
         return out
 
-    def _tiles(self, runs: Runs, first: int, count: int, b: _Block, kl, kr, g, lb, rbb, rdev):
+    def _tiles(self, runs: Runs, first: int, count: int, b: _Block, kl, kr, g, lb, rbb, ldev, rdev):
+        """Arguments of :func:`_rows` for ``count`` tiles from tile ``first`` (None without runs)."""
         if not len(runs):
-            e = np.zeros((len(g), 0, 3), np.int64)
-            return e, e
+            return None
         tiles = np.arange(first, first + count, dtype=np.int64)[:, None]
         il = kl[tiles * b.local_sub + runs.kl[None, :]].ravel()          # (F*M,) kernel ids
         ir = kr[tiles * b.remote_sub + runs.kr[None, :]].ravel()
-        return _rows(il, g[:, 2], lb, np.tile(runs.ol, count), ir, g[:, 5], rbb, np.tile(runs.orr, count),
-                     np.tile(runs.n, count), self.ldev[g[:, 0]], rdev[g[:, 3]])
+        return (il, g[:, 2], lb, np.tile(runs.ol, count), ir, g[:, 5], rbb, np.tile(runs.orr, count),
+                np.tile(runs.n, count), ldev, rdev)
+
+    # ------------------------------------------------------------------ prepared (strided) lists
+    def prepared_rows(self) -> dict[PartKey, "PreparedLists"]:
+        """Strided (R, 5) descriptor lists per part, to prepare once per connection.
+
+        One row pair per (entry, run of the entry's whole-tile template), local and remote
+        aligned: ``(base + region offset + run offset, run length, device, block stride,
+        num kernel blocks of the region)`` for each side. NIXL expands a row to ``count``
+        descriptors; the expanded index ``start + kernel_block_id`` is that run in that kernel
+        block (``start`` per row: :attr:`PreparedLists.local_start` / ``remote_start``).
+        Indices into these lists come from :meth:`prepared_indices`.
+
+        Raises :class:`TransferError` when a part's expanded list has more than 2**31
+        descriptors (``make_prepped_xfer`` takes int32 indices); such a part needs the
+        (N, 3) rows of :meth:`instantiate`. Cached: computed once per bound program.
+        """
+        got = self.__dict__.get("_prepared_rows_cache")
+        if got is None:
+            got = _prepared_rows(self)
+            self.__dict__["_prepared_rows_cache"] = got
+        return got
+
+    def prepared_indices(self, local_block_ids: Mapping[str, Sequence[int]],
+                         remote_block_ids: Mapping[str, Sequence[int]],
+                         num_tokens: int | Mapping[str, int]) -> "PreparedRequest":
+        """One request against the lists of :meth:`prepared_rows`: indices plus a direct tail.
+
+        Returns ``PreparedRequest(indices, tail)``:
+
+        * ``indices[key] = (local_idx, remote_idx)``, int32 arrays of equal length that address
+          the *expanded* descriptors of ``prepared_rows()[key]``: pass them to
+          ``make_prepped_xfer``. They cover every **whole** tile of the request (every state
+          block of a state region), one index per run per tile, entry by entry. Parts without
+          a whole tile are absent.
+        * ``tail[key]``: the clipped partial last tile of each region (tokens not a multiple of
+          the tile), as ordinary (N, 3) :class:`Part` rows, for a direct transfer
+          (``initialize_xfer``). Empty when tokens fill whole tiles.
+
+        Together they move exactly the bytes of :meth:`instantiate` (more descriptors: runs
+        of consecutive blocks are not merged). Ids are checked like :meth:`instantiate`
+        (:meth:`TransferProgram.check_request`) before anything is built.
+        """
+        ids = self.program.check_request(local_block_ids, remote_block_ids, num_tokens)
+        return _prepared_indices(self, *ids)
 
 
-def _rows(il, lstride, lbase, loff, ir, rstride, rbase, roff, n, ldev, rdev):
-    """Descriptor rows for E entries x K runs, written in place into two (E, K, 3) int64 arrays.
+_CHUNK = 8192  # rows per step of the continuity test: temporaries stay small and in cache
+
+
+def _coalesce(local: np.ndarray, remote: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`~kvlc.compiler.algebra.coalesce_rows`, same result, without large temporaries.
+
+    Tests chunk by chunk, in two small reused buffers, whether any row continues the previous
+    one on both sides; only then (something may merge) it calls ``coalesce_rows``. Rows that
+    continue in address but not in device do not merge there either.
+    """
+    if len(local) < 2:
+        return local, remote
+    la, n = local[:, 0], local[:, 1]
+    ra = remote[:, 0]
+    m = len(local) - 1
+    step = min(m, _CHUNK)
+    end = np.empty(step, dtype=np.uint64)
+    same = np.empty(step, dtype=bool)
+    for i in range(0, m, step):
+        j = min(m, i + step)
+        e, s = end[:j - i], same[:j - i]
+        np.add(la[i:j], n[i:j], out=e)
+        np.equal(la[i + 1:j + 1], e, out=s)
+        if not s.any():
+            continue
+        np.add(ra[i:j], n[i:j], out=e)
+        if np.any(s & np.equal(ra[i + 1:j + 1], e)):
+            return coalesce_rows(local, remote)
+    return local, remote
+
+
+def _rows(il, lstride, lbase, loff, ir, rstride, rbase, roff, n, ldev, rdev, out=None):
+    """Descriptor rows for E entries x K runs, written in place into two (E, K, 3) int64 arrays
+    (``out``: two views to write into; new arrays without it).
 
     Address of run k of entry e: ``base[e] + id[k] * stride[e] + off[k]`` on each side.
     """
     E, K = len(lbase), len(il)
-    out = []
-    for ids, stride, base, off, dev in ((il, lstride, lbase, loff, ldev), (ir, rstride, rbase, roff, rdev)):
-        rows = np.empty((E, K, 3), dtype=np.int64)
+    res = []
+    for i, (ids, stride, base, off, dev) in enumerate(((il, lstride, lbase, loff, ldev),
+                                                       (ir, rstride, rbase, roff, rdev))):
+        rows = np.empty((E, K, 3), dtype=np.int64) if out is None else out[i]
         addr = rows[:, :, 0]
         np.multiply(ids[None, :], stride[:, None], out=addr)
         addr += base[:, None]
@@ -549,8 +645,8 @@ def _rows(il, lstride, lbase, loff, ir, rstride, rbase, roff, n, ldev, rdev):
             addr += off[None, :]
         rows[:, :, 1] = n[None, :]
         rows[:, :, 2] = dev[:, None]
-        out.append(rows)
-    return out[0], out[1]
+        res.append(rows)
+    return res[0], res[1]
 
 
 def _bases(bases: Mapping[str, object], names: list[str], plan: Plan) -> tuple[np.ndarray, np.ndarray]:
@@ -699,3 +795,158 @@ def pair(local_plan: Plan, remote_plan: Plan, *, local_rank: int, direction: str
         raise CompatError(report)
     prog = _build(local_plan, remote_plan, local_rank, direction, report)
     return replace(prog, report=_with_warnings(report, prog))
+
+
+# ----------------------------------------------------------------------------- prepared (strided) lists
+INDEX_LIMIT = 1 << 31  # descriptors an expanded list may hold: make_prepped_xfer takes int32 indices
+
+
+@dataclass(frozen=True)
+class PreparedLists:
+    """Strided descriptor lists of one part (see :meth:`BoundProgram.prepared_rows`).
+
+    ``local[r]`` and ``remote[r]`` are (addr, len, dev, stride, count) uint64 rows of the same
+    (``entry[r]``, ``run[r]``): program entry index and run index in its whole-tile template.
+    Expanded index ``local_start[r] + k`` is that run in local kernel block ``k`` (same for
+    remote). ``local_size`` / ``remote_size``: descriptors of each expanded list.
+    """
+
+    key: PartKey
+    local: np.ndarray
+    remote: np.ndarray
+    entry: np.ndarray
+    run: np.ndarray
+    local_start: np.ndarray
+    remote_start: np.ndarray
+
+    @property
+    def local_size(self) -> int:
+        return int(self.local[:, 4].sum()) if len(self.local) else 0
+
+    @property
+    def remote_size(self) -> int:
+        return int(self.remote[:, 4].sum()) if len(self.remote) else 0
+
+    def __len__(self) -> int:
+        return len(self.local)
+
+
+class PreparedRequest(NamedTuple):
+    """One request for prepared lists: int32 index pairs per part (whole tiles) and a direct tail."""
+
+    indices: dict
+    tail: dict
+
+
+def _prepared_layout(prog: TransferProgram):
+    """Base-independent layout of the strided lists: per part its entries and the expanded start
+    of each (entry, run); per block of ``prog._blocks`` the (E, M) starts on each side."""
+    got = prog.__dict__.get("_prepared_layout_cache")
+    if got is not None:
+        return got
+    parts: dict[PartKey, list] = {}
+    first: dict[int, tuple[int, int, int, int]] = {}
+    for i, e in enumerate(prog.entries):
+        lr, rr = prog.local.region(e.region), prog.remote.region(e.region)
+        p = parts.setdefault(e.key, [[], 0, 0])
+        first[i] = (p[1], p[2], lr.num_blocks, rr.num_blocks)
+        p[0].append(i)
+        p[1] += len(e.runs) * lr.num_blocks
+        p[2] += len(e.runs) * rr.num_blocks
+    for key, (_, nl, nr) in parts.items():
+        for side, n in (("local", nl), ("remote", nr)):
+            if n > INDEX_LIMIT:
+                raise TransferError(
+                    f"part {key}: the strided {side} list expands to {n:,} descriptors, more than "
+                    f"make_prepped_xfer's int32 indices address ({INDEX_LIMIT:,}); use instantiate() "
+                    "(direct (N, 3) rows) for this part")
+    blocks = []
+    for b in prog._blocks:
+        s = np.array([first[i] for i in b.entries], dtype=np.int64).reshape(-1, 4)
+        j = np.arange(len(b.runs), dtype=np.int64)[None, :]
+        blocks.append((s[:, 0:1] + j * s[:, 2:3], s[:, 1:2] + j * s[:, 3:4]))
+    got = ({k: tuple(v[0]) for k, v in parts.items()}, first, tuple(blocks))
+    prog.__dict__["_prepared_layout_cache"] = got
+    return got
+
+
+def _prepared_rows(bound: BoundProgram) -> dict[PartKey, PreparedLists]:
+    prog = bound.program
+    parts, first, _ = _prepared_layout(prog)
+    _, _, geo = prog._geometry
+    out = {}
+    for key, ents in parts.items():
+        rbase, rdev = bound.rbases[key.peer_rank]
+        side_rows: list[list[np.ndarray]] = [[], []]
+        ent, run, starts = [], [], [[], []]
+        for i in ents:
+            e, g = prog.entries[i], geo[i]
+            m = len(e.runs)
+            j = np.arange(m, dtype=np.int64)
+            for s, (base, dev, off, stride, count, start) in enumerate((
+                    (bound.lbase[g[0]] + g[1], bound.ldev[g[0]], e.runs.ol, g[2], first[i][2], first[i][0]),
+                    (rbase[g[3]] + g[4], rdev[g[3]], e.runs.orr, g[5], first[i][3], first[i][1]))):
+                rows = np.empty((m, 5), dtype=np.int64)
+                rows[:, 0] = base + off
+                rows[:, 1] = e.runs.n
+                rows[:, 2] = dev
+                rows[:, 3] = stride
+                rows[:, 4] = count
+                side_rows[s].append(rows)
+                starts[s].append(start + j * count)
+            ent.append(np.full(m, i, dtype=np.int64))
+            run.append(j)
+        cat = lambda xs, shape: np.concatenate(xs) if xs else np.zeros(shape, dtype=np.int64)  # noqa: E731
+        out[key] = PreparedLists(key, cat(side_rows[0], (0, 5)).view(np.uint64),
+                                 cat(side_rows[1], (0, 5)).view(np.uint64), cat(ent, 0), cat(run, 0),
+                                 cat(starts[0], 0), cat(starts[1], 0))
+    return out
+
+
+def _prepared_indices(bound: BoundProgram, kids_l, kids_r, tokens_of) -> PreparedRequest:
+    prog = bound.program
+    _, _, blocks = _prepared_layout(prog)
+    _, _, geo = prog._geometry
+    idx: dict[PartKey, tuple[list, list]] = {}
+    tails: dict[PartKey, tuple[list, list]] = {}
+    for b, (sl, sr) in zip(prog._blocks, blocks):
+        kl, kr = kids_l[b.group], kids_r[b.group]
+        if b.tile_tokens:
+            full, tail = divmod(tokens_of[b.group], b.tile_tokens)
+        else:
+            full, tail = len(kl), 0
+        if full and len(b.runs):
+            t = np.arange(full, dtype=np.int64)[:, None]
+            il = kl[t * b.local_sub + b.runs.kl[None, :]]           # (F, M) kernel ids
+            ir = kr[t * b.remote_sub + b.runs.kr[None, :]]
+            idx.setdefault(b.key, []).append((sl, il, sr, ir))
+        if tail:
+            g = geo[list(b.entries)]
+            rbase, rdev = bound.rbases[b.key.peer_rank]
+            a = bound._tiles(prog._tail_runs(b, tail), full, 1, b, kl, kr, g,
+                             bound.lbase[g[:, 0]] + g[:, 1], rbase[g[:, 3]] + g[:, 4],
+                             bound.ldev[g[:, 0]], rdev[g[:, 3]])
+            if a is not None and len(a[0]):
+                lrows, rrows = _rows(*a)
+                lt, rt = tails.setdefault(b.key, ([], []))
+                lt.append(lrows.reshape(-1, 3))
+                rt.append(rrows.reshape(-1, 3))
+    indices = {}
+    for key, jobs in idx.items():
+        # (E, F, M) per block: entry, tile, run; written straight into one int32 array per side.
+        # Every index is below the expanded size, checked against INDEX_LIMIT by _prepared_layout.
+        n = sum(sl.size // sl.shape[1] * il.size for sl, il, _, _ in jobs)
+        buf = np.empty((2, n), dtype=np.int32)
+        p0 = 0
+        for sl, il, sr, ir in jobs:
+            shape = (sl.shape[0], il.shape[0], il.shape[1])
+            k = shape[0] * shape[1] * shape[2]
+            np.add(sl[:, None, :], il[None, :, :], out=buf[0, p0:p0 + k].reshape(shape), casting="unsafe")
+            np.add(sr[:, None, :], ir[None, :, :], out=buf[1, p0:p0 + k].reshape(shape), casting="unsafe")
+            p0 += k
+        indices[key] = (buf[0], buf[1])
+    tail_parts = {}
+    for key, (lt, rt) in tails.items():
+        local, remote = _coalesce(np.concatenate(lt).view(np.uint64), np.concatenate(rt).view(np.uint64))
+        tail_parts[key] = Part(local, remote)
+    return PreparedRequest(indices, tail_parts)
