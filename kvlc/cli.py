@@ -232,8 +232,10 @@ def pair_cmd(producer: str, consumer: str, rank: int, direction: str, as_json: b
               help="Which rounds to verify byte by byte.")
 @click.option("--ids", type=click.Choice(["random", "contiguous"]), default="random", show_default=True,
               help="Producer block ids: scattered over the pool, or contiguous runs (descriptors coalesce).")
+@click.option("--descriptors", type=click.Choice(["rows", "prepped"]), default="rows", show_default=True,
+              help="rows: coalesced (N, 3) rows per request; prepped: strided lists prepared once, indices per request.")
 def demo(layout: str, consumer: str | None, mode: str, requests: int, tokens: int | None, pool_mib: int,
-         check: str, ids: str) -> None:
+         check: str, ids: str, descriptors: str) -> None:
     """Producer and consumer processes on loopback move a content-coded workload; every byte is checked.
 
     The producer fills its cache with bytes that encode what they are (region, field, head,
@@ -259,7 +261,8 @@ def demo(layout: str, consumer: str | None, mode: str, requests: int, tokens: in
 
         try:
             result = run_demo(layout, consumer, mode=mode, requests=requests, tokens=tokens,
-                              max_bytes=pool_mib << 20, progress=progress, check=check, ids=ids)
+                              max_bytes=pool_mib << 20, progress=progress, check=check, ids=ids,
+                              descriptors=descriptors)
         except KvlcError as exc:
             _fail(exc)
     table = Table(title="result")
@@ -279,6 +282,28 @@ def demo(layout: str, consumer: str | None, mode: str, requests: int, tokens: in
     if not result.ok:
         sys.exit(1)
     console.print("[green]every byte verified[/green]" if check != "none" else "done (not verified)")
+
+
+@main.command()
+@click.option("--only", default="compile,pair,prep,transfer", show_default=True, metavar="NAMES",
+              help="Comma-separated benchmarks to run: compile, pair, prep, transfer.")
+@click.option("--quick", is_flag=True, help="Smoke run: fewer repetitions, smaller sizes (results say quick).")
+@click.option("--no-run", is_flag=True, help="Run nothing: summarize and plot the recorded results.")
+def bench(only: str, quick: bool, no_run: bool) -> None:
+    """Run the benchmark suite (the repository's benchmarks/ scripts) and summarize it.
+
+    Each selected script runs as a subprocess and writes benchmarks/results/<name>.json;
+    then every recorded result (and gpu.json from the GPU run, if present) is printed as a
+    table with issue 5's targets, and plotted as PNG files in benchmarks/results/.
+    """
+    from kvlc.bench import BenchError, main_bench
+
+    try:
+        code = main_bench(only=only, quick=quick, run=not no_run)
+    except BenchError as exc:
+        click.echo(str(exc), err=True)
+        sys.exit(1)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

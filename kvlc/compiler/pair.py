@@ -832,10 +832,14 @@ class PreparedLists:
 
 
 class PreparedRequest(NamedTuple):
-    """One request for prepared lists: int32 index pairs per part (whole tiles) and a direct tail."""
+    """One request for prepared lists: int32 index pairs per part (whole tiles) and a direct tail.
+
+    ``nbytes[key]``: bytes the indices of part ``key`` move (the tail's are in its rows).
+    """
 
     indices: dict
     tail: dict
+    nbytes: dict
 
 
 def _prepared_layout(prog: TransferProgram):
@@ -909,6 +913,7 @@ def _prepared_indices(bound: BoundProgram, kids_l, kids_r, tokens_of) -> Prepare
     _, _, geo = prog._geometry
     idx: dict[PartKey, tuple[list, list]] = {}
     tails: dict[PartKey, tuple[list, list]] = {}
+    moved: dict[PartKey, int] = {}
     for b, (sl, sr) in zip(prog._blocks, blocks):
         kl, kr = kids_l[b.group], kids_r[b.group]
         if b.tile_tokens:
@@ -920,6 +925,7 @@ def _prepared_indices(bound: BoundProgram, kids_l, kids_r, tokens_of) -> Prepare
             il = kl[t * b.local_sub + b.runs.kl[None, :]]           # (F, M) kernel ids
             ir = kr[t * b.remote_sub + b.runs.kr[None, :]]
             idx.setdefault(b.key, []).append((sl, il, sr, ir))
+            moved[b.key] = moved.get(b.key, 0) + int(b.runs.n.sum()) * full * len(b.entries)
         if tail:
             g = geo[list(b.entries)]
             rbase, rdev = bound.rbases[b.key.peer_rank]
@@ -949,4 +955,4 @@ def _prepared_indices(bound: BoundProgram, kids_l, kids_r, tokens_of) -> Prepare
     for key, (lt, rt) in tails.items():
         local, remote = _coalesce(np.concatenate(lt).view(np.uint64), np.concatenate(rt).view(np.uint64))
         tail_parts[key] = Part(local, remote)
-    return PreparedRequest(indices, tail_parts)
+    return PreparedRequest(indices, tail_parts, {k: moved[k] for k in indices})

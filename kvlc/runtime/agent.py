@@ -50,7 +50,7 @@ from kvlc.runtime.binding import Bound, bind
 from kvlc.runtime.channel import ChannelClient, ChannelServer
 from kvlc.runtime.errors import ChannelError, HandshakeError, NixlError
 from kvlc.runtime.nixl import Agent
-from kvlc.runtime.transfer import Executor, Outgoing, Tally
+from kvlc.runtime.transfer import Executor, Outgoing, PreparedPart, Tally
 from kvlc.runtime.wire import (
     Fetch,
     Introduce,
@@ -366,8 +366,8 @@ class KvAgent:
             raise KvlcError(
                 f"direction {direction!r}: use 'READ' (this side consumes) or 'WRITE' (it produces)"
             )
-        if mode not in ("direct", "pull_via_push"):
-            raise KvlcError(f"mode {mode!r}: use 'direct' or 'pull_via_push'")
+        if mode not in ("direct", "prepped", "pull_via_push"):
+            raise KvlcError(f"mode {mode!r}: use 'direct', 'prepped' or 'pull_via_push'")
         if mode == "pull_via_push" and direction != "READ":
             raise KvlcError("mode 'pull_via_push' is for a consumer: use direction='READ'")
         if not addresses:
@@ -420,7 +420,7 @@ class KvAgent:
         peers = program.peer_ranks
         added = []
         try:
-            if mode == "direct":
+            if mode in ("direct", "prepped"):
                 with self._lock:
                     self._check_open()
                     for r in peers:
@@ -433,7 +433,9 @@ class KvAgent:
                             raise HandshakeError(
                                 f"record says agent '{rec.agent}' but its NIXL metadata is agent '{name}'"
                             )
-            hello = encode(Introduce(record=self.record, direction=direction, mode=mode))
+            # on the wire "prepped" is "direct": this side moves the bytes either way
+            wire_mode = "pull_via_push" if mode == "pull_via_push" else "direct"
+            hello = encode(Introduce(record=self.record, direction=direction, mode=wire_mode))
             for r in peers:
                 reply = decode(clients[r].request(hello))
                 if not isinstance(reply, Reply) or not reply.ok:
@@ -668,6 +670,7 @@ class Peer:
         self.direction = direction
         self.mode = mode
         self._clients = clients
+        self._lists: dict | None = None  # mode "prepped": PartKey -> (local Prepped, remote Prepped)
 
     @property
     def peer_ranks(self) -> tuple[int, ...]:
@@ -681,7 +684,37 @@ class Peer:
         return {r: self.engine.records[r].agent for r in self.peer_ranks}
 
     def _instantiate(self, local_block_ids, remote_block_ids, num_tokens):
-        return self.engine.bound(self.agent.bases).instantiate(local_block_ids, remote_block_ids, num_tokens)
+        bound = self.engine.bound(self.agent.bases)
+        if self.mode != "prepped":
+            return bound.instantiate(local_block_ids, remote_block_ids, num_tokens)
+        # whole tiles as indices into lists prepared once; a clipped last tile as rows
+        req = bound.prepared_indices(local_block_ids, remote_block_ids, num_tokens)
+        lists = self._prepared(bound)
+        parts: dict = dict(req.tail)
+        for key, (li, ri) in req.indices.items():
+            local, remote = lists[key]
+            parts[("prepped", key)] = PreparedPart(key, local, li, remote, ri, req.nbytes[key])
+        return parts
+
+    def _prepared(self, bound):
+        """Prepare the strided lists of every part once (called under the agent's lock)."""
+        if self._lists is None:
+            agents = self._agents()
+            lists = {}
+            try:
+                for key, pl in bound.prepared_rows().items():
+                    local = self.agent.nixl.prep(None, pl.local, key.local_mem)
+                    lists[key] = (local, None)
+                    remote = self.agent.nixl.prep(agents[key.peer_rank], pl.remote, key.remote_mem)
+                    lists[key] = (local, remote)
+            except BaseException:
+                for pair_ in lists.values():
+                    for h in pair_:
+                        if h is not None:
+                            h.release()
+                raise
+            self._lists = lists
+        return self._lists
 
     def read(
         self,
@@ -706,7 +739,7 @@ class Peer:
             key = (self._ekey, request_id)
             if ("direct", request_id) in a.executor.active or key in a._tallies:
                 raise TransferError(f"request '{request_id}' is already in flight")
-            if self.mode == "direct":
+            if self.mode in ("direct", "prepped"):
                 parts = self._instantiate(local_block_ids, remote_block_ids, num_tokens)
                 a._submit(("direct", request_id), request_id, "READ", parts, self._agents(), timeout)
                 return
@@ -771,5 +804,9 @@ class Peer:
             c.close()
 
     def close(self) -> None:
-        """Close the side-channel connections (NIXL agents stay until the agent closes)."""
+        """Close the side-channel connections and release prepared lists (NIXL agents stay)."""
         self._close_clients()
+        lists, self._lists = self._lists or {}, None
+        for handles in lists.values():
+            for h in handles:
+                h.release()

@@ -225,6 +225,7 @@ def run_demo(
     progress_mode: str = "thread",
     fill: str = "content",
     ids: str = "random",
+    descriptors: str = "rows",
 ) -> DemoResult:
     """Run the loopback demo; see the module docstring. ``mode``: pull | push | pull_via_push.
 
@@ -236,7 +237,8 @@ def run_demo(
     ``progress_mode`` is every agent's ``progress`` (see :class:`~kvlc.runtime.agent.KvAgent`).
     ``fill``: how the producer fills its cache, ``"content"`` (codes; needed for any check) or
     ``"random"`` / ``"zeros"`` (fast, for throughput runs with ``check="none"``). ``ids``: see
-    :func:`make_workload`.
+    :func:`make_workload`. ``descriptors``: ``"rows"`` builds (N, 3) rows per request;
+    ``"prepped"`` prepares strided lists once per connection and sends indices (pull and push).
     """
     from kvlc.runtime.procs import EngineConfig, EngineProcess
 
@@ -244,6 +246,9 @@ def run_demo(
         raise ValueError(f"mode {mode!r}: use one of {', '.join(MODES)}")
     if check not in ("all", "first", "none"):
         raise ValueError(f"check {check!r}: use all, first or none")
+    if descriptors not in ("rows", "prepped"):
+        raise ValueError(f"descriptors {descriptors!r}: use rows or prepped")
+    direct = "prepped" if descriptors == "prepped" else "direct"
     if fill not in ("content", "random", "zeros"):
         raise ValueError(f"fill {fill!r}: use content, random or zeros")
     if fill != "content" and check != "none":
@@ -276,11 +281,11 @@ def run_demo(
         addrs_c = [h.address for h in cons]
         if mode == "push":
             initiators, proc, method = prods, pproc, "write"
-            links = [h.connect(addrs_c, "WRITE", "direct") for h in prods]
+            links = [h.connect(addrs_c, "WRITE", direct) for h in prods]
         else:
             initiators, proc, method = cons, cproc, "read"
             links = [
-                h.connect(addrs_p, "READ", "direct" if mode == "pull" else "pull_via_push") for h in cons
+                h.connect(addrs_p, "READ", direct if mode == "pull" else "pull_via_push") for h in cons
             ]
         active = [h for h, link in zip(initiators, links) if link["peer_ranks"]]
         movers = prods if mode in ("push", "pull_via_push") else cons

@@ -4,8 +4,9 @@ The runtime does no layout arithmetic: a request arrives as the parts that
 :meth:`kvlc.compiler.pair.TransferProgram.instantiate` built (one per peer rank
 and pair of memory types, row-aligned (N, 3) descriptors). :class:`Executor`
 
-1. creates one NIXL request per non-empty part, none with a notification of
-   its own (if creating any fails, the ones created are released and nothing
+1. creates one NIXL request per non-empty part (rows through ``initialize``,
+   or a :class:`PreparedPart`'s indices into lists prepared at connect through
+   ``make_prepped``), none with a notification of its own (if creating any fails, the ones created are released and nothing
    is posted);
 2. posts them; polls their states without blocking;
 3. once every part is terminal, releases every handle; then, if every part is
@@ -38,6 +39,21 @@ from kvlc.runtime.nixl import XferState
 from kvlc.runtime.wire import encode_notif
 
 log = logging.getLogger("kvlc.runtime.transfer")
+
+
+@dataclass(frozen=True)
+class PreparedPart:
+    """A part given as int32 indices into two lists prepared once per connection (strided rows)."""
+
+    key: Any                 # the PartKey it moves bytes for
+    local: Any               # Prepped handle of the local list
+    local_idx: Any
+    remote: Any              # Prepped handle of the peer's list
+    remote_idx: Any
+    nbytes: int
+
+    def __len__(self) -> int:
+        return len(self.local_idx)
 
 
 @dataclass
@@ -116,6 +132,13 @@ class Executor:
         runs: list[PartRun] = []
         try:
             for pk, part in parts.items():
+                if isinstance(part, PreparedPart):
+                    if not len(part):
+                        continue
+                    x = self.agent.make_prepped(op, part.local, part.local_idx, part.remote, part.remote_idx,
+                                                what=f"request '{req}' part {part.key} (prepared)")
+                    runs.append(PartRun(part.key, x, len(part), int(part.nbytes)))
+                    continue
                 if not len(part.local):
                     continue
                 x = self.agent.initialize(

@@ -116,7 +116,7 @@ HETERO = [
 ]
 
 
-@pytest.mark.parametrize("mode", ["pull", "push", "pull_via_push"])
+@pytest.mark.parametrize("mode", ["pull", "push", "pull_via_push", "pull_prepped", "push_prepped"])
 def test_hetero_tp_from_two_producer_processes(eng, plans, mode):
     """TP2 (HND, 32-token blocks, 40 blocks) → TP1 (NHD, 16-token blocks, 256 blocks) in every mode:
     each producer process moves its heads; the request ends only when both ranks are done."""
@@ -125,15 +125,16 @@ def test_hetero_tp_from_two_producer_processes(eng, plans, mode):
     for h in (y0, y1, z):
         _events(h)
     before = z.call("dump")
-    if mode == "push":
+    if mode.startswith("push"):  # push_prepped: indices into strided lists prepared at connect
         for y in (y0, y1):
-            y.connect([z.address], "WRITE", "direct", "z-push")
+            y.connect([z.address], "WRITE", "prepped" if mode == "push_prepped" else "direct", f"z-{mode}")
         for y in (y0, y1):
-            move(y, "z-push", "write", flip(reqs))
+            move(y, f"z-{mode}", "write", flip(reqs))
         got = z.call("wait", [r[0] for r in reqs], 30.0)
         assert got["failed"] == {} and got["open"] == []
     else:
-        z.connect([y0.address, y1.address], "READ", "direct" if mode == "pull" else mode, f"y-{mode}")
+        wire = {"pull": "direct", "pull_prepped": "prepped"}.get(mode, mode)
+        z.connect([y0.address, y1.address], "READ", wire, f"y-{mode}")
         move(z, f"y-{mode}", "read", reqs)
     check_bytes(z, plans["z"], plans["y"], before, reqs)
     for y in (y0, y1):
@@ -162,7 +163,7 @@ def test_one_producer_two_consumer_ranks(eng, plans):
         check_bytes(y, plans["y"], plans["x"], b, reqs)
 
 
-@pytest.mark.parametrize("mode, count", [("direct", 128), ("pull_via_push", 100)])
+@pytest.mark.parametrize("mode, count", [("direct", 128), ("prepped", 128), ("pull_via_push", 100)])
 def test_many_concurrent_requests(eng, plans, mode, count):
     """100+ requests submitted before any is waited for all land, byte-exact, and all handles are released."""
     x, z = eng["x"], eng["z"]
