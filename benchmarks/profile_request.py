@@ -1,0 +1,107 @@
+"""Where the time of one fragmented loopback request goes, on the initiator's CPU.
+
+For the Llama-3.1-8B 2k-token request of ``bench_transfer.py`` (32 regions, pool shrunk to one
+request, producer ids a random permutation: about 4,000 descriptors of 64 KiB), measured in
+one process with two NIXL UCX agents over registered DRAM:
+
+  * kvlc ``BoundProgram.instantiate`` (descriptor rows of both sides),
+  * NIXL ``get_xfer_descs`` + ``initialize_xfer`` for those rows (what the runtime calls),
+  * the same two for ONE descriptor of the same bytes,
+
+so that the per-descriptor cost seen in ``bench_transfer.py`` (time of a random-id request
+minus a contiguous one, divided by the extra descriptors) can be split into what kvlc and NIXL
+spend before the transfer starts and what UCX spends moving the pieces. The move itself is
+measured between two processes by ``bench_transfer.py`` (``nixl_sweep``); ``strace -c -f``
+on that sweep shows one ``process_vm_readv`` system call per descriptor (UCX's cma transport).
+
+Run:  python3 benchmarks/profile_request.py [--tokens 2048] [--repeat 31]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_transfer import fitted_spec  # noqa: E402
+from common import LAYOUTS, ms, timeit, write_results  # noqa: E402
+
+from kvlc.compiler.pair import pair  # noqa: E402
+from kvlc.runtime.demo import cpu_plan, make_workload  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--layout", default="llama-3.1-8b.yaml")
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--repeat", type=int, default=31)
+    ap.add_argument("--no-write", action="store_true")
+    args = ap.parse_args(argv)
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    with tempfile.TemporaryDirectory() as tmp:
+        plan = cpu_plan(fitted_spec(LAYOUTS / args.layout, args.tokens, Path(tmp)), max_bytes=1 << 62)
+    prog = pair(plan, plan, local_rank=0, direction="READ")
+    size = sum(s.size for s in plan.storages)
+    bufs = [np.zeros(size, dtype=np.uint8) for _ in range(2)]
+    for b in bufs:
+        b[:] = 1  # fault the pages in
+    agents = [nixl_agent(f"profile-{i}", nixl_agent_config(backends=["UCX"])) for i in range(2)]
+    for a, b in zip(agents, bufs):
+        a.register_memory(np.array([[b.ctypes.data, b.nbytes, 0]], dtype=np.uint64), "DRAM")
+    peer = agents[0].add_remote_agent(agents[1].get_agent_metadata())
+
+    def bases(buf):
+        out, at = {}, buf.ctypes.data
+        for s in plan.storages:
+            out[s.name] = (at, 0)
+            at += s.size
+        return out
+
+    bound = prog.bind(bases(bufs[0]), {0: bases(bufs[1])})
+    rows = []
+    for ids in ("random", "contiguous"):
+        work = make_workload(plan, plan, 1, args.tokens, seed=1)[0][0]
+        _, cids, pids, tokens = work
+        if ids == "contiguous":  # storages lie back to back here: the whole request is one run
+            pids = {g: sorted(v) for g, v in pids.items()}
+        req = (cids, pids, tokens)
+        parts = bound.instantiate(*req)
+        (part,) = parts.values()
+        n, nbytes = len(part), part.nbytes
+
+        def create(local, remote):
+            a = agents[0]
+            h = a.initialize_xfer("READ", a.get_xfer_descs(local, "DRAM"), a.get_xfer_descs(remote, "DRAM"),
+                                  peer, b"")
+            a.release_xfer_handle(h)
+
+        one_l = np.array([[bufs[0].ctypes.data, nbytes, 0]], dtype=np.uint64)
+        one_r = np.array([[bufs[1].ctypes.data, nbytes, 0]], dtype=np.uint64)
+        t_inst = timeit(lambda q=req: bound.instantiate(*q), repeat=args.repeat)
+        t_create = timeit(lambda p=part: create(p.local, p.remote), repeat=args.repeat)
+        t_one = timeit(lambda a=one_l, b=one_r: create(a, b), repeat=args.repeat)
+        row = {"ids": ids, "descriptors": n, "bytes": nbytes, "instantiate_s": t_inst["median"],
+               "nixl_create_s": t_create["median"], "nixl_create_one_s": t_one["median"],
+               "cpu_us_per_descriptor": (t_inst["median"] + t_create["median"] - t_one["median"]) / (n - 1) * 1e6
+               if n > 1 else None}
+        rows.append(row)
+        print(f"{ids:10s} {n:6,d} descriptors ({nbytes / 2**20:.0f} MiB): instantiate {ms(t_inst['median'])}, "
+              f"NIXL descs+create {ms(t_create['median'])} (one descriptor: {ms(t_one['median'])})"
+              + (f" -> {row['cpu_us_per_descriptor']:.3f} us of initiator CPU per extra descriptor before the "
+                 "transfer" if n > 1 else ""))
+    agents[0].remove_remote_agent(peer)
+    if not args.no_write:
+        print(f"wrote {write_results('profile_request', {'layout': args.layout, 'tokens': args.tokens, 'rows': rows})}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1025 @@
+"""``kvlc bench``: run the benchmark scripts, then summarize and plot what they recorded.
+
+The scripts live in the repository's ``benchmarks/`` folder (they are not part of the
+installed package); each writes ``benchmarks/results/<name>.json``. This module runs the
+selected ones as subprocesses (rich progress; each script's output goes to
+``benchmarks/results/<name>.log``), loads every result file, prints one table per benchmark
+with its targets and whether they are met, and draws PNG plots next to the JSON files.
+
+Summary and plots need only the JSON files (``summarize`` and ``plot_all`` take a results
+folder), so they can be redrawn without running anything: ``kvlc bench --no-run``.
+
+GPU hook: the H200 run (recorded by hand, not CI) writes ``benchmarks/results/gpu.json``
+(and possibly more ``gpu*.json``); when present they get a table, a verdict and a plot.
+Two shapes are read (see :func:`gpu_rows`): per case and mode, ``throughput_<ids>`` entries::
+
+    {"benchmark": "gpu", "machine": {...}, "torch_copy_gbps": {"d2d": {"<bytes>": GB/s}},
+     "cases": [{"case": "...", "modes": {"push": {"check": {"ok": true, "verified_bytes": N},
+               "throughput_contiguous": {"gbps": G, "torch_d2d_gbps_same_bytes": D,
+               "fraction_of_d2d": G / D, "descriptors_per_request": n}}}}]}
+
+or flat ``{"rows": [{"case", "mode", "gbps", "fraction_of_d2d" | "ratio_vs_d2d", ...}]}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvlc.errors import KvlcError
+
+# name → (script, result file). The order is the order they run in.
+SCRIPTS: dict[str, tuple[str, str]] = {
+    "compile": ("bench_compile.py", "compile.json"),
+    "pair": ("bench_pair.py", "pair.json"),
+    "prep": ("bench_nixl_prep.py", "nixl_prep.json"),
+    "transfer": ("bench_transfer.py", "transfer.json"),
+}
+GPU_RESULTS = "gpu.json"  # GPU HOOK: written by the H200 run; every gpu*.json is summarized and plotted
+
+# Issue 5's targets.
+COMPILE_TARGET_S = 0.050  # compile at 1M blocks per region
+LOCAL_DESCRIPTORS_RATIO = 3.0  # Plan.local_descriptors vs one numpy pass
+PAIR_TARGET_S = 0.1  # pairing a checked-in pair
+INSTANTIATE_TARGET_S = 0.002  # 128 regions x 512 blocks
+DESCRIPTOR_RATIO_CONTIGUOUS = 0.1  # kvlc / per-block for contiguous ids
+LOOPBACK_TARGET = 0.9  # kvlc / one single-descriptor transfer
+GPU_TARGET = 0.8  # best direction / device-to-device copy
+
+
+class BenchError(KvlcError):
+    """The benchmarks folder is missing or a benchmark failed."""
+
+
+# ----------------------------------------------------------------------------- locating
+def find_benchmarks(start: Path | None = None) -> Path:
+    """The ``benchmarks/`` folder of the repository kvlc runs from.
+
+    First the checkout this module belongs to (an editable install), then the current
+    directory and its parents. Raises :class:`BenchError` with what was searched.
+    """
+    here = Path(__file__).resolve().parents[1]
+    cwd = (start or Path.cwd()).resolve()
+    candidates = [here, cwd, *cwd.parents]
+    for root in candidates:
+        folder = root / "benchmarks"
+        if (folder / "common.py").is_file() and all((folder / s).is_file() for s, _ in SCRIPTS.values()):
+            return folder
+    raise BenchError(
+        "kvlc bench: no benchmarks/ folder with the benchmark scripts "
+        f"({', '.join(s for s, _ in SCRIPTS.values())}) next to the kvlc package ({here}) or in "
+        f"{cwd} or above it. The scripts are not installed with the package: run kvlc bench from "
+        "a kvlc source checkout (pip install -e . in it)."
+    )
+
+
+def parse_only(only: str | Iterable[str] | None) -> list[str]:
+    """``"compile,pair"`` → ``["compile", "pair"]`` in run order; unknown names raise."""
+    if only is None:
+        return list(SCRIPTS)
+    names = [n.strip() for n in (only.split(",") if isinstance(only, str) else only) if n.strip()]
+    bad = [n for n in names if n not in SCRIPTS]
+    if bad:
+        raise BenchError(f"unknown benchmark(s) {', '.join(bad)}: choose from {', '.join(SCRIPTS)}")
+    return [n for n in SCRIPTS if n in names]
+
+
+# ----------------------------------------------------------------------------- running
+@dataclass
+class RunResult:
+    name: str
+    returncode: int
+    seconds: float
+    log: Path
+
+
+def run_scripts(bench_dir: Path, names: Sequence[str], quick: bool = False, console=None) -> list[RunResult]:
+    """Run each selected script in turn (``python -u script [--quick]``) with a rich progress
+    display showing its latest output line; full output goes to ``results/<name>.log``."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    console = console or Console()
+    results_dir = bench_dir / "results"
+    results_dir.mkdir(parents=True, exist_ok=True)
+    out: list[RunResult] = []
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    with Progress(
+        SpinnerColumn(),
+        TextColumn("[bold]{task.description:<9}"),
+        BarColumn(bar_width=12),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[status]}", style="dim"),
+        console=console,
+        transient=False,
+    ) as progress:
+        tasks = {n: progress.add_task(n, total=1, status="waiting", start=False) for n in names}
+        for n in names:
+            script, _ = SCRIPTS[n]
+            cmd = [sys.executable, "-u", str(bench_dir / script)] + (["--quick"] if quick else [])
+            log = results_dir / f"{n}.log"
+            progress.start_task(tasks[n])
+            t0 = time.perf_counter()
+            with open(log, "w") as fh:
+                fh.write("$ " + " ".join(cmd) + "\n")
+                proc = subprocess.Popen(
+                    cmd,
+                    cwd=bench_dir.parent,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    env=env,
+                )
+                assert proc.stdout is not None
+                for line in proc.stdout:
+                    fh.write(line)
+                    fh.flush()
+                    text = line.strip()
+                    if text:
+                        progress.update(tasks[n], status=text[:90])
+                rc = proc.wait()
+            dt = time.perf_counter() - t0
+            progress.update(
+                tasks[n],
+                completed=1,
+                status="[green]done[/green]" if rc == 0 else f"[red]failed (exit {rc}), see {log}[/red]",
+            )
+            progress.stop_task(tasks[n])
+            out.append(RunResult(n, rc, dt, log))
+    return out
+
+
+# ----------------------------------------------------------------------------- loading
+def load_results(results_dir: Path) -> dict[str, dict]:
+    """Every ``*.json`` in ``results_dir``, keyed by its ``benchmark`` field (or file stem)."""
+    out = {}
+    for path in sorted(Path(results_dir).glob("*.json")):
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise BenchError(f"{path}: not a readable results file: {exc}") from None
+        if isinstance(doc, dict):
+            out[doc.get("benchmark", path.stem)] = doc
+    return out
+
+
+def per_descriptor_cost(doc: dict) -> list[dict]:
+    """Per case and mode: (time random - time contiguous) / (descriptors random - contiguous),
+    from the median GB/s of the two runs of a transfer result (same bytes, same engines)."""
+    out = []
+    for c in doc.get("cases", []):
+        by = {(m["mode"], m["ids"]): m for m in c.get("runs", [])}
+        for mode in dict.fromkeys(m for m, _ in by):
+            r, k = by.get((mode, "random")), by.get((mode, "contiguous"))
+            if not r or not k or r["descriptors_per_request"] <= k["descriptors_per_request"]:
+                continue
+            tr = c["bytes_per_request"] / (r["gbps"]["median"] * 1e9)
+            tk = c["bytes_per_request"] / (k["gbps"]["median"] * 1e9)
+            out.append(
+                {
+                    "case": c["case"],
+                    "mode": mode,
+                    "descriptors_random": r["descriptors_per_request"],
+                    "descriptors_contiguous": k["descriptors_per_request"],
+                    "ms_random": tr * 1e3,
+                    "ms_contiguous": tk * 1e3,
+                    "us_per_descriptor": (tr - tk)
+                    / (r["descriptors_per_request"] - k["descriptors_per_request"])
+                    * 1e6,
+                }
+            )
+    return out
+
+
+# ----------------------------------------------------------------------------- GPU hook
+def gpu_docs(results: dict[str, dict]) -> list[tuple[str, dict]]:
+    """The GPU result documents (``gpu.json`` first, then other ``gpu*`` ones)."""
+    return sorted(
+        ((k, v) for k, v in results.items() if k.startswith("gpu")), key=lambda kv: (kv[0] != "gpu", kv[0])
+    )
+
+
+def gpu_rows(doc: dict) -> list[dict]:
+    """One flat row per (case, mode, ids) of a GPU result: gbps, d2d_gbps, fraction, descriptors, verified."""
+    out = []
+    for c in doc.get("cases", []):
+        for mode, m in c.get("modes", {}).items():
+            check = m.get("check", {})
+            for key, t in m.items():
+                if not key.startswith("throughput") or not isinstance(t, dict) or "gbps" not in t:
+                    continue
+                d2d = t.get("torch_d2d_gbps_same_bytes")
+                out.append(
+                    {
+                        "case": c.get("case", "?"),
+                        "mode": mode,
+                        "ids": key.partition("_")[2] or "-",
+                        "gbps": t["gbps"],
+                        "d2d_gbps": d2d,
+                        "fraction": t.get("fraction_of_d2d", t["gbps"] / d2d if d2d else None),
+                        "descriptors": t.get("descriptors_per_request"),
+                        "verified": check.get("verified_bytes")
+                        if check.get("ok")
+                        else (False if check else None),
+                        "ok": t.get("ok", True),
+                    }
+                )
+    for r in doc.get("rows", []):
+        if "gbps" not in r:
+            continue
+        d2d = r.get("torch_d2d_gbps_same_bytes", r.get("d2d_gbps"))
+        frac = r.get("fraction_of_d2d", r.get("ratio_vs_d2d"))
+        case = r.get("case") or (f"{r['tokens']} tokens" if "tokens" in r else "?")
+        if "progress" in r:
+            case += f" ({r['progress']})"
+        out.append(
+            {
+                "case": case,
+                "mode": r.get("mode", "?"),
+                "ids": r.get("ids", "-"),
+                "gbps": r["gbps"],
+                "d2d_gbps": d2d,
+                "fraction": frac if frac is not None else (r["gbps"] / d2d if d2d else None),
+                "descriptors": r.get("descriptors_per_request"),
+                "verified": None,
+                "ok": r.get("ok", True),
+            }
+        )
+    return out
+
+
+# ----------------------------------------------------------------------------- verdicts
+@dataclass(frozen=True)
+class Verdict:
+    benchmark: str
+    target: str
+    value: str
+    met: bool | None  # None: not measured in these results
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:.3f} ms"
+
+
+def verdicts(results: dict[str, dict]) -> list[Verdict]:
+    """Issue 5's targets against the recorded results."""
+    out: list[Verdict] = []
+    c = results.get("compile")
+    if c and c.get("compile"):
+        last = max(c["compile"], key=lambda r: r["num_blocks"])
+        t = last["compile_s"]["median"]
+        out.append(
+            Verdict(
+                "compile",
+                f"compile at {last['num_blocks']:,} blocks/region < {_ms(COMPILE_TARGET_S)}",
+                _ms(t),
+                t < COMPILE_TARGET_S,
+            )
+        )
+        if "local_descriptors" in c:
+            r = c["local_descriptors"]["ratio"]
+            out.append(
+                Verdict(
+                    "compile",
+                    f"local_descriptors within {LOCAL_DESCRIPTORS_RATIO:.0f}x of one numpy pass",
+                    f"{r:.2f}x",
+                    r <= LOCAL_DESCRIPTORS_RATIO,
+                )
+            )
+    p = results.get("pair")
+    if p:
+        if p.get("pairs"):
+            worst = max(max(x["pull_s"], x["push_s"]) for x in p["pairs"])
+            out.append(
+                Verdict(
+                    "pair",
+                    f"pairing every checked-in pair < {_ms(PAIR_TARGET_S)}",
+                    _ms(worst),
+                    worst < PAIR_TARGET_S,
+                )
+            )
+        reqs = [r for r in p.get("requests", []) if r["regions"] == 128 and r["blocks"] == 512]
+        if reqs:
+            ok = [r for r in reqs if r["descriptor_ratio_kvlc_over_baseline"] <= 1]
+            worst = max(ok or reqs, key=lambda r: r["instantiate_bound_s"])
+            out.append(
+                Verdict(
+                    "pair",
+                    f"instantiate 128 x 512 < {_ms(INSTANTIATE_TARGET_S)} "
+                    "(cases without descriptor explosion)",
+                    f"{_ms(worst['instantiate_bound_s'])} ({worst['case']}, {worst['ids']})",
+                    worst["instantiate_bound_s"] < INSTANTIATE_TARGET_S,
+                )
+            )
+            expl = [r for r in reqs if r not in ok]
+            if expl:
+                w = max(expl, key=lambda r: r["instantiate_bound_s"])
+                out.append(
+                    Verdict(
+                        "pair",
+                        f"instantiate 128 x 512 < {_ms(INSTANTIATE_TARGET_S)} (token-major "
+                        "hetero TP, flagged at pairing)",
+                        f"{_ms(w['instantiate_bound_s'])} ({w['descriptors_kvlc']:,} descriptors)",
+                        w["instantiate_bound_s"] < INSTANTIATE_TARGET_S,
+                    )
+                )
+            if all("at_minimum" in r for r in reqs):
+                out.append(
+                    Verdict(
+                        "pair",
+                        "descriptors = coalesced minimum (every case)",
+                        f"{sum(r['at_minimum'] for r in reqs)}/{len(reqs)}",
+                        all(r["at_minimum"] for r in reqs),
+                    )
+                )
+            cont = [r for r in reqs if r["ids"] == "contiguous"]
+            for r in cont:
+                ratio = r["descriptor_ratio_kvlc_over_baseline"]
+                note = "" if r.get("per_block_valid", True) else " (per-block scheme not valid here)"
+                out.append(
+                    Verdict(
+                        "pair",
+                        f"descriptors <= 1/10 of per-block, contiguous ids: {r['case']}",
+                        f"{ratio:.4f}x{note}",
+                        ratio <= DESCRIPTOR_RATIO_CONTIGUOUS,
+                    )
+                )
+    x = results.get("transfer")
+    if x:
+        for case in x.get("cases", []):
+            for m in case.get("runs", []):
+                out.append(
+                    Verdict(
+                        "transfer",
+                        f"{case['case']} {m['mode']} ({m['ids']} ids) >= "
+                        f"{LOOPBACK_TARGET:.0%} of one single-descriptor READ",
+                        f"{m['ratio_vs_single_read']:.1%}",
+                        m["ratio_vs_single_read"] >= LOOPBACK_TARGET and not m.get("failed"),
+                    )
+                )
+            if "verify" in case:
+                out.append(
+                    Verdict(
+                        "transfer",
+                        f"{case['case']}: bytes verified "
+                        + (
+                            "(pipeline stage, same request)"
+                            if "stage" in case["verify"].get("how", "")
+                            else "(first round of every run)"
+                        ),
+                        f"{case['verify']['checked_bytes']:,} bytes",
+                        bool(case["verify"].get("ok")),
+                    )
+                )
+    for name, g in gpu_docs(results):  # GPU HOOK
+        target = g.get("target_ratio", GPU_TARGET)
+        best: dict[str, dict] = {}
+        for r in gpu_rows(g):
+            if (
+                r["fraction"] is not None
+                and r["ok"]
+                and r["fraction"] > best.get(r["case"], {}).get("fraction", -1)
+            ):
+                best[r["case"]] = r
+        for case, r in best.items():
+            out.append(
+                Verdict(
+                    name,
+                    f"{case}: best direction >= {target:.0%} of a torch device-to-device copy",
+                    f"{_pct(r['fraction'])} ({r['mode']}, {r['ids']} ids, {r['gbps']:,.1f} GB/s)",
+                    r["fraction"] >= target,
+                )
+            )
+    return out
+
+
+# ----------------------------------------------------------------------------- tables
+def _mark(met: bool | None) -> str:
+    return {True: "[green]met[/green]", False: "[red]missed[/red]", None: "[dim]-[/dim]"}[met]
+
+
+def _header(doc: dict) -> str:
+    m = doc.get("machine", {})
+    q = " [yellow](quick run)[/yellow]" if doc.get("quick") else ""
+    return (
+        f"{doc.get('command', '?')} — {doc.get('when', '?')}, {m.get('cpus', '?')} CPUs, "
+        f"load {m.get('loadavg_at_start', '?')} at start{q}"
+    )
+
+
+def tables(results: dict[str, dict]):
+    """One rich Table per benchmark present, then the targets table."""
+    from rich.table import Table
+
+    out = []
+    c = results.get("compile")
+    if c:
+        t = Table(
+            title=f"compile: {c.get('layout', '?')} ({c.get('layout_regions', '?')} regions)",
+            caption=_header(c),
+        )
+        for col in ("num_blocks", "compile", "load + compile", "tracemalloc peak", "plan JSON"):
+            t.add_column(col, justify="right")
+        for r in c.get("compile", []):
+            t.add_row(
+                f"{r['num_blocks']:,}",
+                _ms(r["compile_s"]["median"]),
+                _ms(r["load_and_compile_s"]["median"]),
+                f"{r['tracemalloc_peak_bytes'] / 1024:,.0f} KiB",
+                f"{r['plan_json_bytes']:,} B",
+            )
+        out.append(t)
+    p = results.get("pair")
+    if p:
+        if p.get("pairs"):
+            t = Table(title="pairing (checked-in pairs)", caption=_header(p))
+            for col in ("pair", "regions", "pull", "push"):
+                t.add_column(col, justify="left" if col == "pair" else "right")
+            for r in p["pairs"]:
+                t.add_row(r["pair"], str(r["regions"]), _ms(r["pull_s"]), _ms(r["push_s"]))
+            out.append(t)
+        if p.get("requests"):
+            t = Table(
+                title="request instantiation and descriptors: kvlc vs per-block (128 regions x 512 blocks)",
+                caption=_header(p),
+            )
+            for col in (
+                "case",
+                "ids",
+                "kvlc",
+                "per-block",
+                "time ratio",
+                "descriptors kvlc",
+                "per-block",
+                "ratio",
+                "minimum",
+            ):
+                t.add_column(col, justify="left" if col in ("case", "ids") else "right")
+            for r in p["requests"]:
+                valid = r.get("per_block_valid", True)
+                t.add_row(
+                    r["case"],
+                    r["ids"],
+                    _ms(r["instantiate_bound_s"]),
+                    _ms(r["per_block_baseline_s"]),
+                    f"{r['time_ratio_kvlc_over_baseline']:.2f}x",
+                    f"{r['descriptors_kvlc']:,}",
+                    f"{r['descriptors_per_block']:,}" + ("" if valid else " [dim](invalid)[/dim]"),
+                    f"{r['descriptor_ratio_kvlc_over_baseline']:.4f}x",
+                    {True: "yes", False: "[red]no[/red]"}.get(r.get("at_minimum"), "-"),
+                )
+            out.append(t)
+    n = results.get("nixl_prep")
+    if n:
+        t = Table(
+            title=f"NIXL list preparation: (N, 3) rows vs strided (N, 5) rows "
+            f"({n.get('block_bytes', '?')} B descriptors)",
+            caption=_header(n),
+        )
+        for col in ("descriptors", "build Nx3", "prep Nx3", "prep Nx5", "strided rows", "speedup"):
+            t.add_column(col, justify="right")
+        for r in n.get("rows", []):
+            t.add_row(
+                f"{r['descriptors']:,}",
+                _ms(r["build_nx3_s"]),
+                _ms(r["prep_nx3_s"]),
+                _ms(r["prep_nx5_s"]),
+                str(r["strided_rows"]),
+                f"{r['speedup_nx5']:,.0f}x",
+            )
+        out.append(t)
+        progs = n.get("program_lists") or []
+        if progs and all("prep_nx5_s" in p and "prep_nx3_s" in p for p in progs):
+            t = Table(
+                title="NIXL lists of real transfer programs: strided rows vs the descriptors they expand to"
+            )
+            for col in (
+                "pair",
+                "strided rows",
+                "descriptors",
+                "prep Nx5",
+                "prep Nx3",
+                "request",
+                "indices",
+                "instantiate",
+            ):
+                t.add_column(col, justify="left" if col == "pair" else "right")
+            for p in progs:
+                t.add_row(
+                    p.get("pair", "?"),
+                    f"{p.get('strided_rows', 0):,}",
+                    f"{p.get('expanded_descriptors', 0):,}",
+                    _ms(p["prep_nx5_s"]),
+                    _ms(p["prep_nx3_s"]),
+                    f"{p.get('request_indices', 0):,} indices",
+                    _ms(p["prepared_indices_s"]) if "prepared_indices_s" in p else "-",
+                    _ms(p["instantiate_s"]) if "instantiate_s" in p else "-",
+                )
+            out.append(t)
+    x = results.get("transfer")
+    if x:
+        t = Table(
+            title="loopback transfer, two processes, DRAM, UCX: kvlc vs (a) one descriptor, (b) memcpy",
+            caption=_header(x),
+        )
+        for col in (
+            "case",
+            "mode",
+            "ids",
+            "MiB/req",
+            "desc/req",
+            "kvlc GB/s",
+            "(a) READ",
+            "(a) WRITE",
+            "(b) memcpy",
+            "kvlc/(a)",
+            "kvlc/(b)",
+        ):
+            t.add_column(col, justify="left" if col in ("case", "mode", "ids") else "right")
+        for case in x.get("cases", []):
+            for m in case.get("runs", []):
+                t.add_row(
+                    case["case"],
+                    m["mode"],
+                    m["ids"],
+                    f"{case['bytes_per_request'] / 2**20:,.0f}",
+                    f"{m['descriptors_per_request']:,.0f}",
+                    f"{m['gbps']['median']:.2f}",
+                    f"{m['single_read_gbps']['median']:.2f}",
+                    f"{m['single_write_gbps']['median']:.2f}",
+                    f"{case['memcpy']['gbps']:.2f}",
+                    f"{m['ratio_vs_single_read']:.1%}",
+                    f"{m['ratio_vs_memcpy']:.1%}",
+                )
+        out.append(t)
+        sweep = x.get("nixl_sweep")
+        if sweep:
+            t = Table(
+                title=f"why: NIXL alone, {sweep['bytes'] / 2**20:.0f} MiB as descriptors of one size "
+                "(remote order permuted)"
+            )
+            for col in ("op", "descriptor", "descriptors", "GB/s", "extra per descriptor"):
+                t.add_column(col, justify="left" if col == "op" else "right")
+            for r in sweep["rows"]:
+                extra = r.get("extra_us_per_descriptor")
+                t.add_row(
+                    r["op"],
+                    _bytes(r["descriptor_bytes"]),
+                    f"{r['descriptors']:,}",
+                    f"{r['gbps']:.2f}",
+                    f"{extra:.2f} us" if extra is not None else "",
+                )
+            out.append(t)
+        extra = per_descriptor_cost(x)
+        if extra:
+            t = Table(
+                title="why: cost of one more descriptor inside a kvlc request, same run "
+                "(random vs contiguous producer ids, same bytes)"
+            )
+            for col in (
+                "case",
+                "mode",
+                "descriptors random",
+                "contiguous",
+                "ms random",
+                "ms contiguous",
+                "extra per descriptor",
+            ):
+                t.add_column(col, justify="left" if col in ("case", "mode") else "right")
+            for r in extra:
+                t.add_row(
+                    r["case"],
+                    r["mode"],
+                    f"{r['descriptors_random']:,.0f}",
+                    f"{r['descriptors_contiguous']:,.0f}",
+                    f"{r['ms_random']:.1f}",
+                    f"{r['ms_contiguous']:.1f}",
+                    f"{r['us_per_descriptor']:.2f} us",
+                )
+            out.append(t)
+    for name, g in gpu_docs(results):  # GPU HOOK
+        rows = gpu_rows(g)
+        if not rows:
+            continue
+        m = g.get("machine", {})
+        t = Table(
+            title=f"{name}: {m.get('gpu', 'GPU')} (recorded by hand, not CI)",
+            caption=f"{g.get('command', m.get('command', '?'))} — {g.get('when', m.get('when', '?'))}",
+        )
+        for col in (
+            "case",
+            "mode",
+            "ids",
+            "GB/s",
+            "torch d2d GB/s",
+            "fraction of d2d",
+            "desc/req",
+            "verified",
+        ):
+            t.add_column(col, justify="left" if col in ("case", "mode", "ids") else "right")
+        for r in rows:
+            t.add_row(
+                r["case"],
+                r["mode"],
+                r["ids"],
+                f"{r['gbps']:,.1f}",
+                f"{r['d2d_gbps']:,.0f}" if r["d2d_gbps"] else "-",
+                _pct(r["fraction"]) if r["fraction"] is not None else "-",
+                f"{r['descriptors']:,.0f}" if r["descriptors"] is not None else "-",
+                _verified(r["verified"]),
+            )
+        out.append(t)
+    v = verdicts(results)
+    if v:
+        t = Table(title="targets (issue 5)")
+        for col in ("benchmark", "target", "measured", "verdict"):
+            t.add_column(col)
+        for x_ in v:
+            t.add_row(x_.benchmark, x_.target, x_.value, _mark(x_.met))
+        out.append(t)
+    return out
+
+
+def _pct(x: float) -> str:
+    return f"{x:.1%}" if x >= 0.01 else f"{x:.3%}"
+
+
+def _verified(v) -> str:
+    if v is None:
+        return "-"
+    if v is False:
+        return "[red]no[/red]"
+    return f"{v:,} B"
+
+
+def _bytes(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size and n % size == 0:
+            return f"{n // size} {unit}"
+    return f"{n} B"
+
+
+def summarize(results: dict[str, dict], console=None) -> list[Verdict]:
+    """Print every table; return the verdicts."""
+    console = console or _console()
+    for t in tables(results):
+        console.print(t)
+    return verdicts(results)
+
+
+def _console():
+    """A console; wide when output is not a terminal (logs, pipes) so tables keep their columns."""
+    from rich.console import Console
+
+    c = Console()
+    return c if c.is_terminal else Console(width=160)
+
+
+# ----------------------------------------------------------------------------- plots
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    _plt().close(fig)
+    return path
+
+
+def plot_compile(doc: dict, out: Path) -> Path:
+    plt = _plt()
+    rows = sorted(doc["compile"], key=lambda r: r["num_blocks"])
+    n = [r["num_blocks"] for r in rows]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    a.plot(n, [r["compile_s"]["median"] * 1e3 for r in rows], "o-", label="compile (passes)")
+    a.plot(n, [r["load_and_compile_s"]["median"] * 1e3 for r in rows], "s-", label="load + compile")
+    a.axhline(
+        COMPILE_TARGET_S * 1e3, color="red", ls="--", lw=1, label=f"target {COMPILE_TARGET_S * 1e3:.0f} ms"
+    )
+    a.set(
+        xscale="log",
+        yscale="log",
+        ylim=(1, 100),
+        xlabel="num_blocks per region",
+        ylabel="ms (median)",
+        title=f"compile time, {doc.get('layout', '')} ({doc.get('layout_regions', '?')} regions)",
+    )
+    a.set_yticks([1, 2, 5, 10, 20, 50, 100], ["1", "2", "5", "10", "20", "50", "100"])
+    a.minorticks_off()
+    a.legend(fontsize=8)
+    b.plot(n, [r["tracemalloc_peak_bytes"] / 1024 for r in rows], "o-", label="tracemalloc peak")
+    b.plot(n, [r["plan_json_bytes"] / 1024 for r in rows], "s-", label="plan JSON")
+    b.set(xscale="log", xlabel="num_blocks per region", ylabel="KiB", title="compile memory and plan size")
+    b.set_ylim(0, max(r["tracemalloc_peak_bytes"] for r in rows) / 1024 * 1.3)
+    b.legend(fontsize=8)
+    return _save(fig, out / "compile.png")
+
+
+def _case_labels(reqs: list[dict]) -> list[str]:
+    return [f"{r['case']}\n{r['ids']}" for r in reqs]
+
+
+def plot_instantiate(doc: dict, out: Path) -> Path:
+    plt = _plt()
+    import numpy as np
+
+    reqs = doc["requests"]
+    x = np.arange(len(reqs))
+    fig, ax = plt.subplots(figsize=(max(8, len(reqs) * 0.8), 4.8))
+    w = 0.4
+    ax.bar(x - w / 2, [r["instantiate_bound_s"] * 1e3 for r in reqs], w, label="kvlc (bound program)")
+    ax.bar(x + w / 2, [r["per_block_baseline_s"] * 1e3 for r in reqs], w, label="per-block scheme (numpy)")
+    ax.axhline(
+        INSTANTIATE_TARGET_S * 1e3,
+        color="red",
+        ls="--",
+        lw=1,
+        label=f"target {INSTANTIATE_TARGET_S * 1e3:.0f} ms",
+    )
+    ax.set_yscale("log")
+    ax.set_ylabel("ms per request (median)")
+    ax.set_title(f"request instantiation, {reqs[0]['regions']} regions x {reqs[0]['blocks']} blocks")
+    ax.set_xticks(x, _case_labels(reqs), rotation=60, ha="right", fontsize=7)
+    ax.legend(fontsize=8)
+    return _save(fig, out / "instantiate.png")
+
+
+def plot_descriptors(doc: dict, out: Path) -> Path:
+    plt = _plt()
+    import numpy as np
+
+    reqs = doc["requests"]
+    x = np.arange(len(reqs))
+    fig, ax = plt.subplots(figsize=(max(8, len(reqs) * 0.8), 4.8))
+    w = 0.4
+    ax.bar(x - w / 2, [r["descriptors_kvlc"] for r in reqs], w, label="kvlc")
+    valid = [r.get("per_block_valid", True) for r in reqs]
+    bars = ax.bar(x + w / 2, [r["descriptors_per_block"] for r in reqs], w, label="per-block scheme")
+    for bar, ok in zip(bars, valid):
+        if not ok:
+            bar.set_hatch("//")
+            bar.set_alpha(0.45)
+    if not all(valid):
+        ax.bar(
+            [0],
+            [0],
+            0,
+            color=bars[0].get_facecolor(),
+            hatch="//",
+            alpha=0.45,
+            label="per-block: would move wrong bytes (token-major, hetero TP)",
+        )
+    for i, r in enumerate(reqs):
+        ax.text(
+            i,
+            max(r["descriptors_kvlc"], r["descriptors_per_block"]) * 1.3,
+            f"{r['descriptor_ratio_kvlc_over_baseline']:.3g}x",
+            ha="center",
+            fontsize=7,
+        )
+    ax.set_yscale("log")
+    ax.set_ylim(10, max(max(r["descriptors_kvlc"], r["descriptors_per_block"]) for r in reqs) * 30)
+    ax.set_ylabel("descriptors per request")
+    ax.set_title(f"descriptors per request, {reqs[0]['regions']} regions x {reqs[0]['blocks']} blocks "
+                 "(labels: kvlc / per-block)")
+    ax.set_xticks(x, _case_labels(reqs), rotation=60, ha="right", fontsize=7)
+    ax.legend(fontsize=8, loc="upper left")
+    return _save(fig, out / "descriptors.png")
+
+
+def plot_prep(doc: dict, out: Path) -> Path:
+    plt = _plt()
+    rows = sorted(doc["rows"], key=lambda r: r["descriptors"])
+    n = [r["descriptors"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    ax.plot(n, [r["prep_nx3_s"] * 1e3 for r in rows], "o-", label="prep (N, 3): one row per descriptor")
+    ax.plot(
+        n,
+        [r["prep_nx5_s"] * 1e3 for r in rows],
+        "s-",
+        label=f"prep strided (N, 5): {rows[0]['strided_rows']} rows",
+    )
+    ax.plot(n, [r["build_nx3_s"] * 1e3 for r in rows], "^:", label="numpy build of the (N, 3) rows")
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="descriptors in the list (N)",
+        ylabel="ms",
+        title="NIXL prep_xfer_dlist time vs N",
+    )
+    ax.legend(fontsize=8)
+    return _save(fig, out / "nixl_prep.png")
+
+
+def plot_transfer(doc: dict, out: Path) -> Path:
+    plt = _plt()
+    import numpy as np
+
+    cases = doc["cases"]
+    ids_kinds = list(dict.fromkeys(m["ids"] for c in cases for m in c["runs"])) or ["random"]
+    modes = list(dict.fromkeys(m["mode"] for c in cases for m in c["runs"]))
+    fig, axes = plt.subplots(
+        1, len(ids_kinds), figsize=(6.8 * len(ids_kinds), 5.4), squeeze=False, sharey=True
+    )
+    colors = {"pull": "C0", "push": "C1", "pull_via_push": "C2"}
+    bars = [(f"kvlc {m}", colors.get(m, f"C{3 + i}")) for i, m in enumerate(modes)]
+    bars += [
+        ("(a) one descriptor, READ", "0.72"),
+        ("(a) one descriptor, WRITE", "0.55"),
+        ("(b) numpy memcpy", "0.25"),
+    ]
+    w = 0.84 / len(bars)
+    for ax, kind in zip(axes[0], ids_kinds):
+        x = np.arange(len(cases))
+        cols = []
+        for m in modes:
+            cols.append([(_run(c, m, kind) or {"gbps": {"median": 0}})["gbps"]["median"] for c in cases])
+        for key in ("single_read_gbps", "single_write_gbps"):
+            cols.append([_median([m[key]["median"] for m in c["runs"] if m["ids"] == kind]) for c in cases])
+        cols.append([c["memcpy"]["gbps"] for c in cases])
+        for i, ((label, color), vals) in enumerate(zip(bars, cols)):
+            ax.bar(x + (i - (len(bars) - 1) / 2) * w, vals, w, label=label, color=color)
+        for c_i, c in enumerate(cases):
+            for i, m in enumerate(modes):
+                r = _run(c, m, kind)
+                if r:
+                    ax.text(
+                        c_i + (i - (len(bars) - 1) / 2) * w,
+                        r["gbps"]["median"] + 0.2,
+                        f"{r['ratio_vs_single_read']:.0%}",
+                        ha="center",
+                        fontsize=6.5,
+                        rotation=90,
+                    )
+        labels = []
+        for c in cases:
+            desc = [m["descriptors_per_request"] for m in c["runs"] if m["ids"] == kind]
+            labels.append(
+                f"{c['case']}\n{c['bytes_per_request'] / 2**20:,.0f} MiB, {_median(desc):,.0f} desc/req"
+            )
+        ax.set_xticks(x, labels, fontsize=7.5)
+        ax.set_ylabel("GB/s (median of rounds)")
+        ax.set_title(
+            f"{kind} producer block ids (labels over kvlc bars: kvlc / one-descriptor READ)", fontsize=9.5
+        )
+    fig.suptitle(
+        "loopback transfer between two processes, DRAM, UCX (same run, interleaved rounds)", fontsize=11
+    )
+    handles, labels_ = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels_, loc="lower center", ncol=len(bars), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    fig.savefig(out / "transfer.png", dpi=120)
+    plt.close(fig)
+    return out / "transfer.png"
+
+
+def _run(case: dict, mode: str, ids: str) -> dict | None:
+    return next((m for m in case["runs"] if m["mode"] == mode and m["ids"] == ids), None)
+
+
+def _median(values: list[float]) -> float:
+    import statistics
+
+    return statistics.median(values) if values else 0.0
+
+
+def plot_transfer_descriptors(doc: dict, out: Path) -> Path | None:
+    """GB/s vs bytes per descriptor: NIXL alone (sweep) and every kvlc run."""
+    sweep = doc.get("nixl_sweep")
+    if not sweep:
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    for op, style, shade in (("READ", "o-", "0.80"), ("WRITE", "s--", "0.90")):
+        rows = sorted((r for r in sweep["rows"] if r["op"] == op), key=lambda r: r["descriptor_bytes"])
+        size = [r["descriptor_bytes"] for r in rows]
+        ax.plot(
+            size,
+            [r["gbps"] for r in rows],
+            style,
+            color="0.4",
+            label=f"NIXL alone, {op}, median ({sweep['bytes'] / 2**20:.0f} MiB)",
+        )
+        if all("seconds" in r for r in rows):  # spread of the rounds: slowest .. fastest
+            ax.fill_between(
+                size,
+                [sweep["bytes"] / r["seconds"]["max"] / 1e9 for r in rows],
+                [sweep["bytes"] / r["seconds"]["min"] / 1e9 for r in rows],
+                color=shade,
+                alpha=0.5,
+                lw=0,
+                label=f"NIXL alone, {op}, slowest..fastest round",
+            )
+    markers = {"pull": "v", "push": "^", "pull_via_push": "D"}
+    for i, c in enumerate(doc["cases"]):
+        for m in c["runs"]:
+            size = c["bytes_per_request"] / max(1.0, m["descriptors_per_request"])
+            ax.scatter(
+                [size],
+                [m["gbps"]["median"]],
+                marker=markers.get(m["mode"], "o"),
+                color=f"C{i}",
+                s=36,
+                zorder=3,
+                label=f"kvlc {c['case']}" if m is c["runs"][0] else None,
+            )
+    ax.scatter([], [], marker="v", color="k", label="pull")
+    ax.scatter([], [], marker="^", color="k", label="push")
+    ax.scatter([], [], marker="D", color="k", label="pull via push")
+    ax.set(
+        xscale="log",
+        xlabel="bytes per descriptor (request bytes / descriptors)",
+        ylabel="GB/s",
+        title="loopback GB/s vs descriptor size: kvlc runs on NIXL's own curve",
+    )
+    ax.legend(fontsize=7, ncol=2)
+    return _save(fig, out / "transfer_descriptors.png")
+
+
+def plot_gpu(name: str, doc: dict, out: Path) -> Path | None:  # GPU HOOK
+    rows = gpu_rows(doc)
+    if not rows:
+        return None
+    plt = _plt()
+    import numpy as np
+
+    labels = [f"{r['case']}\n{r['mode']} {r['ids'] if r['ids'] != '-' else ''}".strip() for r in rows]
+    x = np.arange(len(rows))
+    fig, ax = plt.subplots(figsize=(max(7, len(rows) * 0.75), 5))
+    ax.bar(x - 0.2, [r["gbps"] for r in rows], 0.4, label="kvlc")
+    ax.bar(
+        x + 0.2,
+        [r["d2d_gbps"] or 0 for r in rows],
+        0.4,
+        label="torch device-to-device copy, same bytes",
+        color="0.6",
+    )
+    for i, r in enumerate(rows):
+        if r["fraction"] is not None:
+            ax.text(i - 0.2, r["gbps"] * 1.15, _pct(r["fraction"]), ha="center", fontsize=6, rotation=90)
+    ax.set_yscale("log")
+    ax.set_ylabel("GB/s")
+    gpu = doc.get("machine", {}).get("gpu", "GPU")
+    ax.set_title(f"{name}: {gpu}, kvlc vs device-to-device copy (labels: fraction of the copy)")
+    ax.set_xticks(x, labels, rotation=60, ha="right", fontsize=7)
+    ax.set_ylim(top=max(max(r["gbps"], r["d2d_gbps"] or 0) for r in rows) * 8)
+    ax.legend(fontsize=8, loc="upper right", ncol=2)
+    return _save(fig, out / f"{name}.png")
+
+
+def plot_all(results: dict[str, dict], out_dir: Path) -> list[Path]:
+    """Every plot the results allow, as PNG files in ``out_dir``."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    made: list[Path | None] = []
+    if results.get("compile", {}).get("compile"):
+        made.append(plot_compile(results["compile"], out_dir))
+    if results.get("pair", {}).get("requests"):
+        made.append(plot_instantiate(results["pair"], out_dir))
+        made.append(plot_descriptors(results["pair"], out_dir))
+    if results.get("nixl_prep", {}).get("rows"):
+        made.append(plot_prep(results["nixl_prep"], out_dir))
+    if results.get("transfer", {}).get("cases"):
+        made.append(plot_transfer(results["transfer"], out_dir))
+        made.append(plot_transfer_descriptors(results["transfer"], out_dir))
+    for name, doc in gpu_docs(results):  # GPU HOOK
+        made.append(plot_gpu(name, doc, out_dir))
+    return [p for p in made if p is not None]
+
+
+# ----------------------------------------------------------------------------- command
+def main_bench(only: str | None = None, quick: bool = False, run: bool = True, console=None) -> int:
+    """What ``kvlc bench`` does; returns the exit code (1 if a script failed)."""
+    console = console or _console()
+    bench_dir = find_benchmarks()
+    names = parse_only(only)
+    failed = []
+    if run:
+        console.print(
+            f"kvlc bench: {', '.join(names)}{' (quick)' if quick else ''} from {bench_dir}", highlight=False
+        )
+        for r in run_scripts(bench_dir, names, quick, console):
+            if r.returncode:
+                failed.append(r)
+    results = load_results(bench_dir / "results")
+    if not results:
+        console.print(f"no results in {bench_dir / 'results'}: run without --no-run first")
+        return 1
+    summarize(results, console)
+    for p in plot_all(results, bench_dir / "results"):
+        console.print(f"wrote {p}", highlight=False)
+    for r in failed:
+        console.print(f"[red]{r.name} failed (exit {r.returncode}); its output: {r.log}[/red]")
+    return 1 if failed else 0

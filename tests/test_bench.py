@@ -1,0 +1,137 @@
+"""``kvlc bench`` summary and plots, from tiny synthetic result files (no benchmark runs here)."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+from click.testing import CliRunner
+
+pytest.importorskip("matplotlib")
+pytest.importorskip("rich")
+
+from kvlc import bench  # noqa: E402
+from kvlc.cli import main  # noqa: E402
+
+PNG = b"\x89PNG\r\n\x1a\n"
+MACHINE = {"cpus": 2, "loadavg_at_start": "0.5"}
+
+
+def _t(s: float) -> dict:
+    return {"median": s, "min": s, "max": s, "runs": 3}
+
+
+def _req(case, ids, t_kvlc, n_kvlc, n_base, valid=True):
+    return {"case": case, "ids": ids, "regions": 128, "blocks": 512, "instantiate_bound_s": t_kvlc,
+            "instantiate_unbound_s": t_kvlc, "per_block_baseline_s": 0.001, "descriptors_kvlc": n_kvlc,
+            "descriptors_per_block": n_base, "descriptors_min": n_kvlc, "at_minimum": True,
+            "per_block_valid": valid, "time_ratio_kvlc_over_baseline": t_kvlc / 0.001,
+            "descriptor_ratio_kvlc_over_baseline": n_kvlc / n_base, "bytes": 1 << 30}
+
+
+def _run(mode, ids, gbps, read, desc):
+    return {"mode": mode, "ids": ids, "gbps": _t(gbps), "single_read_gbps": _t(read),
+            "single_write_gbps": _t(read), "descriptors_per_request": desc, "single_descriptors_per_request": 1,
+            "ratio_vs_single_read": gbps / read, "ratio_vs_single_same_op": gbps / read,
+            "ratio_vs_memcpy": gbps / 10, "failed": {}, "target_met": gbps / read >= 0.9}
+
+
+SYNTHETIC = {
+    "compile": {"benchmark": "compile", "command": "python bench_compile.py", "machine": MACHINE,
+                "layout": "x.yaml", "layout_regions": 128,
+                "compile": [{"num_blocks": n, "regions": 128, "compile_s": _t(0.003), "load_and_compile_s": _t(0.004),
+                             "tracemalloc_peak_bytes": 400_000, "plan_json_bytes": 68_000}
+                            for n in (1_000, 1_000_000)],
+                "local_descriptors": {"ratio": 2.0}},
+    "pair": {"benchmark": "pair", "command": "python bench_pair.py", "machine": MACHINE,
+             "pairs": [{"pair": "a-to-b", "regions": 80, "pull_s": 0.004, "push_s": 0.005}],
+             "requests": [_req("homogeneous", "contiguous", 0.0001, 128, 65536),
+                          _req("homogeneous", "random", 0.0005, 65536, 65536),
+                          _req("hetero NHD", "contiguous", 0.03, 2_097_152, 131072, valid=False)]},
+    "nixl_prep": {"benchmark": "nixl_prep", "command": "python bench_nixl_prep.py", "machine": MACHINE,
+                  "block_bytes": 16,
+                  "rows": [{"descriptors": n, "strided_rows": 8, "strided_expanded": n, "build_nx3_s": n * 1e-8,
+                            "prep_nx3_s": n * 3e-8, "prep_nx5_s": 1e-4, "speedup_nx5": n * 3e-4}
+                           for n in (10_000, 100_000)]},
+    "transfer": {"benchmark": "transfer", "command": "python bench_transfer.py", "machine": MACHINE,
+                 "cases": [{"case": "llama 2k", "bytes_per_request": 256 << 20, "memcpy": {"gbps": 12.0},
+                            "verify": {"checked_bytes": 1 << 28, "ok": True},
+                            "runs": [_run("pull", "random", 5.0, 8.0, 4096), _run("push", "contiguous", 7.6, 8.0, 32)]}],
+                 "nixl_sweep": {"bytes": 256 << 20, "rows": [
+                     {"op": op, "descriptor_bytes": s, "descriptors": (256 << 20) // s, "gbps": g, "seconds": _t(0.1)}
+                     for op in ("READ", "WRITE") for s, g in ((4096, 0.8), (1 << 20, 7.5), (256 << 20, 9.0))]}},
+    "gpu": {"benchmark": "gpu", "machine": {"gpu": "NVIDIA H200", "command": "gpu_transfer.py"},
+            "cases": [{"case": "vram llama", "modes": {"push": {
+                "check": {"ok": True, "verified_bytes": 1 << 26},
+                "throughput_contiguous": {"gbps": 1700.0, "torch_d2d_gbps_same_bytes": 2000.0,
+                                          "fraction_of_d2d": 0.85, "descriptors_per_request": 32}}}}]},
+}
+
+
+@pytest.fixture()
+def results_dir(tmp_path):
+    d = tmp_path / "results"
+    d.mkdir()
+    for name, doc in SYNTHETIC.items():
+        (d / f"{name}.json").write_text(json.dumps(doc))
+    return d
+
+
+def test_plots_render_valid_pngs(results_dir, tmp_path):
+    results = bench.load_results(results_dir)
+    assert set(results) == set(SYNTHETIC)
+    out = tmp_path / "plots"
+    made = bench.plot_all(results, out)
+    names = {p.name for p in made}
+    assert names == {"compile.png", "instantiate.png", "descriptors.png", "nixl_prep.png", "transfer.png",
+                     "transfer_descriptors.png", "gpu.png"}
+    for p in made:
+        data = p.read_bytes()
+        assert data[:8] == PNG and len(data) > 5_000, p
+
+
+def test_summary_tables_and_verdicts(results_dir):
+    results = bench.load_results(results_dir)
+    buf = io.StringIO()
+    from rich.console import Console
+
+    verdicts = bench.summarize(results, Console(file=buf, width=220))
+    text = buf.getvalue()
+    for title in ("compile:", "pairing", "request instantiation", "NIXL list preparation", "loopback transfer",
+                  "why: NIXL alone", "gpu: NVIDIA H200", "targets (issue 5)"):
+        assert title in text, title
+    by = {(v.benchmark, v.target.split(" (")[0]): v.met for v in verdicts}
+    assert by[("compile", "compile at 1,000,000 blocks/region < 50.000 ms")] is True
+    inst = [v.met for v in verdicts if v.target.startswith("instantiate")]
+    assert inst == [True, False]               # 0.5 ms met; the token-major explosion case apart, missed
+    loop = [v for v in verdicts if v.benchmark == "transfer" and "READ" in v.target]
+    assert [v.met for v in loop] == [False, True]                              # 5/8 missed, 7.6/8 met
+    gpu = [v for v in verdicts if v.benchmark == "gpu"]
+    assert len(gpu) == 1 and gpu[0].met is True
+    assert "per-block scheme not valid here" in " ".join(v.value for v in verdicts)
+
+
+def test_no_run_uses_recorded_results(results_dir, monkeypatch):
+    bench_dir = results_dir.parent
+    monkeypatch.setattr(bench, "find_benchmarks", lambda start=None: bench_dir)
+    from rich.console import Console
+
+    buf = io.StringIO()
+    assert bench.main_bench(run=False, console=Console(file=buf, width=200)) == 0
+    assert (results_dir / "transfer.png").read_bytes()[:8] == PNG
+
+
+def test_bench_help_and_errors(tmp_path, monkeypatch):
+    r = CliRunner().invoke(main, ["bench", "--help"])
+    assert r.exit_code == 0 and "--only" in r.output and "--quick" in r.output
+    with pytest.raises(bench.BenchError, match="unknown benchmark"):
+        bench.parse_only("compile,nope")
+    assert bench.parse_only("transfer, compile") == ["compile", "transfer"]
+    # outside a checkout: a clear message naming what was searched
+    monkeypatch.setattr(bench, "__file__", str(tmp_path / "site" / "kvlc" / "bench.py"))
+    with pytest.raises(bench.BenchError, match="no benchmarks/ folder"):
+        bench.find_benchmarks(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    r = CliRunner().invoke(main, ["bench", "--no-run"])
+    assert r.exit_code == 1 and "no benchmarks/ folder" in r.output
