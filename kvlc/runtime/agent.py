@@ -406,7 +406,15 @@ class KvAgent:
                     f"rank {self.rank} exchanges bytes with ranks {list(program.peer_ranks)} of "
                     f"'{plan.name}', but no address serves rank(s) {missing}"
                 )
-            return self._attach(plan, program, records, clients, direction, mode)
+            peer = self._attach(plan, program, records, clients, direction, mode)
+            if mode == "prepped":  # prepare the strided lists now: NIXL problems surface at connect
+                with self._lock:
+                    try:
+                        peer._prepared(peer.engine.bound(self.bases))
+                    except BaseException:
+                        peer.close()
+                        raise
+            return peer
         except BaseException:
             for c in clients.values():
                 c.close()
