@@ -191,6 +191,23 @@ class Plan(_Frozen):
     def _regions_by_name(self) -> dict[str, PlanRegion]:
         return {r.name: r for r in self.regions}
 
+    def group_capacity(self, group: str) -> int:
+        """Logical blocks a request of ``group`` can use: the smallest capacity among its regions."""
+        caps = [r.capacity for r in self.regions if group in r.groups]
+        if not caps:
+            raise KeyError(f"no region of plan '{self.name}' belongs to group '{group}'")
+        return min(caps)
+
+    def blocks_for(self, group: str, tokens: int) -> int:
+        """Logical blocks of ``group`` that ``tokens`` tokens occupy (one state block for Mamba groups).
+
+        >>> from kvlc import compile_spec
+        >>> compile_spec("layouts/llama-3.1-8b.yaml").blocks_for("full", 33)
+        3
+        """
+        g = self.group(group)
+        return 1 if g.is_state else -(-tokens // g.block_size)
+
     @property
     def mem_types(self) -> tuple[str, ...]:
         """Memory types present, in the order first seen."""

@@ -112,16 +112,8 @@ class DemoResult:
 
 
 def _capacities(plan: Plan) -> dict[str, int]:
-    cap: dict[str, int] = {}
-    for r in plan.regions:
-        for g in r.groups:
-            cap[g] = min(cap.get(g, r.capacity), r.capacity)
-    return cap
-
-
-def _blocks_needed(plan: Plan, group: str, tokens: int) -> int:
-    g = plan.group(group)
-    return 1 if g.is_state else -(-tokens // g.block_size)
+    return {g.name: plan.group_capacity(g.name) for g in plan.groups
+            if any(g.name in r.groups for r in plan.regions)}
 
 
 def default_tokens(consumer: Plan, producer: Plan, limit: int = 128) -> int:
@@ -150,8 +142,8 @@ def make_workload(consumer: Plan, producer: Plan, requests: int, tokens: int | N
     groups = [g.name for g in consumer.groups if g.name in {x.name for x in producer.groups}]
     cap_c, cap_p = _capacities(consumer), _capacities(producer)
     tokens = default_tokens(consumer, producer) if tokens is None else tokens
-    need_c = {g: _blocks_needed(consumer, g, tokens) for g in groups}
-    need_p = {g: _blocks_needed(producer, g, tokens) for g in groups}
+    need_c = {g: consumer.blocks_for(g, tokens) for g in groups}
+    need_p = {g: producer.blocks_for(g, tokens) for g in groups}
     for g in groups:
         if need_c[g] > cap_c[g] or need_p[g] > cap_p[g]:
             raise ValueError(
