@@ -168,6 +168,25 @@ def _mem_available() -> int:
 
 
 # ----------------------------------------------------------------------------- rounds
+
+def _outcome(out: dict, receivers, ids, movers, s0) -> dict:
+    """Wait until every receiver has the requests; gather failures and what the movers moved."""
+    failed = {}
+    for h in receivers:
+        got = h.call("wait", ids, TIMEOUT, timeout=TIMEOUT + 30)
+        failed.update(got["failed"])
+        failed.update({r: "still open" for r in got["open"]})
+    for a in out["agents"].values():
+        failed.update(a["failed"])
+        failed.update(a["errors"])
+    s1 = [h.call("stats") for h in movers]
+    return {
+        "seconds": out["seconds"],
+        "failed": failed,
+        "bytes": sum(b["bytes"] - a["bytes"] for a, b in zip(s0, s1)),
+        "descriptors": sum(b["descriptors"] - a["descriptors"] for a, b in zip(s0, s1)),
+    }
+
 class Engines:
     """The producer process and the consumer process of one case, with the flat-baseline agents."""
 
@@ -240,22 +259,7 @@ class Engines:
         out = proc.call(
             "batch", -1, [(h.aid, peer, method, reqs) for h in active], TIMEOUT, timeout=TIMEOUT + 30
         )
-        ids = [b[0] for b in batch]
-        failed = {}
-        for h in self.cons:
-            got = h.call("wait", ids, TIMEOUT, timeout=TIMEOUT + 30)
-            failed.update(got["failed"])
-            failed.update({r: "still open" for r in got["open"]})
-        for a in out["agents"].values():
-            failed.update(a["failed"])
-            failed.update(a["errors"])
-        s1 = [h.call("stats") for h in movers]
-        return {
-            "seconds": out["seconds"],
-            "failed": failed,
-            "bytes": sum(b["bytes"] - a["bytes"] for a, b in zip(s0, s1)),
-            "descriptors": sum(b["descriptors"] - a["descriptors"] for a, b in zip(s0, s1)),
-        }
+        return _outcome(out, self.cons, [b[0] for b in batch], movers, s0)
 
     def flat_round(self, op: str) -> dict:
         """One single-descriptor request per rank: a READ by the consumer side or a WRITE by the producer."""
@@ -275,21 +279,7 @@ class Engines:
             TIMEOUT,
             timeout=TIMEOUT + 30,
         )
-        failed = {}
-        for h in self.flat_c:
-            got = h.call("wait", [rid], TIMEOUT, timeout=TIMEOUT + 30)
-            failed.update(got["failed"])
-            failed.update({r: "still open" for r in got["open"]})
-        for a in out["agents"].values():
-            failed.update(a["failed"])
-            failed.update(a["errors"])
-        s1 = [h.call("stats") for h in init]
-        return {
-            "seconds": out["seconds"],
-            "failed": failed,
-            "bytes": sum(b["bytes"] - a["bytes"] for a, b in zip(s0, s1)),
-            "descriptors": sum(b["descriptors"] - a["descriptors"] for a, b in zip(s0, s1)),
-        }
+        return _outcome(out, self.flat_c, [rid], init, s0)
 
     def stop(self) -> None:
         for p in (self.C, self.P):

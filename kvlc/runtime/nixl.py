@@ -320,31 +320,30 @@ class Agent:
             return Xfer(self, raw, f"{op} {what} to {remote_agent!r}")
 
     # ------------------------------------------------------------------ transfers
+    def _advance(self, xfer: Xfer, what: str, err: str, fn, *args) -> XferState:
+        """Call ``fn`` (post or check), store the state on ``xfer``; ERR keeps its reason."""
+        try:
+            xfer.state = _state(call(what, fn, *args))
+        except NixlError as exc:
+            xfer.state, xfer.error = XferState.ERR, str(exc)
+        else:
+            if xfer.state is XferState.ERR:
+                xfer.error = err
+        return xfer.state
+
     def post(self, xfer: Xfer) -> XferState:
         """Start a transfer; a failure is returned as ``ERR`` with ``xfer.error`` set."""
         with self._lock:
-            try:
-                xfer.state = _state(call(f"post {xfer.what}", self._n.transfer, xfer._raw, b""))
-            except NixlError as exc:
-                xfer.state, xfer.error = XferState.ERR, str(exc)
-            else:
-                if xfer.state is XferState.ERR:
-                    xfer.error = f"NIXL post {xfer.what} failed"
-            return xfer.state
+            return self._advance(xfer, f"post {xfer.what}", f"NIXL post {xfer.what} failed",
+                                 self._n.transfer, xfer._raw, b"")
 
     def state(self, xfer: Xfer) -> XferState:
         """Current state; terminal states stick. A failure sets ``xfer.error``."""
         with self._lock:
             if xfer.state.terminal or xfer.released:
                 return xfer.state
-            try:
-                xfer.state = _state(call(f"check {xfer.what}", self._n.check_xfer_state, xfer._raw))
-            except NixlError as exc:
-                xfer.state, xfer.error = XferState.ERR, str(exc)
-            else:
-                if xfer.state is XferState.ERR:
-                    xfer.error = f"NIXL {xfer.what} reported an error"
-            return xfer.state
+            return self._advance(xfer, f"check {xfer.what}", f"NIXL {xfer.what} reported an error",
+                                 self._n.check_xfer_state, xfer._raw)
 
     def telemetry(self, xfer: Xfer) -> dict[str, int] | None:
         """Descriptor count and bytes after NIXL's merging, when the agent captures telemetry."""
