@@ -7,6 +7,7 @@ what was found and, where obvious, how to fix it.
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -34,6 +35,27 @@ def format_path(path: Sequence[object]) -> str:
         else:
             out += ("." if out else "") + str(part)
     return out or "<root>"
+
+
+def did_you_mean(name: str, choices: Iterable[str], limit: int = 3) -> str:
+    """A hint naming the closest valid names, or listing them all when none is close.
+
+    >>> did_you_mean("ful", ["full", "swa"])
+    "did you mean 'full'?"
+    >>> did_you_mean("x", ["full", "swa"])
+    "valid names: 'full', 'swa'"
+    >>> did_you_mean("x", [])
+    'no names are defined'
+    """
+    names = sorted(set(choices))
+    if not names:
+        return "no names are defined"
+    close = difflib.get_close_matches(str(name), names, n=limit, cutoff=0.6)
+    if close:
+        return "did you mean " + " or ".join(repr(c) for c in close) + "?"
+    shown = ", ".join(repr(n) for n in names[:12])
+    more = f" and {len(names) - 12} more" if len(names) > 12 else ""
+    return f"valid names: {shown}{more}"
 
 
 @dataclass(frozen=True)
