@@ -127,11 +127,15 @@ def check(specs: tuple[str, ...], config: str | None, sets: tuple[str, ...]) -> 
 def render(template: str, config: str | None, sets: tuple[str, ...], output: str | None) -> None:
     """Render a .yaml.j2 TEMPLATE with a model config into concrete YAML (validated first)."""
     from kvlc.compiler import compile_spec
-    from kvlc.compiler.source import render_template
+    from kvlc.compiler.source import parse_yaml, render_template, rendered_name
+    from kvlc.compiler.validate import validate
     try:
         cfg, ovr = _overrides(sets, config)
         text = render_template(template, cfg, ovr)
-        compile_spec(text if "\n" in text else text + "\n")
+        source = parse_yaml(text, rendered_name(template))
+        spec = validate(source)
+        spec._source = source
+        compile_spec(spec)
     except KvlcError as exc:
         _fail(exc)
     if output:
