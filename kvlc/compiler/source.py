@@ -240,8 +240,9 @@ def render_template(path: str | Path, config: Mapping | None = None,
                     overrides: Mapping | None = None) -> str:
     """Render a ``*.yaml.j2`` template (sandboxed; see :mod:`kvlc.compiler.template`).
 
-    >>> "kvlc: 1" in render_template("layouts/templates/llama-3.1-70b.yaml.j2",
-    ...     {"num_hidden_layers": 80, "num_key_value_heads": 8, "head_dim": 128}, {"tp_size": 8})
+    >>> config = load_config("layouts/templates/llama-3.1-70b.config.json")
+    >>> "kvlc: 1" in render_template("layouts/templates/llama-3.1-70b.yaml.j2", config,
+    ...                              {"tp_size": 8, "order": "nhd"})
     True
     """
     from kvlc.compiler.template import render_template as render

@@ -164,9 +164,9 @@ def render_template(path: str | Path, config: Mapping | None = None,
     Inside the template ``config`` is the HuggingFace-style config.json and every override is
     also a top-level variable; undefined variables are errors.
 
-    >>> text = render_template("layouts/templates/llama-3.1-70b.yaml.j2",
-    ...                        {"num_hidden_layers": 80, "num_key_value_heads": 8, "head_dim": 128},
-    ...                        {"tp_size": 4})
+    >>> from kvlc.compiler.source import load_config
+    >>> config = load_config("layouts/templates/llama-3.1-70b.config.json")
+    >>> text = render_template("layouts/templates/llama-3.1-70b.yaml.j2", config, {"tp_size": 4, "order": "hnd"})
     >>> "tp_size: 4" in text
     True
     """
