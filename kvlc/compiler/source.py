@@ -153,7 +153,8 @@ def _alias_size(event: yaml.AliasEvent, open_: list, sizes: dict, file: str) -> 
     if event.anchor not in sizes:
         raise _Limit(Problem((), f"unknown YAML alias '*{event.anchor}'",
                              expected=f"an anchor '&{event.anchor}' earlier in the file",
-                             found="no such anchor", fix=did_you_mean(event.anchor, sizes),
+                             found="no such anchor", fix=(did_you_mean(event.anchor, sizes) if sizes else
+                                                            f"mark a value with '&{event.anchor}' before"),
                              mark=_at(file, event.start_mark)))
     return sizes[event.anchor]
 

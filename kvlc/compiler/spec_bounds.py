@@ -53,30 +53,31 @@ def block_bound(layout, spec, tokens: int) -> int:
     return max([layout.size or 0, packed, *ends])
 
 
-def _entries(entries, key: str, spec, path: tuple, times: int):
-    """(item, path, multiplicity) for every plain entry, through nested repeats."""
+def _entries(entries, key: str, spec, path: tuple, times: int, repeat: tuple | None = None):
+    """(item, path, multiplicity, path of its innermost repeat) for every plain entry."""
     for i, e in enumerate(entries):
         if getattr(e, "kind", None) == "repeat":
-            yield from _entries(getattr(e, key), key, spec, path + (i, key), times * repeat_count(e.repeat, spec))
+            yield from _entries(getattr(e, key), key, spec, path + (i, key), times * repeat_count(e.repeat, spec),
+                                path + (i, "repeat"))
         else:
-            yield e, path + (i,), times
+            yield e, path + (i,), times, repeat
 
 
 def check_spec_bounds(spec, spec_error) -> None:
     """Raise ``spec_error(...)`` when expansions or addresses of ``spec`` can exceed the limits."""
     storages = list(_entries(spec.storages, "storages", spec, ("storages",), 1))
     regions = list(_entries(spec.regions, "regions", spec, ("regions",), 1))
-    expanded = sum(t for _, _, t in storages) + sum(t for _, _, t in regions)
+    expanded = sum(e[2] for e in storages) + sum(e[2] for e in regions)
     if expanded > MAX_EXPANDED:
-        _, path, times = max(regions + storages, key=lambda x: x[2])
+        _, path, times, repeat = max(regions + storages, key=lambda e: e[2])
         raise spec_error("repeats expand to too many entries", expected=f"at most {MAX_EXPANDED:,} regions "
                          "and storages after expanding repeats", found=f"{expanded:,} ({times:,} from this entry)",
-                         fix="check the repeat ranges (range: layers, or [start, stop])", at=path)
+                         fix="check the repeat ranges (range: layers, or [start, stop])", at=repeat or path)
     tokens = max([spec.block_size, spec.kernel_block_size or 0]
                  + [g.block_size or 0 for g in spec.groups] + [g.kernel_block_size or 0 for g in spec.groups])
-    aligns = max([s.align for s, _, _ in storages], default=1)
+    aligns = max([e[0].align for e in storages], default=1)
     total, worst = 0, None
-    for r, path, times in regions:
+    for r, path, times, _ in regions:
         layout = spec.layouts.get(r.layout)
         block = block_bound(layout, spec, tokens) if layout is not None else max(
             (block_bound(lay, spec, tokens) for lay in spec.layouts.values()), default=0)
