@@ -276,13 +276,20 @@ class Range(Frozen):
     ``range: [start, stop, step]`` (e.g. every other layer), or an explicit ``values: [...]`` list."""
 
     var: Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
-    range: (tuple[RepeatValue, RepeatValue] | tuple[RepeatValue, RepeatValue, RepeatStep] | Literal["layers"]
-           | None) = None
+    range: tuple[RepeatValue, ...] | Literal["layers"] | None = None
     values: tuple[RepeatValue, ...] | None = None
 
     @field_validator("range")
     @classmethod
     def _ordered(cls, v):
+        if v is not None and not isinstance(v, str):
+            if len(v) not in (2, 3):
+                raise spec_error("a repeat range is [start, stop] or [start, stop, step]",
+                                 expected="2 or 3 integers", found=f"{len(v)}: {list(v)}",
+                                 fix="write range: [0, 8] or range: [0, 8, 2] (or range: layers)")
+            if len(v) == 3 and v[2] < 1:
+                raise spec_error("a repeat range's step must be positive", expected="a step >= 1",
+                                 found=f"step {v[2]}", at=(2,), fix="use a step of 1 or more")
         return _ordered_range(v, "repeat range")
 
     @model_validator(mode="after")

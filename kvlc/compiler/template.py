@@ -267,7 +267,8 @@ def _undefined(exc: jinja2.UndefinedError, mark: Mark, variables: Mapping) -> Pr
 
 def _syntax(exc: jinja2.TemplateSyntaxError, mark: Mark) -> Problem:
     message = str(exc.message or "invalid syntax")
-    first = message.split(". ")[0].rstrip(".")
+    first = message.split(". ")[0].rstrip(".").removeprefix("Encountered ")
+    first = first[:1].lower() + first[1:]
     fix = "check the '{% %}' / '{{ }}' on this line"
     looking = re.search(r"looking for the following tags: (.*?)\.", message)
     unknown = re.search(r"unknown tag '([^']*)'", message)
@@ -277,9 +278,10 @@ def _syntax(exc: jinja2.TemplateSyntaxError, mark: Mark) -> Problem:
         fix = did_you_mean(unknown.group(1), JINJA_TAGS)
     elif "end of template" in message:
         fix = "a '{% for %}', '{% if %}' or '{% macro %}' is never closed"
-    return Problem((), "template syntax error", expected="a well-formed jinja tag or expression",
+    return Problem((), "template syntax error", expected="a well-formed '{% tag %}' or '{{ expression }}'",
                    found=first, fix=fix, mark=mark)
 
 
 def _tag(looking: re.Match) -> str:
-    return looking.group(1).split(" or ")[0].strip("'")
+    tags = [t.strip().strip("'") for t in looking.group(1).split(" or ")]
+    return next((t for t in tags if t.startswith("end")), tags[0])

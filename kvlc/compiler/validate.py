@@ -180,7 +180,7 @@ def _describe(value) -> str:
 
 def _close(word, choices) -> str | None:
     """The shared "did you mean" hint when a choice is close; None when it would only list them."""
-    hint = did_you_mean(str(word), [str(c) for c in choices])
+    hint = did_you_mean(str(word), [str(c) for c in choices], limit=1)
     return hint if hint.startswith("did you mean") else None
 
 
@@ -254,7 +254,9 @@ def _merge_branches(items: list[tuple[Problem, bool]]) -> list[Problem]:
         if branch:
             where[p.path] = len(out)
         out.append(p)
-    return out
+    deeper = {p.path[:n] for p in out for n in range(len(p.path))}
+    # a union member that failed as a whole, where another member found a precise fault inside
+    return [p for p in out if not (p.path in where and p.path in deeper)]
 
 
 def _consequence(err: dict, data) -> bool:
