@@ -66,6 +66,11 @@ ESCAPES = [
     "{% set x = config.update({'a': 1}) %}",
     "{% set x = config.num_hidden_layers.__class__ %}{{ x }}",
     "{{ namespace(a=1) }}",
+    "{{ config|attr('__class__') }}",
+    "{{ '{0.__class__}'.format(config) }}",
+    "{% set f = config.get %}{{ f.__self__ }}",
+    "{{ range.__self__.__import__('os').system('touch PWNED') }}",
+    "{% include '/etc/passwd' %}",
 ]
 
 

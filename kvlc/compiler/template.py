@@ -251,7 +251,7 @@ def _plain(text: str) -> str:
 def _undefined(exc: jinja2.UndefinedError, mark: Mark, variables: Mapping) -> Problem:
     message = str(exc.message or "undefined")
     name = re.fullmatch(r"'([^']*)' is undefined", message)
-    attr = re.fullmatch(r"'[^']*' has no attribute '([^']*)'", message)
+    attr = re.fullmatch(r"'dict object' has no attribute '([^']*)'", message)
     if name:
         what, hint = f"template variable '{name.group(1)}' is not defined", did_you_mean(name.group(1), variables)
         fix = f"pass --set {name.group(1)}=VALUE" + (f" ({hint})" if hint.startswith("did") else "")
@@ -261,7 +261,7 @@ def _undefined(exc: jinja2.UndefinedError, mark: Mark, variables: Mapping) -> Pr
         hint = did_you_mean(attr.group(1), [str(k) for k in keys]) if keys else "no --config was given"
         fix = f"add '{attr.group(1)}' to the config.json passed with --config ({hint})"
     else:
-        what, fix = f"template value undefined: {message}", "pass --config config.json or --set NAME=VALUE"
+        what, fix = f"template value undefined: {message}", "check the name, or pass it with --config or --set"
     return Problem((), what, expected="a value from --config or --set", found="nothing", fix=fix, mark=mark)
 
 
