@@ -52,15 +52,11 @@ def _overrides(sets: tuple[str, ...], config: str | None):
 
 def _load_plan(path: str, config: str | None = None, sets: tuple[str, ...] = ()):
     """A compiled plan from a spec (``.yaml``/``.yaml.j2``) or a plan (``.json``)."""
-    from kvlc.compiler import compile_spec
-    from kvlc.compiler.plan import Plan
+    from kvlc.compiler import load_plan
     if path.endswith(".json"):
-        try:
-            return Plan.from_json(Path(path).read_text())
-        except (OSError, ValueError) as exc:
-            raise KvlcError(f"{path}: not a kvlc plan: {exc}") from None
+        return load_plan(path)
     cfg, ovr = _overrides(sets, config)
-    return compile_spec(path, cfg, ovr)
+    return load_plan(path, cfg, ovr)
 
 
 _config_opt = click.option("--config", "config", type=click.Path(exists=True, dir_okay=False),
@@ -176,27 +172,18 @@ def pair_cmd(producer: str, consumer: str, rank: int, direction: str, as_json: b
     """Pair PRODUCER and CONSUMER (specs or plan .json): compatibility report and program summary."""
     import json as _json
 
-    from kvlc.compiler.pair import check_pair, pair
+    from kvlc.compiler.pair import pair_and_check
     try:
         prod, cons = _load_plan(producer), _load_plan(consumer)
     except KvlcError as exc:
         _fail(exc)
     local, remote = (cons, prod) if direction == "pull" else (prod, cons)
     op = "READ" if direction == "pull" else "WRITE"
-    report = check_pair(local, remote, local_rank=rank, direction=op)
-    program = pair(local, remote, local_rank=rank, direction=op) if report.ok else None
+    report, program = pair_and_check(local, remote, local_rank=rank, direction=op)
     if as_json:
-        doc = {"compatible": report.ok, "direction": op, "local": local.name, "remote": remote.name,
-               "local_rank": rank,
-               "findings": [{"code": f.code, "severity": f.severity, "message": f.message, "region": f.region,
-                             "field": f.field, "local": f.local, "remote": f.remote, "fix": f.fix}
-                            for f in report.findings]}
+        doc = report.summary()
         if program is not None:
-            doc["peer_ranks"] = list(program.peer_ranks)
-            doc["consumer_counts"] = {str(k): v for k, v in sorted(program.consumer_counts.items())}
-            doc["parts"] = [{"peer_rank": k.peer_rank, "local_mem": k.local_mem, "remote_mem": k.remote_mem, **v}
-                            for k, v in program.stats().items()]
-            doc["digest"] = program.digest
+            doc.update(program.summary())
         click.echo(_json.dumps(doc, indent=2))
     else:
         from rich.console import Console
