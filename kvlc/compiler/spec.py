@@ -14,6 +14,8 @@ from pydantic import (BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, 
                       field_validator, model_validator)
 from pydantic_core import PydanticCustomError
 
+from kvlc.compiler.frozen import FrozenMap
+
 DTYPE_SIZES: Mapping[str, int] = {
     "bf16": 2, "fp16": 2, "fp32": 4, "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1, "uint8": 1,
 }
@@ -54,7 +56,7 @@ class ModelInfo(Frozen):
     num_layers: Positive
     num_kv_heads: Positive | None = None
     head_dim: Positive | None = None
-    sizes: dict[str, Positive] = Field(default_factory=dict)
+    sizes: FrozenMap[str, Positive] = Field(default_factory=FrozenMap)
 
     def known_sizes(self) -> dict[str, int]:
         """Dim name → size the model fixes (``head`` and ``head_dim`` plus ``sizes``)."""
@@ -140,7 +142,7 @@ class Dim(Frozen):
     name: Name
     size: Positive | str | None = None
     role: Literal["token", "head"] | None = None
-    sections: dict[Name, Positive] | None = None
+    sections: FrozenMap[Name, Positive] | None = None
 
 
 class ArrayField(Frozen):
@@ -310,6 +312,6 @@ class LayoutSpec(Frozen):
     kernel_block_size: Positive | None = None
     groups: tuple[Group, ...] = Field(min_length=1)
     storages: tuple[StorageEntry, ...] = Field(min_length=1)
-    layouts: dict[Name, BlockLayout] = Field(min_length=1)
+    layouts: FrozenMap[Name, BlockLayout] = Field(min_length=1)
     regions: tuple[RegionEntry, ...] = Field(min_length=1)
     _source: object = PrivateAttr(default=None)  # the Source it was loaded from, for marks
