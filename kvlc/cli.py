@@ -271,26 +271,30 @@ def demo(layout: str, consumer: str | None, mode: str, requests: int, tokens: in
     console.print("[green]every byte verified[/green]" if check != "none" else "done (not verified)")
 
 
-@main.command()
-@click.option("--only", default="compile,pair,prep,transfer", show_default=True, metavar="NAMES",
-              help="Comma-separated benchmarks to run: compile, pair, prep, transfer.")
-@click.option("--quick", is_flag=True, help="Smoke run: fewer repetitions, smaller sizes (results say quick).")
+@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@click.option("--only", metavar="NAMES", help="Comma-separated benchmarks: compile, pair, prep, transfer.")
+@click.option("--quick", is_flag=True, help="Smoke run: fewer repetitions, smaller sizes (no size-dependent verdicts).")
 @click.option("--no-run", is_flag=True, help="Run nothing: summarize and plot the recorded results.")
-def bench(only: str, quick: bool, no_run: bool) -> None:
-    """Run the benchmark suite (the repository's benchmarks/ scripts) and summarize it.
+@click.pass_context
+def bench(ctx: click.Context, only: str | None, quick: bool, no_run: bool) -> None:
+    """Run the benchmark suite of a source checkout (``python3 benchmarks/run.py``).
 
-    Each selected script runs as a subprocess and writes benchmarks/results/<name>.json;
-    then every recorded result (and gpu.json from the GPU run, if present) is printed as a
-    table with issue 5's targets, and plotted as PNG files in benchmarks/results/.
+    Looks for ``benchmarks/run.py`` in the current directory and its parents. Results go to a
+    fresh folder (``benchmarks/runs/<date-time>/``); the recorded results change only with
+    ``--record``. Other options (``--out``, ``--record``) pass through to run.py.
     """
-    from kvlc.bench import BenchError, main_bench
+    import subprocess
 
-    try:
-        code = main_bench(only=only, quick=quick, run=not no_run)
-    except BenchError as exc:
-        click.echo(str(exc), err=True)
+    here = Path.cwd().resolve()
+    script = next((d / "benchmarks" / "run.py" for d in (here, *here.parents)
+                   if (d / "benchmarks" / "run.py").is_file()), None)
+    if script is None:
+        click.echo(f"kvlc bench: no benchmarks/ folder with run.py in {here} or above it; the benchmarks "
+                   "are not installed with the package: run kvlc bench in a kvlc source checkout", err=True)
         sys.exit(1)
-    sys.exit(code)
+    args = ([f"--only={only}"] if only else []) + (["--quick"] if quick else []) + \
+        (["--no-run"] if no_run else []) + list(ctx.args)
+    sys.exit(subprocess.call([sys.executable, str(script), *args]))
 
 
 if __name__ == "__main__":
