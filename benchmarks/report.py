@@ -427,237 +427,153 @@ def _header(doc: dict) -> str:
     )
 
 
-def tables(results: dict[str, dict]):
-    """One rich Table per benchmark present, then the targets table."""
+def _table(title: str, cols, rows, left=(), caption: str | None = None):
+    """A rich Table: ``cols`` in order (``left`` ones left-aligned, the rest right), then ``rows``."""
     from rich.table import Table
 
-    out = []
+    t = Table(title=title, caption=caption)
+    for col in cols:
+        t.add_column(col, justify="left" if col in left else "right")
+    for r in rows:
+        t.add_row(*r)
+    return t
+
+
+def _compile_tables(results: dict) -> list:
     c = results.get("compile")
-    if c:
-        t = Table(
-            title=f"compile: {c.get('layout', '?')} ({c.get('layout_regions', '?')} regions)",
-            caption=_header(c),
-        )
-        for col in ("num_blocks", "compile", "load + compile", "tracemalloc peak", "plan JSON"):
-            t.add_column(col, justify="right")
-        for r in c.get("compile", []):
-            t.add_row(
-                f"{r['num_blocks']:,}",
-                _ms(r["compile_s"]["median"]),
-                _ms(r["load_and_compile_s"]["median"]),
-                f"{r['tracemalloc_peak_bytes'] / 1024:,.0f} KiB",
-                f"{r['plan_json_bytes']:,} B",
-            )
-        out.append(t)
+    if not c:
+        return []
+    rows = [(f"{r['num_blocks']:,}", _ms(r["compile_s"]["median"]), _ms(r["load_and_compile_s"]["median"]),
+             f"{r['tracemalloc_peak_bytes'] / 1024:,.0f} KiB", f"{r['plan_json_bytes']:,} B")
+            for r in c.get("compile", [])]
+    return [_table(f"compile: {c.get('layout', '?')} ({c.get('layout_regions', '?')} regions)",
+                   ("num_blocks", "compile", "load + compile", "tracemalloc peak", "plan JSON"), rows,
+                   caption=_header(c))]
+
+
+def _request_row(r: dict) -> tuple:
+    valid = r.get("per_block_valid", True)
+    return (r["case"], r["ids"], _ms(r["instantiate_bound_s"]), _ms(r["per_block_baseline_s"]),
+            f"{r['time_ratio_kvlc_over_baseline']:.2f}x", f"{r['descriptors_kvlc']:,}",
+            f"{r['descriptors_per_block']:,}" + ("" if valid else " [dim](invalid)[/dim]"),
+            f"{r['descriptor_ratio_kvlc_over_baseline']:.4f}x",
+            {True: "yes", False: "[red]no[/red]"}.get(r.get("at_minimum"), "-"))
+
+
+def _pair_tables(results: dict) -> list:
     p = results.get("pair")
-    if p:
-        if p.get("pairs"):
-            t = Table(title="pairing (checked-in pairs)", caption=_header(p))
-            for col in ("pair", "regions", "pull", "push"):
-                t.add_column(col, justify="left" if col == "pair" else "right")
-            for r in p["pairs"]:
-                t.add_row(r["pair"], str(r["regions"]), _ms(r["pull_s"]), _ms(r["push_s"]))
-            out.append(t)
-        if p.get("requests"):
-            t = Table(
-                title="request instantiation and descriptors: kvlc vs per-block (128 regions x 512 blocks)",
-                caption=_header(p),
-            )
-            for col in (
-                "case",
-                "ids",
-                "kvlc",
-                "per-block",
-                "time ratio",
-                "descriptors kvlc",
-                "per-block",
-                "ratio",
-                "minimum",
-            ):
-                t.add_column(col, justify="left" if col in ("case", "ids") else "right")
-            for r in p["requests"]:
-                valid = r.get("per_block_valid", True)
-                t.add_row(
-                    r["case"],
-                    r["ids"],
-                    _ms(r["instantiate_bound_s"]),
-                    _ms(r["per_block_baseline_s"]),
-                    f"{r['time_ratio_kvlc_over_baseline']:.2f}x",
-                    f"{r['descriptors_kvlc']:,}",
-                    f"{r['descriptors_per_block']:,}" + ("" if valid else " [dim](invalid)[/dim]"),
-                    f"{r['descriptor_ratio_kvlc_over_baseline']:.4f}x",
-                    {True: "yes", False: "[red]no[/red]"}.get(r.get("at_minimum"), "-"),
-                )
-            out.append(t)
+    out = []
+    if p and p.get("pairs"):
+        out.append(_table("pairing (checked-in pairs)", ("pair", "regions", "pull", "push"),
+                          [(r["pair"], str(r["regions"]), _ms(r["pull_s"]), _ms(r["push_s"])) for r in p["pairs"]],
+                          left=("pair",), caption=_header(p)))
+    if p and p.get("requests"):
+        out.append(_table("request instantiation and descriptors: kvlc vs per-block (128 regions x 512 blocks)",
+                          ("case", "ids", "kvlc", "per-block", "time ratio", "descriptors kvlc", "per-block",
+                           "ratio", "minimum"), [_request_row(r) for r in p["requests"]],
+                          left=("case", "ids"), caption=_header(p)))
+    return out
+
+
+def _program_list_row(p: dict) -> tuple:
+    return (p.get("pair", "?"), f"{p.get('strided_rows', 0):,}", f"{p.get('expanded_descriptors', 0):,}",
+            _ms(p["prep_nx5_s"]), _ms(p["prep_nx3_s"]), f"{p.get('request_indices', 0):,} indices",
+            _ms(p["prepared_indices_s"]) if "prepared_indices_s" in p else "-",
+            _ms(p["instantiate_s"]) if "instantiate_s" in p else "-")
+
+
+def _prep_tables(results: dict) -> list:
     n = results.get("nixl_prep")
-    if n:
-        t = Table(
-            title=f"NIXL list preparation: (N, 3) rows vs strided (N, 5) rows "
-            f"({n.get('block_bytes', '?')} B descriptors)",
-            caption=_header(n),
-        )
-        for col in ("descriptors", "build Nx3", "prep Nx3", "prep Nx5", "strided rows", "speedup"):
-            t.add_column(col, justify="right")
-        for r in n.get("rows", []):
-            t.add_row(
-                f"{r['descriptors']:,}",
-                _ms(r["build_nx3_s"]),
-                _ms(r["prep_nx3_s"]),
-                _ms(r["prep_nx5_s"]),
-                str(r["strided_rows"]),
-                f"{r['speedup_nx5']:,.0f}x",
-            )
-        out.append(t)
-        progs = n.get("program_lists") or []
-        if progs and all("prep_nx5_s" in p and "prep_nx3_s" in p for p in progs):
-            t = Table(
-                title="NIXL lists of real transfer programs: strided rows vs the descriptors they expand to"
-            )
-            for col in (
-                "pair",
-                "strided rows",
-                "descriptors",
-                "prep Nx5",
-                "prep Nx3",
-                "request",
-                "indices",
-                "instantiate",
-            ):
-                t.add_column(col, justify="left" if col == "pair" else "right")
-            for p in progs:
-                t.add_row(
-                    p.get("pair", "?"),
-                    f"{p.get('strided_rows', 0):,}",
-                    f"{p.get('expanded_descriptors', 0):,}",
-                    _ms(p["prep_nx5_s"]),
-                    _ms(p["prep_nx3_s"]),
-                    f"{p.get('request_indices', 0):,} indices",
-                    _ms(p["prepared_indices_s"]) if "prepared_indices_s" in p else "-",
-                    _ms(p["instantiate_s"]) if "instantiate_s" in p else "-",
-                )
-            out.append(t)
+    if not n:
+        return []
+    rows = [(f"{r['descriptors']:,}", _ms(r["build_nx3_s"]), _ms(r["prep_nx3_s"]), _ms(r["prep_nx5_s"]),
+             str(r["strided_rows"]), f"{r['speedup_nx5']:,.0f}x") for r in n.get("rows", [])]
+    out = [_table(f"NIXL list preparation: (N, 3) rows vs strided (N, 5) rows ({n.get('block_bytes', '?')} B "
+                  "descriptors)", ("descriptors", "build Nx3", "prep Nx3", "prep Nx5", "strided rows", "speedup"),
+                  rows, caption=_header(n))]
+    progs = n.get("program_lists") or []
+    if progs and all("prep_nx5_s" in p and "prep_nx3_s" in p for p in progs):
+        out.append(_table("NIXL lists of real transfer programs: strided rows vs the descriptors they expand to",
+                          ("pair", "strided rows", "descriptors", "prep Nx5", "prep Nx3", "request", "indices",
+                           "instantiate"), [_program_list_row(p) for p in progs], left=("pair",)))
+    return out
+
+
+def _same_op(m: dict) -> float:
+    """kvlc over one single-descriptor transfer of the same operation (older results: over a READ)."""
+    return m.get("ratio_vs_single_same_op", m["ratio_vs_single_read"])
+
+
+def _transfer_rows(x: dict) -> list[tuple]:
+    return [(case["case"], m["mode"], m["ids"], f"{case['bytes_per_request'] / 2**20:,.0f}",
+             f"{m['descriptors_per_request']:,.0f}", f"{m['gbps']['median']:.2f}",
+             f"{m['single_read_gbps']['median']:.2f}", f"{m['single_write_gbps']['median']:.2f}",
+             f"{case['memcpy']['gbps']:.2f}", f"{_same_op(m):.1%}", f"{m['ratio_vs_memcpy']:.1%}")
+            for case in x.get("cases", []) for m in case.get("runs", [])]
+
+
+def _transfer_tables(results: dict) -> list:
     x = results.get("transfer")
-    if x:
-        t = Table(
-            title="loopback transfer, two processes, DRAM, UCX: kvlc vs (a) one descriptor, (b) memcpy",
-            caption=_header(x),
-        )
-        for col in (
-            "case",
-            "mode",
-            "ids",
-            "MiB/req",
-            "desc/req",
-            "kvlc GB/s",
-            "(a) READ",
-            "(a) WRITE",
-            "(b) memcpy",
-            "kvlc/(a)",
-            "kvlc/(b)",
-        ):
-            t.add_column(col, justify="left" if col in ("case", "mode", "ids") else "right")
-        for case in x.get("cases", []):
-            for m in case.get("runs", []):
-                t.add_row(
-                    case["case"],
-                    m["mode"],
-                    m["ids"],
-                    f"{case['bytes_per_request'] / 2**20:,.0f}",
-                    f"{m['descriptors_per_request']:,.0f}",
-                    f"{m['gbps']['median']:.2f}",
-                    f"{m['single_read_gbps']['median']:.2f}",
-                    f"{m['single_write_gbps']['median']:.2f}",
-                    f"{case['memcpy']['gbps']:.2f}",
-                    f"{m['ratio_vs_single_read']:.1%}",
-                    f"{m['ratio_vs_memcpy']:.1%}",
-                )
-        out.append(t)
-        sweep = x.get("nixl_sweep")
-        if sweep:
-            t = Table(
-                title=f"why: NIXL alone, {sweep['bytes'] / 2**20:.0f} MiB as descriptors of one size "
-                "(remote order permuted)"
-            )
-            for col in ("op", "descriptor", "descriptors", "GB/s", "extra per descriptor"):
-                t.add_column(col, justify="left" if col == "op" else "right")
-            for r in sweep["rows"]:
-                extra = r.get("extra_us_per_descriptor")
-                t.add_row(
-                    r["op"],
-                    _bytes(r["descriptor_bytes"]),
-                    f"{r['descriptors']:,}",
-                    f"{r['gbps']:.2f}",
-                    f"{extra:.2f} us" if extra is not None else "",
-                )
-            out.append(t)
-        extra = per_descriptor_cost(x)
-        if extra:
-            t = Table(
-                title="why: cost of one more descriptor inside a kvlc request, same run "
-                "(random vs contiguous producer ids, same bytes)"
-            )
-            for col in (
-                "case",
-                "mode",
-                "descriptors random",
-                "contiguous",
-                "ms random",
-                "ms contiguous",
-                "extra per descriptor",
-            ):
-                t.add_column(col, justify="left" if col in ("case", "mode") else "right")
-            for r in extra:
-                t.add_row(
-                    r["case"],
-                    r["mode"],
-                    f"{r['descriptors_random']:,.0f}",
-                    f"{r['descriptors_contiguous']:,.0f}",
-                    f"{r['ms_random']:.1f}",
-                    f"{r['ms_contiguous']:.1f}",
-                    f"{r['us_per_descriptor']:.2f} us",
-                )
-            out.append(t)
-    for name, g in gpu_docs(results):  # GPU HOOK
+    if not x:
+        return []
+    out = [_table("loopback transfer, two processes, DRAM, UCX: kvlc vs (a) one descriptor, (b) memcpy",
+                  ("case", "mode", "ids", "MiB/req", "desc/req", "kvlc GB/s", "(a) READ", "(a) WRITE",
+                   "(b) memcpy", "kvlc/(a) same op", "kvlc/(b)"), _transfer_rows(x),
+                  left=("case", "mode", "ids"), caption=_header(x))]
+    sweep = x.get("nixl_sweep")
+    if sweep:
+        rows = [(r["op"], _bytes(r["descriptor_bytes"]), f"{r['descriptors']:,}", f"{r['gbps']:.2f}",
+                 f"{r['extra_us_per_descriptor']:.2f} us" if r.get("extra_us_per_descriptor") is not None else "")
+                for r in sweep["rows"]]
+        out.append(_table(f"why: NIXL alone, {sweep['bytes'] / 2**20:.0f} MiB as descriptors of one size "
+                          "(remote order permuted)", ("op", "descriptor", "descriptors", "GB/s",
+                                                      "extra per descriptor"), rows, left=("op",)))
+    extra = per_descriptor_cost(x)
+    if extra:
+        rows = [(r["case"], r["mode"], f"{r['descriptors_random']:,.0f}", f"{r['descriptors_contiguous']:,.0f}",
+                 f"{r['ms_random']:.1f}", f"{r['ms_contiguous']:.1f}", f"{r['us_per_descriptor']:.2f} us")
+                for r in extra]
+        out.append(_table("why: cost of one more descriptor inside a kvlc request, same run "
+                          "(random vs contiguous producer ids, same bytes)",
+                          ("case", "mode", "descriptors random", "contiguous", "ms random", "ms contiguous",
+                           "extra per descriptor"), rows, left=("case", "mode")))
+    return out
+
+
+def _gpu_tables(results: dict) -> list:  # GPU HOOK
+    out = []
+    for name, g in gpu_docs(results):
         rows = gpu_rows(g)
         if not rows:
             continue
         m = g.get("machine", {})
-        t = Table(
-            title=f"{name}: {m.get('gpu', 'GPU')} (recorded by hand, not CI)",
-            caption=f"{g.get('command', m.get('command', '?'))} — {g.get('when', m.get('when', '?'))}",
-        )
-        for col in (
-            "case",
-            "mode",
-            "ids",
-            "GB/s",
-            "torch d2d GB/s",
-            "fraction of d2d",
-            "desc/req",
-            "verified",
-        ):
-            t.add_column(col, justify="left" if col in ("case", "mode", "ids") else "right")
-        for r in rows:
-            t.add_row(
-                r["case"],
-                r["mode"],
-                r["ids"],
-                f"{r['gbps']:,.1f}",
-                f"{r['d2d_gbps']:,.0f}" if r["d2d_gbps"] else "-",
-                _pct(r["fraction"]) if r["fraction"] is not None else "-",
-                f"{r['descriptors']:,.0f}" if r["descriptors"] is not None else "-",
-                _verified(r["verified"]),
-            )
-        out.append(t)
-    v = verdicts(results)
-    if v:
-        t = Table(title="targets")
-        for col in ("benchmark", "target", "measured", "verdict"):
-            t.add_column(col)
-        for x_ in v:
-            t.add_row(x_.benchmark, x_.target, x_.value, _mark(x_.met))
-        out.append(t)
+        out.append(_table(
+            f"{name}: {m.get('gpu', 'GPU')} (recorded by hand, not CI)",
+            ("case", "mode", "ids", "GB/s", "torch d2d GB/s", "fraction of d2d", "desc/req", "verified"),
+            [(r["case"], r["mode"], r["ids"], f"{r['gbps']:,.1f}", f"{r['d2d_gbps']:,.0f}" if r["d2d_gbps"] else "-",
+              _pct(r["fraction"]) if r["fraction"] is not None else "-",
+              f"{r['descriptors']:,.0f}" if r["descriptors"] is not None else "-", _verified(r["verified"]))
+             for r in rows],
+            left=("case", "mode", "ids"),
+            caption=f"{g.get('command', m.get('command', '?'))} — {g.get('when', m.get('when', '?'))}"))
     return out
+
+
+def _targets_table(results: dict) -> list:
+    v = verdicts(results)
+    if not v:
+        return []
+    return [_table("targets", ("benchmark", "target", "measured", "verdict"),
+                   [(x.benchmark, x.target, x.value, _mark(x.met)) for x in v],
+                   left=("benchmark", "target", "measured", "verdict"))]
+
+
+TABLES = (_compile_tables, _pair_tables, _prep_tables, _transfer_tables, _gpu_tables, _targets_table)
+
+
+def tables(results: dict[str, dict]):
+    """One rich Table per benchmark present (:data:`TABLES`, in order), then the targets table."""
+    return [t for make in TABLES for t in make(results)]
 
 
 def _pct(x: float) -> str:

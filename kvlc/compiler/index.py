@@ -71,18 +71,27 @@ class Block:
 
 @dataclass(frozen=True)
 class GroupRegions:
-    """The regions one group's block ids address, on each side (program order, no repeats)."""
+    """The regions one group's block ids address, on each side (program order, no repeats).
+
+    ``smallest_local`` / ``smallest_remote``: the region with the fewest blocks on that side;
+    it bounds every id of the group.
+    """
 
     local: tuple[PlanRegion, ...]
     remote: tuple[PlanRegion, ...]
+    smallest_local: PlanRegion
+    smallest_remote: PlanRegion
+
+    @classmethod
+    def of(cls, local: tuple[PlanRegion, ...], remote: tuple[PlanRegion, ...]) -> "GroupRegions":
+        return cls(local, remote, min(local, key=lambda r: r.capacity), min(remote, key=lambda r: r.capacity))
 
     @property
     def is_state(self) -> bool:
         return self.local[0].is_state
 
     def smallest(self, side: str) -> PlanRegion:
-        """The region with the fewest blocks on ``side``: it bounds every id of the group."""
-        return min(self.local if side == "local" else self.remote, key=lambda r: r.capacity)
+        return self.smallest_local if side == "local" else self.smallest_remote
 
 
 def _is_whole(runs: Runs, local_sub: int, remote_sub: int, local: SideGeometry, remote: SideGeometry) -> bool:
@@ -122,7 +131,7 @@ def _group_regions(prog: "TransferProgram") -> FrozenMap:
         if lr not in lregs:
             lregs.append(lr)
             rregs.append(prog.remote.region(e.region))
-    return FrozenMap((g, GroupRegions(tuple(a), tuple(b))) for g, (a, b) in out.items())
+    return FrozenMap((g, GroupRegions.of(tuple(a), tuple(b))) for g, (a, b) in out.items())
 
 
 class ProgramIndex:

@@ -36,30 +36,46 @@ class Bases:
 
 
 def _address(v, name: str, plan) -> tuple[int, int | None]:
+    """``addr`` or ``(addr, device)`` as integers (bool, float, str refused)."""
+    if type(v) is int:  # the common cases first: plain ints need no further checks
+        return v, None
+    if type(v) is tuple and len(v) == 2 and type(v[0]) is int and type(v[1]) is int:
+        return v
     addr, dev = (v[0], v[1]) if isinstance(v, (tuple, list)) and len(v) == 2 else (v, None)
     for what, x in (("address", addr), ("device", dev)):
         if x is not None and (isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer))):
             raise TransferError(f"storage '{name}' of plan '{plan.name}': base {what} must be an integer, "
                                 f"found {x!r}")
-    size = plan.storage(name).size
-    if not 0 <= int(addr) or int(addr) + size > ADDRESS_LIMIT:
-        raise TransferError(f"storage '{name}' of plan '{plan.name}': base address {int(addr):#x} + size "
-                            f"{size:,} leaves [0, 2**63); addresses would wrap")
     return int(addr), None if dev is None else int(dev)
 
 
 def bases_of(bases: Mapping[str, object], plan) -> Bases:
-    """Base address (and device) of every storage of ``plan``, from ``name -> addr | (addr, device)``."""
-    names = [s.name for s in plan.storages]
-    addr = np.empty(len(names), dtype=np.int64)
-    dev = np.empty(len(names), dtype=np.int64)
-    for i, s in enumerate(plan.storages):
+    """Base address (and device) of every storage of ``plan``, from ``name -> addr | (addr, device)``.
+
+    Every storage must lie in ``[0, 2**63)`` from its base: addresses are int64 and must not wrap.
+    """
+    addrs, devs = [], []
+    for s in plan.storages:
         v = bases.get(s.name)
         if v is None:
             raise TransferError(f"no base address for storage '{s.name}' of plan '{plan.name}'")
         a, d = _address(v, s.name, plan)
-        addr[i], dev[i] = a, s.device if d is None else d
+        if not 0 <= a < ADDRESS_LIMIT:
+            _wraps(plan, s, a)
+        addrs.append(a)
+        devs.append(s.device if d is None else d)
+    addr = np.array(addrs, dtype=np.int64)
+    dev = np.array(devs, dtype=np.int64)
+    room = ADDRESS_LIMIT - np.array([s.size for s in plan.storages], dtype=np.uint64)  # sizes < 2**63 (checked)
+    over = np.flatnonzero(addr.view(np.uint64) > room)
+    if len(over):
+        _wraps(plan, plan.storages[int(over[0])], int(addr[over[0]]))
     return Bases(addr, dev)
+
+
+def _wraps(plan, s, addr: int) -> None:
+    raise TransferError(f"storage '{s.name}' of plan '{plan.name}': base address {addr:#x} + size {s.size:,} "
+                        "leaves [0, 2**63); addresses would wrap")
 
 
 def bind(prog: TransferProgram, local_bases: Mapping[str, object],

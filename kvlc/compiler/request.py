@@ -118,8 +118,9 @@ def _side_ids(prog, side: str, group: str, ids, tokens: int | None, receiving: b
             raise TransferError(f"{side} block id {bad} out of range for region '{r.name}' "
                                 f"(group '{group}', capacity {r.capacity} blocks)")
         if receiving and len(arr) > 1:
-            uniq, counts = np.unique(arr, return_counts=True)
-            if len(uniq) != len(arr):
+            ordered = np.sort(arr)
+            if np.any(ordered[1:] == ordered[:-1]):
+                uniq, counts = np.unique(arr, return_counts=True)
                 dup = int(uniq[np.argmax(counts > 1)])
                 raise TransferError(f"{where}: block id {dup} appears {int(counts.max())} times; the receiving "
                                     "side writes each block once, so give distinct ids")
