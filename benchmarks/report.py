@@ -29,7 +29,6 @@ or flat ``{"rows": [{"case", "mode", "gbps", "fraction_of_d2d" | "ratio_vs_d2d",
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -38,7 +37,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvlc.errors import KvlcError
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from plots import plot_all  # noqa: E402,F401
+from results_data import (BenchError, gpu_docs, gpu_rows, load_results,  # noqa: E402,F401
+                          per_descriptor_cost, pct as _pct)
 
 # name → (script, result file). The order is the order they run in.
 SCRIPTS: dict[str, tuple[str, str]] = {
@@ -59,8 +62,6 @@ LOOPBACK_TARGET = 0.9  # kvlc / one single-descriptor transfer
 GPU_TARGET = 0.8  # best direction / device-to-device copy
 
 
-class BenchError(KvlcError):
-    """The benchmarks folder is missing or a benchmark failed."""
 
 
 # ----------------------------------------------------------------------------- locating
@@ -163,105 +164,6 @@ def run_scripts(bench_dir: Path, names: Sequence[str], quick: bool = False, cons
     return out
 
 
-# ----------------------------------------------------------------------------- loading
-def load_results(results_dir: Path) -> dict[str, dict]:
-    """Every ``*.json`` in ``results_dir``, keyed by its ``benchmark`` field (or file stem)."""
-    out = {}
-    for path in sorted(Path(results_dir).glob("*.json")):
-        try:
-            doc = json.loads(path.read_text())
-        except (OSError, ValueError) as exc:
-            raise BenchError(f"{path}: not a readable results file: {exc}") from None
-        if isinstance(doc, dict):
-            out[doc.get("benchmark", path.stem)] = doc
-    return out
-
-
-def per_descriptor_cost(doc: dict) -> list[dict]:
-    """Per case and mode: (time random - time contiguous) / (descriptors random - contiguous),
-    from the median GB/s of the two runs of a transfer result (same bytes, same engines)."""
-    out = []
-    for c in doc.get("cases", []):
-        by = {(m["mode"], m["ids"]): m for m in c.get("runs", [])}
-        for mode in dict.fromkeys(m for m, _ in by):
-            r, k = by.get((mode, "random")), by.get((mode, "contiguous"))
-            if not r or not k or r["descriptors_per_request"] <= k["descriptors_per_request"]:
-                continue
-            tr = c["bytes_per_request"] / (r["gbps"]["median"] * 1e9)
-            tk = c["bytes_per_request"] / (k["gbps"]["median"] * 1e9)
-            out.append(
-                {
-                    "case": c["case"],
-                    "mode": mode,
-                    "descriptors_random": r["descriptors_per_request"],
-                    "descriptors_contiguous": k["descriptors_per_request"],
-                    "ms_random": tr * 1e3,
-                    "ms_contiguous": tk * 1e3,
-                    "us_per_descriptor": (tr - tk)
-                    / (r["descriptors_per_request"] - k["descriptors_per_request"])
-                    * 1e6,
-                }
-            )
-    return out
-
-
-# ----------------------------------------------------------------------------- GPU hook
-def gpu_docs(results: dict[str, dict]) -> list[tuple[str, dict]]:
-    """The GPU result documents (``gpu.json`` first, then other ``gpu*`` ones)."""
-    return sorted(
-        ((k, v) for k, v in results.items() if k.startswith("gpu")), key=lambda kv: (kv[0] != "gpu", kv[0])
-    )
-
-
-def gpu_rows(doc: dict) -> list[dict]:
-    """One flat row per (case, mode, ids) of a GPU result: gbps, d2d_gbps, fraction, descriptors, verified."""
-    out = []
-    for c in doc.get("cases", []):
-        for mode, m in c.get("modes", {}).items():
-            check = m.get("check", {})
-            for key, t in m.items():
-                if not key.startswith("throughput") or not isinstance(t, dict) or "gbps" not in t:
-                    continue
-                d2d = t.get("torch_d2d_gbps_same_bytes")
-                out.append(
-                    {
-                        "case": c.get("case", "?"),
-                        "mode": mode,
-                        "ids": key.partition("_")[2] or "-",
-                        "gbps": t["gbps"],
-                        "d2d_gbps": d2d,
-                        "fraction": t.get("fraction_of_d2d", t["gbps"] / d2d if d2d else None),
-                        "descriptors": t.get("descriptors_per_request"),
-                        "verified": check.get("verified_bytes")
-                        if check.get("ok")
-                        else (False if check else None),
-                        "ok": t.get("ok", True),
-                    }
-                )
-    for r in doc.get("rows", []):
-        if "gbps" not in r:
-            continue
-        d2d = r.get("torch_d2d_gbps_same_bytes", r.get("d2d_gbps"))
-        frac = r.get("fraction_of_d2d", r.get("ratio_vs_d2d"))
-        case = r.get("case") or (f"{r['tokens']} tokens" if "tokens" in r else "?")
-        if "progress" in r:
-            case += f" ({r['progress']})"
-        out.append(
-            {
-                "case": case,
-                "mode": r.get("mode", "?"),
-                "ids": r.get("ids", "-"),
-                "gbps": r["gbps"],
-                "d2d_gbps": d2d,
-                "fraction": frac if frac is not None else (r["gbps"] / d2d if d2d else None),
-                "descriptors": r.get("descriptors_per_request"),
-                "verified": None,
-                "ok": r.get("ok", True),
-            }
-        )
-    return out
-
-
 # ----------------------------------------------------------------------------- verdicts
 @dataclass(frozen=True)
 class Verdict:
@@ -275,130 +177,94 @@ def _ms(s: float) -> str:
     return f"{s * 1e3:.3f} ms"
 
 
-def verdicts(results: dict[str, dict]) -> list[Verdict]:
-    """The targets against the recorded results (size-dependent ones: no verdict in quick runs)."""
-    out: list[Verdict] = []
+def _compile_verdicts(results: dict) -> list[Verdict]:
     c = results.get("compile")
-    if c and c.get("compile"):
-        last = max(c["compile"], key=lambda r: r["num_blocks"])
-        t = last["compile_s"]["median"]
-        quick = bool(c.get("quick"))
-        note = " (quick run: smaller sizes, no verdict)" if quick else ""
-        out.append(
-            Verdict(
-                "compile",
-                f"compile at {last['num_blocks']:,} blocks/region < {_ms(COMPILE_TARGET_S)}",
-                _ms(t) + note,
-                None if quick else t < COMPILE_TARGET_S,
-            )
-        )
-        if "local_descriptors" in c:
-            r = c["local_descriptors"]["ratio"]
-            out.append(
-                Verdict(
-                    "compile",
-                    f"local_descriptors within {LOCAL_DESCRIPTORS_RATIO:.0f}x of one numpy pass",
-                    f"{r:.2f}x{note}",
-                    None if quick else r <= LOCAL_DESCRIPTORS_RATIO,
-                )
-            )
+    if not (c and c.get("compile")):
+        return []
+    last = max(c["compile"], key=lambda r: r["num_blocks"])
+    t = last["compile_s"]["median"]
+    quick = bool(c.get("quick"))
+    note = " (quick run: smaller sizes, no verdict)" if quick else ""
+    out = [Verdict("compile", f"compile at {last['num_blocks']:,} blocks/region < {_ms(COMPILE_TARGET_S)}",
+                   _ms(t) + note, None if quick else t < COMPILE_TARGET_S)]
+    if "local_descriptors" in c:
+        r = c["local_descriptors"]["ratio"]
+        out.append(Verdict("compile", f"local_descriptors within {LOCAL_DESCRIPTORS_RATIO:.0f}x of one numpy pass",
+                           f"{r:.2f}x{note}", None if quick else r <= LOCAL_DESCRIPTORS_RATIO))
+    return out
+
+
+def _instantiate_verdicts(reqs: list[dict]) -> list[Verdict]:
+    ok = [r for r in reqs if r["descriptor_ratio_kvlc_over_baseline"] <= 1]
+    worst = max(ok or reqs, key=lambda r: r["instantiate_bound_s"])
+    out = [Verdict("pair", f"instantiate 128 x 512 < {_ms(INSTANTIATE_TARGET_S)} (cases without descriptor "
+                   "explosion)", f"{_ms(worst['instantiate_bound_s'])} ({worst['case']}, {worst['ids']})",
+                   worst["instantiate_bound_s"] < INSTANTIATE_TARGET_S)]
+    expl = [r for r in reqs if r not in ok]
+    if expl:
+        w = max(expl, key=lambda r: r["instantiate_bound_s"])
+        out.append(Verdict("pair", f"instantiate 128 x 512 < {_ms(INSTANTIATE_TARGET_S)} (token-major hetero TP, "
+                           "flagged at pairing)", f"{_ms(w['instantiate_bound_s'])} ({w['descriptors_kvlc']:,} "
+                           "descriptors)", w["instantiate_bound_s"] < INSTANTIATE_TARGET_S))
+    if all("at_minimum" in r for r in reqs):
+        out.append(Verdict("pair", "descriptors = coalesced minimum (every case)",
+                           f"{sum(r['at_minimum'] for r in reqs)}/{len(reqs)}", all(r["at_minimum"] for r in reqs)))
+    for r in (r for r in reqs if r["ids"] == "contiguous"):
+        ratio = r["descriptor_ratio_kvlc_over_baseline"]
+        note = "" if r.get("per_block_valid", True) else " (per-block scheme not valid here)"
+        out.append(Verdict("pair", f"descriptors <= 1/10 of per-block, contiguous ids: {r['case']}",
+                           f"{ratio:.4f}x{note}", ratio <= DESCRIPTOR_RATIO_CONTIGUOUS))
+    return out
+
+
+def _pair_verdicts(results: dict) -> list[Verdict]:
     p = results.get("pair")
-    if p:
-        if p.get("pairs"):
-            worst = max(max(x["pull_s"], x["push_s"]) for x in p["pairs"])
-            out.append(
-                Verdict(
-                    "pair",
-                    f"pairing every checked-in pair < {_ms(PAIR_TARGET_S)}",
-                    _ms(worst),
-                    worst < PAIR_TARGET_S,
-                )
-            )
-        reqs = [r for r in p.get("requests", []) if r["regions"] == 128 and r["blocks"] == 512]
-        if reqs:
-            ok = [r for r in reqs if r["descriptor_ratio_kvlc_over_baseline"] <= 1]
-            worst = max(ok or reqs, key=lambda r: r["instantiate_bound_s"])
-            out.append(
-                Verdict(
-                    "pair",
-                    f"instantiate 128 x 512 < {_ms(INSTANTIATE_TARGET_S)} "
-                    "(cases without descriptor explosion)",
-                    f"{_ms(worst['instantiate_bound_s'])} ({worst['case']}, {worst['ids']})",
-                    worst["instantiate_bound_s"] < INSTANTIATE_TARGET_S,
-                )
-            )
-            expl = [r for r in reqs if r not in ok]
-            if expl:
-                w = max(expl, key=lambda r: r["instantiate_bound_s"])
-                out.append(
-                    Verdict(
-                        "pair",
-                        f"instantiate 128 x 512 < {_ms(INSTANTIATE_TARGET_S)} (token-major "
-                        "hetero TP, flagged at pairing)",
-                        f"{_ms(w['instantiate_bound_s'])} ({w['descriptors_kvlc']:,} descriptors)",
-                        w["instantiate_bound_s"] < INSTANTIATE_TARGET_S,
-                    )
-                )
-            if all("at_minimum" in r for r in reqs):
-                out.append(
-                    Verdict(
-                        "pair",
-                        "descriptors = coalesced minimum (every case)",
-                        f"{sum(r['at_minimum'] for r in reqs)}/{len(reqs)}",
-                        all(r["at_minimum"] for r in reqs),
-                    )
-                )
-            cont = [r for r in reqs if r["ids"] == "contiguous"]
-            for r in cont:
-                ratio = r["descriptor_ratio_kvlc_over_baseline"]
-                note = "" if r.get("per_block_valid", True) else " (per-block scheme not valid here)"
-                out.append(
-                    Verdict(
-                        "pair",
-                        f"descriptors <= 1/10 of per-block, contiguous ids: {r['case']}",
-                        f"{ratio:.4f}x{note}",
-                        ratio <= DESCRIPTOR_RATIO_CONTIGUOUS,
-                    )
-                )
+    if not p:
+        return []
+    out = []
+    if p.get("pairs"):
+        worst = max(max(x["pull_s"], x["push_s"]) for x in p["pairs"])
+        out.append(Verdict("pair", f"pairing every checked-in pair < {_ms(PAIR_TARGET_S)}", _ms(worst),
+                           worst < PAIR_TARGET_S))
+    reqs = [r for r in p.get("requests", []) if r["regions"] == 128 and r["blocks"] == 512]
+    return out + (_instantiate_verdicts(reqs) if reqs else [])
+
+
+def _transfer_verdicts(results: dict) -> list[Verdict]:
     x = results.get("transfer")
-    if x:
-        for case in x.get("cases", []):
-            for m in case.get("runs", []):
-                out.append(_transfer_verdict(case, m, quick=bool(x.get("quick"))))
-            if "verify" in case:
-                out.append(
-                    Verdict(
-                        "transfer",
-                        f"{case['case']}: bytes verified "
-                        + (
-                            "(pipeline stage, same request)"
-                            if "stage" in case["verify"].get("how", "")
-                            else "(first round of every run)"
-                        ),
-                        f"{case['verify']['checked_bytes']:,} bytes",
-                        bool(case["verify"].get("ok")),
-                    )
-                )
-    for name, g in gpu_docs(results):  # GPU HOOK
+    if not x:
+        return []
+    out = []
+    for case in x.get("cases", []):
+        out.extend(_transfer_verdict(case, m, quick=bool(x.get("quick"))) for m in case.get("runs", []))
+        if "verify" in case:
+            how = "(pipeline stage, same request)" if "stage" in case["verify"].get("how", "") else \
+                "(first round of every run)"
+            out.append(Verdict("transfer", f"{case['case']}: bytes verified {how}",
+                               f"{case['verify']['checked_bytes']:,} bytes", bool(case["verify"].get("ok"))))
+    return out
+
+
+def _gpu_verdicts(results: dict) -> list[Verdict]:  # GPU HOOK
+    out = []
+    for name, g in gpu_docs(results):
         target = g.get("target_ratio", GPU_TARGET)
         best: dict[str, dict] = {}
         for r in gpu_rows(g):
-            if (
-                r["fraction"] is not None
-                and r["ok"]
-                and r["fraction"] > best.get(r["case"], {}).get("fraction", -1)
-            ):
+            if r["fraction"] is not None and r["ok"] and r["fraction"] > best.get(r["case"], {}).get("fraction", -1):
                 best[r["case"]] = r
-        for case, r in best.items():
-            out.append(
-                Verdict(
-                    name,
-                    f"{case}: best direction >= {target:.0%} of a torch device-to-device copy",
-                    f"{_pct(r['fraction'])} ({r['mode']}, {r['ids']} ids, {r['gbps']:,.1f} GB/s)",
-                    r["fraction"] >= target,
-                )
-            )
+        out.extend(Verdict(name, f"{case}: best direction >= {target:.0%} of a torch device-to-device copy",
+                           f"{_pct(r['fraction'])} ({r['mode']}, {r['ids']} ids, {r['gbps']:,.1f} GB/s)",
+                           r["fraction"] >= target) for case, r in best.items())
     return out
+
+
+VERDICTS = (_compile_verdicts, _pair_verdicts, _transfer_verdicts, _gpu_verdicts)
+
+
+def verdicts(results: dict[str, dict]) -> list[Verdict]:
+    """The targets against the recorded results (:data:`VERDICTS`; size-dependent ones: no verdict in quick runs)."""
+    return [v for make in VERDICTS for v in make(results)]
 
 
 def _transfer_verdict(case: dict, m: dict, quick: bool) -> Verdict:
@@ -576,10 +442,6 @@ def tables(results: dict[str, dict]):
     return [t for make in TABLES for t in make(results)]
 
 
-def _pct(x: float) -> str:
-    return f"{x:.1%}" if x >= 0.01 else f"{x:.3%}"
-
-
 def _verified(v) -> str:
     if v is None:
         return "-"
@@ -609,324 +471,6 @@ def _console():
 
     c = Console()
     return c if c.is_terminal else Console(width=160)
-
-
-# ----------------------------------------------------------------------------- plots
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _save(fig, path: Path) -> Path:
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    _plt().close(fig)
-    return path
-
-
-def plot_compile(doc: dict, out: Path) -> Path:
-    plt = _plt()
-    rows = sorted(doc["compile"], key=lambda r: r["num_blocks"])
-    n = [r["num_blocks"] for r in rows]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    a.plot(n, [r["compile_s"]["median"] * 1e3 for r in rows], "o-", label="compile (passes)")
-    a.plot(n, [r["load_and_compile_s"]["median"] * 1e3 for r in rows], "s-", label="load + compile")
-    a.axhline(
-        COMPILE_TARGET_S * 1e3, color="red", ls="--", lw=1, label=f"target {COMPILE_TARGET_S * 1e3:.0f} ms"
-    )
-    a.set(
-        xscale="log",
-        yscale="log",
-        ylim=(1, 100),
-        xlabel="num_blocks per region",
-        ylabel="ms (median)",
-        title=f"compile time, {doc.get('layout', '')} ({doc.get('layout_regions', '?')} regions)",
-    )
-    a.set_yticks([1, 2, 5, 10, 20, 50, 100], ["1", "2", "5", "10", "20", "50", "100"])
-    a.minorticks_off()
-    a.legend(fontsize=8)
-    b.plot(n, [r["tracemalloc_peak_bytes"] / 1024 for r in rows], "o-", label="tracemalloc peak")
-    b.plot(n, [r["plan_json_bytes"] / 1024 for r in rows], "s-", label="plan JSON")
-    b.set(xscale="log", xlabel="num_blocks per region", ylabel="KiB", title="compile memory and plan size")
-    b.set_ylim(0, max(r["tracemalloc_peak_bytes"] for r in rows) / 1024 * 1.3)
-    b.legend(fontsize=8)
-    return _save(fig, out / "compile.png")
-
-
-def _case_labels(reqs: list[dict]) -> list[str]:
-    return [f"{r['case']}\n{r['ids']}" for r in reqs]
-
-
-def plot_instantiate(doc: dict, out: Path) -> Path:
-    plt = _plt()
-    import numpy as np
-
-    reqs = doc["requests"]
-    x = np.arange(len(reqs))
-    fig, ax = plt.subplots(figsize=(max(8, len(reqs) * 0.8), 4.8))
-    w = 0.4
-    ax.bar(x - w / 2, [r["instantiate_bound_s"] * 1e3 for r in reqs], w, label="kvlc (bound program)")
-    ax.bar(x + w / 2, [r["per_block_baseline_s"] * 1e3 for r in reqs], w, label="per-block scheme (numpy)")
-    ax.axhline(
-        INSTANTIATE_TARGET_S * 1e3,
-        color="red",
-        ls="--",
-        lw=1,
-        label=f"target {INSTANTIATE_TARGET_S * 1e3:.0f} ms",
-    )
-    ax.set_yscale("log")
-    ax.set_ylabel("ms per request (median)")
-    ax.set_title(f"request instantiation, {reqs[0]['regions']} regions x {reqs[0]['blocks']} blocks")
-    ax.set_xticks(x, _case_labels(reqs), rotation=60, ha="right", fontsize=7)
-    ax.legend(fontsize=8)
-    return _save(fig, out / "instantiate.png")
-
-
-def plot_descriptors(doc: dict, out: Path) -> Path:
-    plt = _plt()
-    import numpy as np
-
-    reqs = doc["requests"]
-    x = np.arange(len(reqs))
-    fig, ax = plt.subplots(figsize=(max(8, len(reqs) * 0.8), 4.8))
-    w = 0.4
-    ax.bar(x - w / 2, [r["descriptors_kvlc"] for r in reqs], w, label="kvlc")
-    valid = [r.get("per_block_valid", True) for r in reqs]
-    bars = ax.bar(x + w / 2, [r["descriptors_per_block"] for r in reqs], w, label="per-block scheme")
-    for bar, ok in zip(bars, valid):
-        if not ok:
-            bar.set_hatch("//")
-            bar.set_alpha(0.45)
-    if not all(valid):
-        ax.bar(
-            [0],
-            [0],
-            0,
-            color=bars[0].get_facecolor(),
-            hatch="//",
-            alpha=0.45,
-            label="per-block: would move wrong bytes (token-major, hetero TP)",
-        )
-    for i, r in enumerate(reqs):
-        ax.text(
-            i,
-            max(r["descriptors_kvlc"], r["descriptors_per_block"]) * 1.3,
-            f"{r['descriptor_ratio_kvlc_over_baseline']:.3g}x",
-            ha="center",
-            fontsize=7,
-        )
-    ax.set_yscale("log")
-    ax.set_ylim(10, max(max(r["descriptors_kvlc"], r["descriptors_per_block"]) for r in reqs) * 30)
-    ax.set_ylabel("descriptors per request")
-    ax.set_title(f"descriptors per request, {reqs[0]['regions']} regions x {reqs[0]['blocks']} blocks "
-                 "(labels: kvlc / per-block)")
-    ax.set_xticks(x, _case_labels(reqs), rotation=60, ha="right", fontsize=7)
-    ax.legend(fontsize=8, loc="upper left")
-    return _save(fig, out / "descriptors.png")
-
-
-def plot_prep(doc: dict, out: Path) -> Path:
-    plt = _plt()
-    rows = sorted(doc["rows"], key=lambda r: r["descriptors"])
-    n = [r["descriptors"] for r in rows]
-    fig, ax = plt.subplots(figsize=(6.5, 4.5))
-    ax.plot(n, [r["prep_nx3_s"] * 1e3 for r in rows], "o-", label="prep (N, 3): one row per descriptor")
-    ax.plot(
-        n,
-        [r["prep_nx5_s"] * 1e3 for r in rows],
-        "s-",
-        label=f"prep strided (N, 5): {rows[0]['strided_rows']} rows",
-    )
-    ax.plot(n, [r["build_nx3_s"] * 1e3 for r in rows], "^:", label="numpy build of the (N, 3) rows")
-    ax.set(
-        xscale="log",
-        yscale="log",
-        xlabel="descriptors in the list (N)",
-        ylabel="ms",
-        title="NIXL prep_xfer_dlist time vs N",
-    )
-    ax.legend(fontsize=8)
-    return _save(fig, out / "nixl_prep.png")
-
-
-def plot_transfer(doc: dict, out: Path) -> Path:
-    plt = _plt()
-    import numpy as np
-
-    cases = doc["cases"]
-    ids_kinds = list(dict.fromkeys(m["ids"] for c in cases for m in c["runs"])) or ["random"]
-    modes = list(dict.fromkeys(m["mode"] for c in cases for m in c["runs"]))
-    fig, axes = plt.subplots(
-        1, len(ids_kinds), figsize=(6.8 * len(ids_kinds), 5.4), squeeze=False, sharey=True
-    )
-    colors = {"pull": "C0", "push": "C1", "pull_via_push": "C2"}
-    bars = [(f"kvlc {m}", colors.get(m, f"C{3 + i}")) for i, m in enumerate(modes)]
-    bars += [
-        ("(a) one descriptor, READ", "0.72"),
-        ("(a) one descriptor, WRITE", "0.55"),
-        ("(b) numpy memcpy", "0.25"),
-    ]
-    w = 0.84 / len(bars)
-    for ax, kind in zip(axes[0], ids_kinds):
-        x = np.arange(len(cases))
-        cols = []
-        for m in modes:
-            cols.append([(_run(c, m, kind) or {"gbps": {"median": 0}})["gbps"]["median"] for c in cases])
-        for key in ("single_read_gbps", "single_write_gbps"):
-            cols.append([_median([m[key]["median"] for m in c["runs"] if m["ids"] == kind]) for c in cases])
-        cols.append([c["memcpy"]["gbps"] for c in cases])
-        for i, ((label, color), vals) in enumerate(zip(bars, cols)):
-            ax.bar(x + (i - (len(bars) - 1) / 2) * w, vals, w, label=label, color=color)
-        for c_i, c in enumerate(cases):
-            for i, m in enumerate(modes):
-                r = _run(c, m, kind)
-                if r:
-                    ax.text(
-                        c_i + (i - (len(bars) - 1) / 2) * w,
-                        r["gbps"]["median"] + 0.2,
-                        f"{r['ratio_vs_single_read']:.0%}",
-                        ha="center",
-                        fontsize=6.5,
-                        rotation=90,
-                    )
-        labels = []
-        for c in cases:
-            desc = [m["descriptors_per_request"] for m in c["runs"] if m["ids"] == kind]
-            labels.append(
-                f"{c['case']}\n{c['bytes_per_request'] / 2**20:,.0f} MiB, {_median(desc):,.0f} desc/req"
-            )
-        ax.set_xticks(x, labels, fontsize=7.5)
-        ax.set_ylabel("GB/s (median of rounds)")
-        ax.set_title(
-            f"{kind} producer block ids (labels over kvlc bars: kvlc / one-descriptor READ)", fontsize=9.5
-        )
-    fig.suptitle(
-        "loopback transfer between two processes, DRAM, UCX (same run, interleaved rounds)", fontsize=11
-    )
-    handles, labels_ = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels_, loc="lower center", ncol=len(bars), fontsize=8, frameon=False)
-    fig.tight_layout(rect=(0, 0.06, 1, 1))
-    fig.savefig(out / "transfer.png", dpi=120)
-    plt.close(fig)
-    return out / "transfer.png"
-
-
-def _run(case: dict, mode: str, ids: str) -> dict | None:
-    return next((m for m in case["runs"] if m["mode"] == mode and m["ids"] == ids), None)
-
-
-def _median(values: list[float]) -> float:
-    import statistics
-
-    return statistics.median(values) if values else 0.0
-
-
-def plot_transfer_descriptors(doc: dict, out: Path) -> Path | None:
-    """GB/s vs bytes per descriptor: NIXL alone (sweep) and every kvlc run."""
-    sweep = doc.get("nixl_sweep")
-    if not sweep:
-        return None
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(7.5, 4.8))
-    for op, style, shade in (("READ", "o-", "0.80"), ("WRITE", "s--", "0.90")):
-        rows = sorted((r for r in sweep["rows"] if r["op"] == op), key=lambda r: r["descriptor_bytes"])
-        size = [r["descriptor_bytes"] for r in rows]
-        ax.plot(
-            size,
-            [r["gbps"] for r in rows],
-            style,
-            color="0.4",
-            label=f"NIXL alone, {op}, median ({sweep['bytes'] / 2**20:.0f} MiB)",
-        )
-        if all("seconds" in r for r in rows):  # spread of the rounds: slowest .. fastest
-            ax.fill_between(
-                size,
-                [sweep["bytes"] / r["seconds"]["max"] / 1e9 for r in rows],
-                [sweep["bytes"] / r["seconds"]["min"] / 1e9 for r in rows],
-                color=shade,
-                alpha=0.5,
-                lw=0,
-                label=f"NIXL alone, {op}, slowest..fastest round",
-            )
-    markers = {"pull": "v", "push": "^", "pull_via_push": "D"}
-    for i, c in enumerate(doc["cases"]):
-        for m in c["runs"]:
-            size = c["bytes_per_request"] / max(1.0, m["descriptors_per_request"])
-            ax.scatter(
-                [size],
-                [m["gbps"]["median"]],
-                marker=markers.get(m["mode"], "o"),
-                color=f"C{i}",
-                s=36,
-                zorder=3,
-                label=f"kvlc {c['case']}" if m is c["runs"][0] else None,
-            )
-    ax.scatter([], [], marker="v", color="k", label="pull")
-    ax.scatter([], [], marker="^", color="k", label="push")
-    ax.scatter([], [], marker="D", color="k", label="pull via push")
-    ax.set(
-        xscale="log",
-        xlabel="bytes per descriptor (request bytes / descriptors)",
-        ylabel="GB/s",
-        title="loopback GB/s vs descriptor size: kvlc runs on NIXL's own curve",
-    )
-    ax.legend(fontsize=7, ncol=2)
-    return _save(fig, out / "transfer_descriptors.png")
-
-
-def plot_gpu(name: str, doc: dict, out: Path) -> Path | None:  # GPU HOOK
-    rows = gpu_rows(doc)
-    if not rows:
-        return None
-    plt = _plt()
-    import numpy as np
-
-    labels = [f"{r['case']}\n{r['mode']} {r['ids'] if r['ids'] != '-' else ''}".strip() for r in rows]
-    x = np.arange(len(rows))
-    fig, ax = plt.subplots(figsize=(max(7, len(rows) * 0.75), 5))
-    ax.bar(x - 0.2, [r["gbps"] for r in rows], 0.4, label="kvlc")
-    ax.bar(
-        x + 0.2,
-        [r["d2d_gbps"] or 0 for r in rows],
-        0.4,
-        label="torch device-to-device copy, same bytes",
-        color="0.6",
-    )
-    for i, r in enumerate(rows):
-        if r["fraction"] is not None:
-            ax.text(i - 0.2, r["gbps"] * 1.15, _pct(r["fraction"]), ha="center", fontsize=6, rotation=90)
-    ax.set_yscale("log")
-    ax.set_ylabel("GB/s")
-    gpu = doc.get("machine", {}).get("gpu", "GPU")
-    ax.set_title(f"{name}: {gpu}, kvlc vs device-to-device copy (labels: fraction of the copy)")
-    ax.set_xticks(x, labels, rotation=60, ha="right", fontsize=7)
-    ax.set_ylim(top=max(max(r["gbps"], r["d2d_gbps"] or 0) for r in rows) * 8)
-    ax.legend(fontsize=8, loc="upper right", ncol=2)
-    return _save(fig, out / f"{name}.png")
-
-
-def plot_all(results: dict[str, dict], out_dir: Path) -> list[Path]:
-    """Every plot the results allow, as PNG files in ``out_dir``."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    made: list[Path | None] = []
-    if results.get("compile", {}).get("compile"):
-        made.append(plot_compile(results["compile"], out_dir))
-    if results.get("pair", {}).get("requests"):
-        made.append(plot_instantiate(results["pair"], out_dir))
-        made.append(plot_descriptors(results["pair"], out_dir))
-    if results.get("nixl_prep", {}).get("rows"):
-        made.append(plot_prep(results["nixl_prep"], out_dir))
-    if results.get("transfer", {}).get("cases"):
-        made.append(plot_transfer(results["transfer"], out_dir))
-        made.append(plot_transfer_descriptors(results["transfer"], out_dir))
-    for name, doc in gpu_docs(results):  # GPU HOOK
-        made.append(plot_gpu(name, doc, out_dir))
-    return [p for p in made if p is not None]
 
 
 # ----------------------------------------------------------------------------- command

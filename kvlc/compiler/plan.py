@@ -15,7 +15,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, PrivateAttr
 
 from kvlc.compiler.frozen import FrozenMap
-from kvlc.compiler.layout import ceildiv, is_state_kind
+from kvlc.compiler.layout import Layout, ceildiv, is_state_kind
 from kvlc.errors import KvlcError, TransferError, did_you_mean
 
 PLAN_VERSION = 1
@@ -76,14 +76,13 @@ class PlanField(_Frozen):
         return n
 
     @property
-    def layout(self) -> "Layout":
+    def layout(self) -> Layout:
         """Element coordinates → byte offsets inside the field (dims outermost first).
 
         >>> from kvlc import compile_spec
         >>> str(compile_spec("layouts/llama-3.1-8b.yaml").regions[0].fields[0].layout)
         '(16,8,128):(2048,256,2)'
         """
-        from kvlc.compiler.layout import Layout
         return Layout(tuple(d.size for d in self.dims), tuple(d.stride for d in self.dims))
 
     def dim(self, role: str) -> PlanDim | None:

@@ -21,7 +21,7 @@ import numpy as np
 
 from kvlc.compiler.layout import ceildiv, kernel_ids
 from kvlc.compiler.layout import head_range as heads_of
-from kvlc.compiler.plan import Plan, PlanField, PlanRegion
+from kvlc.compiler.plan import Plan, PlanField
 
 _M1 = np.uint64(0x9E3779B97F4A7C15)
 _M2 = np.uint64(0xBF58476D1CE4E5B9)
