@@ -12,7 +12,8 @@ MODULES = ["kvlc.compiler", "kvlc.compiler.source", "kvlc.compiler.algebra", "kv
            "kvlc.compiler.pair", "kvlc.compiler.resolve", "kvlc.compiler.layout", "kvlc.compiler.fields",
            "kvlc.compiler.check", "kvlc.compiler.build", "kvlc.compiler.compat", "kvlc.compiler.tp",
            "kvlc.compiler.runs", "kvlc.compiler.program", "kvlc.compiler.request", "kvlc.compiler.rows",
-           "kvlc.compiler.frozen", "kvlc.explain"]
+           "kvlc.compiler.frozen", "kvlc.compiler.expand", "kvlc.compiler.index",
+           "kvlc.compiler.instantiate", "kvlc.compiler.prepared", "kvlc.explain"]
 
 
 @pytest.mark.parametrize("name", MODULES)

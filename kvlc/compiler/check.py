@@ -75,7 +75,14 @@ def _overlaps(regions: list[ResolvedRegion], problems: list) -> None:
 
 
 def check_names(res: Resolved) -> list[Problem]:
-    """Group, storage and region names are unique."""
+    """Group, storage and region names are unique.
+
+    >>> from kvlc.compiler import load_spec
+    >>> from kvlc.compiler.expand import expand
+    >>> from kvlc.compiler.resolve import resolve
+    >>> check_names(resolve(expand(load_spec("layouts/llama-3.1-8b.yaml"))))
+    []
+    """
     problems: list[Problem] = []
     _duplicates(((g, g.name, ("groups", i, "name")) for i, g in enumerate(res.spec.groups)), "group", problems)
     _duplicates(((s, s.storage.name, s.path + ("name",)) for s in res.storages), "storage", problems)
@@ -84,7 +91,14 @@ def check_names(res: Resolved) -> list[Problem]:
 
 
 def check_strides(res: Resolved) -> list[Problem]:
-    """A region's block stride holds its block."""
+    """A region's block stride holds its block.
+
+    >>> from kvlc.compiler import load_spec
+    >>> from kvlc.compiler.expand import expand
+    >>> from kvlc.compiler.resolve import resolve
+    >>> check_strides(resolve(expand(load_spec("layouts/deepseek-v3-tp8.yaml"))))
+    []
+    """
     return [Problem(rr.path + ("block_stride",), f"region '{r.name}' block_stride is smaller than its block",
                     expected=f">= {r.block_bytes} (block bytes)", found=str(r.block_stride),
                     fix="raise block_stride or let it default to 'auto'")
@@ -102,7 +116,14 @@ def blocks_that_fit(size: int, offset: int, block_bytes: int, stride: int) -> in
 
 
 def check_storage_ends(res: Resolved) -> list[Problem]:
-    """A region ends inside its storage's declared size; the message says how many blocks fit."""
+    """A region ends inside its storage's declared size; the message says how many blocks fit.
+
+    >>> from kvlc.compiler import load_spec
+    >>> from kvlc.compiler.expand import expand
+    >>> from kvlc.compiler.resolve import resolve
+    >>> check_storage_ends(resolve(expand(load_spec("layouts/nemotron-h-8b-tp2.yaml"))))
+    []
+    """
     sizes = {s.storage.name: s for s in res.storages}
     out = []
     for rr in res.regions:
@@ -122,7 +143,14 @@ ADDRESS_LIMIT = 1 << 63  # descriptors are int64 offsets from a storage base: no
 
 
 def check_address_space(res: Resolved) -> list[Problem]:
-    """Every region and storage ends below 2**63 bytes, so no address computed from them can wrap."""
+    """Every region and storage ends below 2**63 bytes, so no address computed from them can wrap.
+
+    >>> from kvlc.compiler import load_spec
+    >>> from kvlc.compiler.expand import expand
+    >>> from kvlc.compiler.resolve import resolve
+    >>> check_address_space(resolve(expand(load_spec("layouts/llama-3.1-8b.yaml"))))
+    []
+    """
     out = [Problem(rr.path + ("num_blocks",), f"region '{rr.region.name}' ends past 2**63 bytes",
                    expected=f"end < {ADDRESS_LIMIT:,}", found=f"end {rr.region.end:,}",
                    fix="lower num_blocks, block_stride or offset")
@@ -135,7 +163,14 @@ def check_address_space(res: Resolved) -> list[Problem]:
 
 
 def check_overlaps(res: Resolved) -> list[Problem]:
-    """Regions of one storage never share a byte (interleaved regions may share a stride)."""
+    """Regions of one storage never share a byte (interleaved regions may share a stride).
+
+    >>> from kvlc.compiler import load_spec
+    >>> from kvlc.compiler.expand import expand
+    >>> from kvlc.compiler.resolve import resolve
+    >>> check_overlaps(resolve(expand(load_spec("layouts/qwen3-next-80b-a3b-tp4.yaml"))))
+    []
+    """
     problems: list[Problem] = []
     _overlaps(list(res.regions), problems)
     return problems

@@ -6,78 +6,11 @@ do not. Checked once, at pairing (start-up), never per request.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-from typing import Literal
+from dataclasses import dataclass
 
+from kvlc.compiler.findings import CompatReport, Finding, Severity
 from kvlc.compiler.layout import tile
 from kvlc.compiler.plan import Plan, PlanField, PlanRegion
-
-Severity = Literal["error", "warning"]
-
-
-@dataclass(frozen=True)
-class Finding:
-    """One compatibility finding: ``code`` (stable, for tests and tools), where, both values."""
-
-    code: str
-    severity: Severity
-    message: str
-    region: str = ""
-    field: str = ""
-    local: str = ""
-    remote: str = ""
-    fix: str = ""
-
-    def __str__(self) -> str:
-        where = ".".join(p for p in (self.region, self.field) if p)
-        text = f"{self.severity} [{self.code}]{' ' + where if where else ''}: {self.message}"
-        if self.local or self.remote:
-            text += f" (local {self.local or '-'}, remote {self.remote or '-'})"
-        if self.fix:
-            text += f"; fix: {self.fix}"
-        return text
-
-
-@dataclass(frozen=True)
-class CompatReport:
-    """Every finding of one pairing, errors first in the order checked."""
-
-    local: str
-    remote: str
-    direction: str
-    local_rank: int
-    findings: tuple[Finding, ...] = field(default_factory=tuple)
-
-    @property
-    def errors(self) -> tuple[Finding, ...]:
-        return tuple(f for f in self.findings if f.severity == "error")
-
-    @property
-    def warnings(self) -> tuple[Finding, ...]:
-        return tuple(f for f in self.findings if f.severity == "warning")
-
-    @property
-    def ok(self) -> bool:
-        return not self.errors
-
-    def codes(self) -> tuple[str, ...]:
-        return tuple(f.code for f in self.findings)
-
-    def summary(self) -> dict:
-        """The report as JSON-ready data (``kvlc pair --json``)."""
-        return {"compatible": self.ok, "direction": self.direction, "local": self.local, "remote": self.remote,
-                "local_rank": self.local_rank, "findings": [asdict(f) for f in self.findings]}
-
-    def render(self) -> str:
-        head = (f"pair {self.local} (rank {self.local_rank}) {self.direction} {self.remote}: "
-                f"{'compatible' if self.ok else 'INCOMPATIBLE'}, {len(self.errors)} error(s), "
-                f"{len(self.warnings)} warning(s)")
-        return "\n".join([head, *(f"  {f}" for f in self.findings)])
-
-    def render_errors(self) -> str:
-        return "\n".join([f"cannot pair {self.local} with {self.remote}:",
-                          *(f"  {f}" for f in self.errors)])
-
 
 def _dims_text(f: PlanField) -> str:
     return "(" + ",".join(f"{d.name}={d.global_size if d.role == 'head' else d.size}" for d in f.dims) + ")"
@@ -121,7 +54,13 @@ def check_direction(p: Pairing) -> list[Finding]:
 
 
 def check_rank(p: Pairing) -> list[Finding]:
-    """The local rank lies in the local TP group."""
+    """The local rank lies in the local TP group.
+
+    >>> from kvlc import compile_spec
+    >>> plan = compile_spec("layouts/llama-3.1-8b.yaml")
+    >>> [f.code for f in check_rank(Pairing(plan, plan, 3, "READ"))]
+    ['rank']
+    """
     tp = p.local.parallel.tp_size
     if 0 <= p.local_rank < tp:
         return []
@@ -130,7 +69,13 @@ def check_rank(p: Pairing) -> list[Finding]:
 
 
 def check_model(p: Pairing) -> list[Finding]:
-    """Same model name, layer count and model sizes on both engines."""
+    """Same model name, layer count and model sizes on both engines.
+
+    >>> from kvlc import compile_spec
+    >>> a, b = compile_spec("layouts/llama-3.1-8b.yaml"), compile_spec("layouts/llama-3.1-70b-tp4.yaml")
+    >>> [f.code for f in check_model(Pairing(a, b, 0, "READ"))]
+    ['model-name', 'model-layers']
+    """
     lm, rm = p.local.model, p.remote.model
     out = []
     if lm.name != rm.name:
@@ -146,7 +91,13 @@ def check_model(p: Pairing) -> list[Finding]:
 
 
 def check_dcp(p: Pairing) -> list[Finding]:
-    """Decode context parallelism is refused on either side (tokens interleave across ranks)."""
+    """Decode context parallelism is refused on either side (tokens interleave across ranks).
+
+    >>> from kvlc import compile_spec
+    >>> plan = compile_spec("layouts/llama-3.1-8b.yaml")
+    >>> check_dcp(Pairing(plan, plan, 0, "READ"))
+    []
+    """
     return [_finding("dcp", f"decode context parallelism (dcp_size {plan.parallel.dcp_size}) interleaves tokens "
                      "across ranks; kvlc does not map interleaved tokens yet and refuses rather than "
                      "transfer them to the wrong rank", local=side, fix="pair with dcp_size 1 on both engines")
@@ -154,7 +105,13 @@ def check_dcp(p: Pairing) -> list[Finding]:
 
 
 def check_pp_layers(p: Pairing) -> list[Finding]:
-    """Both engines hold the same pipeline layer range."""
+    """Both engines hold the same pipeline layer range.
+
+    >>> from kvlc import compile_spec
+    >>> plan = compile_spec("layouts/llama-3.1-8b.yaml")
+    >>> check_pp_layers(Pairing(plan, plan, 0, "READ"))
+    []
+    """
     a, b = p.local.parallel.layers, p.remote.parallel.layers
     if a == b:
         return []
@@ -163,7 +120,13 @@ def check_pp_layers(p: Pairing) -> list[Finding]:
 
 
 def check_groups(p: Pairing) -> list[Finding]:
-    """Every group exists on both engines with the same kind and window."""
+    """Every group exists on both engines with the same kind and window.
+
+    >>> from kvlc import compile_spec
+    >>> a, b = compile_spec("layouts/llama-3.1-8b.yaml"), compile_spec("layouts/gemma-3-27b-tp2-b16.yaml")
+    >>> [f.message for f in check_groups(Pairing(a, b, 0, "READ"))]
+    ["group 'full' exists on one engine only", "group 'global' exists on one engine only", "group 'local' exists on one engine only"]
+    """
     lg = {g.name: g for g in p.local.groups}
     rg = {g.name: g for g in p.remote.groups}
     out = []
@@ -179,7 +142,13 @@ def check_groups(p: Pairing) -> list[Finding]:
 
 
 def check_region_sets(p: Pairing) -> list[Finding]:
-    """Every region that is not optional exists on both engines."""
+    """Every region that is not optional exists on both engines.
+
+    >>> from kvlc import compile_spec
+    >>> a, b = compile_spec("layouts/llama-3.1-8b.yaml"), compile_spec("layouts/llama-3.1-70b-tp4.yaml")
+    >>> len(check_region_sets(Pairing(a, b, 0, "READ")))  # 70B has 80 layers, 8B 32
+    48
+    """
     out = []
     for side, plan, other in (("local", p.local, p.remote), ("remote", p.remote, p.local)):
         names = {r.name for r in other.regions}
@@ -199,7 +168,13 @@ def common_regions(p: Pairing) -> tuple[list[str], list[str]]:
 
 
 def check_region_order(p: Pairing) -> list[Finding]:
-    """Common regions appear in the same order on both engines."""
+    """Common regions appear in the same order on both engines.
+
+    >>> from kvlc import compile_spec
+    >>> plan = compile_spec("layouts/llama-3.1-8b.yaml")
+    >>> check_region_order(Pairing(plan, plan, 0, "READ"))
+    []
+    """
     common_l, common_r = common_regions(p)
     if common_l == common_r:
         return []
@@ -211,7 +186,14 @@ def check_region_order(p: Pairing) -> list[Finding]:
 
 # ----------------------------------------------------------------------------- region-level checks
 def check_region_groups(a: PlanRegion, b: PlanRegion) -> list[Finding]:
-    """A region belongs to the same groups on both engines."""
+    """A region belongs to the same groups on both engines.
+
+    >>> from kvlc import compile_spec
+    >>> g = compile_spec("layouts/gemma-3-27b-tp2-b16.yaml")
+    >>> a, b = g.region("layer.0"), g.region("layer.5")
+    >>> (a.groups, b.groups), [f.code for f in check_region_groups(a, b)]
+    ((('local',), ('global',)), ['region-groups'])
+    """
     if a.groups == b.groups:
         return []
     return [_finding("region-groups", "region belongs to different groups", a.name,
@@ -223,7 +205,13 @@ def _tokens(r: PlanRegion) -> str:
 
 
 def check_region_state(a: PlanRegion, b: PlanRegion) -> list[Finding]:
-    """A region is per-token on both engines or per-request state on both."""
+    """A region is per-token on both engines or per-request state on both.
+
+    >>> from kvlc import compile_spec
+    >>> n = compile_spec("layouts/nemotron-h-8b-tp2.yaml")
+    >>> [f.code for f in check_region_state(n.region("layer.0"), n.region("layer.7"))]
+    ['token-tiling']
+    """
     if a.is_state == b.is_state:
         return []
     return [_finding("token-tiling", "region is per-token on one engine and per-request state on the other",
@@ -231,7 +219,13 @@ def check_region_state(a: PlanRegion, b: PlanRegion) -> list[Finding]:
 
 
 def check_region_fields(a: PlanRegion, b: PlanRegion) -> list[Finding]:
-    """Both engines declare the same fields; each field passes :data:`FIELD_CHECKS`."""
+    """Both engines declare the same fields; each field passes :data:`FIELD_CHECKS`.
+
+    >>> from kvlc import compile_spec
+    >>> a, b = compile_spec("layouts/llama-3.1-8b.yaml"), compile_spec("layouts/llama-3.1-8b-fp8-tp2.yaml")
+    >>> [(f.code, f.local, f.remote) for f in check_region_fields(a.region("layer.0"), b.region("layer.0"))]
+    [('field-set', 'k,v', 'k,v,k_scale,v_scale')]
+    """
     lnames, rnames = [f.name for f in a.fields], [f.name for f in b.fields]
     if sorted(lnames) != sorted(rnames):
         return [_finding("field-set", "regions hold different fields", a.name, local=",".join(lnames),
@@ -251,7 +245,13 @@ TILE_WARNING = 4096  # tokens: a larger tile means many descriptors per request
 
 
 def check_tile_size(a: PlanRegion, b: PlanRegion) -> list[Finding]:
-    """Warn when two block sizes share a large tile (lcm of the block sizes)."""
+    """Warn when two block sizes share a large tile (lcm of the block sizes).
+
+    >>> from kvlc import compile_spec
+    >>> a, b = compile_spec("layouts/gemma-3-27b-tp2-b16.yaml"), compile_spec("layouts/gemma-3-27b-tp2-b32.yaml")
+    >>> check_tile_size(a.region("layer.0"), b.region("layer.0"))  # tile of 32 tokens: fine
+    []
+    """
     if a.is_state or not a.block_tokens or not b.block_tokens or tile(a.block_tokens, b.block_tokens).tokens \
             <= TILE_WARNING:
         return []
@@ -262,7 +262,14 @@ def check_tile_size(a: PlanRegion, b: PlanRegion) -> list[Finding]:
 
 # ----------------------------------------------------------------------------- field-level checks
 def check_field_dtype(a: PlanRegion, b: PlanRegion, lf: PlanField, rf: PlanField) -> list[Finding]:
-    """Same dtype (a transfer copies bytes; it does not convert)."""
+    """Same dtype (a transfer copies bytes; it does not convert).
+
+    >>> from kvlc import compile_spec
+    >>> a, b = compile_spec("layouts/llama-3.1-8b.yaml"), compile_spec("layouts/llama-3.1-8b-fp8-tp2.yaml")
+    >>> ra, rb = a.region("layer.0"), b.region("layer.0")
+    >>> [(f.local, f.remote) for f in check_field_dtype(ra, rb, ra.field("k"), rb.field("k"))]
+    [('bf16', 'fp8_e4m3')]
+    """
     if lf.dtype == rf.dtype:
         return []
     return [_finding("field-dtype", "dtypes differ", a.name, lf.name, lf.dtype, rf.dtype,
@@ -270,7 +277,13 @@ def check_field_dtype(a: PlanRegion, b: PlanRegion, lf: PlanField, rf: PlanField
 
 
 def check_field_dims(a: PlanRegion, b: PlanRegion, lf: PlanField, rf: PlanField) -> list[Finding]:
-    """The same dim names (in any order)."""
+    """The same dim names (in any order).
+
+    >>> from kvlc import compile_spec
+    >>> r = compile_spec("layouts/llama-3.1-8b.yaml").region("layer.0")
+    >>> check_field_dims(r, r, r.field("k"), r.field("v"))
+    []
+    """
     ld, rd = [d.name for d in lf.dims], [d.name for d in rf.dims]
     if set(ld) == set(rd):
         return []
@@ -279,7 +292,14 @@ def check_field_dims(a: PlanRegion, b: PlanRegion, lf: PlanField, rf: PlanField)
 
 
 def check_dim_values(a: PlanRegion, b: PlanRegion, lf: PlanField, rf: PlanField) -> list[Finding]:
-    """Each dim has the same role, and the same size (heads: the same global count)."""
+    """Each dim has the same role, and the same size (heads: the same global count).
+
+    >>> from kvlc import compile_spec
+    >>> a, b = compile_spec("layouts/llama-3.1-70b-tp4.yaml"), compile_spec("layouts/llama-3.1-70b-tp8.yaml")
+    >>> ra, rb = a.region("layer.0"), b.region("layer.0")
+    >>> check_dim_values(ra, rb, ra.field("k"), rb.field("k"))  # 2 vs 1 heads per rank, 8 in all: equal
+    []
+    """
     rd = {d.name: d for d in rf.dims}
     out = []
     for x in lf.dims:
@@ -297,7 +317,13 @@ def check_dim_values(a: PlanRegion, b: PlanRegion, lf: PlanField, rf: PlanField)
 
 
 def check_token_tiling(a: PlanRegion, b: PlanRegion, lf: PlanField, rf: PlanField) -> list[Finding]:
-    """A per-block field (no token dim) cannot be re-tiled across block sizes."""
+    """A per-block field (no token dim) cannot be re-tiled across block sizes.
+
+    >>> from kvlc import compile_spec
+    >>> r = compile_spec("layouts/llama-3.1-8b.yaml").region("layer.0")
+    >>> check_token_tiling(r, r, r.field("k"), r.field("k"))
+    []
+    """
     if a.is_state or b.is_state or a.block_tokens == b.block_tokens or lf.dim("token") is not None:
         return []
     return [_finding("token-tiling", "a per-block field (no token dim) cannot be re-tiled across block sizes",
@@ -311,7 +337,13 @@ REGION_CHECKS = (check_region_groups, check_region_state, check_region_fields, c
 
 
 def check_region_pairs(p: Pairing) -> list[Finding]:
-    """Every region both engines hold passes :data:`REGION_CHECKS`, region by region."""
+    """Every region both engines hold passes :data:`REGION_CHECKS`, region by region.
+
+    >>> from kvlc import compile_spec
+    >>> a, b = compile_spec("layouts/llama-3.1-70b-tp4.yaml"), compile_spec("layouts/llama-3.1-70b-tp8.yaml")
+    >>> check_region_pairs(Pairing(a, b, 0, "READ"))
+    []
+    """
     return [f for name in common_regions(p)[0] for check in REGION_CHECKS
             for f in check(p.local.region(name), p.remote.region(name))]
 
@@ -334,3 +366,7 @@ def check_plans(local: Plan, remote: Plan, local_rank: int, direction: str) -> C
     out = [f for check in CHECKS for f in check(p)]
     return CompatReport(local=local.name, remote=remote.name, direction=direction, local_rank=local_rank,
                         findings=tuple(sorted(out, key=lambda f: f.severity != "error")))
+
+
+__all__ = ["CHECKS", "REGION_CHECKS", "FIELD_CHECKS", "CompatReport", "Finding", "Pairing", "check_plans",
+           "head_major_order"]

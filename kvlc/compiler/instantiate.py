@@ -83,6 +83,14 @@ def bind(prog: TransferProgram, local_bases: Mapping[str, object],
     """Fix storage base addresses once (per connection); then instantiate per request.
 
     Bases map storage name → address or (address, device); remote bases are per peer rank.
+
+    >>> from kvlc import compile_spec, pair
+    >>> plan = compile_spec("layouts/llama-3.1-8b.yaml")
+    >>> prog = pair(plan, plan, local_rank=0, direction="READ")
+    >>> bound = bind(prog, {s.name: 1 << 40 for s in plan.storages}, {0: {s.name: 2 << 40 for s in plan.storages}})
+    >>> parts = bound.instantiate({"full": [3, 4]}, {"full": [7, 8]}, 32)   # two consecutive blocks each side
+    >>> [(str(k), len(p), p.nbytes) for k, p in parts.items()]
+    [('peer0:VRAM->VRAM', 32, 4194304)]
     """
     local = bases_of(local_bases, prog.local)
     remote = {}

@@ -174,6 +174,14 @@ def prepared_rows(bound) -> dict[PartKey, PreparedLists]:
     Raises :class:`TransferError` when a part's expanded list has more than 2**31
     descriptors (``make_prepped_xfer`` takes int32 indices); such a part needs the
     (N, 3) rows of :meth:`~kvlc.compiler.instantiate.BoundProgram.instantiate`.
+
+    >>> from kvlc import compile_spec, pair
+    >>> plan = compile_spec("layouts/llama-3.1-8b.yaml")
+    >>> prog = pair(plan, plan, local_rank=0, direction="READ")
+    >>> bound = prog.bind({s.name: 1 << 40 for s in plan.storages}, {0: {s.name: 2 << 40 for s in plan.storages}})
+    >>> lists = prepared_rows(bound)
+    >>> [(str(k), len(pl), pl.local_size) for k, pl in lists.items()]   # one strided row per region
+    [('peer0:VRAM->VRAM', 32, 131072)]
     """
     lay = layout_of(bound.program)
     return {key: _part_lists(bound, key, ents, lay) for key, ents in lay.parts.items()}
