@@ -15,6 +15,7 @@ from pydantic import (BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, 
 from pydantic_core import PydanticCustomError
 
 from kvlc.compiler.frozen import FrozenMap
+from kvlc.compiler.layout import STATE_KINDS
 
 DTYPE_SIZES: Mapping[str, int] = {
     "bf16": 2, "fp16": 2, "fp32": 4, "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1, "uint8": 1,
@@ -116,7 +117,7 @@ class LinearAttention(_GroupBase):
 
 Group = Annotated[Union[FullAttention, SlidingWindow, ChunkedLocal, Indexer, MambaState,
                         LinearAttention], Field(discriminator="kind")]
-STATE_GROUP_KINDS = frozenset({"mamba", "linear_attention"})
+STATE_GROUP_KINDS = STATE_KINDS  # one definition: kvlc.compiler.layout
 
 
 # ---------------------------------------------------------------- storages
