@@ -14,6 +14,9 @@ from pydantic import (BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, 
                       field_validator, model_validator)
 from pydantic_core import PydanticCustomError
 
+from kvlc.compiler.frozen import FrozenMap
+from kvlc.compiler.layout import STATE_KINDS
+
 DTYPE_SIZES: Mapping[str, int] = {
     "bf16": 2, "fp16": 2, "fp32": 4, "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1, "uint8": 1,
 }
@@ -80,7 +83,7 @@ class ModelInfo(Frozen):
     num_layers: Layers
     num_kv_heads: DimSize | None = None
     head_dim: DimSize | None = None
-    sizes: dict[str, DimSize] = Field(default_factory=dict)
+    sizes: FrozenMap[str, DimSize] = Field(default_factory=FrozenMap)
 
     def known_sizes(self) -> dict[str, int]:
         """Dim name → size the model fixes (``head`` and ``head_dim`` plus ``sizes``)."""
@@ -140,7 +143,7 @@ class LinearAttention(_GroupBase):
 
 Group = Annotated[Union[FullAttention, SlidingWindow, ChunkedLocal, Indexer, MambaState,
                         LinearAttention], Field(discriminator="kind")]
-STATE_GROUP_KINDS = frozenset({"mamba", "linear_attention"})
+STATE_GROUP_KINDS = STATE_KINDS  # one definition: kvlc.compiler.layout
 
 
 # ---------------------------------------------------------------- storages
@@ -166,7 +169,7 @@ class Dim(Frozen):
     name: Name
     size: DimSize | str | None = None
     role: Literal["token", "head"] | None = None
-    sections: dict[Name, DimSize] | None = None
+    sections: FrozenMap[Name, DimSize] | None = None
 
 
 class ArrayField(Frozen):
@@ -344,7 +347,7 @@ class LayoutSpec(Frozen):
     kernel_block_size: Tokens | None = None
     groups: tuple[Group, ...] = Field(min_length=1)
     storages: tuple[StorageEntry, ...] = Field(min_length=1)
-    layouts: dict[Name, BlockLayout] = Field(min_length=1)
+    layouts: FrozenMap[Name, BlockLayout] = Field(min_length=1)
     regions: tuple[RegionEntry, ...] = Field(min_length=1)
     _source: object = PrivateAttr(default=None)  # the Source it was loaded from, for marks
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import types
 import typing
+from collections.abc import Mapping
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
@@ -72,7 +73,7 @@ def _child(tp, part):
         if len(args) == 2 and args[1] is Ellipsis:
             return args[0]
         return args[part] if part < len(args) else None
-    if origin is dict:
+    if origin is dict or (isinstance(origin, type) and issubclass(origin, Mapping)):  # dict, FrozenMap
         return args[1]
     return None
 
