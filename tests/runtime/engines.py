@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvlc.runtime.demo import verify
-from kvlc.runtime.procs import AgentHandle, EngineConfig
+from kvlc.runtime.auth import resolve_secret
+from kvlc.testing.demo import verify
+from kvlc.testing.procs import HARNESS_SECRET, AgentHandle, EngineConfig
 
 TIMEOUT = 30.0
+SECRET = HARNESS_SECRET  # every engine of a test run shares it; in-process agents pass it too
+KEY = resolve_secret(SECRET)  # the channel key a raw test client authenticates with
 ROOT = Path(__file__).resolve().parents[2]
 LAYOUTS = ROOT / "layouts"
 TEST_LAYOUTS = ROOT / "tests" / "runtime" / "layouts"
