@@ -212,14 +212,15 @@ class KvAgent:
             except NixlError as exc:
                 self.log_warning("remove remote %s: %s", s.agent, exc)
         still = any(x.engine is s.engine and x.rank == s.rank for x in self.sessions.all())
-        if still:
-            return
         for req, inc in list(self.incoming.items()):
             inc.cancel_wait.pop(s.conn_id, None)
-            if inc.engine is s.engine and s.rank not in inc.answers:
+            hit = inc.via[s.rank][0] is s if s.rank in inc.via else (inc.engine is s.engine and not still)
+            if hit and s.rank not in inc.answers:
                 inc.answer(s.rank, Status.CANCELLED, f"session ended ({why}); it can no longer write here")
             if settle(inc, self.events):
                 del self.incoming[req]
+        if still:
+            return
         for key, t in list(self.tallies.items()):
             if t.engine is s.engine and s.rank not in t.seen:
                 t.add(s.rank, Status.FAILED, f"consumer session ended: {why}")

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from kvlc.runtime.auth import notif_tag, tag_ok
 from kvlc.runtime.channel import ChannelClient
-from kvlc.runtime.errors import HandshakeError
+from kvlc.runtime.errors import ChannelError, HandshakeError
 from kvlc.runtime.kinds import Direction, Mode, Status
 from kvlc.runtime.tracking import Incoming, hold, settle
 from kvlc.runtime.wire import Cancel, Reply, decode_notif, encode
@@ -67,10 +67,20 @@ def notif(agent: KvAgent, sender: str, message: bytes) -> None:
         del agent.incoming[n.req]
 
 
+def _gone(result) -> bool:
+    """The remote's side channel refuses connections: its agent is closed (close releases every transfer)
+    or its process is dead. A stopped or unreachable process does not look like this."""
+    return isinstance(result, ChannelError) and "cannot reach" in str(result) and "refused" in str(result)
+
+
 def drain(agent: KvAgent, replies) -> None:
     """Apply the background sender's replies (pull requests and cancels)."""
     while replies:
         (kind, req, rank, conn_id), result = replies.popleft()
+        if _gone(result):
+            s = agent.sessions.by_conn.get(conn_id)
+            if s is not None:
+                agent._drop_session(s, "its side channel refuses connections: the agent is gone")
         inc = agent.incoming.get(req)
         if inc is None:
             continue

@@ -17,7 +17,10 @@ TEST_LAYOUTS = ROOT / "tests" / "runtime" / "layouts"
 
 
 def config(plan, rank: int, fill: str, seed: int = 0, **kw) -> EngineConfig:
+    """One rank's config; ranks of one engine share ``engine_id`` (default: the plan's name and whether the
+    rank is content-coded, i.e. a producer in these tests)."""
     kw.setdefault("timeout", TIMEOUT)
+    kw.setdefault("engine_id", f"{plan.name}-{'p' if fill == 'content' else 'c'}")
     return EngineConfig(plan.to_json(), rank, fill=fill, seed=seed, **kw)
 
 
