@@ -53,3 +53,31 @@ def check_bytes(consumer: AgentHandle, consumer_plan, producer_plan, before, req
 def flip(requests):
     """(id, a, b, n) → (id, b, a, n): the same requests seen from the other side."""
     return [(r, b, a, n) for r, a, b, n in requests]
+
+
+def check_from_many(consumer: AgentHandle, consumer_plan, before, batches, after=None) -> int:
+    """Like :func:`check_bytes` for requests from several producer engines: ``batches`` is a list of
+    (producer plan, requests). Every requested byte holds its code, every other byte is unchanged."""
+    import numpy as np
+
+    from kvlc.compiler.content import expected_bytes
+
+    after = consumer.call("dump") if after is None else after
+    touched = {k: np.zeros(len(v), bool) for k, v in after.items()}
+    checked, problems = 0, []
+    for producer_plan, requests in batches:
+        for req, cids, pids, tokens in requests:
+            for storage, idx, vals in expected_bytes(consumer_plan, consumer.config.rank, producer_plan,
+                                                     cids, pids, tokens):
+                bad = np.flatnonzero(after[storage][idx] != vals)
+                if bad.size:
+                    problems.append(f"{req}: {storage}: {bad.size} wrong bytes")
+                touched[storage][idx] = True
+                checked += idx.size
+    for name, t in touched.items():
+        changed = np.flatnonzero((after[name] != before[name]) & ~t)
+        if changed.size:
+            problems.append(f"{name}: {changed.size} bytes outside the requested blocks changed")
+    assert not problems, problems[:5]
+    assert checked > 0
+    return checked
