@@ -179,6 +179,7 @@ def _main(conn) -> None:  # pragma: no cover - runs in the child
             "finished": sorted(set(ids) & set(h.finished)),
             "failed": {r: h.failed[r] for r in ids if r in h.failed},
             "held": {r: h.held[r] for r in ids if r in h.held and r not in h.failed},
+            "ever_held": sorted(set(ids) & set(h.held)),
             "open": sorted(set(ids) - set(h.finished) - set(h.failed)),
         }
 
