@@ -119,9 +119,16 @@ def test_template_endless_loop_ends_with_error(tmp_path, body):
     ("{{ 'a'|center(10**9) }}", "filter for a huge result"),
     ("{{ 'a'.ljust(10**9) }}", "huge string"),
     ("{{ range(10**8)|list }}", "template failed"),  # jinja's own sandbox range limit
-], ids=["literal-loop", "str-mul", "list-mul", "pow", "center", "ljust", "range"])
+    ("{{ '%999999999d' % 1 }}", "huge field"),
+    ("{% macro sq(x, n) %}{{ sq(x * x, n - 1) if n else x }}{% endmacro %}{{ sq(2**4000, 30) }}", "huge number"),
+] + [(f"{{% macro d(s, n) %}}{{{{ d({grow}, n - 1) if n else s|length }}}}{{% endmacro %}}{{{{ d('a', 60) }}}}",
+      "huge value") for grow in ("s ~ s", "s + s", "s|replace('a', 'aa')", "[s, s]|join", "'%s%s' % (s, s)",
+                                 "'{0}{0}'.format(s)")],
+    ids=["literal-loop", "str-mul", "list-mul", "pow", "center", "ljust", "range", "percent-width", "squaring",
+         "double-tilde", "double-plus", "double-replace", "double-join", "double-percent", "double-format"])
 def test_template_output_and_values_are_bounded(tmp_path, body, what):
-    """Output past 4 MiB, and '*', '**', widths that would build huge values, are refused."""
+    """Output past 4 MiB, and any value that grows past it ('*', '**', '~', '+', '%', filters,
+    methods, doubling through macro recursion), are refused before memory runs out."""
     path = template(tmp_path, f"\n{body}\n")
     refused(kvlc_cli("render", path, cwd=tmp_path), what, f"{path}:3:")
 
