@@ -210,6 +210,14 @@ def test_yaml_size_is_bounded():
         parse_yaml("kvlc: 1\nx: [" + "1," * 300_000 + "1]\n")
 
 
+def test_huge_spec_file_is_refused_before_reading(tmp_path):
+    """A 1 GiB (sparse) spec file is refused from its size, under a 2 GiB memory cap."""
+    spec = tmp_path / "huge.yaml"
+    with open(spec, "wb") as fh:
+        fh.truncate(1 << 30)
+    refused(kvlc_cli("check", spec, cwd=tmp_path), "spec too large", "1,073,741,824 bytes")
+
+
 @pytest.mark.parametrize("text,line", [
     ("kvlc: 1\nmodel:\n  name: x\n   num_layers: 3\n", 4),
     ("kvlc: 1\ngroups:\n  - {name: a, kind: full_attention}\n - {name: b, kind: full_attention}\n", 4),

@@ -182,6 +182,11 @@ def _compose(text: str, file: str) -> yaml.Node | None:
                                  mark=Mark(file, 1, 1))]) from None
 
 
+def _too_large(file: str, found: str) -> SpecError:
+    return SpecError([Problem((), "spec too large", expected=f"at most {MAX_SPEC_BYTES:,} characters",
+                              found=found, fix="is this the right file?", mark=Mark(file, 1, 1))])
+
+
 def parse_yaml(text: str, file: str = "<string>") -> Source:
     """Parse YAML text into :class:`Source`; syntax errors and limits become a located SpecError.
 
@@ -192,8 +197,7 @@ def parse_yaml(text: str, file: str = "<string>") -> Source:
     {'a': [1, 2]}
     """
     if len(text) > MAX_SPEC_BYTES:
-        raise SpecError([Problem((), "spec too large", expected=f"at most {MAX_SPEC_BYTES:,} characters",
-                                 found=f"{len(text):,}", fix="is this the right file?", mark=Mark(file, 1, 1))])
+        raise _too_large(file, f"{len(text):,} characters")
     node = _compose(text, file)
     if node is None:
         raise SpecError([Problem((), "empty spec", expected="a mapping with 'kvlc: 1'",
@@ -319,6 +323,8 @@ def read_source(path_or_text: str | Path, config: Mapping | None = None,
         if path.suffix == ".j2":  # marks count lines of the rendered text (`kvlc render` shows it)
             return parse_yaml(render_template(path, config, overrides), rendered_name(path))
         try:
+            if path.stat().st_size > 4 * MAX_SPEC_BYTES:  # UTF-8: at most 4 bytes a character
+                raise _too_large(str(path), f"{path.stat().st_size:,} bytes")  # refused before reading it
             text = path.read_text(encoding="utf-8")
         except OSError as exc:
             raise SpecError([Problem((), f"cannot read spec: {exc.strerror}",
