@@ -125,7 +125,8 @@ def _scan(text: str, loader, file: str) -> None:
             alias = isinstance(event, yaml.AliasEvent)
             raise _Limit(Problem((), "YAML aliases expand too far" if alias else "spec too large",
                                  expected=f"at most {MAX_NODES:,} values after expanding aliases",
-                                 found=f"more than {MAX_NODES:,}" + (f" at '*{event.anchor}'" if alias else ""),
+                                 found=f"more than {MAX_NODES:,}"
+                                 + (f" at '*{event.anchor}'" if alias else ""),
                                  fix="write the spec without nested aliases (or use a template)",
                                  mark=_at(file, event.start_mark)))
         if isinstance(event, yaml.CollectionStartEvent):
@@ -225,7 +226,7 @@ def parse_set(pairs: list[str] | tuple[str, ...]) -> dict:
         key = key.strip()
         if not sep or not SET_KEY.fullmatch(key):
             raise SpecError([Problem(("--set",), f"malformed --set '{pair}'",
-                                     expected="NAME=VALUE with NAME a template variable (letters, digits, '_')",
+                                     expected="NAME=VALUE, NAME a template variable (letters, digits, '_')",
                                      found=repr(pair), fix="write it like --set tp_size=8",
                                      mark=Mark("--set", 1, 1))])
         if not value.strip():
@@ -279,7 +280,8 @@ def load_config(path: str | Path) -> dict:
     try:
         if path.stat().st_size > MAX_SPEC_BYTES:
             raise SpecError([Problem((), "config too large", expected=f"at most {MAX_SPEC_BYTES:,} bytes",
-                                     found=f"{path.stat().st_size:,} bytes", fix="pass the model's config.json",
+                                     found=f"{path.stat().st_size:,} bytes",
+                                     fix="pass the model's config.json",
                                      mark=where)])
         data = json.loads(path.read_text(encoding="utf-8"))
     except OSError as exc:

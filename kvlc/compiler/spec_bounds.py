@@ -57,8 +57,8 @@ def _entries(entries, key: str, spec, path: tuple, times: int, repeat: tuple | N
     """(item, path, multiplicity, path of its innermost repeat) for every plain entry."""
     for i, e in enumerate(entries):
         if getattr(e, "kind", None) == "repeat":
-            yield from _entries(getattr(e, key), key, spec, path + (i, key), times * repeat_count(e.repeat, spec),
-                                path + (i, "repeat"))
+            times_here = times * repeat_count(e.repeat, spec)
+            yield from _entries(getattr(e, key), key, spec, path + (i, key), times_here, path + (i, "repeat"))
         else:
             yield e, path + (i,), times, repeat
 
@@ -75,8 +75,9 @@ def _check_expansion(entries: list, spec_error) -> None:
     expanded = sum(e[2] for e in entries)
     if expanded > MAX_EXPANDED:
         _, path, times, repeat = max(entries, key=lambda e: e[2])
-        raise spec_error("repeats expand to too many entries", expected=f"at most {MAX_EXPANDED:,} regions "
-                         "and storages after expanding repeats", found=f"{expanded:,} ({times:,} from this entry)",
+        raise spec_error("repeats expand to too many entries",
+                         expected=f"at most {MAX_EXPANDED:,} regions and storages after expanding repeats",
+                         found=f"{expanded:,} ({times:,} from this entry)",
                          fix="check the repeat ranges (range: layers, or [start, stop])", at=repeat or path)
 
 

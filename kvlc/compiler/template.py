@@ -83,7 +83,8 @@ def _bounded(f):
     def bounded(*args, **kwargs):
         for a in (*args[skip:], *kwargs.values()):
             if isinstance(a, int) and abs(a) > MAX_OUTPUT_BYTES:
-                raise _Refused("template asks a filter for a huge result", f"sizes up to {MAX_OUTPUT_BYTES:,}",
+                raise _Refused("template asks a filter for a huge result",
+                               f"sizes up to {MAX_OUTPUT_BYTES:,}",
                                f"{f.__name__.removeprefix('do_')}(..., {a})", "use a smaller width or count")
         return _checked(f(*args, **kwargs))
     return bounded
@@ -144,11 +145,10 @@ class _Sandbox(ImmutableSandboxedEnvironment):
             for field in parent.fields:
                 child = getattr(parent, field, None)
                 if isinstance(child, nodes.Concat):
-                    setattr(parent, field, nodes.Filter(child, "kvlc_checked", [], [], None, None,
-                                                        lineno=child.lineno))
+                    setattr(parent, field, _checked_node(child))
                 elif isinstance(child, list):
-                    setattr(parent, field, [nodes.Filter(c, "kvlc_checked", [], [], None, None, lineno=c.lineno)
-                                            if isinstance(c, nodes.Concat) else c for c in child])
+                    setattr(parent, field, [_checked_node(c) if isinstance(c, nodes.Concat) else c
+                                            for c in child])
         return tree
 
     def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja's own signature)
@@ -176,7 +176,8 @@ class _Sandbox(ImmutableSandboxedEnvironment):
                            "use a smaller exponent")
         if (operator == "*" and isinstance(left, int) and isinstance(right, int)
                 and left.bit_length() + right.bit_length() > MAX_NUMBER_BITS + 1):
-            raise _Refused("template computes a huge number with '*'", f"results up to {MAX_NUMBER_BITS} bits",
+            raise _Refused("template computes a huge number with '*'",
+                           f"results up to {MAX_NUMBER_BITS} bits",
                            f"{left.bit_length()}-bit * {right.bit_length()}-bit", "compute smaller numbers")
         if operator == "%" and isinstance(left, str) and any(
                 int(w) > MAX_OUTPUT_BYTES for w in re.findall(r"%[-+ #0]*\.?(\d+)", left)):
@@ -185,9 +186,14 @@ class _Sandbox(ImmutableSandboxedEnvironment):
         sized = (str, list, tuple)
         if (operator == "+" and isinstance(left, sized) and isinstance(right, sized)
                 and len(left) + len(right) > MAX_OUTPUT_BYTES):
-            raise _Refused("template builds a huge value with '+'", f"results up to {MAX_OUTPUT_BYTES:,} items",
+            raise _Refused("template builds a huge value with '+'",
+                           f"results up to {MAX_OUTPUT_BYTES:,} items",
                            f"{len(left):,} + {len(right):,}", "build smaller values")
         return _checked(super().call_binop(context, operator, left, right))
+
+
+def _checked_node(node: nodes.Expr) -> nodes.Filter:
+    return nodes.Filter(node, "kvlc_checked", [], [], None, None, lineno=node.lineno)
 
 
 def _output_refused(n: int) -> _Refused:
@@ -204,7 +210,8 @@ def render_template(path: str | Path, config: Mapping | None = None,
 
     >>> from kvlc.compiler.source import load_config
     >>> config = load_config("layouts/templates/llama-3.1-70b.config.json")
-    >>> text = render_template("layouts/templates/llama-3.1-70b.yaml.j2", config, {"tp_size": 4, "order": "hnd"})
+    >>> text = render_template("layouts/templates/llama-3.1-70b.yaml.j2", config,
+    ...                        {"tp_size": 4, "order": "hnd"})
     >>> "tp_size: 4" in text
     True
     """
@@ -291,7 +298,8 @@ def _undefined(exc: jinja2.UndefinedError, mark: Mark, variables: Mapping) -> Pr
     name = re.fullmatch(r"'([^']*)' is undefined", message)
     attr = re.fullmatch(r"'dict object' has no attribute '([^']*)'", message)
     if name:
-        what, hint = f"template variable '{name.group(1)}' is not defined", did_you_mean(name.group(1), variables)
+        what = f"template variable '{name.group(1)}' is not defined"
+        hint = did_you_mean(name.group(1), variables)
         fix = f"pass --set {name.group(1)}=VALUE" + (f" ({hint})" if hint.startswith("did") else "")
     elif attr:
         keys = variables.get("config") or {}
@@ -299,7 +307,8 @@ def _undefined(exc: jinja2.UndefinedError, mark: Mark, variables: Mapping) -> Pr
         hint = did_you_mean(attr.group(1), [str(k) for k in keys]) if keys else "no --config was given"
         fix = f"add '{attr.group(1)}' to the config.json passed with --config ({hint})"
     else:
-        what, fix = f"template value undefined: {message}", "check the name, or pass it with --config or --set"
+        what = f"template value undefined: {message}"
+        fix = "check the name, or pass it with --config or --set"
     return Problem((), what, expected="a value from --config or --set", found="nothing", fix=fix, mark=mark)
 
 
