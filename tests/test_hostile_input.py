@@ -74,7 +74,7 @@ ESCAPES = [
 ]
 
 
-@pytest.mark.parametrize("escape", ESCAPES)
+@pytest.mark.parametrize("escape", ESCAPES, ids=[f"escape-{i}" for i in range(len(ESCAPES))])
 def test_template_cannot_reach_python(tmp_path, escape):
     """Sandbox escapes and mutation are refused at the template's line; no command runs."""
     path = template(tmp_path, f"# line 2\nname: x\n{escape}\n")
@@ -233,7 +233,9 @@ def test_yaml_indentation_error_says_indentation(text, line):
 
 # ---------------------------------------------------------------- --set and --config
 @pytest.mark.parametrize("pair", ["tp_size=[1", "tp_size={a: 1", "=3", "tp size=3", "tp_size",
-                                  "x=" + "[" * 1000, "x=*a", "x=!!python/object:os.system ls"])
+                                  "x=" + "[" * 1000, "x=*a", "x=!!python/object:os.system ls"],
+                         ids=["unclosed-list", "unclosed-map", "no-name", "space-in-name", "no-value", "deep",
+                              "unknown-alias", "python-tag"])
 def test_bad_set_value_is_a_spec_error(pair):
     """Malformed --set pairs and values are SpecErrors naming --set, never YAML tracebacks."""
     with pytest.raises(SpecError) as info:
@@ -284,8 +286,9 @@ BOUNDS = [
 ]
 
 
-@pytest.mark.parametrize("old,new,allowed", BOUNDS, ids=[b[1].split(":")[0].strip("{ ").split()[-1]
-                                                         + f"-{i}" for i, b in enumerate(BOUNDS)])
+@pytest.mark.parametrize("old,new,allowed", BOUNDS, ids=[
+    "num_layers", "num_kv_heads", "head_dim", "tp_size", "block_size", "device", "storage-size", "align",
+    "num_blocks", "offset", "block_stride", "dim-size", "repeat-range"])
 def test_every_spec_integer_is_bounded(old, new, allowed):
     """Each out-of-range integer is a located error that states the allowed range."""
     assert old in LLAMA
