@@ -109,10 +109,10 @@ def collapse_problems(problems: Iterable[Problem]) -> list[str]:
     """Rendered lines, one per place: problems at one mark and path that differ only by numbers
     (one per value of a ``repeat``) become one line with ``{0..31}`` and a count.
 
-    >>> ps = [Problem(("regions", 0), f"region 'layer.{i}' names unknown storage 'kvv.{i}'",
-    ...               mark=Mark("s.yaml", 3, 5)) for i in range(32)]
-    >>> collapse_problems(ps)
-    ["s.yaml:3:5: regions[0]: region 'layer.{0..31}' names unknown storage 'kvv.{0..31}' (32 times, one per repeat value)"]
+    >>> ps = [Problem(("regions", 0), f"region 'l.{i}' names unknown storage 's.{i}'",
+    ...               mark=Mark("a.yaml", 3, 5)) for i in range(32)]
+    >>> print(collapse_problems(ps)[0])
+    a.yaml:3:5: regions[0]: region 'l.{0..31}' names unknown storage 's.{0..31}' (32 times, one per repeat value)
     """
     groups: dict[tuple, list[str]] = {}
     for p in problems:
@@ -141,7 +141,7 @@ class SpecError(KvlcError):
         super().__init__(self.render())
 
     def render(self, limit: int = MAX_REPORTED) -> str:
-        """One line per problem; problems a ``repeat`` multiplied are one line (see :func:`collapse_problems`)."""
+        """One line per problem; those a ``repeat`` multiplied share one (:func:`collapse_problems`)."""
         lines = collapse_problems(self.problems)
         shown = lines[:limit]
         if len(lines) > limit:

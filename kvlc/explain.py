@@ -20,7 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
-from kvlc.collapse import compact_ints, set_text as _set_text, split_name as _split, vary_label as _vary_label  # noqa: F401
+from kvlc.collapse import compact_ints  # noqa: F401 (part of this module's interface)
+from kvlc.collapse import split_name as _split
+from kvlc.collapse import vary_label as _vary_label
 from kvlc.compiler.plan import Plan, PlanField, PlanRegion
 
 if TYPE_CHECKING:

@@ -74,7 +74,7 @@ ESCAPES = [
 ]
 
 
-@pytest.mark.parametrize("escape", ESCAPES)
+@pytest.mark.parametrize("escape", ESCAPES, ids=[f"escape-{i}" for i in range(len(ESCAPES))])
 def test_template_cannot_reach_python(tmp_path, escape):
     """Sandbox escapes and mutation are refused at the template's line; no command runs."""
     path = template(tmp_path, f"# line 2\nname: x\n{escape}\n")
@@ -119,9 +119,16 @@ def test_template_endless_loop_ends_with_error(tmp_path, body):
     ("{{ 'a'|center(10**9) }}", "filter for a huge result"),
     ("{{ 'a'.ljust(10**9) }}", "huge string"),
     ("{{ range(10**8)|list }}", "template failed"),  # jinja's own sandbox range limit
-], ids=["literal-loop", "str-mul", "list-mul", "pow", "center", "ljust", "range"])
+    ("{{ '%999999999d' % 1 }}", "huge field"),
+    ("{% macro sq(x, n) %}{{ sq(x * x, n - 1) if n else x }}{% endmacro %}{{ sq(2**4000, 30) }}", "huge number"),
+] + [(f"{{% macro d(s, n) %}}{{{{ d({grow}, n - 1) if n else s|length }}}}{{% endmacro %}}{{{{ d('a', 60) }}}}",
+      "huge value") for grow in ("s ~ s", "s + s", "s|replace('a', 'aa')", "[s, s]|join", "'%s%s' % (s, s)",
+                                 "'{0}{0}'.format(s)")],
+    ids=["literal-loop", "str-mul", "list-mul", "pow", "center", "ljust", "range", "percent-width", "squaring",
+         "double-tilde", "double-plus", "double-replace", "double-join", "double-percent", "double-format"])
 def test_template_output_and_values_are_bounded(tmp_path, body, what):
-    """Output past 4 MiB, and '*', '**', widths that would build huge values, are refused."""
+    """Output past 4 MiB, and any value that grows past it ('*', '**', '~', '+', '%', filters,
+    methods, doubling through macro recursion), are refused before memory runs out."""
     path = template(tmp_path, f"\n{body}\n")
     refused(kvlc_cli("render", path, cwd=tmp_path), what, f"{path}:3:")
 
@@ -203,6 +210,14 @@ def test_yaml_size_is_bounded():
         parse_yaml("kvlc: 1\nx: [" + "1," * 300_000 + "1]\n")
 
 
+def test_huge_spec_file_is_refused_before_reading(tmp_path):
+    """A 1 GiB (sparse) spec file is refused from its size, under a 2 GiB memory cap."""
+    spec = tmp_path / "huge.yaml"
+    with open(spec, "wb") as fh:
+        fh.truncate(1 << 30)
+    refused(kvlc_cli("check", spec, cwd=tmp_path), "spec too large", "1,073,741,824 bytes")
+
+
 @pytest.mark.parametrize("text,line", [
     ("kvlc: 1\nmodel:\n  name: x\n   num_layers: 3\n", 4),
     ("kvlc: 1\ngroups:\n  - {name: a, kind: full_attention}\n - {name: b, kind: full_attention}\n", 4),
@@ -218,7 +233,9 @@ def test_yaml_indentation_error_says_indentation(text, line):
 
 # ---------------------------------------------------------------- --set and --config
 @pytest.mark.parametrize("pair", ["tp_size=[1", "tp_size={a: 1", "=3", "tp size=3", "tp_size",
-                                  "x=" + "[" * 1000, "x=*a", "x=!!python/object:os.system ls"])
+                                  "x=" + "[" * 1000, "x=*a", "x=!!python/object:os.system ls"],
+                         ids=["unclosed-list", "unclosed-map", "no-name", "space-in-name", "no-value", "deep",
+                              "unknown-alias", "python-tag"])
 def test_bad_set_value_is_a_spec_error(pair):
     """Malformed --set pairs and values are SpecErrors naming --set, never YAML tracebacks."""
     with pytest.raises(SpecError) as info:
@@ -269,8 +286,9 @@ BOUNDS = [
 ]
 
 
-@pytest.mark.parametrize("old,new,allowed", BOUNDS, ids=[b[1].split(":")[0].strip("{ ").split()[-1]
-                                                         + f"-{i}" for i, b in enumerate(BOUNDS)])
+@pytest.mark.parametrize("old,new,allowed", BOUNDS, ids=[
+    "num_layers", "num_kv_heads", "head_dim", "tp_size", "block_size", "device", "storage-size", "align",
+    "num_blocks", "offset", "block_stride", "dim-size", "repeat-range"])
 def test_every_spec_integer_is_bounded(old, new, allowed):
     """Each out-of-range integer is a located error that states the allowed range."""
     assert old in LLAMA

@@ -125,7 +125,8 @@ def _scan(text: str, loader, file: str) -> None:
             alias = isinstance(event, yaml.AliasEvent)
             raise _Limit(Problem((), "YAML aliases expand too far" if alias else "spec too large",
                                  expected=f"at most {MAX_NODES:,} values after expanding aliases",
-                                 found=f"more than {MAX_NODES:,}" + (f" at '*{event.anchor}'" if alias else ""),
+                                 found=f"more than {MAX_NODES:,}"
+                                 + (f" at '*{event.anchor}'" if alias else ""),
                                  fix="write the spec without nested aliases (or use a template)",
                                  mark=_at(file, event.start_mark)))
         if isinstance(event, yaml.CollectionStartEvent):
@@ -182,6 +183,11 @@ def _compose(text: str, file: str) -> yaml.Node | None:
                                  mark=Mark(file, 1, 1))]) from None
 
 
+def _too_large(file: str, found: str) -> SpecError:
+    return SpecError([Problem((), "spec too large", expected=f"at most {MAX_SPEC_BYTES:,} characters",
+                              found=found, fix="is this the right file?", mark=Mark(file, 1, 1))])
+
+
 def parse_yaml(text: str, file: str = "<string>") -> Source:
     """Parse YAML text into :class:`Source`; syntax errors and limits become a located SpecError.
 
@@ -192,8 +198,7 @@ def parse_yaml(text: str, file: str = "<string>") -> Source:
     {'a': [1, 2]}
     """
     if len(text) > MAX_SPEC_BYTES:
-        raise SpecError([Problem((), "spec too large", expected=f"at most {MAX_SPEC_BYTES:,} characters",
-                                 found=f"{len(text):,}", fix="is this the right file?", mark=Mark(file, 1, 1))])
+        raise _too_large(file, f"{len(text):,} characters")
     node = _compose(text, file)
     if node is None:
         raise SpecError([Problem((), "empty spec", expected="a mapping with 'kvlc: 1'",
@@ -221,7 +226,7 @@ def parse_set(pairs: list[str] | tuple[str, ...]) -> dict:
         key = key.strip()
         if not sep or not SET_KEY.fullmatch(key):
             raise SpecError([Problem(("--set",), f"malformed --set '{pair}'",
-                                     expected="NAME=VALUE with NAME a template variable (letters, digits, '_')",
+                                     expected="NAME=VALUE, NAME a template variable (letters, digits, '_')",
                                      found=repr(pair), fix="write it like --set tp_size=8",
                                      mark=Mark("--set", 1, 1))])
         if not value.strip():
@@ -275,7 +280,8 @@ def load_config(path: str | Path) -> dict:
     try:
         if path.stat().st_size > MAX_SPEC_BYTES:
             raise SpecError([Problem((), "config too large", expected=f"at most {MAX_SPEC_BYTES:,} bytes",
-                                     found=f"{path.stat().st_size:,} bytes", fix="pass the model's config.json",
+                                     found=f"{path.stat().st_size:,} bytes",
+                                     fix="pass the model's config.json",
                                      mark=where)])
         data = json.loads(path.read_text(encoding="utf-8"))
     except OSError as exc:
@@ -319,6 +325,8 @@ def read_source(path_or_text: str | Path, config: Mapping | None = None,
         if path.suffix == ".j2":  # marks count lines of the rendered text (`kvlc render` shows it)
             return parse_yaml(render_template(path, config, overrides), rendered_name(path))
         try:
+            if path.stat().st_size > 4 * MAX_SPEC_BYTES:  # UTF-8: at most 4 bytes a character
+                raise _too_large(str(path), f"{path.stat().st_size:,} bytes")  # refused before reading it
             text = path.read_text(encoding="utf-8")
         except OSError as exc:
             raise SpecError([Problem((), f"cannot read spec: {exc.strerror}",

@@ -57,8 +57,8 @@ def _entries(entries, key: str, spec, path: tuple, times: int, repeat: tuple | N
     """(item, path, multiplicity, path of its innermost repeat) for every plain entry."""
     for i, e in enumerate(entries):
         if getattr(e, "kind", None) == "repeat":
-            yield from _entries(getattr(e, key), key, spec, path + (i, key), times * repeat_count(e.repeat, spec),
-                                path + (i, "repeat"))
+            times_here = times * repeat_count(e.repeat, spec)
+            yield from _entries(getattr(e, key), key, spec, path + (i, key), times_here, path + (i, "repeat"))
         else:
             yield e, path + (i,), times, repeat
 
@@ -67,25 +67,34 @@ def check_spec_bounds(spec, spec_error) -> None:
     """Raise ``spec_error(...)`` when expansions or addresses of ``spec`` can exceed the limits."""
     storages = list(_entries(spec.storages, "storages", spec, ("storages",), 1))
     regions = list(_entries(spec.regions, "regions", spec, ("regions",), 1))
-    expanded = sum(e[2] for e in storages) + sum(e[2] for e in regions)
+    _check_expansion(storages + regions, spec_error)
+    _check_addresses(spec, storages, regions, spec_error)
+
+
+def _check_expansion(entries: list, spec_error) -> None:
+    expanded = sum(e[2] for e in entries)
     if expanded > MAX_EXPANDED:
-        _, path, times, repeat = max(regions + storages, key=lambda e: e[2])
-        raise spec_error("repeats expand to too many entries", expected=f"at most {MAX_EXPANDED:,} regions "
-                         "and storages after expanding repeats", found=f"{expanded:,} ({times:,} from this entry)",
+        _, path, times, repeat = max(entries, key=lambda e: e[2])
+        raise spec_error("repeats expand to too many entries",
+                         expected=f"at most {MAX_EXPANDED:,} regions and storages after expanding repeats",
+                         found=f"{expanded:,} ({times:,} from this entry)",
                          fix="check the repeat ranges (range: layers, or [start, stop])", at=repeat or path)
+
+
+def _check_addresses(spec, storages: list, regions: list, spec_error) -> None:
     tokens = max([spec.block_size, spec.kernel_block_size or 0]
                  + [g.block_size or 0 for g in spec.groups] + [g.kernel_block_size or 0 for g in spec.groups])
     aligns = max([e[0].align for e in storages], default=1)
-    total, worst = 0, None
+    largest = max((block_bound(lay, spec, tokens) for lay in spec.layouts.values()), default=0)
+    total, worst = 0, (0, ())
     for r, path, times, _ in regions:
         layout = spec.layouts.get(r.layout)
-        block = block_bound(layout, spec, tokens) if layout is not None else max(
-            (block_bound(lay, spec, tokens) for lay in spec.layouts.values()), default=0)
+        block = block_bound(layout, spec, tokens) if layout is not None else largest
         stride = r.block_stride if isinstance(r.block_stride, int) else block
-        span = times * ((r.offset if isinstance(r.offset, int) else 0) + r.num_blocks * max(stride, block) + aligns)
+        offset = r.offset if isinstance(r.offset, int) else 0
+        span = times * (offset + r.num_blocks * max(stride, block) + aligns)
         total += span
-        if worst is None or span > worst[0]:
-            worst = (span, path)
+        worst = max(worst, (span, path))
     if total >= ADDRESS_LIMIT:
         raise spec_error("regions can reach past 2**63 bytes", expected="every offset and region end below "
                          f"2**63 = {ADDRESS_LIMIT:,} (int64 addresses)",

@@ -83,7 +83,8 @@ def _indentation_problem(problem: str, m, file: str, text: str) -> Problem | Non
                        f"{'s' if here != 1 else ''}, unlike the block it belongs to",
                    expected=f"an indentation of {allowed} spaces (the open blocks; line {prev_row + 1} "
                             f"has {_indent(lines[prev_row])})",
-                   found=f"{here} space{'s' if here != 1 else ''}", fix=f"indent line {row + 1} by {near} spaces",
+                   found=f"{here} space{'s' if here != 1 else ''}",
+                   fix=f"indent line {row + 1} by {near} spaces",
                    mark=Mark(file, row + 1, here + 1))
 
 

@@ -83,10 +83,23 @@ def _bounded(f):
     def bounded(*args, **kwargs):
         for a in (*args[skip:], *kwargs.values()):
             if isinstance(a, int) and abs(a) > MAX_OUTPUT_BYTES:
-                raise _Refused("template asks a filter for a huge result", f"sizes up to {MAX_OUTPUT_BYTES:,}",
+                raise _Refused("template asks a filter for a huge result",
+                               f"sizes up to {MAX_OUTPUT_BYTES:,}",
                                f"{f.__name__.removeprefix('do_')}(..., {a})", "use a smaller width or count")
-        return f(*args, **kwargs)
+        return _checked(f(*args, **kwargs))
     return bounded
+
+
+def _checked(value):
+    """A value a template computed: strings and lists past the output limit, and numbers past
+    :data:`MAX_NUMBER_BITS`, are refused as soon as they exist (before they double again)."""
+    if isinstance(value, (str, list, tuple)) and len(value) > MAX_OUTPUT_BYTES:
+        raise _Refused("template builds a huge value", f"strings and lists up to {MAX_OUTPUT_BYTES:,} items",
+                       f"a {type(value).__name__} of {len(value):,}", "build smaller values")
+    if isinstance(value, int) and value.bit_length() > MAX_NUMBER_BITS:
+        raise _Refused("template computes a huge number", f"integers up to {MAX_NUMBER_BITS} bits",
+                       f"{value.bit_length():,} bits", "compute smaller numbers")
+    return value
 
 
 def _too_big(value: Any, times: Any) -> bool:
@@ -97,7 +110,7 @@ def _too_big(value: Any, times: Any) -> bool:
 class _Sandbox(ImmutableSandboxedEnvironment):
     """The sandbox, counting every call and loop step and refusing huge ``*`` / ``**`` results."""
 
-    intercepted_binops = frozenset({"*", "**"})
+    intercepted_binops = frozenset({"*", "**", "+", "%"})
 
     def __init__(self, folder: Path, budget: _Budget):
         super().__init__(loader=_FolderLoader(folder), undefined=jinja2.StrictUndefined,
@@ -107,6 +120,7 @@ class _Sandbox(ImmutableSandboxedEnvironment):
         self.written = 0
         self.filters = {name: _bounded(f) for name, f in self.filters.items()}
         self.filters["kvlc_steps"] = self._steps
+        self.filters["kvlc_checked"] = _checked
         self.globals.pop("namespace", None)  # the one mutable object jinja offers
 
     def _count(self, value):
@@ -122,21 +136,32 @@ class _Sandbox(ImmutableSandboxedEnvironment):
             yield item
 
     def _parse(self, source, name, filename):
-        """Parse, then route every ``for`` loop's items through the step counter."""
+        """Parse, then route every ``for`` loop's items through the step counter and every ``~``
+        through the size check (jinja compiles ``~`` to a join that no hook sees)."""
         tree = super()._parse(source, name, filename)
         for loop in tree.find_all(nodes.For):
             loop.iter = nodes.Filter(loop.iter, "kvlc_steps", [], [], None, None, lineno=loop.lineno)
+        for parent in list(tree.find_all(nodes.Node)):
+            for field in parent.fields:
+                child = getattr(parent, field, None)
+                if isinstance(child, nodes.Concat):
+                    setattr(parent, field, _checked_node(child))
+                elif isinstance(child, list):
+                    setattr(parent, field, [_checked_node(c) if isinstance(c, nodes.Concat) else c
+                                            for c in child])
         return tree
 
     def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja's own signature)
         __self.budget.tick()
+        for a in (*args, *kwargs.values()):
+            _checked(a)
         owner = getattr(__obj, "__self__", None)
         if isinstance(owner, (str, list, tuple)) and any(isinstance(a, int) and abs(a) > MAX_OUTPUT_BYTES
                                                          for a in (*args, *kwargs.values())):
             raise _Refused("template asks for a huge string", f"sizes up to {MAX_OUTPUT_BYTES:,}",
                            f"{getattr(__obj, '__name__', 'a method')}({', '.join(map(repr, args))})",
                            "use a smaller width or count")
-        return super().call(__context, __obj, *args, **kwargs)
+        return _checked(super().call(__context, __obj, *args, **kwargs))
 
     def call_binop(self, context, operator, left, right):
         self.budget.tick()
@@ -149,7 +174,26 @@ class _Sandbox(ImmutableSandboxedEnvironment):
             raise _Refused("template computes a huge number with '**'",
                            f"results up to {MAX_NUMBER_BITS} bits", f"{left} ** {right}",
                            "use a smaller exponent")
-        return super().call_binop(context, operator, left, right)
+        if (operator == "*" and isinstance(left, int) and isinstance(right, int)
+                and left.bit_length() + right.bit_length() > MAX_NUMBER_BITS + 1):
+            raise _Refused("template computes a huge number with '*'",
+                           f"results up to {MAX_NUMBER_BITS} bits",
+                           f"{left.bit_length()}-bit * {right.bit_length()}-bit", "compute smaller numbers")
+        if operator == "%" and isinstance(left, str) and any(
+                int(w) > MAX_OUTPUT_BYTES for w in re.findall(r"%[-+ #0]*\.?(\d+)", left)):
+            raise _Refused("template formats a huge field with '%'", f"widths up to {MAX_OUTPUT_BYTES:,}",
+                           repr(left[:40]), "use a smaller width")
+        sized = (str, list, tuple)
+        if (operator == "+" and isinstance(left, sized) and isinstance(right, sized)
+                and len(left) + len(right) > MAX_OUTPUT_BYTES):
+            raise _Refused("template builds a huge value with '+'",
+                           f"results up to {MAX_OUTPUT_BYTES:,} items",
+                           f"{len(left):,} + {len(right):,}", "build smaller values")
+        return _checked(super().call_binop(context, operator, left, right))
+
+
+def _checked_node(node: nodes.Expr) -> nodes.Filter:
+    return nodes.Filter(node, "kvlc_checked", [], [], None, None, lineno=node.lineno)
 
 
 def _output_refused(n: int) -> _Refused:
@@ -166,7 +210,8 @@ def render_template(path: str | Path, config: Mapping | None = None,
 
     >>> from kvlc.compiler.source import load_config
     >>> config = load_config("layouts/templates/llama-3.1-70b.config.json")
-    >>> text = render_template("layouts/templates/llama-3.1-70b.yaml.j2", config, {"tp_size": 4, "order": "hnd"})
+    >>> text = render_template("layouts/templates/llama-3.1-70b.yaml.j2", config,
+    ...                        {"tp_size": 4, "order": "hnd"})
     >>> "tp_size: 4" in text
     True
     """
@@ -253,7 +298,8 @@ def _undefined(exc: jinja2.UndefinedError, mark: Mark, variables: Mapping) -> Pr
     name = re.fullmatch(r"'([^']*)' is undefined", message)
     attr = re.fullmatch(r"'dict object' has no attribute '([^']*)'", message)
     if name:
-        what, hint = f"template variable '{name.group(1)}' is not defined", did_you_mean(name.group(1), variables)
+        what = f"template variable '{name.group(1)}' is not defined"
+        hint = did_you_mean(name.group(1), variables)
         fix = f"pass --set {name.group(1)}=VALUE" + (f" ({hint})" if hint.startswith("did") else "")
     elif attr:
         keys = variables.get("config") or {}
@@ -261,7 +307,8 @@ def _undefined(exc: jinja2.UndefinedError, mark: Mark, variables: Mapping) -> Pr
         hint = did_you_mean(attr.group(1), [str(k) for k in keys]) if keys else "no --config was given"
         fix = f"add '{attr.group(1)}' to the config.json passed with --config ({hint})"
     else:
-        what, fix = f"template value undefined: {message}", "check the name, or pass it with --config or --set"
+        what = f"template value undefined: {message}"
+        fix = "check the name, or pass it with --config or --set"
     return Problem((), what, expected="a value from --config or --set", found="nothing", fix=fix, mark=mark)
 
 

@@ -185,6 +185,24 @@ def _close(word, choices) -> str | None:
     return hint if hint.startswith("did you mean") else None
 
 
+def _known_kind(err: dict, loc: tuple) -> tuple[str, str, str | None]:
+    """(what, expected, fix) of a pydantic error kvlc words itself (:data:`_KINDS`)."""
+    kind, ctx = err["type"], err.get("ctx") or {}
+    msg, template = _KINDS[kind]
+    expected, fix = template.format(**ctx), None
+    if kind in ("greater_than", "greater_than_equal", "less_than_equal"):
+        expected = _allowed_range(loc) or expected
+        fix = "use a value " + expected.removeprefix("an integer ")
+    elif kind == "string_pattern_mismatch" and "var" in loc:
+        expected = "an identifier: letters, digits and '_', not starting with a digit"
+    elif kind == "string_pattern_mismatch" and isinstance(err.get("input"), str):
+        fixed = re.sub(r"[^A-Za-z0-9_.\-{}]", "_", err["input"])
+        fix = f"for example '{'_' + fixed if fixed[:1].isdigit() or fixed[:1] in '.-' else fixed}'"
+    elif kind == "literal_error":
+        fix = _close(err.get("input"), re.findall(r"'([^']*)'", expected))
+    return msg, expected, fix
+
+
 def _problem(err: dict, source: Source) -> tuple[Problem, bool]:
     """One pydantic error as a located :class:`Problem`, and whether it is one branch of a union."""
     loc = tuple(err.get("loc", ()))
@@ -224,18 +242,7 @@ def _problem(err: dict, source: Source) -> tuple[Problem, bool]:
         expected = "one of " + ", ".join(tags)
         fix = _close(ctx.get("tag"), tags)
     elif kind in _KINDS:
-        msg, template = _KINDS[kind]
-        expected = template.format(**ctx)
-        if kind in ("greater_than", "greater_than_equal", "less_than_equal"):
-            expected = _allowed_range(loc) or expected
-            fix = "use a value " + expected.removeprefix("an integer ")
-        if kind == "string_pattern_mismatch" and "var" in loc:
-            expected = "an identifier: letters, digits and '_', not starting with a digit"
-        elif kind == "string_pattern_mismatch" and isinstance(err.get("input"), str):
-            fixed = re.sub(r"[^A-Za-z0-9_.\-{}]", "_", err["input"])
-            fix = f"for example '{'_' + fixed if fixed[:1].isdigit() or fixed[:1] in '.-' else fixed}'"
-        elif kind == "literal_error":
-            fix = _close(err.get("input"), re.findall(r"'([^']*)'", expected))
+        msg, expected, fix = _known_kind(err, loc)
     elif kind.startswith("value_error"):
         msg = msg.removeprefix("Value error, ")
     return Problem(path, msg, expected=expected, found=found, fix=fix, mark=source.mark(path)), branch
