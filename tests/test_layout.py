@@ -119,3 +119,20 @@ def test_state_kinds():
     """Mamba and linear attention are per-request state; attention kinds are not."""
     assert is_state_kind("mamba") and is_state_kind("linear_attention")
     assert not any(is_state_kind(k) for k in ("full_attention", "sliding_window", "indexer", "chunked_local"))
+
+
+@pytest.mark.parametrize("path", ["layouts/llama-3.1-8b.yaml", "layouts/llama-3.1-70b-hnd-tp4.yaml",
+                                  "layouts/nemotron-h-8b-tp2.yaml", "layouts/deepseek-v3.2-tp8.yaml"])
+def test_plan_field_layouts_give_each_element_its_offset(path):
+    """PlanField.layout maps every element coordinate to the byte offset the dims' strides give."""
+    import kvlc
+
+    for r in kvlc.compile_spec(path).regions[:4]:
+        for f in r.fields:
+            L = f.layout
+            assert L.shape == tuple(d.size for d in f.dims) and str(L) == str(Layout.parse(str(L)))
+            want = np.zeros(1, dtype=np.int64)
+            for d in f.dims:
+                want = (want[:, None] + np.arange(d.size)[None, :] * d.stride).ravel()
+            assert L.offsets().tolist() == want.tolist()
+            assert f.offset + L.cosize - 1 + f.itemsize == f.offset + f.extent

@@ -152,13 +152,14 @@ def check_address_space(res: Resolved) -> list[Problem]:
     []
     """
     out = [Problem(rr.path + ("num_blocks",), f"region '{rr.region.name}' ends past 2**63 bytes",
-                   expected=f"end < {ADDRESS_LIMIT:,}", found=f"end {rr.region.end:,}",
+                   expected=f"end <= {ADDRESS_LIMIT:,}", found=f"end {rr.region.end:,}",
                    fix="lower num_blocks, block_stride or offset")
            for rr in res.regions if rr.region.end > ADDRESS_LIMIT]
+    flagged = {rr.region.storage for rr in res.regions if rr.region.end > ADDRESS_LIMIT}
     out += [Problem(s.path + ("size",), f"storage '{s.storage.name}' is larger than 2**63 bytes",
-                    expected=f"size < {ADDRESS_LIMIT:,}", found=f"{s.storage.size:,}",
+                    expected=f"size <= {ADDRESS_LIMIT:,}", found=f"{s.storage.size:,}",
                     fix="lower its size or the blocks of its regions")
-            for s in res.storages if s.storage.size > ADDRESS_LIMIT]
+            for s in res.storages if s.storage.size > ADDRESS_LIMIT and s.storage.name not in flagged]
     return out
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from kvlc.compiler.algebra import coalesce_rows
 from kvlc.compiler.compat import CompatReport, Finding, check_plans, head_major_order
 from kvlc.compiler.index import Block, ProgramIndex
 from kvlc.compiler.instantiate import BoundProgram, bind
@@ -171,4 +170,4 @@ def pair(local_plan: Plan, remote_plan: Plan, *, local_rank: int, direction: str
 __all__ = ["pair", "check_pair", "pair_and_check", "build_program", "explosions", "TransferProgram",
            "BoundProgram", "Entry", "Part", "PartKey", "Piece", "Runs", "Request", "Block", "ProgramIndex",
            "PreparedLists", "PreparedRequest", "INDEX_LIMIT", "assign", "sources", "heads_of", "holders",
-           "tile_runs", "bind", "check_request", "prepared_rows", "prepared_indices", "coalesce_rows"]
+           "tile_runs", "bind", "check_request", "prepared_rows", "prepared_indices"]
