@@ -21,7 +21,7 @@ from kvlc.runtime import AuthError, HandshakeError, KvAgent, allocate
 from kvlc.runtime.auth import resolve_secret
 from kvlc.runtime.channel import ChannelClient, Limits, write_frame
 from kvlc.runtime.nixl import Agent, Xfer
-from kvlc.runtime.wire import Fetch, Introduce, PullRequest, Record, Reply, decode, encode, encode_notif
+from kvlc.runtime.wire import Fetch, Introduce, decode, encode, encode_notif
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("nixl")
