@@ -33,7 +33,8 @@ def test_regions_past_2_63_bytes_are_refused(blocks, stride):
 
 
 def test_largest_fitting_region_compiles():
-    """Just below the bound (2**46 blocks of 16 KiB = 2**60 bytes) compiles, and sizes stay exact."""
-    plan = kvlc.compile_spec(SPEC.format(blocks=1 << 46, stride="auto"))
+    """Just below the bound (the most blocks a spec may take, 2**40, 4 MiB apart = 2**62 bytes) compiles exactly."""
+    plan = kvlc.compile_spec(SPEC.format(blocks=1 << 40, stride=1 << 22))
     r = plan.regions[0]
-    assert r.block_bytes == 16 * 4 * 128 * 2 and plan.storage("kv").size == (1 << 46) * r.block_bytes < 1 << 63
+    assert r.block_bytes == 16 * 4 * 128 * 2 and r.block_stride == 1 << 22
+    assert plan.storage("kv").size == (1 << 40) * (1 << 22) < 1 << 63
