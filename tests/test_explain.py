@@ -435,3 +435,21 @@ def test_cli_accepts_plan_json_and_full(tmp_path):
     assert a.exit_code == b.exit_code == 0 and a.stdout == b.stdout
     full = CliRunner().invoke(main, ["explain", str(pj), "--full"])
     assert full.exit_code == 0 and all(f"layer.{i} " in full.stdout for i in range(32))
+
+
+EXPLAIN_MODULES = sorted(p.stem for p in (ROOT / "kvlc" / "explain").glob("*.py") if p.stem != "__init__")
+
+
+@pytest.mark.parametrize("name", EXPLAIN_MODULES)
+def test_explain_docstring_examples(name):
+    """Every ``>>>`` example in the kvlc.explain modules gives the output it shows."""
+    import doctest
+    import importlib
+    module = importlib.import_module(f"kvlc.explain.{name}")
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    finally:
+        os.chdir(cwd)
+    assert result.failed == 0, f"{result.failed} of {result.attempted} examples failed in {name}"
