@@ -21,7 +21,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Sequence
 
-from kvlc.compiler.plan import Plan, PlanRegion
+from kvlc.compiler.plan import Plan, PlanField, PlanRegion
 from kvlc.explain.numbers import compact_ints, exact, field_short, human  # noqa: F401  (human: doctests)
 
 
@@ -43,6 +43,7 @@ class RegionRow:
     span: int
     fields: str         # short form of every field, space separated
     optional: bool = False
+    replicas: int = 1   # ranks of the engine holding each byte of this region (largest over fields)
 
 
 @dataclass(frozen=True)
@@ -86,11 +87,23 @@ class GroupTotal:
     bytes: int          # sum of region bytes
     block_bytes: int    # one logical block across all its regions
     capacity: int       # logical blocks every region can hold (the minimum), 0 without regions
+    dcp_size: int = 1
 
     @property
     def token_bytes(self) -> float | None:
         """Bytes one token costs across the group's regions (None for per-request state)."""
         return None if self.is_state else self.block_bytes / self.block_size
+
+    @property
+    def rank_tokens(self) -> int | None:
+        """Tokens one rank's regions of this group hold (``capacity * block_size``); None for state."""
+        return None if self.is_state else self.capacity * self.block_size
+
+    @property
+    def engine_tokens(self) -> int | None:
+        """Tokens of requests the engine holds in this group: every TP rank holds the same tokens
+        (other heads); with decode context parallelism each rank holds every ``dcp_size``-th token."""
+        return None if self.is_state else self.capacity * self.block_size * self.dcp_size
 
 
 @dataclass(frozen=True)
@@ -152,6 +165,16 @@ class Summary:
         """Sum of every storage's size."""
         return sum(s.size for s in self.storages)
 
+    @property
+    def engine_bytes(self) -> int:
+        """Region bytes of the whole engine: ``tp_size`` ranks, each holding :attr:`total_bytes`."""
+        return self.total_bytes * self.tp_size
+
+    @property
+    def engine_size(self) -> int:
+        """Storage bytes of the whole engine (``tp_size`` ranks)."""
+        return self.total_size * self.tp_size
+
     def runs(self, full: bool = False) -> tuple[RegionRun, ...]:
         """Region rows for a table: per-layer runs collapsed into one row each (``full``: one per region)."""
         if full:
@@ -167,19 +190,38 @@ def _tokens(r: PlanRegion) -> str:
     return f"{total} ({kb}x{r.block_tokens})" if kb > 1 else str(total)
 
 
-def region_row(r: PlanRegion) -> RegionRow:
-    """The numbers of one region."""
+def replicas(f: PlanField, tp_size: int) -> int:
+    """How many ranks of an engine of TP ``tp_size`` hold each byte of field ``f``.
+
+    A field without a ``head`` dim is replicated on every rank (an MLA latent); a head dim with
+    fewer heads than ranks puts each head on ``tp_size / heads`` ranks (GQA at high TP).
+
+    >>> from kvlc import compile_spec
+    >>> replicas(compile_spec("layouts/deepseek-v3-tp8.yaml").regions[0].fields[0], 8)
+    8
+    >>> replicas(compile_spec("layouts/llama-3.1-70b-tp8.yaml").regions[0].fields[0], 8)
+    1
+    """
+    head = f.dim("head")
+    if head is None:
+        return tp_size
+    return max(1, tp_size * head.size // head.global_size)
+
+
+def region_row(r: PlanRegion, tp_size: int = 1) -> RegionRow:
+    """The numbers of one region (``tp_size``: the engine's, for :attr:`RegionRow.replicas`)."""
     return RegionRow(
         name=r.name, storage=r.storage, mem=f"{r.mem}:{r.device}", offset=r.offset,
         num_blocks=r.num_blocks, capacity=r.capacity, block_bytes=r.block_bytes,
         block_stride=r.block_stride, tokens=_tokens(r), groups=r.groups,
         bytes=r.num_blocks * r.block_bytes, span=r.end - r.offset,
-        fields=" ".join(field_short(f) for f in r.fields), optional=r.optional)
+        fields=" ".join(field_short(f) for f in r.fields), optional=r.optional,
+        replicas=max((replicas(f, tp_size) for f in r.fields), default=1))
 
 
 def summarize(plan: Plan) -> Summary:
     """Per-region rows and per-storage, per-memory-type and per-group totals of ``plan``."""
-    rows = tuple(region_row(r) for r in plan.regions)
+    rows = tuple(region_row(r, plan.parallel.tp_size) for r in plan.regions)
     by_storage: dict[str, list[RegionRow]] = defaultdict(list)
     for row in rows:
         by_storage[row.storage].append(row)
@@ -202,7 +244,8 @@ def summarize(plan: Plan) -> Summary:
             kernel_block_size=g.kernel_block_size, is_state=g.is_state, regions=len(regs),
             bytes=sum(r.num_blocks * r.block_bytes for r in regs),
             block_bytes=sum(r.block_bytes * r.kernel_blocks_per_block for r in regs),
-            capacity=min((r.capacity for r in regs), default=0)))
+            capacity=min((r.capacity for r in regs), default=0),
+            dcp_size=plan.parallel.dcp_size))
     return Summary(name=plan.name, digest=plan.digest, model=plan.model.name,
                    num_layers=plan.model.num_layers, tp_size=plan.parallel.tp_size,
                    dcp_size=plan.parallel.dcp_size, layers=tuple(plan.parallel.layers),

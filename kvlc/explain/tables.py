@@ -45,25 +45,33 @@ def _region_table(s: Summary, full: bool) -> TableData:
         groups = ",".join(r.groups) + (" (optional)" if r.optional else "")
         rows.append((run.label, f"x{run.count}" if run.count > 1 else "", run.storage, r.mem, run.offset,
                      exact(r.num_blocks), exact(r.capacity), exact(r.block_bytes), exact(r.block_stride),
-                     r.tokens, groups, both(run.bytes), r.fields))
+                     r.tokens, groups, f"x{r.replicas}" if r.replicas > 1 else "", both(run.bytes), r.fields))
     return TableData(
         _rows_note("Regions", len(s.regions), len(runs), "per-layer runs"),
         ("region", "n", "storage", "mem", "offset", "blocks", "logical", "block B", "stride",
-         "tokens/block", "groups", "bytes (all n)", "fields"),
-        (False, True, False, False, True, True, True, True, True, True, False, True, False),
+         "tokens/block", "groups", "replicas", "bytes (all n)", "fields"),
+        (False, True, False, False, True, True, True, True, True, True, False, True, True, False),
         tuple(rows),
-        ("total", str(len(s.regions)), "", "", "", "", "", "", "", "", "", both(s.total_bytes), ""))
+        ("total", str(len(s.regions)), "", "", "", "", "", "", "", "", "", "", both(s.total_bytes), ""))
 
 
 def _group_table(s: Summary) -> TableData:
     return TableData(
         "Groups", ("group", "kind", "window", "block", "kernel", "regions", "logical blocks",
-                   "bytes / block", "bytes / token", "bytes"),
-        (False, False, True, True, True, True, True, True, True, True),
+                   "token capacity", "bytes / block", "bytes / token", "bytes / rank"),
+        (False, False, True, True, True, True, True, True, True, True, True),
         tuple((g.name, g.kind, str(g.window) if g.window else "",
                "state" if g.is_state else str(g.block_size), "" if g.is_state else str(g.kernel_block_size),
-               str(g.regions), exact(g.capacity), both(g.block_bytes), _per_token(g), both(g.bytes))
+               str(g.regions), exact(g.capacity), _capacity(g), both(g.block_bytes), _per_token(g),
+               both(g.bytes))
               for g in s.groups))
+
+
+def _capacity(g: GroupTotal) -> str:
+    """Tokens the engine's cache holds in this group; state groups hold one request per block."""
+    if g.is_state:
+        return f"{exact(g.capacity)} requests"
+    return exact(g.engine_tokens)
 
 
 def _storage_table(s: Summary, full: bool) -> TableData:
@@ -79,12 +87,15 @@ def _storage_table(s: Summary, full: bool) -> TableData:
 
 
 def _mem_table(s: Summary) -> TableData:
+    t = s.tp_size
     return TableData(
-        "Memory types", ("mem", "devices", "storages", "size", "regions", "region bytes"),
-        (False, False, True, True, True, True),
+        "Memory types", ("mem", "devices", "storages", "size / rank", "regions", "region bytes / rank",
+                         f"region bytes / engine (x{t})"),
+        (False, False, True, True, True, True, True),
         tuple((m.mem, ",".join(map(str, m.devices)), str(m.storages), both(m.size), str(m.regions),
-               both(m.bytes)) for m in s.mems),
-        ("total", "", str(len(s.storages)), both(s.total_size), str(len(s.regions)), both(s.total_bytes)))
+               both(m.bytes), both(m.bytes * t)) for m in s.mems),
+        ("total", "", str(len(s.storages)), both(s.total_size), str(len(s.regions)), both(s.total_bytes),
+         both(s.engine_bytes)))
 
 
 def tables(summary: Summary, full: bool = False) -> tuple[TableData, ...]:
@@ -99,14 +110,20 @@ def tables(summary: Summary, full: bool = False) -> tuple[TableData, ...]:
 
 
 def header_lines(s: Summary) -> tuple[str, ...]:
-    """The plan's identity: name, model, parallelism, digest."""
+    """The plan's identity (name, model, parallelism, digest) and what its numbers count."""
+    ranks = f"{s.tp_size} ranks" if s.tp_size > 1 else "1 rank"
     return (f"plan {s.name}  model {s.model}  layers {s.num_layers}  tp {s.tp_size}  dcp {s.dcp_size}  "
             f"pp layers {s.layers[0]}:{s.layers[1]}",
-            f"digest {s.digest}")
+            f"digest {s.digest}",
+            f"bytes are per rank; the engine ({ranks}) holds {both(s.engine_bytes)} in regions, "
+            f"{both(s.engine_size)} in storages")
 
 
 def render_table(plan: Plan, console: Console, full: bool = False) -> None:
-    """Print the plan's tables on a :class:`rich.console.Console`.
+    """Print the plan's tables on a :class:`rich.console.Console`, never cutting a number.
+
+    Tables wider than the console are split into several (or go vertical): see
+    :mod:`kvlc.explain.terminal`.
 
     >>> from io import StringIO
     >>> from rich.console import Console
@@ -116,20 +133,10 @@ def render_table(plan: Plan, console: Console, full: bool = False) -> None:
     >>> "layer.{0..31}" in con.file.getvalue()
     True
     """
-    from rich.table import Table
-    from rich.text import Text
+    from kvlc.explain.terminal import print_line, print_table
 
     s = summarize(plan)
     for line in header_lines(s):
-        console.print(Text(line, style="bold"))
+        print_line(console, line, style="bold")
     for t in tables(s, full):
-        table = Table(title=t.title, title_justify="left", title_style="bold",
-                      show_footer=t.footer is not None, header_style="bold")
-        for i, (col, num) in enumerate(zip(t.columns, t.numeric)):
-            table.add_column(col, justify="right" if num else "left",
-                             footer=Text(t.footer[i]) if t.footer else "",
-                             overflow="fold", no_wrap=col not in ("fields", "groups"))
-        for row in t.rows:
-            table.add_row(*(Text(cell) for cell in row))
-        console.print(table)
-
+        print_table(t, console)
