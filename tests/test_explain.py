@@ -473,3 +473,65 @@ def test_explain_docstring_examples(name):
     finally:
         os.chdir(cwd)
     assert result.failed == 0, f"{result.failed} of {result.attempted} examples failed in {name}"
+
+
+# ---------------------------------------------------------------- terminal widths
+def _cells(t):
+    from kvlc.explain.terminal import atoms
+    rows = list(t.rows) + ([t.footer] if t.footer else [])
+    return [a.strip() for row in rows for cell, num in zip(row, t.numeric) for a in atoms(cell, num) if a.strip()]
+
+
+@pytest.mark.parametrize("columns", [110, 60])
+@pytest.mark.parametrize("spec", SPECS)
+def test_tables_never_cut_a_number(spec, columns):
+    """At $COLUMNS 110 and 60 every line fits and every number (and unbreakable piece of text) shows whole."""
+    from kvlc.explain import tables
+    plan = kvlc.compile_spec(ROOT / "layouts" / spec)
+    res = CliRunner().invoke(main, ["explain", str(ROOT / "layouts" / spec)], env={"COLUMNS": str(columns)})
+    assert res.exit_code == 0, res.output
+    lines = res.stdout.split("\n")
+    too_long = [line for line in lines if len(line) > columns and line.strip() != plan.digest]
+    assert too_long == []
+    for t in tables(summarize(plan)):
+        for piece in _cells(t):
+            assert piece in res.stdout, (t.title, piece)
+
+
+def test_piped_output_is_not_cut_at_a_fixed_width():
+    """Without a terminal and without $COLUMNS, tables keep their natural width (one table, no wrapping)."""
+    res = CliRunner().invoke(main, ["explain", str(ROOT / "layouts" / "deepseek-v3.2-hisparse-tp8.yaml")],
+                             env={"COLUMNS": None})
+    assert res.exit_code == 0
+    assert max(len(line) for line in res.stdout.split("\n")) > 200 and "[1/" not in res.stdout
+    assert "k@0:fp8_e4m3[token=64,index_head_dim=128] scale@8192:fp32[token=64]" in res.stdout
+
+
+def test_narrow_terminal_splits_columns_repeating_the_key():
+    """At 60 columns a wide table becomes several, each starting with the key column."""
+    res = CliRunner().invoke(main, ["explain", str(LLAMA)], env={"COLUMNS": "60"})
+    parts = re.findall(r"Regions \(32, per-layer runs collapsed into 1 row\)\s*\[(\d)/(\d)\]", res.stdout)
+    assert len(parts) >= 3 and all(total == parts[0][1] for _, total in parts)
+    assert res.stdout.count("layer.{0..31}") >= len(parts)
+
+
+def test_vertical_when_even_two_columns_do_not_fit():
+    """A width where the key and one more column cannot stand side by side prints one block per row."""
+    from kvlc.explain.tables import TableData
+    from kvlc.explain.terminal import console, print_table
+    con = console(30)
+    con.file = StringIO()
+    t = TableData("t", ("region", "bytes"), (False, True),
+                  (("layer.{0..31}", "8 GiB (8,589,934,592)"),))
+    print_table(t, con)
+    out = con.file.getvalue()
+    assert "8 GiB (8,589,934,592)" in out and "layer.{0..31}" in out and "┃" not in out
+
+
+def test_pair_table_fits_the_terminal():
+    """`kvlc pair` at 60 columns: the program table fits and its numbers show whole."""
+    res = CliRunner().invoke(main, ["pair", str(ROOT / "layouts" / "llama-3.1-70b-tp8.yaml"),
+                                    str(ROOT / "layouts" / "llama-3.1-70b-tp4.yaml")], env={"COLUMNS": "60"})
+    assert res.exit_code == 0
+    assert all(len(line) <= 60 for line in res.stdout.split("\n"))
+    assert "2,560" in res.stdout and "655,360" in res.stdout
