@@ -125,14 +125,14 @@ def check(specs: tuple[str, ...], config: str | None, sets: tuple[str, ...], as_
 
 def _check_json(specs: tuple[str, ...], config: str | None, sets: tuple[str, ...]) -> None:
     """``kvlc check --json``: the same checks, as one document on stdout (exit 2 if any failed)."""
-    from kvlc.explain.docs import check_doc
+    from kvlc.explain.docs import check_doc, problem_doc
     results = []
     for spec in specs:
         try:
             plan = _load_plan(spec, config, sets)
         except KvlcError as exc:
             problems = getattr(exc, "problems", None)
-            results.append({"spec": spec, "ok": False, "problems": [_problem_doc(p) for p in problems]
+            results.append({"spec": spec, "ok": False, "problems": [problem_doc(p) for p in problems]
                             if problems else [{"what": str(exc)}]})
             continue
         results.append({"spec": spec, "ok": True, "plan": plan.name, "regions": len(plan.regions),
@@ -141,14 +141,6 @@ def _check_json(specs: tuple[str, ...], config: str | None, sets: tuple[str, ...
     _echo_json(doc)
     if not doc["ok"]:
         sys.exit(EXIT_SPEC)
-
-
-def _problem_doc(p) -> dict:
-    from kvlc.errors import format_path
-    mark = getattr(p, "mark", None)
-    return {"what": p.what, "path": format_path(p.path), "expected": p.expected, "found": p.found, "fix": p.fix,
-            "file": mark.file if mark else None, "line": mark.line if mark else None,
-            "col": mark.col if mark else None, "text": str(p)}
 
 
 @main.command()
@@ -244,24 +236,15 @@ def pair_cmd(producer: str, consumer: str, rank: int, direction: str, as_json: b
         console = _console()
         console.print(report.render(), markup=False, highlight=False)
         if program is not None:
+            from kvlc.explain.tables import program_table
             from kvlc.explain.terminal import print_line, print_table
-            print_table(_program_table(program, op, rank), console)
+            print_table(program_table(program, op, rank), console)
             counts = ", ".join(f"rank {k}: {v}" for k, v in sorted(program.consumer_counts.items()))
             print_line(console, f"consumer ranks reading from each producer rank: {counts}")
             if show_program:
                 click.echo(program.text(), nl=False)
     if not report.ok:
         sys.exit(EXIT_SPEC)
-
-
-def _program_table(program, op: str, rank: int):
-    """The program summary of ``kvlc pair`` as a table: one row per NIXL request (part)."""
-    from kvlc.explain.tables import TableData
-    return TableData(f"program {op} rank {rank}: peers {list(program.peer_ranks)}",
-                     ("part (peer: local -> remote mem)", "entries", "descriptors/tile", "bytes/tile"),
-                     (False, True, True, True),
-                     tuple((str(key), str(st["entries"]), f"{st['runs_per_tile']:,}", f"{st['bytes_per_tile']:,}")
-                           for key, st in program.stats().items()))
 
 
 def _pair_html(path: str, producer, consumer, rank: int, op: str) -> None:

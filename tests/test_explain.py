@@ -535,3 +535,23 @@ def test_pair_table_fits_the_terminal():
     assert res.exit_code == 0
     assert all(len(line) <= 60 for line in res.stdout.split("\n"))
     assert "2,560" in res.stdout and "655,360" in res.stdout
+
+
+def test_explain_size_pair_pages_need_no_torch_or_nixl(tmp_path):
+    """explain (tables, --json, --html), size, pair --html and schema run with torch and nixl unimportable."""
+    import subprocess
+    import sys
+    blocker = ("import sys\nclass B:\n    def find_spec(self, name, path=None, target=None):\n"
+               "        if name.split('.')[0] in ('torch', 'nixl'):\n            raise ImportError(name)\n"
+               "sys.meta_path.insert(0, B())\nfrom click.testing import CliRunner\nfrom kvlc.cli import main\n")
+    calls = [["explain", "layouts/deepseek-v3-tp8.yaml", "--json"],
+             ["explain", "layouts/deepseek-v3-tp8.yaml", "--html", str(tmp_path / "a.html")],
+             ["size", "layouts/llama-3.1-70b-hnd-tp4.yaml", "--peer", "layouts/llama-3.1-70b-hnd-tp8.yaml",
+              "--tokens", "100"],
+             ["pair", "layouts/llama-3.1-70b-hnd-tp8.yaml", "layouts/llama-3.1-70b-hnd-tp4.yaml",
+              "--html", str(tmp_path / "p.html")],
+             ["schema"]]
+    code = blocker + "".join(f"r = CliRunner().invoke(main, {c!r})\nassert r.exit_code == 0, r.output\n"
+                             for c in calls) + "print('ok')\n"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

@@ -79,3 +79,12 @@ def size_doc(s: RequestSize) -> dict:
 def check_doc(results: list[dict]) -> dict:
     """``kvlc check --json``: per spec ``ok`` with its digest, or its problems."""
     return {**_head("check"), "ok": all(r["ok"] for r in results), "specs": results}
+
+
+def problem_doc(p) -> dict:
+    """One spec problem (:class:`~kvlc.errors.Problem`) as a dict: what, where (file, line, col, path), fix."""
+    from kvlc.errors import format_path
+    mark = getattr(p, "mark", None)
+    return {"what": p.what, "path": format_path(p.path), "expected": p.expected, "found": p.found, "fix": p.fix,
+            "file": mark.file if mark else None, "line": mark.line if mark else None,
+            "col": mark.col if mark else None, "text": str(p)}

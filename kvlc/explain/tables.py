@@ -140,3 +140,12 @@ def render_table(plan: Plan, console: Console, full: bool = False) -> None:
         print_line(console, line, style="bold")
     for t in tables(s, full):
         print_table(t, console)
+
+
+def program_table(program, op: str, rank: int) -> TableData:
+    """The program summary of ``kvlc pair``: one row per NIXL request (part) of one rank."""
+    return TableData(f"program {op} rank {rank}: peers {list(program.peer_ranks)}",
+                     ("part (peer: local -> remote mem)", "entries", "descriptors/tile", "bytes/tile"),
+                     (False, True, True, True),
+                     tuple((str(key), str(st["entries"]), exact(st["runs_per_tile"]), exact(st["bytes_per_tile"]))
+                           for key, st in program.stats().items()))
