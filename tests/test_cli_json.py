@@ -135,3 +135,20 @@ def test_size_incompatible_peer_exits_2():
     res = CliRunner().invoke(main, ["size", str(L / "llama-3.1-8b.yaml"), "--peer", str(L / "deepseek-v3-tp1.yaml"),
                                     "--tokens", "16"])
     assert res.exit_code == 2 and "model" in res.output and "Traceback" not in res.output
+
+
+def _pairs():
+    import yaml
+    return yaml.safe_load((L / "pairs" / "pairs.yaml").read_text())["pairs"]
+
+
+@pytest.mark.parametrize("p", _pairs(), ids=lambda p: p["name"])
+def test_size_for_every_checked_in_pair(p):
+    """Every named pairing sizes a 100-token request: bytes move, contiguous ids never need more descriptors."""
+    cons, prod = kvlc.compile_spec(L / p["consumer"]), kvlc.compile_spec(L / p["producer"])
+    s = request_size(cons, 100, prod)
+    assert len(s.ranks) == cons.parallel.tp_size and s.moved > 0
+    for r in s.ranks:
+        assert r.bytes > 0 and 0 < r.contiguous <= r.scattered
+        assert set(r.peers) <= set(range(prod.parallel.tp_size))
+    assert s.engine_bytes == s.rank_bytes * cons.parallel.tp_size

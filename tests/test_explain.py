@@ -555,3 +555,53 @@ def test_explain_size_pair_pages_need_no_torch_or_nixl(tmp_path):
                              for c in calls) + "print('ok')\n"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+# ---------------------------------------------------------------- fitting, over random tables
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_word = st.text(alphabet="abcdefgh=.,{}0123456789 ", min_size=0, max_size=40)
+_num = st.integers(min_value=0, max_value=10**15).map(lambda n: f"{n:,}")
+
+
+@st.composite
+def _tables(draw):
+    from kvlc.explain.tables import TableData
+    ncols = draw(st.integers(2, 9))
+    numeric = (False,) + tuple(draw(st.booleans()) for _ in range(ncols - 1))
+    headers = tuple(draw(st.text(alphabet="abc /", min_size=1, max_size=14)).strip() or "h" for _ in range(ncols))
+    nrows = draw(st.integers(1, 4))
+    rows = tuple(tuple(draw(_num) if num else draw(_word) for num in numeric) for _ in range(nrows))
+    return TableData("random", headers, numeric, rows)
+
+
+@settings(max_examples=150, deadline=None)
+@given(_tables(), st.integers(20, 200))
+def test_fit_chunks_fit_and_keep_every_column(t, width):
+    """Every chunk of fit() fits the width, starts with the key column, and the chunks hold every column once."""
+    from kvlc.explain.terminal import _columns, _overhead, fit
+    chunks = fit(t, width)
+    if chunks is None:              # vertical: only when the key and some column cannot stand together
+        cols = _columns(t)
+        assert any(cols[0].least + c.least + _overhead(2) > width for c in cols[1:])
+        return
+    assert all(c[0][0] == 0 for c in chunks)
+    assert sorted(i for c in chunks for i, _ in c[1:]) == list(range(1, len(t.columns)))
+    for c in chunks:
+        assert sum(w for _, w in c) + _overhead(len(c)) <= width
+
+
+@settings(max_examples=150, deadline=None)
+@given(_tables(), st.integers(20, 200))
+def test_printed_tables_keep_numbers_whole(t, width):
+    """Whatever the width, each numeric cell shows up whole in the printed output."""
+    from kvlc.explain.terminal import console, print_table
+    con = console(width)
+    con.file = StringIO()
+    print_table(t, con)
+    out = con.file.getvalue()
+    for row in t.rows:
+        for cell, num in zip(row, t.numeric):
+            if num:
+                assert cell in out
