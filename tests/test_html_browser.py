@@ -152,6 +152,27 @@ def test_field_notes_stay_inside_the_drawing(hisparse, llama, hnd):
                     assert n["box"]["x"] + n["box"]["w"] <= right + 12, (f["name"], n["text"])
 
 
+@pytest.fixture(scope="module")
+def mamba(tmp_path_factory):
+    return _explain(tmp_path_factory, "nemotron-h-8b-tp2")
+
+
+def test_field_notes_never_overlap(mamba, llama):
+    """Labels of narrow neighbouring fields (Mamba conv sections) are stacked, never drawn over each other."""
+    for _, g in (mamba, llama):
+        for b in g["blocks"]:
+            boxes = [(f["name"], n["box"]) for f in b["fields"] for n in f["notes"]]
+            for i, (fa, a) in enumerate(boxes):
+                for fc, c in boxes[i + 1:]:
+                    if fa == fc:
+                        continue          # the lines of one field's note sit on top of each other by design
+                    apart = (a["x"] + a["w"] <= c["x"] + 1.5 or c["x"] + c["w"] <= a["x"] + 1.5
+                             or a["y"] + a["h"] <= c["y"] + 1.5 or c["y"] + c["h"] <= a["y"] + 1.5)
+                    assert apart, (b["regions"], fa, a, fc, c)
+    names = {n["text"].split(":")[0] for b in mamba[1]["blocks"] for f in b["fields"] for n in f["notes"]}
+    assert {"conv.x", "conv.B", "conv.C", "ssm", "k", "v"} <= names
+
+
 # ---------------------------------------------------------------- pair
 def test_pair_draws_which_consumer_rank_reads_which_heads(pair_hnd):
     """TP8 -> TP4: consumer rank c takes heads 2c and 2c+1 from producer ranks 2c and 2c+1, bands joining them."""

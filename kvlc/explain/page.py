@@ -13,8 +13,8 @@ from kvlc.explain.tables import tables
 
 PALETTE = ("#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1",
            "#ff9da7", "#9c755f", "#8cd17d", "#86bcb6", "#d37295")
-BAR_W = 960          # pixels of the largest storage
-LABEL_W = 270        # storage names left of the bars
+BAR_W = 940          # pixels of the largest storage
+LABEL_W = 290        # storage names left of the bars
 LANE_H = 22          # one lane of regions
 ROW_GAP = 8
 MIN_STORAGE_PX = 6.0
@@ -172,7 +172,7 @@ BLOCK_H = 34
 
 def _field_note(f, w: float) -> tuple[str, ...]:
     """The lines under a field: dim order (and replicas), then what its dark runs are (if room)."""
-    first = f.order + (f" · x{f.replicas} ranks" if f.replicas > 1 else "")
+    first = f"{f.name}: {f.order}" + (f" · x{f.replicas} ranks" if f.replicas > 1 else "")
     second = f"dark: {f.slice_what}, {f.slice_total} run{'s' if f.slice_total != 1 else ''}"
     lines = (first, second)
     return tuple(line for line in lines if len(line) * 6.6 <= max(w, 120)) or (f.name,)
@@ -184,6 +184,23 @@ def _note_anchor(f, x: float, w: float) -> dict:
     if x + longest <= LABEL_W + BAR_W + 10:
         return dict(note_x=x + 2, note_anchor="start")
     return dict(note_x=min(x + w, LABEL_W + BAR_W), note_anchor="end")
+
+
+NOTE_H = 30         # one row of field notes (two text lines)
+
+
+def _stack_notes(fields: list[dict]) -> int:
+    """Give each field's notes a row so that no two notes overlap; returns the rows used."""
+    ends: list[float] = []          # per row: right edge of the last note placed
+    for f in fields:
+        width = max(len(line) for line in f["note"]) * 6.6
+        left = f["note_x"] - (width if f["note_anchor"] == "end" else 0)
+        row = next((k for k, e in enumerate(ends) if left >= e + 10), len(ends))
+        if row == len(ends):
+            ends.append(0.0)
+        ends[row] = left + width
+        f["note_row"] = row
+    return max(len(ends), 1)
 
 
 def block_model(plan: Plan) -> list[dict]:
@@ -207,9 +224,11 @@ def block_model(plan: Plan) -> list[dict]:
                                replicas=f.replicas, slice_what=f.slice_what, slice_total=f.slice_total,
                                label=f.name if len(f.name) * 7 + 6 <= w else "", title=title,
                                note=_field_note(f, w), **_note_anchor(f, x, w)))
+        rows = _stack_notes(fields)
         ticks = _spaced(sorted({0, m.block_bytes} | {f.offset for f in m.fields}), px)
         out.append(dict(regions=m.regions, count=m.count, block_bytes=m.block_bytes, tokens=m.tokens,
-                        width=LABEL_W + BAR_W + 20, height=BLOCK_H + 64, y=8, h=BLOCK_H, fields=fields,
+                        width=LABEL_W + BAR_W + 20, height=BLOCK_H + 36 + NOTE_H * rows, y=8, h=BLOCK_H,
+                        fields=fields,
                         bar_w=BAR_W, label_w=LABEL_W,
                         ticks=[dict(x=LABEL_W + t * px, label=exact(t)) for t in ticks]))
     return out

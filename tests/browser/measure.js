@@ -10,7 +10,7 @@
   const out = {};
   out.storages = all('svg.map g.storage', g => ({
     map: g.closest('svg').dataset.mem, name: g.dataset.storage, count: +g.dataset.count,
-    bar: box(g.querySelector('rect.bar')), label: g.querySelector('text').textContent}));
+    bar: box(g.querySelector('rect.bar')), label: all('text', t => t.textContent, g).join(' ')}));
   out.regions = all('svg.map g.region', g => ({
     map: g.closest('svg').dataset.mem, name: g.dataset.region, label: g.dataset.label,
     box: box(g.querySelector('rect.extent'))}));
