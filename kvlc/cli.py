@@ -226,8 +226,8 @@ def pair_cmd(producer: str, consumer: str, rank: int, direction: str, as_json: b
     op = "READ" if direction == "pull" else "WRITE"
     report = check_pair(local, remote, local_rank=rank, direction=op)
     program = pair(local, remote, local_rank=rank, direction=op) if report.ok else None
-    if html_out and program is not None:
-        _pair_html(html_out, prod, cons, rank, op)
+    if html_out:
+        _pair_html(html_out, prod, cons, rank, op, program is not None)
     if as_json:
         from kvlc.explain.docs import pair_doc
         click.echo(_json.dumps(pair_doc(report, program, rank), indent=2))
@@ -247,8 +247,11 @@ def pair_cmd(producer: str, consumer: str, rank: int, direction: str, as_json: b
         sys.exit(EXIT_SPEC)
 
 
-def _pair_html(path: str, producer, consumer, rank: int, op: str) -> None:
+def _pair_html(path: str, producer, consumer, rank: int, op: str, compatible: bool) -> None:
     """``kvlc pair --html``: the rank / head / token mapping of every consumer rank, and one block's runs."""
+    if not compatible:
+        click.echo(f"{path}: not written (the engines do not pair; the report says why)", err=True)
+        return
     from kvlc.explain.pairing import render_pair_html
     write_atomic(path, render_pair_html(producer, consumer, rank=rank, direction=op))
     click.echo(f"{path}: written", err=True)

@@ -152,3 +152,14 @@ def test_size_for_every_checked_in_pair(p):
         assert r.bytes > 0 and 0 < r.contiguous <= r.scattered
         assert set(r.peers) <= set(range(prod.parallel.tp_size))
     assert s.engine_bytes == s.rank_bytes * cons.parallel.tp_size
+
+
+def test_pair_html_written_only_for_a_pair(tmp_path):
+    """pair --html writes the page for a compatible pair, and nothing (saying so) for an incompatible one."""
+    good, bad = tmp_path / "good.html", tmp_path / "bad.html"
+    res = CliRunner().invoke(main, ["pair", str(L / "llama-3.1-70b-hnd-tp8.yaml"), str(L / "llama-3.1-70b-hnd-tp4.yaml"),
+                                    "--html", str(good)])
+    assert res.exit_code == 0 and good.read_text().startswith("<!DOCTYPE html>")
+    res = CliRunner().invoke(main, ["pair", str(L / "llama-3.1-8b.yaml"), str(L / "deepseek-v3-tp1.yaml"),
+                                    "--html", str(bad)])
+    assert res.exit_code == 2 and not bad.exists() and "not written" in res.stderr

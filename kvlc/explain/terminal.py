@@ -168,13 +168,16 @@ def _rich_table(t: "TableData", chunk: Sequence[tuple[int, int]], title: str):
     from rich.text import Text
     table = Table(title=title, title_justify="left", title_style="bold", show_footer=t.footer is not None,
                   header_style="bold")
-    for i, w in chunk:
+    def cell(text: str, i: int, w: int, pattern=_BREAK):
         num = t.numeric[i]
-        table.add_column(Text(wrap(t.columns[i], w, pattern=_HEAD_BREAK)), justify="right" if num else "left",
-                         footer=Text(wrap(t.footer[i], w, num)) if t.footer else "", width=w,
-                         no_wrap=True, overflow="ignore")
+        return Text(wrap(text, w, num and pattern is _BREAK, pattern), justify="right" if num else "left")
+
+    for i, w in chunk:
+        table.add_column(cell(t.columns[i], i, w, _HEAD_BREAK), justify="right" if t.numeric[i] else "left",
+                         footer=cell(t.footer[i], i, w) if t.footer else "", width=w,
+                         no_wrap=True)
     for row in t.rows:
-        table.add_row(*(Text(wrap(row[i], w, t.numeric[i])) for i, w in chunk))
+        table.add_row(*(cell(row[i], i, w) for i, w in chunk))
     return table
 
 
