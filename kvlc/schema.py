@@ -154,9 +154,8 @@ def schema() -> dict:
     >>> s["title"], s["properties"]["block_size"]["description"][:15]
     ('LayoutSpec', 'Tokens per logi')
     """
-    out = LayoutSpec.model_json_schema()
-    out["$schema"] = "https://json-schema.org/draft/2020-12/schema"
-    out["$id"] = SCHEMA_ID
+    out = LayoutSpec.model_json_schema()      # draft 2020-12, as pydantic writes it; no "$schema" key, so
+    out["$id"] = SCHEMA_ID                    # editors that know only older drafts read it too
     defs = out.get("$defs", {})
     for m in models():
         node = out if m is LayoutSpec else defs.get(m.__name__)

@@ -100,7 +100,7 @@ def test_schema_to_file(tmp_path):
 @pytest.mark.parametrize("path", LAYOUTS, ids=lambda p: p.name)
 def test_checked_in_layouts_validate_against_schema(path):
     """An editor using the schema flags nothing in a valid spec."""
-    jsonschema.validate(yaml.safe_load(path.read_text()), schema())
+    jsonschema.Draft202012Validator(schema()).validate(yaml.safe_load(path.read_text()))
 
 
 def test_schema_flags_what_kvlc_refuses():
