@@ -67,6 +67,8 @@ def test_pair_json_compatible_and_not(tmp_path):
     assert doc["kind"] == "pair" and doc["compatible"] and doc["peer_ranks"] == [0, 1]
     assert [f for f in doc["findings"] if f["severity"] == "warning"] == []
     assert [(p["peer_rank"], p["runs_per_tile"]) for p in doc["parts"]] == [(0, 160), (1, 160)]
+    assert [(h["peer_rank"], h["field"], h["heads"]) for h in doc["heads"]] == [
+        (0, "k", [0, 1]), (0, "v", [0, 1]), (1, "k", [1, 2]), (1, "v", [1, 2])]
     bad = _run("pair", str(L / "llama-3.1-8b.yaml"), str(L / "deepseek-v3-tp1.yaml"), "--json", code=2)
     assert bad["compatible"] is False and "model-name" in {f["code"] for f in bad["findings"]}
 

@@ -57,7 +57,19 @@ def pair_doc(report, program, rank: int) -> dict:
         doc["parts"] = [{"peer_rank": k.peer_rank, "local_mem": k.local_mem, "remote_mem": k.remote_mem, **v}
                         for k, v in program.stats().items()]
         doc["digest"] = program.digest
+        doc["heads"] = _heads(program)
     return doc
+
+
+def _heads(program) -> list[dict]:
+    """Which global heads of which field this rank exchanges with each peer, in the first region."""
+    if not program.entries:
+        return []
+    first = program.entries[0]
+    return [{"region": e.region, "peer_rank": e.peer, "field": name,
+             "heads": [h0, h1] if h1 > h0 else None}
+            for e in program.entries if e.region == first.region and e.group == first.group
+            for name, (h0, h1), _, _ in e.pieces]
 
 
 def size_doc(s: RequestSize) -> dict:
