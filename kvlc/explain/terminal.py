@@ -184,16 +184,19 @@ def _rich_table(t: "TableData", chunk: Sequence[tuple[int, int]], title: str):
 def _print_vertical(t: "TableData", con: "Console", width: int) -> None:
     """One block per row: the key cell on a line, then ``column  value`` lines, values wrapped."""
     from rich.text import Text
-    con.print(Text(t.title, style="bold"))
+    def out(text: str, style: str = "") -> None:     # lines are wrapped here: rich must not cut them
+        con.print(Text(text, style=style), overflow="ignore", crop=False, no_wrap=True)
+
+    out(t.title, "bold")
     key_w = max(len(c) for c in t.columns[1:])
     value_w = max(8, width - key_w - 4)
     rows = list(t.rows) + ([t.footer] if t.footer else [])
     for row in rows:
-        con.print(Text(row[0], style="bold"))
+        out(row[0], "bold")
         for i in range(1, len(t.columns)):
             if not row[i]:
                 continue
             lines = wrap(row[i], value_w, t.numeric[i]).split("\n")
-            con.print(Text(f"  {t.columns[i]:<{key_w}}  {lines[0]}"))
+            out(f"  {t.columns[i]:<{key_w}}  {lines[0]}")
             for line in lines[1:]:
-                con.print(Text(" " * (key_w + 4) + line))
+                out(" " * (key_w + 4) + line)
