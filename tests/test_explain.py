@@ -605,3 +605,41 @@ def test_printed_tables_keep_numbers_whole(t, width):
         for cell, num in zip(row, t.numeric):
             if num:
                 assert cell in out
+
+
+@st.composite
+def _fields(draw):
+    from kvlc.compiler.plan import PlanDim, PlanField
+    order = draw(st.permutations(["token", "head", "head_dim", "kv"]))
+    names = list(order[:draw(st.integers(2, 4))])
+    if "head" not in names:
+        names.insert(draw(st.integers(0, len(names))), "head")
+    sizes = [draw(st.integers(1, 5)) for _ in names]
+    itemsize = draw(st.sampled_from([1, 2, 4]))
+    strides, acc = [], itemsize
+    for s in reversed(sizes):
+        strides.append(acc)
+        acc *= s
+    strides.reverse()
+    dims = tuple(PlanDim(name=n, role=n if n in ("token", "head") else "", size=s, global_size=s, stride=st_)
+                 for n, s, st_ in zip(names, sizes, strides))
+    return PlanField(name="f", dtype="x", itemsize=itemsize, offset=draw(st.integers(0, 64)), dims=dims)
+
+
+@settings(max_examples=200, deadline=None)
+@given(_fields())
+def test_slice_runs_are_exactly_the_bytes_of_head_0(f):
+    """The darker runs of a block map cover exactly the bytes whose head index is 0, merged to the minimum."""
+    from itertools import product
+
+    from kvlc.explain.blocks import slice_runs
+    hi = [i for i, d in enumerate(f.dims) if d.role == "head"][0]
+    want = set()
+    for idx in product(*(range(d.size) for d in f.dims)):
+        if idx[hi] == 0:
+            start = f.offset + sum(k * d.stride for k, d in zip(idx, f.dims))
+            want.update(range(start, start + f.itemsize))
+    runs = slice_runs(f, "head")
+    got = [b for a, n in runs for b in range(a, a + n)]
+    assert sorted(got) == sorted(want) and len(got) == len(want)           # exactly those bytes, once each
+    assert all(a + n < b for (a, n), (b, _) in zip(runs, runs[1:]))        # sorted, none adjacent: minimal
