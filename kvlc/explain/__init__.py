@@ -9,7 +9,8 @@ compiler API), returns values and text. No nixl, no torch. One module per concer
     blocks    the byte map of one block of each layout (fields, dim order, replication)
     page      ``kvlc explain --html``: storages to scale per memory type, block maps
     pairing   ``kvlc pair --html``: which consumer rank reads which producer heads and tokens
-    size      bytes and descriptors of one request of N tokens
+    size      bytes and descriptors of one request of N tokens (sizetext: its tables)
+    program_view  a program's pieces and runs as plain tuples
     docs      the JSON documents of ``--json``
 """
 

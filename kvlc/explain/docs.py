@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from kvlc.compiler.plan import Plan
+from kvlc.explain.program_view import piece
 from kvlc.explain.size import RequestSize
 from kvlc.explain.summary import Summary, summarize
 
@@ -69,7 +70,7 @@ def _heads(program) -> list[dict]:
     return [{"region": e.region, "peer_rank": e.peer, "field": name,
              "heads": [h0, h1] if h1 > h0 else None}
             for e in program.entries if e.region == first.region and e.group == first.group
-            for name, (h0, h1), _, _ in e.pieces]
+            for name, h0, h1 in (piece(x) for x in e.pieces)]
 
 
 def size_doc(s: RequestSize) -> dict:

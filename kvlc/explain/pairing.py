@@ -18,6 +18,7 @@ from math import gcd
 
 from kvlc.compiler.plan import Plan, PlanField
 from kvlc.explain.numbers import exact, human
+from kvlc.explain.program_view import piece, runs
 
 W = 1100             # drawing width in pixels
 LEFT = 150           # labels left of the rank rows
@@ -71,7 +72,7 @@ def mapping_model(producer: Plan, consumer: Plan) -> dict:
         for e in prog.entries:
             if e.region != region or e.group != prog.entries[0].group:
                 continue
-            for name, (h0, h1), _, _ in e.pieces:
+            for name, h0, h1 in (piece(x) for x in e.pieces):
                 if (cf is None) != (h1 == h0) or (cf is not None and name != cf.name):
                     continue
                 pb, cb = prow[e.peer], crow[c]
@@ -121,15 +122,15 @@ def descriptors_model(local: Plan, remote: Plan, rank: int, direction: str) -> d
     rtile = max(e.remote_sub for e in entries) * rr.block_bytes
     span = max(ltile, rtile)
     px = (W - LEFT) / span
-    peers, runs, y = [], [], 120
+    peers, drawn, y = [], [], 120
     for e in entries:
         color = PEER_COLORS[e.peer % len(PEER_COLORS)]
         peers.append(dict(peer=e.peer, y=y, w=e.remote_sub * rr.block_bytes * px, color=color,
-                          label=f"peer rank {e.peer}", runs=len(e.runs), bytes=e.bytes_per_tile))
-        for kl, ol, kr, orr, n in list(zip(*(a.tolist() for a in e.runs)))[:MAX_DRAWN_RUNS]:
+                          label=f"peer rank {e.peer}", runs=len(runs(e.runs)), bytes=e.bytes_per_tile))
+        for kl, ol, kr, orr, n in runs(e.runs)[:MAX_DRAWN_RUNS]:
             lx, rx, w = LEFT + (kl * lr.block_bytes + ol) * px, LEFT + (kr * rr.block_bytes + orr) * px, n * px
             field = next((f.name for f in lr.fields if f.offset <= ol < f.offset + f.extent), "")
-            runs.append(dict(peer=e.peer, lx=lx, rx=rx, w=max(w, 0.8), color=color, ry=y, field=field,
+            drawn.append(dict(peer=e.peer, lx=lx, rx=rx, w=max(w, 0.8), color=color, ry=y, field=field,
                              label=field if w >= len(field) * 7 + 8 else "",
                              points=_points((lx, lx + w, rx + w, rx), 54, y),
                              title=f"{exact(n)} B of field {field}: local block +{kl} byte {exact(ol)} <-> "
@@ -137,10 +138,10 @@ def descriptors_model(local: Plan, remote: Plan, rank: int, direction: str) -> d
         y += 46
     local_is = "consumer" if direction == "READ" else "producer"
     return dict(region=first.region, group=first.group, local_w=ltile * px, local_sub=first.local_sub,
-                local_bytes=lr.block_bytes, remote_bytes=rr.block_bytes, peers=peers, runs=runs, height=y + 10,
+                local_bytes=lr.block_bytes, remote_bytes=rr.block_bytes, peers=peers, runs=drawn, height=y + 10,
                 width=W, left=LEFT, local_is=local_is, rank=rank, direction=direction,
-                tile_tokens=first.tile_tokens, total_runs=sum(len(e.runs) for e in entries),
-                drawn=len(runs), per_tile=sum(e.bytes_per_tile for e in entries), stats=prog.stats(),
+                tile_tokens=first.tile_tokens, total_runs=sum(len(runs(e.runs)) for e in entries),
+                drawn=len(drawn), per_tile=sum(e.bytes_per_tile for e in entries), stats=prog.stats(),
                 peer_ranks=prog.peer_ranks, warnings=[str(f) for f in prog.report.warnings])
 
 
