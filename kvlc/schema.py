@@ -201,7 +201,10 @@ def reference_tables() -> str:
 
 def _default_text(f) -> str:
     if f.default_factory is not None:
-        return "`{}`" if f.default_factory is dict else "(empty)"
+        value = f.default_factory()
+        if hasattr(value, "__len__") and len(value) == 0:
+            return "`{}`" if hasattr(value, "keys") else "`[]`"
+        return "(computed)"
     d = f.default
     if isinstance(d, BaseModel):
         return "defaults"
