@@ -1,4 +1,4 @@
-"""The ``kvlc`` command line: compile | check | explain | render | pair | demo | bench.
+"""The ``kvlc`` command line: compile | check | explain | size | schema | render | pair | demo | bench.
 
 Exit codes: 0 success, 2 a spec / pairing problem (every problem printed), 1 a
 failed run (transfer mismatch, benchmark failure).
@@ -99,8 +99,12 @@ def compile(spec: str, output: str | None, text: bool, config: str | None, sets:
 @click.argument("specs", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
 @_config_opt
 @_set_opt
-def check(specs: tuple[str, ...], config: str | None, sets: tuple[str, ...]) -> None:
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document: per spec ok and digest, or problems.")
+def check(specs: tuple[str, ...], config: str | None, sets: tuple[str, ...], as_json: bool) -> None:
     """Check one or more specs; print every problem found (exit 2 if any)."""
+    if as_json:
+        _check_json(specs, config, sets)
+        return
     failed = 0
     for spec in specs:
         try:
@@ -112,6 +116,26 @@ def check(specs: tuple[str, ...], config: str | None, sets: tuple[str, ...]) -> 
         click.echo(f"{spec}: ok, {len(plan.regions)} regions, digest {plan.digest[:16]}")
     if failed:
         click.echo(f"kvlc: {failed} of {len(specs)} spec(s) have problems", err=True)
+        sys.exit(EXIT_SPEC)
+
+
+def _check_json(specs: tuple[str, ...], config: str | None, sets: tuple[str, ...]) -> None:
+    """``kvlc check --json``: the same checks, as one document on stdout (exit 2 if any failed)."""
+    from kvlc.explain.docs import check_doc, problem_doc
+    results = []
+    for spec in specs:
+        try:
+            plan = _load_plan(spec, config, sets)
+        except KvlcError as exc:
+            problems = getattr(exc, "problems", None)
+            results.append({"spec": spec, "ok": False, "problems": [problem_doc(p) for p in problems]
+                            if problems else [{"what": str(exc)}]})
+            continue
+        results.append({"spec": spec, "ok": True, "plan": plan.name, "regions": len(plan.regions),
+                        "digest": plan.digest})
+    doc = check_doc(results)
+    _echo_json(doc)
+    if not doc["ok"]:
         sys.exit(EXIT_SPEC)
 
 
@@ -145,14 +169,18 @@ def render(template: str, config: str | None, sets: tuple[str, ...], output: str
 @click.argument("spec", metavar="SPEC|PLAN", type=click.Path(exists=True, dir_okay=False))
 @click.option("--full", is_flag=True, help="One row per region and storage (no collapsing of per-layer runs).")
 @click.option("--html", "html_out", type=click.Path(dir_okay=False),
-              help="Also write a standalone HTML page drawing storages and regions to scale.")
+              help="Also write a standalone HTML page: storages to scale per memory type, one block's byte map.")
+@click.option("--json", "as_json", is_flag=True, help="Print every number as JSON instead of tables.")
 @_config_opt
 @_set_opt
-def explain(spec: str, full: bool, html_out: str | None, config: str | None, sets: tuple[str, ...]) -> None:
-    """Explain a spec or plan .json: regions, groups, storages and memory-type totals in bytes."""
-    from rich.console import Console
+def explain(spec: str, full: bool, html_out: str | None, as_json: bool, config: str | None,
+            sets: tuple[str, ...]) -> None:
+    """Explain a spec or plan .json: regions, groups, storages, memory-type totals and token capacity.
 
+    Byte counts are per rank; the engine totals multiply them by tp_size.
+    """
     from kvlc.explain import render_html, render_table
+    from kvlc.explain.terminal import console
     try:
         plan = _load_plan(spec, config, sets)
     except KvlcError as exc:
@@ -160,7 +188,16 @@ def explain(spec: str, full: bool, html_out: str | None, config: str | None, set
     if html_out:
         write_atomic(html_out, render_html(plan))
         click.echo(f"{html_out}: written ({len(plan.regions)} regions, digest {plan.digest[:16]})", err=True)
-    render_table(plan, Console(width=None if sys.stdout.isatty() else 200, highlight=False), full=full)
+    if as_json:
+        from kvlc.explain.docs import explain_doc
+        _echo_json(explain_doc(plan))
+    else:
+        render_table(plan, console(), full=full)
+
+
+def _echo_json(doc: dict) -> None:
+    import json
+    click.echo(json.dumps(doc, indent=2))
 
 
 @main.command("pair")
@@ -172,7 +209,11 @@ def explain(spec: str, full: bool, html_out: str | None, config: str | None, set
               help="pull: the consumer READs from producer ranks; push: the producer WRITEs to consumer ranks.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report and summary as JSON.")
 @click.option("--program", "show_program", is_flag=True, help="Also print the program, one line per entry.")
-def pair_cmd(producer: str, consumer: str, rank: int, direction: str, as_json: bool, show_program: bool) -> None:
+@click.option("--html", "html_out", type=click.Path(dir_okay=False),
+              help="Also write a page drawing which consumer rank reads which producer heads and tokens, "
+                   "and the descriptors of one block.")
+def pair_cmd(producer: str, consumer: str, rank: int, direction: str, as_json: bool, show_program: bool,
+             html_out: str | None) -> None:
     """Pair PRODUCER and CONSUMER (specs or plan .json): compatibility report and program summary."""
     import json as _json
 
@@ -184,29 +225,84 @@ def pair_cmd(producer: str, consumer: str, rank: int, direction: str, as_json: b
     local, remote = (cons, prod) if direction == "pull" else (prod, cons)
     op = "READ" if direction == "pull" else "WRITE"
     report, program = pair_and_check(local, remote, local_rank=rank, direction=op)
+    if html_out:
+        _pair_html(html_out, prod, cons, rank, op, program is not None)
     if as_json:
-        doc = report.summary()
-        if program is not None:
-            doc.update(program.summary())
-        click.echo(_json.dumps(doc, indent=2))
+        from kvlc.explain.docs import pair_doc
+        click.echo(_json.dumps(pair_doc(report, program, rank), indent=2))
     else:
-        from rich.console import Console
-        from rich.table import Table
-        console = Console()
+        from kvlc.explain.terminal import console as _console
+        console = _console()
         console.print(report.render(), markup=False, highlight=False)
         if program is not None:
-            table = Table(title=f"program {op} rank {rank}: peers {list(program.peer_ranks)}")
-            for col in ("part (peer: local -> remote mem)", "entries", "descriptors/tile", "bytes/tile"):
-                table.add_column(col, justify="left" if col.startswith("part") else "right")
-            for key, st in program.stats().items():
-                table.add_row(str(key), str(st["entries"]), str(st["runs_per_tile"]), f"{st['bytes_per_tile']:,}")
-            console.print(table)
+            from kvlc.explain.tables import program_table
+            from kvlc.explain.terminal import print_line, print_table
+            print_table(program_table(program, op, rank), console)
             counts = ", ".join(f"rank {k}: {v}" for k, v in sorted(program.consumer_counts.items()))
-            console.print(f"consumer ranks reading from each producer rank: {counts}", highlight=False)
+            print_line(console, f"consumer ranks reading from each producer rank: {counts}")
             if show_program:
                 click.echo(program.text(), nl=False)
     if not report.ok:
         sys.exit(EXIT_SPEC)
+
+
+def _pair_html(path: str, producer, consumer, rank: int, op: str, compatible: bool) -> None:
+    """``kvlc pair --html``: the rank / head / token mapping of every consumer rank, and one block's runs."""
+    if not compatible:
+        click.echo(f"{path}: not written (the engines do not pair; the report says why)", err=True)
+        return
+    from kvlc.explain.pairing import render_pair_html
+    write_atomic(path, render_pair_html(producer, consumer, rank=rank, direction=op))
+    click.echo(f"{path}: written", err=True)
+
+
+@main.command()
+@click.argument("spec", metavar="SPEC|PLAN", type=click.Path(exists=True, dir_okay=False))
+@click.option("--tokens", type=click.IntRange(min=1), required=True, help="Prompt length of the request, in tokens.")
+@click.option("--peer", type=click.Path(exists=True, dir_okay=False),
+              help="The other engine's spec or plan (default: an engine of the same plan).")
+@click.option("--rank", "ranks", type=int, multiple=True,
+              help="Only this rank of SPEC (repeatable; default every rank: per-rank rows and the engine total).")
+@click.option("--direction", type=click.Choice(["pull", "push"]), default="pull", show_default=True,
+              help="pull: SPEC reads from PEER (SPEC consumes); push: SPEC writes to PEER (SPEC produces).")
+@click.option("--json", "as_json", is_flag=True, help="Print the numbers as JSON.")
+def size(spec: str, tokens: int, peer: str | None, ranks: tuple[int, ...], direction: str, as_json: bool) -> None:
+    """Bytes and NIXL descriptors of one request of --tokens tokens, per rank and per engine.
+
+    Each rank's program is paired and instantiated for the request; descriptors are counted
+    for scattered block ids (none adjacent: the worst case) and contiguous ones (the best).
+    """
+    from kvlc.explain.size import request_size
+    try:
+        plan = _load_plan(spec)
+        other = _load_plan(peer) if peer else None
+        result = request_size(plan, tokens, other, "READ" if direction == "pull" else "WRITE",
+                              tuple(ranks) if ranks else None)
+    except KvlcError as exc:
+        _fail(exc)
+    if as_json:
+        from kvlc.explain.docs import size_doc
+        _echo_json(size_doc(result))
+    else:
+        from kvlc.explain.sizetext import render_size
+        from kvlc.explain.terminal import console
+        render_size(result, console())
+
+
+@main.command()
+@click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write the schema here.")
+def schema(output: str | None) -> None:
+    """Print the JSON Schema of the spec language, for editors (yaml-language-server).
+
+    Put `# yaml-language-server: $schema=kvlc.schema.json` on a spec's first line.
+    """
+    from kvlc.schema import schema_json
+    text = schema_json()
+    if output:
+        write_atomic(output, text)
+        click.echo(f"{output}: written", err=True)
+    else:
+        click.echo(text, nl=False)
 
 
 @main.command()
