@@ -125,6 +125,7 @@ def layer_geometry(t: LayerTensor, view: EngineView) -> LayerGeometry:
     if kv is not None and dims[kv].stride > b.stride:  # K of every block, then V: two regions
         step = dims.pop(kv).stride * t.itemsize
         parts = (Part(".k", "k", 0), Part(".v", "v", step))
-    inner = sorted(dims, key=lambda d: -d.stride)
+    # outermost first; a size-1 dim that ties with a larger one lies inside it (its stride is the extent below)
+    inner = sorted(dims, key=lambda d: (-d.stride, d.size == 1))
     _check_dense(inner, t, b.stride)
     return LayerGeometry(num_blocks=b.size, block_stride=b.stride * t.itemsize, dims=tuple(inner), parts=parts)
