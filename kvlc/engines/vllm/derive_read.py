@@ -96,7 +96,8 @@ def _layout(vllm_config: Any, kv_cache_config: Any) -> str:
     return str(getattr(layout, "name", layout))
 
 
-def _tensor(name: str, t: Any, mla: bool, cache_dtype: str | None) -> LayerTensor:
+def layer_tensor(name: str, t: Any, mla: bool = False, cache_dtype: str | None = None) -> LayerTensor:
+    """A :class:`LayerTensor` from a torch tensor of vLLM's logical [blocks, heads, tokens, content] view."""
     if not hasattr(t, "untyped_storage"):
         raise ViewError(f"kv_caches['{name}'] is a {type(t).__name__}, not a tensor (Mamba state layers "
                         "cannot be derived yet; give a hand-written spec)")
@@ -117,7 +118,7 @@ def read_engine_view(vllm_config: Any, kv_cache_config: Any, kv_caches: Mapping[
     groups = tuple(_group(g) for g in kv_cache_config.kv_cache_groups)
     mla = bool(getattr(mc, "use_mla", False))
     cache_dtype = getattr(cc, "cache_dtype", None)
-    layers = tuple(_tensor(n, t, mla, cache_dtype) for n, t in kv_caches.items())
+    layers = tuple(layer_tensor(n, t, mla, cache_dtype) for n, t in kv_caches.items())
     if not layers:
         raise ViewError("kv_caches is empty; call engine_view from register_kv_caches")
     backends = _backends(vllm_config, [t.name for t in layers])
