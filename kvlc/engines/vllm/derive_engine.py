@@ -1,8 +1,8 @@
 """Start a real vLLM engine on CPU and read its engine views (what ``kvlc from-vllm --from-engine`` does).
 
 The engine is built with the given options and no connector; each worker reads
-its own view from its model runner (``collective_rpc``), so a TP engine gives one
-view per rank. Single-process mode is used for TP 1, vLLM's default executor for
+its own view from its model runner (:class:`DeriveExtension`, called by name through
+``collective_rpc``), so a TP engine gives one view per rank. Single-process mode is used for TP 1, vLLM's default executor for
 TP > 1 (one worker process per rank).
 """
 
@@ -28,10 +28,17 @@ def worker_kv_caches(worker: Any) -> tuple[Any, Any, dict]:
     return config, kv_cache_config, {n: ctx[n].kv_cache for n in names if n in ctx}
 
 
-def _worker_view(worker: Any) -> dict:
-    from kvlc.engines.vllm.derive import engine_view
-    config, kv_cache_config, kv_caches = worker_kv_caches(worker)
-    return engine_view(config, kv_cache_config, kv_caches).to_dict()
+class DeriveExtension:
+    """Mixed into each vLLM worker (``worker_extension_cls``): ``collective_rpc("kvlc_engine_view")``
+    returns that worker's view as plain data — a method name crosses processes, no pickled code."""
+
+    def kvlc_engine_view(self) -> dict:
+        from kvlc.engines.vllm.derive import engine_view
+        config, kv_cache_config, kv_caches = worker_kv_caches(self)
+        return engine_view(config, kv_cache_config, kv_caches).to_dict()
+
+
+EXTENSION = f"{__name__}.DeriveExtension"
 
 
 def live_views(model: str, *, block_size: int, tp_size: int = 1, dtype: str = "bfloat16",
@@ -40,6 +47,7 @@ def live_views(model: str, *, block_size: int, tp_size: int = 1, dtype: str = "b
     """Start an engine for ``model`` (a local folder), read one view per TP rank, shut it down."""
     if tp_size == 1:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout is for the spec
     try:
         from vllm import LLM
     except ImportError as exc:
@@ -48,13 +56,14 @@ def live_views(model: str, *, block_size: int, tp_size: int = 1, dtype: str = "b
                                   enforce_eager=True, skip_tokenizer_init=True, dtype=dtype,
                                   max_model_len=max_model_len, seed=0, max_num_seqs=4,
                                   max_num_batched_tokens=max_model_len, kv_cache_memory_bytes=kv_cache_memory_bytes,
-                                  block_size=block_size, tensor_parallel_size=tp_size)
+                                  block_size=block_size, tensor_parallel_size=tp_size,
+                                  worker_extension_cls=EXTENSION)
     if attention_backend:
         kwargs["attention_backend"] = attention_backend
     kwargs.update(llm_kwargs)
     llm = LLM(**kwargs)
     try:
-        views = tuple(EngineView.from_dict(d) for d in llm.collective_rpc(_worker_view))
+        views = tuple(EngineView.from_dict(d) for d in llm.collective_rpc("kvlc_engine_view"))
     finally:
         _shutdown(llm)
     return tuple(sorted(views, key=lambda v: v.parallel.tp_rank))

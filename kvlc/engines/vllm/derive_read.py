@@ -101,11 +101,15 @@ def layer_tensor(name: str, t: Any, mla: bool = False, cache_dtype: str | None =
     if not hasattr(t, "untyped_storage"):
         raise ViewError(f"kv_caches['{name}'] is a {type(t).__name__}, not a tensor (Mamba state layers "
                         "cannot be derived yet; give a hand-written spec)")
-    if t.dim() != 4:
+    if mla and t.dim() == 3:  # an MLA layer's own [blocks, tokens, latent] view (vLLM squeezes the head)
+        axes = (Axis.BLOCK, Axis.TOKEN, Axis.LATENT)
+    elif t.dim() == 4:
+        axes = (Axis.BLOCK, Axis.HEAD, Axis.TOKEN, Axis.LATENT if mla else Axis.CONTENT)
+    else:
         raise ViewError(f"kv_caches['{name}'] has shape {tuple(t.shape)}; vLLM 0.32 hands connectors a "
                         "4-dim [blocks, heads, tokens, content] view per layer")
     st = t.untyped_storage()
-    return LayerTensor(name=name, axes=(Axis.BLOCK, Axis.HEAD, Axis.TOKEN, Axis.LATENT if mla else Axis.CONTENT),
+    return LayerTensor(name=name, axes=axes,
                        shape=tuple(int(x) for x in t.shape), strides=tuple(int(x) for x in t.stride()),
                        dtype=kv_dtype(str(t.dtype), cache_dtype), itemsize=int(t.element_size()),
                        data_ptr=int(t.data_ptr()), nbytes=int(t.numel() * t.element_size()),
@@ -137,8 +141,8 @@ def read_engine_view(vllm_config: Any, kv_cache_config: Any, kv_caches: Mapping[
     parallel = ParallelView(tp_size=int(pc.tensor_parallel_size), pp_size=pp,
                             dcp_size=int(getattr(pc, "decode_context_parallel_size", 1) or 1),
                             layers=(idx[0], idx[-1] + 1) if pp > 1 else None, **_ranks(pc))
-    block_size = int(cc.block_size)
+    kernel = layers[0].shape[layers[0].axes.index(Axis.TOKEN)]
     return EngineView(model=model, parallel=parallel, backend=backend, kv_cache_layout=_layout(vllm_config,
-                      kv_cache_config), kv_packing=packing_for(backend, mla), block_size=block_size,
-                      kernel_block_size=layers[0].shape[2], num_blocks=int(kv_cache_config.num_blocks),
+                      kv_cache_config), kv_packing=packing_for(backend, mla), block_size=int(cc.block_size),
+                      kernel_block_size=kernel, num_blocks=int(kv_cache_config.num_blocks),
                       groups=groups, layers=layers, provenance=Provenance.LIVE)

@@ -1,0 +1,146 @@
+"""The derived spec of a real vLLM engine on CPU (tiny Llama, random weights written at set-up).
+
+One test, two engines at once in their own processes:
+
+* a TP 1 engine (single-process mode) whose worker derives the view from its live
+  tensors, checks the derived plan against them, binds them, writes a content pattern
+  through the CPU kernel's own K/V views and reads every block back at the plan's
+  addresses;
+* ``kvlc from-vllm --from-engine`` on a TP 2 engine (vLLM's multi-process executor).
+
+Both live specs equal what ``kvlc from-vllm`` derives from config.json without an
+engine, and the TP 2 and TP 1 specs pair both ways.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import kvlc
+from kvlc.compiler import compile_spec
+from kvlc.engines.vllm.derive import EngineView, spec_yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.engine
+
+WORKER_CHECK = textwrap.dedent('''
+    import json, os, sys
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
+
+    def check(worker):
+        import numpy as np, torch
+        from kvlc.engines.vllm.derive import check_spec, derive_plan, engine_view, storage_tensors
+        from kvlc.engines.vllm.derive_engine import worker_kv_caches
+        from kvlc.runtime.binding import bind
+        config, kv_cache_config, kv = worker_kv_caches(worker)
+        view = engine_view(config, kv_cache_config, kv)
+        plan = derive_plan(view)
+        check_spec(plan, view)
+        tensors = storage_tensors(plan, view, kv)
+        bound = bind(plan, tensors)
+        gen = torch.Generator().manual_seed(11)
+        for t in kv.values():   # the CPU kernels' view: [B, H, 2N, D] split in halves along dim 2
+            B, H, N, C = t.shape
+            for half in t.view(B, H, 2 * N, C // 2).chunk(2, dim=2):
+                half.view(torch.int16).copy_(torch.randint(-2**15, 2**15, half.shape, generator=gen,
+                                                           dtype=torch.int16))
+        base = bound["kv"].addr
+        rows = plan.local_descriptors({"kv": base})
+        flat = tensors["kv"].numpy()
+        checked, start = 0, 0
+        for r in plan.regions:
+            t = kv[next(n for n in kv if f".{r.name.split('.')[1]}." in f".{n}.")]
+            B, H, N, C = t.shape
+            k, v = t.view(B, H, 2 * N, C // 2).chunk(2, dim=2)
+            for b in range(r.num_blocks):
+                addr, length, _ = rows[start + b].tolist()
+                want = torch.stack([k[b], v[b]], dim=1).contiguous().view(torch.uint8).numpy().ravel()
+                if not np.array_equal(flat[addr - base:addr - base + length], want):
+                    raise AssertionError(f"{r.name} block {b}: bytes differ")
+                checked += length
+            start += r.num_blocks
+        return {"view": view.to_dict(), "checked": checked, "nbytes": bound["kv"].nbytes,
+                "layers": len(kv), "same_allocation": len({t.untyped_storage().data_ptr() for t in kv.values()})}
+
+    if __name__ == "__main__":
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+        llm = LLM(model=sys.argv[1], load_format="safetensors", enforce_eager=True, skip_tokenizer_init=True,
+                  dtype="bfloat16", max_model_len=512, seed=0, max_num_seqs=4, max_num_batched_tokens=512,
+                  kv_cache_memory_bytes=8 << 20, block_size=32)
+        out = llm.generate([TokensPrompt(prompt_token_ids=list(range(1, 70)))],
+                           SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, detokenize=False))
+        result = llm.collective_rpc(check)[0]
+        result["tokens"] = list(out[0].outputs[0].token_ids)
+        open(sys.argv[2], "w").write(json.dumps(result))
+''')
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    """A 2-layer Llama (2 KV heads x 64, bf16) with random weights, as safetensors."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("vllm")
+    path = tmp_path_factory.mktemp("tiny-llama")
+    cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=64, vocab_size=1024, max_position_embeddings=512,
+                                   initializer_range=0.2, torch_dtype="bfloat16")
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def _env(bind_cores: str) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               VLLM_CPU_OMP_THREADS_BIND=bind_cores)
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    return env
+
+
+def test_live_engine_spec_is_derived_checked_bound_and_pairs(tiny_llama, tmp_path):
+    """A live CPU engine's derived plan passes check_spec, binds its one allocation, and every block
+    the kernel's K/V views hold is at the plan's address; `from-vllm --from-engine` (TP 2) and the
+    engine-free derivation give the same specs; TP 2 and TP 1 specs pair both ways."""
+    script, result = tmp_path / "check.py", tmp_path / "result.json"
+    script.write_text(WORKER_CHECK)
+    tp2_yaml, tp2_view = tmp_path / "tp2.yaml", tmp_path / "tp2.json"
+    checker = subprocess.Popen([sys.executable, str(script), str(tiny_llama), str(result)], cwd=tmp_path,
+                               env=_env("0"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    cli = subprocess.run([sys.executable, "-m", "kvlc.cli", "from-vllm", str(tiny_llama), "--from-engine",
+                          "--tp-size", "2", "--block-size", "64", "--kv-cache-mib", "8", "-o", str(tp2_yaml),
+                          "--save-view", str(tp2_view)], cwd=tmp_path, env=_env("0|1"), capture_output=True,
+                         text=True, timeout=540)
+    log, _ = checker.communicate(timeout=540)
+    assert checker.returncode == 0, log[-4000:]
+    assert cli.returncode == 0, (cli.stdout + cli.stderr)[-4000:]
+
+    live = json.loads(result.read_text())
+    tp1 = EngineView.from_dict(live["view"])
+    assert live["layers"] == 2 and live["same_allocation"] == 1 and len(live["tokens"]) == 4
+    assert live["checked"] == 2 * tp1.num_blocks * 2 * 32 * 2 * 64 * 2  # every block of both layers
+    assert (tp1.backend, tp1.kv_cache_layout, tp1.parallel.tp_size) == ("CPU_ATTN", "LBHNC", 1)
+
+    tp2 = EngineView.from_dict(json.loads(tp2_view.read_text()))
+    assert (tp2.parallel.tp_size, tp2.layers[0].shape[1], tp2.block_size) == (2, 1, 64)
+    assert tp2_yaml.read_text() == spec_yaml(tp2)
+
+    for v, extra in ((tp1, ["--block-size", "32"]), (tp2, ["--block-size", "64", "--tp-size", "2"])):
+        offline = subprocess.run([sys.executable, "-m", "kvlc.cli", "from-vllm", str(tiny_llama),
+                                  "--num-blocks", str(v.num_blocks), *extra], cwd=tmp_path, env=_env("0"),
+                                 capture_output=True, text=True, timeout=120)
+        assert offline.returncode == 0, offline.stderr
+        assert compile_spec(offline.stdout).text() == compile_spec(spec_yaml(v)).text()
+
+    a, b = compile_spec(tp2_yaml.read_text()), compile_spec(spec_yaml(tp1))
+    for local, remote in ((a, b), (b, a)):
+        for rank in range(local.parallel.tp_size):
+            assert kvlc.pair(local, remote, local_rank=rank, direction="READ").report.ok
