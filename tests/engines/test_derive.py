@@ -111,13 +111,18 @@ def test_layouts_kvlc_cannot_derive_are_refused(make, message):
         derive_spec(make())
 
 
-def test_mamba_group_and_inconsistent_tensors_are_refused():
-    """A Mamba group, or a tensor whose heads disagree with the model over TP, is a ViewError."""
+def test_mamba_group_shared_tensors_and_inconsistent_tensors_are_refused():
+    """A Mamba group, two layers sharing one tensor, or heads that disagree with the model over TP:
+    a ViewError saying what to do."""
     v = view("CPU_ATTN")
     mamba = dataclasses.replace(v, groups=v.groups + (GroupView(GroupKind.MAMBA, 32, ("model.layers.9.mixer",),
                                                                 spec_type="MambaSpec"),))
     with pytest.raises(ViewError, match="kind 'mamba' .* cannot be derived yet"):
         derive_spec(mamba)
+    shared = dataclasses.replace(v, layers=(v.layers[0], dataclasses.replace(v.layers[1],
+                                                                             data_ptr=v.layers[0].data_ptr)))
+    with pytest.raises(ViewError, match="share one tensor .* --disable-hybrid-kv-cache-manager"):
+        derive_spec(shared)
     wrong_tp = dataclasses.replace(v, parallel=dataclasses.replace(v.parallel, tp_size=2))
     with pytest.raises(ViewError, match="model.layers.0.self_attn.attn.*4 heads, expected 2"):
         derive_spec(wrong_tp)

@@ -27,6 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvlc.compiler.geometry import shard
 from kvlc.engines.vllm.derive_check import Mismatch, SpecMismatchError
 from kvlc.engines.vllm.derive_layout import LayerGeometry, layer_geometry
 from kvlc.engines.vllm.derive_view import Axis, EngineView, GroupKind, GroupView, LayerTensor, ViewError
@@ -130,7 +131,6 @@ def _check_layer(t: LayerTensor, geo: LayerGeometry, view: EngineView) -> None:
     if t.dtype != view.model.dtype:
         problems.append(f"dtype {t.dtype}, the model's KV dtype is {view.model.dtype}")
     sizes = {d.axis: d.size for d in geo.dims}
-    from kvlc.compiler.geometry import shard
     heads = shard(view.model.num_kv_heads, view.parallel.tp_size)
     if Axis.HEAD in sizes and sizes[Axis.HEAD] != heads:
         problems.append(f"{sizes[Axis.HEAD]} heads, expected {heads} ({view.model.num_kv_heads} KV heads "
@@ -143,6 +143,18 @@ def _check_layer(t: LayerTensor, geo: LayerGeometry, view: EngineView) -> None:
         problems.append(f"{geo.num_blocks} kernel blocks, expected {view.num_blocks} blocks x {ratio}")
     if problems:
         raise ViewError(f"tensor '{t.name}' disagrees with the engine config: " + "; ".join(problems))
+
+
+def _check_unshared(view: EngineView) -> None:
+    """Layers of different groups sharing one tensor (vLLM's hybrid allocator) cannot be kvlc regions."""
+    first: dict[tuple[str, int], str] = {}
+    for t in view.layers:
+        other = first.setdefault((t.device, t.data_ptr), t.name)
+        if other != t.name:
+            raise ViewError(f"layers '{other}' and '{t.name}' share one tensor at {t.data_ptr:#x} (vLLM's hybrid "
+                            "KV-cache manager lets layers of different groups share memory); kvlc regions of "
+                            "different layers cannot overlap; fix: start vLLM with "
+                            "--disable-hybrid-kv-cache-manager, or write the spec by hand")
 
 
 def _model_entry(view: EngineView, latent: int | None) -> dict:
@@ -173,6 +185,7 @@ def derive_spec(view: EngineView) -> dict:
     """
     if not view.layers:
         raise ViewError("the view has no layer tensors; derive after vLLM allocated the KV cache")
+    _check_unshared(view)
     names = group_names(view)
     allocs = allocations(view)
     storage_of = {layer: a.name for a in allocs for layer in a.layers}
