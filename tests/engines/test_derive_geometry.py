@@ -19,8 +19,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvlc.compiler.geometry import shard
 from kvlc.engines.vllm.derive import derive_plan
+from kvlc.engines.vllm.derive_view import heads_per_rank
 from kvlc.engines.vllm.derive_offline import published_view
 from kvlc.engines.vllm.derive_read import layer_tensor
 
@@ -158,7 +158,7 @@ def _check_case(backend, layout, heads, tp, head_dim, block, ratio, layers, dtyp
         assert derive_plan(dataclasses.replace(view, layers=squeezed)).text() == plan.text()
     _fill(live_view, [_kernel_views(live_view, tensors[t.name], view.model.head_dim) for t in view.layers])
     n = _read_back(plan, live_view, raws)
-    per_rank_heads = 1 if mla else shard(heads, tp)
+    per_rank_heads = 1 if mla else heads_per_rank(heads, tp)
     assert n == layers * 3 * ratio * block * per_rank_heads * (head_dim if mla else 2 * head_dim)
 
 

@@ -27,10 +27,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvlc.compiler.geometry import shard
 from kvlc.engines.vllm.derive_check import Mismatch, SpecMismatchError
 from kvlc.engines.vllm.derive_layout import LayerGeometry, layer_geometry
-from kvlc.engines.vllm.derive_view import Axis, EngineView, GroupKind, GroupView, LayerTensor, ViewError
+from kvlc.engines.vllm.derive_view import (Axis, EngineView, GroupKind, GroupView, LayerTensor, ViewError,
+                                           heads_per_rank)
 
 __all__ = ["engine_view", "EngineView", "derive_spec", "spec_yaml", "check_spec", "storage_tensors",
            "derive_plan",
@@ -131,7 +131,7 @@ def _check_layer(t: LayerTensor, geo: LayerGeometry, view: EngineView) -> None:
     if t.dtype != view.model.dtype:
         problems.append(f"dtype {t.dtype}, the model's KV dtype is {view.model.dtype}")
     sizes = {d.axis: d.size for d in geo.dims}
-    heads = shard(view.model.num_kv_heads, view.parallel.tp_size)
+    heads = heads_per_rank(view.model.num_kv_heads, view.parallel.tp_size)
     if Axis.HEAD in sizes and sizes[Axis.HEAD] != heads:
         problems.append(f"{sizes[Axis.HEAD]} heads, expected {heads} ({view.model.num_kv_heads} KV heads "
                         f"over tp_size {view.parallel.tp_size})")

@@ -24,11 +24,10 @@ from collections.abc import Mapping
 from math import prod
 from typing import Any
 
-from kvlc.compiler.geometry import shard
 from kvlc.compiler.spec import DTYPE_SIZES
 from kvlc.engines.vllm.derive_read import packing_for
 from kvlc.engines.vllm.derive_view import (Axis, EngineView, GroupKind, GroupView, KvPacking, LayerTensor,
-                                           ModelIdentity, ParallelView, Provenance, ViewError)
+                                           ModelIdentity, ParallelView, Provenance, ViewError, heads_per_rank)
 
 # Physical order of the logical [L, B, H, N, C] dims (vLLM's KVCacheLayout values).
 UNIFIED_LAYOUTS = {"LBHNC": (0, 1, 2, 3, 4), "LBNHC": (0, 1, 3, 2, 4), "BLHNC": (1, 0, 2, 3, 4),
@@ -142,7 +141,7 @@ def published_view(config: Mapping[str, Any], name: str, *, backend: str, block_
     kernel = kernel_block_size or block_size
     if block_size % kernel:
         raise ViewError(f"kernel block size {kernel} does not divide block size {block_size}")
-    heads = shard(m.num_kv_heads, tp_size)
+    heads = heads_per_rank(m.num_kv_heads, tp_size)
     if heads is None:
         raise ViewError(f"{m.num_kv_heads} KV heads cannot be split over tp_size {tp_size}")
     names = [f"model.layers.{i}.self_attn.attn" for i in range(m.num_layers)]

@@ -174,6 +174,18 @@ class EngineView:
         return _build(cls, data, "view")
 
 
+def heads_per_rank(total: int, tp_size: int) -> int | None:
+    """KV heads each TP rank holds: ``total / tp`` when it divides, one replica when ``tp`` is a multiple
+    of ``total`` (vLLM: ``max(1, total // tp)``); None when neither, which vLLM refuses too.
+
+    >>> heads_per_rank(8, 2), heads_per_rank(2, 8), heads_per_rank(6, 4)
+    (4, 1, None)
+    """
+    if total % tp_size == 0:
+        return total // tp_size
+    return 1 if tp_size % total == 0 else None
+
+
 _LAYER_RE = re.compile(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)(?:\.|$)")
 
 
