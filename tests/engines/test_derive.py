@@ -19,7 +19,7 @@ import kvlc
 from kvlc.cli import main
 from kvlc.compiler import compile_spec
 from kvlc.engines.vllm.derive import (EngineView, SpecMismatchError, check_spec, derive_plan, derive_spec,
-                                      spec_yaml, storage_tensors)
+                                      exact_plan, spec_yaml, storage_tensors)
 from kvlc.engines.vllm.derive_offline import published_view
 from kvlc.engines.vllm.derive_read import layer_tensor
 from kvlc.engines.vllm.derive_view import EXAMPLE, GroupKind, GroupView, ViewError
@@ -151,8 +151,9 @@ def _request(cons, prod, rng, tokens):
 def test_prefill_and_decode_specs_pair_and_move_every_byte(backend, p, d):
     """Derived specs of engines with other block sizes and TP pair both ways; pulls by every decode rank
     and pushes by every prefill rank land every requested byte with its content code, nothing else."""
-    prod = derive_plan(view(backend, blocks=24, **p))
-    cons = derive_plan(view(backend, blocks=24, **d))
+    derive = exact_plan if backend == "CPU_ATTN" else derive_plan  # CPU: tokens addressable in exact_plan only
+    prod = derive(view(backend, blocks=24, cpu_isa="vec", **p))
+    cons = derive(view(backend, blocks=24, cpu_isa="vec", **d))
     rng = np.random.default_rng(p["block"] * 7 + d["block"])
     P = Engine(prod, 1, True)
     tokens = 300  # not a multiple of any block size here
@@ -172,6 +173,18 @@ def test_prefill_and_decode_specs_pair_and_move_every_byte(backend, p, d):
                                  tokens), P, r, C2, "WRITE")
     for c in range(cons.parallel.tp_size):
         assert verify(C2, c, P, cids, pids, tokens, befores[c]) > 0
+
+
+def test_cpu_spec_pairs_across_tp_and_refuses_other_block_sizes():
+    """The CPU spec (opaque K/V halves) pairs engines of one block size at any TP, and refuses other
+    block sizes at pairing with the token-tiling finding; exact_plan needs a measured ISA."""
+    tp1, tp2 = derive_plan(view("CPU_ATTN", block=32)), derive_plan(view("CPU_ATTN", block=32, tp=2))
+    for rank in (0, 1):
+        assert kvlc.check_pair(tp2, tp1, local_rank=rank, direction="READ").ok
+    report = kvlc.check_pair(tp1, derive_plan(view("CPU_ATTN", block=128)), local_rank=0, direction="READ")
+    assert "token-tiling" in report.codes() and not report.ok
+    with pytest.raises(ViewError, match="ISA 'amx' was not measured"):
+        exact_plan(view("CPU_ATTN", cpu_isa="amx"))
 
 
 def test_different_kv_heads_or_dtype_do_not_pair():
@@ -197,7 +210,7 @@ def test_derived_spec_checks_clean_and_every_mismatch_is_listed():
     spec["regions"][1]["block_stride"] *= 2                      # the same slab, every other block
     spec["regions"][2]["offset"] = spec["regions"][3]["offset"]  # layer 3's slab
     spec["regions"][3]["storage"] = "kv"
-    spec["layouts"]["kv_h2nd"]["fields"][0]["dtype"] = "fp16"
+    spec["layouts"]["kv_h2c"]["fields"][0]["dtype"] = "fp16"
     spec["storages"][0]["mem"] = "VRAM"
     spec["parallel"]["tp_size"] = 2
     spec["regions"] = [r for r in spec["regions"] if r["name"] != "layer.3"]

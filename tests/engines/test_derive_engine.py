@@ -2,10 +2,11 @@
 
 One test, two engines at once in their own processes:
 
-* a TP 1 engine (single-process mode) whose worker derives the view from its live
-  tensors, checks the derived plan against them, binds them, writes a content pattern
-  through the CPU kernel's own K/V views and reads every block back at the plan's
-  addresses;
+* a TP 1 engine (single-process mode) that prefills a 69-token prompt; its worker derives
+  the view from its live tensors, checks the derived plan against them and binds them,
+  finds the prompt's real K and V (computed by transformers from the same weights) at the
+  addresses of ``exact_plan`` (K stored transposed), and — after writing a pattern through
+  the CPU kernels' own K/V views — reads every block back at the derived plan's addresses;
 * ``kvlc from-vllm --from-engine`` on a TP 2 engine (vLLM's multi-process executor).
 
 Both live specs equal what ``kvlc from-vllm`` derives from config.json without an
@@ -25,7 +26,9 @@ import pytest
 
 import kvlc
 from kvlc.compiler import compile_spec
-from kvlc.engines.vllm.derive import EngineView, spec_yaml
+from kvlc.engines.vllm.derive import EngineView, exact_plan, spec_yaml
+from kvlc.engines.vllm.derive_exact import MEASURED_ISAS
+from kvlc.engines.vllm.derive_view import ViewError
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.engine
@@ -33,11 +36,46 @@ pytestmark = pytest.mark.engine
 WORKER_CHECK = textwrap.dedent('''
     import json, os, sys
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
+    PROMPT = [(7 * i + 3) % 1000 + 1 for i in range(69)]   # 69 tokens: two full 32-token blocks and a tail
+
+    def field_array(plan, region, field, flat):
+        # every block of one bf16 field as float32 [blocks, *dims], read at the plan's byte strides only
+        import numpy as np
+        r = plan.region(region)
+        f = r.field(field)
+        words = flat.view(np.uint16)[(r.offset + f.offset) // 2:]
+        a = np.lib.stride_tricks.as_strided(words, shape=(r.num_blocks,) + tuple(d.size for d in f.dims),
+                                            strides=(r.block_stride,) + tuple(d.stride for d in f.dims))
+        order = [0] + [1 + [d.name for d in f.dims].index(n) for n in ("head", "token", "head_dim")]
+        return (a.astype(np.uint32) << 16).view(np.float32).transpose(order)   # [B, H, N, D]
+
+    def real_content(plan, flat, model):
+        # the prefill's K and V, computed by transformers from the same weights, found at the plan's addresses
+        import numpy as np, torch
+        from transformers import LlamaForCausalLM
+        hf = LlamaForCausalLM.from_pretrained(model, dtype=torch.bfloat16)
+        with torch.no_grad():
+            cache = hf(torch.tensor([PROMPT]), use_cache=True).past_key_values
+        out = []
+        for i, layer in enumerate(cache.layers):
+            for name, ref in (("k", layer.keys[0]), ("v", layer.values[0])):
+                ref = ref.float().numpy()                          # [H, S, D]
+                arr = field_array(plan, f"layer.{i}", name, flat)  # [B, H, N, D]
+                N = arr.shape[2]
+                for c in range(-(-len(PROMPT) // N)):
+                    want = ref[:, c * N:(c + 1) * N]
+                    n = want.shape[1]
+                    err = np.abs(arr[:, :, :n] - want[None]).reshape(arr.shape[0], -1).max(axis=1)
+                    best = np.argsort(err)[:2]
+                    out.append([i, name, c, int(best[0]), float(err[best[0]]), float(err[best[1]]),
+                                float(np.abs(want).max())])
+        return out
 
     def check(worker):
         import numpy as np, torch
-        from kvlc.engines.vllm.derive import check_spec, derive_plan, engine_view, storage_tensors
+        from kvlc.engines.vllm.derive import (check_spec, derive_plan, engine_view, exact_plan,
+                                              storage_tensors)
+        from kvlc.engines.vllm.derive_exact import MEASURED_ISAS
         from kvlc.engines.vllm.derive_engine import worker_kv_caches
         from kvlc.runtime.binding import bind
         config, kv_cache_config, kv = worker_kv_caches(worker)
@@ -46,6 +84,14 @@ WORKER_CHECK = textwrap.dedent('''
         check_spec(plan, view)
         tensors = storage_tensors(plan, view, kv)
         bound = bind(plan, tensors)
+        flat = tensors["kv"].numpy()
+        result = {"view": view.to_dict(), "nbytes": bound["kv"].nbytes, "layers": len(kv),
+                  "same_allocation": len({t.untyped_storage().data_ptr() for t in kv.values()})}
+        if view.cpu_isa in MEASURED_ISAS:
+            result["exact"] = real_content(exact_plan(view), flat, MODEL)
+            # negative control: the K half read in the view's own [token][head_dim] order is not the K
+            naive = exact_plan(view).model_copy()
+            result["naive_k"] = [row for row in real_content(_as_view_order(naive), flat, MODEL) if row[1] == "k"]
         gen = torch.Generator().manual_seed(11)
         for t in kv.values():   # the CPU kernels' view: [B, H, 2N, D] split in halves along dim 2
             B, H, N, C = t.shape
@@ -54,7 +100,6 @@ WORKER_CHECK = textwrap.dedent('''
                                                            dtype=torch.int16))
         base = bound["kv"].addr
         rows = plan.local_descriptors({"kv": base})
-        flat = tensors["kv"].numpy()
         checked, start = 0, 0
         for r in plan.regions:
             t = kv[next(n for n in kv if f".{r.name.split('.')[1]}." in f".{n}.")]
@@ -67,16 +112,25 @@ WORKER_CHECK = textwrap.dedent('''
                     raise AssertionError(f"{r.name} block {b}: bytes differ")
                 checked += length
             start += r.num_blocks
-        return {"view": view.to_dict(), "checked": checked, "nbytes": bound["kv"].nbytes,
-                "layers": len(kv), "same_allocation": len({t.untyped_storage().data_ptr() for t in kv.values()})}
+        result["checked"] = checked
+        return result
+
+    def _as_view_order(plan):
+        # the k field with V's dim order: what a reader who trusts the [B, H, N, D] view would assume
+        regions = []
+        for r in plan.regions:
+            k, v = r.fields
+            regions.append(r.model_copy(update={"fields": (k.model_copy(update={"dims": v.dims}), v)}))
+        return plan.model_copy(update={"regions": tuple(regions)})
 
     if __name__ == "__main__":
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
-        llm = LLM(model=sys.argv[1], load_format="safetensors", enforce_eager=True, skip_tokenizer_init=True,
+        MODEL = sys.argv[1]
+        llm = LLM(model=MODEL, load_format="safetensors", enforce_eager=True, skip_tokenizer_init=True,
                   dtype="bfloat16", max_model_len=512, seed=0, max_num_seqs=4, max_num_batched_tokens=512,
                   kv_cache_memory_bytes=8 << 20, block_size=32)
-        out = llm.generate([TokensPrompt(prompt_token_ids=list(range(1, 70)))],
+        out = llm.generate([TokensPrompt(prompt_token_ids=PROMPT)],
                            SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, detokenize=False))
         result = llm.collective_rpc(check)[0]
         result["tokens"] = list(out[0].outputs[0].token_ids)
@@ -125,6 +179,17 @@ def test_live_engine_spec_is_derived_checked_bound_and_pairs(tiny_llama, tmp_pat
 
     live = json.loads(result.read_text())
     tp1 = EngineView.from_dict(live["view"])
+    if tp1.cpu_isa in MEASURED_ISAS:  # the real prefill's K and V are where exact_plan says, each chunk once
+        blocks = {}
+        for layer, field, chunk, block, err, second, scale in live["exact"]:
+            assert err <= 0.02 * scale + 0.05 < second, (layer, field, chunk, err, second, scale)
+            blocks.setdefault((layer, chunk), set()).add(block)
+        assert all(len(b) == 1 for b in blocks.values()) and len(blocks) == 2 * 3
+        assert len({b.pop() for b in blocks.values()}) == 3  # 3 chunks in 3 blocks, the same in both layers
+        assert all(err > 0.2 * scale for *_, err, _, scale in live["naive_k"])  # K is not in the view's order
+    else:
+        with pytest.raises(ViewError, match="not measured"):
+            exact_plan(tp1)
     assert live["layers"] == 2 and live["same_allocation"] == 1 and len(live["tokens"]) == 4
     assert live["checked"] == 2 * tp1.num_blocks * 2 * 32 * 2 * 64 * 2  # every block of both layers
     assert (tp1.backend, tp1.kv_cache_layout, tp1.parallel.tp_size) == ("CPU_ATTN", "LBHNC", 1)

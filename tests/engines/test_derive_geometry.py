@@ -19,7 +19,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvlc.engines.vllm.derive import derive_plan
+from kvlc.engines.vllm.derive import derive_plan, exact_plan
 from kvlc.engines.vllm.derive_view import heads_per_rank
 from kvlc.engines.vllm.derive_offline import published_view
 from kvlc.engines.vllm.derive_read import layer_tensor
@@ -117,7 +117,10 @@ def _read_back(plan, view, raws):
             coords = {"kv": {"k": 0, "v": 1}.get(f.name, 0), "head": 0, "token": 0, "head_dim": 0}
             for g, d in zip(grids[1:], f.dims):
                 addr = addr + g * d.stride
-                coords["head_dim" if d.name == "latent" else d.name] = g
+                if d.name == "cell":  # a K or V half in the order the test wrote it: [token][head_dim]
+                    coords["token"], coords["head_dim"] = np.divmod(g, view.model.head_dim)
+                else:
+                    coords["head_dim" if d.name == "latent" else d.name] = g
             # a kernel block of the plan = one tensor block; tokens as the kernel indexes them
             want = code(li, coords["kv"], grids[0], coords["head"], coords["token"], coords["head_dim"])
             np_int = NP_INT[INT_OF[f.dtype]]
@@ -178,3 +181,25 @@ def test_random_geometries_hold_every_element(case, heads, tp, head_dim, block, 
     if layout.startswith(("split", "blockkv")) and ratio > 1:
         ratio = 1  # older vLLM had no kernel blocks
     _check_case(backend, layout, heads, tp, head_dim, block, ratio, layers, dtype)
+
+
+@pytest.mark.parametrize("heads,tp,block", [(4, 1, 32), (4, 2, 128), (2, 4, 64)])
+def test_cpu_exact_plan_reads_k_transposed_and_v(heads, tp, block):
+    """exact_plan's k/v fields hold K stored transposed ([head_dim][token]) and V ([token][head_dim])
+    in each head's halves, as the CPU kernels' vec ISA stores them: every element read back."""
+    cfg = {"num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": heads, "head_dim": 16}
+    view = published_view(cfg, "m", backend="CPU_ATTN", block_size=block, num_blocks=3, tp_size=tp,
+                          kv_dtype="bf16", cpu_isa="vec")
+    _, tensors, raws = _unified_tensors(view, torch.bfloat16)
+    live = dataclasses.replace(view, layers=tuple(layer_tensor(t.name, tensors[t.name]) for t in view.layers))
+    for li, t in enumerate(view.layers):
+        x = tensors[t.name]
+        B, H, N, C = x.shape
+        halves = x.view(torch.int16).view(B, H, 2, N * 16)
+        b, h, d, n = np.meshgrid(np.arange(B), np.arange(H), np.arange(16), np.arange(N), indexing="ij")
+        halves[:, :, 0].view(B, H, 16, N).copy_(torch.from_numpy(code(li, 0, b, h, n, d).astype(np.int16)))
+        b, h, n, d = np.meshgrid(np.arange(B), np.arange(H), np.arange(N), np.arange(16), indexing="ij")
+        halves[:, :, 1].view(B, H, N, 16).copy_(torch.from_numpy(code(li, 1, b, h, n, d).astype(np.int16)))
+    plan = exact_plan(live)
+    assert [f.name for f in plan.regions[0].fields] == ["k", "v"]
+    assert _read_back(plan, live, raws) == 2 * 3 * block * heads_per_rank(heads, tp) * 2 * 16

@@ -17,7 +17,7 @@ differ in block size or TP pair.
 >>> from kvlc.compiler import compile_spec
 >>> plan = compile_spec(spec_yaml(EngineView.from_dict(EXAMPLE)))
 >>> print(plan.regions[1].text())
-layer.1 kv+131072 DRAM:0 blocks=8 bytes=16384 stride=16384 tokens=32 groups=full | kv@0:bf16(head@H=2/2:8192,kv=2:4096,token@T=32:128,head_dim=64:2)
+layer.1 kv+131072 DRAM:0 blocks=8 bytes=16384 stride=16384 tokens=32 groups=full | kv@0:bf16(head@H=2/2:8192,kv=2:4096,cell=2048:2)
 """
 
 from __future__ import annotations
@@ -121,6 +121,8 @@ def _field_dims(geo: LayerGeometry) -> list[dict]:
             out.append({"name": "token", "role": "token"})
         elif d.axis == Axis.KV:
             out.append({"name": "kv", "size": 2})
+        elif d.axis == Axis.CELL:
+            out.append({"name": "cell", "size": d.size})
         else:
             out.append({"name": d.axis.value})
     return out
@@ -230,6 +232,18 @@ def derive_plan(view: EngineView):
     """The :class:`~kvlc.compiler.plan.Plan` of the derived spec (compiled from its YAML text)."""
     from kvlc.compiler import compile_spec
     return compile_spec(spec_yaml(view))
+
+
+def exact_plan(view: EngineView):
+    """:func:`derive_plan`, with CPU_ATTN's K and V halves given their real dim orders (tokens addressable).
+
+    The spec language lays out a field's dims row-major, which cannot say "per head, K[D][N]
+    then V[N][D]"; the derived spec therefore holds each half as one opaque ``cell`` and
+    engines of different block sizes do not pair. This plan names the tokens (as measured
+    for the ``vec`` ISA); it pairs across block sizes. Other layouts: the derived plan.
+    """
+    from kvlc.engines.vllm.derive_exact import cpu_exact_plan
+    return cpu_exact_plan(view, derive_plan(view))
 
 
 def check_spec(plan: Any, view: EngineView) -> None:

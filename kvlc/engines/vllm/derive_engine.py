@@ -2,8 +2,8 @@
 
 The engine is built with the given options and no connector; each worker reads
 its own view from its model runner (:class:`DeriveExtension`, called by name through
-``collective_rpc``), so a TP engine gives one view per rank. Single-process mode is used for TP 1, vLLM's default executor for
-TP > 1 (one worker process per rank).
+``collective_rpc``), so a TP engine gives one view per rank. Single-process mode
+is used for TP 1, vLLM's default executor for TP > 1 (one worker process per rank).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ blocks, then V blocks) splits the layer into two regions, ``k`` and ``v``.
 >>> view = EngineView.from_dict(EXAMPLE)
 >>> g = layer_geometry(view.layers[0], view)
 >>> [d.axis.value for d in g.dims], g.block_stride, g.parts
-(['head', 'kv', 'token', 'head_dim'], 16384, (Part(suffix='', field='kv', offset=0),))
+(['head', 'kv', 'cell'], 16384, (Part(suffix='', field='kv', offset=0),))
 """
 
 from __future__ import annotations
@@ -51,8 +51,9 @@ class LayerGeometry:
 
     @property
     def code(self) -> str:
-        """A short name for the dim order: h=head, n=token, 2=kv, d=head_dim, l=latent."""
-        letters = {Axis.HEAD: "h", Axis.TOKEN: "n", Axis.KV: "2", Axis.HEAD_DIM: "d", Axis.LATENT: "l"}
+        """A short name for the dim order: h=head, n=token, 2=kv, d=head_dim, l=latent, c=cell."""
+        letters = {Axis.HEAD: "h", Axis.TOKEN: "n", Axis.KV: "2", Axis.HEAD_DIM: "d", Axis.LATENT: "l",
+                   Axis.CELL: "c"}
         return "".join(letters[d.axis] for d in self.dims)
 
 
@@ -93,8 +94,10 @@ def _unpack_content(dims: list[Dim], t: LayerTensor, view: EngineView) -> list[D
         raise ViewError(f"tensor '{t.name}': {view.backend} re-views each head's [token][2*head_dim] rows "
                         f"as [2*token][head_dim], which needs them dense: token stride {nd.stride}, "
                         f"expected {cd.size * cd.stride} (content size x stride) right before the content dim")
-    inner = [Dim(Axis.KV, 2, nd.size * head_dim * cd.stride), Dim(Axis.TOKEN, nd.size, head_dim * cd.stride),
-             Dim(Axis.HEAD_DIM, head_dim, cd.stride)]
+    # Each half is N * D elements in an order of the kernel ISA's (K is stored transposed with
+    # the vec ISA), not the view's: kvlc's spec language cannot give K and V different dim
+    # orders, so the half is one opaque 'cell' dim — exact bytes, tokens not addressable.
+    inner = [Dim(Axis.KV, 2, nd.size * head_dim * cd.stride), Dim(Axis.CELL, nd.size * head_dim, cd.stride)]
     return dims[:n] + inner + dims[c + 1:]
 
 

@@ -119,7 +119,8 @@ def _pick_layout(backend: str, layout: str | None, mla: bool) -> str:
     layout = layout or DEFAULT_LAYOUT.get(backend, "LBNHC")
     if layout not in UNIFIED_LAYOUTS and layout not in LEGACY_LAYOUTS:
         from kvlc.errors import did_you_mean
-        raise ViewError(f"unknown KV-cache layout '{layout}'; {did_you_mean(layout, [*UNIFIED_LAYOUTS, *LEGACY_LAYOUTS])}")
+        hint = did_you_mean(layout, [*UNIFIED_LAYOUTS, *LEGACY_LAYOUTS])
+        raise ViewError(f"unknown KV-cache layout '{layout}'; {hint}")
     if backend == "CPU_ATTN" and layout != "LBHNC":
         raise ViewError(f"the CPU backend supports only layout LBHNC (head-major blocks), not '{layout}'")
     if layout in LEGACY_LAYOUTS and (mla or not layout.startswith("split" if backend == "FLASH_ATTN" else "blockkv")):
@@ -130,7 +131,8 @@ def _pick_layout(backend: str, layout: str | None, mla: bool) -> str:
 
 def published_view(config: Mapping[str, Any], name: str, *, backend: str, block_size: int, num_blocks: int,
                    tp_size: int = 1, tp_rank: int = 0, kv_dtype: str = "bf16", layout: str | None = None,
-                   kernel_block_size: int | None = None, device: str | None = None) -> EngineView:
+                   kernel_block_size: int | None = None, device: str | None = None,
+                   cpu_isa: str = "") -> EngineView:
     """The view an engine with these options would give (see the module docstring)."""
     if kv_dtype not in DTYPE_SIZES:
         from kvlc.errors import did_you_mean
@@ -158,4 +160,5 @@ def published_view(config: Mapping[str, Any], name: str, *, backend: str, block_
                       kv_cache_layout=layout, kv_packing=packing, block_size=block_size, kernel_block_size=kernel,
                       num_blocks=num_blocks, groups=_groups(config, block_size, names, mla),
                       layers=layers,
-                      provenance=Provenance.PUBLISHED_CPU if backend == "CPU_ATTN" else Provenance.PUBLISHED)
+                      provenance=Provenance.PUBLISHED_CPU if backend == "CPU_ATTN" else Provenance.PUBLISHED,
+                      cpu_isa=cpu_isa if backend == "CPU_ATTN" else "")

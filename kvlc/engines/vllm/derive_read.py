@@ -86,6 +86,13 @@ def _backends(vllm_config: Any, names) -> set[str]:
     return out
 
 
+def _cpu_isa(vllm_config: Any, names) -> str:
+    """The CPU attention kernels' ISA the metadata builder set on the layers ("vec", "amx", ...)."""
+    ctx = getattr(getattr(vllm_config, "compilation_config", None), "static_forward_context", {}) or {}
+    isas = {getattr(ctx.get(n), "isa", None) for n in names} - {None}
+    return ",".join(sorted(map(str, isas)))
+
+
 def _layout(vllm_config: Any, kv_cache_config: Any) -> str:
     layout = getattr(kv_cache_config, "kv_cache_layout", None)
     if layout is None:
@@ -145,4 +152,5 @@ def read_engine_view(vllm_config: Any, kv_cache_config: Any, kv_caches: Mapping[
     return EngineView(model=model, parallel=parallel, backend=backend, kv_cache_layout=_layout(vllm_config,
                       kv_cache_config), kv_packing=packing_for(backend, mla), block_size=int(cc.block_size),
                       kernel_block_size=kernel, num_blocks=int(kv_cache_config.num_blocks),
-                      groups=groups, layers=layers, provenance=Provenance.LIVE)
+                      groups=groups, layers=layers, provenance=Provenance.LIVE,
+                      cpu_isa=_cpu_isa(vllm_config, [t.name for t in layers]) if backend == "CPU_ATTN" else "")

@@ -49,6 +49,7 @@ class Axis(str, Enum):
     HEAD_DIM = "head_dim"    # elements of one head vector
     CONTENT = "content"      # K|V packed: 2 * head_dim elements (see KvPacking)
     LATENT = "latent"        # MLA: kv_lora_rank + rope elements, one per token
+    CELL = "cell"            # CPU_ATTN: one head's K or V of a block, N * D elements in the kernel's order
 
 
 class KvPacking(str, Enum):
@@ -57,7 +58,9 @@ class KvPacking(str, Enum):
     ``per_token``: each (head, token) row is K[head_dim] then V[head_dim] (FLASH_ATTN,
     FLASHINFER and the other CUDA backends of vLLM's logical [B, H, N, 2*D] view).
     ``per_head_block``: the kernels re-view a head's [N][2*D] rows as [2*N][D] and
-    split them in halves, so a head holds K[N][D] then V[N][D] (CPU_ATTN).
+    split them in halves, so a head holds its K half, then its V half (CPU_ATTN). Inside
+    the halves the order is the kernel ISA's: measured on a live engine with the ``vec``
+    ISA, K is stored transposed, K[D][N], and V as V[N][D].
     ``none``: no content dim (split K/V, MLA latent).
     """
 
@@ -154,6 +157,7 @@ class EngineView:
     groups: tuple[GroupView, ...]
     layers: tuple[LayerTensor, ...]
     provenance: Provenance = Provenance.LIVE
+    cpu_isa: str = ""  # CPU_ATTN: the attention layers' kernel ISA ("vec", "amx", "vec16", ...)
 
     def group_of(self, layer_name: str) -> int:
         """Index of the group holding ``layer_name``."""

@@ -27,12 +27,17 @@ _Dumper.add_representer(dict, lambda d, data: d.represent_mapping("tag:yaml.org,
                                                                     flow_style=False))
 
 
-def _packing_words(view: EngineView) -> str:
+def _packing_words(view: EngineView) -> list[str]:
     if view.kv_packing == KvPacking.PER_HEAD_BLOCK:
-        return "per block and KV head: K[token][head_dim], then V[token][head_dim]"
+        return [f"# Block contents: per KV head a K half, then a V half, each one 'cell' of token x head_dim "
+                f"elements in the kernel's order (ISA {view.cpu_isa or 'unknown'};",
+                "#   vec: K[head_dim][token], V[token][head_dim]). kvlc's spec language cannot give K and V "
+                "different dim orders yet, so",
+                "#   tokens are not addressable here: engines of other TP pair, engines of other block sizes do "
+                "not (kvlc.engines.vllm.derive.exact_plan does)."]
     if view.kv_packing == KvPacking.PER_TOKEN:
-        return "per token and KV head: K[head_dim] then V[head_dim]"
-    return "as the tensor dims say"
+        return ["# Block contents: per token and KV head: K[head_dim] then V[head_dim]."]
+    return ["# Block contents: as the tensor dims say (outermost first below)."]
 
 
 def _header(spec: dict, view: EngineView) -> list[str]:
@@ -45,8 +50,8 @@ def _header(spec: dict, view: EngineView) -> list[str]:
         f"PP {p.pp_size}, DCP {p.dcp_size}; {view.num_blocks} blocks of {view.block_size} tokens"
         + (f" (kernel blocks of {view.kernel_block_size})" if view.kernel_block_size != view.block_size else "")
         + f", KV dtype {view.model.dtype}.",
-        f"# Block contents: {_packing_words(view)}.",
-        "# Regions are named layer.N after vLLM's layer names, so engines with other block sizes or TP pair.",
+        *_packing_words(view),
+        "# Regions are named layer.N after vLLM's layer names and groups by kind: stable across engines.",
     ]
     if view.provenance == Provenance.PUBLISHED:
         lines.append("# NOT RUN ON A GPU HERE: check it against a live engine (KvlcConnector checks a given spec).")
