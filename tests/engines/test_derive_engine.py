@@ -182,7 +182,7 @@ def test_live_engine_spec_is_derived_checked_bound_and_pairs(tiny_llama, tmp_pat
     if tp1.cpu_isa in MEASURED_ISAS:  # the real prefill's K and V are where exact_plan says, each chunk once
         blocks = {}
         for layer, field, chunk, block, err, second, scale in live["exact"]:
-            assert err <= 0.02 * scale + 0.05 < second, (layer, field, chunk, err, second, scale)
+            assert err <= 0.05 * scale and second >= 0.5 * scale, (layer, field, chunk, err, second, scale)
             blocks.setdefault((layer, chunk), set()).add(block)
         assert all(len(b) == 1 for b in blocks.values()) and len(blocks) == 2 * 3
         assert len({b.pop() for b in blocks.values()}) == 3  # 3 chunks in 3 blocks, the same in both layers

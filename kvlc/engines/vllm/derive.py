@@ -8,6 +8,11 @@
 * :func:`check_spec` checks a user's plan against the live tensors, every mismatch at once.
 * :func:`storage_tensors` gives the tensors to bind, one per plan storage: a uint8
   tensor over each whole allocation (vLLM puts all layers in one).
+* :func:`exact_plan` is the plan to bind for CPU_ATTN when the other engine may have
+  another block size: the CPU kernels store K transposed inside each head's half of a
+  block, which the spec language cannot state, so the spec holds each half as one opaque
+  ``cell`` (exact bytes, pairs across TP, refuses other block sizes); ``exact_plan`` names
+  tokens with the real byte strides. For every other layout it is :func:`derive_plan`.
 
 Names are stable across engines: regions are ``layer.{i}`` (``i`` parsed from the
 vLLM layer name), groups are named by kind, so a prefill and a decode engine that
