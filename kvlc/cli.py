@@ -151,8 +151,8 @@ def render(template: str, config: str | None, sets: tuple[str, ...], output: str
 @click.option("--tp-size", type=int, default=1, show_default=True)
 @click.option("--tp-rank", type=int, default=0, show_default=True)
 @click.option("--kv-dtype", default="bf16", show_default=True, help="bf16, fp16, fp32, fp8_e4m3, fp8_e5m2.")
-@click.option("--num-blocks", type=int, default=None, help="KV-cache blocks [default: 1024; an engine's own count "
-              "with --from-engine].")
+@click.option("--num-blocks", type=int, default=None, help="KV-cache blocks [default: 1024; with --from-engine "
+              "the engine's own count].")
 @click.option("--layout", default=None, help="vLLM KV-cache layout: LBHNC, LBNHC, BLHNC, BLNHC; older vLLM: "
               "split-NHD/split-HND (FLASH_ATTN), blockkv-NHD/blockkv-HND (FLASHINFER).")
 @click.option("--from-engine", is_flag=True, help="Start a real vLLM engine on CPU and derive from its tensors.")
@@ -176,11 +176,13 @@ def from_vllm(model_dir: str, backend: str, block_size: int | None, kernel_block
     try:
         if from_engine:
             from kvlc.engines.vllm.derive_engine import live_views
-            extra = {"num_gpu_blocks_override": num_blocks} if num_blocks else {}
             dtypes = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-            views = live_views(model_dir, block_size=block_size, tp_size=tp_size,
-                               dtype=dtypes.get(kv_dtype, "bfloat16"), kv_cache_memory_bytes=kv_cache_mib << 20,
-                               attention_backend=None if backend == "CPU_ATTN" else backend, **extra)
+            if num_blocks or kv_dtype not in dtypes:
+                raise KvlcError("--from-engine: the engine sizes its cache from --kv-cache-mib (drop --num-blocks) "
+                                f"and runs in {', '.join(dtypes)} (got --kv-dtype {kv_dtype})")
+            views = live_views(model_dir, block_size=block_size, tp_size=tp_size, dtype=dtypes[kv_dtype],
+                               kv_cache_memory_bytes=kv_cache_mib << 20,
+                               attention_backend=None if backend == "CPU_ATTN" else backend)
             view = views[min(tp_rank, len(views) - 1)]
         else:
             from kvlc.engines.vllm.derive_offline import published_view

@@ -307,7 +307,8 @@ def test_from_vllm_writes_file_and_view(model_dir, tmp_path):
 
 @pytest.mark.parametrize("args,message", [(["--backend", "FLASHINFR"], "did you mean 'FLASHINFER'"),
                                           (["--kv-dtype", "bf61"], "unknown KV dtype 'bf61'"),
-                                          (["--layout", "NHD"], "unknown KV-cache layout 'NHD'")])
+                                          (["--layout", "NHD"], "unknown KV-cache layout 'NHD'"),
+                                          (["--from-engine", "--num-blocks", "8"], "drop --num-blocks")])
 def test_from_vllm_bad_options_exit_2_with_a_hint(model_dir, args, message):
     """Bad options are one clear message and exit code 2, no traceback."""
     res = CliRunner().invoke(main, ["from-vllm", str(model_dir), *args])

@@ -10,7 +10,7 @@ One test, two engines at once in their own processes:
 * ``kvlc from-vllm --from-engine`` on a TP 2 engine (vLLM's multi-process executor).
 
 Both live specs equal what ``kvlc from-vllm`` derives from config.json without an
-engine, and the TP 2 and TP 1 specs pair both ways.
+engine; across the two block sizes the specs refuse to pair and the exact plans pair both ways.
 """
 
 from __future__ import annotations
@@ -161,9 +161,10 @@ def _env(bind_cores: str) -> dict:
 
 
 def test_live_engine_spec_is_derived_checked_bound_and_pairs(tiny_llama, tmp_path):
-    """A live CPU engine's derived plan passes check_spec, binds its one allocation, and every block
-    the kernel's K/V views hold is at the plan's address; `from-vllm --from-engine` (TP 2) and the
-    engine-free derivation give the same specs; TP 2 and TP 1 specs pair both ways."""
+    """A live CPU engine's derived plan passes check_spec and binds its one allocation; the prefill's
+    real K and V lie at exact_plan's addresses; every block the kernel's K/V views hold is at the
+    derived plan's address; `from-vllm --from-engine` (TP 2) and the engine-free derivation give
+    the same specs; TP 2 / TP 1 exact plans of other block sizes pair both ways."""
     script, result = tmp_path / "check.py", tmp_path / "result.json"
     script.write_text(WORKER_CHECK)
     tp2_yaml, tp2_view = tmp_path / "tp2.yaml", tmp_path / "tp2.json"
@@ -182,7 +183,8 @@ def test_live_engine_spec_is_derived_checked_bound_and_pairs(tiny_llama, tmp_pat
     if tp1.cpu_isa in MEASURED_ISAS:  # the real prefill's K and V are where exact_plan says, each chunk once
         blocks = {}
         for layer, field, chunk, block, err, second, scale in live["exact"]:
-            assert err <= 0.05 * scale and second >= 0.5 * scale, (layer, field, chunk, err, second, scale)
+            tol = 0.02 if layer == 0 else 0.1  # layer 1's inputs already differ by bf16 rounding
+            assert err <= tol * scale and second >= 0.5 * scale, (layer, field, chunk, err, second, scale)
             blocks.setdefault((layer, chunk), set()).add(block)
         assert all(len(b) == 1 for b in blocks.values()) and len(blocks) == 2 * 3
         assert len({b.pop() for b in blocks.values()}) == 3  # 3 chunks in 3 blocks, the same in both layers
@@ -205,7 +207,12 @@ def test_live_engine_spec_is_derived_checked_bound_and_pairs(tiny_llama, tmp_pat
         assert offline.returncode == 0, offline.stderr
         assert compile_spec(offline.stdout).text() == compile_spec(spec_yaml(v)).text()
 
+    # TP 2 / 64-token blocks against TP 1 / 32-token blocks: the specs refuse (K/V halves are opaque
+    # cells), the exact plans pair both ways, from every rank
     a, b = compile_spec(tp2_yaml.read_text()), compile_spec(spec_yaml(tp1))
-    for local, remote in ((a, b), (b, a)):
-        for rank in range(local.parallel.tp_size):
-            assert kvlc.pair(local, remote, local_rank=rank, direction="READ").report.ok
+    assert "token-tiling" in kvlc.check_pair(a, b, local_rank=0, direction="READ").codes()
+    if tp1.cpu_isa in MEASURED_ISAS:
+        a, b = exact_plan(tp2), exact_plan(tp1)
+        for local, remote in ((a, b), (b, a)):
+            for rank in range(local.parallel.tp_size):
+                assert kvlc.pair(local, remote, local_rank=rank, direction="READ").report.ok
