@@ -96,21 +96,23 @@ def check_plan_against_view(plan, view) -> None:
         if s.size > t.size:
             out.append(Mismatch(f"storage '{s.name}'", "size", f"{s.size} bytes", f"{t.size} bytes allocated"))
     tensor_of = {f"layer.{t.layer_index}": t.name for t in view.layers}
+
+    def tensor(region: str) -> str:  # 'layer.3' and 'layer.3.k' name tensor model.layers.3...
+        return tensor_of.get(".".join(region.split(".")[:2]), region)
+
     theirs = {r.name: r for r in derived.regions}
     for r in plan.regions:
-        tensor = tensor_of.get(r.name.rsplit(".", 1)[0] if r.name.count(".") > 1 else r.name, r.name)
         t = theirs.get(r.name)
         if t is None:
             if not r.optional:
-                out.append(Mismatch(tensor, "region", f"region '{r.name}'",
+                out.append(Mismatch(tensor(r.name), "region", f"region '{r.name}'",
                                     f"no such layer tensor ({did_you_mean(r.name, theirs)})"))
             continue
-        _compare_region(out, tensor, r, t)
+        _compare_region(out, tensor(r.name), r, t)
     mine = {r.name for r in plan.regions}
     for name, t in theirs.items():
         if name not in mine:
-            out.append(Mismatch(tensor_of.get(name.rsplit(".", 1)[0] if name.count(".") > 1 else name, name),
-                                "region", "nothing", f"region '{name}' ({t.num_blocks} blocks)"))
+            out.append(Mismatch(tensor(name), "region", "nothing", f"region '{name}' ({t.num_blocks} blocks)"))
     if out:
         raise SpecMismatchError(plan.name, tuple(out))
 
