@@ -76,6 +76,17 @@ def check_request_id(req: str) -> str:
     return req
 
 
+def _check_args(plan: Plan, rank, progress, timeout, lease) -> None:
+    if progress not in PROGRESS:
+        raise KvlcError(f"progress {progress!r}: use 'thread', 'nixl' or 'manual'")
+    for what, v in (("timeout", timeout), ("lease", lease)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 86400:
+            raise KvlcError(f"{what} {v!r}: give seconds, more than 0 and at most 86400")
+    tp = plan.parallel.tp_size
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < tp:
+        raise KvlcError(f"rank {rank} outside plan '{plan.name}' (tp_size {tp}); use 0..{tp - 1}")
+
+
 class KvAgent:
     """One rank of one engine: bound tensors, one NIXL registration per storage, an authenticated side channel.
 
@@ -107,14 +118,7 @@ class KvAgent:
         limits: Limits | None = None,
         agent_factory: Callable[[str], Any] | None = None,
     ):
-        if progress not in PROGRESS:
-            raise KvlcError(f"progress {progress!r}: use 'thread', 'nixl' or 'manual'")
-        for what, v in (("timeout", timeout), ("lease", lease)):
-            if not isinstance(v, (int, float)) or not 0 < v <= 86400:
-                raise KvlcError(f"{what} {v!r}: give seconds, more than 0 and at most 86400")
-        tp = plan.parallel.tp_size
-        if not isinstance(rank, int) or not 0 <= rank < tp:
-            raise KvlcError(f"rank {rank} outside plan '{plan.name}' (tp_size {tp}); use 0..{tp - 1}")
+        _check_args(plan, rank, progress, timeout, lease)
         self._key = resolve_secret(secret, insecure)
         self.plan, self.rank, self.timeout, self.lease = plan, rank, float(timeout), float(lease)
         self.limits = limits or Limits()

@@ -68,46 +68,10 @@ def connect(agent: KvAgent, addresses: Sequence[str], direction: str, mode: str,
     added: list[str] = []
     try:
         got = _fetch(clients)
-        rec0 = next(iter(got.values()))[0]
-        with agent._lock:
-            eng = agent.sessions.engine(rec0, direction)
-        missing = sorted(set(eng.program.peer_ranks) - set(got))
-        if missing:
-            raise HandshakeError(
-                f"rank {agent.rank} exchanges bytes with ranks {list(eng.program.peer_ranks)} of "
-                f"'{rec0.plan.name}', but no address serves rank(s) {missing}"
-            )
-        peers = eng.program.peer_ranks
-        with agent._lock:
-            replaced = [old for r in peers for old in agent.sessions.check(got[r][0], eng)]
-            for old in replaced:
-                agent._drop_session(old, f"engine '{old.engine_id}' rank {old.rank} restarted")
-            if mode is not Mode.PULL_VIA_PUSH:  # this side initiates transfers: it needs their NIXL agents
-                for r in peers:
-                    if got[r][0].agent not in agent.nixl.remotes:
-                        agent._load_remote(got[r][0])
-                        added.append(got[r][0].agent)
-        wire_mode = "pull_via_push" if mode is Mode.PULL_VIA_PUSH else "direct"
-        hello = encode(Introduce(record=agent.record, direction=direction.value, mode=wire_mode,
-                                 address=agent.address or ""))
-        for r in peers:
-            reply = decode(got[r][1].request(hello))
-            if not isinstance(reply, Reply) or not reply.ok:
-                why = reply.error if isinstance(reply, Reply) else f"a '{reply.t}' message"
-                raise HandshakeError(f"rank {r} ({got[r][0].agent}) refused this agent: {why}")
-        with agent._lock:
-            agent._check_open()
-            sessions = {}
-            for r in peers:
-                rec, client = got[r]
-                s = Session(rec, client.sealed.id, client.sealed.notif_key, direction, mode, eng)
-                agent.sessions.add(s)
-                sessions[r] = s
-            for r, (_, c) in got.items():
-                if r not in peers:
-                    c.close()
-            agent._res.clients.extend(got[r][1] for r in peers)
-            peer = Peer(agent, eng, sessions, {r: got[r][1] for r in peers}, direction, mode)
+        eng = _pair(agent, got, direction)
+        added = _admit(agent, got, eng, mode)
+        _introduce(agent, got, eng.program.peer_ranks, direction, mode)
+        peer = _open(agent, got, eng, direction, mode)
         if mode is Mode.PREPPED:  # prepare the strided lists now: NIXL problems surface at connect
             with agent._lock:
                 try:
@@ -126,6 +90,64 @@ def connect(agent: KvAgent, addresses: Sequence[str], direction: str, mode: str,
         for c in clients:
             c.close()
         raise
+
+
+def _pair(agent: KvAgent, got, direction: Direction) -> RemoteEngine:
+    """Pair with the remote engine (CompatError here) and check every rank it needs is served."""
+    rec0 = next(iter(got.values()))[0]
+    with agent._lock:
+        eng = agent.sessions.engine(rec0, direction)
+    missing = sorted(set(eng.program.peer_ranks) - set(got))
+    if missing:
+        raise HandshakeError(
+            f"rank {agent.rank} exchanges bytes with ranks {list(eng.program.peer_ranks)} of "
+            f"'{rec0.plan.name}', but no address serves rank(s) {missing}"
+        )
+    return eng
+
+
+def _admit(agent: KvAgent, got, eng: RemoteEngine, mode: Mode) -> list[str]:
+    """Refuse hijacks, end the sessions a restart replaces, load the NIXL agents this side initiates to."""
+    added = []
+    with agent._lock:
+        peers = eng.program.peer_ranks
+        replaced = [old for r in peers for old in agent.sessions.check(got[r][0], eng)]
+        for old in replaced:
+            agent._drop_session(old, f"engine '{old.engine_id}' rank {old.rank} restarted")
+        if mode is not Mode.PULL_VIA_PUSH:
+            for r in peers:
+                if got[r][0].agent not in agent.nixl.remotes:
+                    agent._load_remote(got[r][0])
+                    added.append(got[r][0].agent)
+    return added
+
+
+def _introduce(agent: KvAgent, got, peers, direction: Direction, mode: Mode) -> None:
+    wire_mode = "pull_via_push" if mode is Mode.PULL_VIA_PUSH else "direct"  # "prepped" is direct on the wire
+    hello = encode(Introduce(record=agent.record, direction=direction.value, mode=wire_mode,
+                             address=agent.address or ""))
+    for r in peers:
+        reply = decode(got[r][1].request(hello))
+        if not isinstance(reply, Reply) or not reply.ok:
+            why = reply.error if isinstance(reply, Reply) else f"a '{reply.t}' message"
+            raise HandshakeError(f"rank {r} ({got[r][0].agent}) refused this agent: {why}")
+
+
+def _open(agent: KvAgent, got, eng: RemoteEngine, direction: Direction, mode: Mode) -> Peer:
+    """One session per remote rank, on the connection it was introduced on."""
+    peers = eng.program.peer_ranks
+    with agent._lock:
+        agent._check_open()
+        sessions = {}
+        for r in peers:
+            rec, client = got[r]
+            sessions[r] = Session(rec, client.sealed.id, client.sealed.notif_key, direction, mode, eng)
+            agent.sessions.add(sessions[r])
+        for r, (_, c) in got.items():
+            if r not in peers:
+                c.close()
+        agent._res.clients.extend(got[r][1] for r in peers)
+        return Peer(agent, eng, sessions, {r: got[r][1] for r in peers}, direction, mode)
 
 
 class Peer:

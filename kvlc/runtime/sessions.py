@@ -117,7 +117,7 @@ class SessionTable:
                 f"'{self.plan.name}' (peers of this rank: {sorted(eng.expected)})"
             )
         for s in self.by_agent.get(rec.agent, ()):
-            if s.live and (s.engine_id, s.rank, s.epoch) != (rec.engine_id, rec.rank, rec.epoch):
+            if s.live and (s.engine_id, s.rank) != (rec.engine_id, rec.rank):  # (a new epoch is a restart)
                 raise HandshakeError(
                     f"agent name '{rec.agent}' already belongs to rank {s.rank} of engine '{s.engine_id}' "
                     f"(epoch {s.epoch[:8]}); refusing a second claim to it"

@@ -52,7 +52,7 @@ class EngineConfig:
     host: str = "127.0.0.1"
     secret: str | None = field(default_factory=lambda: HARNESS_SECRET)  # None: $KVLC_SECRET...
     insecure: bool = False
-    engine_id: str | None = None  # ranks of one engine share it
+    engine_id: str | None = None  # ranks of one engine share it (default: one per plan and fill)
     lease: float = 30.0
 
 
@@ -107,7 +107,7 @@ class _Hosted:
             progress=cfg.progress,
             secret=cfg.secret,
             insecure=cfg.insecure,
-            engine_id=cfg.engine_id,
+            engine_id=cfg.engine_id or f"harness-{self.plan.digest[:12]}-{cfg.fill}",
             lease=cfg.lease,
         )
         self.address = self.agent.serve(cfg.host)

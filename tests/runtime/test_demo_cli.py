@@ -57,3 +57,18 @@ def test_demo_runs_from_any_directory_and_says_what_it_verified(tmp_path):
     for what in ("start-up", "transfer time", "verification time", "requests verified", "bytes verified"):
         assert what in text
     assert "of 3 requests verified" in text and "every byte of all" not in text
+
+
+def test_missing_extras_are_named_with_the_install_command(monkeypatch, capsys):
+    """Without msgpack (or torch, nixl, rich) the demo says which are missing and how to install them."""
+    import importlib.util
+
+    from kvlc import cli
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "msgpack" else real(name, *a))
+    with pytest.raises(SystemExit) as exc:
+        cli._demo_needs_extras()
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "missing: msgpack" in err and "pip install 'kvlc[runtime]'" in err

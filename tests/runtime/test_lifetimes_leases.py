@@ -109,3 +109,28 @@ def test_closed_peer_ends_its_sessions_on_both_sides(plans):
         assert _until(lambda: not p.sessions.all() and c.name not in p.nixl.remotes)
         with pytest.raises(TransferError, match="closed"):
             peer.read("x", {"full": [1]}, {"full": [1]}, 1)
+
+
+def test_restart_under_the_same_name_replaces_only_that_ranks_session(plans):
+    """A rank restarted with the same engine id and agent name (new epoch) replaces its old session at the
+    producer: the old agent's requests are refused and end failed, the new one's land, others are untouched."""
+    tp1 = plans["tp1"]
+    with (KvAgent(tp1, 0, allocate(tp1), secret=SECRET, engine_id="restart-p") as p,
+          KvAgent(tp1, 0, allocate(tp1), secret=SECRET, engine_id="bystander") as other):
+        addr = p.serve()
+        keep = other.connect(addr, mode="pull_via_push")
+        old = KvAgent(tp1, 0, allocate(tp1), secret=SECRET, engine_id="E", name="fixed-name")
+        try:
+            stale = old.connect(addr, mode="pull_via_push")
+            new = KvAgent(tp1, 0, allocate(tp1), secret=SECRET, engine_id="E", name="fixed-name")
+            with new:
+                fresh = new.connect(addr, mode="pull_via_push")
+                assert {s.epoch for s in p.sessions.live("fixed-name")} == {new.epoch}
+                stale.read("old-epoch", {"full": [1]}, {"full": [2]}, 16, timeout=10)
+                assert "old-epoch" in old.wait(["old-epoch"], timeout=20).failed
+                fresh.read("new-epoch", {"full": [1]}, {"full": [2]}, 16)
+                keep.read("bystander", {"full": [1]}, {"full": [2]}, 16)
+                assert new.wait(["new-epoch"], timeout=20).finished == ("new-epoch",)
+                assert other.wait(["bystander"], timeout=20).finished == ("bystander",)
+        finally:
+            old.close()
