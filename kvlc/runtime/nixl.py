@@ -24,10 +24,13 @@ from typing import Any
 import numpy as np
 
 from kvlc.runtime.errors import NixlError
+from kvlc.runtime.ucx import UcxOptions, apply_env
 
 # NIXL logs every agent creation at INFO on stdout; keep it to warnings unless the user set a level.
 _user_env = dict(os.environ)
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+
+log = logging.getLogger("kvlc.runtime.nixl")
 
 OPS = ("READ", "WRITE")
 MEM_TYPES = ("DRAM", "VRAM")
@@ -184,6 +187,7 @@ class Agent:
         *,
         telemetry: bool = False,
         progress_thread: bool = False,
+        ucx: UcxOptions | None = None,
     ):
         from nixl._api import nixl_agent, nixl_agent_config  # the only import of nixl in kvlc
 
@@ -196,19 +200,33 @@ class Agent:
         self._remotes: set[str] = set()
         # NIXL's progress thread busy-polls a core per agent; without it, transfers and notifications
         # progress whenever the agent is used (every KvAgent.poll()), which engines do in their loop.
-        config = nixl_agent_config(
-            enable_prog_thread=progress_thread, backends=list(backends), capture_telemetry=telemetry
-        )
+        config = nixl_agent_config(enable_prog_thread=progress_thread, backends=[], capture_telemetry=telemetry)
         self._nixl = call(f"create agent {name!r}", nixl_agent, name, config)
-        missing = [b for b in backends if b not in self._nixl.backends]
+        self.ucx = ucx or UcxOptions()
+        self.backend_params = self._create_backends(name, backends)
+        self.backends = tuple(backends)
+        self.closed = False
+
+    def _create_backends(self, name: str, backends: Sequence[str]) -> dict[str, dict[str, str]]:
+        """Create each backend with its parameters (UCX: :class:`UcxOptions`, environment first)."""
+        plugins = sorted(self._nixl.get_plugin_list())
+        missing = [b for b in backends if b not in plugins]
         if missing:
             raise NixlError(
                 f"create agent {name!r}",
                 "backend unavailable",
-                f"backends {missing} not loaded; available plugins: {sorted(self._nixl.get_plugin_list())}",
+                f"backends {missing} not loaded; available plugins: {plugins}",
             )
-        self.backends = tuple(backends)
-        self.closed = False
+        created = {}
+        for b in backends:
+            params = {}
+            if b == "UCX":
+                apply_env(self.ucx)  # UCX reads its environment when the backend is created
+                params = self.ucx.backend_params()
+            run(f"create backend {b} {params} for agent {name!r}", self._nixl.create_backend, b, params)
+            created[b] = params
+            log.debug("agent %r: backend %s created with %s", name, b, params)
+        return created
 
     @property
     def _n(self):
@@ -409,10 +427,11 @@ class Agent:
 
 
 def agent_factory(
-    backends: Sequence[str], telemetry: bool = False, progress_thread: bool = False
+    backends: Sequence[str], telemetry: bool = False, progress_thread: bool = False,
+    ucx: UcxOptions | None = None,
 ) -> Callable[[str], Agent]:
     """A function that creates a real :class:`Agent` by name (tests substitute a fake one)."""
-    return lambda name: Agent(name, backends, telemetry=telemetry, progress_thread=progress_thread)
+    return lambda name: Agent(name, backends, telemetry=telemetry, progress_thread=progress_thread, ucx=ucx)
 
 
 __all__ = [
@@ -420,6 +439,7 @@ __all__ = [
     "Xfer",
     "Prepped",
     "Registration",
+    "UcxOptions",
     "XferState",
     "check",
     "call",
