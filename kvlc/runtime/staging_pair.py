@@ -36,6 +36,7 @@ class Side:
     slot_bytes: int = 8 << 20
     slots: int = 4
     pin: bool = True
+    fill: bool = True                      # content codes (sender) and noise (receiver); False: zeros
     ucx: dict = field(default_factory=dict)  # UcxOptions fields
 
     def mem_of(self, i: int) -> str:
@@ -67,6 +68,11 @@ def _alloc(side: Side, fill: str):
 
     out = []
     for i, n in enumerate(side.regions):
+        if not side.fill:  # throughput runs: no codes (too slow to make for GiBs), nothing checked
+            where = f"cuda:{side.device or 0}" if side.mem_of(i) == "VRAM" else "cpu"
+            t = torch.zeros(n, dtype=torch.uint8, device=where)
+            out.append(t.pin_memory() if where == "cpu" and side.pin and torch.cuda.is_available() else t)
+            continue
         data = torch.from_numpy(code(i, n) if fill == "code" else np.full(n, SEED_NOISE, dtype=np.uint8))
         if side.mem_of(i) == "VRAM":
             out.append(data.to(f"cuda:{side.device or 0}"))
@@ -111,6 +117,11 @@ def _child(conn, role: str, side: Side) -> None:  # pragma: no cover - runs in t
         try:
             conn.send(("ok", ops[cmd](agent, ep, tensors, bases, peer, *args)))
         except Exception as exc:
+            if cmd in ("staged", "raw"):  # release the receiver's serve loop
+                try:
+                    agent.send_notif(peer["name"], b"stop")
+                except Exception:
+                    pass
             conn.send(("error", f"{type(exc).__name__}: {exc}"))
     agent.close()
 
@@ -137,7 +148,8 @@ def _staged(agent, ep, tensors, bases, peer, requests: list, timeout: float) -> 
 def _serve(agent, ep, tensors, bases, peer) -> dict:
     """Receiver: handle staging messages and progress until the sender says stop."""
     received, failed = 0, {}
-    while True:
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
         stop = False
         for sender, msgs in agent.notifs().items():
             for m in msgs:
@@ -152,37 +164,45 @@ def _serve(agent, ep, tensors, bases, peer) -> dict:
                 failed[e.req] = e.reason
         if stop and not ep.busy:
             return {"received": received, "failed": failed, "copy_calls": ep.copier.calls}
+    raise TimeoutError("receiver: no stop from the sender in 600 s")
 
 
 def _raw(agent, ep, tensors, bases, peer, op: str, requests: list, reps: int, single: bool) -> dict:
-    """Sender: plain NIXL requests (one descriptor of the same bytes, or the rows as given), timed."""
+    """Sender: plain NIXL requests (one descriptor of the same bytes, or the rows as given), all of a
+    round in flight at once, timed."""
     from kvlc.runtime.nixl import XferState
 
-    mems, t0 = peer["mems"], time.perf_counter()
-    for _ in range(reps):
-        for r in requests:
-            if single:
-                n = r.nbytes
-                lr = np.array([[bases[0], n, 0]], dtype=np.uint64)
-                rr = np.array([[peer["bases"][0], n, 0]], dtype=np.uint64)
-                lm, rm = _mem(tensors[0]), mems[0]
-            else:
-                lr, rr = _rows(r.src, bases), _rows(r.dst, peer["bases"])
-                lm, rm = _mem(tensors[int(r.src[0, 0])]), mems[int(r.dst[0, 0])]
-            dev_l = (tensors[0].device.index or 0) if lm == "VRAM" else 0
-            lr = np.concatenate([lr, np.full((len(lr), 1), dev_l, dtype=np.uint64)], axis=1)
-            rr = np.concatenate([rr, np.full((len(rr), 1), peer["dev"] if rm == "VRAM" else 0,
-                                             dtype=np.uint64)], axis=1)
-            x = agent.initialize(op, lr, lm, rr, rm, peer["name"])
-            state = agent.post(x)
+    mems = peer["mems"]
+    xfers = [[_raw_xfer(agent, tensors, bases, peer, mems, op, r, single) for r in requests] for _ in range(reps)]
+    t0 = time.perf_counter()
+    for round_ in xfers:
+        states = [agent.post(x) for x in round_]
+        for x, state in zip(round_, states):
             while state is XferState.PROC:
                 state = agent.state(x)
-            x.release()
             if state is not XferState.DONE:
                 raise RuntimeError(f"raw {op} failed: {x.error}")
     seconds = time.perf_counter() - t0
+    for round_ in xfers:
+        for x in round_:
+            x.release()
     agent.send_notif(peer["name"], b"stop")
     return {"seconds": seconds, "bytes": reps * sum(r.nbytes for r in requests)}
+
+
+def _raw_xfer(agent, tensors, bases, peer, mems, op, r, single):
+    if single:
+        n = r.nbytes
+        lr = np.array([[bases[0], n]], dtype=np.uint64)
+        rr = np.array([[peer["bases"][0], n]], dtype=np.uint64)
+        lm, rm = _mem(tensors[0]), mems[0]
+    else:
+        lr, rr = _rows(r.src, bases), _rows(r.dst, peer["bases"])
+        lm, rm = _mem(tensors[int(r.src[0, 0])]), mems[int(r.dst[0, 0])]
+    dev_l = (tensors[0].device.index or 0) if lm == "VRAM" else 0
+    lr = np.concatenate([lr, np.full((len(lr), 1), dev_l, dtype=np.uint64)], axis=1)
+    rr = np.concatenate([rr, np.full((len(rr), 1), peer["dev"] if rm == "VRAM" else 0, dtype=np.uint64)], axis=1)
+    return agent.initialize(op, lr, lm, rr, rm, peer["name"])
 
 
 def _mem(t) -> str:
@@ -217,16 +237,25 @@ class Pair:
             p.start()
             self._conns.append(a)
             self._procs.append(p)
-        s_hello, r_hello = (self._recv(c) for c in self._conns)
-        self._conns[0].send(r_hello)
-        self._conns[1].send(s_hello)
-        for c in self._conns:
-            if self._recv(c) != "ready":
-                raise RuntimeError("staging pair: a child did not get ready")
+        try:
+            s_hello, r_hello = (self._recv(c) for c in self._conns)
+            self._conns[0].send(r_hello)
+            self._conns[1].send(s_hello)
+            for c in self._conns:
+                if self._recv(c) != "ready":
+                    raise RuntimeError("staging pair: a child did not get ready")
+        except BaseException:
+            self.stop(grace=1.0)
+            raise
 
     def _recv(self, conn):
-        if not conn.poll(self.timeout):
-            raise TimeoutError(f"staging pair: no answer in {self.timeout}s")
+        deadline = time.monotonic() + self.timeout
+        while not conn.poll(0.2):
+            dead = [p.exitcode for p in self._procs if not p.is_alive()]
+            if dead:
+                raise RuntimeError(f"staging pair: a child process exited (code {dead[0]})")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"staging pair: no answer in {self.timeout}s")
         return conn.recv()
 
     def _both(self, send_cmd, recv_cmd) -> tuple[dict, dict]:
@@ -256,14 +285,14 @@ class Pair:
             raise RuntimeError(f"staging pair: {value}")
         return value
 
-    def stop(self) -> None:
+    def stop(self, grace: float = 20.0) -> None:
         for c in self._conns:
             try:
                 c.send(("stop", ()))
             except (OSError, BrokenPipeError):
                 pass
         for p in self._procs:
-            p.join(timeout=20)
+            p.join(timeout=grace)
             if p.is_alive():
                 p.kill()
 
