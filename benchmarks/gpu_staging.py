@@ -64,21 +64,21 @@ def raw_cases(pdev: int, cdev: int, quick: bool) -> list[dict]:
 
     rows: list[dict] = []
     big = (512 if quick else 2048) * MiB
-    for label, ucx in (("threads=4 split=4 (kvlc default)", {}), ("no thread pool", {"num_threads": 0}),
-                       ("threads=4 split=8", {"split_batch_size": 8}), ("threads=8 split=8",
-                                                                         {"num_threads": 8, "split_batch_size": 8})):
+    default = "no thread pool (kvlc default)"
+    for label, ucx in ((default, {}), ("threads=4 split=4", {"num_threads": 4}),
+                       ("threads=4 split=8", {"num_threads": 4, "split_batch_size": 8}),
+                       ("threads=8 split=8", {"num_threads": 8, "split_batch_size": 8})):
         pair = Pair(Side((big,), device=pdev, fill=False, ucx=ucx), Side((big,), device=cdev, fill=False, ucx=ucx))
         try:
             for size, inflight, reps in ((256 * MiB, 4, 4), (big, 1, 3)):
                 for op in ("WRITE", "READ"):
-                    if label != "threads=4 split=4 (kvlc default)" and (op == "READ" or size != 256 * MiB):
+                    if label != default and (op == "READ" or size != 256 * MiB):
                         continue
                     req = [contiguous(1, size)] * inflight
                     _guard(rows, f"raw {op} 1 desc {size // MiB} MiB [{label}]",
                            lambda: _raw(pair, op, req, reps, True))
             for desc, size in ((32, 8 * MiB), (32, 64 * MiB)):
-                if desc * size > big or (size > 8 * MiB and label not in ("threads=4 split=4 (kvlc default)",
-                                                                           "no thread pool")):
+                if desc * size > big or (size > 8 * MiB and label not in (default, "threads=4 split=4")):
                     continue
                 req = [contiguous(desc, size)] * (4 if size == 8 * MiB else 2)
                 _guard(rows, f"raw WRITE {desc} x {size // MiB} MiB rows [{label}]",
@@ -113,7 +113,7 @@ def staged_cases(pdev: int, cdev: int, quick: bool) -> list[dict]:
         ("VRAM -> DRAM", ("VRAM",), ("DRAM",), [("contiguous", cont), ("fragmented", frag)]),
     ]
     for name, pm, cm, loads in setups:
-        for slot_bytes, slots in ((32 * MiB, 4),) if quick else ((32 * MiB, 4), (64 * MiB, 4)):
+        for slot_bytes, slots in ((64 * MiB, 4),) if quick else ((64 * MiB, 4), (128 * MiB, 4), (32 * MiB, 8)):
             pair = Pair(Side(pool, pm, pdev, slot_bytes, slots, fill=False),
                         Side(pool, cm, cdev, slot_bytes, slots, fill=False))
             try:

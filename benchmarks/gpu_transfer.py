@@ -102,8 +102,10 @@ def kvlc_case(rows: list, name: str, prod: str, cons: str, modes, runs, timeout:
             rows.append({"case": f"kvlc {name} {mode} check", "ok": False, "error": f"{type(exc).__name__}: {exc}",
                          "traceback": traceback.format_exc()[-2000:]})
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "traceback"}), flush=True)
-        for label, requests, tokens, pool, ids, descriptors in runs(mode):
+        for label, requests, tokens, pool, ids, descriptors, *threads in runs(mode):
             t0 = time.time()
+            if threads:  # agents created without options read this (UcxOptions.from_env)
+                os.environ["KVLC_UCX_NUM_THREADS"] = threads[0]
             try:
                 res = run_demo(prod, cons, mode=mode, requests=requests, tokens=tokens, max_bytes=pool,
                                device="gpu", check="none", fill="zeros", ids=ids, timeout=timeout,
@@ -116,6 +118,7 @@ def kvlc_case(rows: list, name: str, prod: str, cons: str, modes, runs, timeout:
             except Exception as exc:
                 row = {"case": f"kvlc {name} {mode} {label}", "error": f"{type(exc).__name__}: {exc}",
                        "traceback": traceback.format_exc()[-2000:]}
+            os.environ.pop("KVLC_UCX_NUM_THREADS", None)
             row["wall_s"] = round(time.time() - t0, 1)
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "traceback"}), flush=True)
@@ -124,13 +127,16 @@ def kvlc_case(rows: list, name: str, prod: str, cons: str, modes, runs, timeout:
 def kvlc_cases(pdev: int, cdev: int, quick: bool, tmp: Path) -> list[dict]:
     rows: list[dict] = []
     lp, lc = on_device(LLAMA, pdev, tmp), on_device(LLAMA, cdev, tmp)
-    n = 16 if quick else 48
+    n = 32 if quick else 64
 
-    def llama_runs(mode):
-        out = [("256 MiB contiguous", n, 2048, 1 << 30, "contiguous", "rows"),
-               ("2 GiB contiguous", 8, 16384, 8 << 30, "contiguous", "rows")]
+    def llama_runs(mode):  # pools of 8 and 32 GiB: 32 and 16 requests in flight per round
+        out = [("256 MiB contiguous", n, 2048, 8 << 30, "contiguous", "rows"),
+               ("2 GiB contiguous", 16, 16384, 32 << 30, "contiguous", "rows")]
         if mode != "pull_via_push":
-            out.append(("256 MiB contiguous prepped", n, 2048, 1 << 30, "contiguous", "prepped"))
+            out.append(("256 MiB contiguous prepped", n, 2048, 8 << 30, "contiguous", "prepped"))
+        if mode == "push":
+            out += [("256 MiB contiguous [UCX threads=4]", n, 2048, 8 << 30, "contiguous", "rows", "4"),
+                    ("2 GiB contiguous [UCX threads=4]", 16, 16384, 32 << 30, "contiguous", "rows", "4")]
         out.append(("256 MiB random ids", 8 if quick else 16, 2048, 1 << 30, "random", "rows"))
         return out
 

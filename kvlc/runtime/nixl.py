@@ -202,7 +202,7 @@ class Agent:
         # progress whenever the agent is used (every KvAgent.poll()), which engines do in their loop.
         config = nixl_agent_config(enable_prog_thread=progress_thread, backends=[], capture_telemetry=telemetry)
         self._nixl = call(f"create agent {name!r}", nixl_agent, name, config)
-        self.ucx = ucx or UcxOptions()
+        self.ucx = ucx or UcxOptions.from_env()
         self.backend_params = self._create_backends(name, backends)
         self.backends = tuple(backends)
         self.closed = False

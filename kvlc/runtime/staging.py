@@ -10,7 +10,8 @@ Staging turns either into copies the GPU's engines do well plus one large WRITE:
    stream; :mod:`kvlc.runtime.staging_copy`);
 2. once the gather's event completes, ONE WRITE moves the slot into a slot of the
    receiver's bounce buffer; when it is DONE, a LANDED notification carries the
-   chunk's destination ranges (:mod:`kvlc.runtime.staging_wire`);
+   chunk's size (its destination ranges travel in the same WRITE, behind the data;
+   :mod:`kvlc.runtime.staging_wire`);
 3. the receiver checks every range lies inside its registered regions, scatters the
    slot into them (side stream), and only when that copy completed answers FREE;
    the request is complete on the receiver after the scatter of its last chunk, and
@@ -43,7 +44,16 @@ import numpy as np
 from kvlc.errors import KvlcError
 from kvlc.runtime.nixl import XferState
 from kvlc.runtime.staging_copy import Copier, Regions, StagingError
-from kvlc.runtime.staging_wire import MAX_ROWS_PER_CHUNK, BounceInfo, Kind, Message, decode, encode, is_staging
+from kvlc.runtime.staging_wire import (
+    MAX_ROWS_PER_CHUNK,
+    ROWS_RESERVE,
+    BounceInfo,
+    Kind,
+    Message,
+    decode,
+    encode,
+    is_staging,
+)
 
 log = logging.getLogger("kvlc.runtime.staging")
 
@@ -102,8 +112,13 @@ class StagingPolicy:
         return rows >= self.min_descriptors and nbytes / rows <= self.max_mean_bytes
 
 
+def _align8(n: int) -> int:
+    return (n + 7) & ~7
+
+
 class BounceBuffer:
-    """``slots`` x ``slot_bytes`` bytes, allocated and registered with NIXL once.
+    """``slots`` x ``slot_bytes`` bytes (plus room for each chunk's ranges), allocated and registered
+    with NIXL once.
 
     ``device`` None: DRAM (host memory); an int: VRAM on that CUDA device.
     """
@@ -115,20 +130,27 @@ class BounceBuffer:
         if slot_bytes < 4096 or slots < 1:
             raise KvlcError(f"bounce buffer: need slot_bytes >= 4096 and slots >= 1, got {slot_bytes}, {slots}")
         self.agent, self.slot_bytes, self.slots = agent, int(slot_bytes), int(slots)
+        self.stride = self.slot_bytes + ROWS_RESERVE
         self.mem = "DRAM" if device is None else "VRAM"
         self.device = 0 if device is None else int(device)
         where = "cpu" if device is None else f"cuda:{device}"
-        self.tensor = torch.empty(self.slot_bytes * self.slots, dtype=torch.uint8, device=where)
+        self.tensor = torch.empty(self.stride * self.slots, dtype=torch.uint8, device=where)
         self.addr = int(self.tensor.data_ptr())
         rows = np.array([[self.addr, self.tensor.numel(), self.device]], dtype=np.uint64)
         self.registration = agent.register(rows, self.mem, what=f"bounce buffer ({self.slots} x {self.slot_bytes})")
 
     def slot(self, i: int, nbytes: int | None = None) -> Any:
-        lo = i * self.slot_bytes
+        lo = i * self.stride
         return self.tensor[lo:lo + (self.slot_bytes if nbytes is None else nbytes)]
 
+    def ranges(self, i: int, nbytes: int, nrows: int) -> Any:
+        """Where a chunk of ``nbytes`` keeps its ``nrows`` destination ranges: right behind the data."""
+        lo = i * self.stride + _align8(nbytes)
+        return self.tensor[lo:lo + 16 * nrows]
+
     def info(self) -> BounceInfo:
-        return BounceInfo(self.agent.name, self.addr, self.slot_bytes, self.slots, self.mem, self.device)
+        return BounceInfo(self.agent.name, self.addr, self.slot_bytes, self.stride, self.slots, self.mem,
+                          self.device)
 
     def release(self) -> None:
         self.registration.release()
@@ -289,8 +311,21 @@ class StagingEndpoint:
             c.slot = self._free_local.popleft()
             c.remote_slot = remote.popleft()
             self.copier.gather(c.local, self.outbox.slot(c.slot, c.nbytes))
+            self._put_ranges(c)
             c.event = self._record()
             self._gathering.append(c)
+
+    def _put_ranges(self, c: _Chunk) -> None:
+        """Write the chunk's destination ranges behind its data: the one WRITE carries both."""
+        import torch
+
+        raw = torch.from_numpy(np.ascontiguousarray(c.remote, dtype="<u8").view(np.uint8).reshape(-1))
+        dst = self.outbox.ranges(c.slot, c.nbytes, len(c.remote))
+        if self.stream is not None:
+            with torch.cuda.stream(self.stream):
+                dst.copy_(raw, non_blocking=True)
+        else:
+            dst.copy_(raw)
 
     def _record(self) -> Any:
         if self.stream is None:
@@ -308,9 +343,10 @@ class StagingEndpoint:
                 still.append(c)
                 continue
             info = self.peers[c.peer]
-            lrow = np.array([[self.outbox.addr + c.slot * self.outbox.slot_bytes, c.nbytes, self.outbox.device]],
+            n = _align8(c.nbytes) + 16 * len(c.remote)
+            lrow = np.array([[self.outbox.addr + c.slot * self.outbox.stride, n, self.outbox.device]],
                             dtype=np.uint64)
-            rrow = np.array([[info.slot_addr(c.remote_slot), c.nbytes, info.device]], dtype=np.uint64)
+            rrow = np.array([[info.slot_addr(c.remote_slot), n, info.device]], dtype=np.uint64)
             try:
                 c.xfer = self.agent.initialize("WRITE", lrow, self.outbox.mem, rrow, info.mem, c.peer,
                                                what=f"staged '{c.req}' chunk {c.seq}")
@@ -337,7 +373,7 @@ class StagingEndpoint:
             c.xfer.release()
             self._free_local.append(c.slot)
             self.agent.send_notif(c.peer, encode(Message(Kind.LANDED, c.req, c.seq, c.total, c.remote_slot,
-                                                         rows=c.remote)))
+                                                         nbytes=c.nbytes, nrows=len(c.remote))))
             self.stats["chunks_sent"] += 1
             self.stats["bytes_sent"] += c.nbytes
         self._writing = still
@@ -425,14 +461,17 @@ class StagingEndpoint:
             raise StagingError(f"'{sender}' sent a chunk but has no inbox here")
         if m.slot >= inbox.slots:
             raise StagingError(f"chunk in slot {m.slot}; the inbox has {inbox.slots}")
-        nbytes = int(m.rows[:, 1].sum())
-        if nbytes > inbox.slot_bytes:
-            raise StagingError(f"chunk of {nbytes} bytes; a slot holds {inbox.slot_bytes}")
+        if m.nbytes > inbox.slot_bytes:
+            raise StagingError(f"chunk of {m.nbytes} bytes; a slot holds {inbox.slot_bytes}")
         key = (sender, m.req)
         if key in self._failed_in:
             self._answer(sender, m)
             return
-        self.copier.scatter(inbox.slot(m.slot, nbytes), m.rows)
+        rows = inbox.ranges(m.slot, m.nbytes, m.nrows).cpu().numpy().copy().view("<u8").reshape(-1, 2)
+        if int(rows[:, 1].sum()) != m.nbytes:
+            raise StagingError(f"chunk {m.seq}: its ranges add up to {int(rows[:, 1].sum())} bytes, "
+                               f"the message says {m.nbytes}")
+        self.copier.scatter(inbox.slot(m.slot, m.nbytes), rows)
         self._scattering.append((sender, m, self._record()))
 
     def _answer(self, sender: str, m: Message) -> None:

@@ -1,11 +1,14 @@
 """UCX backend settings: typed backend parameters and the one environment default the runtime sets.
 
 :class:`UcxOptions` is what :class:`~kvlc.runtime.nixl.Agent` passes to NIXL's
-``create_backend("UCX", ...)``. Defaults were measured on an H200 (two processes,
-one GPU, cuda_ipc): UCX's thread pool (``num_threads=4``, ``split_batch_size=4``)
-took a 256 MiB request of 32 descriptors from 0.56 to 0.87 of a device-to-device
-copy. Without a visible CUDA device the thread pool is left off (``num_threads``
-auto → 0): on host memory it only adds threads competing for the cores.
+``create_backend("UCX", ...)``. The default leaves UCX's thread pool off: measured on an
+H200 (two processes, one GPU, cuda_ipc, 2026-12-01, benchmarks/README.md), 256 MiB requests
+of 32 descriptors, four in flight, ran at 1,075 GB/s without it and at 151-271 GB/s with
+``num_threads`` 4 or 8 and ``split_batch_size`` 4 or 8; kvlc's 2 GiB push fell from
+1,144-1,242 to 645 GB/s with it. An earlier, differently driven measurement had seen it help,
+so the pool stays one setting away: ``UcxOptions(num_threads=4, split_batch_size=8)``, or
+``KVLC_UCX_NUM_THREADS`` / ``KVLC_UCX_SPLIT_BATCH_SIZE`` / ``KVLC_UCX_NUM_WORKERS`` in the
+environment for agents created without explicit options (:meth:`UcxOptions.from_env`).
 
 Environment: UCX turns cuda_ipc reads (``get_zcopy``) off when NVML reports no
 NVLink, which makes READ (pull) fall back to emulation over TCP (0.5 GB/s against
@@ -16,10 +19,12 @@ logs that it did. To keep UCX's own choice, set the variable yourself (``=n`` or
 ``=try``) or pass ``UcxOptions(cuda_ipc_get_zcopy=False)``.
 
 >>> opts = UcxOptions(num_threads=4, split_batch_size=8)
->>> opts.backend_params(cuda=True)
+>>> opts.backend_params()
 {'num_threads': '4', 'split_batch_size': '8', 'num_workers': '1'}
->>> UcxOptions().backend_params(cuda=False)
+>>> UcxOptions().backend_params()
 {'num_workers': '1'}
+>>> UcxOptions.from_env({"KVLC_UCX_NUM_THREADS": "4"}).backend_params()
+{'num_threads': '4', 'split_batch_size': '4', 'num_workers': '1'}
 """
 
 from __future__ import annotations
@@ -36,8 +41,9 @@ from kvlc.errors import KvlcError, did_you_mean
 log = logging.getLogger("kvlc.runtime.ucx")
 
 GET_ZCOPY_ENV = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"
-DEFAULT_GPU_THREADS = 4
-DEFAULT_SPLIT_BATCH = 4
+DEFAULT_SPLIT_BATCH = 4  # with a thread pool and no split size given
+ENV_FIELDS = {"KVLC_UCX_NUM_THREADS": "num_threads", "KVLC_UCX_SPLIT_BATCH_SIZE": "split_batch_size",
+              "KVLC_UCX_NUM_WORKERS": "num_workers"}
 _set_by_kvlc: set[str] = set()  # variables this module set (not the user's), so later agents see them as ours
 
 
@@ -67,7 +73,7 @@ class UcxOptions:
     """Parameters of NIXL's UCX backend, as kvlc creates it.
 
     ``num_threads``: UCX's worker thread pool that splits a request's descriptors across
-    threads (None: 4 when a CUDA device is visible, else NIXL's default, no pool).
+    threads (None or 0: no pool, NIXL's default; see the module doc for the measurements).
     ``split_batch_size``: descriptors per chunk handed to a pool thread (None: 4 with a pool).
     ``num_workers``: UCX workers per agent (1 is NIXL's default; more gave nothing measured).
     ``error_handling``: endpoint error handling (None: NIXL's default, ``peer``).
@@ -109,17 +115,23 @@ class UcxOptions:
             )
         object.__setattr__(self, "extra", dict(self.extra))
 
-    def threads(self, cuda: bool) -> int:
-        """The thread-pool size used: the set value, else 4 with a CUDA device, 0 without."""
-        if self.num_threads is not None:
-            return self.num_threads
-        return DEFAULT_GPU_THREADS if cuda else 0
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> UcxOptions:
+        """Options from ``KVLC_UCX_NUM_THREADS`` / ``_SPLIT_BATCH_SIZE`` / ``_NUM_WORKERS`` (unset: default)."""
+        env = os.environ if environ is None else environ
+        kwargs = {}
+        for var, name in ENV_FIELDS.items():
+            if var in env:
+                try:
+                    kwargs[name] = int(env[var])
+                except ValueError:
+                    raise UcxOptionError(f"{var}={env[var]!r}: expected an integer") from None
+        return cls(**kwargs)
 
-    def backend_params(self, cuda: bool | None = None) -> dict[str, str]:
-        """The string parameters for ``create_backend("UCX", ...)``; ``cuda`` None: detect."""
-        cuda = cuda_visible() if cuda is None else cuda
+    def backend_params(self) -> dict[str, str]:
+        """The string parameters for ``create_backend("UCX", ...)``."""
         params: dict[str, str] = {}
-        threads = self.threads(cuda)
+        threads = self.num_threads or 0
         if threads:
             params["num_threads"] = str(threads)
             params["split_batch_size"] = str(self.split_batch_size or DEFAULT_SPLIT_BATCH)

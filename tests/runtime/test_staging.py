@@ -96,8 +96,9 @@ def test_ranges_outside_regions_are_refused():
     (b"KVS", "truncated"),
     (b"KVSX" + bytes(13), "not a staging message"),
     (encode(Message(Kind.FREE, "r1"))[:4] + bytes([9]) + encode(Message(Kind.FREE, "r1"))[5:], "unknown kind"),
-    (encode(Message(Kind.LANDED, "r1", 0, 1, 0, rows=((1, 2),)))[:-3], "not whole"),
-    (encode(Message(Kind.LANDED, "r1", 3, 1, 0, rows=((1, 2),))), "chunk 3 of 1"),
+    (encode(Message(Kind.LANDED, "r1", 0, 1, 0, nbytes=2, nrows=1))[:-3], "payload bytes, expected 12"),
+    (encode(Message(Kind.LANDED, "r1", 3, 1, 0, nbytes=2, nrows=1)), "chunk 3 of 1"),
+    (encode(Message(Kind.LANDED, "r1", 0, 1, 0, nbytes=2, nrows=9000)), "1..8192 ranges"),
     (encode(Message(Kind.FREE, "r1")) + b"x", "unexpected payload"),
 ])
 def test_bad_messages_are_refused(raw, words):
@@ -111,12 +112,14 @@ def test_messages_round_trip_and_bounce_info_is_validated():
     m = decode(encode(Message(Kind.FAIL, "req-9", reason="gone")))
     assert (m.kind, m.req, m.reason) == (Kind.FAIL, "req-9", "gone")
     assert is_staging(encode(m)) and not is_staging(b'{"v":1}')
-    info = BounceInfo("a", 4096, 1024, 4, "VRAM", 0)
+    info = BounceInfo("a", 4096, 1024, 1 << 20, 4, "VRAM", 0)
     assert BounceInfo.from_dict(info.to_dict()) == info
     with pytest.raises(StagingError, match="'slots' must be int"):
         BounceInfo.from_dict(dict(info.to_dict(), slots="4"))
     with pytest.raises(StagingError, match="mem DRAM|VRAM"):
         BounceInfo.from_dict(dict(info.to_dict(), mem="HBM"))
+    with pytest.raises(StagingError, match="no room for the ranges"):
+        BounceInfo.from_dict(dict(info.to_dict(), stride=2048))
 
 
 def test_policy_gates_by_count_mean_size_and_memory_types():

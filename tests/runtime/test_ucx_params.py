@@ -34,18 +34,23 @@ def test_bad_options_are_kvlc_errors_naming_the_field(kwargs, words):
     assert isinstance(info.value, KvlcError)
 
 
-def test_backend_params_defaults_follow_the_device():
-    """Auto threads: the measured pool (4 threads, split 4) with a GPU, none without; set values win."""
-    assert UcxOptions().backend_params(cuda=True) == {
+def test_backend_params_default_and_set_values():
+    """Default: no thread pool (the measured faster setting); set values, and the environment's, reach
+    the backend parameters; a bad environment value is a UcxOptionError naming the variable."""
+    assert UcxOptions().backend_params() == {"num_workers": "1"}
+    assert UcxOptions(num_threads=4).backend_params() == {
         "num_threads": "4", "split_batch_size": "4", "num_workers": "1"}
-    assert UcxOptions().backend_params(cuda=False) == {"num_workers": "1"}
     opts = UcxOptions(num_threads=8, split_batch_size=2, num_workers=2, error_handling="none",
                       extra={"ucx_devices": "lo"})
     assert opts.error_handling is ErrorHandling.NONE
-    assert opts.backend_params(cuda=False) == {
+    assert opts.backend_params() == {
         "num_threads": "8", "split_batch_size": "2", "num_workers": "2",
         "ucx_error_handling_mode": "none", "ucx_devices": "lo"}
-    assert UcxOptions(num_threads=0).backend_params(cuda=True) == {"num_workers": "1"}
+    env = {"KVLC_UCX_NUM_THREADS": "4", "KVLC_UCX_SPLIT_BATCH_SIZE": "8", "KVLC_UCX_NUM_WORKERS": "2"}
+    assert UcxOptions.from_env(env) == UcxOptions(num_threads=4, split_batch_size=8, num_workers=2)
+    assert UcxOptions.from_env({}) == UcxOptions()
+    with pytest.raises(UcxOptionError, match="KVLC_UCX_NUM_THREADS='four'"):
+        UcxOptions.from_env({"KVLC_UCX_NUM_THREADS": "four"})
 
 
 def test_env_default_only_when_unset_and_only_with_cuda():
