@@ -138,6 +138,55 @@ def _staged(pair, reqs) -> dict:
             "failed": {**s["failed"], **r["failed"]}}
 
 
+def diag_cases(pdev: int, cdev: int) -> list[dict]:
+    """Where staged fragmented VRAM time goes: the same run without the receiver's scatter, without the
+    sender's gather, and one process doing gather, copy and scatter of the same chunks on one stream."""
+    from kvlc.runtime.staging_pair import Pair, Side, fragmented
+
+    rows: list[dict] = []
+    pool = (LAYERS * 32 * MiB,)
+    reqs = [fragmented(1, 1, FRAG, BLOCK, pool[0] // BLOCK, seed=s) for s in range(8)]
+    for what, sd, rd in (("full", "", ""), ("no scatter", "", "no-scatter"), ("no gather", "no-gather", ""),
+                         ("no copies", "no-gather", "no-scatter")):
+        pair = Pair(Side(pool, ("VRAM",), pdev, 128 * MiB, 4, fill=False, diag=sd),
+                    Side(pool, ("VRAM",), cdev, 128 * MiB, 4, fill=False, diag=rd))
+        try:
+            pair.staged(reqs[:1])
+            _guard(rows, f"diag staged VRAM -> VRAM fragmented, {what} [4 x 128 MiB]", lambda: _staged(pair, reqs))
+        finally:
+            pair.stop()
+    _guard(rows, "diag one process: gather + d2d copy + scatter, 4,086 x 64 KiB x 8", lambda: _one_process(pdev, reqs))
+    return rows
+
+
+def _one_process(dev: int, reqs) -> dict:
+    import torch
+
+    from kvlc.runtime.staging_copy import Copier, Regions
+
+    src = torch.zeros(LAYERS * 32 * MiB, dtype=torch.uint8, device=f"cuda:{dev}")
+    dst = torch.zeros_like(src)
+    a = torch.empty(256 * MiB, dtype=torch.uint8, device=src.device)
+    b = torch.empty_like(a)
+    gather, scatter = Copier(Regions.of_tensors([src])), Copier(Regions.of_tensors([dst]))
+    rows = [(_abs(r.src, src), _abs(r.dst, dst)) for r in reqs]
+    for _ in range(2):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for s_rows, d_rows in rows:
+            gather.gather(s_rows, a)
+            b.copy_(a)
+            scatter.scatter(b, d_rows)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+    nbytes = sum(r.nbytes for r in reqs)
+    return {"bytes": nbytes, "seconds": seconds, "gbps": _gbps(nbytes, seconds), "requests": len(reqs)}
+
+
+def _abs(r, t):
+    return np.stack([r[:, 1].astype(np.uint64) + np.uint64(t.data_ptr()), r[:, 2].astype(np.uint64)], axis=1)
+
+
 def check_cases(pdev: int, cdev: int) -> list[dict]:
     """Content-coded bytes through staging in every memory pairing: all destination bytes compared."""
     from kvlc.runtime.staging_pair import Pair, Ranges, Side, fragmented

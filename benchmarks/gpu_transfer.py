@@ -183,8 +183,9 @@ def main(argv=None) -> int:
     ap.add_argument("--producer-device", type=int, default=0, help="cuda device of the producer (prefill) side")
     ap.add_argument("--consumer-device", type=int, default=0, help="cuda device of the consumer (decode) side")
     ap.add_argument("--quick", action="store_true", help="fewer and smaller requests")
+    ap.add_argument("--merge", action="store_true", help="add the rows to an existing --out document")
     ap.add_argument("--only", default="kvlc,staging,raw,check",
-                    help="comma-separated parts: kvlc, staging, raw, check")
+                    help="comma-separated parts: kvlc, staging, raw, check, diag (diag: not by default)")
     args = ap.parse_args(argv)
     import torch
 
@@ -197,11 +198,18 @@ def main(argv=None) -> int:
 
     parts = set(args.only.split(","))
     p, c = args.producer_device, args.consumer_device
-    doc = {"benchmark": "gpu", "machine": machine(args), "torch_copy_gbps": ceilings(p, c), "rows": [],
+    out_path = Path(args.out)
+    if out_path.exists() and args.merge:  # add this run's parts to an earlier run's document
+        doc = json.loads(out_path.read_text())
+        doc.setdefault("runs", []).append(machine(args))
+    else:
+        doc = None
+    doc = doc or {"benchmark": "gpu", "machine": machine(args), "torch_copy_gbps": ceilings(p, c), "rows": [],
            "verdicts": []}
     path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
     steps = (("check", lambda tmp: gpu_staging.check_cases(p, c)),
+             ("diag", lambda tmp: gpu_staging.diag_cases(p, c)),
              ("staging", lambda tmp: gpu_staging.staged_cases(p, c, args.quick)),
              ("raw", lambda tmp: gpu_staging.raw_cases(p, c, args.quick)),
              ("kvlc", lambda tmp: kvlc_cases(p, c, args.quick, tmp)))

@@ -38,6 +38,7 @@ class Side:
     pin: bool = True
     fill: bool = True                      # content codes (sender) and noise (receiver); False: zeros
     ucx: dict = field(default_factory=dict)  # UcxOptions fields
+    diag: str = ""                         # benchmarks only: "no-gather" / "no-scatter" skip those copies
 
     def mem_of(self, i: int) -> str:
         if self.mem:
@@ -99,6 +100,8 @@ def _child(conn, role: str, side: Side) -> None:  # pragma: no cover - runs in t
                                 dtype=np.uint64), side.mem_of(i), what=f"region {i}")
     bounce = BounceBuffer(agent, side.slot_bytes, side.slots, side.device)
     ep = StagingEndpoint(agent, Regions.of_tensors(tensors), bounce)
+    if side.diag:  # where does the time go: the same protocol without one of the copies
+        setattr(ep.copier, side.diag.split("-")[1], lambda *args: None)
     bases = [int(t.data_ptr()) for t in tensors]
     conn.send({"md": agent.metadata(), "bases": bases, "bounce": bounce.info().to_dict(), "name": agent.name,
                "mems": [side.mem_of(i) for i in range(len(tensors))], "dev": side.device or 0})
