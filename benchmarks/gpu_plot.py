@@ -6,7 +6,8 @@ from pathlib import Path
 
 
 def _find(rows, *words, best: bool = True):
-    got = [r for r in rows if all(w in r["case"] for w in words) and r.get("gbps")]
+    got = [r for r in rows if r["case"].startswith(words[0]) and all(w in r["case"] for w in words[1:])
+           and r.get("gbps")]
     if not got:
         return None
     return max(got, key=lambda r: r["gbps"]) if best else got[0]

@@ -129,6 +129,12 @@ def staged_cases(pdev: int, cdev: int, quick: bool) -> list[dict]:
     return rows
 
 
+def _raw_serial(pair, req) -> dict:
+    r = pair.raw("WRITE", req, reps=2, single=True, serial=True)
+    return {"bytes": r["bytes"], "seconds": r["seconds"], "gbps": _gbps(r["bytes"], r["seconds"]),
+            "requests": 2 * len(req), "ms_per_request": r["seconds"] / (2 * len(req)) * 1e3}
+
+
 def _staged(pair, reqs) -> dict:
     s, r = pair.staged(reqs, timeout=120.0)
     nbytes = sum(q.nbytes for q in reqs)
@@ -146,13 +152,19 @@ def diag_cases(pdev: int, cdev: int) -> list[dict]:
     rows: list[dict] = []
     pool = (LAYERS * 32 * MiB,)
     reqs = [fragmented(1, 1, FRAG, BLOCK, pool[0] // BLOCK, seed=s) for s in range(8)]
-    for what, sd, rd in (("full", "", ""), ("no scatter", "", "no-scatter"), ("no gather", "no-gather", ""),
-                         ("no copies", "no-gather", "no-scatter")):
-        pair = Pair(Side(pool, ("VRAM",), pdev, 128 * MiB, 4, fill=False, diag=sd),
-                    Side(pool, ("VRAM",), cdev, 128 * MiB, 4, fill=False, diag=rd))
+    for what, sd, rd, prepped in (("full, WRITE per chunk created", "", "", False), ("full", "", "", True),
+                                  ("no copies, WRITE per chunk created", "no-gather", "no-scatter", False),
+                                  ("no copies", "no-gather", "no-scatter", True)):
+        pair = Pair(Side(pool, ("VRAM",), pdev, 128 * MiB, 4, fill=False, diag=sd, prepped=prepped),
+                    Side(pool, ("VRAM",), cdev, 128 * MiB, 4, fill=False, diag=rd, prepped=prepped))
         try:
             pair.staged(reqs[:1])
             _guard(rows, f"diag staged VRAM -> VRAM fragmented, {what} [4 x 128 MiB]", lambda: _staged(pair, reqs))
+            if prepped and not sd:
+                _guard(rows, "diag notification round trip (ping/pong)", lambda: pair.ping(300))
+                one = [contiguous(1, 256 * MiB)]
+                _guard(rows, "diag raw WRITE 1 desc 256 MiB, created per request, one at a time",
+                       lambda: _raw_serial(pair, one * 8))
         finally:
             pair.stop()
     _guard(rows, "diag one process: gather + d2d copy + scatter, 4,086 x 64 KiB x 8", lambda: _one_process(pdev, reqs))

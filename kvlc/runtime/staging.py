@@ -236,7 +236,7 @@ class StagingEndpoint:
     """
 
     def __init__(self, agent: Any, regions: Regions, outbox: BounceBuffer | None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, prepped: bool = True):
         self.agent, self.regions, self.outbox, self.clock = agent, regions, outbox, clock
         cuda = outbox is not None and outbox.mem == "VRAM"
         self.stream = None
@@ -257,13 +257,26 @@ class StagingEndpoint:
         self._receiving: dict[tuple[str, str], set[int]] = {}
         self._failed_in: OrderedDict[tuple[str, str], None] = OrderedDict()  # bounded: _FORGET
         self.events: list[StageEvent] = []
+        self.prepped = prepped
+        self._lists: dict[str, tuple[Any, Any, int]] = {}  # peer -> (local slots, remote slots, bytes each)
         self.stats = {"chunks_sent": 0, "chunks_received": 0, "bytes_sent": 0}
 
     # ------------------------------------------------------------------ setup
     def add_peer(self, info: BounceInfo) -> None:
-        """Send to ``info.agent`` through its inbox (its NIXL metadata must be loaded already)."""
+        """Send to ``info.agent`` through its inbox (its NIXL metadata must be loaded already).
+
+        Prepares, once, a list of whole slots on each side: a chunk that fills at least half a slot
+        is then one ``make_prepped`` WRITE of the whole slot (no per-chunk descriptor resolution).
+        """
         self.peers[info.agent] = info
         self._free_remote[info.agent] = deque(range(info.slots))
+        if self.outbox is not None and self.prepped:
+            o = self.outbox
+            whole = min(o.stride, info.stride)
+            local = np.array([[o.addr + i * o.stride, whole, o.device] for i in range(o.slots)], dtype=np.uint64)
+            remote = np.array([[info.slot_addr(i), whole, info.device] for i in range(info.slots)], dtype=np.uint64)
+            self._lists[info.agent] = (self.agent.prep(None, local, o.mem),
+                                       self.agent.prep(info.agent, remote, info.mem), whole)
 
     def accept_from(self, peer: str, inbox: BounceBuffer) -> BounceInfo:
         """Receive from ``peer`` into ``inbox``; returns what that peer needs (:meth:`add_peer`)."""
@@ -347,9 +360,14 @@ class StagingEndpoint:
             lrow = np.array([[self.outbox.addr + c.slot * self.outbox.stride, n, self.outbox.device]],
                             dtype=np.uint64)
             rrow = np.array([[info.slot_addr(c.remote_slot), n, info.device]], dtype=np.uint64)
+            lists = self._lists.get(c.peer)
             try:
-                c.xfer = self.agent.initialize("WRITE", lrow, self.outbox.mem, rrow, info.mem, c.peer,
-                                               what=f"staged '{c.req}' chunk {c.seq}")
+                if lists is not None and 2 * n >= lists[2]:  # whole prepared slots: no per-chunk resolution
+                    c.xfer = self.agent.make_prepped("WRITE", lists[0], np.array([c.slot]), lists[1],
+                                                     np.array([c.remote_slot]), what=f"staged '{c.req}' chunk {c.seq}")
+                else:
+                    c.xfer = self.agent.initialize("WRITE", lrow, self.outbox.mem, rrow, info.mem, c.peer,
+                                                   what=f"staged '{c.req}' chunk {c.seq}")
                 state = self.agent.post(c.xfer)
             except KvlcError as exc:
                 state, c.xfer = XferState.ERR, None

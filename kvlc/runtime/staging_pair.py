@@ -39,6 +39,7 @@ class Side:
     fill: bool = True                      # content codes (sender) and noise (receiver); False: zeros
     ucx: dict = field(default_factory=dict)  # UcxOptions fields
     diag: str = ""                         # benchmarks only: "no-gather" / "no-scatter" skip those copies
+    prepped: bool = True                   # staged WRITEs of whole prepared slots (StagingEndpoint)
 
     def mem_of(self, i: int) -> str:
         if self.mem:
@@ -99,7 +100,7 @@ def _child(conn, role: str, side: Side) -> None:  # pragma: no cover - runs in t
         agent.register(np.array([[t.data_ptr(), t.numel(), (side.device or 0) if side.mem_of(i) == "VRAM" else 0]],
                                 dtype=np.uint64), side.mem_of(i), what=f"region {i}")
     bounce = BounceBuffer(agent, side.slot_bytes, side.slots, side.device)
-    ep = StagingEndpoint(agent, Regions.of_tensors(tensors), bounce)
+    ep = StagingEndpoint(agent, Regions.of_tensors(tensors), bounce, prepped=side.prepped)
     if side.diag:  # where does the time go: the same protocol without one of the copies
         setattr(ep.copier, side.diag.split("-")[1], lambda *args: None)
     bases = [int(t.data_ptr()) for t in tensors]
@@ -112,7 +113,7 @@ def _child(conn, role: str, side: Side) -> None:  # pragma: no cover - runs in t
     else:
         ep.accept_from(peer["name"], bounce)
     conn.send("ready")
-    ops = {"staged": _staged, "raw": _raw, "serve": _serve, "check": _check}
+    ops = {"staged": _staged, "raw": _raw, "serve": _serve, "check": _check, "ping": _ping}
     while True:
         cmd, args = conn.recv()
         if cmd == "stop":
@@ -158,6 +159,8 @@ def _serve(agent, ep, tensors, bases, peer) -> dict:
             for m in msgs:
                 if m == b"stop":
                     stop = True
+                elif m == b"ping":
+                    agent.send_notif(sender, b"pong")
                 elif not ep.handle(sender, m):
                     pass
         for e in ep.progress():
@@ -170,10 +173,43 @@ def _serve(agent, ep, tensors, bases, peer) -> dict:
     raise TimeoutError("receiver: no stop from the sender in 600 s")
 
 
-def _raw(agent, ep, tensors, bases, peer, op: str, requests: list, reps: int, single: bool) -> dict:
-    """Sender: plain NIXL requests (one descriptor of the same bytes, or the rows as given), all of a
-    round in flight at once, timed."""
+def _ping(agent, ep, tensors, bases, peer, n: int) -> dict:
+    """Sender: ``n`` notification round trips (ping, the receiver's pong), one at a time."""
+    t0 = time.perf_counter()
+    for _ in range(n):
+        agent.send_notif(peer["name"], b"ping")
+        while not any(b"pong" in v for v in agent.notifs().values()):
+            pass
+    seconds = time.perf_counter() - t0
+    agent.send_notif(peer["name"], b"stop")
+    return {"seconds": seconds, "round_trip_us": seconds / n * 1e6}
+
+
+def _serial(agent, tensors, bases, peer, op: str, requests: list, reps: int, single: bool) -> dict:
+    """Create, post, wait for and release one request at a time (creation inside the timing)."""
     from kvlc.runtime.nixl import XferState
+
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        for r in requests:
+            x = _raw_xfer(agent, tensors, bases, peer, peer["mems"], op, r, single)
+            state = agent.post(x)
+            while state is XferState.PROC:
+                state = agent.state(x)
+            x.release()
+    seconds = time.perf_counter() - t0
+    agent.send_notif(peer["name"], b"stop")
+    return {"seconds": seconds, "bytes": reps * sum(r.nbytes for r in requests)}
+
+
+def _raw(agent, ep, tensors, bases, peer, op: str, requests: list, reps: int, single: bool,
+         serial: bool = False) -> dict:
+    """Sender: plain NIXL requests (one descriptor of the same bytes, or the rows as given), all of a
+    round in flight at once, timed (created before the clock starts); ``serial``: see :func:`_serial`."""
+    from kvlc.runtime.nixl import XferState
+
+    if serial:
+        return _serial(agent, tensors, bases, peer, op, requests, reps, single)
 
     mems = peer["mems"]
     xfers = [[_raw_xfer(agent, tensors, bases, peer, mems, op, r, single) for r in requests] for _ in range(reps)]
@@ -276,9 +312,13 @@ class Pair:
         """Stage ``requests`` (sender, receiver results: seconds, failures, copy calls)."""
         return self._both(("staged", (requests, timeout)), ("serve", ()))
 
-    def raw(self, op: str, requests: list[Ranges], reps: int = 1, single: bool = True) -> dict:
+    def raw(self, op: str, requests: list[Ranges], reps: int = 1, single: bool = True, serial: bool = False) -> dict:
         """Plain NIXL ``op`` (WRITE | READ) of the same bytes; timed on the sender."""
-        return self._both(("raw", (op, requests, reps, single)), ("serve", ()))[0]
+        return self._both(("raw", (op, requests, reps, single, serial)), ("serve", ()))[0]
+
+    def ping(self, n: int = 200) -> dict:
+        """Notification round trip between the two agents (microseconds)."""
+        return self._both(("ping", (n,)), ("serve", ()))[0]
 
     def check(self, requests: list[Ranges]) -> dict:
         """Compare the receiver's memory with what ``requests`` must have written (and nothing else)."""
