@@ -55,6 +55,30 @@ def verdicts(doc: dict) -> list[dict]:
     return out
 
 
+def annotate(doc: dict) -> dict:
+    """Give every timed row its ceiling (torch copy of the same kind) and the fraction of it; VRAM rows
+    also get ``torch_d2d_gbps_same_bytes`` (what ``kvlc bench`` summarizes). ``machine.gpu`` names the GPU."""
+    ceil = doc["torch_copy_gbps"]
+    doc["machine"].setdefault("gpu", (doc["machine"].get("gpus") or ["?"])[0])
+    for r in doc["rows"]:
+        if not r.get("gbps") or r["case"].startswith("diag notification"):
+            continue
+        case = r["case"]
+        if "DRAM -> VRAM" in case:
+            kind = "h2d 256 MiB"
+        elif "VRAM -> DRAM" in case or "mixed" in case:
+            kind = "d2h 256 MiB"
+        else:
+            kind = "d2d 2048 MiB" if r.get("bytes_per_request", 0) >= 1 << 31 else "d2d 256 MiB"
+        r["ceiling"], r["ceiling_gbps"] = kind, ceil.get(kind)
+        if r["ceiling_gbps"]:
+            r["fraction_of_ceiling"] = r["gbps"] / r["ceiling_gbps"]
+            if kind.startswith("d2d"):
+                r["torch_d2d_gbps_same_bytes"] = r["ceiling_gbps"]
+                r["fraction_of_d2d"] = r["fraction_of_ceiling"]
+    return doc
+
+
 def plot(doc: dict, path: Path) -> None:
     import matplotlib
 

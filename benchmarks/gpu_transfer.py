@@ -194,7 +194,7 @@ def main(argv=None) -> int:
         if not 0 <= dev < count:
             ap.error(f"{which} {dev}: this machine has {count} CUDA device(s); use 0..{count - 1}")
     import gpu_staging
-    from gpu_plot import plot, verdicts
+    from gpu_plot import annotate, plot, verdicts
 
     parts = set(args.only.split(","))
     p, c = args.producer_device, args.consumer_device
@@ -217,12 +217,12 @@ def main(argv=None) -> int:
         for part, run in steps:
             if part in parts:
                 doc["rows"] += run(Path(tmp))
-                doc["verdicts"] = verdicts(doc)
+                doc["verdicts"] = verdicts(annotate(doc))
                 path.write_text(json.dumps(doc, indent=2) + "\n")  # what ran so far survives a cut-off run
     for v in doc["verdicts"]:
         print(f"{v['target']}: {v['verdict']} ({v['detail']})", flush=True)
     try:
-        plot(doc, path.with_suffix(".png"))
+        plot(doc, path.with_name(path.stem + "_transfer.png"))  # gpu.png is kvlc bench's summary plot
     except Exception as exc:  # the JSON is what counts
         print(f"plot failed: {exc}")
     print(f"wrote {path}")
