@@ -177,7 +177,10 @@ class Agent:
     """One NIXL agent: registration, metadata, descriptor lists, transfers, notifications.
 
     Every method takes the agent's lock, so the side-channel thread and the
-    engine's thread may both use it.
+    engine's thread may both use it. ``ucx``: the UCX backend's parameters
+    (:class:`~kvlc.runtime.ucx.UcxOptions`; default: from ``KVLC_UCX_*`` variables, else
+    NIXL's defaults); the backend is created here, after :func:`~kvlc.runtime.ucx.apply_env`
+    set ``UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y`` on a CUDA machine where the user had not set it.
     """
 
     def __init__(
