@@ -30,10 +30,11 @@ from kvlc.runtime.ucx import UcxOptions, apply_env
 _user_env = dict(os.environ)
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
-log = logging.getLogger("kvlc.runtime.nixl")
-
 OPS = ("READ", "WRITE")
 MEM_TYPES = ("DRAM", "VRAM")
+
+
+log = logging.getLogger("kvlc.runtime.nixl")
 
 
 class XferState(enum.Enum):
