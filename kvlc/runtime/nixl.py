@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from kvlc.runtime.errors import NixlError
-from kvlc.runtime.ucx import UcxOptions, apply_env
+from kvlc.runtime.ucx import UcxOptions, create_backends
 
 # NIXL logs every agent creation at INFO on stdout; keep it to warnings unless the user set a level.
 _user_env = dict(os.environ)
@@ -207,30 +207,9 @@ class Agent:
         config = nixl_agent_config(enable_prog_thread=progress_thread, backends=[], capture_telemetry=telemetry)
         self._nixl = call(f"create agent {name!r}", nixl_agent, name, config)
         self.ucx = ucx or UcxOptions.from_env()
-        self.backend_params = self._create_backends(name, backends)
+        self.backend_params = create_backends(self._nixl, name, backends, self.ucx, run)
         self.backends = tuple(backends)
         self.closed = False
-
-    def _create_backends(self, name: str, backends: Sequence[str]) -> dict[str, dict[str, str]]:
-        """Create each backend with its parameters (UCX: :class:`UcxOptions`, environment first)."""
-        plugins = sorted(self._nixl.get_plugin_list())
-        missing = [b for b in backends if b not in plugins]
-        if missing:
-            raise NixlError(
-                f"create agent {name!r}",
-                "backend unavailable",
-                f"backends {missing} not loaded; available plugins: {plugins}",
-            )
-        created = {}
-        for b in backends:
-            params = {}
-            if b == "UCX":
-                apply_env(self.ucx)  # UCX reads its environment when the backend is created
-                params = self.ucx.backend_params()
-            run(f"create backend {b} {params} for agent {name!r}", self._nixl.create_backend, b, params)
-            created[b] = params
-            log.debug("agent %r: backend %s created with %s", name, b, params)
-        return created
 
     @property
     def _n(self):

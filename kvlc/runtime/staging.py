@@ -35,7 +35,6 @@ import logging
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -48,8 +47,11 @@ from kvlc.runtime.staging_buffers import (
     DEFAULT_SLOTS,
     BounceBuffer,
     StageMode,
+    StageEvent,
     StagingPolicy,
     _align8,
+    _Chunk,
+    _Sending,
     split_chunks,
 )
 from kvlc.runtime.staging_wire import BounceInfo, Kind, Message, decode, encode, is_staging
@@ -57,43 +59,6 @@ from kvlc.runtime.staging_wire import BounceInfo, Kind, Message, decode, encode,
 log = logging.getLogger("kvlc.runtime.staging")
 
 _FORGET = 1 << 14
-
-
-@dataclass
-class _Chunk:
-    req: str
-    peer: str
-    seq: int
-    total: int
-    local: np.ndarray       # (n, 2) source ranges
-    remote: np.ndarray      # (n, 2) destination ranges
-    nbytes: int
-    slot: int = -1
-    remote_slot: int = -1
-    event: Any = None
-    xfer: Any = None
-
-
-@dataclass
-class _Sending:
-    req: str
-    peer: str
-    total: int
-    deadline: float | None
-    freed: int = 0
-    failed: str = ""
-    queued: int = 0         # chunks not yet gathered
-
-
-@dataclass(frozen=True)
-class StageEvent:
-    """What :meth:`StagingEndpoint.progress` reports: a request ``sent`` (every chunk scattered by the
-    receiver), ``received`` (this side scattered every chunk), or ``failed`` with the reason."""
-
-    kind: str
-    req: str
-    peer: str
-    reason: str = ""
 
 
 class StagingEndpoint:

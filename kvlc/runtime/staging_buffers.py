@@ -147,3 +147,40 @@ def split_chunks(local: np.ndarray, remote: np.ndarray, slot_bytes: int,
             b = min(int(hi), a + max_rows)
             out.append((lrows[a:b], rrows[a:b]))
     return out
+
+
+@dataclass
+class _Chunk:
+    req: str
+    peer: str
+    seq: int
+    total: int
+    local: np.ndarray       # (n, 2) source ranges
+    remote: np.ndarray      # (n, 2) destination ranges
+    nbytes: int
+    slot: int = -1
+    remote_slot: int = -1
+    event: Any = None
+    xfer: Any = None
+
+
+@dataclass
+class _Sending:
+    req: str
+    peer: str
+    total: int
+    deadline: float | None
+    freed: int = 0
+    failed: str = ""
+    queued: int = 0         # chunks not yet gathered
+
+
+@dataclass(frozen=True)
+class StageEvent:
+    """What :meth:`StagingEndpoint.progress` reports: a request ``sent`` (every chunk scattered by the
+    receiver), ``received`` (this side scattered every chunk), or ``failed`` with the reason."""
+
+    kind: str
+    req: str
+    peer: str
+    reason: str = ""

@@ -33,8 +33,9 @@ import enum
 import logging
 import os
 import sys
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvlc.errors import KvlcError, did_you_mean
 
@@ -191,4 +192,28 @@ def apply_env(
     return done
 
 
-__all__ = ["UcxOptions", "ErrorHandling", "UcxOptionError", "apply_env", "cuda_visible", "GET_ZCOPY_ENV"]
+def create_backends(nixl: Any, name: str, backends: Sequence[str], options: UcxOptions,
+                    run: Callable[..., None]) -> dict[str, dict[str, str]]:
+    """Create each of ``backends`` on a raw ``nixl_agent`` (UCX with ``options``, its environment set
+    first); ``run`` is the NIXL choke point's call wrapper. Returns the parameters each got."""
+    from kvlc.runtime.errors import NixlError
+
+    plugins = sorted(nixl.get_plugin_list())
+    missing = [b for b in backends if b not in plugins]
+    if missing:
+        raise NixlError(f"create agent {name!r}", "backend unavailable",
+                        f"backends {missing} not loaded; available plugins: {plugins}")
+    created = {}
+    for b in backends:
+        params: dict[str, str] = {}
+        if b == "UCX":
+            apply_env(options)  # UCX reads its environment when the backend is created
+            params = options.backend_params()
+        run(f"create backend {b} {params} for agent {name!r}", nixl.create_backend, b, params)
+        created[b] = params
+        log.debug("agent %r: backend %s created with %s", name, b, params)
+    return created
+
+
+__all__ = ["UcxOptions", "ErrorHandling", "UcxOptionError", "apply_env", "create_backends", "cuda_visible",
+           "GET_ZCOPY_ENV"]
