@@ -52,15 +52,11 @@ def _overrides(sets: tuple[str, ...], config: str | None):
 
 def _load_plan(path: str, config: str | None = None, sets: tuple[str, ...] = ()):
     """A compiled plan from a spec (``.yaml``/``.yaml.j2``) or a plan (``.json``)."""
-    from kvlc.compiler import compile_spec
-    from kvlc.compiler.plan import Plan
+    from kvlc.compiler import load_plan
     if path.endswith(".json"):
-        try:
-            return Plan.from_json(Path(path).read_text())
-        except (OSError, ValueError) as exc:
-            raise KvlcError(f"{path}: not a kvlc plan: {exc}") from None
+        return load_plan(path)
     cfg, ovr = _overrides(sets, config)
-    return compile_spec(path, cfg, ovr)
+    return load_plan(path, cfg, ovr)
 
 
 _config_opt = click.option("--config", "config", type=click.Path(exists=True, dir_okay=False),
@@ -127,11 +123,15 @@ def check(specs: tuple[str, ...], config: str | None, sets: tuple[str, ...]) -> 
 def render(template: str, config: str | None, sets: tuple[str, ...], output: str | None) -> None:
     """Render a .yaml.j2 TEMPLATE with a model config into concrete YAML (validated first)."""
     from kvlc.compiler import compile_spec
-    from kvlc.compiler.source import render_template
+    from kvlc.compiler.source import parse_yaml, render_template, rendered_name
+    from kvlc.compiler.validate import validate
     try:
         cfg, ovr = _overrides(sets, config)
         text = render_template(template, cfg, ovr)
-        compile_spec(text if "\n" in text else text + "\n")
+        source = parse_yaml(text, rendered_name(template))
+        spec = validate(source)
+        spec._source = source
+        compile_spec(spec)
     except KvlcError as exc:
         _fail(exc)
     if output:
@@ -176,27 +176,18 @@ def pair_cmd(producer: str, consumer: str, rank: int, direction: str, as_json: b
     """Pair PRODUCER and CONSUMER (specs or plan .json): compatibility report and program summary."""
     import json as _json
 
-    from kvlc.compiler.pair import check_pair, pair
+    from kvlc.compiler.pair import pair_and_check
     try:
         prod, cons = _load_plan(producer), _load_plan(consumer)
     except KvlcError as exc:
         _fail(exc)
     local, remote = (cons, prod) if direction == "pull" else (prod, cons)
     op = "READ" if direction == "pull" else "WRITE"
-    report = check_pair(local, remote, local_rank=rank, direction=op)
-    program = pair(local, remote, local_rank=rank, direction=op) if report.ok else None
+    report, program = pair_and_check(local, remote, local_rank=rank, direction=op)
     if as_json:
-        doc = {"compatible": report.ok, "direction": op, "local": local.name, "remote": remote.name,
-               "local_rank": rank,
-               "findings": [{"code": f.code, "severity": f.severity, "message": f.message, "region": f.region,
-                             "field": f.field, "local": f.local, "remote": f.remote, "fix": f.fix}
-                            for f in report.findings]}
+        doc = report.summary()
         if program is not None:
-            doc["peer_ranks"] = list(program.peer_ranks)
-            doc["consumer_counts"] = {str(k): v for k, v in sorted(program.consumer_counts.items())}
-            doc["parts"] = [{"peer_rank": k.peer_rank, "local_mem": k.local_mem, "remote_mem": k.remote_mem, **v}
-                            for k, v in program.stats().items()]
-            doc["digest"] = program.digest
+            doc.update(program.summary())
         click.echo(_json.dumps(doc, indent=2))
     else:
         from rich.console import Console
@@ -219,8 +210,7 @@ def pair_cmd(producer: str, consumer: str, rank: int, direction: str, as_json: b
 
 
 @main.command()
-@click.argument("layout", required=False, default="layouts/llama-3.1-8b.yaml",
-                type=click.Path(exists=True, dir_okay=False))
+@click.argument("layout", required=False, type=click.Path(exists=True, dir_okay=False))
 @click.option("--consumer", type=click.Path(exists=True, dir_okay=False),
               help="The consumer's layout (default: the same as LAYOUT), e.g. another TP or block size.")
 @click.option("--mode", type=click.Choice(["pull", "push", "pull_via_push"]), default="pull", show_default=True)
@@ -234,19 +224,53 @@ def pair_cmd(producer: str, consumer: str, rank: int, direction: str, as_json: b
               help="Producer block ids: scattered over the pool, or contiguous runs (descriptors coalesce).")
 @click.option("--descriptors", type=click.Choice(["rows", "prepped"]), default="rows", show_default=True,
               help="rows: coalesced (N, 3) rows per request; prepped: strided lists prepared once, indices per request.")
-def demo(layout: str, consumer: str | None, mode: str, requests: int, tokens: int | None, pool_mib: int,
+def demo(layout: str | None, consumer: str | None, mode: str, requests: int, tokens: int | None, pool_mib: int,
          check: str, ids: str, descriptors: str) -> None:
     """Producer and consumer processes on loopback move a content-coded workload; every byte is checked.
 
     The producer fills its cache with bytes that encode what they are (region, field, head,
     token); the consumer pulls (or the producer pushes) the requests with real NIXL agents over
-    UCX, then compares every destination byte. Exit 1 on any mismatch or failed request.
+    UCX, then compares every destination byte. LAYOUT defaults to layouts/llama-3.1-8b.yaml of
+    the kvlc source tree the package runs from (found next to the package, from any directory).
+    The pair is checked before any engine starts (exit 2 with the report); exit 1 on any mismatch
+    or failed request.
     """
+    _demo_needs_extras()
+    from kvlc.testing.demo import DEFAULT_LAYOUT, DemoError, check_pair, make_workload, run_demo, scaled_plan
+
+    if layout is None:
+        if not DEFAULT_LAYOUT.exists():
+            _fail(DemoError(f"no LAYOUT given and the default {DEFAULT_LAYOUT} is not there (an installed "
+                            "package has no layouts/): pass a layout file, e.g. kvlc demo my-model.yaml"))
+        layout = str(DEFAULT_LAYOUT)
+    try:  # every option and the pairing are checked before engines start
+        if pool_mib < 1:
+            raise DemoError(f"--pool-mib {pool_mib}: give at least 1 (MiB per rank)")
+        prod = scaled_plan(layout, pool_mib << 20, to_dram=True)
+        cons = scaled_plan(consumer, pool_mib << 20, to_dram=True) if consumer else prod
+        check_pair(cons, prod)
+        if requests < 1:
+            raise DemoError(f"--requests {requests}: give at least 1")
+        make_workload(cons, prod, 1, tokens)
+    except KvlcError as exc:
+        _fail(exc)
+    _run_demo(run_demo, layout, consumer, mode, requests, tokens, pool_mib, check, ids, descriptors)
+
+
+def _demo_needs_extras() -> None:
+    import importlib.util
+
+    missing = [m for m in ("msgpack", "torch", "nixl", "rich") if importlib.util.find_spec(m) is None]
+    if missing:
+        click.echo(f"kvlc demo needs the runtime extra, missing: {', '.join(missing)}; "
+                   "install it with: pip install 'kvlc[runtime]' (and rich)", err=True)
+        sys.exit(EXIT_SPEC)
+
+
+def _run_demo(run_demo, layout, consumer, mode, requests, tokens, pool_mib, check, ids, descriptors) -> None:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
-
-    from kvlc.runtime.demo import run_demo
 
     console = Console()
     console.print(f"kvlc demo: {mode} {requests} requests, producer {layout}"
@@ -269,8 +293,12 @@ def demo(layout: str, consumer: str | None, mode: str, requests: int, tokens: in
     table.add_column("what")
     table.add_column("value", justify="right")
     for k, v in (("requests", f"{result.requests}"), ("bytes moved", f"{result.nbytes:,}"),
+                 ("start-up (compile, pair, start engines, connect)", f"{result.startup_seconds:.2f} s"),
                  ("transfer time", f"{result.seconds:.3f} s"), ("throughput", f"{result.gbps:.2f} GB/s"),
+                 ("verification time", f"{result.verify_seconds:.2f} s"),
                  ("descriptors per request", f"{result.descriptors_per_request:.1f}"),
+                 ("requests verified", f"{result.verified_requests} of {result.requests} "
+                                       f"({result.verified_rounds} of {result.rounds} rounds)"),
                  ("bytes verified", f"{result.checked_bytes:,}"),
                  ("failed requests", f"{len(result.failed)}"), ("mismatches", f"{len(result.mismatches)}")):
         table.add_row(k, v)
@@ -281,29 +309,40 @@ def demo(layout: str, consumer: str | None, mode: str, requests: int, tokens: in
         console.print(f"[red]failed[/red] {req}: {why}", highlight=False)
     if not result.ok:
         sys.exit(1)
-    console.print("[green]every byte verified[/green]" if check != "none" else "done (not verified)")
+    if result.verified_requests == result.requests and result.requests:
+        console.print(f"[green]every byte of all {result.requests} requests verified[/green]"
+                      f" ({result.checked_bytes:,} bytes)")
+    elif result.verified_requests:
+        console.print(f"[yellow]{result.verified_requests} of {result.requests} requests verified "
+                      f"({result.checked_bytes:,} bytes); the rest moved unchecked[/yellow]")
+    else:
+        console.print("done: nothing verified (--check none)")
 
 
-@main.command()
-@click.option("--only", default="compile,pair,prep,transfer", show_default=True, metavar="NAMES",
-              help="Comma-separated benchmarks to run: compile, pair, prep, transfer.")
-@click.option("--quick", is_flag=True, help="Smoke run: fewer repetitions, smaller sizes (results say quick).")
+@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@click.option("--only", metavar="NAMES", help="Comma-separated benchmarks: compile, pair, prep, transfer.")
+@click.option("--quick", is_flag=True, help="Smoke run: fewer repetitions, smaller sizes (no size-dependent verdicts).")
 @click.option("--no-run", is_flag=True, help="Run nothing: summarize and plot the recorded results.")
-def bench(only: str, quick: bool, no_run: bool) -> None:
-    """Run the benchmark suite (the repository's benchmarks/ scripts) and summarize it.
+@click.pass_context
+def bench(ctx: click.Context, only: str | None, quick: bool, no_run: bool) -> None:
+    """Run the benchmark suite of a source checkout (``python3 benchmarks/run.py``).
 
-    Each selected script runs as a subprocess and writes benchmarks/results/<name>.json;
-    then every recorded result (and gpu.json from the GPU run, if present) is printed as a
-    table with issue 5's targets, and plotted as PNG files in benchmarks/results/.
+    Looks for ``benchmarks/run.py`` in the current directory and its parents. Results go to a
+    fresh folder (``benchmarks/runs/<date-time>/``); the recorded results change only with
+    ``--record``. Other options (``--out``, ``--record``) pass through to run.py.
     """
-    from kvlc.bench import BenchError, main_bench
+    import subprocess
 
-    try:
-        code = main_bench(only=only, quick=quick, run=not no_run)
-    except BenchError as exc:
-        click.echo(str(exc), err=True)
+    here = Path.cwd().resolve()
+    script = next((d / "benchmarks" / "run.py" for d in (here, *here.parents)
+                   if (d / "benchmarks" / "run.py").is_file()), None)
+    if script is None:
+        click.echo(f"kvlc bench: no benchmarks/ folder with run.py in {here} or above it; the benchmarks "
+                   "are not installed with the package: run kvlc bench in a kvlc source checkout", err=True)
         sys.exit(1)
-    sys.exit(code)
+    args = ([f"--only={only}"] if only else []) + (["--quick"] if quick else []) + \
+        (["--no-run"] if no_run else []) + list(ctx.args)
+    sys.exit(subprocess.call([sys.executable, str(script), *args]))
 
 
 if __name__ == "__main__":
