@@ -5,7 +5,7 @@ both 0 on a one-GPU machine):
 
 * ceilings: torch device-to-device copy (same device, or ``tensor.to("cuda:C")`` across devices)
   and pinned host <-> device copies, for the request sizes measured;
-* kvlc (KvAgent, two processes, ``kvlc.runtime.demo``): VRAM Llama-3.1-8B push, pull and
+* kvlc (KvAgent, two processes, ``kvlc.testing.demo``): VRAM Llama-3.1-8B push, pull and
   pull-via-push at 256 MiB (32 descriptors) and 2 GiB per request, random block ids
   (4,086 descriptors), and mixed DRAM/VRAM DeepSeek-V3.2 -> HiSparse; content-coded
   correctness runs in every mode first (every destination byte checked);
@@ -88,7 +88,7 @@ def on_device(layout: str, device: int, tmp: Path) -> str:
 def kvlc_case(rows: list, name: str, prod: str, cons: str, modes, runs, timeout: float = 300.0,
               check_bytes: int = 64 << 20) -> None:
     """Correctness (content codes, every byte) then timed runs through KvAgent, one row per run."""
-    from kvlc.runtime.demo import run_demo
+    from kvlc.testing.demo import run_demo
 
     for mode in modes:
         t0 = time.time()
