@@ -1,18 +1,24 @@
-"""GPU run: pull, push and pull-via-push on VRAM and on mixed DRAM/VRAM layouts, one GPU.
+"""GPU run: kvlc vs raw NIXL vs torch copies, push / pull / pull-via-push, staging, one or two GPUs.
 
-A producer process and a consumer process (each hosting every rank of its engine,
-tensors on cuda:0 or pinned host memory as the layout says) move requests with
-real NIXL agents (UCX; cuda_ipc where it applies). Every case runs twice:
+In one run, each side on the cuda device given (``--producer-device``, ``--consumer-device``;
+both 0 on a one-GPU machine):
 
-  * correctness: a few content-coded requests, every destination byte checked;
-  * throughput: larger requests of random bytes, timed, not checked;
+* ceilings: torch device-to-device copy (same device, or ``tensor.to("cuda:C")`` across devices)
+  and pinned host <-> device copies, for the request sizes measured;
+* kvlc (KvAgent, two processes, ``kvlc.testing.demo``): VRAM Llama-3.1-8B push, pull and
+  pull-via-push at 256 MiB (32 descriptors) and 2 GiB per request, random block ids
+  (4,086 descriptors), and mixed DRAM/VRAM DeepSeek-V3.2 -> HiSparse; content-coded
+  correctness runs in every mode first (every destination byte checked);
+* raw NIXL (no kvlc) between the same kind of processes: one descriptor of the same bytes,
+  WRITE and READ, and the same rows with UCX thread-pool settings side by side;
+* staging (``kvlc.runtime.staging``): 4,086 x 64 KiB VRAM -> VRAM, 256 MiB DRAM -> VRAM and
+  VRAM -> DRAM, with content-coded checks in every memory pairing (benchmarks/gpu_staging.py).
 
-and, in the same run, a torch device-to-device copy of the same number of bytes
-(and host<->device copies for the mixed case) as the ceiling to compare with.
+Writes JSON (``--out``) and a plot next to it. Needs a CUDA GPU, torch and nixl (not part of CI).
+Run from the repository root:
 
-Needs a CUDA GPU, torch and nixl (not part of CI). Run from the repository root:
-
-    python3 benchmarks/gpu_transfer.py [--out benchmarks/results/gpu.json] [--quick]
+    python3 benchmarks/gpu_transfer.py --producer-device 0 --consumer-device 0 \\
+        --out benchmarks/results/gpu.json
 """
 
 from __future__ import annotations
@@ -22,158 +28,205 @@ import json
 import os
 import platform
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
 
+import yaml
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
-CASES = [
-    # name, producer layout, consumer layout, what it shows, large-run sizes per mode:
-    # {"pull"|"other": (requests, tokens per request, pool bytes per rank)}
-    ("vram llama-3.1-8b", "layouts/llama-3.1-8b.yaml", None, "VRAM -> VRAM, 32 regions",
-     {"pull": (8, 512, 1 << 30), "other": (64, 2048, 1 << 30)}),
-    ("mixed deepseek-v3.2 -> hisparse", "layouts/deepseek-v3.2-tp8.yaml",
-     "layouts/deepseek-v3.2-hisparse-tp8.yaml", "VRAM producer -> DRAM latent + VRAM indexer consumer",
-     {"pull": (4, 256, 128 << 20), "other": (8, 512, 128 << 20)}),
-]
-MODES = ("push", "pull_via_push", "pull")
+MiB = 1 << 20
+LLAMA = "layouts/llama-3.1-8b.yaml"
+DSV32 = ("layouts/deepseek-v3.2-tp8.yaml", "layouts/deepseek-v3.2-hisparse-tp8.yaml")
 
 
-def torch_copy_gbps(nbytes: int, kind: str, reps: int = 10) -> float:
-    """GB/s of a torch copy of ``nbytes`` (d2d, h2d or d2h; pinned host memory), counted once."""
+def torch_copy_gbps(nbytes: int, kind: str, src_dev: int = 0, dst_dev: int = 0, reps: int = 10) -> float:
+    """GB/s of a torch copy of ``nbytes``, counted once: d2d (src_dev -> dst_dev), h2d or d2h (pinned)."""
     import torch
 
-    dev = torch.device("cuda", 0)
     if kind == "d2d":
-        src = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-        dst = torch.empty_like(src)
+        src = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{src_dev}")
+        dst = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{dst_dev}")
     elif kind == "h2d":
         src = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
-        dst = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+        dst = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{dst_dev}")
     else:
-        src = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+        src = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{src_dev}")
         dst = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
     dst.copy_(src, non_blocking=True)
     torch.cuda.synchronize()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
+    t0 = time.perf_counter()
     for _ in range(reps):
         dst.copy_(src, non_blocking=True)
-    stop.record()
     torch.cuda.synchronize()
-    seconds = start.elapsed_time(stop) / 1e3 / reps
+    seconds = (time.perf_counter() - t0) / reps
+    del src, dst
+    torch.cuda.empty_cache()
     return nbytes / seconds / 1e9
 
 
-def run_case(name, producer, consumer, quick: bool, big: dict) -> dict:
-    from kvlc.runtime.demo import run_demo
+def on_device(layout: str, device: int, tmp: Path) -> str:
+    """A copy of ``layout`` with every VRAM storage on cuda ``device`` (the other side's layout may differ)."""
+    data = yaml.safe_load((ROOT / layout).read_text())
 
-    out = {"case": name, "producer": producer, "consumer": consumer, "modes": {}}
-    for mode in MODES:
-        row: dict = {}
+    def move(entries):
+        for e in entries:
+            if "repeat" in e:
+                move(e["storages"])
+            elif e.get("mem") == "VRAM":
+                e["device"] = device
+    move(data["storages"])
+    out = tmp / f"{Path(layout).stem}-cuda{device}.yaml"
+    out.write_text(yaml.safe_dump(data, sort_keys=False))
+    return str(out)
+
+
+def kvlc_case(rows: list, name: str, prod: str, cons: str, modes, runs, timeout: float = 300.0,
+              check_bytes: int = 64 << 20) -> None:
+    """Correctness (content codes, every byte) then timed runs through KvAgent, one row per run."""
+    from kvlc.testing.demo import run_demo
+
+    for mode in modes:
+        t0 = time.time()
         try:
-            t0 = time.time()
-            small = run_demo(producer, consumer, mode=mode, requests=4, tokens=128, max_bytes=64 << 20,
+            small = run_demo(prod, cons, mode=mode, requests=4, tokens=128, max_bytes=check_bytes,
                              device="gpu", check="all", timeout=120.0)
-            row["check"] = {"ok": small.ok, "requests": small.requests, "bytes": small.nbytes,
-                            "verified_bytes": small.checked_bytes, "mismatches": small.mismatches[:5],
-                            "failed": dict(list(small.failed.items())[:5]), "wall_s": time.time() - t0}
-            print(f"[{name}] {mode:14s} check: ok={small.ok} verified {small.checked_bytes:,} bytes", flush=True)
-            for ids in (("contiguous",) if mode == "pull" else ("contiguous", "random")):
-                requests, tokens, pool = big["pull" if mode == "pull" else "other"]
-                t0 = time.time()
-                res = run_demo(producer, consumer, mode=mode, requests=requests, tokens=tokens,
-                               max_bytes=pool, device="gpu", check="none", fill="random", ids=ids,
-                               timeout=300.0)
-                row[f"throughput_{ids}"] = {
-                    "ok": res.ok, "requests": res.requests, "tokens": tokens, "bytes": res.nbytes,
-                    "seconds": res.seconds, "gbps": res.gbps,
-                    "descriptors_per_request": res.descriptors_per_request,
-                    "failed": dict(list(res.failed.items())[:5]), "wall_s": time.time() - t0}
-                print(f"[{name}] {mode:14s} {ids:10s} {res.nbytes / 1e9:.2f} GB in {res.seconds:.3f} s = "
-                      f"{res.gbps:.1f} GB/s, {res.descriptors_per_request:.0f} descriptors/request", flush=True)
-        except Exception as exc:  # record and go on: one call of the GPU machine should tell everything
-            row["error"] = f"{type(exc).__name__}: {exc}"
-            row["traceback"] = traceback.format_exc()[-3000:]
-            print(f"[{name}] {mode} FAILED: {row['error']}", flush=True)
-        out["modes"][mode] = row
+            rows.append({"case": f"kvlc {name} {mode} check", "ok": small.ok, "verified_bytes": small.checked_bytes,
+                         "mismatches": small.mismatches[:5], "failed": dict(list(small.failed.items())[:5]),
+                         "wall_s": round(time.time() - t0, 1)})
+        except Exception as exc:
+            rows.append({"case": f"kvlc {name} {mode} check", "ok": False, "error": f"{type(exc).__name__}: {exc}",
+                         "traceback": traceback.format_exc()[-2000:]})
+        print(json.dumps({k: v for k, v in rows[-1].items() if k != "traceback"}), flush=True)
+        for label, requests, tokens, pool, ids, descriptors, *threads in runs(mode):
+            t0 = time.time()
+            if threads:  # agents created without options read this (UcxOptions.from_env)
+                os.environ["KVLC_UCX_NUM_THREADS"] = threads[0]
+            try:
+                res = run_demo(prod, cons, mode=mode, requests=requests, tokens=tokens, max_bytes=pool,
+                               device="gpu", check="none", fill="zeros", ids=ids, timeout=timeout,
+                               descriptors=descriptors)
+                row = {"case": f"kvlc {name} {mode} {label}", "ok": res.ok, "bytes": res.nbytes,
+                       "seconds": res.seconds, "gbps": res.gbps, "requests": res.requests,
+                       "bytes_per_request": res.nbytes // max(1, res.requests),
+                       "descriptors_per_request": res.descriptors_per_request,
+                       "failed": dict(list(res.failed.items())[:3])}
+            except Exception as exc:
+                row = {"case": f"kvlc {name} {mode} {label}", "error": f"{type(exc).__name__}: {exc}",
+                       "traceback": traceback.format_exc()[-2000:]}
+            os.environ.pop("KVLC_UCX_NUM_THREADS", None)
+            row["wall_s"] = round(time.time() - t0, 1)
+            rows.append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "traceback"}), flush=True)
+
+
+def kvlc_cases(pdev: int, cdev: int, quick: bool, tmp: Path) -> list[dict]:
+    rows: list[dict] = []
+    lp, lc = on_device(LLAMA, pdev, tmp), on_device(LLAMA, cdev, tmp)
+    n = 32 if quick else 64
+
+    def llama_runs(mode):  # pools of 8 and 32 GiB: 32 and 16 requests in flight per round
+        out = [("256 MiB contiguous", n, 2048, 8 << 30, "contiguous", "rows"),
+               ("2 GiB contiguous", 16, 16384, 32 << 30, "contiguous", "rows")]
+        if mode != "pull_via_push":
+            out.append(("256 MiB contiguous prepped", n, 2048, 8 << 30, "contiguous", "prepped"))
+        if mode == "push":
+            out += [("256 MiB contiguous [UCX threads=4]", n, 2048, 8 << 30, "contiguous", "rows", "4"),
+                    ("2 GiB contiguous [UCX threads=4]", 16, 16384, 32 << 30, "contiguous", "rows", "4")]
+        out.append(("256 MiB random ids", 8 if quick else 16, 2048, 1 << 30, "random", "rows"))
+        return out
+
+    kvlc_case(rows, "VRAM llama-3.1-8b", lp, lc, ("push", "pull", "pull_via_push"), llama_runs)
+    dp, dc = on_device(DSV32[0], pdev, tmp), on_device(DSV32[1], cdev, tmp)
+    kvlc_case(rows, "mixed deepseek-v3.2 -> hisparse", dp, dc, ("push", "pull", "pull_via_push"),
+              lambda mode: [("contiguous", 2, 512, 128 << 20, "contiguous", "rows")] if mode == "push" else [],
+              check_bytes=16 << 20)
+    return rows
+
+
+def ceilings(pdev: int, cdev: int) -> dict:
+    out = {}
+    for size in (256 * MiB, 2048 * MiB):
+        out[f"d2d {size // MiB} MiB"] = torch_copy_gbps(size, "d2d", pdev, cdev)
+    out["h2d 256 MiB"] = torch_copy_gbps(256 * MiB, "h2d", dst_dev=cdev)
+    out["d2h 256 MiB"] = torch_copy_gbps(256 * MiB, "d2h", src_dev=pdev)
+    for k, v in out.items():
+        print(f"torch {k}: {v:.1f} GB/s", flush=True)
     return out
 
 
-def sweep(out: str) -> int:
-    """Where does VRAM push time go? Progress mode (kKV thread vs NIXL's own) x request size."""
-    from kvlc.runtime.demo import run_demo
+def machine(args) -> dict:
+    import torch
 
-    rows = []
-    for progress in ("thread", "nixl"):
-        for tokens, requests, pool in ((2048, 64, 1 << 30), (16384, 16, 8 << 30)):
-            for mode in ("push", "pull_via_push"):
-                try:
-                    res = run_demo("layouts/llama-3.1-8b.yaml", mode=mode, requests=requests, tokens=tokens,
-                                   max_bytes=pool, device="gpu", check="none", fill="zeros", ids="contiguous",
-                                   timeout=300.0, progress_mode=progress)
-                    per_req = res.nbytes // max(1, res.requests)
-                    d2d = torch_copy_gbps(per_req, "d2d")
-                    row = {"progress": progress, "mode": mode, "tokens": tokens, "requests": res.requests,
-                           "bytes": res.nbytes, "seconds": res.seconds, "gbps": res.gbps,
-                           "descriptors_per_request": res.descriptors_per_request, "ok": res.ok,
-                           "torch_d2d_gbps_same_bytes": d2d, "fraction_of_d2d": res.gbps / d2d}
-                except Exception as exc:
-                    row = {"progress": progress, "mode": mode, "tokens": tokens, "error": repr(exc)}
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-    Path(out).write_text(json.dumps({"benchmark": "gpu-sweep", "rows": rows}, indent=2) + "\n")
-    return 0
+    info = {"gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+            "torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
+            "command": " ".join(["python3", "benchmarks/gpu_transfer.py", *sys.argv[1:]]),
+            "when": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "producer_device": args.producer_device,
+            "consumer_device": args.consumer_device,
+            "ucx_env": {k: v for k, v in os.environ.items() if k.startswith("UCX_")}}
+    try:
+        from importlib.metadata import version
+
+        info["nixl"] = version("nixl-cu13")
+    except Exception as exc:
+        info["nixl"] = f"unknown: {exc}"
+    return info
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gpu.json"))
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--only", default="", help="comma-separated case-name substrings")
-    ap.add_argument("--sweep", action="store_true",
-                    help="push sweep on VRAM instead: progress mode x request size, contiguous ids")
+    ap.add_argument("--producer-device", type=int, default=0, help="cuda device of the producer (prefill) side")
+    ap.add_argument("--consumer-device", type=int, default=0, help="cuda device of the consumer (decode) side")
+    ap.add_argument("--quick", action="store_true", help="fewer and smaller requests")
+    ap.add_argument("--merge", action="store_true", help="add the rows to an existing --out document")
+    ap.add_argument("--only", default="kvlc,staging,raw,check",
+                    help="comma-separated parts: kvlc, staging, raw, check, diag (diag: not by default)")
     args = ap.parse_args(argv)
-    if args.sweep:
-        return sweep(args.out)
-
     import torch
 
-    info = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "python": platform.python_version(),
-            "cpus": os.cpu_count(), "command": " ".join(["python3", *sys.argv]),
-            "when": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-            "ucx_env": {k: v for k, v in os.environ.items() if k.startswith("UCX_")}}
-    try:
-        import nixl
-        info["nixl"] = getattr(nixl, "__version__", "?")
-    except ImportError as exc:
-        info["nixl"] = f"missing: {exc}"
-    baselines = {}
-    for kind in ("d2d", "h2d", "d2h"):
-        baselines[kind] = {str(n): torch_copy_gbps(n, kind) for n in (64 << 20, 1 << 30)}
-        print(f"torch {kind}: " + ", ".join(f"{int(k) >> 20} MiB {v:.1f} GB/s" for k, v in baselines[kind].items()),
-              flush=True)
-    cases = [c for c in CASES if not args.only or any(s in c[0] for s in args.only.split(","))]
-    results = []
-    for name, p, c, _, big in cases:
-        results.append(run_case(name, p, c, args.quick, big))
-        for mode, row in results[-1]["modes"].items():  # ceiling: a d2d copy of one request's bytes
-            for key, tp in row.items():
-                if key.startswith("throughput") and tp["bytes"]:
-                    per_req = max(1, tp["bytes"] // max(1, tp["requests"]))
-                    d2d = torch_copy_gbps(min(per_req, 4 << 30), "d2d")
-                    tp["torch_d2d_gbps_same_bytes"] = d2d
-                    tp["fraction_of_d2d"] = tp["gbps"] / d2d
-    doc = {"benchmark": "gpu", "machine": info, "torch_copy_gbps": baselines, "cases": results}
+    count = torch.cuda.device_count()
+    for which, dev in (("--producer-device", args.producer_device), ("--consumer-device", args.consumer_device)):
+        if not 0 <= dev < count:
+            ap.error(f"{which} {dev}: this machine has {count} CUDA device(s); use 0..{count - 1}")
+    import gpu_staging
+    from gpu_plot import annotate, plot, verdicts
+
+    parts = set(args.only.split(","))
+    p, c = args.producer_device, args.consumer_device
+    out_path = Path(args.out)
+    if out_path.exists() and args.merge:  # add this run's parts to an earlier run's document
+        doc = json.loads(out_path.read_text())
+        doc.setdefault("runs", []).append(machine(args))
+    else:
+        doc = None
+    doc = doc or {"benchmark": "gpu", "machine": machine(args), "torch_copy_gbps": ceilings(p, c), "rows": [],
+           "verdicts": []}
     path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(doc, indent=2) + "\n")
-    os.replace(tmp, path)
+    steps = (("check", lambda tmp: gpu_staging.check_cases(p, c)),
+             ("diag", lambda tmp: gpu_staging.diag_cases(p, c)),
+             ("staging", lambda tmp: gpu_staging.staged_cases(p, c, args.quick)),
+             ("raw", lambda tmp: gpu_staging.raw_cases(p, c, args.quick)),
+             ("kvlc", lambda tmp: kvlc_cases(p, c, args.quick, tmp)))
+    with tempfile.TemporaryDirectory() as tmp:
+        for part, run in steps:
+            if part in parts:
+                doc["rows"] += run(Path(tmp))
+                doc["verdicts"] = verdicts(annotate(doc))
+                path.write_text(json.dumps(doc, indent=2) + "\n")  # what ran so far survives a cut-off run
+    for v in doc["verdicts"]:
+        print(f"{v['target']}: {v['verdict']} ({v['detail']})", flush=True)
+    try:
+        plot(doc, path.with_name(path.stem + "_transfer.png"))  # gpu.png is kvlc bench's summary plot
+    except Exception as exc:  # the JSON is what counts
+        print(f"plot failed: {exc}")
     print(f"wrote {path}")
-    ok = all(row.get("check", {}).get("ok") for r in results for row in r["modes"].values())
+    ok = all(r.get("ok", True) and "error" not in r for r in doc["rows"])
     return 0 if ok else 1
 
 

@@ -24,9 +24,13 @@ from typing import Any
 import numpy as np
 
 from kvlc.runtime.errors import NixlError
+from kvlc.runtime.ucx import UcxOptions, create_backends
 
 OPS = ("READ", "WRITE")
 MEM_TYPES = ("DRAM", "VRAM")
+
+
+log = logging.getLogger("kvlc.runtime.nixl")
 
 
 class XferState(enum.Enum):
@@ -178,7 +182,10 @@ class Agent:
     """One NIXL agent: registration, metadata, descriptor lists, transfers, notifications.
 
     Every method takes the agent's lock, so the side-channel thread and the
-    engine's thread may both use it.
+    engine's thread may both use it. ``ucx``: the UCX backend's parameters
+    (:class:`~kvlc.runtime.ucx.UcxOptions`; default: from ``KVLC_UCX_*`` variables, else
+    NIXL's defaults); the backend is created here, after :func:`~kvlc.runtime.ucx.apply_env`
+    set ``UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y`` on a CUDA machine where the user had not set it.
     """
 
     def __init__(
@@ -188,6 +195,7 @@ class Agent:
         *,
         telemetry: bool = False,
         progress_thread: bool = False,
+        ucx: UcxOptions | None = None,
     ):
         _quiet_nixl()
         from nixl._api import nixl_agent, nixl_agent_config  # the only import of nixl in kvlc
@@ -198,17 +206,10 @@ class Agent:
         self._remotes: set[str] = set()
         # NIXL's progress thread busy-polls a core per agent; without it, transfers and notifications
         # progress whenever the agent is used (every KvAgent.poll()), which engines do in their loop.
-        config = nixl_agent_config(
-            enable_prog_thread=progress_thread, backends=list(backends), capture_telemetry=telemetry
-        )
+        config = nixl_agent_config(enable_prog_thread=progress_thread, backends=[], capture_telemetry=telemetry)
         self._nixl = call(f"create agent {name!r}", nixl_agent, name, config)
-        missing = [b for b in backends if b not in self._nixl.backends]
-        if missing:
-            raise NixlError(
-                f"create agent {name!r}",
-                "backend unavailable",
-                f"backends {missing} not loaded; available plugins: {sorted(self._nixl.get_plugin_list())}",
-            )
+        self.ucx = ucx or UcxOptions.from_env()
+        self.backend_params = create_backends(self._nixl, name, backends, self.ucx, run)
         self.backends = tuple(backends)
         self.closed = False
 
@@ -411,10 +412,11 @@ class Agent:
 
 
 def agent_factory(
-    backends: Sequence[str], telemetry: bool = False, progress_thread: bool = False
+    backends: Sequence[str], telemetry: bool = False, progress_thread: bool = False,
+    ucx: UcxOptions | None = None,
 ) -> Callable[[str], Agent]:
     """A function that creates a real :class:`Agent` by name (tests substitute a fake one)."""
-    return lambda name: Agent(name, backends, telemetry=telemetry, progress_thread=progress_thread)
+    return lambda name: Agent(name, backends, telemetry=telemetry, progress_thread=progress_thread, ucx=ucx)
 
 
 __all__ = [
@@ -422,6 +424,7 @@ __all__ = [
     "Xfer",
     "Prepped",
     "Registration",
+    "UcxOptions",
     "XferState",
     "check",
     "call",

@@ -1,0 +1,382 @@
+"""Staging through bounce buffers: gather, one WRITE per chunk, scatter on the receiver before ``done``.
+
+Two cases make NIXL slow where a bounce buffer makes it fast (measured on an H200,
+see benchmarks/README.md): many small descriptors (UCX posts each one serially,
+~5.7 us apiece) and DRAM <-> VRAM between processes (UCX emulates it over TCP).
+Staging turns either into copies the GPU's engines do well plus one large WRITE:
+
+1. the sender gathers a request's source ranges, chunk by chunk, into a slot of its
+   own bounce buffer (one indexed copy per run of equal ranges, on a side CUDA
+   stream; :mod:`kvlc.runtime.staging_copy`);
+2. once the gather's event completes, ONE WRITE moves the slot into a slot of the
+   receiver's bounce buffer; when it is DONE, a LANDED notification carries the
+   chunk's size (its destination ranges travel in the same WRITE, behind the data;
+   :mod:`kvlc.runtime.staging_wire`);
+3. the receiver checks every range lies inside its registered regions, scatters the
+   slot into them (side stream), and only when that copy completed answers FREE;
+   the request is complete on the receiver after the scatter of its last chunk, and
+   on the sender once every chunk is FREE.
+
+Buffers are bounded and registered once: ``slots`` x ``slot_bytes`` per buffer (a
+sender's one outbox, one inbox per sending peer on a receiver); a request larger
+than that streams through the slots (credits: a slot is written again only after
+FREE), so gather, WRITE and scatter of consecutive chunks overlap.
+
+The module takes descriptor rows ((N, 2) or (N, 3) uint64 addr, len[, dev], row i
+of the source paired with row i of the destination, as the compiler's
+``instantiate`` gives them) and does no layout arithmetic beyond cutting those
+ranges at chunk boundaries. :class:`StagingPolicy` says when to stage. Without a
+GPU everything runs in DRAM (synchronous copies), which is how CI tests it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from kvlc.errors import KvlcError
+from kvlc.runtime.nixl import XferState
+from kvlc.runtime.staging_copy import Copier, Regions, StagingError
+from kvlc.runtime.staging_buffers import (
+    DEFAULT_SLOT_BYTES,
+    DEFAULT_SLOTS,
+    BounceBuffer,
+    StageMode,
+    StageEvent,
+    StagingPolicy,
+    _align8,
+    _Chunk,
+    _Sending,
+    split_chunks,
+)
+from kvlc.runtime.staging_wire import BounceInfo, Kind, Message, decode, encode, is_staging
+
+log = logging.getLogger("kvlc.runtime.staging")
+
+_FORGET = 1 << 14
+
+
+class StagingEndpoint:
+    """One agent's staging engine: sends through its outbox, receives into one inbox per peer.
+
+    ``agent`` is a :class:`~kvlc.runtime.nixl.Agent`; ``regions`` the registered memory the
+    transfers read from and scatter into. Call :meth:`handle` with every notification (it returns
+    False for those that are not staging messages) and :meth:`progress` in the engine's loop.
+    """
+
+    def __init__(self, agent: Any, regions: Regions, outbox: BounceBuffer | None,
+                 clock: Callable[[], float] = time.monotonic, prepped: bool = True):
+        self.agent, self.regions, self.outbox, self.clock = agent, regions, outbox, clock
+        cuda = outbox is not None and outbox.mem == "VRAM"
+        self.stream = None
+        if cuda:
+            import torch
+
+            self.stream = torch.cuda.Stream(device=outbox.device)
+        self.copier = Copier(regions, self.stream)
+        self.peers: dict[str, BounceInfo] = {}          # sending: the peer's inbox for us
+        self.inboxes: dict[str, BounceBuffer] = {}      # receiving: our inbox for that peer
+        self._queue: deque[_Chunk] = deque()
+        self._free_local: deque[int] = deque(range(outbox.slots)) if outbox else deque()
+        self._free_remote: dict[str, deque[int]] = {}
+        self._gathering: list[_Chunk] = []
+        self._writing: list[_Chunk] = []
+        self._sending: dict[str, _Sending] = {}
+        self._scattering: list[tuple[str, Message, Any]] = []
+        self._receiving: dict[tuple[str, str], set[int]] = {}
+        self._failed_in: OrderedDict[tuple[str, str], None] = OrderedDict()  # bounded: _FORGET
+        self.events: list[StageEvent] = []
+        self.prepped = prepped
+        self._lists: dict[str, tuple[Any, Any, int]] = {}  # peer -> (local slots, remote slots, bytes each)
+        self.stats = {"chunks_sent": 0, "chunks_received": 0, "bytes_sent": 0}
+
+    # ------------------------------------------------------------------ setup
+    def add_peer(self, info: BounceInfo) -> None:
+        """Send to ``info.agent`` through its inbox (its NIXL metadata must be loaded already).
+
+        Prepares, once, a list of whole slots on each side: a chunk that fills at least half a slot
+        is then one ``make_prepped`` WRITE of the whole slot (no per-chunk descriptor resolution).
+        """
+        self.peers[info.agent] = info
+        self._free_remote[info.agent] = deque(range(info.slots))
+        if self.outbox is not None and self.prepped:
+            o = self.outbox
+            whole = min(o.stride, info.stride)
+            local = np.array([[o.addr + i * o.stride, whole, o.device] for i in range(o.slots)], dtype=np.uint64)
+            remote = np.array([[info.slot_addr(i), whole, info.device] for i in range(info.slots)], dtype=np.uint64)
+            self._lists[info.agent] = (self.agent.prep(None, local, o.mem),
+                                       self.agent.prep(info.agent, remote, info.mem), whole)
+
+    def accept_from(self, peer: str, inbox: BounceBuffer) -> BounceInfo:
+        """Receive from ``peer`` into ``inbox``; returns what that peer needs (:meth:`add_peer`)."""
+        self.inboxes[peer] = inbox
+        return inbox.info()
+
+    # ------------------------------------------------------------------ sending
+    def send(self, req: str, local_rows: np.ndarray, remote_rows: np.ndarray, peer: str,
+             timeout: float | None = None) -> int:
+        """Stage one request to ``peer``: source ranges ``local_rows`` to ``remote_rows``. Returns chunks."""
+        if self.outbox is None:
+            raise StagingError("this endpoint has no outbox: create it with a BounceBuffer to send")
+        if peer not in self.peers:
+            raise StagingError(f"no inbox known on '{peer}': call add_peer with its BounceInfo first")
+        if req in self._sending:
+            raise StagingError(f"staged request '{req}' is already in flight")
+        local = np.asarray(local_rows, dtype=np.uint64)[:, :2]
+        remote = np.asarray(remote_rows, dtype=np.uint64)[:, :2]
+        if local.shape != remote.shape or not len(local):
+            raise StagingError(f"need equal, non-zero row counts; got {local.shape} and {remote.shape}")
+        self.regions.locate(local, "source range")
+        size = min(self.outbox.slot_bytes, self.peers[peer].slot_bytes)
+        chunks = split_chunks(local, remote, size)
+        now = self.clock()
+        self._sending[req] = _Sending(req, peer, len(chunks), None if timeout is None else now + timeout,
+                                      queued=len(chunks))
+        for seq, (lr, rr) in enumerate(chunks):
+            self._queue.append(_Chunk(req, peer, seq, len(chunks), lr, rr, int(lr[:, 1].sum())))
+        return len(chunks)
+
+    def _start_gathers(self) -> None:
+        while self._queue and self._free_local:
+            c = self._queue[0]
+            s = self._sending[c.req]
+            if s.failed:
+                self._queue.popleft()
+                s.queued -= 1
+                self._maybe_finish(s)
+                continue
+            remote = self._free_remote[c.peer]
+            if not remote:
+                return
+            self._queue.popleft()
+            s.queued -= 1
+            c.slot = self._free_local.popleft()
+            c.remote_slot = remote.popleft()
+            self.copier.gather(c.local, self.outbox.slot(c.slot, c.nbytes))
+            self._put_ranges(c)
+            c.event = self._record()
+            self._gathering.append(c)
+
+    def _put_ranges(self, c: _Chunk) -> None:
+        """Write the chunk's destination ranges behind its data: the one WRITE carries both."""
+        import torch
+
+        raw = torch.from_numpy(np.ascontiguousarray(c.remote, dtype="<u8").view(np.uint8).reshape(-1))
+        dst = self.outbox.ranges(c.slot, c.nbytes, len(c.remote))
+        if self.stream is not None:
+            with torch.cuda.stream(self.stream):
+                dst.copy_(raw, non_blocking=True)
+        else:
+            dst.copy_(raw)
+
+    def _record(self) -> Any:
+        if self.stream is None:
+            return None
+        import torch
+
+        ev = torch.cuda.Event()
+        ev.record(self.stream)
+        return ev
+
+    def _post_writes(self) -> None:
+        still = []
+        for c in self._gathering:
+            if c.event is not None and not c.event.query():
+                still.append(c)
+                continue
+            info = self.peers[c.peer]
+            n = _align8(c.nbytes) + 16 * len(c.remote)
+            lrow = np.array([[self.outbox.addr + c.slot * self.outbox.stride, n, self.outbox.device]],
+                            dtype=np.uint64)
+            rrow = np.array([[info.slot_addr(c.remote_slot), n, info.device]], dtype=np.uint64)
+            lists = self._lists.get(c.peer)
+            try:
+                if lists is not None and 2 * n >= lists[2]:  # whole prepared slots: no per-chunk resolution
+                    c.xfer = self.agent.make_prepped("WRITE", lists[0], np.array([c.slot]), lists[1],
+                                                     np.array([c.remote_slot]), what=f"staged '{c.req}' chunk {c.seq}")
+                else:
+                    c.xfer = self.agent.initialize("WRITE", lrow, self.outbox.mem, rrow, info.mem, c.peer,
+                                                   what=f"staged '{c.req}' chunk {c.seq}")
+                state = self.agent.post(c.xfer)
+            except KvlcError as exc:
+                state, c.xfer = XferState.ERR, None
+                self._fail(self._sending[c.req], f"chunk {c.seq}: {exc}")
+            if state is XferState.ERR:
+                self._chunk_failed(c)
+            else:
+                self._writing.append(c)
+        self._gathering = still
+
+    def _check_writes(self) -> None:
+        still = []
+        for c in self._writing:
+            state = self.agent.state(c.xfer)
+            if state is XferState.PROC:
+                still.append(c)
+                continue
+            if state is XferState.ERR:
+                self._chunk_failed(c)
+                continue
+            c.xfer.release()
+            self._free_local.append(c.slot)
+            self.agent.send_notif(c.peer, encode(Message(Kind.LANDED, c.req, c.seq, c.total, c.remote_slot,
+                                                         nbytes=c.nbytes, nrows=len(c.remote))))
+            self.stats["chunks_sent"] += 1
+            self.stats["bytes_sent"] += c.nbytes
+        self._writing = still
+
+    def _chunk_failed(self, c: _Chunk) -> None:
+        """A WRITE ended in ERR: nothing more lands in its slots, so both come back at once."""
+        why = (c.xfer.error if c.xfer is not None else "") or "WRITE failed"
+        if c.xfer is not None:
+            c.xfer.release()
+        self._free_local.append(c.slot)
+        self._free_remote[c.peer].append(c.remote_slot)
+        s = self._sending[c.req]
+        s.freed += 1
+        self._fail(s, f"chunk {c.seq}: {why}")
+
+    def _fail(self, s: _Sending, why: str) -> None:
+        if not s.failed:
+            s.failed = why
+            try:
+                self.agent.send_notif(s.peer, encode(Message(Kind.FAIL, s.req, reason=why)))
+            except KvlcError:
+                pass  # the receiver may be gone; the request fails either way
+        self._maybe_finish(s)
+
+    def _maybe_finish(self, s: _Sending) -> None:
+        inflight = any(c.req == s.req for c in self._gathering + self._writing)
+        if s.failed and not inflight and s.queued == 0:
+            # chunks LANDED but not yet FREE still hold remote slots; their FREE arrives later
+            self._sending.pop(s.req, None)
+            self.events.append(StageEvent("failed", s.req, s.peer, s.failed))
+        elif not s.failed and s.freed == s.total:
+            self._sending.pop(s.req, None)
+            self.events.append(StageEvent("sent", s.req, s.peer))
+
+    # ------------------------------------------------------------------ receiving
+    def handle(self, sender: str, raw: bytes) -> bool:
+        """Take one notification; False if it is not a staging message. Bad ones are logged, dropped."""
+        if not is_staging(raw):
+            return False
+        try:
+            m = decode(raw)
+        except StagingError as exc:
+            log.warning("staging message from %r dropped: %s", sender[:64], exc)
+            return True
+        try:
+            if m.kind is Kind.LANDED:
+                self._landed(sender, m)
+            elif m.kind is Kind.FREE:
+                self._freed(sender, m)
+            elif m.req in self._sending and self._sending[m.req].peer == sender:
+                self._refused(sender, m)
+            else:
+                self._forget((sender, m.req))
+                self._receiving.pop((sender, m.req), None)
+                self.events.append(StageEvent("failed", m.req, sender, f"sender gave up: {m.reason}"))
+        except StagingError as exc:
+            log.warning("staging message from %r refused: %s", sender[:64], exc)
+            if m.kind is Kind.LANDED:  # tell the sender, and give its slot back: nothing was scattered
+                self._forget((sender, m.req))
+                self._receiving.pop((sender, m.req), None)
+                self.events.append(StageEvent("failed", m.req, sender, str(exc)))
+                self.agent.send_notif(sender, encode(Message(Kind.FAIL, m.req, m.seq, m.total, m.slot,
+                                                             reason=f"refused by the receiver: {exc}")))
+        return True
+
+    def _forget(self, key: tuple[str, str]) -> None:
+        """Remember a failed incoming request (its late chunks are answered, not scattered); bounded."""
+        self._failed_in[key] = None
+        while len(self._failed_in) > _FORGET:
+            self._failed_in.popitem(last=False)
+
+    def _refused(self, sender: str, m: Message) -> None:
+        """The receiver refused a chunk of ours (FAIL naming its slot): the request fails, the slot is free."""
+        if m.slot < self.peers[sender].slots:
+            self._free_remote[sender].append(m.slot)
+        s = self._sending[m.req]
+        s.freed += 1
+        if not s.failed:
+            s.failed = m.reason or "refused by the receiver"
+        self._maybe_finish(s)
+
+    def _landed(self, sender: str, m: Message) -> None:
+        inbox = self.inboxes.get(sender)
+        if inbox is None:
+            raise StagingError(f"'{sender}' sent a chunk but has no inbox here")
+        if m.slot >= inbox.slots:
+            raise StagingError(f"chunk in slot {m.slot}; the inbox has {inbox.slots}")
+        if m.nbytes > inbox.slot_bytes:
+            raise StagingError(f"chunk of {m.nbytes} bytes; a slot holds {inbox.slot_bytes}")
+        key = (sender, m.req)
+        if key in self._failed_in:
+            self._answer(sender, m)
+            return
+        rows = inbox.ranges(m.slot, m.nbytes, m.nrows).cpu().numpy().copy().view("<u8").reshape(-1, 2)
+        if int(rows[:, 1].sum()) != m.nbytes:
+            raise StagingError(f"chunk {m.seq}: its ranges add up to {int(rows[:, 1].sum())} bytes, "
+                               f"the message says {m.nbytes}")
+        self.copier.scatter(inbox.slot(m.slot, m.nbytes), rows)
+        self._scattering.append((sender, m, self._record()))
+
+    def _answer(self, sender: str, m: Message) -> None:
+        self.agent.send_notif(sender, encode(Message(Kind.FREE, m.req, m.seq, m.total, m.slot)))
+
+    def _check_scatters(self) -> None:
+        still = []
+        for sender, m, ev in self._scattering:
+            if ev is not None and not ev.query():
+                still.append((sender, m, ev))
+                continue
+            self._answer(sender, m)  # the slot is free again only once its bytes are in place
+            self.stats["chunks_received"] += 1
+            key = (sender, m.req)
+            if key in self._failed_in:
+                continue
+            got = self._receiving.setdefault(key, set())
+            got.add(m.seq)
+            if len(got) == m.total:
+                del self._receiving[key]
+                self.events.append(StageEvent("received", m.req, sender))
+        self._scattering = still
+
+    def _freed(self, sender: str, m: Message) -> None:
+        if sender not in self._free_remote or m.slot >= self.peers[sender].slots:
+            raise StagingError(f"FREE of slot {m.slot} from '{sender}', which is not a peer's slot")
+        self._free_remote[sender].append(m.slot)
+        s = self._sending.get(m.req)
+        if s is not None:
+            s.freed += 1
+            self._maybe_finish(s)
+
+    # ------------------------------------------------------------------ loop
+    def progress(self) -> list[StageEvent]:
+        """Advance every stage without blocking; return the events since the last call."""
+        now = self.clock()
+        for s in list(self._sending.values()):
+            if s.deadline is not None and now >= s.deadline and not s.failed:
+                self._fail(s, f"timed out with {s.total - s.freed} of {s.total} chunks not scattered")
+        self._check_scatters()
+        self._check_writes()
+        self._post_writes()
+        self._start_gathers()
+        self._post_writes()
+        for s in [s for s in self._sending.values() if s.failed]:
+            self._maybe_finish(s)
+        events, self.events = self.events, []
+        return events
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._queue or self._gathering or self._writing or self._scattering or self._sending)
+
+
+__all__ = ["StagingEndpoint", "StagingPolicy", "StageMode", "BounceBuffer", "BounceInfo", "StageEvent",
+           "StagingError", "split_chunks", "Regions", "DEFAULT_SLOT_BYTES", "DEFAULT_SLOTS"]

@@ -1,0 +1,224 @@
+"""Descriptor-driven copies between registered regions and a bounce buffer (gather / scatter).
+
+The staging path hands this module descriptor ranges (``addr, len`` pairs, as the
+compiler's ``instantiate`` built them) and a contiguous span of a bounce buffer.
+:class:`Regions` maps an address range to the tensor that backs it (refusing any
+range outside every registered region); :class:`Copier` moves the ranges with as
+few copy calls as it can:
+
+* ranges of one region, one length and one device as the bounce buffer: ONE
+  ``index_select`` (gather) or ``index_copy_`` (scatter) over an overlapping
+  ``as_strided`` row view of the region, on the widest element (16 on a GPU, 8, 4, 2 or 1
+  bytes) that divides every offset and the length (int64 rows run ~4x faster than bytes);
+* small ranges of a pinned host region with the bounce buffer on a GPU: the same indexed
+  copy, by a GPU kernel over a CUDA view of the host memory (unified addressing);
+* a range of 1 MiB or more, or a range whose region lives on another device than
+  the bounce buffer (host ↔ GPU): one ``copy_`` of that slice.
+
+No layout arithmetic: ranges are copied as given, packed one after the other.
+On a GPU the copies are queued on the given stream (nothing waits here); on the
+CPU they run synchronously.
+
+>>> import torch, numpy as np
+>>> src = torch.arange(64, dtype=torch.uint8)
+>>> regs = Regions([Region(src.data_ptr(), 64, src)])
+>>> bounce = torch.zeros(16, dtype=torch.uint8)
+>>> pieces = np.array([[src.data_ptr() + 8, 4], [src.data_ptr() + 40, 4]], dtype=np.uint64)
+>>> Copier(regs).gather(pieces, bounce)
+>>> bounce[:8].tolist()
+[8, 9, 10, 11, 40, 41, 42, 43]
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvlc.errors import TransferError
+
+BIG_RANGE = 1 << 20  # ranges at least this long are copied one by one (a copy call is ~10 us; they run at full speed)
+_WIDTHS = (8, 4, 2, 1)
+HOST_ALIAS = os.environ.get("KVLC_STAGING_HOST_ALIAS", "1") != "0"
+
+
+class StagingError(TransferError):
+    """A staged transfer cannot proceed: a range outside every region, a bad message, a full buffer."""
+
+
+@dataclass(frozen=True)
+class Region:
+    """A registered memory range and the flat uint8 tensor that backs it (``base`` = its data_ptr)."""
+
+    base: int
+    nbytes: int
+    tensor: Any
+
+    @property
+    def end(self) -> int:
+        return self.base + self.nbytes
+
+
+def flat_bytes(tensor: Any) -> Any:
+    """A contiguous tensor's bytes as a 1-D uint8 view."""
+    import torch
+
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+class Regions:
+    """Registered regions, sorted by address; :meth:`locate` finds the region of every range."""
+
+    def __init__(self, regions: Sequence[Region]):
+        self.regions = sorted(regions, key=lambda r: r.base)
+        for a, b in zip(self.regions, self.regions[1:]):
+            if b.base < a.end:
+                raise StagingError(f"regions overlap: [{a.base:#x}, {a.end:#x}) and [{b.base:#x}, {b.end:#x})")
+        self._bases = np.array([r.base for r in self.regions], dtype=np.uint64)
+        self._ends = np.array([r.end for r in self.regions], dtype=np.uint64)
+
+    @classmethod
+    def of_tensors(cls, tensors: Sequence[Any]) -> Regions:
+        """One region per contiguous tensor (its whole storage of bytes)."""
+        return cls([Region(int(t.data_ptr()), int(t.numel()) * int(t.element_size()), flat_bytes(t))
+                    for t in tensors])
+
+    def locate(self, pieces: np.ndarray, what: str = "range") -> np.ndarray:
+        """Index of the region holding each (addr, len) row; :class:`StagingError` if any lies outside."""
+        addr = pieces[:, 0].astype(np.uint64)
+        end = addr + pieces[:, 1].astype(np.uint64)
+        idx = np.searchsorted(self._bases, addr, side="right").astype(np.int64) - 1
+        ok = idx >= 0
+        safe = np.where(ok, idx, 0)
+        ok &= (pieces[:, 1] > 0) & (end <= self._ends[safe]) if len(self.regions) else np.zeros_like(ok)
+        if not ok.all():
+            bad = int(np.flatnonzero(~ok)[0])
+            raise StagingError(
+                f"{what} {bad} [{int(addr[bad]):#x}, +{int(pieces[bad, 1])}) lies outside every registered "
+                f"region ({len(self.regions)} regions); the peer asked to move bytes this agent does not "
+                f"expose — check that both sides run the same transfer program"
+            )
+        return safe
+
+
+def _width(offsets: np.ndarray, length: int, extra: int, cuda: bool) -> int:
+    g = math.gcd(int(np.gcd.reduce(offsets)) if len(offsets) else 0, length, extra)
+    return next(w for w in ((16,) if cuda else ()) + _WIDTHS if g % w == 0)
+
+
+class Copier:
+    """Gathers ranges into, and scatters them out of, a contiguous bounce span (see the module doc)."""
+
+    def __init__(self, regions: Regions, stream: Any = None):
+        self.regions = regions
+        self.stream = stream
+        self.calls = 0  # copy calls issued (for benchmarks and tests)
+        self._aliases: dict = {}
+
+    def gather(self, pieces: np.ndarray, bounce: Any) -> None:
+        """Copy each (addr, len) range, in order, into ``bounce`` (a 1-D uint8 tensor span)."""
+        self._run(pieces, bounce, gather=True)
+
+    def scatter(self, bounce: Any, pieces: np.ndarray) -> None:
+        """Copy consecutive spans of ``bounce``, in order, into each (addr, len) range."""
+        self._run(pieces, bounce, gather=False)
+
+    def _run(self, pieces: np.ndarray, bounce: Any, gather: bool) -> None:
+        import torch
+
+        pieces = np.asarray(pieces, dtype=np.uint64).reshape(-1, 2)
+        if not len(pieces):
+            return
+        where = self.regions.locate(pieces, "gather range" if gather else "scatter range")
+        lens = pieces[:, 1].astype(np.int64)
+        offs = np.concatenate(([0], np.cumsum(lens)[:-1]))
+        if int(offs[-1] + lens[-1]) > bounce.numel():
+            raise StagingError(f"{int(offs[-1] + lens[-1])} bytes do not fit a bounce span of {bounce.numel()}")
+        ctx = torch.cuda.stream(self.stream) if self.stream is not None else _nullctx()
+        with ctx:
+            # Runs of consecutive pieces with one region and one length share one indexed copy.
+            key = where * (1 << 40) + lens
+            cut = np.flatnonzero(np.diff(key)) + 1
+            for lo, hi in zip(np.concatenate(([0], cut)), np.concatenate((cut, [len(pieces)]))):
+                self._group(pieces[lo:hi], self.regions.regions[int(where[lo])], int(lens[lo]),
+                            int(offs[lo]), bounce, gather)
+
+    def _group(self, pieces, region: Region, length: int, at: int, bounce, gather: bool) -> None:
+        src = region.tensor
+        rel = (pieces[:, 0] - np.uint64(region.base)).astype(np.int64)
+        n = len(pieces)
+        span = bounce[at:at + n * length]
+        if src.device != bounce.device and n > 1 and length < BIG_RANGE:
+            alias = self._alias(region, bounce.device)
+            if alias is not None:  # small host ranges: one GPU kernel reads/writes pinned host memory
+                self._indexed(alias, rel, length, span, gather, n, region.base)
+                return
+        if n == 1 or length >= BIG_RANGE or src.device != bounce.device:
+            for i, off in enumerate(rel.tolist()):
+                part = span[i * length:(i + 1) * length]
+                view = src[off:off + length]
+                (part.copy_(view, non_blocking=True) if gather else view.copy_(part, non_blocking=True))
+                self.calls += 1
+            return
+        self._indexed(src, rel, length, span, gather, n, region.base)
+
+    def _alias(self, region: Region, device: Any) -> Any:
+        """A CUDA tensor over a pinned host region (same address under unified addressing), or None.
+
+        Many small host ranges then move in one indexed kernel over PCIe instead of one DMA copy
+        call (~10 us) each. Off with ``KVLC_STAGING_HOST_ALIAS=0``; None for pageable memory.
+        """
+        key = (region.base, str(device))
+        if key not in self._aliases:
+            self._aliases[key] = None
+            if HOST_ALIAS and device.type == "cuda" and region.tensor.is_pinned():
+                import torch
+
+                try:
+                    self._aliases[key] = torch.as_tensor(_Cai(region.base, region.nbytes), device=device)
+                except Exception:  # no unified addressing: fall back to one copy per range
+                    self._aliases[key] = None
+        return self._aliases[key]
+
+    def _indexed(self, src, rel: np.ndarray, length: int, span, gather: bool, n: int, base_addr: int) -> None:
+        import torch
+
+        w = _width(rel, length, math.gcd(bounce_addr(span), base_addr), src.device.type == "cuda")
+        g = math.gcd(int(np.gcd.reduce(rel)), length)  # row starts: every multiple of g bytes
+        # 16-byte elements (complex128, moved bit for bit) on the GPU: wider loads, fewer PCIe requests
+        dtype = {16: torch.complex128, 8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[w]
+        elems = src.numel() // w
+        base = src[:elems * w].view(dtype)
+        rows = (src.numel() - length) // g + 1
+        view = base.as_strided((rows, length // w), (g // w, 1))
+        idx = torch.from_numpy(rel // g).to(src.device, non_blocking=True)
+        out = span.view(dtype).view(n, length // w)
+        if gather:
+            torch.index_select(view, 0, idx, out=out)
+        else:
+            view.index_copy_(0, idx, out)
+        self.calls += 1
+
+
+class _Cai:
+    """``__cuda_array_interface__`` of a byte range (how torch is handed a pinned host address)."""
+
+    def __init__(self, ptr: int, nbytes: int):
+        self.__cuda_array_interface__ = {"data": (ptr, False), "shape": (nbytes,), "typestr": "|u1",
+                                         "version": 3, "strides": None}
+
+
+def bounce_addr(t: Any) -> int:
+    return int(t.data_ptr())
+
+
+class _nullctx:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
