@@ -1,6 +1,6 @@
 """GPU cases around raw NIXL and staging (imported by gpu_transfer.py; runs alone too).
 
-Every case is two processes with real NIXL agents (``kvlc.runtime.staging_pair``), on the
+Every case is two processes with real NIXL agents (``kvlc.testing.staging_pair``), on the
 producer's and the consumer's cuda device as given:
 
 * raw NIXL: one descriptor of the same bytes, WRITE and READ (256 MiB, 2 GiB), requests in flight
@@ -35,7 +35,7 @@ LAYERS = 32
 
 
 def contiguous(n_rows: int, size: int, src_region: int = 0, dst_region: int = 0):
-    from kvlc.runtime.staging_pair import Ranges
+    from kvlc.testing.staging_pair import Ranges
 
     offs = np.arange(n_rows, dtype=np.int64) * size
     src = np.stack([np.full(n_rows, src_region), offs, np.full(n_rows, size)], axis=1)
@@ -60,7 +60,7 @@ def _guard(rows: list, name: str, fn) -> None:
 
 def raw_cases(pdev: int, cdev: int, quick: bool) -> list[dict]:
     """Raw NIXL between the two devices' processes: single descriptor, and rows, with UCX settings."""
-    from kvlc.runtime.staging_pair import Pair, Side, fragmented
+    from kvlc.testing.staging_pair import Pair, Side, fragmented
 
     rows: list[dict] = []
     big = (512 if quick else 2048) * MiB
@@ -99,7 +99,7 @@ def _raw(pair, op, req, reps, single) -> dict:
 
 def staged_cases(pdev: int, cdev: int, quick: bool) -> list[dict]:
     """Staged throughput: fragmented VRAM -> VRAM, mixed both ways (contiguous and fragmented)."""
-    from kvlc.runtime.staging_pair import Pair, Side, fragmented
+    from kvlc.testing.staging_pair import Pair, Side, fragmented
 
     rows: list[dict] = []
     region = 32 * MiB                       # 512 blocks of 64 KiB per "layer" region
@@ -147,7 +147,7 @@ def _staged(pair, reqs) -> dict:
 def diag_cases(pdev: int, cdev: int) -> list[dict]:
     """Where staged fragmented VRAM time goes: the same run without the receiver's scatter, without the
     sender's gather, and one process doing gather, copy and scatter of the same chunks on one stream."""
-    from kvlc.runtime.staging_pair import Pair, Side, fragmented
+    from kvlc.testing.staging_pair import Pair, Side, fragmented
 
     rows: list[dict] = []
     pool = (LAYERS * 32 * MiB,)
@@ -201,7 +201,7 @@ def _abs(r, t):
 
 def check_cases(pdev: int, cdev: int) -> list[dict]:
     """Content-coded bytes through staging in every memory pairing: all destination bytes compared."""
-    from kvlc.runtime.staging_pair import Pair, Ranges, Side, fragmented
+    from kvlc.testing.staging_pair import Pair, Ranges, Side, fragmented
 
     rows: list[dict] = []
     regions = (8 * MiB,) * 4

@@ -32,7 +32,7 @@ from bench_transfer import fitted_spec  # noqa: E402
 from common import LAYOUTS, ms, timeit, write_results  # noqa: E402
 
 from kvlc.compiler.pair import pair  # noqa: E402
-from kvlc.runtime.demo import cpu_plan, make_workload  # noqa: E402
+from kvlc.testing.demo import cpu_plan, make_workload  # noqa: E402
 
 
 def main(argv=None) -> int:

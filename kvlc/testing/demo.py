@@ -210,7 +210,7 @@ def verify(
     batch,
 ) -> tuple[int, list[str]]:
     """Compare one consumer rank's memory with the content codes of a round's requests."""
-    from kvlc.compiler.content import expected_bytes
+    from kvlc.testing.content import expected_bytes
 
     touched = {k: np.zeros(len(v), bool) for k, v in after.items()}
     checked, problems = 0, []

@@ -7,7 +7,7 @@ pipe carries only this program's own commands and plain results. Peers talk to
 each other only through the validated side channel and NIXL.
 
 Each agent's tensors are allocated by the child and filled: ``"content"``
-writes content codes (:func:`kvlc.compiler.content.fill`: every byte says what
+writes content codes (:func:`kvlc.testing.content.fill`: every byte says what
 it is), ``"random"`` seeded noise (so a test can prove untouched bytes stayed
 put). The child polls its agents continuously and keeps every completion
 until asked (``events``).
@@ -74,7 +74,7 @@ def _fill(plan, rank: int, tensors: Mapping[str, Any], how: str, seed: int) -> N
         for n, t in tensors.items()
     }
     if how == "content":
-        from kvlc.compiler.content import fill
+        from kvlc.testing.content import fill
 
         fill(plan, rank, {n: t.numpy() for n, t in host.items()})
     else:

@@ -60,7 +60,7 @@ def check_from_many(consumer: AgentHandle, consumer_plan, before, batches, after
     (producer plan, requests). Every requested byte holds its code, every other byte is unchanged."""
     import numpy as np
 
-    from kvlc.compiler.content import expected_bytes
+    from kvlc.testing.content import expected_bytes
 
     after = consumer.call("dump") if after is None else after
     touched = {k: np.zeros(len(v), bool) for k, v in after.items()}

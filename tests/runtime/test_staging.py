@@ -145,7 +145,7 @@ def test_two_processes_stage_content_coded_bytes_through_small_buffers():
     byte is checked and every other byte is unchanged; then a request whose destination lies outside the
     receiver's regions fails on both sides (refused by the receiver) and writes nothing."""
     pytest.importorskip("nixl")
-    from kvlc.runtime.staging_pair import Pair, Ranges, Side, fragmented
+    from kvlc.testing.staging_pair import Pair, Ranges, Side, fragmented
 
     sender = Side(regions=(1 << 20, 1 << 20), slot_bytes=64 << 10, slots=2)
     receiver = Side(regions=(1 << 20, 1 << 20, 1 << 19), slot_bytes=64 << 10, slots=2)
