@@ -83,6 +83,27 @@ def compact_names(names: Iterable[str], least: int = 3) -> list[str]:
     return out
 
 
+def collapse_lines(lines: Iterable[str], least: int = 2) -> list[str]:
+    """Lines in order of first appearance, those that differ only by numbers as one line with a count.
+
+    This is how a report repeated once per layer reads as one finding.
+
+    >>> collapse_lines([f"error [region-missing] layer.{i}: absent on the remote" for i in range(32, 80)]
+    ...                + ["warning [x] other"])
+    ['error [region-missing] layer.{32..79}: absent on the remote (48 alike)', 'warning [x] other']
+    """
+    groups: dict[str, list[str]] = {}
+    for line in dict.fromkeys(lines):
+        groups.setdefault(split_name(line)[0], []).append(line)
+    out = []
+    for members in groups.values():
+        if len(members) >= least:
+            out.append(f"{vary_label(members)} ({len(members)} alike)")
+        else:
+            out.extend(members)
+    return out
+
+
 MAX_SET_TEXT = 24
 
 

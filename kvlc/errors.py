@@ -112,7 +112,7 @@ def collapse_problems(problems: Iterable[Problem]) -> list[str]:
     >>> ps = [Problem(("regions", 0), f"region 'l.{i}' names unknown storage 's.{i}'",
     ...               mark=Mark("a.yaml", 3, 5)) for i in range(32)]
     >>> print(collapse_problems(ps)[0])
-    a.yaml:3:5: regions[0]: region 'l.{0..31}' names unknown storage 's.{0..31}' (32 times, one per repeat value)
+    a.yaml:3:5: regions[0]: region 'l.{0..31}' names unknown storage 's.{0..31}' (32 times)
     """
     groups: dict[tuple, list[str]] = {}
     for p in problems:
@@ -124,7 +124,7 @@ def collapse_problems(problems: Iterable[Problem]) -> list[str]:
     for (mark, _, _), bodies in groups.items():
         text = _compact_lists(vary_label(bodies))
         if len(bodies) > 1:
-            text += f" ({len(bodies)} times, one per repeat value)"
+            text += f" ({len(bodies)} times)"
         lines.append((f"{mark}: " if mark else "") + text)
     return lines
 

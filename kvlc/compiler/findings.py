@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
+from kvlc.collapse import collapse_lines
+
 Severity = Literal["error", "warning"]
 
 
@@ -65,8 +67,8 @@ class CompatReport:
         head = (f"pair {self.local} (rank {self.local_rank}) {self.direction} {self.remote}: "
                 f"{'compatible' if self.ok else 'INCOMPATIBLE'}, {len(self.errors)} error(s), "
                 f"{len(self.warnings)} warning(s)")
-        return "\n".join([head, *(f"  {f}" for f in self.findings)])
+        return "\n".join([head, *(f"  {line}" for line in collapse_lines(str(f) for f in self.findings))])
 
     def render_errors(self) -> str:
         return "\n".join([f"cannot pair {self.local} with {self.remote}:",
-                          *(f"  {f}" for f in self.errors)])
+                          *(f"  {line}" for line in collapse_lines(str(f) for f in self.errors))])
