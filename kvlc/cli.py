@@ -69,9 +69,6 @@ _set_opt = click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
 @click.version_option(package_name="kvlc")
 def main() -> None:
     """kvlc: compile KV-cache layout specs into plans and move KV blocks with NIXL."""
-    import signal
-    if hasattr(signal, "SIGPIPE"):  # `kvlc ... | head` ends quietly instead of with a traceback
-        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
 
 
 @main.command()
@@ -508,5 +505,18 @@ def bench(ctx: click.Context, only: str | None, quick: bool, no_run: bool) -> No
     sys.exit(subprocess.call([sys.executable, str(script), *args]))
 
 
-if __name__ == "__main__":
+def entry() -> None:
+    """The ``kvlc`` program: :func:`main` as its own process.
+
+    ``kvlc ... | head`` ends quietly instead of with a traceback. Only the program does this, not
+    :func:`main`: called in-process (tests, an engine embedding the CLI) it must not change how
+    the host handles SIGPIPE (a socket write to a closed peer would kill the host process).
+    """
+    import signal
+    if hasattr(signal, "SIGPIPE"):
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     main()
+
+
+if __name__ == "__main__":
+    entry()

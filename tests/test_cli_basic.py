@@ -129,3 +129,15 @@ def test_problems_are_capped(tmp_path):
     assert lines[MAX_REPORTED] == "... and 5 more"
     out = kvlc_cli("compile", spec, cwd=tmp_path)
     assert out.returncode == 2 and out.stderr.splitlines()[-1] == "kvlc: 25 problems"
+
+
+def test_cli_in_process_leaves_sigpipe_alone():
+    """Running the CLI in-process (CliRunner, an engine embedding it) keeps Python's SIGPIPE handling."""
+    import signal
+
+    from click.testing import CliRunner
+
+    from kvlc.cli import main
+    before = signal.getsignal(signal.SIGPIPE)
+    CliRunner().invoke(main, ["compile", str(ROOT / "layouts/llama-3.1-8b.yaml"), "--text"])
+    assert signal.getsignal(signal.SIGPIPE) == before
