@@ -219,8 +219,7 @@ def pair_cmd(producer: str, consumer: str, rank: int, direction: str, as_json: b
 
 
 @main.command()
-@click.argument("layout", required=False, default="layouts/llama-3.1-8b.yaml",
-                type=click.Path(exists=True, dir_okay=False))
+@click.argument("layout", required=False, type=click.Path(exists=True, dir_okay=False))
 @click.option("--consumer", type=click.Path(exists=True, dir_okay=False),
               help="The consumer's layout (default: the same as LAYOUT), e.g. another TP or block size.")
 @click.option("--mode", type=click.Choice(["pull", "push", "pull_via_push"]), default="pull", show_default=True)
@@ -234,19 +233,53 @@ def pair_cmd(producer: str, consumer: str, rank: int, direction: str, as_json: b
               help="Producer block ids: scattered over the pool, or contiguous runs (descriptors coalesce).")
 @click.option("--descriptors", type=click.Choice(["rows", "prepped"]), default="rows", show_default=True,
               help="rows: coalesced (N, 3) rows per request; prepped: strided lists prepared once, indices per request.")
-def demo(layout: str, consumer: str | None, mode: str, requests: int, tokens: int | None, pool_mib: int,
+def demo(layout: str | None, consumer: str | None, mode: str, requests: int, tokens: int | None, pool_mib: int,
          check: str, ids: str, descriptors: str) -> None:
     """Producer and consumer processes on loopback move a content-coded workload; every byte is checked.
 
     The producer fills its cache with bytes that encode what they are (region, field, head,
     token); the consumer pulls (or the producer pushes) the requests with real NIXL agents over
-    UCX, then compares every destination byte. Exit 1 on any mismatch or failed request.
+    UCX, then compares every destination byte. LAYOUT defaults to layouts/llama-3.1-8b.yaml of
+    the kvlc source tree the package runs from (found next to the package, from any directory).
+    The pair is checked before any engine starts (exit 2 with the report); exit 1 on any mismatch
+    or failed request.
     """
+    _demo_needs_extras()
+    from kvlc.testing.demo import DEFAULT_LAYOUT, DemoError, check_pair, make_workload, run_demo, scaled_plan
+
+    if layout is None:
+        if not DEFAULT_LAYOUT.exists():
+            _fail(DemoError(f"no LAYOUT given and the default {DEFAULT_LAYOUT} is not there (an installed "
+                            "package has no layouts/): pass a layout file, e.g. kvlc demo my-model.yaml"))
+        layout = str(DEFAULT_LAYOUT)
+    try:  # every option and the pairing are checked before engines start
+        if pool_mib < 1:
+            raise DemoError(f"--pool-mib {pool_mib}: give at least 1 (MiB per rank)")
+        prod = scaled_plan(layout, pool_mib << 20, to_dram=True)
+        cons = scaled_plan(consumer, pool_mib << 20, to_dram=True) if consumer else prod
+        check_pair(cons, prod)
+        if requests < 1:
+            raise DemoError(f"--requests {requests}: give at least 1")
+        make_workload(cons, prod, 1, tokens)
+    except KvlcError as exc:
+        _fail(exc)
+    _run_demo(run_demo, layout, consumer, mode, requests, tokens, pool_mib, check, ids, descriptors)
+
+
+def _demo_needs_extras() -> None:
+    import importlib.util
+
+    missing = [m for m in ("msgpack", "torch", "nixl", "rich") if importlib.util.find_spec(m) is None]
+    if missing:
+        click.echo(f"kvlc demo needs the runtime extra, missing: {', '.join(missing)}; "
+                   "install it with: pip install 'kvlc[runtime]' (and rich)", err=True)
+        sys.exit(EXIT_SPEC)
+
+
+def _run_demo(run_demo, layout, consumer, mode, requests, tokens, pool_mib, check, ids, descriptors) -> None:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
-
-    from kvlc.runtime.demo import run_demo
 
     console = Console()
     console.print(f"kvlc demo: {mode} {requests} requests, producer {layout}"
@@ -269,8 +302,12 @@ def demo(layout: str, consumer: str | None, mode: str, requests: int, tokens: in
     table.add_column("what")
     table.add_column("value", justify="right")
     for k, v in (("requests", f"{result.requests}"), ("bytes moved", f"{result.nbytes:,}"),
+                 ("start-up (compile, pair, start engines, connect)", f"{result.startup_seconds:.2f} s"),
                  ("transfer time", f"{result.seconds:.3f} s"), ("throughput", f"{result.gbps:.2f} GB/s"),
+                 ("verification time", f"{result.verify_seconds:.2f} s"),
                  ("descriptors per request", f"{result.descriptors_per_request:.1f}"),
+                 ("requests verified", f"{result.verified_requests} of {result.requests} "
+                                       f"({result.verified_rounds} of {result.rounds} rounds)"),
                  ("bytes verified", f"{result.checked_bytes:,}"),
                  ("failed requests", f"{len(result.failed)}"), ("mismatches", f"{len(result.mismatches)}")):
         table.add_row(k, v)
@@ -281,7 +318,14 @@ def demo(layout: str, consumer: str | None, mode: str, requests: int, tokens: in
         console.print(f"[red]failed[/red] {req}: {why}", highlight=False)
     if not result.ok:
         sys.exit(1)
-    console.print("[green]every byte verified[/green]" if check != "none" else "done (not verified)")
+    if result.verified_requests == result.requests and result.requests:
+        console.print(f"[green]every byte of all {result.requests} requests verified[/green]"
+                      f" ({result.checked_bytes:,} bytes)")
+    elif result.verified_requests:
+        console.print(f"[yellow]{result.verified_requests} of {result.requests} requests verified "
+                      f"({result.checked_bytes:,} bytes); the rest moved unchecked[/yellow]")
+    else:
+        console.print("done: nothing verified (--check none)")
 
 
 @main.command()

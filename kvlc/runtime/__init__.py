@@ -2,34 +2,50 @@
 
 One module per concern, in the order a transfer meets them:
 
+    kinds     str enums: Direction, Mode, Status, Event
     binding   tensors ↔ plan storages (present, contiguous, memory type, device, size)
     nixl      the one choke point for NIXL: typed errors, XferState, idempotent handles
+    auth      the shared secret, HMAC handshake, sealed frames, notification tags
     wire      handshake record, side-channel messages, notifications (msgpack/JSON + pydantic)
-    channel   the per-agent side-channel TCP server and its client
+    channel   the per-agent authenticated side-channel server and its client, bounded
+    sessions  remote engines and their rank sessions (engine id, connection, epoch)
     transfer  split a request into NIXL requests, barrier, notify, fail cleanly
-    agent     KvAgent / Peer: register, serve, connect (pair), read / write / pull-via-push, poll
-    procs     agents in child processes driven over a pipe (demo, tests, benchmarks)
-    demo      a producer and a consumer process on loopback, bytes checked
+    tracking  completions: finished, failed, held, freeable; leases
+    server    the side-channel request server (records, introductions, pull requests, cancels)
+    replies   notifications and replies coming back to a consumer
+    pump      the progress thread and background sender (weak references), owned resources
+    peer      connect() and Peer: read / write
+    agent     KvAgent: register, serve, connect, expect, cancel, offer, poll, close
 
 No layout arithmetic lives here: descriptors come from
 :meth:`kvlc.compiler.pair.TransferProgram.instantiate`. nixl and torch are
-imported only when an agent is created or tensors are allocated.
+imported only when an agent is created or tensors are allocated. The process
+harness and the demo live in :mod:`kvlc.testing`. Usage and threat model: docs/runtime.md.
 """
 
-from kvlc.runtime.agent import Completions, KvAgent, Peer
+from kvlc.runtime.agent import KvAgent
 from kvlc.runtime.binding import Bound, allocate, bind
-from kvlc.runtime.demo import DemoResult, cpu_plan, run_demo, scaled_plan
-from kvlc.runtime.errors import BindingError, ChannelError, HandshakeError, NixlError
+from kvlc.runtime.channel import Limits
+from kvlc.runtime.errors import AuthError, BindingError, ChannelError, HandshakeError, NixlError
+from kvlc.runtime.kinds import Direction, Event, Mode, Status
 from kvlc.runtime.nixl import XferState
+from kvlc.runtime.peer import Peer
+from kvlc.runtime.tracking import Completions
 from kvlc.runtime.wire import Notif, Record, decode_notif, encode_notif
 
 __all__ = [
     "KvAgent",
     "Peer",
     "Completions",
+    "Direction",
+    "Mode",
+    "Status",
+    "Event",
+    "Limits",
     "bind",
     "allocate",
     "Bound",
+    "AuthError",
     "BindingError",
     "ChannelError",
     "HandshakeError",
@@ -39,8 +55,4 @@ __all__ = [
     "Notif",
     "encode_notif",
     "decode_notif",
-    "run_demo",
-    "DemoResult",
-    "cpu_plan",
-    "scaled_plan",
 ]

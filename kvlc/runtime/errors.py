@@ -4,6 +4,7 @@
 * :class:`NixlError` — a NIXL call failed; names the operation and NIXL's status.
 * :class:`HandshakeError` — a peer's handshake record or side-channel message was refused.
 * :class:`ChannelError` — the side channel could not be reached or broke a frame.
+* :class:`AuthError` — a side-channel peer did not prove the shared secret, or a frame was forged.
 """
 
 from __future__ import annotations
@@ -36,3 +37,7 @@ class HandshakeError(TransferError):
 
 class ChannelError(TransferError):
     """The side channel failed: connection refused or lost, frame too large or truncated."""
+
+
+class AuthError(ChannelError):
+    """The side channel could not be authenticated: no or wrong secret, a forged or replayed frame."""

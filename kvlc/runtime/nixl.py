@@ -25,10 +25,6 @@ import numpy as np
 
 from kvlc.runtime.errors import NixlError
 
-# NIXL logs every agent creation at INFO on stdout; keep it to warnings unless the user set a level.
-_user_env = dict(os.environ)
-os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-
 OPS = ("READ", "WRITE")
 MEM_TYPES = ("DRAM", "VRAM")
 
@@ -43,6 +39,14 @@ class XferState(enum.Enum):
     @property
     def terminal(self) -> bool:
         return self is not XferState.PROC
+
+
+def _quiet_nixl() -> None:
+    """NIXL logs every agent creation at INFO on stdout: keep it to warnings, at the first agent's
+    creation (not at import), and only when the user set no level of their own."""
+    if "NIXL_LOG_LEVEL" not in os.environ:
+        os.environ["NIXL_LOG_LEVEL"] = "WARN"
+        logging.getLogger("nixl").setLevel(logging.WARNING)
 
 
 def _status_of(exc: BaseException) -> str:
@@ -185,10 +189,8 @@ class Agent:
         telemetry: bool = False,
         progress_thread: bool = False,
     ):
+        _quiet_nixl()
         from nixl._api import nixl_agent, nixl_agent_config  # the only import of nixl in kvlc
-
-        if "NIXL_LOG_LEVEL" not in _user_env:
-            logging.getLogger("nixl").setLevel(logging.WARNING)
 
         self.name = name
         self._lock = threading.RLock()

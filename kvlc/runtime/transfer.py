@@ -18,8 +18,9 @@ and pair of memory types, row-aligned (N, 3) descriptors). :class:`Executor`
    cannot cancel yet is retried on later polls, and the request is reported
    failed only once no handle is left.
 
-:class:`Tally` is the receiving side of the barrier: it counts notifications
-per request from the expected remote ranks.
+A request is never created or posted at or after its deadline, and it reports
+``held`` (:attr:`Outgoing.held`) while a part past its deadline cannot be released yet.
+Every notification carries the tag of the session it goes to (:class:`Target`).
 
 It talks to NIXL only through the :class:`~kvlc.runtime.nixl.Agent` interface
 (``initialize``, ``post``, ``state``, ``send_notif``, handle ``release``), so a
@@ -34,9 +35,23 @@ from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvlc.errors import TransferError
+from kvlc.runtime.auth import notif_tag
 from kvlc.runtime.errors import NixlError
+from kvlc.runtime.kinds import Status
 from kvlc.runtime.nixl import XferState
 from kvlc.runtime.wire import encode_notif
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a notification goes: the peer's NIXL agent name and the session's notification key."""
+
+    agent: str
+    key: bytes
+
+    def notif(self, req: str, rank: int, status: Status, why: str = "") -> bytes:
+        return encode_notif(req, rank, status, notif_tag(self.key, req, str(rank), str(status)), why)
 
 log = logging.getLogger("kvlc.runtime.transfer")
 
@@ -76,7 +91,7 @@ class Outgoing:
     key: Hashable
     req: str
     op: str
-    notify: Mapping[int, str]  # remote rank → agent name: one notification each
+    notify: Mapping[int, Target]  # remote rank → where its one notification goes
     parts: list[PartRun]
     started: float
     deadline: float | None
@@ -85,6 +100,7 @@ class Outgoing:
     reason: str = ""
     finished: float | None = None
     notified: tuple[int, ...] = ()
+    held: bool = False  # reported held: past the deadline with a part not released yet
 
     @property
     def nbytes(self) -> int:
@@ -121,14 +137,17 @@ class Executor:
         op: str,
         parts: Mapping[Any, Any],
         agents: Mapping[int, str],
-        notify: Mapping[int, str],
+        notify: Mapping[int, Target],
         timeout: float | None = None,
         tag: Any = None,
     ) -> Outgoing:
         """Create and post one NIXL request per non-empty part. Raises :class:`NixlError` if a
-        request cannot be created (nothing is posted then); a failed post makes the request fail."""
+        request cannot be created (nothing is posted then); a failed post makes the request fail.
+        A ``timeout`` of zero or less is refused with :class:`TransferError` (nothing is created)."""
         if key in self.active:
             raise NixlError(f"submit request '{req}'", "duplicate", "a request with this id is in flight")
+        if timeout is not None and timeout <= 0:
+            raise TransferError(f"request '{req}': its deadline has passed ({timeout:.3g}s left); nothing posted")
         runs: list[PartRun] = []
         try:
             for pk, part in parts.items():
@@ -159,6 +178,8 @@ class Executor:
         out = Outgoing(key, req, op, dict(notify), runs, now, None if timeout is None else now + timeout, tag)
         self.active[key] = out
         for r in runs:
+            if out.deadline is not None and self.clock() >= out.deadline and not out.reason:
+                out.reason = "deadline passed before every part was posted"
             if out.reason:  # an earlier part failed to post: do not start more
                 r.state, r.error = XferState.ERR, "not posted: an earlier part failed"
                 continue
@@ -212,9 +233,9 @@ class Executor:
         out.finished = now
         if not out.reason:
             sent = []
-            for rank, name in out.notify.items():
+            for rank, target in out.notify.items():
                 try:
-                    self.agent.send_notif(name, encode_notif(out.req, self.rank, "done"))
+                    self.agent.send_notif(target.agent, target.notif(out.req, self.rank, Status.DONE))
                     sent.append(rank)
                 except NixlError as exc:
                     out.reason = f"all parts done, but notifying rank {rank} failed: {exc}"
@@ -224,11 +245,11 @@ class Executor:
                 out.status = "done"
                 return
         out.status = "failed"
-        for rank, name in out.notify.items():
+        for rank, target in out.notify.items():
             if rank in out.notified:
                 continue
             try:
-                self.agent.send_notif(name, encode_notif(out.req, self.rank, "failed", out.reason))
+                self.agent.send_notif(target.agent, target.notif(out.req, self.rank, Status.FAILED, out.reason))
             except NixlError:
                 pass  # the peer may be gone; failing is already decided
 
@@ -252,6 +273,19 @@ class Executor:
                 keep.append(x)
         self.stuck = keep
 
+    def cancel(self, key: Hashable, reason: str) -> Outgoing | None:
+        """Stop one active request now: the deadline becomes now. Returns it once terminal (every
+        handle released), else None (a part NIXL cannot release yet; later progress ends it)."""
+        out = self.active.get(key)
+        if out is None:
+            return None
+        out.reason = out.reason or reason
+        out.deadline = min(out.deadline or self.clock(), self.clock())
+        if self._advance(out, self.clock()):
+            del self.active[key]
+            return out
+        return None
+
     def cancel_all(self, reason: str) -> list[Outgoing]:
         """Cancel every active request (agent closing): release handles, mark failed, no notifications
         of success. Handles NIXL refuses to release are kept in :attr:`stuck`."""
@@ -271,35 +305,3 @@ class Executor:
             self._finish(out, now)
             out_list.append(out)
         return out_list
-
-
-# ----------------------------------------------------------------------------- receiving side
-@dataclass
-class Tally:
-    """Notifications of one request from the remote ranks expected to send one."""
-
-    req: str
-    expected: frozenset[int]
-    deadline: float | None = None
-    seen: dict[int, tuple[str, str]] = field(default_factory=dict)
-    refused: dict[int, str] = field(default_factory=dict)  # ranks that will not notify, with why
-
-    def add(self, rank: int, status: str, why: str = "") -> None:
-        self.seen.setdefault(rank, (status, why))
-
-    @property
-    def complete(self) -> bool:
-        """Every expected rank has notified (or will not); never while the expected ranks are unknown."""
-        return bool(self.expected) and self.expected <= (set(self.seen) | set(self.refused))
-
-    @property
-    def reason(self) -> str:
-        for rank, why in sorted(self.refused.items()):
-            return f"rank {rank}: {why}"
-        for rank, (status, why) in sorted(self.seen.items()):
-            if status != "done":
-                return f"rank {rank} reported failure: {why or 'no reason given'}"
-        return ""
-
-    def missing(self) -> list[int]:
-        return sorted(self.expected - set(self.seen) - set(self.refused))

@@ -8,16 +8,25 @@ Side-channel frames are msgpack maps validated by strict, frozen pydantic models
 ``fetch``   ask a server for its :class:`Record`
 ``record``  the :class:`Record`: version, agent name, NIXL agent metadata, plan JSON
             and its digest, rank, every storage's base address, size, memory type, device
-``hello``   :class:`Introduce`: a connecting agent's record and what it will do
+``hello``   :class:`Introduce`: a connecting agent's record, engine id, epoch, what it will do
 ``pull``    :class:`PullRequest`: pull-via-push, a consumer rank asks a producer rank to WRITE
-``reply``   :class:`Reply`: ok, or the error text
+``cancel``  :class:`Cancel`: stop a request; the answer says whether bytes can still move
+``reply``   :class:`Reply`: ok, or the error text; a status for a cancel
 ==========  ===================================================================
+
+Every frame travels inside an authenticated connection (:mod:`kvlc.runtime.auth`); who
+sent a ``pull`` or ``cancel`` is the session introduced on that connection, never a name
+inside the frame.
 
 Notifications (NIXL ``send_notif``) are compact JSON, at most
 :data:`MAX_NOTIF_BYTES` bytes::
 
-    {"v":1,"req":"<request id>","rank":<sender rank>,"status":"done"}
-    {"v":1,"req":"<request id>","rank":<sender rank>,"status":"failed","why":"<reason, <=200 chars>"}
+    {"v":1,"req":"<request id>","rank":<sender rank>,"status":"done","tag":"<24 hex>"}
+    {"v":1,"req":"<request id>","rank":<sender rank>,"status":"failed","why":"<reason>","tag":"<24 hex>"}
+
+``tag`` is an HMAC over request, rank and status with the key of the side-channel
+connection the two agents share (:func:`kvlc.runtime.auth.notif_tag`): a notification
+from an agent that only claims a peer's name is dropped.
 
 A sender posts exactly one per request to every peer rank it exchanged bytes
 with, after all parts of the request are terminal: ``done`` if every part
@@ -63,7 +72,7 @@ AgentName = Annotated[str, StringConstraints(min_length=1, max_length=128, patte
 RequestId = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[\x21-\x7e]+$")]
 Name = Annotated[str, StringConstraints(min_length=1, max_length=256)]
 Rank = Annotated[int, Field(ge=0, lt=1 << 16)]
-U64 = Annotated[int, Field(ge=0, lt=1 << 64)]
+U63 = Annotated[int, Field(ge=0, lt=1 << 63)]
 BlockId = Annotated[int, Field(ge=0, lt=1 << 62)]
 BlockIds = Annotated[
     dict[Name, Annotated[tuple[BlockId, ...], Field(max_length=MAX_BLOCK_IDS)]], Field(max_length=256)
@@ -78,8 +87,8 @@ class StorageBase(_Strict):
     """Where one storage of the sender lives: base address, registered bytes, memory type, NIXL device."""
 
     name: Name
-    addr: U64
-    size: U64
+    addr: U63
+    size: U63
     mem: Literal["DRAM", "VRAM"]
     device: Annotated[int, Field(ge=0, lt=1 << 16)]
 
@@ -94,6 +103,8 @@ class Record(_Strict):
     plan_json: Annotated[str, Field(min_length=2, max_length=MAX_PLAN_BYTES)]
     plan_digest: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
     rank: Rank
+    engine_id: AgentName
+    epoch: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{16,64}$")]
     storages: Annotated[tuple[StorageBase, ...], Field(max_length=1 << 16)]
     _plan: Plan | None = PrivateAttr(default=None)
 
@@ -127,29 +138,47 @@ class Introduce(_Strict):
     record: Record
     direction: Literal["READ", "WRITE"]
     mode: Literal["direct", "pull_via_push"]
+    address: Annotated[str, StringConstraints(max_length=300)] = ""  # where the sender serves, if it does
 
 
 class PullRequest(_Strict):
-    """Pull via push: consumer rank ``rank`` (agent ``agent``) asks a producer rank to WRITE a request."""
+    """Pull via push: the consumer session of this connection asks a producer rank to WRITE a request.
+
+    ``until`` is the consumer's deadline on the *producer's* clock (estimated at the handshake,
+    less its uncertainty): the producer never posts a WRITE at or after it, however long the
+    frame was queued. ``budget_s`` is what was left when the frame was sent (for messages).
+    """
 
     t: Literal["pull"] = "pull"
     version: Literal[1] = WIRE_VERSION
     req: RequestId
-    agent: AgentName
-    rank: Rank
     consumer_blocks: BlockIds
     producer_blocks: BlockIds
     num_tokens: Annotated[int, Field(ge=0, lt=1 << 40)]
-    timeout_s: Annotated[float, Field(gt=0, le=86400)] | None = None
+    until: float
+    budget_s: Annotated[float, Field(ge=0, le=86400)]
+
+
+class Cancel(_Strict):
+    """Stop request ``req`` for the sender's session. Over the session's own connection no ``conn``
+    is needed; a push consumer cancels over its own connection to the producer, naming the
+    producer's connection ``conn`` with ``tag`` = the notification tag of ("cancel", req)."""
+
+    t: Literal["cancel"] = "cancel"
+    version: Literal[1] = WIRE_VERSION
+    req: RequestId
+    conn: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{32}$")] | None = None
+    tag: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{24}$")] | None = None
 
 
 class Reply(_Strict):
     t: Literal["reply"] = "reply"
     ok: bool
     error: Annotated[str, Field(max_length=MAX_ERROR_CHARS)] = ""
+    status: Literal["", "done", "failed", "cancelled", "unknown", "pending"] = ""
 
 
-Message = Annotated[Union[Fetch, Record, Introduce, PullRequest, Reply], Field(discriminator="t")]
+Message = Annotated[Union[Fetch, Record, Introduce, PullRequest, Cancel, Reply], Field(discriminator="t")]
 _MESSAGE = TypeAdapter(Message)
 
 
@@ -161,6 +190,7 @@ class Notif(_Strict):
     rank: Rank
     status: Literal["done", "failed"]
     why: Annotated[str, Field(max_length=200)] = ""
+    tag: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{24}$")]
 
 
 # ----------------------------------------------------------------------------- errors
@@ -218,6 +248,11 @@ def check_record(rec: Record) -> Plan:
             f"({len(got)} vs {len(want)})"
         )
     for s, p in zip(rec.storages, plan.storages):
+        if s.addr + s.size >= 1 << 63:
+            raise HandshakeError(
+                f"record of agent '{rec.agent}': storage '{s.name}' ends at byte {s.addr + s.size}, "
+                "past 2^63; refusing an address range no registration can have"
+            )
         if s.mem != p.mem or s.size < p.size:
             raise HandshakeError(
                 f"record of agent '{rec.agent}': storage '{s.name}' is {s.mem} with {s.size} "
@@ -227,7 +262,9 @@ def check_record(rec: Record) -> Plan:
     return plan
 
 
-def make_record(agent: str, nixl_md: bytes, plan: Plan, rank: int, storages) -> Record:
+def make_record(
+    agent: str, nixl_md: bytes, plan: Plan, rank: int, storages, engine_id: str, epoch: str
+) -> Record:
     """Build and check a record (``storages``: :class:`StorageBase` in plan order)."""
     rec = Record(
         agent=agent,
@@ -235,6 +272,8 @@ def make_record(agent: str, nixl_md: bytes, plan: Plan, rank: int, storages) -> 
         plan_json=plan.to_json(),
         plan_digest=plan.digest,
         rank=rank,
+        engine_id=engine_id,
+        epoch=epoch,
         storages=tuple(storages),
     )
     check_record(rec)
@@ -282,7 +321,9 @@ def _check_version(obj: dict, key: str, what: str) -> None:
         )
 
 
-def decode(data: bytes, limit: int = MAX_FRAME_BYTES) -> Fetch | Record | Introduce | PullRequest | Reply:
+def decode(
+    data: bytes, limit: int = MAX_FRAME_BYTES
+) -> Fetch | Record | Introduce | PullRequest | Cancel | Reply:
     """Validate a side-channel frame into its message model; records are fully checked."""
     obj = _unpack(data, limit, "side-channel message")
     if obj.get("t") != "reply":
@@ -312,14 +353,19 @@ def decode_record(data: bytes) -> Record:
 
 
 # ----------------------------------------------------------------------------- notifications
-def encode_notif(req: str, rank: int, status: str, why: str = "") -> bytes:
-    """The compact JSON notification.
+def encode_notif(req: str, rank: int, status: str, tag: str, why: str = "") -> bytes:
+    """The compact JSON notification (``tag``: :func:`kvlc.runtime.auth.notif_tag` of req, rank, status).
 
-    >>> encode_notif("r1", 0, "done")
-    b'{"v":1,"req":"r1","rank":0,"status":"done"}'
+    >>> encode_notif("r1", 0, "done", "0" * 24)
+    b'{"v":1,"req":"r1","rank":0,"status":"done","why":"","tag":"000000000000000000000000"}'
     """
-    n = Notif(req=req, rank=rank, status=status, why=why[:200])
-    return json.dumps(n.model_dump(exclude=set() if why else {"why"}), separators=(",", ":")).encode()
+    why = why[:200]
+    while True:
+        n = Notif(req=req, rank=rank, status=str(status), why=why, tag=tag)
+        data = json.dumps(n.model_dump(), separators=(",", ":")).encode()
+        if len(data) <= MAX_NOTIF_BYTES:
+            return data
+        why = why[: len(why) // 2]
 
 
 def decode_notif(data: bytes) -> Notif:

@@ -4,17 +4,23 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvlc.runtime.demo import verify
-from kvlc.runtime.procs import AgentHandle, EngineConfig
+from kvlc.runtime.auth import resolve_secret
+from kvlc.testing.demo import verify
+from kvlc.testing.procs import HARNESS_SECRET, AgentHandle, EngineConfig
 
 TIMEOUT = 30.0
+SECRET = HARNESS_SECRET  # every engine of a test run shares it; in-process agents pass it too
+KEY = resolve_secret(SECRET)  # the channel key a raw test client authenticates with
 ROOT = Path(__file__).resolve().parents[2]
 LAYOUTS = ROOT / "layouts"
 TEST_LAYOUTS = ROOT / "tests" / "runtime" / "layouts"
 
 
 def config(plan, rank: int, fill: str, seed: int = 0, **kw) -> EngineConfig:
+    """One rank's config; ranks of one engine share ``engine_id`` (default: the plan's name and whether the
+    rank is content-coded, i.e. a producer in these tests)."""
     kw.setdefault("timeout", TIMEOUT)
+    kw.setdefault("engine_id", f"{plan.name}-{'p' if fill == 'content' else 'c'}")
     return EngineConfig(plan.to_json(), rank, fill=fill, seed=seed, **kw)
 
 
@@ -47,3 +53,31 @@ def check_bytes(consumer: AgentHandle, consumer_plan, producer_plan, before, req
 def flip(requests):
     """(id, a, b, n) → (id, b, a, n): the same requests seen from the other side."""
     return [(r, b, a, n) for r, a, b, n in requests]
+
+
+def check_from_many(consumer: AgentHandle, consumer_plan, before, batches, after=None) -> int:
+    """Like :func:`check_bytes` for requests from several producer engines: ``batches`` is a list of
+    (producer plan, requests). Every requested byte holds its code, every other byte is unchanged."""
+    import numpy as np
+
+    from kvlc.compiler.content import expected_bytes
+
+    after = consumer.call("dump") if after is None else after
+    touched = {k: np.zeros(len(v), bool) for k, v in after.items()}
+    checked, problems = 0, []
+    for producer_plan, requests in batches:
+        for req, cids, pids, tokens in requests:
+            for storage, idx, vals in expected_bytes(consumer_plan, consumer.config.rank, producer_plan,
+                                                     cids, pids, tokens):
+                bad = np.flatnonzero(after[storage][idx] != vals)
+                if bad.size:
+                    problems.append(f"{req}: {storage}: {bad.size} wrong bytes")
+                touched[storage][idx] = True
+                checked += idx.size
+    for name, t in touched.items():
+        changed = np.flatnonzero((after[name] != before[name]) & ~t)
+        if changed.size:
+            problems.append(f"{name}: {changed.size} bytes outside the requested blocks changed")
+    assert not problems, problems[:5]
+    assert checked > 0
+    return checked

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import msgpack
 import pytest
-from engines import LAYOUTS, TEST_LAYOUTS
+from engines import KEY, LAYOUTS, SECRET, TEST_LAYOUTS
 
 from kvlc import compile_spec
 from kvlc.errors import CompatError, TransferError
@@ -32,14 +32,14 @@ def plans():
 
 @pytest.fixture(scope="module")
 def producer(plans):
-    with KvAgent(plans["dense-tp1"], 0, allocate(plans["dense-tp1"]), name="local-producer") as a:
+    with KvAgent(plans["dense-tp1"], 0, allocate(plans["dense-tp1"]), name="local-producer", secret=SECRET) as a:
         a.serve()
         yield a
 
 
 @pytest.fixture
 def consumer(plans):
-    with KvAgent(plans["dense-tp1"], 0, allocate(plans["dense-tp1"])) as a:
+    with KvAgent(plans["dense-tp1"], 0, allocate(plans["dense-tp1"]), secret=SECRET) as a:
         yield a
 
 
@@ -54,7 +54,7 @@ def test_binding_names_every_problem(plans):
     plan = plans["dense-tp1"]
     tensors = {"kv.0": torch.zeros(100, dtype=torch.uint8), "extra": torch.zeros(4)}
     with pytest.raises(BindingError) as err:
-        KvAgent(plan, 0, tensors)
+        KvAgent(plan, 0, tensors, secret=SECRET)
     text = str(err.value)
     assert "storage 'kv.1': no tensor given" in text
     assert "storage 'kv.0': plan needs 262144 bytes; tensor has 100" in text
@@ -64,7 +64,7 @@ def test_binding_names_every_problem(plans):
         "kv.1": torch.zeros(262144, dtype=torch.uint8),
     }
     with pytest.raises(BindingError, match="storage 'kv.0': tensor must be contiguous"):
-        KvAgent(plan, 0, bad)
+        KvAgent(plan, 0, bad, secret=SECRET)
 
 
 def test_vram_storage_needs_a_cuda_tensor():
@@ -74,19 +74,19 @@ def test_vram_storage_needs_a_cuda_tensor():
     with pytest.raises(
         BindingError, match=r"storage 'kv.0': plan says VRAM on device 0, so a cuda:0 tensor; got"
     ):
-        KvAgent(plan, 0, fake)
+        KvAgent(plan, 0, fake, secret=SECRET)
 
 
 def test_rank_outside_plan_is_refused(plans):
     """A rank outside the plan's TP size is refused before anything is registered."""
     with pytest.raises(Exception, match="rank 2 outside plan"):
-        KvAgent(plans["dense-tp2-hnd-b32"], 2, allocate(plans["dense-tp2-hnd-b32"]))
+        KvAgent(plans["dense-tp2-hnd-b32"], 2, allocate(plans["dense-tp2-hnd-b32"]), secret=SECRET)
 
 
 def test_one_registration_per_storage_released_on_close(plans):
     """Each storage is registered once; close() deregisters everything and is idempotent."""
     plan = plans["dense-tp1"]
-    a = KvAgent(plan, 0, allocate(plan))
+    a = KvAgent(plan, 0, allocate(plan), secret=SECRET)
     assert len(a.nixl.live(Registration)) == len(plan.storages)
     a.serve()
     a.close()
@@ -98,7 +98,7 @@ def test_one_registration_per_storage_released_on_close(plans):
 
 # ----------------------------------------------------------------------------- hostile peers
 def _ask(agent, payload: bytes):
-    with ChannelClient(agent.address) as c:
+    with ChannelClient(agent.address, KEY) as c:
         return decode(c.request(payload))
 
 
@@ -115,14 +115,14 @@ def _ask(agent, payload: bytes):
                     "t": "pull",
                     "version": 1,
                     "req": "r",
-                    "agent": "nobody",
-                    "rank": 0,
                     "num_tokens": 16,
                     "consumer_blocks": {"full": [1]},
                     "producer_blocks": {"full": [1]},
+                    "until": 1e12,
+                    "budget_s": 1.0,
                 }
             ),
-            "has not connected in pull_via_push mode",
+            "no session on this connection",
         ),
     ],
 )
@@ -136,7 +136,7 @@ def test_served_agent_refuses_hostile_frames(producer, payload, why):
 
 def test_introduction_with_foreign_metadata_is_refused(producer, plans):
     """A record whose NIXL metadata belongs to another agent name is refused; the agent is removed again."""
-    with KvAgent(plans["dense-tp1"], 0, allocate(plans["dense-tp1"]), name="real-name") as other:
+    with KvAgent(plans["dense-tp1"], 0, allocate(plans["dense-tp1"]), name="real-name", secret=SECRET) as other:
         impostor = other.record.model_copy(update={"agent": "impostor"})
         reply = _ask(producer, encode(Introduce(record=impostor, direction="READ", mode="pull_via_push")))
     assert not reply.ok and "NIXL metadata is agent 'real-name'" in reply.error
@@ -145,7 +145,7 @@ def test_introduction_with_foreign_metadata_is_refused(producer, plans):
 
 def test_introduction_from_incompatible_plan_is_refused(producer, plans):
     """An introduction whose plan does not pair reports the compatibility errors; nothing is added."""
-    with KvAgent(plans["hybrid-tp1"], 0, allocate(plans["hybrid-tp1"])) as other:
+    with KvAgent(plans["hybrid-tp1"], 0, allocate(plans["hybrid-tp1"]), secret=SECRET) as other:
         reply = _ask(producer, encode(Introduce(record=other.record, direction="READ", mode="pull_via_push")))
     assert not reply.ok and "error [" in reply.error
     _nothing_added(producer)
@@ -155,7 +155,7 @@ def test_introduction_from_incompatible_plan_is_refused(producer, plans):
 def hostile():
     """A side-channel server whose answer the test chooses."""
     answer = {}
-    server = ChannelServer(lambda frame: answer["bytes"], lambda text: b"")
+    server = ChannelServer(lambda conn, frame: answer["bytes"], lambda text: b"", KEY)
     yield server, answer
     server.close()
 
@@ -184,7 +184,7 @@ def test_connect_refuses_hostile_records(consumer, producer, hostile):
 
 def test_incompatible_plans_fail_at_connect(plans, producer):
     """Pairing errors surface at connect time as CompatError, with nothing added to NIXL."""
-    with KvAgent(plans["hybrid-tp1"], 0, allocate(plans["hybrid-tp1"])) as other:
+    with KvAgent(plans["hybrid-tp1"], 0, allocate(plans["hybrid-tp1"]), secret=SECRET) as other:
         with pytest.raises(CompatError):
             other.connect(producer.address)
         _nothing_added(other)
@@ -194,8 +194,8 @@ def test_missing_remote_rank_fails_at_connect(plans):
     """A TP1 consumer reading from a TP2 engine needs both producer ranks' addresses."""
     tp2 = plans["dense-tp2-hnd-b32"]
     with (
-        KvAgent(tp2, 0, allocate(tp2)) as r0,
-        KvAgent(plans["dense-tp1"], 0, allocate(plans["dense-tp1"])) as c,
+        KvAgent(tp2, 0, allocate(tp2), secret=SECRET) as r0,
+        KvAgent(plans["dense-tp1"], 0, allocate(plans["dense-tp1"]), secret=SECRET) as c,
     ):
         with pytest.raises(HandshakeError, match=r"no address serves rank\(s\) \[1\]"):
             c.connect(r0.serve())
@@ -234,8 +234,9 @@ def _finish(consumer, producer, req, timeout=10.0):
     return consumer.wait([req], timeout=timeout)
 
 
-def test_same_request_id_twice_in_flight_is_refused(producer, consumer):
+def test_same_request_id_twice_in_flight_is_refused(producer, plans):
     """A request id already in flight is refused; once it finished, the id may be used again."""
+    consumer = KvAgent(plans["dense-tp1"], 0, allocate(plans["dense-tp1"]), secret=SECRET, progress="manual")
     peer = consumer.connect(producer.address)
     peer.read("dup", {"full": [1]}, {"full": [2]}, 16)
     with pytest.raises(TransferError, match="already in flight"):
@@ -244,3 +245,4 @@ def test_same_request_id_twice_in_flight_is_refused(producer, consumer):
     peer.read("dup", {"full": [3]}, {"full": [4]}, 16)
     assert _finish(consumer, producer, "dup").finished == ("dup",)
     assert consumer.nixl.live(Xfer) == []
+    consumer.close()

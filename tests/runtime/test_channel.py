@@ -1,87 +1,182 @@
-"""The side channel: length-prefixed frames, size caps, and a server that hostile input cannot take down."""
+"""The side channel: authenticated connections, length-prefixed frames, bounds that hostile clients cannot
+get around (whole-frame deadlines, per-address caps, nothing kept before authentication)."""
 
 from __future__ import annotations
 
 import socket
 import struct
 import threading
+import time
 
 import pytest
 
-from kvlc.runtime.channel import ChannelClient, ChannelServer, parse_address, read_frame, write_frame
-from kvlc.runtime.errors import ChannelError
+from kvlc.runtime import auth
+from kvlc.runtime.channel import ChannelClient, ChannelServer, Limits, parse_address, read_frame, write_frame
+from kvlc.runtime.errors import AuthError, ChannelError
 
 pytestmark = pytest.mark.runtime
+KEY = auth.resolve_secret("channel-test-secret-0123456789")
+LIMITS = Limits(max_frame=1024, handshake_timeout=1.0, frame_timeout=1.0, max_connections=16,
+                max_per_address=4, max_pending_per_address=3)
 
 
 @pytest.fixture
 def echo():
-    def handler(frame: bytes) -> bytes:
+    seen = []
+
+    def handler(conn, frame: bytes) -> bytes:
+        seen.append(conn.id)
         if frame == b"boom":
             raise RuntimeError("handler bug")
         return b"echo:" + frame
 
-    server = ChannelServer(
-        handler, lambda text: b"error:" + text.encode(), max_frame=1024, io_timeout=2.0, max_connections=4
-    )
+    server = ChannelServer(handler, lambda text: b"error:" + text.encode(), KEY, limits=LIMITS)
+    server.seen = seen
     yield server
     server.close()
 
 
 def _raw(server):
-    s = socket.create_connection(server.address, timeout=5)
-    return s
+    return socket.create_connection(server.address, timeout=5)
 
 
-def test_request_reply_on_a_persistent_connection(echo):
-    """One client connection carries many request/reply frames."""
-    with ChannelClient(echo.address) as c:
+def _wait(pred, timeout=10.0):
+    end = time.monotonic() + timeout
+    while not pred() and time.monotonic() < end:
+        time.sleep(0.02)
+    return pred()
+
+
+def test_request_reply_on_one_authenticated_connection(echo):
+    """One authenticated connection carries many request/reply frames, all seen as the same connection."""
+    with ChannelClient(echo.address, KEY) as c:
         for i in range(20):
             assert c.request(b"x%d" % i) == b"echo:x%d" % i
+        assert set(echo.seen) == {c.sealed.id}
     assert echo.stats["connections"] == 1
 
 
-def test_oversize_frame_is_refused_and_server_survives(echo):
-    """A length header over the cap gets an error reply and a closed connection; the server still serves."""
+def test_wrong_secret_is_refused_both_ways(echo):
+    """A client with another secret gets AuthError and the handler never runs; a server with another
+    secret cannot fool a client either."""
+    other = auth.resolve_secret("another-secret-0123456789")
+    with pytest.raises(AuthError, match="does not know this side-channel secret"):
+        ChannelClient(echo.address, other, timeout=2).request(b"hi")
+    assert echo.seen == [] and echo.stats["auth_failed"] >= 0
+    fake = ChannelServer(lambda conn, f: b"owned", lambda t: b"", other, limits=LIMITS)
+    try:
+        with pytest.raises(AuthError):
+            ChannelClient(fake.address, KEY, timeout=2).request(b"hi")
+    finally:
+        fake.close()
+
+
+def test_unauthenticated_frames_reach_no_handler(echo):
+    """Frames sent without the handshake, or after a bad proof, never reach the handler."""
     s = _raw(echo)
-    s.sendall(struct.pack(">I", 1 << 30))
-    assert read_frame(s).startswith(b"error:frame of 1073741824 bytes is over the 1024-byte limit")
+    write_frame(s, b"fetch me a record")
+    with pytest.raises(ChannelError):
+        read_frame(s, 1024, 2.0, 2.0)
     s.close()
-    with ChannelClient(echo.address) as c:
-        assert c.request(b"ok") == b"echo:ok"
+    s = _raw(echo)
+    write_frame(s, auth.client_hello(auth.new_nonce()))
+    read_frame(s, 1024, 2.0, 2.0)
+    write_frame(s, b"\0" * auth.TAG)  # a proof without the key
+    with pytest.raises(ChannelError):
+        read_frame(s, 1024, 2.0, 2.0)
+    s.close()
+    assert echo.seen == []
 
 
-def test_truncated_frame_and_silent_clients_do_not_block_the_server(echo):
-    """A client that sends half a frame, or nothing, only holds its own connection until the I/O timeout."""
-    stalled = [_raw(echo) for _ in range(2)]
-    stalled[0].sendall(struct.pack(">I", 100) + b"half")
-    with ChannelClient(echo.address) as c:
+def test_replayed_or_changed_frames_end_the_connection(echo):
+    """A sealed frame replayed, or one with a flipped byte, fails authentication; the handler saw it once."""
+    c = ChannelClient(echo.address, KEY)
+    c.request(b"first")
+    sealed = c.sealed
+    replay = sealed.seal(b"again")
+    write_frame(c._sock, replay)
+    assert sealed.open(read_frame(c._sock)) == b"echo:again"
+    write_frame(c._sock, replay)  # the same bytes again: sequence number already used
+    with pytest.raises(ChannelError):
+        read_frame(c._sock, 1024, 2.0, 2.0)
+    c.close()
+    c = ChannelClient(echo.address, KEY)
+    c.request(b"ok")
+    bad = bytearray(c.sealed.seal(b"change me"))
+    bad[10] ^= 1
+    write_frame(c._sock, bytes(bad))
+    with pytest.raises(ChannelError):
+        read_frame(c._sock, 1024, 2.0, 2.0)
+    c.close()
+    assert echo.seen.count(echo.seen[0]) == 2 and len(echo.seen) == 3
+
+
+def test_slow_frames_are_cut_at_the_frame_deadline(echo):
+    """A byte every 0.3 s does not keep a frame open: the connection ends at the whole-frame deadline."""
+    c = ChannelClient(echo.address, KEY)
+    c.request(b"authenticated first")
+    frame = struct.pack(">I", 200) + c.sealed.seal(b"x" * 150)
+    t0 = time.monotonic()
+    closed = False
+    for b in frame[:20]:
+        try:
+            c._sock.sendall(bytes([b]))
+            time.sleep(0.3)
+        except OSError:
+            closed = True
+            break
+    if not closed:
+        c._sock.settimeout(3)
+        try:
+            closed = c._sock.recv(1) == b""
+        except OSError:
+            closed = True
+    assert closed and time.monotonic() - t0 < 8
+    c.close()
+
+
+def test_idle_unauthenticated_sockets_are_capped_and_cut(echo):
+    """50 silent sockets from one address: at most 3 wait for a handshake, each for at most the
+    handshake timeout; an authenticated client is served as soon as they are cut."""
+    socks = [_raw(echo) for _ in range(50)]
+    assert _wait(lambda: echo.stats["refused"] >= 47)
+    time.sleep(LIMITS.handshake_timeout + 0.5)
+    with ChannelClient(echo.address, KEY, timeout=5) as c:
         assert c.request(b"still") == b"echo:still"
-    for s in stalled:
+    for s in socks:
         s.close()
 
 
-def test_handler_exception_becomes_an_error_reply(echo):
-    """A handler bug answers an error and the connection keeps working."""
-    with ChannelClient(echo.address) as c:
-        assert c.request(b"boom").startswith(b"error:internal error: RuntimeError")
-        assert c.request(b"after") == b"echo:after"
-
-
-def test_connections_beyond_the_limit_are_closed(echo):
-    """Over max_connections, new connections are closed at once instead of queueing threads."""
-    held = [ChannelClient(echo.address) for _ in range(4)]
+def test_authenticated_connections_are_capped_per_address(echo):
+    """Over max_per_address authenticated connections from one address, new ones are closed at once."""
+    held = [ChannelClient(echo.address, KEY) for _ in range(LIMITS.max_per_address)]
     for c in held:
         c.request(b"hold")
-    extra = ChannelClient(echo.address, timeout=2)
     with pytest.raises(ChannelError):
-        extra.request(b"no room")
+        ChannelClient(echo.address, KEY, timeout=2).request(b"no room")
+    held.pop().close()
+    assert _wait(lambda: _try(echo))
     for c in held:
         c.close()
 
 
+def _try(server) -> bool:
+    try:
+        with ChannelClient(server.address, KEY, timeout=2) as c:
+            return c.request(b"room?") == b"echo:room?"
+    except ChannelError:
+        return False
+
+
+def test_handler_exception_becomes_an_error_reply(echo):
+    """A handler bug answers an error and the connection keeps working."""
+    with ChannelClient(echo.address, KEY) as c:
+        assert c.request(b"boom").startswith(b"error:internal error: RuntimeError")
+        assert c.request(b"after") == b"echo:after"
+
+
 def test_random_garbage_never_kills_the_server(echo):
-    """Bursts of random bytes from many clients leave the server answering."""
+    """Bursts of random bytes from many clients leave the server answering and the handler untouched."""
     import random
 
     rng = random.Random(7)
@@ -100,8 +195,8 @@ def test_random_garbage_never_kills_the_server(echo):
         t.start()
     for t in threads:
         t.join()
-    with ChannelClient(echo.address) as c:
-        assert c.request(b"alive") == b"echo:alive"
+    assert echo.seen == []
+    assert _wait(lambda: _try(echo))
 
 
 def test_unreachable_server_raises_channel_error():
@@ -111,11 +206,11 @@ def test_unreachable_server_raises_channel_error():
     port = s.getsockname()[1]
     s.close()
     with pytest.raises(ChannelError, match=f"127.0.0.1:{port}"):
-        ChannelClient(("127.0.0.1", port), timeout=1).request(b"x")
+        ChannelClient(("127.0.0.1", port), KEY, timeout=1).request(b"x")
 
 
-def test_frames_and_addresses():
-    """Frames round-trip over a socket pair; addresses parse from text."""
+def test_frames_addresses_and_secrets():
+    """Frames round-trip over a socket pair; addresses parse; short or missing secrets are refused."""
     a, b = socket.socketpair()
     write_frame(a, b"payload")
     assert read_frame(b) == b"payload"
@@ -127,3 +222,21 @@ def test_frames_and_addresses():
     assert parse_address("[::1]:80") == ("::1", 80)
     with pytest.raises(ChannelError):
         parse_address("nohost")
+    with pytest.raises(AuthError, match="at least 16"):
+        auth.resolve_secret("short")
+
+
+def test_secret_sources_in_order(tmp_path, monkeypatch):
+    """secret= beats $KVLC_SECRET beats $KVLC_SECRET_FILE; none refuses unless insecure=True."""
+    monkeypatch.delenv("KVLC_SECRET", raising=False)
+    monkeypatch.delenv("KVLC_SECRET_FILE", raising=False)
+    with pytest.raises(AuthError, match="no side-channel secret"):
+        auth.resolve_secret()
+    insecure = auth.resolve_secret(insecure=True)
+    f = tmp_path / "secret"
+    f.write_text("file-secret-0123456789\n")
+    monkeypatch.setenv("KVLC_SECRET_FILE", str(f))
+    assert auth.resolve_secret() == auth.derive_key(b"file-secret-0123456789") != insecure
+    monkeypatch.setenv("KVLC_SECRET", "env-secret-0123456789")
+    assert auth.resolve_secret() == auth.derive_key(b"env-secret-0123456789")
+    assert auth.resolve_secret("arg-secret-0123456789") == auth.derive_key(b"arg-secret-0123456789")

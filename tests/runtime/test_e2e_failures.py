@@ -10,7 +10,7 @@ import pytest
 from engines import TEST_LAYOUTS, config
 
 from kvlc import compile_spec
-from kvlc.runtime.procs import EngineProcess, stop_engines
+from kvlc.testing.procs import EngineProcess, stop_engines
 
 pytest.importorskip("torch")
 pytest.importorskip("nixl")

@@ -11,8 +11,8 @@ import yaml
 from engines import LAYOUTS, TEST_LAYOUTS, check_bytes, config, flip, move
 
 from kvlc.compiler.pair import pair
-from kvlc.runtime.demo import cpu_plan, default_tokens, make_workload
-from kvlc.runtime.procs import EngineProcess, stop_engines
+from kvlc.testing.demo import cpu_plan, default_tokens, make_workload
+from kvlc.testing.procs import EngineProcess, stop_engines
 
 pytest.importorskip("torch")
 pytest.importorskip("nixl")

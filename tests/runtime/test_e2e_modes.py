@@ -16,7 +16,7 @@ import pytest
 from engines import TEST_LAYOUTS, check_bytes, config, flip, move
 
 from kvlc import compile_spec
-from kvlc.runtime.procs import start_engines, stop_engines
+from kvlc.testing.procs import start_engines, stop_engines
 
 pytest.importorskip("torch")
 pytest.importorskip("nixl")

@@ -16,11 +16,13 @@ from kvlc import compile_spec
 from kvlc.compiler.pair import pair
 from kvlc.runtime.errors import NixlError
 from kvlc.runtime.nixl import XferState
-from kvlc.runtime.transfer import Executor
+from kvlc.runtime.auth import notif_tag
+from kvlc.runtime.transfer import Executor, Target
 
 pytestmark = pytest.mark.runtime
 
 DONE, PROC, ERR = XferState.DONE, XferState.PROC, XferState.ERR
+KEY = b"k" * 32  # a session's notification key
 
 
 class Clock:
@@ -50,7 +52,8 @@ def mixed():
 
 def _submit(ex, parts, req="r1", timeout=None, op="READ"):
     agents = {k.peer_rank: f"peer{k.peer_rank}" for k in parts}
-    return ex.submit(("direct", req), req, op, parts, agents, agents, timeout)
+    targets = {r: Target(name, KEY) for r, name in agents.items()}
+    return ex.submit(("direct", req), req, op, parts, agents, targets, timeout)
 
 
 def _notifs(agent):
@@ -83,7 +86,8 @@ def test_notification_only_after_every_part_is_done(mixed):
     out = _submit(ex, parts)
     assert ex.progress() == [] and agent.sent == []
     assert ex.progress() == [out]
-    assert _notifs(agent) == [("peer3", {"v": 1, "req": "r1", "rank": 3, "status": "done"})]
+    tag = notif_tag(KEY, "r1", "3", "done")
+    assert _notifs(agent) == [("peer3", {"v": 1, "req": "r1", "rank": 3, "status": "done", "why": "", "tag": tag})]
     kinds = [e[0] for e in agent.log]
     assert kinds.index("notif") > max(i for i, k in enumerate(kinds) if k == "release")
     assert agent.live_handles == 0
@@ -204,4 +208,6 @@ def test_hetero_tp_one_notification_per_peer_rank():
     assert ex.progress() == [] and agent.sent == []
     assert ex.progress() == [out]
     assert sorted(name for name, _ in agent.sent) == ["peer2", "peer3"]
-    assert all(n == {"v": 1, "req": "r1", "rank": 1, "status": "done"} for _, n in _notifs(agent))
+    tag = notif_tag(KEY, "r1", "1", "done")
+    assert all(n == {"v": 1, "req": "r1", "rank": 1, "status": "done", "why": "", "tag": tag}
+               for _, n in _notifs(agent))

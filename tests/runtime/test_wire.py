@@ -15,6 +15,7 @@ from kvlc.runtime.wire import (
     MAX_RECORD_BYTES,
     Fetch,
     Introduce,
+    Cancel,
     PullRequest,
     Record,
     Reply,
@@ -46,6 +47,8 @@ def record(plan):
             StorageBase(name=s.name, addr=(i + 1) << 30, size=s.size, mem=s.mem, device=0)
             for i, s in enumerate(plan.storages)
         ],
+        "engine-a",
+        "0123456789abcdef",
     )
 
 
@@ -67,16 +70,18 @@ def test_messages_round_trip(record):
     msgs = [
         Fetch(),
         Reply(ok=False, error="no"),
-        Introduce(record=record, direction="READ", mode="pull_via_push"),
+        Introduce(record=record, direction="READ", mode="pull_via_push", address="127.0.0.1:5"),
         PullRequest(
             req="r-1",
-            agent="agent-a",
-            rank=1,
             consumer_blocks={"full": (1, 2)},
             producer_blocks={"full": (3, 4)},
             num_tokens=40,
-            timeout_s=2.5,
+            until=1234.5,
+            budget_s=2.5,
         ),
+        Cancel(req="r-1"),
+        Cancel(req="r-1", conn="a" * 32, tag="b" * 24),
+        Reply(ok=True, status="cancelled"),
     ]
     for m in msgs:
         assert decode(encode(m)) == m
@@ -193,13 +198,19 @@ def test_decoding_never_unpickles():
         decode(pickle.dumps({"t": "fetch", "version": 1}))
 
 
+T = "0" * 24
+
+
 def test_notification_format():
-    """Notifications are compact JSON with v, req, rank, status (and why when failed)."""
-    assert encode_notif("req-7", 3, "done") == b'{"v":1,"req":"req-7","rank":3,"status":"done"}'
-    failed = json.loads(encode_notif("req-7", 3, "failed", "x" * 500))
+    """Notifications are compact JSON with v, req, rank, status, why and the session tag; always
+    within MAX_NOTIF_BYTES, however long the reason."""
+    done = b'{"v":1,"req":"req-7","rank":3,"status":"done","why":"","tag":"' + T.encode() + b'"}'
+    assert encode_notif("req-7", 3, "done", T) == done
+    failed = json.loads(encode_notif("req-7", 3, "failed", T, "x" * 500))
     assert failed["status"] == "failed" and len(failed["why"]) == 200
-    n = decode_notif(b'{"v":1,"req":"req-7","rank":3,"status":"done"}')
-    assert (n.req, n.rank, n.status) == ("req-7", 3, "done")
+    assert len(encode_notif("r" * 128, 3, "failed", T, "\u2603" * 300)) <= MAX_NOTIF_BYTES
+    n = decode_notif(done)
+    assert (n.req, n.rank, n.status, n.tag) == ("req-7", 3, "done", T)
 
 
 @pytest.mark.parametrize(
@@ -208,11 +219,13 @@ def test_notification_format():
         b"",
         b"not json",
         b"[1]",
-        b'{"v":2,"req":"r","rank":0,"status":"done"}',
-        b'{"v":1,"req":"r","rank":0,"status":"ok"}',
-        b'{"v":1,"req":"r","rank":"0","status":"done"}',
-        b'{"v":1,"req":"r","rank":0,"status":"done","x":1}',
-        b'{"v":1,"req":"has space","rank":0,"status":"done"}',
+        b'{"v":2,"req":"r","rank":0,"status":"done","tag":"000000000000000000000000"}',
+        b'{"v":1,"req":"r","rank":0,"status":"ok","tag":"000000000000000000000000"}',
+        b'{"v":1,"req":"r","rank":"0","status":"done","tag":"000000000000000000000000"}',
+        b'{"v":1,"req":"r","rank":0,"status":"done","tag":"000000000000000000000000","x":1}',
+        b'{"v":1,"req":"has space","rank":0,"status":"done","tag":"000000000000000000000000"}',
+        b'{"v":1,"req":"r","rank":0,"status":"done"}',
+        b'{"v":1,"req":"r","rank":0,"status":"done","tag":"zz"}',
         b"x" * (MAX_NOTIF_BYTES + 1),
         b"\xff\xfe",
     ],

@@ -1,0 +1,271 @@
+"""Connecting to a remote engine, and the :class:`Peer` that moves requests over that connection.
+
+:func:`connect` fetches every remote rank's record over an authenticated connection, pairs the
+plans (``CompatError`` here, not per request), checks that every rank this rank exchanges
+bytes with is served, loads the NIXL agents it will initiate transfers to, introduces itself,
+and opens one session per remote rank. :meth:`Peer.read` and :meth:`Peer.write` never wait on
+the network: direct modes post NIXL requests; pull via push hands its frames to the agent's
+background sender.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvlc.compiler.pair import TransferProgram
+from kvlc.errors import KvlcError, TransferError
+from kvlc.runtime.channel import ChannelClient
+from kvlc.runtime.errors import HandshakeError, NixlError
+from kvlc.runtime.kinds import Direction, Mode
+from kvlc.runtime.sessions import RemoteEngine, Session
+from kvlc.runtime.tracking import Incoming
+from kvlc.runtime.transfer import PreparedPart, Target
+from kvlc.runtime.wire import Fetch, Introduce, PullRequest, Record, Reply, decode, encode
+
+if TYPE_CHECKING:
+    from kvlc.runtime.agent import KvAgent
+
+
+def _ids(block_ids: Mapping[str, Sequence[int]]) -> dict[str, tuple[int, ...]]:
+    return {str(g): tuple(int(i) for i in np.asarray(ids).ravel().tolist()) for g, ids in block_ids.items()}
+
+
+def _fetch(clients: list[ChannelClient]) -> dict[int, tuple[Record, ChannelClient]]:
+    out: dict[int, tuple[Record, ChannelClient]] = {}
+    for client in clients:
+        where = f"{client.address[0]}:{client.address[1]}"
+        reply = decode(client.request(encode(Fetch())))
+        if isinstance(reply, Reply):
+            raise HandshakeError(f"{where} refused to send its record: {reply.error}")
+        if not isinstance(reply, Record):
+            raise HandshakeError(f"{where} answered with a '{reply.t}' message, not a record")
+        if reply.rank in out:
+            raise HandshakeError(f"two addresses serve rank {reply.rank} ({out[reply.rank][0].agent} and {reply.agent})")
+        first = next(iter(out.values()), (None,))[0]
+        if first is not None and (reply.plan_digest, reply.engine_id) != (first.plan_digest, first.engine_id):
+            raise HandshakeError(
+                f"rank {reply.rank} at {where} belongs to another engine or plan than the other addresses "
+                f"(engine '{reply.engine_id}', digest {reply.plan_digest[:12]}); connect once per engine"
+            )
+        out[reply.rank] = (reply, client)
+    return out
+
+
+def connect(agent: KvAgent, addresses: Sequence[str], direction: str, mode: str, timeout: float) -> Peer:
+    """Connect ``agent`` to the ranks of one remote engine (see the module docstring)."""
+    direction = Direction.parse(direction, "direction")
+    mode = Mode.parse(mode, "mode")
+    if mode is Mode.PULL_VIA_PUSH and direction is not Direction.READ:
+        raise KvlcError("mode 'pull_via_push' is for a consumer: use direction='READ'")
+    if not addresses:
+        raise KvlcError("connect needs the side-channel address of every remote rank to pair with")
+    agent._check_open()
+    clients = [ChannelClient(a, agent._key, timeout=timeout) for a in addresses]
+    added: list[str] = []
+    try:
+        got = _fetch(clients)
+        rec0 = next(iter(got.values()))[0]
+        with agent._lock:
+            eng = agent.sessions.engine(rec0, direction)
+        missing = sorted(set(eng.program.peer_ranks) - set(got))
+        if missing:
+            raise HandshakeError(
+                f"rank {agent.rank} exchanges bytes with ranks {list(eng.program.peer_ranks)} of "
+                f"'{rec0.plan.name}', but no address serves rank(s) {missing}"
+            )
+        peers = eng.program.peer_ranks
+        with agent._lock:
+            replaced = [old for r in peers for old in agent.sessions.check(got[r][0], eng)]
+            for old in replaced:
+                agent._drop_session(old, f"engine '{old.engine_id}' rank {old.rank} restarted")
+            if mode is not Mode.PULL_VIA_PUSH:  # this side initiates transfers: it needs their NIXL agents
+                for r in peers:
+                    if got[r][0].agent not in agent.nixl.remotes:
+                        agent._load_remote(got[r][0])
+                        added.append(got[r][0].agent)
+        wire_mode = "pull_via_push" if mode is Mode.PULL_VIA_PUSH else "direct"
+        hello = encode(Introduce(record=agent.record, direction=direction.value, mode=wire_mode,
+                                 address=agent.address or ""))
+        for r in peers:
+            reply = decode(got[r][1].request(hello))
+            if not isinstance(reply, Reply) or not reply.ok:
+                why = reply.error if isinstance(reply, Reply) else f"a '{reply.t}' message"
+                raise HandshakeError(f"rank {r} ({got[r][0].agent}) refused this agent: {why}")
+        with agent._lock:
+            agent._check_open()
+            sessions = {}
+            for r in peers:
+                rec, client = got[r]
+                s = Session(rec, client.sealed.id, client.sealed.notif_key, direction, mode, eng)
+                agent.sessions.add(s)
+                sessions[r] = s
+            for r, (_, c) in got.items():
+                if r not in peers:
+                    c.close()
+            agent._res.clients.extend(got[r][1] for r in peers)
+            peer = Peer(agent, eng, sessions, {r: got[r][1] for r in peers}, direction, mode)
+        if mode is Mode.PREPPED:  # prepare the strided lists now: NIXL problems surface at connect
+            with agent._lock:
+                try:
+                    peer._prepared(eng.bound(agent.bases))
+                except BaseException:
+                    peer.close()
+                    raise
+        return peer
+    except BaseException:
+        with agent._lock:
+            for name in added:
+                try:
+                    agent.nixl.remove_remote(name)
+                except NixlError:
+                    pass
+        for c in clients:
+            c.close()
+        raise
+
+
+class Peer:
+    """This agent's sessions with the ranks of one remote engine (see :func:`connect`)."""
+
+    def __init__(self, agent: KvAgent, engine: RemoteEngine, sessions: dict[int, Session],
+                 clients: dict[int, ChannelClient], direction: Direction, mode: Mode):
+        self.agent = agent
+        self.engine = engine
+        self.program: TransferProgram = engine.program
+        self.direction, self.mode = direction, mode
+        self.sessions = sessions
+        self._clients = clients
+        self._lists: dict | None = None  # mode "prepped": PartKey -> (local Prepped, remote Prepped)
+        self.closed = False
+
+    @property
+    def peer_ranks(self) -> tuple[int, ...]:
+        return self.program.peer_ranks
+
+    @property
+    def records(self) -> dict[int, Record]:
+        return {r: s.record for r, s in self.sessions.items()}
+
+    def _targets(self) -> dict[int, Target]:
+        return {r: Target(s.agent, s.notif_key) for r, s in self.sessions.items()}
+
+    def _live(self) -> None:
+        self.agent._check_open()
+        dead = [r for r, s in self.sessions.items() if not s.live]
+        if self.closed or dead:
+            raise TransferError(
+                f"connection to engine '{self.engine.engine_id}' is closed"
+                + (f" (rank(s) {dead} restarted or went away); connect again" if dead else "")
+            )
+
+    def _instantiate(self, local_block_ids, remote_block_ids, num_tokens):
+        bound = self.engine.bound(self.agent.bases)
+        if self.mode is not Mode.PREPPED:
+            return bound.instantiate(local_block_ids, remote_block_ids, num_tokens)
+        req = bound.prepared_indices(local_block_ids, remote_block_ids, num_tokens)
+        lists = self._prepared(bound)
+        parts: dict = dict(req.tail)
+        for key, (li, ri) in req.indices.items():
+            local, remote = lists[key]
+            parts[("prepped", key)] = PreparedPart(key, local, li, remote, ri, req.nbytes[key])
+        return parts
+
+    def _prepared(self, bound):
+        """Prepare the strided lists of every part once (called under the agent's lock)."""
+        if self._lists is None:
+            lists = {}
+            try:
+                for key, pl in bound.prepared_rows().items():
+                    local = self.agent.nixl.prep(None, pl.local, key.local_mem)
+                    lists[key] = (local, None)
+                    remote = self.agent.nixl.prep(self.sessions[key.peer_rank].agent, pl.remote, key.remote_mem)
+                    lists[key] = (local, remote)
+            except BaseException:
+                for pair_ in lists.values():
+                    for h in pair_:
+                        if h is not None:
+                            h.release()
+                raise
+            self._lists = lists
+        return self._lists
+
+    def read(self, request_id: str, local_block_ids: Mapping[str, Sequence[int]],
+             remote_block_ids: Mapping[str, Sequence[int]], num_tokens: int, timeout: float | None = None) -> None:
+        """Pull one request into this (consumer) rank's blocks. Never blocks; see :meth:`KvAgent.poll`.
+
+        Block ids are logical, per KV-cache group; every id is checked against every region's
+        capacity before anything moves (:class:`TransferError`).
+        """
+        from kvlc.runtime.agent import check_request_id
+
+        if self.direction is not Direction.READ:
+            raise TransferError("read() needs a connection made with direction='READ' (this side consumes)")
+        check_request_id(request_id)
+        a = self.agent
+        timeout = a.timeout if timeout is None else float(timeout)
+        with a._lock:
+            self._live()
+            if ("read", request_id) in a.executor.active or request_id in a.incoming:
+                raise TransferError(f"request '{request_id}' is already in flight")
+            if self.mode is not Mode.PULL_VIA_PUSH:
+                parts = self._instantiate(local_block_ids, remote_block_ids, num_tokens)
+                a._submit(("read", request_id), request_id, "READ", parts, self._targets(), timeout)
+                return
+            self.program.check_request(local_block_ids, remote_block_ids, num_tokens)
+            deadline = time.monotonic() + timeout
+            inc = Incoming(request_id, deadline, self.engine,
+                           via={r: (s, self._clients[r]) for r, s in self.sessions.items()})
+            a.events.ended.pop(request_id, None)
+            a.incoming[request_id] = inc
+            a.stats["requests"] += 1
+        cblocks, pblocks, n = _ids(local_block_ids), _ids(remote_block_ids), int(num_tokens)
+        for r, client in self._clients.items():
+            def payload(client=client):  # built at send time: the budget left then, on the producer's clock
+                sealed = client.sealed
+                off, err = (sealed.clock_offset, sealed.clock_error) if sealed else (0.0, 0.0)
+                budget = max(0.0, deadline - time.monotonic())
+                return encode(PullRequest(req=request_id, consumer_blocks=cblocks, producer_blocks=pblocks,
+                                          num_tokens=n, until=deadline + off - err, budget_s=budget))
+            a.sender.send(client, payload, ("pull", request_id, r, self.sessions[r].conn_id))
+
+    def write(self, request_id: str, local_block_ids: Mapping[str, Sequence[int]],
+              remote_block_ids: Mapping[str, Sequence[int]], num_tokens: int, timeout: float | None = None) -> None:
+        """Push one request from this (producer) rank's blocks into the consumer ranks' blocks."""
+        from kvlc.runtime.agent import check_request_id
+
+        if self.direction is not Direction.WRITE:
+            raise TransferError("write() needs a connection made with direction='WRITE' (this side produces)")
+        check_request_id(request_id)
+        a = self.agent
+        with a._lock:
+            self._live()
+            if ("write", request_id) in a.executor.active:
+                raise TransferError(f"request '{request_id}' is already in flight")
+            for r, s in self.sessions.items():
+                if ("tomb", s.conn_id, request_id) in a.events.ended:
+                    raise TransferError(f"request '{request_id}' was cancelled by consumer rank {r}; nothing written")
+            parts = self._instantiate(local_block_ids, remote_block_ids, num_tokens)
+            a.events.ended.pop(("write", request_id), None)
+            a._submit(("write", request_id), request_id, "WRITE", parts, self._targets(),
+                      a.timeout if timeout is None else timeout)
+
+    def close(self) -> None:
+        """End these sessions: close the connections, release prepared lists, revoke the NIXL agents
+        (no transfer with them can be made any more); requests waiting on them end (idempotent)."""
+        a = self.agent
+        with a._lock:
+            if self.closed:
+                return
+            self.closed = True
+            lists, self._lists = self._lists or {}, None
+            for handles in lists.values():
+                for h in handles:
+                    h.release()
+            for s in self.sessions.values():
+                a._drop_session(s, "the engine closed this connection")
+        for c in self._clients.values():
+            c.close()

@@ -1,0 +1,131 @@
+"""The threads an agent runs, holding it only weakly, and what they need to clean up after it.
+
+* :class:`Pump`: the progress loop (``progress="thread"``): every ``interval`` seconds it takes
+  the agent from a weak reference, advances it once, and lets go again, so a dropped agent is
+  collected and its finalizer runs.
+* :class:`Sender`: side-channel requests that must not block the engine (pull requests,
+  cancels) run here; their replies wait in a queue until the agent's next pump applies them.
+* :class:`Resources`: what a :class:`~kvlc.runtime.agent.KvAgent` owns outside Python (NIXL
+  agent, side-channel server, client connections, the threads); ``weakref.finalize`` calls
+  :meth:`Resources.close` if the agent is dropped without ``close()``; closing twice is harmless.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import weakref
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger("kvlc.runtime.pump")
+
+
+class Pump:
+    """Call ``ref().<method>()`` every ``interval`` seconds until the agent is gone or ``stop`` is set."""
+
+    def __init__(self, agent: Any, method: str, interval: float, stop: threading.Event, name: str):
+        ref = weakref.ref(agent)
+        self.thread = threading.Thread(
+            target=self._loop, args=(ref, method, interval, stop), name=name, daemon=True
+        )
+        self.thread.start()
+
+    @staticmethod
+    def _loop(ref, method: str, interval: float, stop: threading.Event) -> None:
+        while not stop.is_set():
+            agent = ref()
+            if agent is None:
+                return
+            try:
+                getattr(agent, method)()
+            except Exception:  # keep progressing; poll() surfaces real failures
+                log.exception("progress thread")
+                stop.wait(0.1)
+            del agent
+            stop.wait(interval)
+
+
+class Sender:
+    """One background thread sending side-channel frames in order; replies go to :attr:`replies`.
+
+    A job is ``(client, make_payload, context)``: ``make_payload()`` runs at send time (so a
+    deadline's remaining budget is computed then), the reply (decoded by ``decode``) or the
+    exception lands in ``replies`` as ``(context, reply_or_exception)``.
+    """
+
+    def __init__(self, decode: Callable[[bytes], Any], stop: threading.Event, name: str):
+        self._jobs: queue.Queue = queue.Queue()
+        self.replies: deque = deque()
+        self._decode = decode
+        self._stop = stop
+        self._name = name
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def send(self, client, make_payload: Callable[[], bytes], context: Any) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
+                self._thread.start()
+        self._jobs.put((client, make_payload, context))
+
+    @property
+    def pending(self) -> int:
+        return self._jobs.qsize()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                job = self._jobs.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if job is None:
+                return
+            client, make_payload, context = job
+            try:
+                client = client() if callable(client) and not hasattr(client, "request") else client
+                result = self._decode(client.request(make_payload()))
+            except Exception as exc:  # ChannelError, HandshakeError, a refused connection
+                result = exc
+            self.replies.append((context, result))
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+
+
+class Resources:
+    """Everything to release when an agent ends (see the module docstring)."""
+
+    def __init__(self, nixl: Any, name: str):
+        self.nixl = nixl
+        self.name = name
+        self.stop = threading.Event()
+        self.server = None
+        self.clients: list = []
+        self.sender: Sender | None = None
+        self.pump: Pump | None = None
+        self.executor = None
+        self.closed = False
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.stop.set()
+        if self.server is not None:
+            self.server.close()
+        if self.sender is not None:
+            self.sender.close()
+        if self.pump is not None and self.pump.thread is not threading.current_thread():
+            self.pump.thread.join(timeout=5)
+        if self.executor is not None:
+            self.executor.cancel_all(f"agent '{self.name}' closed")
+        for c in self.clients:
+            c.close()
+        for problem in self.nixl.close():
+            log.warning("close: %s", problem)

@@ -1,0 +1,141 @@
+"""What comes back to a consumer from remote ranks: notifications, pull-request and cancel replies.
+
+Applied under the agent's lock by its pump (:meth:`KvAgent._pump`). A notification counts only
+when its tag proves it comes from a live session of the sender (:mod:`kvlc.runtime.auth`);
+everything else is dropped and counted (``stats["dropped_notifs"]``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from kvlc.runtime.auth import notif_tag, tag_ok
+from kvlc.runtime.channel import ChannelClient
+from kvlc.runtime.errors import ChannelError, HandshakeError
+from kvlc.runtime.kinds import Direction, Mode, Status
+from kvlc.runtime.tracking import Incoming, hold, settle
+from kvlc.runtime.wire import Cancel, Reply, decode_notif, encode
+
+if TYPE_CHECKING:
+    from kvlc.runtime.agent import KvAgent
+
+log = logging.getLogger("kvlc.runtime.replies")
+_TERMINAL = {Status.DONE, Status.FAILED, Status.CANCELLED, Status.UNKNOWN}
+
+
+def _drop(agent: KvAgent, why: str, *args) -> None:
+    agent.stats["dropped_notifs"] += 1
+    log.warning("notification dropped: " + why, *args)
+
+
+def notif(agent: KvAgent, sender: str, message: bytes) -> None:
+    """One NIXL notification (caller holds the lock)."""
+    try:
+        n = decode_notif(message)
+    except HandshakeError as exc:
+        return _drop(agent, "from %r: %s", sender[:64], exc)
+    s = next((s for s in agent.sessions.live(sender)
+              if s.rank == n.rank and tag_ok(s.notif_key, n.tag, n.req, str(n.rank), n.status)), None)
+    if s is None:
+        return _drop(agent, "%r has no session whose key signs it (rank %d, request %r)", sender[:64], n.rank,
+                     n.req[:40])
+    status = Status(n.status)
+    if s.direction is Direction.WRITE:  # we produce: a consumer rank is done reading
+        key = (s.engine.key, n.req)
+        if key in agent.events.ended:
+            return
+        t = agent._tally(s.engine, n.req)
+        t.add(s.rank, status, n.why)
+        agent._tally_check(key, t)
+        return
+    inc = agent.incoming.get(n.req)
+    if inc is None:
+        if n.req in agent.events.ended:
+            return  # late: the request already ended here
+        inc = agent.incoming[n.req] = Incoming(n.req, time.monotonic() + agent.timeout)
+    if inc.engine is None:
+        inc.engine = s.engine
+    elif inc.engine is not s.engine:
+        return _drop(agent, "request %r is expected from another engine, not %r", n.req[:40], s.engine_id)
+    inc.answer(s.rank, status, n.why)
+    for cid, cs in list(inc.cancel_wait.items()):
+        if cs.engine is s.engine and cs.rank == s.rank:
+            del inc.cancel_wait[cid]
+    if settle(inc, agent.events):
+        del agent.incoming[n.req]
+
+
+def _gone(result) -> bool:
+    """The remote's side channel refuses connections: its agent is closed (close releases every transfer)
+    or its process is dead. A stopped or unreachable process does not look like this."""
+    return isinstance(result, ChannelError) and "cannot reach" in str(result) and "refused" in str(result)
+
+
+def drain(agent: KvAgent, replies) -> None:
+    """Apply the background sender's replies (pull requests and cancels)."""
+    while replies:
+        (kind, req, rank, conn_id), result = replies.popleft()
+        if _gone(result):
+            s = agent.sessions.by_conn.get(conn_id)
+            if s is not None:
+                agent._drop_session(s, "its side channel refuses connections: the agent is gone")
+        inc = agent.incoming.get(req)
+        if inc is None:
+            continue
+        ok = isinstance(result, Reply) and result.ok
+        if kind == "pull":
+            if ok:
+                continue
+            if isinstance(result, Reply):  # refused: the producer posted nothing for this share
+                inc.answer(rank, Status.CANCELLED, f"refused the pull request: {result.error}")
+            else:  # the frame may have arrived or not: the deadline holds and cancels
+                log.warning("pull request %s to rank %d: %s", req, rank, result)
+                continue
+        else:
+            status = Status(result.status) if ok and result.status else None
+            if status not in _TERMINAL:
+                if not ok:
+                    log.warning("cancel of %s at rank %d: %s", req, rank, getattr(result, "error", result))
+                continue  # pending: its notification follows; errors: stay held
+            s = inc.cancel_wait.pop(conn_id, None)
+            if s is not None and (inc.engine is None or inc.engine is s.engine):
+                if inc.engine is not None:
+                    inc.answer(s.rank, status, "answered a cancel")
+        if settle(inc, agent.events):
+            del agent.incoming[req]
+
+
+def _client(agent: KvAgent, address: str) -> ChannelClient:
+    c = agent._cancel_clients.get(address)
+    if c is None:
+        c = agent._cancel_clients[address] = ChannelClient(address, agent._key, timeout=10.0)
+        agent._res.clients.append(c)
+    return c
+
+
+def hold_and_cancel(agent: KvAgent, inc: Incoming, why: str) -> None:
+    """Report ``inc`` held and ask every rank that may still write to cancel (caller holds the lock)."""
+    hold(inc, agent.events, why)
+    missing = set(inc.missing())
+    req = inc.req
+    if inc.via:  # pull via push: cancel over the connection the request went on
+        for rank, (s, client) in inc.via.items():
+            if rank in missing and s.conn_id not in inc.cancel_wait:
+                inc.cancel_wait[s.conn_id] = s
+                agent.sender.send(client, lambda: encode(Cancel(req=req)), ("cancel", req, rank, s.conn_id))
+    else:  # push: every live producer session that may write this request
+        for s in agent.sessions.all():
+            if not (s.live and s.server_side and s.direction is Direction.READ and s.mode is Mode.DIRECT):
+                continue
+            if inc.engine is not None and (s.engine is not inc.engine or s.rank not in missing):
+                continue
+            if s.conn_id in inc.cancel_wait:
+                continue
+            inc.cancel_wait[s.conn_id] = s
+            if s.address:  # else: wait for its notification or for its session to end
+                msg = encode(Cancel(req=req, conn=s.conn_id, tag=notif_tag(s.notif_key, "cancel", req)))
+                agent.sender.send(_client(agent, s.address), lambda m=msg: m, ("cancel", req, s.rank, s.conn_id))
+    if settle(inc, agent.events):
+        agent.incoming.pop(req, None)

@@ -1,0 +1,236 @@
+"""Hostile parties against real NIXL agents (in this process): nothing unauthenticated is accepted, and an
+authenticated party can only ever make a producer write into memory that its own session declared.
+
+Each test is named by the contract it proves; "outsider" = no secret, "insider" = holds the secret but is
+another engine than the one it attacks.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import msgpack
+import numpy as np
+import pytest
+from engines import KEY, SECRET, TEST_LAYOUTS
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvlc import compile_spec
+from kvlc.runtime import AuthError, HandshakeError, KvAgent, allocate
+from kvlc.runtime.auth import resolve_secret
+from kvlc.runtime.channel import ChannelClient, Limits, write_frame
+from kvlc.runtime.nixl import Agent, Xfer
+from kvlc.runtime.wire import Fetch, Introduce, PullRequest, Record, Reply, decode, encode, encode_notif
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("nixl")
+pytestmark = pytest.mark.runtime
+OUTSIDER = resolve_secret("not-the-secret-0123456789")
+
+
+@pytest.fixture(scope="module")
+def plan():
+    return compile_spec(TEST_LAYOUTS / "dense-tp1.yaml")
+
+
+def _agent(plan, engine, fill=None, **kw):
+    t = allocate(plan)
+    if fill is not None:
+        for i, x in enumerate(t.values()):
+            x[:] = torch.from_numpy(np.random.default_rng(fill + i).integers(0, 256, x.numel(), dtype=np.uint8))
+    return KvAgent(plan, 0, t, secret=SECRET, engine_id=engine, limits=Limits(max_per_address=8), **kw), t
+
+
+@pytest.fixture(scope="module")
+def producer(plan):
+    a, t = _agent(plan, "hostile-producer", fill=1)
+    a.serve()
+    yield a, t
+    a.close()
+
+
+@pytest.fixture
+def victim(plan, producer):
+    a, t = _agent(plan, "victim", fill=2)
+    a.serve()
+    yield a, t
+    a.close()
+
+
+def _state(agent):
+    return (len(agent.sessions.all()), sorted(agent.nixl.remotes), len(agent.executor.active),
+            len(agent.tallies), len(agent.incoming), agent.stats["requests"])
+
+
+def _memory(tensors):
+    return {k: v.clone() for k, v in tensors.items()}
+
+
+def _same(a, b):
+    return all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_outsider_gets_no_record_and_no_metadata(producer):
+    """Without the secret, no frame reaches the server's handler: no record, no NIXL metadata."""
+    a, _ = producer
+    before = _state(a)
+    with pytest.raises(AuthError):
+        ChannelClient(a.address, OUTSIDER, timeout=3).request(encode(Fetch()))
+    s = socket.create_connection(tuple(a.address.split(":")[:1]) + (int(a.address.split(":")[1]),), timeout=3)
+    write_frame(s, encode(Fetch()))  # a plain frame, no handshake
+    s.settimeout(3)
+    got = s.recv(1 << 16)
+    assert a.record.nixl_md not in got and b"nixl_md" not in got
+    s.close()
+    assert _state(a) == before
+
+
+def test_insider_pull_request_writes_only_into_its_own_declared_memory(plan, producer, victim):
+    """An authenticated engine's pull request names no victim: the producer writes only into the bases
+    that session declared (its own memory), never into the victim's, and the victim hears nothing."""
+    prod, _ = producer
+    vic, vt = victim
+    attacker, at = _agent(plan, "attacker", fill=3)
+    with attacker:
+        before_v, before_a = _memory(vt), _memory(at)
+        peer = attacker.connect(prod.address, mode="pull_via_push")
+        peer.read("steal-1", {"full": [0, 1]}, {"full": [5, 6]}, 20)
+        assert attacker.wait(["steal-1"], timeout=20).finished == ("steal-1",)
+        assert _same(vt, before_v), "the victim's memory changed"
+        assert not _same(at, before_a)  # the bytes went to the attacker's own blocks
+        assert not vic.poll()
+
+
+def test_record_replacement_within_an_epoch_is_refused(plan, producer, victim):
+    """A hello carrying the victim's record with bases moved by a block (or its name on other NIXL
+    metadata) is refused while the victim's session lives; the victim's next request lands right."""
+    prod, pt = producer
+    vic, vt = victim
+    peer = vic.connect(prod.address, mode="pull_via_push")
+    moved = vic.record.model_copy(update={"storages": tuple(
+        s.model_copy(update={"addr": s.addr + 4096}) for s in vic.record.storages)})
+    with ChannelClient(prod.address, KEY) as c:
+        reply = decode(c.request(encode(Introduce(record=moved, direction="READ", mode="pull_via_push"))))
+    assert not reply.ok and "cannot change within an epoch" in reply.error
+    before = _memory(vt)
+    peer.read("v-1", {"full": [10, 11]}, {"full": [3, 4]}, 32)
+    assert vic.wait(["v-1"], timeout=20).finished == ("v-1",)
+    for name in ("kv.0", "kv.1"):
+        got, want = vt[name].numpy(), pt[name].numpy()
+        assert (got[10 * 4096:12 * 4096] == np.concatenate([want[3 * 4096:4 * 4096], want[4 * 4096:5 * 4096]])).all()
+        assert (got[:10 * 4096] == before[name].numpy()[:10 * 4096]).all()
+
+
+def test_identity_hijack_by_another_engine_is_refused(plan, producer, victim):
+    """A NIXL agent created under the victim's name by another engine (even one holding the secret) is
+    refused: the name belongs to the victim's session; the producer's NIXL remote is not swapped."""
+    prod, _ = producer
+    vic, _ = victim
+    vic.connect(prod.address, mode="pull_via_push")
+    t = allocate(plan)
+    impostor = KvAgent(plan, 0, t, secret=SECRET, engine_id="impostor", name=vic.name)
+    try:
+        with pytest.raises(HandshakeError, match="already belongs to rank 0 of engine 'victim'"):
+            impostor.connect(prod.address, mode="pull_via_push")
+        assert vic.name in prod.nixl.remotes
+        s = prod.sessions.live(vic.name)
+        assert s and all(x.engine_id == "victim" for x in s)
+    finally:
+        impostor.close()
+
+
+def test_forged_notification_from_a_name_twin_is_dropped(plan, producer, victim):
+    """A NIXL agent that takes the producer's name and sends the victim a 'done' for its request is
+    dropped (no session key signs it); the request still ends on the real producer's answer."""
+    prod, _ = producer
+    vic, _ = victim
+    peer = vic.connect(prod.address, mode="pull_via_push")
+    twin = Agent(prod.name)
+    try:
+        twin.add_remote(vic.record.nixl_md)
+        vic.expect("forged", 30.0)
+        twin.send_notif(vic.name, encode_notif("forged", 0, "done", "0" * 24))
+        dropped = vic.stats["dropped_notifs"]
+        for _ in range(300):
+            twin.notifs()  # progresses the twin's worker, so its message goes out
+            vic.poll()
+            if vic.stats["dropped_notifs"] > dropped:
+                break
+            __import__("time").sleep(0.01)
+        assert vic.stats["dropped_notifs"] > dropped
+        assert "forged" in vic.incoming  # still waiting, not finished
+    finally:
+        twin.close()
+    peer.read("after-forge", {"full": [20]}, {"full": [1]}, 16)
+    assert vic.wait(["after-forge"], timeout=20).finished == ("after-forge",)
+
+
+def test_bases_past_2_63_are_refused_in_records(producer):
+    """A record whose storage reaches past 2^63 is refused when decoded; nothing is kept."""
+    a, _ = producer
+    bad = a.record.model_dump()
+    bad["storages"] = tuple(dict(s, addr=(1 << 63) - 8) for s in bad["storages"])
+    with pytest.raises(HandshakeError, match="past 2\\^63|less than"):
+        decode(msgpack.packb(bad, use_bin_type=True))
+
+
+def test_state_from_many_connections_is_bounded_and_dies_with_them(plan, producer):
+    """Authenticated connections beyond the per-address cap are refused; each session lives only as long as
+    its connection: after the clients close, the producer keeps none of them."""
+    prod, _ = producer
+    base = len(prod.sessions.all())
+    other, _ = _agent(plan, "many")
+    with other:
+        hello = encode(Introduce(record=other.record, direction="READ", mode="direct"))
+        clients, refused = [], 0
+        for _ in range(20):
+            c = ChannelClient(prod.address, KEY, timeout=3)
+            try:
+                assert decode(c.request(hello)).ok
+                clients.append(c)
+            except Exception:
+                refused += 1
+        assert refused > 0 and len(prod.sessions.all()) - base <= prod.limits.max_per_address
+        for c in clients:
+            c.close()
+        for _ in range(200):
+            if len(prod.sessions.all()) == base:
+                break
+            __import__("time").sleep(0.02)
+        assert len(prod.sessions.all()) == base
+
+
+_FIELDS = st.dictionaries(st.sampled_from(["t", "version", "req", "record", "until", "budget_s", "conn", "tag",
+                                            "consumer_blocks", "producer_blocks", "num_tokens", "agent"]),
+                          st.one_of(st.integers(), st.text(max_size=20), st.binary(max_size=20),
+                                    st.sampled_from(["fetch", "hello", "pull", "cancel", "record"])), max_size=8)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(frames=st.lists(st.one_of(st.binary(max_size=80), _FIELDS.map(lambda d: msgpack.packb(d))),
+                       min_size=1, max_size=4),
+       handshake=st.sampled_from(["none", "hello-only", "bad-proof"]))
+def test_no_frames_from_an_unauthenticated_party_change_state_or_move_a_byte(producer, frames, handshake):
+    """Any sequence of frames from a party without the secret (no handshake, half a handshake, or a
+    wrong proof) leaves the agent's sessions, NIXL remotes, transfers, tallies and memory as they were."""
+    from kvlc.runtime import auth
+
+    a, t = producer
+    before, mem = _state(a), _memory(t)
+    host, port = a.address.rsplit(":", 1)
+    s = socket.create_connection((host, int(port)), timeout=3)
+    try:
+        if handshake != "none":
+            write_frame(s, auth.client_hello(auth.new_nonce()))
+            if handshake == "bad-proof":
+                write_frame(s, b"\1" * auth.TAG)
+        for f in frames:
+            write_frame(s, f)
+    except OSError:
+        pass
+    finally:
+        s.close()
+    a.poll()
+    assert _state(a) == before and _same(t, mem)
+    assert a.nixl.live(Xfer) == []
