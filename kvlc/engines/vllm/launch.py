@@ -86,6 +86,9 @@ def _serve(spec: EngineSpec, conn) -> None:
         if cmd == "kv":
             conn.send(("ok", _kv_blocks(arg)))
             continue
+        if cmd == "stats":
+            conn.send(("ok", _connector_stats()))
+            continue
         prompts, max_tokens, params = arg
         sps = [SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, detokenize=False,
                               extra_args={"kv_transfer_params": p} if p is not None else None)
@@ -111,6 +114,14 @@ def _kv_blocks(block_ids) -> dict:
     worker = get_kv_transfer_group().worker
     return {name: t[list(block_ids)].contiguous().view(-1).view(dtype=__import__("torch").uint8).numpy().copy()
             for name, t in worker.kv_caches.items()}
+
+
+def _connector_stats() -> dict:
+    """Single-process engines: the KvlcConnector worker's counters ({} for other connectors)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    worker = getattr(get_kv_transfer_group(), "worker", None)
+    return worker.stats() if worker is not None and hasattr(worker, "stats") else {}
 
 
 class EngineProcess:
@@ -157,6 +168,14 @@ class EngineProcess:
     def kv_blocks(self, block_ids, timeout: float = 60.0) -> dict:
         """Layer name → bytes of ``block_ids`` (in order), read in the engine (single-process mode)."""
         self._conn.send(("kv", list(block_ids)))
+        status, out = self._recv(timeout)
+        if status != "ok":
+            raise RuntimeError(out)
+        return out
+
+    def stats(self, timeout: float = 60.0) -> dict:
+        """The engine's KvlcConnector counters (single-process mode)."""
+        self._conn.send(("stats", None))
         status, out = self._recv(timeout)
         if status != "ok":
             raise RuntimeError(out)

@@ -26,6 +26,7 @@ from kvlc.engines.vllm.config import ConnectorSettings, Mode
 from kvlc.engines.vllm.layout import EnginePlan
 from kvlc.errors import KvlcError
 from kvlc.runtime import Completions, KvAgent, Peer
+from kvlc.runtime.auth import resolve_secret
 from kvlc.runtime.channel import ChannelClient, ChannelServer
 
 log = logging.getLogger("vllm.kvlc")  # under vLLM's logger: its handlers and levels apply
@@ -56,17 +57,20 @@ def _reply(ok: bool, error: str = "") -> bytes:
 class Transport:
     """One worker rank's kvlc agent and its connections (see the module docstring)."""
 
-    def __init__(self, ep: EnginePlan, settings: ConnectorSettings):
+    def __init__(self, ep: EnginePlan, settings: ConnectorSettings, engine_id: str):
         self.ep = ep
         self.settings = settings
-        self.agent = KvAgent(ep.plan, ep.rank, ep.tensors, timeout=settings.timeout, progress="thread")
+        self._key = resolve_secret(None)  # $KVLC_SECRET (or $KVLC_SECRET_FILE); refuses to run without
+        self.agent = KvAgent(ep.plan, ep.rank, ep.tensors, engine_id=engine_id, lease=settings.lease,
+                             timeout=settings.timeout, progress="thread")
         self.address = self.agent.serve(settings.host, settings.port_for(ep.rank))
         self._lock = threading.RLock()
         self._peers: dict[tuple, Peer] = {}
         self._sources: dict[str, _Source] = {}
         self._asks: dict[str, PushAsk] = {}  # pushes asked for before the source was ready
         self._push_failed: dict[str, str] = {}
-        self._server = ChannelServer(self._on_push, lambda text: _reply(False, text), settings.host, 0)
+        self._server = ChannelServer(self._on_push, lambda text: _reply(False, text), self._key,
+                                     settings.host, 0)
         host, port = self._server.address
         self.push_address = f"{host}:{port}"
 
@@ -120,7 +124,7 @@ class Transport:
                     self._ask(addr, msg)
 
     def _ask(self, address: str, msg: PushAsk) -> None:
-        client = ChannelClient(address, timeout=self.settings.timeout)
+        client = ChannelClient(address, self._key, timeout=self.settings.timeout)
         try:
             reply = json.loads(client.request(msg.model_dump_json().encode()))
         finally:
@@ -129,6 +133,10 @@ class Transport:
             raise KvlcError(f"producer rank at {address} refused to push '{msg.req}': {reply.get('error')}")
 
     # ------------------------------------------------------------------ producer side
+    def offer(self, req: str, lease: float) -> None:
+        """A finished request's blocks wait for their consumer; freeable after ``lease`` at the latest."""
+        self.agent.offer(req, lease)
+
     def add_source(self, req: str, blocks: Mapping[str, Sequence[int]]) -> None:
         with self._lock:
             src = self._sources.setdefault(req, _Source({}))
@@ -150,7 +158,7 @@ class Transport:
             self._sources.pop(req, None)
             self._asks.pop(req, None)
 
-    def _on_push(self, frame: bytes) -> bytes:
+    def _on_push(self, conn, frame: bytes) -> bytes:
         try:
             ask = PushAsk.model_validate_json(frame)
         except ValidationError as exc:
@@ -188,7 +196,7 @@ class Transport:
         if failed:
             merged = dict(c.failed)
             merged.update(failed)
-            c = Completions(c.finished, merged, tuple(c.freeable) + tuple(failed))
+            c = Completions(c.finished, merged, c.held, tuple(c.freeable) + tuple(failed))
         return c
 
     @property

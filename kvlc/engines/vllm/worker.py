@@ -22,6 +22,7 @@ from kvlc.errors import KvlcError
 
 log = logging.getLogger("vllm.kvlc")  # under vLLM's logger: its handlers and levels apply
 _EARLY_TTL_S = 600.0  # how long a consumer's "done" is remembered before the hold is known
+_BACKSTOP_S = 5.0  # after the lease: free the blocks even if the agent said nothing
 
 
 class WorkerSide:
@@ -41,6 +42,8 @@ class WorkerSide:
         self._ready_after_step: list[str] = []
         self._load_errors: set[int] = set()
         self._failed_recving: set[str] = set()
+        self._started: dict[str, float] = {}  # kvlc id -> when its load started
+        self.load_seconds: list[float] = []  # start to "received" of every finished load
 
     # ------------------------------------------------------------------ set-up
     def register(self, kv_caches: Mapping[str, Any]) -> None:
@@ -49,7 +52,8 @@ class WorkerSide:
         self.rank = int(get_tensor_model_parallel_rank())
         self.kv_caches = dict(kv_caches)
         ep = engine_plan(self.vllm_config, self.kv_cache_config, kv_caches, self.rank, self.settings.spec)
-        self.transport = Transport(ep, self.settings)
+        engine_id = str(self.vllm_config.kv_transfer_config.engine_id)
+        self.transport = Transport(ep, self.settings, engine_id)
         log.info("kvlc: rank %d bound plan %s (%s) at %s", self.rank, ep.plan.name,
                  ep.plan.digest[:12], self.transport.address)
 
@@ -75,12 +79,16 @@ class WorkerSide:
         for req in meta.dropped:
             t.drop_source(req)
         for h in meta.holds:
-            self._holds[h.req_id] = now + h.lease
+            # the agent reports the blocks freeable when the consumer is done or the lease ends;
+            # this deadline is only a backstop a little later
+            t.offer(h.req_id, h.lease)
+            self._holds[h.req_id] = now + h.lease + _BACKSTOP_S
 
     def start_load(self, meta: KvlcConnectorMetadata) -> None:
         t = self._t()
         for load in meta.loads:
             self._loads[load.kvlc_id] = load
+            self._started[load.kvlc_id] = time.perf_counter()
             r = load.remote
             log.info("kvlc: rank %d loads request %s (%d tokens, %s) from %s: local %s remote %s",
                      self.rank, load.req_id, load.num_tokens, load.mode.value, r.kvlc_addresses[0],
@@ -104,7 +112,7 @@ class WorkerSide:
     def finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         if self.transport is None:
             return set(), set()
-        c = self.transport.poll()
+        c = self.transport.poll()  # c.held: failed, but bytes may still land: wait for c.failed
         failed = dict(c.failed)
         failed.update(self._failed)
         self._failed = {}
@@ -113,8 +121,10 @@ class WorkerSide:
             load = self._loads.pop(kid, None)
             if load is not None:
                 recving.add(load.req_id)
+                self.load_seconds.append(time.perf_counter() - self._started.pop(kid, 0.0))
         for kid, why in failed.items():
             load = self._loads.pop(kid, None)
+            self._started.pop(kid, None)
             if load is not None:
                 log.error("kvlc: request %s: KV load failed (%s); reporting its blocks to vLLM",
                           load.req_id, why)
@@ -155,7 +165,10 @@ class WorkerSide:
         return out
 
     def stats(self) -> dict:
-        return self.transport.stats if self.transport is not None else {}
+        """The agent's counters (requests, bytes, descriptors) and the seconds of each finished load."""
+        if self.transport is None:
+            return {}
+        return {**self.transport.stats, "load_seconds": list(self.load_seconds)}
 
     def shutdown(self) -> None:
         t, self.transport = self.transport, None
