@@ -1,9 +1,10 @@
 """The engine's KV cache as a kvlc plan: derived from vLLM, or a given spec checked against it.
 
 :func:`engine_plan` is the connector's only door to the derivation
-(:mod:`kvlc.engines.vllm.derive`): it builds the engine view, derives the spec
-(or loads ``spec`` and checks it against the live tensors), compiles the plan and
-picks the tensors to bind, one per storage.
+(:mod:`kvlc.engines.vllm.derive`): it reads the engine view, takes the derived plan
+(``exact_plan``: for the CPU backend the plan with K and V in their real dim orders, so
+engines of different block sizes pair) or compiles ``spec`` and checks it against the live
+tensors, and picks the tensors to bind, one per storage.
 """
 
 from __future__ import annotations
@@ -12,8 +13,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import yaml
 
 from kvlc.compiler import compile_spec
 from kvlc.compiler.plan import Plan
@@ -34,17 +33,13 @@ class EnginePlan:
 def engine_plan(vllm_config, kv_cache_config, kv_caches: Mapping[str, Any], rank: int,
                 spec: str | None = None) -> EnginePlan:
     """Derive (or load and check) this worker's plan and its storage tensors."""
-    try:
-        from kvlc.engines.vllm import derive
-    except ImportError:  # until the derivation lands
-        from kvlc.engines.vllm import _interim_derive as derive
+    from kvlc.engines.vllm import derive
 
     view = derive.engine_view(vllm_config, kv_cache_config, kv_caches)
     if spec:
         plan = compile_spec(Path(spec))
         derive.check_spec(plan, view)
     else:
-        plan = compile_spec(yaml.safe_dump(derive.derive_spec(view), sort_keys=False))
+        plan = derive.exact_plan(view)
     tensors = derive.storage_tensors(plan, view, kv_caches)
-    groups = tuple(g.name for g in plan.groups)
-    return EnginePlan(plan, tensors, groups, rank, int(vllm_config.cache_config.block_size))
+    return EnginePlan(plan, tensors, derive.group_names(view), rank, int(vllm_config.cache_config.block_size))
