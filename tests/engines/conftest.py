@@ -33,7 +33,7 @@ def kvlc_config(role: str, policy: str = "recompute", **extra) -> dict:
 
 def engine_env(core: int | str, single_process: bool = True) -> dict:
     env = {"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "VLLM_CPU_OMP_THREADS_BIND": str(core), "KVLC_SECRET": "tests-secret"}
+           "VLLM_CPU_OMP_THREADS_BIND": str(core), "KVLC_SECRET": "kvlc-engine-tests-secret-0123456789"}
     if single_process:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     return env
