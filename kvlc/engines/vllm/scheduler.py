@@ -83,6 +83,10 @@ class SchedulerSide:
         remote = self._remote(request)
         if remote is None:
             return 0, False
+        if len(self.ranks) < self.tp_size:  # workers never reported their kvlc addresses
+            log.error("kvlc: request %s computes its prompt locally: this engine's workers have no kvlc "
+                      "agent (register_kv_caches did not run)", request.request_id)
+            return 0, False
         n = min(remote.remote_num_tokens, request.num_prompt_tokens)
         tile = math.lcm(self.block_size, remote.remote_block_size)
         if num_computed_tokens % tile:
