@@ -28,6 +28,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ms, write_results  # noqa: E402
 
+from kvlc.compiler.layout import ceildiv  # noqa: E402
+
 BLOCK = 16          # bytes per descriptor (small, so 10M descriptors fit a 160 MB buffer)
 REGIONS = 8         # strided rows (one per region)
 
@@ -108,10 +110,10 @@ REQUEST_TOKENS = 4096
 
 def _storage_buffer(plan):
     """One zeroed buffer holding every storage of a plan (pages stay untouched) and its bases."""
-    sizes = [-(-s.size // 4096) * 4096 for s in plan.storages]
+    sizes = [ceildiv(s.size, 4096) * 4096 for s in plan.storages]
     buf = np.zeros(sum(sizes) + 4096, dtype=np.uint8)
     offs = np.concatenate(([0], np.cumsum(sizes)[:-1]))
-    base = -(-buf.ctypes.data // 4096) * 4096
+    base = ceildiv(buf.ctypes.data, 4096) * 4096
     return buf, {s.name: (base + int(o), 0) for s, o in zip(plan.storages, offs)}
 
 
@@ -180,7 +182,7 @@ def program_lists(nixl_agent, nixl_agent_config, quick: bool) -> list[dict]:
             for side, plan in (("local", cons), ("remote", prod)):
                 g = plan.groups[0]
                 cap = min(r.capacity for r in plan.regions if g.name in r.groups)
-                ids[side] = {g.name: rng.choice(cap, -(-REQUEST_TOKENS // g.block_size), replace=False)}
+                ids[side] = {g.name: rng.choice(cap, ceildiv(REQUEST_TOKENS, g.block_size), replace=False)}
             req = bound.prepared_indices(ids["local"], ids["remote"], REQUEST_TOKENS)
             parts = bound.instantiate(ids["local"], ids["remote"], REQUEST_TOKENS)
             t_idx = timeit(lambda: bound.prepared_indices(ids["local"], ids["remote"], REQUEST_TOKENS), repeat=7)

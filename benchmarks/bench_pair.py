@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import LAYOUTS, ms, timeit, write_results  # noqa: E402
 
 import kvlc  # noqa: E402
+from kvlc.compiler.layout import ceildiv  # noqa: E402
 from kvlc.compiler.pair import pair  # noqa: E402
 
 QWEN = (LAYOUTS / "qwen3-32b-tp2.yaml").read_text()
@@ -59,7 +60,7 @@ def block_ids(kind: str, n: int, capacity: int, seed: int) -> np.ndarray:
         start = int(rng.integers(0, capacity - n))
         return np.arange(start, start + n)
     if kind == "fragmented":  # runs of 8 consecutive blocks at random places
-        starts = rng.permutation(capacity // 8)[: -(-n // 8)] * 8
+        starts = rng.permutation(capacity // 8)[: ceildiv(n, 8)] * 8
         return (starts[:, None] + np.arange(8)[None, :]).ravel()[:n]
     return rng.permutation(capacity)[:n]
 

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
+# where results go: the recorded folder, unless the report runs a script into a fresh one
+RESULTS = Path(os.environ.get("KVLC_BENCH_RESULTS") or ROOT / "benchmarks" / "results")
 LAYOUTS = ROOT / "layouts"
 
 
@@ -51,10 +52,11 @@ def timeit(fn: Callable[[], object], repeat: int = 15, warmup: int = 2, min_time
 
 
 def write_results(name: str, payload: dict) -> Path:
-    """Write ``benchmarks/results/<name>.json`` atomically, with machine facts and the command."""
+    """Write ``<RESULTS>/<name>.json`` atomically, with machine facts, the command and the quick flag."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     doc = {"benchmark": name, "command": " ".join([Path(sys.executable).name, *sys.argv]),
-           "when": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": machine(), **payload}
+           "when": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": machine(),
+           "quick": "--quick" in sys.argv, **payload}
     path = RESULTS / f"{name}.json"
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(doc, indent=2, sort_keys=False) + "\n")

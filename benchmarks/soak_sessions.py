@@ -119,14 +119,17 @@ def main(argv=None) -> int:
         res0 = resources(eng)
         t1 = time.time()
         rounds = 0
-        while done < args.requests:
-            last = done + 24 * args.per_pair >= args.requests
-            n, f, c, p = run_round(plans, eng, f"r{rounds}", 1 if last else args.per_pair, last)
-            done, checked, rounds = done + n, checked + c, rounds + 1
+        while done < args.requests - 24:  # unchecked rounds, then one final checked round
+            n, f, c, p = run_round(plans, eng, f"r{rounds}", args.per_pair, False)
+            done, rounds = done + n, rounds + 1
             failed.update(f)
             problems += p
             if rounds % 5 == 0:
                 print(f"  {done} requests, {len(failed)} failed, {time.time() - t1:.0f} s", flush=True)
+        n, f, c, p = run_round(plans, eng, "last", 1, True)
+        done, checked = done + n, checked + c
+        failed.update(f)
+        problems += p
         res1 = resources(eng)
         seconds = time.time() - t1
     finally:

@@ -4,7 +4,7 @@ The compiler (``kvlc.compiler``) needs only pydantic, pyyaml, jinja2 and numpy;
 the runtime (``kvlc.runtime``) needs nixl and torch (the ``runtime`` extra).
 """
 
-from kvlc.compiler import compile_spec, load_spec
+from kvlc.compiler import compile_spec, load_plan, load_spec
 from kvlc.compiler.compat import CompatReport, Finding
 from kvlc.compiler.pair import PartKey, TransferProgram, check_pair, pair
 from kvlc.compiler.plan import Plan
@@ -13,6 +13,6 @@ from kvlc.errors import CompatError, CompileError, KvlcError, SpecError, Transfe
 
 __version__ = "0.1.0"
 
-__all__ = ["compile_spec", "load_spec", "Plan", "LayoutSpec", "check_pair", "pair", "TransferProgram",
+__all__ = ["compile_spec", "load_spec", "load_plan", "Plan", "LayoutSpec", "check_pair", "pair", "TransferProgram",
            "PartKey", "CompatReport", "Finding", "KvlcError", "SpecError", "CompileError", "CompatError",
            "TransferError", "__version__"]

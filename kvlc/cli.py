@@ -52,15 +52,11 @@ def _overrides(sets: tuple[str, ...], config: str | None):
 
 def _load_plan(path: str, config: str | None = None, sets: tuple[str, ...] = ()):
     """A compiled plan from a spec (``.yaml``/``.yaml.j2``) or a plan (``.json``)."""
-    from kvlc.compiler import compile_spec
-    from kvlc.compiler.plan import Plan
+    from kvlc.compiler import load_plan
     if path.endswith(".json"):
-        try:
-            return Plan.from_json(Path(path).read_text())
-        except (OSError, ValueError) as exc:
-            raise KvlcError(f"{path}: not a kvlc plan: {exc}") from None
+        return load_plan(path)
     cfg, ovr = _overrides(sets, config)
-    return compile_spec(path, cfg, ovr)
+    return load_plan(path, cfg, ovr)
 
 
 _config_opt = click.option("--config", "config", type=click.Path(exists=True, dir_okay=False),
@@ -127,11 +123,15 @@ def check(specs: tuple[str, ...], config: str | None, sets: tuple[str, ...]) -> 
 def render(template: str, config: str | None, sets: tuple[str, ...], output: str | None) -> None:
     """Render a .yaml.j2 TEMPLATE with a model config into concrete YAML (validated first)."""
     from kvlc.compiler import compile_spec
-    from kvlc.compiler.source import render_template
+    from kvlc.compiler.source import parse_yaml, render_template, rendered_name
+    from kvlc.compiler.validate import validate
     try:
         cfg, ovr = _overrides(sets, config)
         text = render_template(template, cfg, ovr)
-        compile_spec(text if "\n" in text else text + "\n")
+        source = parse_yaml(text, rendered_name(template))
+        spec = validate(source)
+        spec._source = source
+        compile_spec(spec)
     except KvlcError as exc:
         _fail(exc)
     if output:
@@ -243,27 +243,18 @@ def pair_cmd(producer: str, consumer: str, rank: int, direction: str, as_json: b
     """Pair PRODUCER and CONSUMER (specs or plan .json): compatibility report and program summary."""
     import json as _json
 
-    from kvlc.compiler.pair import check_pair, pair
+    from kvlc.compiler.pair import pair_and_check
     try:
         prod, cons = _load_plan(producer), _load_plan(consumer)
     except KvlcError as exc:
         _fail(exc)
     local, remote = (cons, prod) if direction == "pull" else (prod, cons)
     op = "READ" if direction == "pull" else "WRITE"
-    report = check_pair(local, remote, local_rank=rank, direction=op)
-    program = pair(local, remote, local_rank=rank, direction=op) if report.ok else None
+    report, program = pair_and_check(local, remote, local_rank=rank, direction=op)
     if as_json:
-        doc = {"compatible": report.ok, "direction": op, "local": local.name, "remote": remote.name,
-               "local_rank": rank,
-               "findings": [{"code": f.code, "severity": f.severity, "message": f.message, "region": f.region,
-                             "field": f.field, "local": f.local, "remote": f.remote, "fix": f.fix}
-                            for f in report.findings]}
+        doc = report.summary()
         if program is not None:
-            doc["peer_ranks"] = list(program.peer_ranks)
-            doc["consumer_counts"] = {str(k): v for k, v in sorted(program.consumer_counts.items())}
-            doc["parts"] = [{"peer_rank": k.peer_rank, "local_mem": k.local_mem, "remote_mem": k.remote_mem, **v}
-                            for k, v in program.stats().items()]
-            doc["digest"] = program.digest
+            doc.update(program.summary())
         click.echo(_json.dumps(doc, indent=2))
     else:
         from rich.console import Console
@@ -395,26 +386,30 @@ def _run_demo(run_demo, layout, consumer, mode, requests, tokens, pool_mib, chec
         console.print("done: nothing verified (--check none)")
 
 
-@main.command()
-@click.option("--only", default="compile,pair,prep,transfer", show_default=True, metavar="NAMES",
-              help="Comma-separated benchmarks to run: compile, pair, prep, transfer.")
-@click.option("--quick", is_flag=True, help="Smoke run: fewer repetitions, smaller sizes (results say quick).")
+@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@click.option("--only", metavar="NAMES", help="Comma-separated benchmarks: compile, pair, prep, transfer.")
+@click.option("--quick", is_flag=True, help="Smoke run: fewer repetitions, smaller sizes (no size-dependent verdicts).")
 @click.option("--no-run", is_flag=True, help="Run nothing: summarize and plot the recorded results.")
-def bench(only: str, quick: bool, no_run: bool) -> None:
-    """Run the benchmark suite (the repository's benchmarks/ scripts) and summarize it.
+@click.pass_context
+def bench(ctx: click.Context, only: str | None, quick: bool, no_run: bool) -> None:
+    """Run the benchmark suite of a source checkout (``python3 benchmarks/run.py``).
 
-    Each selected script runs as a subprocess and writes benchmarks/results/<name>.json;
-    then every recorded result (and gpu.json from the GPU run, if present) is printed as a
-    table with issue 5's targets, and plotted as PNG files in benchmarks/results/.
+    Looks for ``benchmarks/run.py`` in the current directory and its parents. Results go to a
+    fresh folder (``benchmarks/runs/<date-time>/``); the recorded results change only with
+    ``--record``. Other options (``--out``, ``--record``) pass through to run.py.
     """
-    from kvlc.bench import BenchError, main_bench
+    import subprocess
 
-    try:
-        code = main_bench(only=only, quick=quick, run=not no_run)
-    except BenchError as exc:
-        click.echo(str(exc), err=True)
+    here = Path.cwd().resolve()
+    script = next((d / "benchmarks" / "run.py" for d in (here, *here.parents)
+                   if (d / "benchmarks" / "run.py").is_file()), None)
+    if script is None:
+        click.echo(f"kvlc bench: no benchmarks/ folder with run.py in {here} or above it; the benchmarks "
+                   "are not installed with the package: run kvlc bench in a kvlc source checkout", err=True)
         sys.exit(1)
-    sys.exit(code)
+    args = ([f"--only={only}"] if only else []) + (["--quick"] if quick else []) + \
+        (["--no-run"] if no_run else []) + list(ctx.args)
+    sys.exit(subprocess.call([sys.executable, str(script), *args]))
 
 
 if __name__ == "__main__":

@@ -8,8 +8,11 @@ what was found and, where obvious, how to fix it.
 from __future__ import annotations
 
 import difflib
+import re
 from dataclasses import dataclass
 from typing import Iterable, Sequence
+
+from kvlc.collapse import compact_names, split_name, vary_label
 
 MAX_REPORTED = 20
 
@@ -47,14 +50,17 @@ def did_you_mean(name: str, choices: Iterable[str], limit: int = 3) -> str:
     >>> did_you_mean("x", [])
     'no names are defined'
     """
-    names = sorted(set(choices))
+    names = sorted({str(c) for c in choices})
     if not names:
         return "no names are defined"
-    close = difflib.get_close_matches(str(name), names, n=limit, cutoff=0.6)
+    word = str(name)
+    close = [c for c in names if word and c.startswith(word) and len(word) >= 2][:1]
+    close = close or difflib.get_close_matches(word, names, n=limit, cutoff=0.6)
     if close:
         return "did you mean " + " or ".join(repr(c) for c in close) + "?"
-    shown = ", ".join(repr(n) for n in names[:12])
-    more = f" and {len(names) - 12} more" if len(names) > 12 else ""
+    labels = compact_names(names)
+    shown = ", ".join(repr(n) for n in labels[:12])
+    more = f" and {len(labels) - 12} more" if len(labels) > 12 else ""
     return f"valid names: {shown}{more}"
 
 
@@ -71,7 +77,11 @@ class Problem:
 
     def __str__(self) -> str:
         where = f"{self.mark}: " if self.mark else ""
-        text = f"{where}{format_path(self.path)}: {self.what}"
+        return where + self.body()
+
+    def body(self) -> str:
+        """The problem without its file mark: YAML path, what, expected, found and fix."""
+        text = f"{format_path(self.path)}: {self.what}"
         details = []
         if self.expected is not None:
             details.append(f"expected {self.expected}")
@@ -82,6 +92,41 @@ class Problem:
         if self.fix:
             text += f"; fix: {self.fix}"
         return text
+
+
+_NAME_LIST = re.compile(r"\[('[^'\n]*'(?:, '[^'\n]*'){3,})\]")
+
+
+def _compact_lists(text: str) -> str:
+    """``['kv.0', 'kv.1', ..., 'kv.31']`` in a message → ``['kv.{0..31}']``."""
+    def short(m: re.Match) -> str:
+        names = re.findall(r"'([^'\n]*)'", m.group(1))
+        return "[" + ", ".join(f"'{n}'" for n in compact_names(names)) + "]"
+    return _NAME_LIST.sub(short, text)
+
+
+def collapse_problems(problems: Iterable[Problem]) -> list[str]:
+    """Rendered lines, one per place: problems at one mark and path that differ only by numbers
+    (one per value of a ``repeat``) become one line with ``{0..31}`` and a count.
+
+    >>> ps = [Problem(("regions", 0), f"region 'l.{i}' names unknown storage 's.{i}'",
+    ...               mark=Mark("a.yaml", 3, 5)) for i in range(32)]
+    >>> print(collapse_problems(ps)[0])
+    a.yaml:3:5: regions[0]: region 'l.{0..31}' names unknown storage 's.{0..31}' (32 times, one per repeat value)
+    """
+    groups: dict[tuple, list[str]] = {}
+    for p in problems:
+        body = p.body()
+        bodies = groups.setdefault((p.mark, p.path, split_name(body)[0]), [])
+        if body not in bodies:
+            bodies.append(body)
+    lines = []
+    for (mark, _, _), bodies in groups.items():
+        text = _compact_lists(vary_label(bodies))
+        if len(bodies) > 1:
+            text += f" ({len(bodies)} times, one per repeat value)"
+        lines.append((f"{mark}: " if mark else "") + text)
+    return lines
 
 
 class KvlcError(Exception):
@@ -96,10 +141,12 @@ class SpecError(KvlcError):
         super().__init__(self.render())
 
     def render(self, limit: int = MAX_REPORTED) -> str:
-        lines = [str(p) for p in self.problems[:limit]]
-        if len(self.problems) > limit:
-            lines.append(f"... and {len(self.problems) - limit} more")
-        return "\n".join(lines)
+        """One line per problem; those a ``repeat`` multiplied share one (:func:`collapse_problems`)."""
+        lines = collapse_problems(self.problems)
+        shown = lines[:limit]
+        if len(lines) > limit:
+            shown.append(f"... and {len(lines) - limit} more")
+        return "\n".join(shown)
 
 
 class CompileError(SpecError):

@@ -15,12 +15,14 @@ Byte counts used everywhere here (all exact integers):
 
 from __future__ import annotations
 
-import re
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import TYPE_CHECKING, Sequence
 
+from kvlc.collapse import compact_ints  # noqa: F401 (part of this module's interface)
+from kvlc.collapse import split_name as _split
+from kvlc.collapse import vary_label as _vary_label
 from kvlc.compiler.plan import Plan, PlanField, PlanRegion
 
 if TYPE_CHECKING:
@@ -52,33 +54,6 @@ def both(n: int) -> str:
     """Human units and exact bytes: ``256 MiB (268,435,456)``."""
     h = human(n)
     return h if h.endswith(" B") else f"{h} ({exact(n)})"
-
-
-def compact_ints(values: Iterable[int]) -> str:
-    """A short text for a set of integers: ranges ``a..b``, steps ``a,b,..,z``.
-
-    >>> compact_ints(range(32)), compact_ints(range(1, 36, 2)), compact_ints([0, 1, 2, 3, 8, 9, 11])
-    ('0..31', '1,3,..,35', '0..3,8,9,11')
-    """
-    vs = sorted(set(values))
-    if len(vs) >= 3:
-        step = vs[1] - vs[0]
-        if all(b - a == step for a, b in zip(vs, vs[1:])):
-            if step == 1:
-                return f"{vs[0]}..{vs[-1]}"
-            if len(vs) >= 4:
-                return f"{vs[0]},{vs[1]},..,{vs[-1]}"
-    parts, i = [], 0
-    while i < len(vs):
-        j = i
-        while j + 1 < len(vs) and vs[j + 1] == vs[j] + 1:
-            j += 1
-        if j - i >= 2:
-            parts.append(f"{vs[i]}..{vs[j]}")
-        else:
-            parts.extend(str(v) for v in vs[i:j + 1])
-        i = j + 1
-    return ",".join(parts)
 
 
 def field_short(f: PlanField) -> str:
@@ -274,46 +249,6 @@ def summarize(plan: Plan) -> Summary:
 
 
 # ---------------------------------------------------------------- collapsing per-layer runs
-_NUM = re.compile(r"\d+")
-
-
-def _split(name: str) -> tuple[str, tuple[int, ...]]:
-    """``layer.7.k`` → (``layer.{}.k``, (7,)): the name's skeleton and its numbers."""
-    skeleton = _NUM.sub("{}", name.replace("{", "{{").replace("}", "}}"))
-    return skeleton, tuple(int(n) for n in _NUM.findall(name))
-
-
-def _vary_label(names: Sequence[str]) -> str:
-    """One label for names that share a skeleton: varying numbers become ``{a..b}``."""
-    if len(set(names)) == 1:
-        return names[0]
-    skels = {_split(n)[0] for n in names}
-    if len(skels) != 1:
-        return f"{len(set(names))} names"
-    skel = skels.pop()
-    nums = [_split(n)[1] for n in names]
-    parts = []
-    for i in range(len(nums[0])):
-        col = [t[i] for t in nums]
-        parts.append(str(col[0]) if len(set(col)) == 1 else "{" + _set_text(col) + "}")
-    return skel.format(*parts)
-
-
-MAX_SET_TEXT = 24
-
-
-def _set_text(values: Sequence[int]) -> str:
-    """:func:`compact_ints`, or ``N in a..b`` when that would be longer than :data:`MAX_SET_TEXT`.
-
-    >>> _set_text([0, 1, 2, 3]), _set_text([v for v in range(52) if v % 6 != 5])
-    ('0..3', '44 in 0..51')
-    """
-    text = compact_ints(values)
-    if len(text) <= MAX_SET_TEXT:
-        return text
-    return f"{len(set(values))} in {min(values)}..{max(values)}"
-
-
 def _offset_label(offsets: Sequence[int]) -> str:
     if len(set(offsets)) == 1:
         return exact(offsets[0])

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvlc.compiler.content import expected_bytes, fill
+from kvlc.testing.content import expected_bytes, fill
 from kvlc.compiler.plan import Plan
 
 SPACE = 1 << 36

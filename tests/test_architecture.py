@@ -52,3 +52,37 @@ def test_compiler_sources_import_no_runtime():
             stripped = line.strip()
             if stripped.startswith(("import ", "from ")):
                 assert not any(m in stripped for m in ("torch", "nixl", "kvlc.runtime")), f"{path.name}: {line}"
+
+
+def test_compiler_modules_and_functions_stay_small():
+    """No module under kvlc/compiler is over 400 lines, no function over 60 lines (one job each)."""
+    import ast
+
+    for path in sorted((ROOT / "kvlc" / "compiler").glob("*.py")):
+        text = path.read_text()
+        assert len(text.splitlines()) <= 400, f"{path.name}: {len(text.splitlines())} lines"
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                assert n <= 60, f"{path.name}: {node.name} has {n} lines"
+
+
+def test_compiler_pipeline_is_ordered_data():
+    """PASSES, check.CHECKS and compat.CHECKS are ordered tuples of functions, each with a docstring."""
+    import importlib
+
+    from kvlc.compiler import PASSES, compat
+    check = importlib.import_module("kvlc.compiler.check")
+
+    assert [f.__name__ for f in PASSES] == ["expand", "resolve", "check", "build_plan"]
+    for table in (PASSES, check.CHECKS, compat.CHECKS, compat.REGION_CHECKS, compat.FIELD_CHECKS):
+        assert isinstance(table, tuple) and all(callable(f) and f.__doc__ for f in table)
+
+
+def test_package_holds_no_issue_numbers_or_benchmark_reports():
+    """Nothing under kvlc/ names an issue number; benchmark reporting lives in benchmarks/."""
+    import re
+
+    assert not (ROOT / "kvlc" / "bench.py").exists()
+    for path in (ROOT / "kvlc").rglob("*.py"):
+        assert not re.search(r"\bissues? #?\d", path.read_text(), re.I), path

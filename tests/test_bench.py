@@ -1,4 +1,4 @@
-"""``kvlc bench`` summary and plots, from tiny synthetic result files (no benchmark runs here)."""
+"""Benchmark report (benchmarks/report.py) summary and plots, from tiny synthetic result files (no runs here)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,15 @@ from click.testing import CliRunner
 pytest.importorskip("matplotlib")
 pytest.importorskip("rich")
 
-from kvlc import bench  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
 from kvlc.cli import main  # noqa: E402
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+import report as bench  # noqa: E402
 
 PNG = b"\x89PNG\r\n\x1a\n"
 MACHINE = {"cpus": 2, "loadavg_at_start": "0.5"}
@@ -99,14 +106,16 @@ def test_summary_tables_and_verdicts(results_dir):
     verdicts = bench.summarize(results, Console(file=buf, width=220))
     text = buf.getvalue()
     for title in ("compile:", "pairing", "request instantiation", "NIXL list preparation", "loopback transfer",
-                  "why: NIXL alone", "gpu: NVIDIA H200", "targets (issue 5)"):
+                  "why: NIXL alone", "gpu: NVIDIA H200", "targets"):
         assert title in text, title
     by = {(v.benchmark, v.target.split(" (")[0]): v.met for v in verdicts}
     assert by[("compile", "compile at 1,000,000 blocks/region < 50.000 ms")] is True
     inst = [v.met for v in verdicts if v.target.startswith("instantiate")]
     assert inst == [True, False]               # 0.5 ms met; the token-major explosion case apart, missed
-    loop = [v for v in verdicts if v.benchmark == "transfer" and "READ" in v.target]
+    loop = [v for v in verdicts if v.benchmark == "transfer" and "single-descriptor" in v.target]
     assert [v.met for v in loop] == [False, True]                              # 5/8 missed, 7.6/8 met
+    assert "single-descriptor READ" in loop[0].target and "single-descriptor WRITE" in loop[1].target
+    assert "issue" not in text
     gpu = [v for v in verdicts if v.benchmark == "gpu"]
     assert len(gpu) == 1 and gpu[0].met is True
     assert "per-block scheme not valid here" in " ".join(v.value for v in verdicts)
@@ -118,13 +127,27 @@ def test_no_run_uses_recorded_results(results_dir, monkeypatch):
     from rich.console import Console
 
     buf = io.StringIO()
+    before = {p.name for p in results_dir.iterdir()}
     assert bench.main_bench(run=False, console=Console(file=buf, width=200)) == 0
-    assert (results_dir / "transfer.png").read_bytes()[:8] == PNG
+    runs = list((bench_dir / "runs").iterdir())             # plots go to a fresh folder
+    assert len(runs) == 1 and (runs[0] / "transfer.png").read_bytes()[:8] == PNG
+    assert {p.name for p in results_dir.iterdir()} == before  # the recorded results are left alone
+
+
+def test_quick_runs_state_no_size_dependent_verdicts(results_dir):
+    """A quick run's compile and transfer targets are reported without a verdict (met is None)."""
+    results = bench.load_results(results_dir)
+    for name in ("compile", "transfer"):
+        results[name] = {**results[name], "quick": True}
+    v = [x for x in bench.verdicts(results) if x.benchmark in ("compile", "transfer") and "verified" not in x.target]
+    assert v and all(x.met is None and "quick run" in x.value for x in v)
 
 
 def test_bench_help_and_errors(tmp_path, monkeypatch):
     r = CliRunner().invoke(main, ["bench", "--help"])
     assert r.exit_code == 0 and "--only" in r.output and "--quick" in r.output
+    r = subprocess.run([sys.executable, str(BENCHMARKS / "run.py"), "--help"], capture_output=True, text=True)
+    assert r.returncode == 0 and "--only" in r.stdout and "--record" in r.stdout
     with pytest.raises(bench.BenchError, match="unknown benchmark"):
         bench.parse_only("compile,nope")
     assert bench.parse_only("transfer, compile") == ["compile", "transfer"]

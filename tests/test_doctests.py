@@ -9,7 +9,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 MODULES = ["kvlc.compiler", "kvlc.compiler.source", "kvlc.compiler.algebra", "kvlc.compiler.plan",
-           "kvlc.compiler.pair", "kvlc.compiler.geometry", "kvlc.explain"]
+           "kvlc.compiler.pair", "kvlc.compiler.resolve", "kvlc.compiler.layout", "kvlc.compiler.fields",
+           "kvlc.compiler.check", "kvlc.compiler.build", "kvlc.compiler.compat", "kvlc.compiler.tp",
+           "kvlc.compiler.runs", "kvlc.compiler.program", "kvlc.compiler.request", "kvlc.compiler.rows",
+           "kvlc.compiler.frozen", "kvlc.compiler.expand", "kvlc.compiler.index",
+           "kvlc.compiler.instantiate", "kvlc.compiler.prepared", "kvlc.explain"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -314,14 +314,15 @@ def bases(p):
 @pytest.fixture
 def no_descriptors(monkeypatch):
     """Fail the test if instantiate reaches descriptor building (refusals must come first)."""
-    import kvlc.compiler.pair as pair_mod
+    import kvlc.compiler.index as index_mod
+    import kvlc.compiler.instantiate as inst_mod
+    import kvlc.compiler.rows as rows_mod
 
     def boom(*a, **k):
         raise AssertionError("descriptors built before the request was refused")
-    monkeypatch.setattr(pair_mod, "coalesce_rows", boom)
-    monkeypatch.setattr(pair_mod.TransferProgram, "_tail_runs", boom)
-    if hasattr(pair_mod, "BoundProgram"):
-        monkeypatch.setattr(pair_mod.BoundProgram, "_emit", boom)
+    monkeypatch.setattr(rows_mod, "coalesce_rows", boom)
+    monkeypatch.setattr(index_mod.ProgramIndex, "tail_runs", boom)
+    monkeypatch.setattr(inst_mod.BoundProgram, "emit", boom)
     return boom
 
 

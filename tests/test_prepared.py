@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 import kvlc
-import kvlc.compiler.pair as pairmod
+import kvlc.compiler.prepared as pairmod
 from kvlc.compiler.pair import Part, pair
 from kvlc.errors import TransferError
 

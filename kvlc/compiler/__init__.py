@@ -1,12 +1,17 @@
-"""kvlc's compiler: spec text → frozen, content-hashed :class:`Plan`.
+"""kvlc's compiler: spec text → frozen, content-hashed :class:`Plan` → transfer program → descriptors.
 
-Stages, in the order data flows (one module each):
+Stages, in the order data flows (one module each; every pass and check is a pure function):
 
-    source    YAML / jinja2 template → plain data with file:line:col marks
-    validate  plain data → typed, frozen :class:`LayoutSpec` (pydantic)
-    PASSES    expand → resolve → check → build_plan (pure functions)
+    source       YAML / jinja2 template → plain data with file:line:col marks
+    spec         the typed, frozen models of the spec language
+    validate     plain data → :class:`LayoutSpec` (pydantic), problems located in the file
+    PASSES       expand → resolve (fields) → check (CHECKS) → build: the :class:`Plan` (plan)
+    compat       two plans → a compatibility report (CHECKS, REGION_CHECKS, FIELD_CHECKS)
+    pair         tp (head mapping) → runs (tile templates) → program (:class:`TransferProgram`)
+    per request  request (typed ids) → instantiate (bound (N, 3) rows) / prepared (strided lists)
 
-Pairing two plans lives in :mod:`kvlc.compiler.pair`. Nothing here imports nixl or torch.
+Shared algebra: :mod:`~kvlc.compiler.layout` (``shape:stride``, shard, tile) and
+:mod:`~kvlc.compiler.algebra` (runs). Nothing here imports nixl or torch.
 """
 
 from __future__ import annotations
@@ -14,30 +19,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Mapping
 
+from kvlc.compiler.build import build_plan
 from kvlc.compiler.check import check
-from kvlc.compiler.expand import expand, layer_range
-from kvlc.compiler.geometry import Resolved, resolve
-from kvlc.compiler.plan import Plan, PlanModel, PlanParallel
+from kvlc.compiler.expand import expand
+from kvlc.compiler.plan import Plan
+from kvlc.compiler.resolve import resolve
 from kvlc.compiler.source import read_source
 from kvlc.compiler.spec import LayoutSpec
 from kvlc.compiler.validate import validate
 from kvlc.errors import CompileError, Problem, SpecError
-
-
-def build_plan(res: Resolved) -> Plan:
-    """Pass 4 — assemble the frozen :class:`Plan` from checked geometry."""
-    spec = res.spec
-    return Plan(
-        name=spec.name,
-        model=PlanModel(name=spec.model.name, num_layers=spec.model.num_layers,
-                        sizes=dict(sorted(spec.model.known_sizes().items()))),
-        parallel=PlanParallel(tp_size=spec.parallel.tp_size, dcp_size=spec.parallel.dcp_size,
-                              layers=layer_range(spec)),
-        groups=res.groups,
-        storages=tuple(s.storage for s in res.storages),
-        regions=tuple(r.region for r in res.regions),
-    )
-
 
 PASSES = (expand, resolve, check, build_plan)
 
@@ -84,4 +74,33 @@ def compile_spec(spec_or_path: LayoutSpec | str | Path, config: Mapping | None =
     return value
 
 
-__all__ = ["PASSES", "Plan", "LayoutSpec", "load_spec", "compile_spec", "CompileError", "SpecError"]
+def load_plan(path: str | Path, config: Mapping | None = None, overrides: Mapping | None = None) -> Plan:
+    """The plan an engine needs, from a plan JSON file (``kvlc compile`` output) or a spec / template.
+
+    A ``.json`` file is read as a plan (its canonical form is checked by the model); anything
+    else is compiled. Raises :class:`~kvlc.errors.SpecError` for a file that is neither.
+
+    >>> load_plan("layouts/llama-3.1-8b.yaml").name
+    'llama-3.1-8b-tp1'
+    """
+    p = Path(path)
+    if p.suffix != ".json":
+        return compile_spec(p, config, overrides)
+    from pydantic import ValidationError
+
+    from kvlc.errors import Mark
+    try:
+        return Plan.from_json(p.read_bytes())
+    except OSError as exc:
+        raise SpecError([Problem((), f"cannot read plan: {exc.strerror}", expected="a readable plan JSON file",
+                                 found=str(p), mark=Mark(str(p), 1, 1))]) from None
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(x) for x in first["loc"]) or "<root>"
+        raise SpecError([Problem((), f"not a kvlc plan: {where}: {first['msg']}", expected="the JSON that "
+                                 "`kvlc compile` writes", found=f"{exc.error_count()} problem(s)",
+                                 fix="compile the spec again with this kvlc version",
+                                 mark=Mark(str(p), 1, 1))]) from None
+
+
+__all__ = ["PASSES", "Plan", "LayoutSpec", "load_spec", "compile_spec", "load_plan", "CompileError", "SpecError"]

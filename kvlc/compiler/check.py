@@ -1,14 +1,15 @@
 """Pass 3 — check: facts that span objects — names, bounds and overlaps.
 
-Collects every problem; raises :class:`CompileError` with all of them (and
-those of earlier passes) when any is found.
+Runs every check of :data:`CHECKS` (each a small function ``Resolved -> [Problem]``),
+collects every problem and raises :class:`CompileError` with all of them (and those
+of earlier passes) when any is found.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 
-from kvlc.compiler.geometry import Resolved, ResolvedRegion
+from kvlc.compiler.resolve import Resolved, ResolvedRegion
 from kvlc.errors import CompileError, Problem, format_path
 
 
@@ -73,29 +74,123 @@ def _overlaps(regions: list[ResolvedRegion], problems: list) -> None:
             active.append(rr)
 
 
-def check(res: Resolved) -> Resolved:
-    """Raise :class:`CompileError` listing every problem, or return ``res`` unchanged."""
-    problems = list(res.problems)
-    spec = res.spec
-    _duplicates(((g, g.name, ("groups", i, "name")) for i, g in enumerate(spec.groups)), "group", problems)
+def check_names(res: Resolved) -> list[Problem]:
+    """Group, storage and region names are unique.
+
+    >>> from kvlc.compiler import load_spec
+    >>> from kvlc.compiler.expand import expand
+    >>> from kvlc.compiler.resolve import resolve
+    >>> check_names(resolve(expand(load_spec("layouts/llama-3.1-8b.yaml"))))
+    []
+    """
+    problems: list[Problem] = []
+    _duplicates(((g, g.name, ("groups", i, "name")) for i, g in enumerate(res.spec.groups)), "group", problems)
     _duplicates(((s, s.storage.name, s.path + ("name",)) for s in res.storages), "storage", problems)
     _duplicates(((r, r.region.name, r.path + ("name",)) for r in res.regions), "region", problems)
+    return problems
+
+
+def check_strides(res: Resolved) -> list[Problem]:
+    """A region's block stride holds its block.
+
+    >>> from kvlc.compiler import load_spec
+    >>> from kvlc.compiler.expand import expand
+    >>> from kvlc.compiler.resolve import resolve
+    >>> check_strides(resolve(expand(load_spec("layouts/deepseek-v3-tp8.yaml"))))
+    []
+    """
+    return [Problem(rr.path + ("block_stride",), f"region '{r.name}' block_stride is smaller than its block",
+                    expected=f">= {r.block_bytes} (block bytes)", found=str(r.block_stride),
+                    fix="raise block_stride or let it default to 'auto'")
+            for rr in res.regions for r in (rr.region,) if r.block_stride < r.block_bytes]
+
+
+def blocks_that_fit(size: int, offset: int, block_bytes: int, stride: int) -> int:
+    """How many blocks of a region fit in ``size`` bytes from ``offset``.
+
+    >>> blocks_that_fit(1024, 0, 256, 256), blocks_that_fit(100, 0, 256, 256)
+    (4, 0)
+    """
+    room = size - offset - block_bytes
+    return 0 if room < 0 else room // max(stride, 1) + 1
+
+
+def check_storage_ends(res: Resolved) -> list[Problem]:
+    """A region ends inside its storage's declared size; the message says how many blocks fit.
+
+    >>> from kvlc.compiler import load_spec
+    >>> from kvlc.compiler.expand import expand
+    >>> from kvlc.compiler.resolve import resolve
+    >>> check_storage_ends(resolve(expand(load_spec("layouts/nemotron-h-8b-tp2.yaml"))))
+    []
+    """
     sizes = {s.storage.name: s for s in res.storages}
+    out = []
     for rr in res.regions:
-        r = rr.region
-        if r.block_stride < r.block_bytes:
-            problems.append(Problem(rr.path + ("block_stride",),
-                                    f"region '{r.name}' block_stride is smaller than its block",
-                                    expected=f">= {r.block_bytes} (block bytes)", found=str(r.block_stride),
-                                    fix="raise block_stride or let it default to 'auto'"))
-        st = sizes.get(r.storage)
-        if st is not None and st.declared_size is not None and r.end > st.declared_size:
-            problems.append(Problem(rr.path + ("num_blocks",),
-                                    f"region '{r.name}' ends past storage '{r.storage}'",
-                                    expected=f"end <= {st.declared_size} (storage size)",
-                                    found=f"end {r.end} (offset {r.offset} + {r.num_blocks} blocks)",
-                                    fix="lower num_blocks or raise the storage size"))
+        r, st = rr.region, sizes.get(rr.region.storage)
+        if st is None or st.declared_size is None or r.end <= st.declared_size:
+            continue
+        fit = blocks_that_fit(st.declared_size, r.offset, r.block_bytes, r.block_stride)
+        out.append(Problem(rr.path + ("num_blocks",), f"region '{r.name}' ends past storage '{r.storage}'",
+                           expected=f"end <= {st.declared_size} (storage size)",
+                           found=f"end {r.end} (offset {r.offset} + {r.num_blocks} blocks)",
+                           fix=f"lower num_blocks to {fit} (what fits) or raise the storage size to {r.end}"
+                           if fit else f"raise the storage size to {r.end} or move the region"))
+    return out
+
+
+ADDRESS_LIMIT = 1 << 63  # descriptors are int64 offsets from a storage base: nothing may reach past it
+
+
+def check_address_space(res: Resolved) -> list[Problem]:
+    """Every region and storage ends below 2**63 bytes, so no address computed from them can wrap.
+
+    >>> from kvlc.compiler import load_spec
+    >>> from kvlc.compiler.expand import expand
+    >>> from kvlc.compiler.resolve import resolve
+    >>> check_address_space(resolve(expand(load_spec("layouts/llama-3.1-8b.yaml"))))
+    []
+    """
+    out = [Problem(rr.path + ("num_blocks",), f"region '{rr.region.name}' ends past 2**63 bytes",
+                   expected=f"end <= {ADDRESS_LIMIT:,}", found=f"end {rr.region.end:,}",
+                   fix="lower num_blocks, block_stride or offset")
+           for rr in res.regions if rr.region.end > ADDRESS_LIMIT]
+    flagged = {rr.region.storage for rr in res.regions if rr.region.end > ADDRESS_LIMIT}
+    out += [Problem(s.path + ("size",), f"storage '{s.storage.name}' is larger than 2**63 bytes",
+                    expected=f"size <= {ADDRESS_LIMIT:,}", found=f"{s.storage.size:,}",
+                    fix="lower its size or the blocks of its regions")
+            for s in res.storages if s.storage.size > ADDRESS_LIMIT and s.storage.name not in flagged]
+    return out
+
+
+def check_overlaps(res: Resolved) -> list[Problem]:
+    """Regions of one storage never share a byte (interleaved regions may share a stride).
+
+    >>> from kvlc.compiler import load_spec
+    >>> from kvlc.compiler.expand import expand
+    >>> from kvlc.compiler.resolve import resolve
+    >>> check_overlaps(resolve(expand(load_spec("layouts/qwen3-next-80b-a3b-tp4.yaml"))))
+    []
+    """
+    problems: list[Problem] = []
     _overlaps(list(res.regions), problems)
+    return problems
+
+
+CHECKS = (check_names, check_strides, check_storage_ends, check_address_space, check_overlaps)
+
+
+def check(res: Resolved) -> Resolved:
+    """Raise :class:`CompileError` listing every problem, or return ``res`` unchanged.
+
+    >>> from kvlc.compiler import load_spec
+    >>> from kvlc.compiler.expand import expand
+    >>> from kvlc.compiler.resolve import resolve
+    >>> res = resolve(expand(load_spec("layouts/llama-3.1-8b.yaml")))
+    >>> check(res) is res
+    True
+    """
+    problems = list(res.problems) + [p for c in CHECKS for p in c(res)]
     if problems:
         raise CompileError(problems)
     return res

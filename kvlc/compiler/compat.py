@@ -6,73 +6,11 @@ do not. Checked once, at pairing (start-up), never per request.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from math import gcd
-from typing import Literal
+from dataclasses import dataclass
 
+from kvlc.compiler.findings import CompatReport, Finding, Severity
+from kvlc.compiler.layout import tile
 from kvlc.compiler.plan import Plan, PlanField, PlanRegion
-
-Severity = Literal["error", "warning"]
-
-
-@dataclass(frozen=True)
-class Finding:
-    """One compatibility finding: ``code`` (stable, for tests and tools), where, both values."""
-
-    code: str
-    severity: Severity
-    message: str
-    region: str = ""
-    field: str = ""
-    local: str = ""
-    remote: str = ""
-    fix: str = ""
-
-    def __str__(self) -> str:
-        where = ".".join(p for p in (self.region, self.field) if p)
-        text = f"{self.severity} [{self.code}]{' ' + where if where else ''}: {self.message}"
-        if self.local or self.remote:
-            text += f" (local {self.local or '-'}, remote {self.remote or '-'})"
-        if self.fix:
-            text += f"; fix: {self.fix}"
-        return text
-
-
-@dataclass(frozen=True)
-class CompatReport:
-    """Every finding of one pairing, errors first in the order checked."""
-
-    local: str
-    remote: str
-    direction: str
-    local_rank: int
-    findings: tuple[Finding, ...] = field(default_factory=tuple)
-
-    @property
-    def errors(self) -> tuple[Finding, ...]:
-        return tuple(f for f in self.findings if f.severity == "error")
-
-    @property
-    def warnings(self) -> tuple[Finding, ...]:
-        return tuple(f for f in self.findings if f.severity == "warning")
-
-    @property
-    def ok(self) -> bool:
-        return not self.errors
-
-    def codes(self) -> tuple[str, ...]:
-        return tuple(f.code for f in self.findings)
-
-    def render(self) -> str:
-        head = (f"pair {self.local} (rank {self.local_rank}) {self.direction} {self.remote}: "
-                f"{'compatible' if self.ok else 'INCOMPATIBLE'}, {len(self.errors)} error(s), "
-                f"{len(self.warnings)} warning(s)")
-        return "\n".join([head, *(f"  {f}" for f in self.findings)])
-
-    def render_errors(self) -> str:
-        return "\n".join([f"cannot pair {self.local} with {self.remote}:",
-                          *(f"  {f}" for f in self.errors)])
-
 
 def _dims_text(f: PlanField) -> str:
     return "(" + ",".join(f"{d.name}={d.global_size if d.role == 'head' else d.size}" for d in f.dims) + ")"
@@ -86,125 +24,349 @@ def head_major_order(f: PlanField) -> str:
     return "(" + ", ".join(head + tok + rest) + ")"
 
 
-def _check_fields(lr: PlanRegion, rr: PlanRegion, out: list) -> None:
-    lnames = [f.name for f in lr.fields]
-    rnames = [f.name for f in rr.fields]
-    if sorted(lnames) != sorted(rnames):
-        out.append(Finding("field-set", "error", "regions hold different fields", lr.name,
-                           local=",".join(lnames), remote=",".join(rnames),
-                           fix="declare the same fields on both engines"))
-        return
-    for lf in lr.fields:
-        rf = rr.field(lf.name)
-        if lf.dtype != rf.dtype:
-            out.append(Finding("field-dtype", "error", "dtypes differ", lr.name, lf.name, lf.dtype, rf.dtype,
-                               fix="transfer needs the same dtype; convert after the transfer"))
-            continue
-        ld = {d.name: d for d in lf.dims}
-        rd = {d.name: d for d in rf.dims}
-        if set(ld) != set(rd):
-            out.append(Finding("field-dims", "error", "dims differ", lr.name, lf.name,
-                               ",".join(ld), ",".join(rd), fix="name the same dims on both engines"))
-            continue
-        for name, a in ld.items():
-            b = rd[name]
-            if a.role != b.role:
-                out.append(Finding("dim-role", "error", f"dim '{name}' has different roles", lr.name,
-                                   lf.name, a.role or "plain", b.role or "plain"))
-            elif a.role == "head" and a.global_size != b.global_size:
-                out.append(Finding("dim-size", "error", f"dim '{name}' holds different head counts",
-                                   lr.name, lf.name, str(a.global_size), str(b.global_size)))
-            elif not a.role and a.size != b.size:
-                out.append(Finding("dim-size", "error", f"dim '{name}' has different sizes", lr.name,
-                                   lf.name, str(a.size), str(b.size)))
-        if lr.is_state != rr.is_state:
-            continue
-        if not lr.is_state and lr.block_tokens != rr.block_tokens and lf.dim("token") is None:
-            out.append(Finding("token-tiling", "error",
-                               "a per-block field (no token dim) cannot be re-tiled across block sizes",
-                               lr.name, lf.name, f"{lr.block_tokens} tokens/block",
-                               f"{rr.block_tokens} tokens/block",
-                               fix="use one kernel block size on both engines or give the field a token dim"))
+@dataclass(frozen=True)
+class Pairing:
+    """What a compatibility check looks at: both plans, the local rank and the direction."""
+
+    local: Plan
+    remote: Plan
+    local_rank: int
+    direction: str
 
 
-def check_plans(local: Plan, remote: Plan, local_rank: int, direction: str,
-                ) -> CompatReport:
-    """Compare two plans for a transfer in ``direction`` from ``local_rank``'s point of view."""
-    out: list[Finding] = []
-    add = out.append
-    if direction not in ("READ", "WRITE"):
-        add(Finding("direction", "error", "direction must be READ (pull) or WRITE (push)",
-                    local=str(direction)))
-    tp = local.parallel.tp_size
-    if not 0 <= local_rank < tp:
-        add(Finding("rank", "error", "local rank outside the local TP group", local=str(local_rank),
-                    remote="", fix=f"use a rank in [0, {tp})"))
-    lm, rm = local.model, remote.model
+def _finding(code: str, message: str, region: str = "", field: str = "", local: str = "", remote: str = "",
+             fix: str = "", severity: Severity = "error") -> Finding:
+    return Finding(code, severity, message, region, field, local, remote, fix)
+
+
+# ----------------------------------------------------------------------------- plan-level checks
+def check_direction(p: Pairing) -> list[Finding]:
+    """The direction is READ or WRITE.
+
+    >>> from kvlc import compile_spec
+    >>> plan = compile_spec("layouts/llama-3.1-8b.yaml")
+    >>> [f.code for f in check_direction(Pairing(plan, plan, 0, "PUSH"))]
+    ['direction']
+    """
+    if p.direction in ("READ", "WRITE"):
+        return []
+    return [_finding("direction", "direction must be READ (pull) or WRITE (push)", local=str(p.direction))]
+
+
+def check_rank(p: Pairing) -> list[Finding]:
+    """The local rank lies in the local TP group.
+
+    >>> from kvlc import compile_spec
+    >>> plan = compile_spec("layouts/llama-3.1-8b.yaml")
+    >>> [f.code for f in check_rank(Pairing(plan, plan, 3, "READ"))]
+    ['rank']
+    """
+    tp = p.local.parallel.tp_size
+    if 0 <= p.local_rank < tp:
+        return []
+    return [_finding("rank", "local rank outside the local TP group", local=str(p.local_rank),
+                     fix=f"use a rank in [0, {tp})")]
+
+
+def check_model(p: Pairing) -> list[Finding]:
+    """Same model name, layer count and model sizes on both engines.
+
+    >>> from kvlc import compile_spec
+    >>> a, b = compile_spec("layouts/llama-3.1-8b.yaml"), compile_spec("layouts/llama-3.1-70b-tp4.yaml")
+    >>> [f.code for f in check_model(Pairing(a, b, 0, "READ"))]
+    ['model-name', 'model-layers']
+    """
+    lm, rm = p.local.model, p.remote.model
+    out = []
     if lm.name != rm.name:
-        add(Finding("model-name", "error", "different models", local=lm.name, remote=rm.name))
+        out.append(_finding("model-name", "different models", local=lm.name, remote=rm.name))
     if lm.num_layers != rm.num_layers:
-        add(Finding("model-layers", "error", "different layer counts", local=str(lm.num_layers),
-                    remote=str(rm.num_layers)))
+        out.append(_finding("model-layers", "different layer counts", local=str(lm.num_layers),
+                            remote=str(rm.num_layers)))
     for key in sorted(set(lm.sizes) | set(rm.sizes)):
         a, b = lm.sizes.get(key), rm.sizes.get(key)
         if a is not None and b is not None and a != b:
-            add(Finding("model-size", "error", f"model size '{key}' differs", local=str(a), remote=str(b)))
-    for side, plan in (("local", local), ("remote", remote)):
-        if plan.parallel.dcp_size > 1:
-            add(Finding("dcp", "error",
-                        f"decode context parallelism (dcp_size {plan.parallel.dcp_size}) interleaves tokens "
-                        "across ranks; kvlc does not map interleaved tokens yet and refuses rather than "
-                        "transfer them to the wrong rank", local=side,
-                        fix="pair with dcp_size 1 on both engines"))
-    if local.parallel.layers != remote.parallel.layers:
-        add(Finding("pp-layers", "error", "engines hold different pipeline layer ranges",
-                    local=f"{local.parallel.layers}", remote=f"{remote.parallel.layers}",
-                    fix="pair each pipeline stage with the engine holding the same layers"))
+            out.append(_finding("model-size", f"model size '{key}' differs", local=str(a), remote=str(b)))
+    return out
 
-    lg = {g.name: g for g in local.groups}
-    rg = {g.name: g for g in remote.groups}
+
+def check_dcp(p: Pairing) -> list[Finding]:
+    """Decode context parallelism is refused on either side (tokens interleave across ranks).
+
+    >>> from kvlc import compile_spec
+    >>> plan = compile_spec("layouts/llama-3.1-8b.yaml")
+    >>> check_dcp(Pairing(plan, plan, 0, "READ"))
+    []
+    """
+    return [_finding("dcp", f"decode context parallelism (dcp_size {plan.parallel.dcp_size}) interleaves tokens "
+                     "across ranks; kvlc does not map interleaved tokens yet and refuses rather than "
+                     "transfer them to the wrong rank", local=side, fix="pair with dcp_size 1 on both engines")
+            for side, plan in (("local", p.local), ("remote", p.remote)) if plan.parallel.dcp_size > 1]
+
+
+def check_pp_layers(p: Pairing) -> list[Finding]:
+    """Both engines hold the same pipeline layer range.
+
+    >>> from kvlc import compile_spec
+    >>> plan = compile_spec("layouts/llama-3.1-8b.yaml")
+    >>> check_pp_layers(Pairing(plan, plan, 0, "READ"))
+    []
+    """
+    a, b = p.local.parallel.layers, p.remote.parallel.layers
+    if a == b:
+        return []
+    return [_finding("pp-layers", "engines hold different pipeline layer ranges", local=f"{a}", remote=f"{b}",
+                     fix="pair each pipeline stage with the engine holding the same layers")]
+
+
+def check_groups(p: Pairing) -> list[Finding]:
+    """Every group exists on both engines with the same kind and window.
+
+    >>> from kvlc import compile_spec
+    >>> a, b = compile_spec("layouts/llama-3.1-8b.yaml"), compile_spec("layouts/gemma-3-27b-tp2-b16.yaml")
+    >>> [f.message for f in check_groups(Pairing(a, b, 0, "READ"))]
+    ["group 'full' exists on one engine only", "group 'global' exists on one engine only", "group 'local' exists on one engine only"]
+    """
+    lg = {g.name: g for g in p.local.groups}
+    rg = {g.name: g for g in p.remote.groups}
+    out = []
     for name in sorted(set(lg) | set(rg)):
         a, b = lg.get(name), rg.get(name)
         if a is None or b is None:
-            add(Finding("group-missing", "error", f"group '{name}' exists on one engine only",
-                        local="present" if a else "absent", remote="present" if b else "absent"))
+            out.append(_finding("group-missing", f"group '{name}' exists on one engine only",
+                                local="present" if a else "absent", remote="present" if b else "absent"))
         elif (a.kind, a.window) != (b.kind, b.window):
-            add(Finding("group-kind", "error", f"group '{name}' differs in kind",
-                        local=f"{a.kind} window={a.window}", remote=f"{b.kind} window={b.window}"))
+            out.append(_finding("group-kind", f"group '{name}' differs in kind",
+                                local=f"{a.kind} window={a.window}", remote=f"{b.kind} window={b.window}"))
+    return out
 
-    lnames = [r.name for r in local.regions]
-    rnames = [r.name for r in remote.regions]
-    rset, lset = set(rnames), set(lnames)
-    for r in local.regions:
-        if r.name not in rset and not r.optional:
-            add(Finding("region-missing", "error", "region exists on the local engine only", r.name,
-                        local="present", remote="absent", fix="declare it on both, or mark it optional"))
-    for r in remote.regions:
-        if r.name not in lset and not r.optional:
-            add(Finding("region-missing", "error", "region exists on the remote engine only", r.name,
-                        local="absent", remote="present", fix="declare it on both, or mark it optional"))
-    common_l = [n for n in lnames if n in rset]
-    common_r = [n for n in rnames if n in lset]
-    if common_l != common_r:
-        first = next(i for i, (a, b) in enumerate(zip(common_l, common_r)) if a != b)
-        add(Finding("region-order", "error", "regions appear in a different order", common_l[first],
-                    local=f"position {first}: {common_l[first]}", remote=f"position {first}: {common_r[first]}",
-                    fix="declare regions in the same order on both engines"))
-    for name in common_l:
-        a, b = local.region(name), remote.region(name)
-        if a.groups != b.groups:
-            add(Finding("region-groups", "error", "region belongs to different groups", name,
-                        local=",".join(a.groups), remote=",".join(b.groups)))
-        if a.is_state != b.is_state:
-            add(Finding("token-tiling", "error", "region is per-token on one engine and per-request state "
-                        "on the other", name, local="state" if a.is_state else f"{a.block_tokens} tokens",
-                        remote="state" if b.is_state else f"{b.block_tokens} tokens"))
-        _check_fields(a, b, out)
-        if not a.is_state and a.block_tokens and b.block_tokens:
-            tile = a.block_tokens * b.block_tokens // gcd(a.block_tokens, b.block_tokens)
-            if tile > 4096:
-                add(Finding("tile-size", "warning", "block sizes share a large tile", name,
-                            local=f"{a.block_tokens}", remote=f"{b.block_tokens}", fix="prefer block sizes "
-                            "that divide one another"))
+
+def check_region_sets(p: Pairing) -> list[Finding]:
+    """Every region that is not optional exists on both engines.
+
+    >>> from kvlc import compile_spec
+    >>> a, b = compile_spec("layouts/llama-3.1-8b.yaml"), compile_spec("layouts/llama-3.1-70b-tp4.yaml")
+    >>> len(check_region_sets(Pairing(a, b, 0, "READ")))  # 70B has 80 layers, 8B 32
+    48
+    """
+    out = []
+    for side, plan, other in (("local", p.local, p.remote), ("remote", p.remote, p.local)):
+        names = {r.name for r in other.regions}
+        for r in plan.regions:
+            if r.name not in names and not r.optional:
+                out.append(_finding("region-missing", f"region exists on the {side} engine only", r.name,
+                                    local="present" if side == "local" else "absent",
+                                    remote="absent" if side == "local" else "present",
+                                    fix="declare it on both, or mark it optional"))
+    return out
+
+
+def common_regions(p: Pairing) -> tuple[list[str], list[str]]:
+    """Names of the regions both plans hold, in local and in remote order."""
+    lset, rset = {r.name for r in p.local.regions}, {r.name for r in p.remote.regions}
+    return [r.name for r in p.local.regions if r.name in rset], [r.name for r in p.remote.regions if r.name in lset]
+
+
+def check_region_order(p: Pairing) -> list[Finding]:
+    """Common regions appear in the same order on both engines.
+
+    >>> from kvlc import compile_spec
+    >>> plan = compile_spec("layouts/llama-3.1-8b.yaml")
+    >>> check_region_order(Pairing(plan, plan, 0, "READ"))
+    []
+    """
+    common_l, common_r = common_regions(p)
+    if common_l == common_r:
+        return []
+    first = next(i for i, (a, b) in enumerate(zip(common_l, common_r)) if a != b)
+    return [_finding("region-order", "regions appear in a different order", common_l[first],
+                     local=f"position {first}: {common_l[first]}", remote=f"position {first}: {common_r[first]}",
+                     fix="declare regions in the same order on both engines")]
+
+
+# ----------------------------------------------------------------------------- region-level checks
+def check_region_groups(a: PlanRegion, b: PlanRegion) -> list[Finding]:
+    """A region belongs to the same groups on both engines.
+
+    >>> from kvlc import compile_spec
+    >>> g = compile_spec("layouts/gemma-3-27b-tp2-b16.yaml")
+    >>> a, b = g.region("layer.0"), g.region("layer.5")
+    >>> (a.groups, b.groups), [f.code for f in check_region_groups(a, b)]
+    ((('local',), ('global',)), ['region-groups'])
+    """
+    if a.groups == b.groups:
+        return []
+    return [_finding("region-groups", "region belongs to different groups", a.name,
+                     local=",".join(a.groups), remote=",".join(b.groups))]
+
+
+def _tokens(r: PlanRegion) -> str:
+    return "state" if r.is_state else f"{r.block_tokens} tokens"
+
+
+def check_region_state(a: PlanRegion, b: PlanRegion) -> list[Finding]:
+    """A region is per-token on both engines or per-request state on both.
+
+    >>> from kvlc import compile_spec
+    >>> n = compile_spec("layouts/nemotron-h-8b-tp2.yaml")
+    >>> [f.code for f in check_region_state(n.region("layer.0"), n.region("layer.7"))]
+    ['token-tiling']
+    """
+    if a.is_state == b.is_state:
+        return []
+    return [_finding("token-tiling", "region is per-token on one engine and per-request state on the other",
+                     a.name, local=_tokens(a), remote=_tokens(b))]
+
+
+def check_region_fields(a: PlanRegion, b: PlanRegion) -> list[Finding]:
+    """Both engines declare the same fields; each field passes :data:`FIELD_CHECKS`.
+
+    >>> from kvlc import compile_spec
+    >>> a, b = compile_spec("layouts/llama-3.1-8b.yaml"), compile_spec("layouts/llama-3.1-8b-fp8-tp2.yaml")
+    >>> [(f.code, f.local, f.remote) for f in check_region_fields(a.region("layer.0"), b.region("layer.0"))]
+    [('field-set', 'k,v', 'k,v,k_scale,v_scale')]
+    """
+    lnames, rnames = [f.name for f in a.fields], [f.name for f in b.fields]
+    if sorted(lnames) != sorted(rnames):
+        return [_finding("field-set", "regions hold different fields", a.name, local=",".join(lnames),
+                         remote=",".join(rnames), fix="declare the same fields on both engines")]
+    out: list[Finding] = []
+    for lf in a.fields:
+        rf = b.field(lf.name)
+        for check in FIELD_CHECKS:
+            found = check(a, b, lf, rf)
+            out.extend(found)
+            if found and check in _FIELD_GATES:
+                break
+    return out
+
+
+TILE_WARNING = 4096  # tokens: a larger tile means many descriptors per request
+
+
+def check_tile_size(a: PlanRegion, b: PlanRegion) -> list[Finding]:
+    """Warn when two block sizes share a large tile (lcm of the block sizes).
+
+    >>> from kvlc import compile_spec
+    >>> a, b = compile_spec("layouts/gemma-3-27b-tp2-b16.yaml"), compile_spec("layouts/gemma-3-27b-tp2-b32.yaml")
+    >>> check_tile_size(a.region("layer.0"), b.region("layer.0"))  # tile of 32 tokens: fine
+    []
+    """
+    if a.is_state or not a.block_tokens or not b.block_tokens or tile(a.block_tokens, b.block_tokens).tokens \
+            <= TILE_WARNING:
+        return []
+    return [_finding("tile-size", "block sizes share a large tile", a.name, local=f"{a.block_tokens}",
+                     remote=f"{b.block_tokens}", fix="prefer block sizes that divide one another",
+                     severity="warning")]
+
+
+# ----------------------------------------------------------------------------- field-level checks
+def check_field_dtype(a: PlanRegion, b: PlanRegion, lf: PlanField, rf: PlanField) -> list[Finding]:
+    """Same dtype (a transfer copies bytes; it does not convert).
+
+    >>> from kvlc import compile_spec
+    >>> a, b = compile_spec("layouts/llama-3.1-8b.yaml"), compile_spec("layouts/llama-3.1-8b-fp8-tp2.yaml")
+    >>> ra, rb = a.region("layer.0"), b.region("layer.0")
+    >>> [(f.local, f.remote) for f in check_field_dtype(ra, rb, ra.field("k"), rb.field("k"))]
+    [('bf16', 'fp8_e4m3')]
+    """
+    if lf.dtype == rf.dtype:
+        return []
+    return [_finding("field-dtype", "dtypes differ", a.name, lf.name, lf.dtype, rf.dtype,
+                     fix="transfer needs the same dtype; convert after the transfer")]
+
+
+def check_field_dims(a: PlanRegion, b: PlanRegion, lf: PlanField, rf: PlanField) -> list[Finding]:
+    """The same dim names (in any order).
+
+    >>> from kvlc import compile_spec
+    >>> r = compile_spec("layouts/llama-3.1-8b.yaml").region("layer.0")
+    >>> check_field_dims(r, r, r.field("k"), r.field("v"))
+    []
+    """
+    ld, rd = [d.name for d in lf.dims], [d.name for d in rf.dims]
+    if set(ld) == set(rd):
+        return []
+    return [_finding("field-dims", "dims differ", a.name, lf.name, ",".join(ld), ",".join(rd),
+                     fix="name the same dims on both engines")]
+
+
+def check_dim_values(a: PlanRegion, b: PlanRegion, lf: PlanField, rf: PlanField) -> list[Finding]:
+    """Each dim has the same role, and the same size (heads: the same global count).
+
+    >>> from kvlc import compile_spec
+    >>> a, b = compile_spec("layouts/llama-3.1-70b-tp4.yaml"), compile_spec("layouts/llama-3.1-70b-tp8.yaml")
+    >>> ra, rb = a.region("layer.0"), b.region("layer.0")
+    >>> check_dim_values(ra, rb, ra.field("k"), rb.field("k"))  # 2 vs 1 heads per rank, 8 in all: equal
+    []
+    """
+    rd = {d.name: d for d in rf.dims}
+    out = []
+    for x in lf.dims:
+        y = rd[x.name]
+        if x.role != y.role:
+            out.append(_finding("dim-role", f"dim '{x.name}' has different roles", a.name, lf.name,
+                                x.role or "plain", y.role or "plain"))
+        elif x.role == "head" and x.global_size != y.global_size:
+            out.append(_finding("dim-size", f"dim '{x.name}' holds different head counts", a.name, lf.name,
+                                str(x.global_size), str(y.global_size)))
+        elif not x.role and x.size != y.size:
+            out.append(_finding("dim-size", f"dim '{x.name}' has different sizes", a.name, lf.name,
+                                str(x.size), str(y.size)))
+    return out
+
+
+def check_token_tiling(a: PlanRegion, b: PlanRegion, lf: PlanField, rf: PlanField) -> list[Finding]:
+    """A per-block field (no token dim) cannot be re-tiled across block sizes.
+
+    >>> from kvlc import compile_spec
+    >>> r = compile_spec("layouts/llama-3.1-8b.yaml").region("layer.0")
+    >>> check_token_tiling(r, r, r.field("k"), r.field("k"))
+    []
+    """
+    if a.is_state or b.is_state or a.block_tokens == b.block_tokens or lf.dim("token") is not None:
+        return []
+    return [_finding("token-tiling", "a per-block field (no token dim) cannot be re-tiled across block sizes",
+                     a.name, lf.name, f"{a.block_tokens} tokens/block", f"{b.block_tokens} tokens/block",
+                     fix="use one kernel block size on both engines or give the field a token dim")]
+
+
+FIELD_CHECKS = (check_field_dtype, check_field_dims, check_dim_values, check_token_tiling)
+_FIELD_GATES = (check_field_dtype, check_field_dims)  # a finding here makes later field checks meaningless
+REGION_CHECKS = (check_region_groups, check_region_state, check_region_fields, check_tile_size)
+
+
+def check_region_pairs(p: Pairing) -> list[Finding]:
+    """Every region both engines hold passes :data:`REGION_CHECKS`, region by region.
+
+    >>> from kvlc import compile_spec
+    >>> a, b = compile_spec("layouts/llama-3.1-70b-tp4.yaml"), compile_spec("layouts/llama-3.1-70b-tp8.yaml")
+    >>> check_region_pairs(Pairing(a, b, 0, "READ"))
+    []
+    """
+    return [f for name in common_regions(p)[0] for check in REGION_CHECKS
+            for f in check(p.local.region(name), p.remote.region(name))]
+
+
+CHECKS = (check_direction, check_rank, check_model, check_dcp, check_pp_layers, check_groups,
+          check_region_sets, check_region_order, check_region_pairs)
+
+
+def check_plans(local: Plan, remote: Plan, local_rank: int, direction: str) -> CompatReport:
+    """Compare two plans for a transfer in ``direction`` from ``local_rank``'s point of view.
+
+    Runs :data:`CHECKS` in order; errors come first in the report, each group in check order.
+
+    >>> from kvlc import compile_spec
+    >>> a, b = compile_spec("layouts/llama-3.1-70b-tp4.yaml"), compile_spec("layouts/llama-3.1-8b.yaml")
+    >>> check_plans(a, b, 0, "READ").codes()[:2]
+    ('model-name', 'model-layers')
+    """
+    p = Pairing(local, remote, local_rank, direction)
+    out = [f for check in CHECKS for f in check(p)]
     return CompatReport(local=local.name, remote=remote.name, direction=direction, local_rank=local_rank,
                         findings=tuple(sorted(out, key=lambda f: f.severity != "error")))
+
+
+__all__ = ["CHECKS", "REGION_CHECKS", "FIELD_CHECKS", "CompatReport", "Finding", "Pairing", "check_plans",
+           "head_major_order"]

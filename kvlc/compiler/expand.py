@@ -29,7 +29,12 @@ class Expanded:
 
 
 def layer_range(spec: LayoutSpec) -> tuple[int, int]:
-    """The layers this engine holds: the pipeline range, or all of the model's."""
+    """The layers this engine holds: the pipeline range, or all of the model's.
+
+    >>> from kvlc.compiler import load_spec
+    >>> layer_range(load_spec("layouts/llama-3.1-8b.yaml"))
+    (0, 32)
+    """
     return spec.parallel.layers or (0, spec.model.num_layers)
 
 
@@ -97,7 +102,13 @@ def _unroll(entries, key: str, path: tuple, spec, env: dict, out: list, problems
 
 
 def expand(spec: LayoutSpec) -> Expanded:
-    """Unroll repetition; names like ``layer.{layer}.kv`` become ``layer.0.kv`` …"""
+    """Unroll repetition; names like ``layer.{layer}.kv`` become ``layer.0.kv`` …
+
+    >>> from kvlc.compiler import load_spec
+    >>> exp = expand(load_spec("layouts/llama-3.1-8b.yaml"))
+    >>> [r.item.name for r in exp.regions][:3], len(exp.regions)
+    (['layer.0', 'layer.1', 'layer.2'], 32)
+    """
     problems: list = []
     storages: list = []
     regions: list = []

@@ -9,17 +9,34 @@ from __future__ import annotations
 
 import hashlib
 import json
-from functools import cached_property
-from typing import Literal, Mapping
+from typing import Any, Literal, Mapping
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, PrivateAttr
+
+from kvlc.compiler.frozen import FrozenMap
+from kvlc.compiler.layout import Layout, ceildiv, is_state_kind
+from kvlc.errors import KvlcError, TransferError, did_you_mean
 
 PLAN_VERSION = 1
 
 
+class UnknownName(KvlcError, KeyError):
+    """A name that a plan does not hold (also a ``KeyError``, for callers that catch that)."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; show the sentence as written
+        return str(self.args[0]) if self.args else ""
+
+
+def _lookup(items, name: str, what: str, owner: str):
+    for item in items:
+        if item.name == name:
+            return item
+    raise UnknownName(f"{owner} has no {what} '{name}'; {did_you_mean(name, [i.name for i in items])}")
+
+
 class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", ignored_types=(cached_property,))
+    model_config = ConfigDict(frozen=True, extra="forbid")
 
 
 class PlanDim(_Frozen):
@@ -58,6 +75,16 @@ class PlanField(_Frozen):
             n *= d.size
         return n
 
+    @property
+    def layout(self) -> Layout:
+        """Element coordinates → byte offsets inside the field (dims outermost first).
+
+        >>> from kvlc import compile_spec
+        >>> str(compile_spec("layouts/llama-3.1-8b.yaml").regions[0].fields[0].layout)
+        '(16,8,128):(2048,256,2)'
+        """
+        return Layout(tuple(d.size for d in self.dims), tuple(d.stride for d in self.dims))
+
     def dim(self, role: str) -> PlanDim | None:
         return next((d for d in self.dims if d.role == role), None)
 
@@ -76,7 +103,7 @@ class PlanGroup(_Frozen):
 
     @property
     def is_state(self) -> bool:
-        return self.kind in ("mamba", "linear_attention")
+        return is_state_kind(self.kind)
 
     @property
     def kernel_blocks_per_block(self) -> int:
@@ -122,7 +149,8 @@ class PlanRegion(_Frozen):
         return self.offset + (self.num_blocks - 1) * self.block_stride + self.block_bytes
 
     def field(self, name: str) -> PlanField:
-        return next(f for f in self.fields if f.name == name)
+        """The field called ``name``; a :class:`~kvlc.errors.KvlcError` listing the fields otherwise."""
+        return _lookup(self.fields, name, "field", f"region '{self.name}'")
 
     def text(self) -> str:
         kb = f"x{self.kernel_blocks_per_block}" if self.kernel_blocks_per_block > 1 else ""
@@ -137,7 +165,7 @@ class PlanRegion(_Frozen):
 class PlanModel(_Frozen):
     name: str
     num_layers: int
-    sizes: dict[str, int]
+    sizes: FrozenMap[str, int]
 
 
 class PlanParallel(_Frozen):
@@ -163,6 +191,20 @@ class Plan(_Frozen):
     storages: tuple[PlanStorage, ...]
     regions: tuple[PlanRegion, ...]
 
+    # derived once at construction (not fields, not part of the JSON)
+    _digest: str = PrivateAttr("")
+    _region_index: FrozenMap = PrivateAttr(default_factory=FrozenMap)
+
+    def model_post_init(self, context: Any) -> None:
+        self._digest = hashlib.sha256(self.to_json().encode()).hexdigest()
+        self._region_index = FrozenMap((r.name, i) for i, r in enumerate(self.regions))
+
+    def model_copy(self, *, update: Mapping | None = None, deep: bool = False) -> "Plan":
+        """A copy, validated again when ``update`` changes fields (the digest follows)."""
+        if not update:
+            return self
+        return type(self).model_validate({**{k: getattr(self, k) for k in type(self).model_fields}, **update})
+
     # ---------------------------------------------------------------- identity
     def to_json(self) -> str:
         """Canonical JSON: sorted keys, no whitespace, integers and strings only."""
@@ -172,30 +214,39 @@ class Plan(_Frozen):
     def from_json(cls, text: str | bytes) -> "Plan":
         return cls.model_validate_json(text)
 
-    @cached_property
+    @property
     def digest(self) -> str:
         """sha256 of the canonical JSON, hex."""
-        return hashlib.sha256(self.to_json().encode()).hexdigest()
+        return self._digest
 
     # ---------------------------------------------------------------- lookups
     def region(self, name: str) -> PlanRegion:
-        return self._regions_by_name[name]
+        """The region called ``name``; a :class:`~kvlc.errors.KvlcError` naming the closest otherwise.
+
+        >>> from kvlc import compile_spec
+        >>> compile_spec("layouts/llama-3.1-8b.yaml").region("layer.0.k")
+        Traceback (most recent call last):
+        kvlc.compiler.plan.UnknownName: plan 'llama-3.1-8b-tp1' has no region 'layer.0.k'; did you mean 'layer.0'...?
+        """
+        i = self._region_index.get(name)
+        if i is None:
+            _lookup(self.regions, name, "region", f"plan '{self.name}'")
+        return self.regions[i]
 
     def storage(self, name: str) -> PlanStorage:
-        return next(s for s in self.storages if s.name == name)
+        """The storage called ``name``; a :class:`~kvlc.errors.KvlcError` listing the storages otherwise."""
+        return _lookup(self.storages, name, "storage", f"plan '{self.name}'")
 
     def group(self, name: str) -> PlanGroup:
-        return next(g for g in self.groups if g.name == name)
-
-    @cached_property
-    def _regions_by_name(self) -> dict[str, PlanRegion]:
-        return {r.name: r for r in self.regions}
+        """The group called ``name``; a :class:`~kvlc.errors.KvlcError` listing the groups otherwise."""
+        return _lookup(self.groups, name, "group", f"plan '{self.name}'")
 
     def group_capacity(self, group: str) -> int:
         """Logical blocks a request of ``group`` can use: the smallest capacity among its regions."""
+        self.group(group)
         caps = [r.capacity for r in self.regions if group in r.groups]
         if not caps:
-            raise KeyError(f"no region of plan '{self.name}' belongs to group '{group}'")
+            raise UnknownName(f"no region of plan '{self.name}' belongs to group '{group}'")
         return min(caps)
 
     def blocks_for(self, group: str, tokens: int) -> int:
@@ -206,7 +257,7 @@ class Plan(_Frozen):
         3
         """
         g = self.group(group)
-        return 1 if g.is_state else -(-tokens // g.block_size)
+        return 1 if g.is_state else ceildiv(tokens, g.block_size)
 
     @property
     def mem_types(self) -> tuple[str, ...]:
@@ -235,7 +286,6 @@ class Plan(_Frozen):
         """
         missing = [s.name for s in self.storages if s.name not in bases]
         if missing:
-            from kvlc.errors import TransferError
             raise TransferError(f"no base address for storage(s) {missing}; pass one per storage")
         total = sum(r.num_blocks for r in self.regions)
         out = np.empty((total, 3), dtype=np.uint64)

@@ -14,11 +14,16 @@ from typing import Any, Mapping
 
 import yaml
 
-from kvlc.errors import Mark, Problem, SpecError
+from kvlc.compiler.syntax import reader_problem, syntax_problem
+from kvlc.errors import Mark, Problem, SpecError, did_you_mean
 
 # libyaml's parser when PyYAML has it (several times faster on long specs); its nodes carry the
 # same marks. On an error the pure-Python parser runs again, for its clearer messages.
 _FAST_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+MAX_SPEC_BYTES = 4 << 20   # characters of YAML (the largest shipped layout has 9 thousand)
+MAX_DEPTH = 64             # nested lists / mappings (a spec needs about 10)
+MAX_NODES = 200_000        # values after expanding aliases (the largest layout has about 1,000)
 
 
 @dataclass(frozen=True)
@@ -79,62 +84,122 @@ def _scalar(node: yaml.ScalarNode, path: tuple, file: str, problems: list) -> An
         return None
 
 
-def _syntax_problem(exc: yaml.MarkedYAMLError, file: str, text: str) -> Problem:
-    """A PyYAML error as a Problem: where it broke, what the parser wanted and what it met."""
-    m = exc.problem_mark or exc.context_mark
-    mark = Mark(file, m.line + 1, m.column + 1) if m else None
-    problem = str(exc.problem or "invalid YAML")
-    what = "YAML syntax error"
-    if exc.context:
-        what += f" {exc.context}"
-        if exc.context_mark is not None and exc.context_mark is not exc.problem_mark:
-            what += f" started at line {exc.context_mark.line + 1}, column {exc.context_mark.column + 1}"
-    parts = re.fullmatch(r"expected (.*), but (?:found|got) (.*)", problem, flags=re.S)
-    if parts:
-        expected, found = parts.group(1), parts.group(2)
-    elif problem.startswith("found "):
-        expected, found = "valid YAML", problem.removeprefix("found ")
-    else:
-        what += f": {problem}"
-        lines = text.splitlines()
-        line = lines[m.line].strip() if m and m.line < len(lines) else ""
-        expected, found = "valid YAML", repr(line) if line else "end of file"
-    fix = None
-    if exc.context and "flow sequence" in exc.context:
-        fix = "close the '[' with ']'"
-    elif exc.context and "flow mapping" in exc.context:
-        fix = "close the '{' with '}'"
-    elif "'\\t'" in problem:
-        fix = "indent with spaces, not tabs"
-    return Problem((), what, expected=expected, found=found, fix=fix, mark=mark)
+class _Limit(Exception):
+    """A YAML limit hit while scanning events; carries the Problem."""
+
+    def __init__(self, problem: Problem):
+        super().__init__(problem.what)
+        self.problem = problem
 
 
-def _reader_problem(exc: yaml.reader.ReaderError, file: str, text: str) -> Problem:
-    """A character YAML does not allow (a control character), located by line and column."""
-    pos = exc.position
-    line = text.count("\n", 0, pos) + 1
-    col = pos - (text.rfind("\n", 0, pos) + 1) + 1
-    char = exc.character if isinstance(exc.character, int) else ord(str(exc.character)[:1] or "\0")
-    return Problem((), f"YAML syntax error: {exc.reason}", expected="printable characters",
-                   found=f"character #x{char:04x}", fix="remove the character",
-                   mark=Mark(file, line, col))
+def _at(file: str, mark) -> Mark:
+    return Mark(file, mark.line + 1, mark.column + 1)
+
+
+def _scan(text: str, loader, file: str) -> None:
+    """Walk the YAML events once, before anything is built: nesting depth, aliases, node count.
+
+    Aliases are counted as what they expand to (an anchor's whole subtree), so an alias bomb
+    is refused after reading its few lines, and an alias inside its own anchor is a cycle.
+    PyYAML's parser keeps its own stack; nothing here recurses, so any depth is safe to scan.
+    """
+    open_: list[list] = []          # [anchor, expanded size so far] per open collection
+    sizes: dict[str, int] = {}      # anchor -> expanded size of its finished node
+    total = 0
+    for event in yaml.parse(text, Loader=loader):
+        if isinstance(event, yaml.CollectionEndEvent):
+            anchor, size = open_.pop()
+            if anchor is not None:
+                sizes[anchor] = size
+            if open_:
+                open_[-1][1] += size
+            continue
+        if isinstance(event, yaml.AliasEvent):
+            size = _alias_size(event, open_, sizes, file)
+        elif isinstance(event, (yaml.ScalarEvent, yaml.CollectionStartEvent)):
+            size = 1
+        else:
+            continue
+        total += size
+        if total > MAX_NODES:
+            alias = isinstance(event, yaml.AliasEvent)
+            raise _Limit(Problem((), "YAML aliases expand too far" if alias else "spec too large",
+                                 expected=f"at most {MAX_NODES:,} values after expanding aliases",
+                                 found=f"more than {MAX_NODES:,}"
+                                 + (f" at '*{event.anchor}'" if alias else ""),
+                                 fix="write the spec without nested aliases (or use a template)",
+                                 mark=_at(file, event.start_mark)))
+        if isinstance(event, yaml.CollectionStartEvent):
+            open_.append([event.anchor, 1])
+            if len(open_) > MAX_DEPTH:
+                raise _Limit(Problem((), "YAML nested too deeply", expected=f"at most {MAX_DEPTH} levels",
+                                     found=f"more than {MAX_DEPTH} nested lists or mappings",
+                                     fix="flatten the structure (a spec needs about 10 levels)",
+                                     mark=_at(file, event.start_mark)))
+            continue
+        if isinstance(event, yaml.ScalarEvent) and event.anchor is not None:
+            sizes[event.anchor] = 1
+        if open_:
+            open_[-1][1] += size
+
+
+def _alias_size(event: yaml.AliasEvent, open_: list, sizes: dict, file: str) -> int:
+    """What an alias expands to; an alias inside its own anchor (a cycle) or to no anchor is refused."""
+    if any(frame[0] == event.anchor for frame in open_):
+        raise _Limit(Problem((), f"recursive YAML alias '*{event.anchor}'",
+                             expected="an alias to a node that is complete",
+                             found=f"'*{event.anchor}' inside the node '&{event.anchor}' names",
+                             fix="copy the value instead of referring to itself",
+                             mark=_at(file, event.start_mark)))
+    if event.anchor not in sizes:
+        raise _Limit(Problem((), f"unknown YAML alias '*{event.anchor}'",
+                             expected=f"an anchor '&{event.anchor}' earlier in the file",
+                             found="no such anchor", fix=(did_you_mean(event.anchor, sizes) if sizes else
+                                                            f"mark a value with '&{event.anchor}' before"),
+                             mark=_at(file, event.start_mark)))
+    return sizes[event.anchor]
+
+
+def _compose(text: str, file: str) -> yaml.Node | None:
+    """Scan (limits) then compose; PyYAML's pure-Python parser words the syntax errors."""
+    try:
+        _scan(text, _FAST_LOADER, file)
+        return yaml.compose(text, Loader=_FAST_LOADER)
+    except _Limit as exc:
+        raise SpecError([exc.problem]) from None
+    except yaml.YAMLError:
+        pass
+    try:  # parse again with the pure-Python parser: its messages say what it expected
+        _scan(text, yaml.SafeLoader, file)
+        return yaml.compose(text, Loader=yaml.SafeLoader)
+    except _Limit as exc:
+        raise SpecError([exc.problem]) from None
+    except yaml.MarkedYAMLError as exc:
+        raise SpecError([syntax_problem(exc, file, text)]) from None
+    except yaml.reader.ReaderError as exc:
+        raise SpecError([reader_problem(exc, file, text)]) from None
+    except yaml.YAMLError as exc:
+        raise SpecError([Problem((), f"YAML error: {exc}", expected="valid YAML", found="something else",
+                                 mark=Mark(file, 1, 1))]) from None
+
+
+def _too_large(file: str, found: str) -> SpecError:
+    return SpecError([Problem((), "spec too large", expected=f"at most {MAX_SPEC_BYTES:,} characters",
+                              found=found, fix="is this the right file?", mark=Mark(file, 1, 1))])
 
 
 def parse_yaml(text: str, file: str = "<string>") -> Source:
-    """Parse YAML text into :class:`Source`; syntax errors become a located SpecError.
+    """Parse YAML text into :class:`Source`; syntax errors and limits become a located SpecError.
+
+    Limits: :data:`MAX_SPEC_BYTES` of text, :data:`MAX_DEPTH` levels of nesting and
+    :data:`MAX_NODES` values with aliases expanded (a recursive alias is refused).
 
     >>> parse_yaml("a: [1, 2]").data
     {'a': [1, 2]}
     """
-    try:
-        node = yaml.compose(text, Loader=_FAST_LOADER)
-    except yaml.YAMLError:
-        try:  # parse again with the pure-Python parser: its messages say what it expected
-            node = yaml.compose(text, Loader=yaml.SafeLoader)
-        except yaml.MarkedYAMLError as exc:
-            raise SpecError([_syntax_problem(exc, file, text)]) from None
-        except yaml.reader.ReaderError as exc:
-            raise SpecError([_reader_problem(exc, file, text)]) from None
+    if len(text) > MAX_SPEC_BYTES:
+        raise _too_large(file, f"{len(text):,} characters")
+    node = _compose(text, file)
     if node is None:
         raise SpecError([Problem((), "empty spec", expected="a mapping with 'kvlc: 1'",
                                  found="nothing", mark=Mark(file, 1, 1))])
@@ -146,8 +211,11 @@ def parse_yaml(text: str, file: str = "<string>") -> Source:
     return Source(data=data, file=file, marks=marks)
 
 
+SET_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
 def parse_set(pairs: list[str] | tuple[str, ...]) -> dict:
-    """Turn ``--set key=value`` pairs into a dict; values are parsed as YAML scalars.
+    """Turn ``--set key=value`` pairs into a dict; values are parsed as YAML (``8``, ``x``, ``[1, 2]``).
 
     >>> parse_set(["tp_size=8", "name=x"])
     {'tp_size': 8, 'name': 'x'}
@@ -155,51 +223,89 @@ def parse_set(pairs: list[str] | tuple[str, ...]) -> dict:
     out: dict = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
-        if not sep or not key:
+        key = key.strip()
+        if not sep or not SET_KEY.fullmatch(key):
             raise SpecError([Problem(("--set",), f"malformed --set '{pair}'",
-                                     expected="KEY=VALUE", found=pair)])
-        out[key.strip()] = yaml.safe_load(value) if value else ""
+                                     expected="NAME=VALUE, NAME a template variable (letters, digits, '_')",
+                                     found=repr(pair), fix="write it like --set tp_size=8",
+                                     mark=Mark("--set", 1, 1))])
+        if not value.strip():
+            out[key] = ""
+            continue
+        try:
+            out[key] = parse_yaml(value, f"--set {key}").data
+        except SpecError as exc:
+            raise SpecError([Problem(("--set", key), f"cannot read the value of --set {key}",
+                                     expected="a YAML value: a number, a word, or a closed [list]",
+                                     found=repr(value), fix=p.fix or "quote the value or close its brackets",
+                                     mark=p.mark) for p in exc.problems[:1]]) from None
     return out
 
 
 def render_template(path: str | Path, config: Mapping | None = None,
                     overrides: Mapping | None = None) -> str:
-    """Render a ``*.yaml.j2`` template with a model ``config`` and ``--set`` overrides.
+    """Render a ``*.yaml.j2`` template (sandboxed; see :mod:`kvlc.compiler.template`).
 
-    Inside the template ``config`` is the HuggingFace-style config.json and every
-    override is also a top-level variable; undefined variables are errors.
+    >>> config = load_config("layouts/templates/llama-3.1-70b.config.json")
+    >>> "kvlc: 1" in render_template("layouts/templates/llama-3.1-70b.yaml.j2", config,
+    ...                              {"tp_size": 8, "order": "nhd"})
+    True
     """
-    import jinja2
+    from kvlc.compiler.template import render_template as render
+    return render(path, config, overrides)
 
-    path = Path(path)
-    env = jinja2.Environment(
-        loader=jinja2.FileSystemLoader(str(path.parent)),
-        undefined=jinja2.StrictUndefined,
-        keep_trailing_newline=True,
-        trim_blocks=True,
-        lstrip_blocks=True,
-    )
-    variables = {"config": dict(config or {})}
-    variables.update(overrides or {})
-    try:
-        return env.get_template(path.name).render(**variables)
-    except jinja2.TemplateSyntaxError as exc:
-        raise SpecError([Problem((), f"template syntax error: {exc.message}",
-                                 mark=Mark(str(path), exc.lineno or 1, 1))]) from None
-    except jinja2.UndefinedError as exc:
-        raise SpecError([Problem((), f"template variable undefined: {exc.message}",
-                                 expected="a value from --config or --set",
-                                 found="nothing", fix="pass --config config.json or --set NAME=VALUE",
-                                 mark=Mark(str(path), 1, 1))]) from None
+
+def rendered_name(path: str | Path) -> str:
+    """How marks name the YAML a template rendered: its lines are the output's, not the template's."""
+    return f"{path} (rendered)"
+
+
+def _json_depth(value, limit: int) -> int:
+    """Nesting depth of decoded JSON, without recursion (stops counting past ``limit``)."""
+    stack, deepest = [(value, 1)], 0
+    while stack:
+        node, depth = stack.pop()
+        deepest = max(deepest, depth)
+        if deepest > limit:
+            break
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 def load_config(path: str | Path) -> dict:
-    """Read a HuggingFace-style config.json."""
+    """Read a HuggingFace-style config.json (a JSON object; size and nesting bounded)."""
     path = Path(path)
+    where = Mark(str(path), 1, 1)
     try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise SpecError([Problem((), f"cannot read config: {exc}", mark=Mark(str(path), 1, 1))]) from None
+        if path.stat().st_size > MAX_SPEC_BYTES:
+            raise SpecError([Problem((), "config too large", expected=f"at most {MAX_SPEC_BYTES:,} bytes",
+                                     found=f"{path.stat().st_size:,} bytes",
+                                     fix="pass the model's config.json",
+                                     mark=where)])
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise SpecError([Problem((), f"cannot read config: {exc.strerror}", expected="a readable config.json",
+                                 found=str(path), mark=where)]) from None
+    except UnicodeDecodeError as exc:
+        raise SpecError([Problem((), "config is not UTF-8 text", expected="UTF-8 JSON",
+                                 found=f"byte 0x{exc.object[exc.start]:02x} at byte {exc.start}",
+                                 fix="save the file as UTF-8", mark=where)]) from None
+    except json.JSONDecodeError as exc:
+        raise SpecError([Problem((), "config is not valid JSON", expected="JSON",
+                                 found=exc.msg, fix="check the JSON at this position",
+                                 mark=Mark(str(path), exc.lineno, exc.colno))]) from None
+    except RecursionError:
+        data = None
+    if data is None or _json_depth(data, MAX_DEPTH) > MAX_DEPTH:
+        raise SpecError([Problem((), "config nested too deeply", expected=f"at most {MAX_DEPTH} levels",
+                                 found=f"more than {MAX_DEPTH} nested objects or arrays",
+                                 fix="pass the model's config.json", mark=where)])
+    if not isinstance(data, dict):
+        raise SpecError([Problem((), "config is not a JSON object", expected="{...} with the model's fields",
+                                 found=f"a JSON {type(data).__name__}", fix="pass the model's config.json",
+                                 mark=where)])
+    return data
 
 
 def _is_file(text: str) -> bool:
@@ -216,9 +322,11 @@ def read_source(path_or_text: str | Path, config: Mapping | None = None,
     if isinstance(path_or_text, Path) or ("\n" not in text and (text.endswith((".yaml", ".yml", ".j2"))
                                                                or _is_file(text))):
         path = Path(path_or_text)
-        if path.suffix == ".j2":
-            return parse_yaml(render_template(path, config, overrides), str(path))
+        if path.suffix == ".j2":  # marks count lines of the rendered text (`kvlc render` shows it)
+            return parse_yaml(render_template(path, config, overrides), rendered_name(path))
         try:
+            if path.stat().st_size > 4 * MAX_SPEC_BYTES:  # UTF-8: at most 4 bytes a character
+                raise _too_large(str(path), f"{path.stat().st_size:,} bytes")  # refused before reading it
             text = path.read_text(encoding="utf-8")
         except OSError as exc:
             raise SpecError([Problem((), f"cannot read spec: {exc.strerror}",

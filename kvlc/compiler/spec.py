@@ -14,14 +14,43 @@ from pydantic import (BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, 
                       field_validator, model_validator)
 from pydantic_core import PydanticCustomError
 
+from kvlc.compiler.frozen import FrozenMap
+from kvlc.compiler.layout import STATE_KINDS
+
 DTYPE_SIZES: Mapping[str, int] = {
     "bf16": 2, "fp16": 2, "fp32": 4, "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1, "uint8": 1,
 }
 DType = Literal["bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2", "int8", "uint8"]
 MemType = Literal["DRAM", "VRAM"]
 Name = Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z_][A-Za-z0-9_.\-{}]*$")]
-Positive = Annotated[int, Field(gt=0)]
-NonNegative = Annotated[int, Field(ge=0)]
+# Every integer a spec takes is bounded: byte values stay below 2**63 (addresses are int64 at
+# the runtime boundary), counts stay where a real engine is. Derived totals are checked by the
+# passes; these bounds keep every product they form an exact, finite integer.
+MAX_BYTES = 2**63 - 1          # offsets, sizes, strides, alignments
+MAX_LAYERS = 4096              # model layers (the largest models have about 130)
+MAX_RANKS = 4096               # tp_size, dcp_size
+MAX_DEVICE = 1023              # device ordinal
+MAX_BLOCKS = 2**40             # blocks in one region
+MAX_TOKENS = 2**20             # tokens per block, window, chunk
+MAX_DIM = 2**24                # heads, head_dim, model sizes, dim sizes, sections
+MAX_REPEAT_VALUE = 2**20       # values of a repeat range
+
+
+def _ints(lo: int, hi: int):
+    return Annotated[int, Field(ge=lo, le=hi)]
+
+
+Positive = _ints(1, MAX_BYTES)
+NonNegative = _ints(0, MAX_BYTES)
+Layers = _ints(1, MAX_LAYERS)
+LayerIndex = _ints(0, MAX_LAYERS)
+Ranks = _ints(1, MAX_RANKS)
+Device = _ints(0, MAX_DEVICE)
+Blocks = _ints(1, MAX_BLOCKS)
+Tokens = _ints(1, MAX_TOKENS)
+DimSize = _ints(1, MAX_DIM)
+RepeatValue = _ints(0, MAX_REPEAT_VALUE)
+RepeatStep = _ints(1, MAX_REPEAT_VALUE)
 
 
 def spec_error(what: str, expected: str | None = None, found: str | None = None,
@@ -51,10 +80,10 @@ class ModelInfo(Frozen):
     """What model the cache belongs to; pairing compares it, dims are checked against it."""
 
     name: str
-    num_layers: Positive
-    num_kv_heads: Positive | None = None
-    head_dim: Positive | None = None
-    sizes: dict[str, Positive] = Field(default_factory=dict)
+    num_layers: Layers
+    num_kv_heads: DimSize | None = None
+    head_dim: DimSize | None = None
+    sizes: FrozenMap[str, DimSize] = Field(default_factory=FrozenMap)
 
     def known_sizes(self) -> dict[str, int]:
         """Dim name → size the model fixes (``head`` and ``head_dim`` plus ``sizes``)."""
@@ -69,9 +98,9 @@ class ModelInfo(Frozen):
 class Parallel(Frozen):
     """Engine parallelism: tensor parallel size, decode context parallel size, pipeline layers."""
 
-    tp_size: Positive = 1
-    dcp_size: Positive = 1
-    layers: tuple[NonNegative, NonNegative] | None = None
+    tp_size: Ranks = 1
+    dcp_size: Ranks = 1
+    layers: tuple[LayerIndex, LayerIndex] | None = None
 
     @field_validator("layers")
     @classmethod
@@ -82,8 +111,8 @@ class Parallel(Frozen):
 # ---------------------------------------------------------------- groups
 class _GroupBase(Frozen):
     name: Name
-    block_size: Positive | None = None
-    kernel_block_size: Positive | None = None
+    block_size: Tokens | None = None
+    kernel_block_size: Tokens | None = None
 
 
 class FullAttention(_GroupBase):
@@ -92,12 +121,12 @@ class FullAttention(_GroupBase):
 
 class SlidingWindow(_GroupBase):
     kind: Literal["sliding_window"]
-    window: Positive
+    window: Annotated[int, Field(ge=1, le=2**40)]
 
 
 class ChunkedLocal(_GroupBase):
     kind: Literal["chunked_local"]
-    chunk: Positive
+    chunk: Annotated[int, Field(ge=1, le=2**40)]
 
 
 class Indexer(_GroupBase):
@@ -114,7 +143,7 @@ class LinearAttention(_GroupBase):
 
 Group = Annotated[Union[FullAttention, SlidingWindow, ChunkedLocal, Indexer, MambaState,
                         LinearAttention], Field(discriminator="kind")]
-STATE_GROUP_KINDS = frozenset({"mamba", "linear_attention"})
+STATE_GROUP_KINDS = STATE_KINDS  # one definition: kvlc.compiler.layout
 
 
 # ---------------------------------------------------------------- storages
@@ -123,7 +152,7 @@ class Storage(Frozen):
 
     name: Name
     mem: MemType
-    device: NonNegative = 0
+    device: Device = 0
     size: Positive | None = None
     align: Positive = 1
 
@@ -138,9 +167,9 @@ class Dim(Frozen):
     """
 
     name: Name
-    size: Positive | str | None = None
+    size: DimSize | str | None = None
     role: Literal["token", "head"] | None = None
-    sections: dict[Name, Positive] | None = None
+    sections: FrozenMap[Name, DimSize] | None = None
 
 
 class ArrayField(Frozen):
@@ -238,7 +267,7 @@ class Region(Frozen):
     name: Name
     storage: Name
     layout: Name
-    num_blocks: Positive
+    num_blocks: Blocks
     groups: tuple[Name, ...] = Field(min_length=1)
     offset: NonNegative | Literal["auto"] = "auto"
     block_stride: Positive | Literal["auto"] = "auto"
@@ -250,12 +279,20 @@ class Range(Frozen):
     ``range: [start, stop, step]`` (e.g. every other layer), or an explicit ``values: [...]`` list."""
 
     var: Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
-    range: tuple[NonNegative, NonNegative] | tuple[NonNegative, NonNegative, Positive] | Literal["layers"] | None = None
-    values: tuple[NonNegative, ...] | None = None
+    range: tuple[RepeatValue, ...] | Literal["layers"] | None = None
+    values: tuple[RepeatValue, ...] | None = None
 
     @field_validator("range")
     @classmethod
     def _ordered(cls, v):
+        if v is not None and not isinstance(v, str):
+            if len(v) not in (2, 3):
+                raise spec_error("a repeat range is [start, stop] or [start, stop, step]",
+                                 expected="2 or 3 integers", found=f"{len(v)}: {list(v)}",
+                                 fix="write range: [0, 8] or range: [0, 8, 2] (or range: layers)")
+            if len(v) == 3 and v[2] < 1:
+                raise spec_error("a repeat range's step must be positive", expected="a step >= 1",
+                                 found=f"step {v[2]}", at=(2,), fix="use a step of 1 or more")
         return _ordered_range(v, "repeat range")
 
     @model_validator(mode="after")
@@ -306,10 +343,16 @@ class LayoutSpec(Frozen):
     name: Name
     model: ModelInfo
     parallel: Parallel = Parallel()
-    block_size: Positive
-    kernel_block_size: Positive | None = None
+    block_size: Tokens
+    kernel_block_size: Tokens | None = None
     groups: tuple[Group, ...] = Field(min_length=1)
     storages: tuple[StorageEntry, ...] = Field(min_length=1)
-    layouts: dict[Name, BlockLayout] = Field(min_length=1)
+    layouts: FrozenMap[Name, BlockLayout] = Field(min_length=1)
     regions: tuple[RegionEntry, ...] = Field(min_length=1)
     _source: object = PrivateAttr(default=None)  # the Source it was loaded from, for marks
+
+    @model_validator(mode="after")
+    def _bounded(self):
+        from kvlc.compiler.spec_bounds import check_spec_bounds
+        check_spec_bounds(self, spec_error)
+        return self

@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-import difflib
 import re
 import types
 import typing
+from collections.abc import Mapping
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
 from kvlc.compiler.source import Source
 from kvlc.compiler.spec import LayoutSpec
-from kvlc.errors import Problem, SpecError
+from kvlc.errors import Problem, SpecError, did_you_mean
 
 NAME_RULE = "a name of letters, digits, '_', '.', '-' or '{var}', not starting with a digit"
 
@@ -31,6 +31,7 @@ _KINDS: dict[str, tuple[str, str]] = {
     "model_attributes_type": ("wrong type", "a mapping"),
     "greater_than": ("value out of range", "an integer > {gt}"),
     "greater_than_equal": ("value out of range", "an integer >= {ge}"),
+    "less_than_equal": ("value out of range", "an integer <= {le:,}"),
     "string_too_short": ("empty string", "a non-empty string"),
     "string_pattern_mismatch": ("invalid name", NAME_RULE.replace("{", "{{").replace("}", "}}")),
     "too_short": ("too few items", "at least {min_length} item(s)"),
@@ -72,7 +73,7 @@ def _child(tp, part):
         if len(args) == 2 and args[1] is Ellipsis:
             return args[0]
         return args[part] if part < len(args) else None
-    if origin is dict:
+    if origin is dict or (isinstance(origin, type) and issubclass(origin, Mapping)):  # dict, FrozenMap
         return args[1]
     return None
 
@@ -137,6 +138,36 @@ def _model_at(loc: tuple) -> type[BaseModel] | None:
     return tp if isinstance(tp, type) and issubclass(tp, BaseModel) else None
 
 
+def _int_ranges(tp, out: set) -> None:
+    """Every (lowest, highest) an annotation allows its integers (pydantic keeps them as metadata)."""
+    for group in ([tp], list(getattr(tp, "__metadata__", ()))):
+        parts = [p for meta in group for p in (*getattr(meta, "metadata", ()), meta)]
+        lo = next((m.ge for m in parts if hasattr(m, "ge")), None)
+        lo = next((m.gt + 1 for m in parts if hasattr(m, "gt")), lo)
+        hi = next((m.le for m in parts if hasattr(m, "le")), None)
+        if isinstance(lo, int) and isinstance(hi, int):
+            out.add((lo, hi))
+    for arg in typing.get_args(tp):
+        _int_ranges(arg, out)
+
+
+def _allowed_range(loc: tuple) -> str | None:
+    """``an integer from LO to HI`` for the field at ``loc``, when its bounds are one range."""
+    for cut in (1, 2):  # a field, or an item of a tuple field
+        model = _model_at(loc[:-cut]) if len(loc) >= cut else None
+        part = loc[-cut] if len(loc) >= cut else None
+        field = model.model_fields.get(part) if model and isinstance(part, str) else None
+        if field is not None:
+            ranges: set = set()
+            _int_ranges(field, ranges)
+            _int_ranges(field.annotation, ranges)
+            if len(ranges) == 1:
+                lo, hi = ranges.pop()
+                return f"an integer from {lo:,} to {'2**63 - 1' if hi == 2**63 - 1 else f'{hi:,}'}"
+            return None
+    return None
+
+
 # Keys people bring from elsewhere, and what to do instead.
 _KEY_HINTS = {
     ("Dim", "stride"): "remove it: byte strides follow from the order of dims (last dim innermost)",
@@ -148,12 +179,28 @@ def _describe(value) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _did_you_mean(word, choices) -> str | None:
-    """Suggest the choice ``word`` most likely meant: a prefix match first, then a close spelling."""
-    choices = [str(c) for c in choices]
-    prefixed = [c for c in choices if str(word) and c.startswith(str(word))]
-    close = prefixed[:1] or difflib.get_close_matches(str(word), choices, n=1)
-    return f"did you mean '{close[0]}'?" if close else None
+def _close(word, choices) -> str | None:
+    """The shared "did you mean" hint when a choice is close; None when it would only list them."""
+    hint = did_you_mean(str(word), [str(c) for c in choices], limit=1)
+    return hint if hint.startswith("did you mean") else None
+
+
+def _known_kind(err: dict, loc: tuple) -> tuple[str, str, str | None]:
+    """(what, expected, fix) of a pydantic error kvlc words itself (:data:`_KINDS`)."""
+    kind, ctx = err["type"], err.get("ctx") or {}
+    msg, template = _KINDS[kind]
+    expected, fix = template.format(**ctx), None
+    if kind in ("greater_than", "greater_than_equal", "less_than_equal"):
+        expected = _allowed_range(loc) or expected
+        fix = "use a value " + expected.removeprefix("an integer ")
+    elif kind == "string_pattern_mismatch" and "var" in loc:
+        expected = "an identifier: letters, digits and '_', not starting with a digit"
+    elif kind == "string_pattern_mismatch" and isinstance(err.get("input"), str):
+        fixed = re.sub(r"[^A-Za-z0-9_.\-{}]", "_", err["input"])
+        fix = f"for example '{'_' + fixed if fixed[:1].isdigit() or fixed[:1] in '.-' else fixed}'"
+    elif kind == "literal_error":
+        fix = _close(err.get("input"), re.findall(r"'([^']*)'", expected))
+    return msg, expected, fix
 
 
 def _problem(err: dict, source: Source) -> tuple[Problem, bool]:
@@ -177,7 +224,7 @@ def _problem(err: dict, source: Source) -> tuple[Problem, bool]:
         allowed = sorted(model.model_fields) if model else []
         msg, found = f"unknown key '{key}'", f"'{key}'"
         expected = ("one of " + ", ".join(allowed)) if allowed else "one of the keys this object defines"
-        fix = (_KEY_HINTS.get((model.__name__ if model else "", key)) or _did_you_mean(key, allowed)
+        fix = (_KEY_HINTS.get((model.__name__ if model else "", key)) or _close(key, allowed)
                or "remove it")
     elif kind == "union_tag_not_found":
         tags = _union_tags(declared)
@@ -193,17 +240,9 @@ def _problem(err: dict, source: Source) -> tuple[Problem, bool]:
             path += ("kind",)
         msg, found = f"unknown kind {ctx.get('tag')!r}", repr(ctx.get("tag"))
         expected = "one of " + ", ".join(tags)
-        fix = _did_you_mean(ctx.get("tag"), tags)
+        fix = _close(ctx.get("tag"), tags)
     elif kind in _KINDS:
-        msg, template = _KINDS[kind]
-        expected = template.format(**ctx)
-        if kind == "string_pattern_mismatch" and "var" in loc:
-            expected = "an identifier: letters, digits and '_', not starting with a digit"
-        elif kind == "string_pattern_mismatch" and isinstance(err.get("input"), str):
-            fixed = re.sub(r"[^A-Za-z0-9_.\-{}]", "_", err["input"])
-            fix = f"for example '{'_' + fixed if fixed[:1].isdigit() or fixed[:1] in '.-' else fixed}'"
-        elif kind == "literal_error":
-            fix = _did_you_mean(err.get("input"), re.findall(r"'([^']*)'", expected))
+        msg, expected, fix = _known_kind(err, loc)
     elif kind.startswith("value_error"):
         msg = msg.removeprefix("Value error, ")
     return Problem(path, msg, expected=expected, found=found, fix=fix, mark=source.mark(path)), branch
@@ -223,7 +262,9 @@ def _merge_branches(items: list[tuple[Problem, bool]]) -> list[Problem]:
         if branch:
             where[p.path] = len(out)
         out.append(p)
-    return out
+    deeper = {p.path[:n] for p in out for n in range(len(p.path))}
+    # a union member that failed as a whole, where another member found a precise fault inside
+    return [p for p in out if not (p.path in where and p.path in deeper)]
 
 
 def _consequence(err: dict, data) -> bool:

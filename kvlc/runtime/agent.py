@@ -45,14 +45,14 @@ from kvlc.runtime import server as _server
 from kvlc.runtime.auth import resolve_secret
 from kvlc.runtime.binding import Bound, bind
 from kvlc.runtime.channel import ChannelServer, Limits
-from kvlc.runtime.errors import HandshakeError, NixlError
-from kvlc.runtime.kinds import Direction, Event, Status
+from kvlc.runtime.errors import HandshakeError
+from kvlc.runtime.kinds import Event, Status
 from kvlc.runtime.nixl import Agent
 from kvlc.runtime.peer import Peer, connect
 from kvlc.runtime.pump import Pump, Resources, Sender
 from kvlc.runtime import replies as _replies
 from kvlc.runtime.sessions import RemoteEngine, Session, SessionTable
-from kvlc.runtime.tracking import Completions, Events, Incoming, Tally, hold, settle
+from kvlc.runtime.tracking import Completions, Events, Incoming, Tally
 from kvlc.runtime.transfer import Executor, Outgoing, Target
 from kvlc.runtime.wire import StorageBase, decode, make_record
 
@@ -198,40 +198,7 @@ class KvAgent:
 
     def _drop_session(self, s: Session, why: str) -> None:
         """End a session: its in-flight transfers stop, what waited on it ends, its NIXL agent goes."""
-        if not s.live:
-            return
-        for key, out in list(self.executor.active.items()):
-            if any(t.key == s.notif_key for t in out.notify.values()):
-                done = self.executor.cancel(key, f"session of rank {s.rank} ended: {why}")
-                if done is not None:
-                    self._outgoing_done(done)
-        unused = self.sessions.drop(s)
-        if unused and s.agent in self.nixl.remotes and not self._busy_with(s.agent):
-            try:
-                self.nixl.remove_remote(s.agent)  # revoke: no transfer with it can be made any more
-            except NixlError as exc:
-                self.log_warning("remove remote %s: %s", s.agent, exc)
-        still = any(x.engine is s.engine and x.rank == s.rank for x in self.sessions.all())
-        for req, inc in list(self.incoming.items()):
-            inc.cancel_wait.pop(s.conn_id, None)
-            hit = inc.via[s.rank][0] is s if s.rank in inc.via else (inc.engine is s.engine and not still)
-            if hit and s.rank not in inc.answers:
-                inc.answer(s.rank, Status.CANCELLED, f"session ended ({why}); it can no longer write here")
-            if settle(inc, self.events):
-                del self.incoming[req]
-        if still:
-            return
-        for key, t in list(self.tallies.items()):
-            if t.engine is s.engine and s.rank not in t.seen:
-                t.add(s.rank, Status.FAILED, f"consumer session ended: {why}")
-                self._tally_check(key, t)
-
-    def _busy_with(self, agent: str) -> bool:
-        return any(t.agent == agent for out in self.executor.active.values() for t in out.notify.values())
-
-    @staticmethod
-    def log_warning(fmt: str, *args) -> None:
-        log.warning(fmt, *args)
+        _replies.end_session(self, s, why)
 
     # ------------------------------------------------------------------ requests
     def _submit(self, key, req: str, op: str, parts, notify: Mapping[int, Target], timeout, tag=None) -> Outgoing:

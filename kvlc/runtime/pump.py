@@ -49,7 +49,8 @@ class Pump:
 
 
 class Sender:
-    """One background thread sending side-channel frames in order; replies go to :attr:`replies`.
+    """Side-channel frames that must not block the engine, sent in order per connection, one thread per
+    connection (a stopped peer delays only its own frames); replies go to :attr:`replies`.
 
     A job is ``(client, make_payload, context)``: ``make_payload()`` runs at send time (so a
     deadline's remaining budget is computed then), the reply (decoded by ``decode``) or the
@@ -57,45 +58,51 @@ class Sender:
     """
 
     def __init__(self, decode: Callable[[bytes], Any], stop: threading.Event, name: str):
-        self._jobs: queue.Queue = queue.Queue()
         self.replies: deque = deque()
         self._decode = decode
         self._stop = stop
         self._name = name
-        self._thread: threading.Thread | None = None
+        self._lanes: dict[int, tuple[queue.Queue, threading.Thread]] = {}
         self._lock = threading.Lock()
 
     def send(self, client, make_payload: Callable[[], bytes], context: Any) -> None:
         with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
-                self._thread.start()
-        self._jobs.put((client, make_payload, context))
+            lane = self._lanes.get(id(client))
+            if lane is None:
+                q: queue.Queue = queue.Queue()
+                t = threading.Thread(target=self._loop, args=(client, q), daemon=True,
+                                     name=f"{self._name}-{len(self._lanes)}")
+                lane = self._lanes[id(client)] = (q, t)
+                t.start()
+        lane[0].put((make_payload, context))
 
     @property
     def pending(self) -> int:
-        return self._jobs.qsize()
+        return sum(q.qsize() for q, _ in self._lanes.values())
 
-    def _loop(self) -> None:
+    def _loop(self, client, jobs: queue.Queue) -> None:
         while not self._stop.is_set():
             try:
-                job = self._jobs.get(timeout=0.1)
+                job = jobs.get(timeout=0.1)
             except queue.Empty:
                 continue
             if job is None:
                 return
-            client, make_payload, context = job
+            make_payload, context = job
             try:
-                client = client() if callable(client) and not hasattr(client, "request") else client
                 result = self._decode(client.request(make_payload()))
             except Exception as exc:  # ChannelError, HandshakeError, a refused connection
                 result = exc
             self.replies.append((context, result))
 
     def close(self) -> None:
-        self._jobs.put(None)
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=5)
+        with self._lock:
+            lanes = list(self._lanes.values())
+        for q, _ in lanes:
+            q.put(None)
+        for _, t in lanes:
+            if t is not threading.current_thread():
+                t.join(timeout=5)
 
 
 class Resources:

@@ -1,4 +1,5 @@
-"""What comes back to a consumer from remote ranks: notifications, pull-request and cancel replies.
+"""What comes back from remote ranks (notifications, pull-request and cancel replies) and what happens
+when a session ends.
 
 Applied under the agent's lock by its pump (:meth:`KvAgent._pump`). A notification counts only
 when its tag proves it comes from a live session of the sender (:mod:`kvlc.runtime.auth`);
@@ -13,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from kvlc.runtime.auth import notif_tag, tag_ok
 from kvlc.runtime.channel import ChannelClient
-from kvlc.runtime.errors import ChannelError, HandshakeError
+from kvlc.runtime.errors import ChannelError, HandshakeError, NixlError
 from kvlc.runtime.kinds import Direction, Mode, Status
 from kvlc.runtime.tracking import Incoming, hold, settle
 from kvlc.runtime.wire import Cancel, Reply, decode_notif, encode
@@ -139,3 +140,35 @@ def hold_and_cancel(agent: KvAgent, inc: Incoming, why: str) -> None:
                 agent.sender.send(_client(agent, s.address), lambda m=msg: m, ("cancel", req, s.rank, s.conn_id))
     if settle(inc, agent.events):
         agent.incoming.pop(req, None)
+
+
+def end_session(agent: KvAgent, s, why: str) -> None:
+    """End a session: its in-flight transfers stop, what waited on it ends, its NIXL agent goes."""
+    if not s.live:
+        return
+    for key, out in list(agent.executor.active.items()):
+        if any(t.key == s.notif_key for t in out.notify.values()):
+            done = agent.executor.cancel(key, f"session of rank {s.rank} ended: {why}")
+            if done is not None:
+                agent._outgoing_done(done)
+    unused = agent.sessions.drop(s)
+    busy = any(t.agent == s.agent for out in agent.executor.active.values() for t in out.notify.values())
+    if unused and s.agent in agent.nixl.remotes and not busy:
+        try:
+            agent.nixl.remove_remote(s.agent)  # revoke: no transfer with it can be made any more
+        except NixlError as exc:
+            log.warning("remove remote %s: %s", s.agent, exc)
+    still = any(x.engine is s.engine and x.rank == s.rank for x in agent.sessions.all())
+    for req, inc in list(agent.incoming.items()):
+        inc.cancel_wait.pop(s.conn_id, None)
+        hit = inc.via[s.rank][0] is s if s.rank in inc.via else (inc.engine is s.engine and not still)
+        if hit and s.rank not in inc.answers:
+            inc.answer(s.rank, Status.CANCELLED, f"session ended ({why}); it can no longer write here")
+        if settle(inc, agent.events):
+            del agent.incoming[req]
+    if still:
+        return
+    for key, t in list(agent.tallies.items()):
+        if t.engine is s.engine and s.rank not in t.seen:
+            t.add(s.rank, Status.FAILED, f"consumer session ended: {why}")
+            agent._tally_check(key, t)

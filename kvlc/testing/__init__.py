@@ -1,5 +1,7 @@
-"""Test and demo harness for kvlc's runtime: not part of the product API.
+"""Test and demo support shipped with kvlc: not part of the compiler's or the runtime's API.
 
+* :mod:`kvlc.testing.content`: the content oracle, bytes that say what they are; tests,
+  ``kvlc demo`` and benchmarks use it to prove transfers byte by byte.
 * :mod:`kvlc.testing.procs`: :class:`~kvlc.runtime.agent.KvAgent` s in child processes, driven
   over a pipe (the demo, the runtime tests, the benchmarks and the soak use it).
 * :mod:`kvlc.testing.demo`: the loopback demo behind ``kvlc demo``: scaled CPU variants of

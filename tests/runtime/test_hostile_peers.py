@@ -21,7 +21,7 @@ from kvlc.runtime import AuthError, HandshakeError, KvAgent, allocate
 from kvlc.runtime.auth import resolve_secret
 from kvlc.runtime.channel import ChannelClient, Limits, write_frame
 from kvlc.runtime.nixl import Agent, Xfer
-from kvlc.runtime.wire import Fetch, Introduce, PullRequest, Record, Reply, decode, encode, encode_notif
+from kvlc.runtime.wire import Fetch, Introduce, decode, encode, encode_notif
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("nixl")
@@ -234,3 +234,20 @@ def test_no_frames_from_an_unauthenticated_party_change_state_or_move_a_byte(pro
     a.poll()
     assert _state(a) == before and _same(t, mem)
     assert a.nixl.live(Xfer) == []
+
+
+def test_agent_without_a_secret_refuses_to_start_unless_insecure(plan, monkeypatch, caplog):
+    """No secret= and no $KVLC_SECRET / $KVLC_SECRET_FILE: the agent refuses to start, naming the fix;
+    insecure=True starts it with a logged warning, and it still refuses peers that use a real secret."""
+    monkeypatch.delenv("KVLC_SECRET", raising=False)
+    monkeypatch.delenv("KVLC_SECRET_FILE", raising=False)
+    with pytest.raises(AuthError, match="no side-channel secret: pass secret="):
+        KvAgent(plan, 0, allocate(plan))
+    with caplog.at_level("WARNING"):
+        open_agent = KvAgent(plan, 0, allocate(plan), insecure=True)
+    try:
+        assert "INSECURE" in caplog.text
+        with pytest.raises(AuthError):
+            ChannelClient(open_agent.serve(), KEY, timeout=3).request(encode(Fetch()))
+    finally:
+        open_agent.close()

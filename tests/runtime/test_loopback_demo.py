@@ -7,7 +7,7 @@ import pytest
 from engines import LAYOUTS, TEST_LAYOUTS
 
 from kvlc import compile_spec
-from kvlc.compiler.content import expected_bytes
+from kvlc.testing.content import expected_bytes
 from kvlc.compiler.pair import pair
 from kvlc.testing.demo import cpu_plan, make_workload, scaled_plan, verify
 

@@ -1,0 +1,221 @@
+"""Pairing, step 3 — the transfer program: a checked pairing from one local rank's view.
+
+A :class:`TransferProgram` is a frozen value: the two plans, the local rank, the
+direction, one :class:`Entry` (region × group × peer rank, with the run templates of
+one tile) per copy, and the consumer counts that notifications need. Per request it is
+bound to storage addresses and instantiated (:mod:`kvlc.compiler.instantiate`), or
+turned into prepared lists (:mod:`kvlc.compiler.prepared`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable, Mapping, Sequence
+
+import numpy as np
+
+from kvlc.compiler.compat import CompatReport
+from kvlc.compiler.frozen import FrozenMap
+from kvlc.compiler.plan import Plan
+from kvlc.compiler.runs import Piece, Runs
+
+
+class Memo:
+    """An explicit cache of values derived from a frozen object: made on first use, then reused.
+
+    Not part of the owner's value (never compared, printed or serialized).
+
+    >>> m = Memo()
+    >>> m.get("x", lambda: 41 + 1), m.get("x", lambda: 0)
+    (42, 42)
+    """
+
+    __slots__ = ("_values",)
+
+    def __init__(self) -> None:
+        self._values: dict = {}
+
+    def get(self, key: Hashable, make: Callable[[], Any]) -> Any:
+        try:
+            return self._values[key]
+        except KeyError:
+            return self._values.setdefault(key, make())
+
+    def __repr__(self) -> str:
+        return f"Memo({len(self._values)} values)"
+
+
+@dataclass(frozen=True)
+class PartKey:
+    """One NIXL request of a transfer: the peer rank and both memory types."""
+
+    peer_rank: int
+    local_mem: str
+    remote_mem: str
+
+    def __str__(self) -> str:
+        return f"peer{self.peer_rank}:{self.local_mem}->{self.remote_mem}"
+
+
+@dataclass(frozen=True, eq=False)
+class Part:
+    """Row-aligned descriptors of one part: ``local[i]`` ↔ ``remote[i]``, (addr, len, dev) uint64."""
+
+    local: np.ndarray
+    remote: np.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.local[:, 1].sum()) if len(self.local) else 0
+
+    def __len__(self) -> int:
+        return len(self.local)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One region (in one group) copied with one peer rank: the runs of one tile."""
+
+    region: str
+    group: str
+    peer: int
+    local_mem: str
+    remote_mem: str
+    tile_tokens: int          # 0 for per-request state
+    local_sub: int            # local kernel blocks per tile
+    remote_sub: int
+    pieces: tuple[Piece, ...]
+    runs: Runs = field(compare=False, repr=False)
+
+    @property
+    def key(self) -> PartKey:
+        return PartKey(self.peer, self.local_mem, self.remote_mem)
+
+    @property
+    def bytes_per_tile(self) -> int:
+        return self.runs.nbytes
+
+    def text(self) -> str:
+        kind = "state" if not self.tile_tokens else f"tile={self.tile_tokens} sub={self.local_sub}:{self.remote_sub}"
+        return (f"{self.region} [{self.group}] peer={self.peer} {self.local_mem}->{self.remote_mem} {kind} "
+                f"runs={len(self.runs)} bytes={self.bytes_per_tile} | {self.runs.text()}")
+
+
+@dataclass(frozen=True)
+class PartStats:
+    """Entries, descriptors per tile and bytes per tile of one part."""
+
+    entries: int = 0
+    runs_per_tile: int = 0
+    bytes_per_tile: int = 0
+
+
+@dataclass(frozen=True)
+class TransferProgram:
+    """A checked pairing from one local rank's view; instantiate it per request.
+
+    >>> from kvlc import compile_spec
+    >>> from kvlc.compiler.pair import pair
+    >>> p = compile_spec("layouts/llama-3.1-8b.yaml")
+    >>> prog = pair(p, p, local_rank=0, direction="READ")
+    >>> prog.peer_ranks, len(prog.entries)
+    ((0,), 32)
+    """
+
+    local: Plan = field(repr=False)
+    remote: Plan = field(repr=False)
+    local_rank: int
+    direction: str
+    entries: tuple[Entry, ...]
+    consumer_counts: FrozenMap[int, int]
+    report: CompatReport = field(repr=False)
+    memo: Memo = field(default_factory=Memo, init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.consumer_counts, FrozenMap):
+            object.__setattr__(self, "consumer_counts", FrozenMap(self.consumer_counts))
+
+    # ------------------------------------------------------------------ summary
+    @property
+    def peer_ranks(self) -> tuple[int, ...]:
+        return tuple(sorted({e.peer for e in self.entries}))
+
+    @property
+    def part_keys(self) -> tuple[PartKey, ...]:
+        return tuple(dict.fromkeys(e.key for e in self.entries))
+
+    def part_stats(self) -> dict[PartKey, PartStats]:
+        """Per part: entries, descriptors per tile and bytes per tile."""
+        out: dict[PartKey, PartStats] = {}
+        for e in self.entries:
+            s = out.get(e.key, PartStats())
+            out[e.key] = PartStats(s.entries + 1, s.runs_per_tile + len(e.runs),
+                                   s.bytes_per_tile + e.bytes_per_tile)
+        return out
+
+    def stats(self) -> dict[PartKey, dict[str, int]]:
+        """Descriptors and bytes per tile for each (peer, local mem, remote mem), as plain dicts."""
+        return {k: {"entries": s.entries, "runs_per_tile": s.runs_per_tile, "bytes_per_tile": s.bytes_per_tile}
+                for k, s in self.part_stats().items()}
+
+    def text(self) -> str:
+        """Canonical text: a header, one line per part, one line per entry."""
+        lines = [f"program {self.direction} local={self.local.name}@{self.local.digest[:12]} rank={self.local_rank} "
+                 f"remote={self.remote.name}@{self.remote.digest[:12]} peers={','.join(map(str, self.peer_ranks))}",
+                 "consumer_counts " + " ".join(f"{k}:{v}" for k, v in sorted(self.consumer_counts.items()))]
+        for key, s in self.part_stats().items():
+            lines.append(f"part {key} entries={s.entries} runs/tile={s.runs_per_tile} "
+                         f"bytes/tile={s.bytes_per_tile}")
+        lines.extend("entry " + e.text() for e in self.entries)
+        return "\n".join(lines) + "\n"
+
+    @property
+    def digest(self) -> str:
+        """sha256 of :meth:`text`, hex."""
+        return self.memo.get("digest", lambda: hashlib.sha256(self.text().encode()).hexdigest())
+
+    def summary(self) -> dict:
+        """The program as JSON-ready data: peers, consumer counts, parts and digest."""
+        return {"peer_ranks": list(self.peer_ranks),
+                "consumer_counts": {str(k): v for k, v in sorted(self.consumer_counts.items())},
+                "parts": [{"peer_rank": k.peer_rank, "local_mem": k.local_mem, "remote_mem": k.remote_mem,
+                           "entries": s.entries, "runs_per_tile": s.runs_per_tile,
+                           "bytes_per_tile": s.bytes_per_tile} for k, s in self.part_stats().items()],
+                "digest": self.digest}
+
+    # ------------------------------------------------------------------ per request
+    @property
+    def index(self):
+        """Derived lookup structures of the hot path (:class:`kvlc.compiler.index.ProgramIndex`)."""
+        from kvlc.compiler.index import ProgramIndex
+        return self.memo.get("index", lambda: ProgramIndex.build(self))
+
+    def check_request(self, local_block_ids: Mapping[str, Sequence[int]],
+                      remote_block_ids: Mapping[str, Sequence[int]], num_tokens: int | Mapping[str, int]):
+        """Validate a request's ids (types, counts, bounds, duplicates) and expand them to kernel block ids.
+
+        Returns a :class:`kvlc.compiler.request.Request`; raises only :class:`~kvlc.errors.TransferError`.
+        """
+        from kvlc.compiler.request import check_request
+        return check_request(self, local_block_ids, remote_block_ids, num_tokens)
+
+    def bind(self, local_bases: Mapping[str, object], remote_bases: Mapping[int, Mapping[str, object]]):
+        """Fix storage base addresses once (per connection); then instantiate per request.
+
+        Bases map storage name → address or (address, device); remote bases are per peer rank.
+        """
+        from kvlc.compiler.instantiate import bind
+        return bind(self, local_bases, remote_bases)
+
+    def instantiate(self, local_bases: Mapping[str, object], remote_bases: Mapping[int, Mapping[str, object]],
+                    local_block_ids: Mapping[str, Sequence[int]], remote_block_ids: Mapping[str, Sequence[int]],
+                    num_tokens: int | Mapping[str, int], *, coalesce: str = "order"):
+        """Descriptors of one request, per part: ``bind(...)`` then ``instantiate(...)``.
+
+        Block ids are logical, per group name. Every id is checked against every
+        region's capacity before any descriptor is built. See
+        :meth:`kvlc.compiler.instantiate.BoundProgram.instantiate` for ``coalesce``.
+        """
+        req = self.check_request(local_block_ids, remote_block_ids, num_tokens)
+        return self.bind(local_bases, remote_bases).emit(req, coalesce=coalesce)

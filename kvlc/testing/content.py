@@ -1,0 +1,154 @@
+"""Content-coded memory: bytes that say what they are, to prove transfers byte by byte.
+
+Every byte of a block gets a value derived from its *content coordinate*:
+(region name, field name, global head, source kernel block id, token in block,
+the other dims' indices in a canonical (name-sorted) order, byte in element).
+The coordinate does not depend on dim order or TP, so a head replicated on two
+ranks holds the same bytes, and a receiver can compute, independently of any
+transfer program, which value each of its bytes must hold after a request.
+
+Used by the pairing proof tests, the runtime tests and ``kvlc demo``: a test oracle, not part of
+the compiler. Pure numpy.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from kvlc.compiler.layout import ceildiv, kernel_ids
+from kvlc.compiler.layout import head_range as heads_of
+from kvlc.compiler.plan import Plan, PlanField
+
+_M1 = np.uint64(0x9E3779B97F4A7C15)
+_M2 = np.uint64(0xBF58476D1CE4E5B9)
+_M3 = np.uint64(0x94D049BB133111EB)
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64 finalizer, vectorized (uint64 → uint64)."""
+    with np.errstate(over="ignore"):
+        x = x ^ (x >> np.uint64(30))
+        x = x * _M2
+        x = x ^ (x >> np.uint64(27))
+        x = x * _M3
+        return x ^ (x >> np.uint64(31))
+
+
+def _name_id(text: str) -> np.uint64:
+    return np.uint64(zlib.crc32(text.encode()))
+
+
+@dataclass(frozen=True)
+class FieldElements:
+    """Every element of one field in one block: byte offset in the block and coordinates."""
+
+    offset: np.ndarray     # int64, byte offset of the element in the block
+    head: np.ndarray       # int64 global head (0 for replicated fields)
+    token: np.ndarray      # int64 token in block (0 without a token dim)
+    other: np.ndarray      # int64 canonical flat index of the other dims
+    itemsize: int
+
+
+def field_elements(f: PlanField, head_start: int) -> FieldElements:
+    """Enumerate a field's elements (vectorized) with their coordinates."""
+    sizes = [d.size for d in f.dims]
+    grids = np.indices(sizes, dtype=np.int64).reshape(len(sizes), -1) if sizes else np.zeros((0, 1), np.int64)
+    offset = np.full(grids.shape[1], f.offset, dtype=np.int64)
+    head = np.zeros_like(offset)
+    token = np.zeros_like(offset)
+    other = np.zeros_like(offset)
+    plain = sorted((d.name, i) for i, d in enumerate(f.dims) if d.role == "")
+    for i, d in enumerate(f.dims):
+        offset += grids[i] * d.stride
+        if d.role == "head":
+            head = grids[i] + head_start
+        elif d.role == "token":
+            token = grids[i]
+    for name, i in plain:
+        other = other * f.dims[i].size + grids[i]
+    return FieldElements(offset, head, token, other, f.itemsize)
+
+
+def code(region: str, field: str, head, block, token, other, itemsize: int) -> np.ndarray:
+    """The bytes (uint8, ``itemsize`` per element) that encode the given coordinates."""
+    with np.errstate(over="ignore"):
+        key = _mix(_name_id(region) * _M1 + _name_id(field))
+        x = key ^ _mix(np.asarray(head, np.uint64) * np.uint64(1_000_003) + np.asarray(block, np.uint64))
+        x = _mix(x ^ (np.asarray(token, np.uint64) << np.uint64(32)) ^ np.asarray(other, np.uint64)).ravel()
+        out = np.empty((x.size, itemsize), dtype=np.uint8)
+        for b in range(itemsize):
+            out[:, b] = (_mix(x + np.uint64(b)) & np.uint64(0xFF)).astype(np.uint8)
+    return out
+
+
+def _head_start(plan: Plan, rank: int, f: PlanField) -> int:
+    hd = f.dim("head")
+    return heads_of(rank, hd.global_size, plan.parallel.tp_size)[0] if hd is not None else 0
+
+
+def fill(plan: Plan, rank: int, buffers: Mapping[str, np.ndarray]) -> None:
+    """Write content codes into every block of every region (buffers: storage → uint8 array)."""
+    for r in plan.regions:
+        buf = buffers[r.storage]
+        blocks = np.arange(r.num_blocks, dtype=np.int64)
+        for f in r.fields:
+            el = field_elements(f, _head_start(plan, rank, f))
+            vals = code(r.name, f.name, el.head[None, :], blocks[:, None], el.token[None, :],
+                        el.other[None, :], el.itemsize)
+            addr = (r.offset + blocks[:, None] * r.block_stride + el.offset[None, :]).ravel()
+            idx = (addr[:, None] + np.arange(el.itemsize)[None, :]).ravel()
+            buf[idx] = vals.ravel()
+
+
+def _kernel_ids(plan: Plan, group: str, ids: Sequence[int]) -> np.ndarray:
+    g = plan.group(group)
+    return kernel_ids(np.asarray(ids, dtype=np.int64), 1 if g.is_state else g.kernel_blocks_per_block)
+
+
+def expected_bytes(dst: Plan, dst_rank: int, src: Plan, dst_ids: Mapping[str, Sequence[int]],
+                   src_ids: Mapping[str, Sequence[int]], num_tokens: int | Mapping[str, int],
+                   regions: Sequence[str] | None = None):
+    """Yield ``(storage, byte addresses, expected bytes)`` for one request at the receiver.
+
+    Covers every byte the receiver rank holds in the requested blocks for tokens
+    below ``num_tokens`` (all bytes for state regions and per-block fields).
+    """
+    names = {r.name for r in src.regions}
+    for r in dst.regions:
+        if r.name not in names or (regions is not None and r.name not in regions):
+            continue
+        sr = src.region(r.name)
+        for group in r.groups:
+            dk = _kernel_ids(dst, group, dst_ids[group])
+            sk = _kernel_ids(src, group, src_ids[group])
+            for f in r.fields:
+                el = field_elements(f, _head_start(dst, dst_rank, f))
+                if r.is_state:
+                    blk_d, blk_s, tok = dk[:, None], sk[:, None], el.token[None, :]
+                    keep = np.ones((len(dk), el.offset.size), bool)
+                elif f.dim("token") is None:  # per-block field: same block sizes (checked at pairing)
+                    tokens = num_tokens[group] if isinstance(num_tokens, Mapping) else num_tokens
+                    nblk = ceildiv(tokens, r.block_tokens)
+                    blk_d, blk_s, tok = dk[:nblk, None], sk[:nblk, None], el.token[None, :]
+                    keep = np.ones((nblk, el.offset.size), bool)
+                else:
+                    tokens = num_tokens[group] if isinstance(num_tokens, Mapping) else num_tokens
+                    nblk = ceildiv(tokens, r.block_tokens)
+                    j = np.arange(nblk, dtype=np.int64)[:, None]
+                    t = j * r.block_tokens + el.token[None, :]          # sequence position
+                    keep = t < tokens
+                    t = np.minimum(t, tokens - 1)
+                    blk_d = dk[:nblk, None]
+                    blk_s = sk[t // sr.block_tokens]
+                    tok = t % sr.block_tokens
+                vals = code(r.name, f.name, np.broadcast_to(el.head, keep.shape)[keep],
+                            np.broadcast_to(blk_s, keep.shape)[keep], np.broadcast_to(tok, keep.shape)[keep],
+                            np.broadcast_to(el.other, keep.shape)[keep], el.itemsize)
+                addr = (r.offset + np.broadcast_to(blk_d, keep.shape) * r.block_stride
+                        + el.offset[None, :])[keep]
+                idx = (addr[:, None] + np.arange(el.itemsize)[None, :]).ravel()
+                yield r.storage, idx, vals.ravel()

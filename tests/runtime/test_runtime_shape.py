@@ -1,0 +1,62 @@
+"""The runtime's shape: its docstring examples run, its public names are the product only, modules stay
+small, and it does no layout arithmetic (descriptors come from the compiler's program)."""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+RUNTIME = ROOT / "kvlc" / "runtime"
+MODULES = ["kvlc.runtime.kinds", "kvlc.runtime.auth", "kvlc.runtime.channel", "kvlc.runtime.wire",
+           "kvlc.runtime.nixl", "kvlc.testing.procs", "kvlc.testing.demo"]
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_docstring_examples(name):
+    """Every ``>>>`` example in the module's docstrings gives the output it shows."""
+    module = importlib.import_module(name)
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    finally:
+        os.chdir(cwd)
+    assert result.failed == 0, f"{result.failed} of {result.attempted} examples failed in {name}"
+
+
+def test_public_names_are_the_product():
+    """kvlc.runtime exports the agent API only: no demo, harness or test helpers."""
+    import kvlc.runtime as rt
+
+    for name in rt.__all__:
+        assert hasattr(rt, name)
+        obj = getattr(rt, name)
+        assert not getattr(obj, "__module__", "").startswith("kvlc.testing"), name
+    assert not {"run_demo", "cpu_plan", "scaled_plan", "DemoResult", "EngineProcess"} & set(rt.__all__)
+
+
+def test_modules_are_small_and_do_no_layout_arithmetic():
+    """No runtime module over ~400 lines (the NIXL choke point may reach 440); no block arithmetic."""
+    for path in RUNTIME.glob("*.py"):
+        lines = path.read_text().count("\n")
+        assert lines <= (440 if path.name == "nixl.py" else 400), f"{path.name}: {lines} lines"
+        text = path.read_text()
+        assert not re.search(r"block_bytes\s*\*|\* *block_bytes|kernel_block_size\s*\*", text), path.name
+
+
+def test_importing_the_runtime_changes_no_environment():
+    """Importing kvlc.runtime (and its NIXL wrapper) leaves os.environ as it was."""
+    import subprocess
+    import sys
+
+    code = ("import os; before = dict(os.environ); import kvlc.runtime, kvlc.runtime.nixl; "
+            "assert dict(os.environ) == before, set(os.environ) ^ set(before)")
+    env = {k: v for k, v in os.environ.items() if k != "NIXL_LOG_LEVEL"}
+    env["PYTHONPATH"] = str(ROOT)
+    subprocess.run([sys.executable, "-c", code], check=True, env=env)
