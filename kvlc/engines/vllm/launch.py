@@ -109,10 +109,11 @@ def _serve(spec: EngineSpec, conn) -> None:
 
 def _kv_blocks(block_ids) -> dict:
     """Single-process engines: the bytes of the given blocks of every layer (rank 0's KV cache)."""
+    import torch
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     worker = get_kv_transfer_group().worker
-    return {name: t[list(block_ids)].contiguous().view(-1).view(dtype=__import__("torch").uint8).numpy().copy()
+    return {name: t[list(block_ids)].contiguous().view(-1).view(torch.uint8).numpy().copy()
             for name, t in worker.kv_caches.items()}
 
 
