@@ -1,0 +1,207 @@
+"""Run vLLM engines in child processes and talk to them over a pipe (tests, benchmark, example).
+
+:func:`tiny_llama` writes a small Llama with random weights (transformers, safetensors)
+that greedy decoding turns into varied, KV-sensitive tokens. :class:`EngineProcess`
+starts one ``vllm.LLM`` in a spawned child (each engine needs its own process: vLLM
+keeps one KV connector per process) and runs ``generate`` there.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+TINY = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=64, vocab_size=1024, max_position_embeddings=1024)
+
+
+def tiny_llama(path: str | Path, seed: int = 0, **overrides: Any) -> Path:
+    """Write a random-weight Llama (``initializer_range=0.2``, bf16) to ``path``; returns it."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = Path(path)
+    if (path / "config.json").exists():
+        return path
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(**{**TINY, **overrides}, initializer_range=0.2, torch_dtype="bfloat16")
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@dataclass(frozen=True)
+class Output:
+    """One request's result: generated tokens, the returned kv_transfer_params, cached tokens."""
+
+    tokens: tuple[int, ...]
+    kv_transfer_params: dict | None
+    num_cached_tokens: int
+    finish_reason: str | None
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """How to start one engine: LLM keyword arguments, environment, and the connector config."""
+
+    model: str
+    block_size: int = 32
+    dtype: str = "bfloat16"
+    tp: int = 1
+    connector: dict | None = None  # KVTransferConfig keyword arguments
+    env: dict = field(default_factory=dict)
+    kv_cache_bytes: int = 64 << 20
+
+    def llm_kwargs(self) -> dict:
+        return dict(model=self.model, load_format="safetensors", enforce_eager=True,
+                    skip_tokenizer_init=True, dtype=self.dtype, max_model_len=512, seed=0,
+                    max_num_seqs=4, max_num_batched_tokens=512, kv_cache_memory_bytes=self.kv_cache_bytes,
+                    block_size=self.block_size, tensor_parallel_size=self.tp,
+                    enable_prefix_caching=False)
+
+
+def _serve(spec: EngineSpec, conn) -> None:
+    os.environ.update(spec.env)
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    kw = spec.llm_kwargs()
+    if spec.connector is not None:
+        kw["kv_transfer_config"] = KVTransferConfig(**spec.connector)
+    try:
+        llm = LLM(**kw)
+    except BaseException as exc:  # report start-up failures to the parent
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        return
+    conn.send(("ready", None))
+    while True:
+        cmd, arg = conn.recv()
+        if cmd == "stop":
+            break
+        if cmd == "kv":
+            conn.send(("ok", _kv_blocks(arg)))
+            continue
+        if cmd == "stats":
+            conn.send(("ok", _connector_stats()))
+            continue
+        prompts, max_tokens, params = arg
+        sps = [SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, detokenize=False,
+                              extra_args={"kv_transfer_params": p} if p is not None else None)
+               for p in params]
+        t0 = time.perf_counter()
+        try:
+            outs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sps,
+                                use_tqdm=False)
+        except Exception as exc:
+            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+            continue
+        dt = time.perf_counter() - t0
+        conn.send(("ok", [Output(tuple(o.outputs[0].token_ids), o.kv_transfer_params,
+                                 int(o.num_cached_tokens or 0), o.outputs[0].finish_reason, dt)
+                          for o in outs]))
+    del llm
+
+
+def _kv_blocks(block_ids) -> dict:
+    """Single-process engines: the bytes of the given blocks of every layer (rank 0's KV cache)."""
+    import torch
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    worker = get_kv_transfer_group().worker
+    return {name: t[list(block_ids)].contiguous().view(-1).view(torch.uint8).numpy().copy()
+            for name, t in worker.kv_caches.items()}
+
+
+def _connector_stats() -> dict:
+    """Single-process engines: the KvlcConnector worker's counters ({} for other connectors)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    worker = getattr(get_kv_transfer_group(), "worker", None)
+    return worker.stats() if worker is not None and hasattr(worker, "stats") else {}
+
+
+class EngineProcess:
+    """One vLLM engine in a spawned child process. ``start()`` returns at once; ``wait_ready()``
+    blocks until the engine is up (or raises with its start-up error)."""
+
+    def __init__(self, spec: EngineSpec, log_path: str | Path | None = None):
+        self.spec = spec
+        self.log_path = log_path
+        self._ctx = mp.get_context("spawn")
+        self._conn, child = self._ctx.Pipe()
+        self._child = child
+        self.proc = None
+        self._ready = False
+
+    def start(self) -> EngineProcess:
+        self.proc = self._ctx.Process(target=_run_logged, args=(self.spec, self._child, self.log_path),
+                                      daemon=False)
+        self.proc.start()
+        return self
+
+    def wait_ready(self, timeout: float = 600.0) -> EngineProcess:
+        if not self._ready:
+            status, msg = self._recv(timeout)
+            if status != "ready":
+                raise RuntimeError(f"engine did not start: {msg}")
+            self._ready = True
+        return self
+
+    def _recv(self, timeout: float):
+        if not self._conn.poll(timeout):
+            raise TimeoutError(f"engine gave no answer in {timeout}s")
+        return self._conn.recv()
+
+    def generate(self, prompts, max_tokens: int = 16, params=None, timeout: float = 300.0) -> list[Output]:
+        self.wait_ready()
+        params = list(params) if params is not None else [None] * len(prompts)
+        self._conn.send(("generate", (list(map(list, prompts)), max_tokens, params)))
+        status, out = self._recv(timeout)
+        if status != "ok":
+            raise RuntimeError(out)
+        return out
+
+    def kv_blocks(self, block_ids, timeout: float = 60.0) -> dict:
+        """Layer name → bytes of ``block_ids`` (in order), read in the engine (single-process mode)."""
+        self._conn.send(("kv", list(block_ids)))
+        status, out = self._recv(timeout)
+        if status != "ok":
+            raise RuntimeError(out)
+        return out
+
+    def stats(self, timeout: float = 60.0) -> dict:
+        """The engine's KvlcConnector counters (single-process mode)."""
+        self._conn.send(("stats", None))
+        status, out = self._recv(timeout)
+        if status != "ok":
+            raise RuntimeError(out)
+        return out
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(10)
+
+    def close(self, timeout: float = 30.0) -> None:
+        if self.proc is None:
+            return
+        if self.proc.is_alive():
+            try:
+                self._conn.send(("stop", None))
+            except OSError:
+                pass
+            self.proc.join(timeout)
+        self.kill()
+
+
+def _run_logged(spec: EngineSpec, conn, log_path) -> None:
+    if log_path is not None:
+        fd = os.open(str(log_path), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+    _serve(spec, conn)

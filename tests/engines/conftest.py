@@ -1,0 +1,71 @@
+"""Shared set-up for the vLLM end-to-end tests: a tiny random Llama and long-lived engine processes.
+
+Engines are expensive on a 2-core machine (an import of vLLM alone takes 8-25 s), so each test
+module starts the engines it needs once, in parallel, and its scenarios share them.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from kvlc.engines.vllm.launch import EngineProcess, EngineSpec, tiny_llama  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory) -> str:
+    """The tiny Llama (random weights, initializer_range 0.2), written once per session."""
+    return str(tiny_llama(tmp_path_factory.mktemp("model") / "tiny-llama"))
+
+
+def kvlc_config(role: str, policy: str = "recompute", **extra) -> dict:
+    """KVTransferConfig arguments for KvlcConnector, exactly as a vLLM user writes them."""
+    return dict(kv_connector="KvlcConnector", kv_connector_module_path="kvlc.engines.vllm", kv_role=role,
+                kv_connector_extra_config={"host": "127.0.0.1", "port": 0, "timeout": 20.0, **extra},
+                kv_load_failure_policy=policy)
+
+
+def engine_env(core: int | str, single_process: bool = True) -> dict:
+    env = {"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "VLLM_CPU_OMP_THREADS_BIND": str(core), "KVLC_SECRET": "kvlc-engine-tests-secret-0123456789"}
+    if single_process:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    return env
+
+
+class Engines:
+    """Named engines of one module, started together, closed together."""
+
+    def __init__(self, log_dir: Path):
+        self.log_dir = log_dir
+        self.procs: dict[str, EngineProcess] = {}
+
+    def start(self, name: str, spec: EngineSpec) -> None:
+        self.procs[name] = EngineProcess(spec, self.log_dir / f"{name}.log").start()
+
+    def __getitem__(self, name: str) -> EngineProcess:
+        return self.procs[name].wait_ready()
+
+    def log(self, name: str) -> str:
+        return (self.log_dir / f"{name}.log").read_text(errors="replace")
+
+    def close(self) -> None:
+        for p in self.procs.values():
+            p.close()
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    """A deterministic token prompt of ``n`` tokens (n need not be a multiple of any block size)."""
+    return [(i * 37 + 11 + seed * 101) % 1000 for i in range(n)]
+
+
+def for_decode(params: dict) -> dict:
+    """The prefill engine's params as a client passes them on, minus vLLM's note of the prefill
+    side's cache hits, so the decode engine's ``num_cached_tokens`` counts its own (loaded) tokens."""
+    return {k: v for k, v in params.items() if k != "remote_prefill_cached_tokens"}

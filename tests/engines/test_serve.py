@@ -1,0 +1,55 @@
+"""The two commands of docs/vllm.md, run as a user runs them: a prefill engine, then a decode engine."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.engines.conftest import ROOT, prompt
+
+pytestmark = pytest.mark.engine
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_commands_prefill_then_decode(model_dir, tmp_path):
+    """`serve prefill` answers with kv_transfer_params; `serve decode --check` decodes through kvlc and
+    its tokens equal its own tokens without a transfer (exit 0, match true, KV loaded)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "KVLC_SECRET": "serve-test-secret-0123456789"}
+    api = _free_port()
+    out_path = tmp_path / "prefill.log"
+    log = open(out_path, "w")  # a file, not a pipe: vLLM logs to stdout and would block a full pipe
+    pre = subprocess.Popen([sys.executable, "-m", "kvlc.engines.vllm.serve", "prefill", "--model", model_dir,
+                            "--api-port", str(api), "--block-size", "64"],
+                           env={**env, "VLLM_CPU_OMP_THREADS_BIND": "0"}, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 300
+        while "kvlc prefill engine ready:" not in out_path.read_text(errors="replace"):
+            assert pre.poll() is None, out_path.read_text(errors="replace")[-3000:]
+            assert time.monotonic() < deadline, "prefill engine did not start"
+            time.sleep(0.5)
+        ids = ",".join(map(str, prompt(77, seed=21)))
+        dec = subprocess.run([sys.executable, "-m", "kvlc.engines.vllm.serve", "decode", "--model", model_dir,
+                              "--prefill", f"http://127.0.0.1:{api}", "--prompt", ids, "--max-tokens", "10",
+                              "--check"], env={**env, "VLLM_CPU_OMP_THREADS_BIND": "1"},
+                             capture_output=True, text=True, timeout=400)
+        both = dec.stdout + dec.stderr  # vLLM logs to stdout; the result is the JSON line
+        assert dec.returncode == 0, both[-3000:]
+        result = json.loads([ln for ln in dec.stdout.splitlines() if ln.startswith("{")][-1])
+        assert result["match"] and len(result["tokens"]) == 10
+        assert result["kv_transfer_params"]["remote_num_tokens"] == 77
+        assert "kvlc: rank 0 loads request" in both
+    finally:
+        pre.kill()
+        pre.wait(30)
+        log.close()
