@@ -263,3 +263,11 @@ def test_every_rendered_layout_is_reproduced():
     """Each checked-in template's rendered layouts are also kvlc init outputs (CASES covers them all)."""
     from tests.test_layouts import RENDERED
     assert {out.removesuffix(".yaml") for out in RENDERED} <= set(CASES)
+
+
+@pytest.mark.parametrize("window", [(0, 40), (40, 80)])
+def test_checked_in_pp_stages_are_init_output(window):
+    """layouts/llama-3.1-70b-tp4-pp*.yaml are byte for byte what kvlc init writes for those stages."""
+    name = f"llama-3.1-70b-tp4-pp{window[0]}-{window[1]}"
+    text = init_yaml(config("llama-3.1-70b"), EngineOptions(tp_size=4, layers=window, name=name, **LLAMA))
+    assert (LAYOUTS / f"{name}.yaml").read_text() == text
