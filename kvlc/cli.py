@@ -1,4 +1,4 @@
-"""The ``kvlc`` command line: compile | check | explain | render | init | pair | demo | bench.
+"""The ``kvlc`` command line: compile | check | explain | render | init | pair | demo | bench | from-vllm.
 
 Exit codes: 0 success, 2 a spec / pairing problem (every problem printed), 1 a
 failed run (transfer mismatch, benchmark failure).
@@ -137,6 +137,73 @@ def render(template: str, config: str | None, sets: tuple[str, ...], output: str
     if output:
         write_atomic(output, text)
         click.echo(f"{output}: written", err=True)
+    else:
+        click.echo(text, nl=False)
+
+
+@main.command("from-vllm")
+@click.argument("model_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("--backend", default="CPU_ATTN", show_default=True,
+              help="vLLM attention backend: CPU_ATTN, FLASH_ATTN, FLASHINFER, TRITON_ATTN, or an MLA one "
+                   "(FLASHMLA, FLASHINFER_MLA, CUTLASS_MLA, TRITON_MLA, ...).")
+@click.option("--block-size", type=int, default=None, help="Tokens per block [default: 128 on CPU_ATTN, else 16].")
+@click.option("--kernel-block-size", type=int, default=None, help="Tokens per kernel block [default: block size].")
+@click.option("--tp-size", type=int, default=1, show_default=True)
+@click.option("--tp-rank", type=int, default=0, show_default=True)
+@click.option("--kv-dtype", default="bf16", show_default=True, help="bf16, fp16, fp32, fp8_e4m3, fp8_e5m2.")
+@click.option("--num-blocks", type=int, default=None, help="KV-cache blocks [default: 1024; with --from-engine "
+              "the engine's own count].")
+@click.option("--layout", default=None, help="vLLM KV-cache layout: LBHNC, LBNHC, BLHNC, BLNHC; older vLLM: "
+              "split-NHD/split-HND (FLASH_ATTN), blockkv-NHD/blockkv-HND (FLASHINFER).")
+@click.option("--from-engine", is_flag=True, help="Start a real vLLM engine on CPU and derive from its tensors.")
+@click.option("--kv-cache-mib", type=int, default=64, show_default=True, help="KV-cache memory of the engine.")
+@click.option("--save-view", type=click.Path(dir_okay=False), help="Also write the engine view as JSON here.")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write the YAML here.")
+def from_vllm(model_dir: str, backend: str, block_size: int | None, kernel_block_size: int | None, tp_size: int,
+              tp_rank: int, kv_dtype: str, num_blocks: int | None, layout: str | None, from_engine: bool,
+              kv_cache_mib: int, save_view: str | None, output: str | None) -> None:
+    """The kvlc spec of a vLLM engine serving MODEL_DIR, as commented YAML.
+
+    Derived from MODEL_DIR/config.json and vLLM's published backend layouts without
+    starting an engine (so GPU backends work here too), or with --from-engine from a
+    real CPU engine's live KV-cache tensors.
+    """
+    import json
+
+    from kvlc.compiler import compile_spec
+    from kvlc.engines.vllm.derive import spec_yaml
+    block_size = block_size or (128 if backend == "CPU_ATTN" else 16)
+    try:
+        if from_engine:
+            from kvlc.engines.vllm.derive_engine import live_views
+            dtypes = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+            if num_blocks or kv_dtype not in dtypes:
+                raise KvlcError("--from-engine: the engine sizes its cache from --kv-cache-mib (drop --num-blocks) "
+                                f"and runs in {', '.join(dtypes)} (got --kv-dtype {kv_dtype})")
+            views = live_views(model_dir, block_size=block_size, tp_size=tp_size, dtype=dtypes[kv_dtype],
+                               kv_cache_memory_bytes=kv_cache_mib << 20,
+                               attention_backend=None if backend == "CPU_ATTN" else backend)
+            view = views[min(tp_rank, len(views) - 1)]
+        else:
+            from kvlc.engines.vllm.derive_offline import published_view
+            config_path = Path(model_dir) / "config.json"
+            try:
+                config = json.loads(config_path.read_text())
+            except (OSError, ValueError) as exc:
+                raise KvlcError(f"{config_path}: cannot read the model config: {exc}; "
+                                "fix: point MODEL_DIR at a HuggingFace model folder") from None
+            view = published_view(config, model_dir, backend=backend, block_size=block_size,
+                                  num_blocks=num_blocks or 1024, tp_size=tp_size, tp_rank=tp_rank,
+                                  kv_dtype=kv_dtype, layout=layout, kernel_block_size=kernel_block_size)
+        text = spec_yaml(view)
+        compile_spec(text)
+    except KvlcError as exc:
+        _fail(exc)
+    if save_view:
+        write_atomic(save_view, json.dumps(view.to_dict(), indent=1) + "\n")
+    if output:
+        write_atomic(output, text)
+        click.echo(f"{output}: {len(view.layers)} layers from {view.provenance.value}", err=True)
     else:
         click.echo(text, nl=False)
 
