@@ -162,7 +162,7 @@ def test_mtp_layer_only_on_last_stage():
 
 # ---------------------------------------------------------------- refused inputs
 @pytest.mark.parametrize("opts, message", [
-    (EngineOptions(engine="sglang"), "unknown engine 'sglang'; valid names: 'kvlc'"),
+    (EngineOptions(engine="sglang"), "unknown engine 'sglang'; valid names: 'kvlc', 'vllm'"),
     (EngineOptions(backend="paged"), "engine 'kvlc' has no backend 'paged'; did you mean 'paged-hnd'?"),
     (EngineOptions(kv_dtype="bf61"), "unknown KV dtype 'bf61'; did you mean 'bf16'?"),
     (EngineOptions(mem="HBM"), "unknown memory type 'HBM'; valid names: 'DRAM', 'VRAM'"),
@@ -271,3 +271,67 @@ def test_checked_in_pp_stages_are_init_output(window):
     name = f"llama-3.1-70b-tp4-pp{window[0]}-{window[1]}"
     text = init_yaml(config("llama-3.1-70b"), EngineOptions(tp_size=4, layers=window, name=name, **LLAMA))
     assert (LAYOUTS / f"{name}.yaml").read_text() == text
+
+
+# ---------------------------------------------------------------- engine vllm: the vLLM adapter's offline views
+def test_vllm_engine_is_the_adapters_view():
+    """--engine vllm gives exactly the spec the vLLM adapter derives offline (reuse, not a second copy)."""
+    from kvlc.engines.vllm.derive import derive_spec
+    from kvlc.engines.vllm.derive_offline import published_view
+    cfg = config("qwen3-32b")
+    for backend in ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN"):
+        got = init_spec(cfg, EngineOptions(engine="vllm", backend=backend, tp_size=2, num_blocks=64,
+                                           model_name="Qwen/Qwen3-32B"))
+        view = published_view(cfg, "Qwen/Qwen3-32B", backend=backend, block_size=16, num_blocks=64, tp_size=2,
+                              device="cuda:0")
+        assert got == derive_spec(view)
+        plan = compile_spec(init_yaml(cfg, EngineOptions(engine="vllm", backend=backend, tp_size=2, num_blocks=64)))
+        assert plan.model.sizes["head_dim"] == 128
+
+
+def test_vllm_engine_mla():
+    plan = compile_spec(init_yaml(config("deepseek-v3"), EngineOptions(engine="vllm", backend="FLASHMLA",
+                                                                        block_size=64, num_blocks=16, tp_size=8)))
+    assert {f.dims[-1].size for r in plan.regions for f in r.fields} == {576}
+
+
+def test_vllm_engine_sliding_pattern_reaches_the_adapter():
+    """A Gemma-style sliding_window_pattern (no layer_types) still gives vLLM a sliding group."""
+    plan = compile_spec(init_yaml(config("gemma-3-27b"), EngineOptions(engine="vllm", backend="FLASH_ATTN",
+                                                                        tp_size=2, num_blocks=16)))
+    kinds = {g.name: g.kind for g in plan.groups}
+    assert plan.region("layer.5").groups == ("full",) and kinds[plan.region("layer.4").groups[0]] == "sliding_window"
+
+
+def test_vllm_engine_pp_stage():
+    """A vLLM stage allocates its layers only; regions keep the model's layer numbers and pair with the whole."""
+    whole = compile_spec(init_yaml(config("qwen3-32b"), EngineOptions(engine="vllm", backend="FLASH_ATTN",
+                                                                       tp_size=2, num_blocks=16)))
+    stage = compile_spec(init_yaml(config("qwen3-32b"), EngineOptions(engine="vllm", backend="FLASH_ATTN",
+                                                                       tp_size=2, num_blocks=16, layers=(32, 64))))
+    assert stage.parallel.layers == (32, 64) and stage.name.endswith("-pp32-64")
+    assert [r.name for r in stage.regions] == [f"layer.{i}" for i in range(32, 64)]
+    assert stage.region("layer.32").offset == 0 and stage.storages[0].size * 2 == whole.storages[0].size
+    from kvlc.compiler.pair import pair
+    assert {e.region for e in pair(whole, stage, local_rank=1).entries} == {f"layer.{i}" for i in range(32, 64)}
+
+
+@pytest.mark.parametrize("cfg, opts, message", [
+    ("nemotron-h-8b", EngineOptions(engine="vllm", backend="FLASH_ATTN"),
+     "engine 'vllm': the offline vLLM views cover attention and MLA layers, not mamba-hybrid state layers; "
+     "fix: use --engine kvlc, or derive the spec from a running engine (kvlc from-vllm)"),
+    ("deepseek-v3.2", EngineOptions(engine="vllm", backend="FLASHMLA_SPARSE", block_size=64),
+     "engine 'vllm': the offline vLLM views cover attention and MLA layers, not the sparse-attention indexer; "
+     "fix: use --engine kvlc, or derive the spec from a running engine (kvlc from-vllm)"),
+    ("qwen3-32b", EngineOptions(engine="vllm", backend="FLASH_ATN"),
+     "engine 'vllm' has no backend 'FLASH_ATN'; did you mean 'FLASH_ATTN' or 'FLASH_ATTN_MLA' or 'FLASHMLA'?"),
+    ("qwen3-32b", EngineOptions(engine="vllm", backend="CPU_ATTN"),
+     "backend CPU_ATTN keeps its cache in host memory, not VRAM; fix: --mem DRAM"),
+    ("gemma-3-27b", EngineOptions(engine="vllm", backend="FLASH_ATTN", sliding_blocks=8),
+     "engine 'vllm' gives every KV-cache group the same block count; fix: drop --sliding-blocks / "
+     "--state-slots and set --num-blocks"),
+])
+def test_vllm_engine_refusals(cfg, opts, message):
+    with pytest.raises(InitError) as exc:
+        init_spec(config(cfg), opts)
+    assert str(exc.value) == message

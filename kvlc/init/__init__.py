@@ -3,7 +3,8 @@
 Pure (no torch, no vLLM). :func:`init_spec` gives the spec as a mapping,
 :func:`init_yaml` as commented YAML. The model is read by its config fields
 (:mod:`kvlc.init.model`), the engine's cache shape comes from data
-(:mod:`kvlc.init.engines`), and :mod:`kvlc.init.write` assembles the spec.
+(:mod:`kvlc.init.engines`), and :mod:`kvlc.init.write` assembles the spec. Engine ``vllm``
+takes its backend layouts from the vLLM adapter's offline views (:mod:`kvlc.init.vllm`).
 
 >>> from kvlc.compiler import compile_spec
 >>> cfg = {"num_hidden_layers": 4, "hidden_size": 5120, "num_attention_heads": 64,
@@ -64,6 +65,10 @@ def init_spec(config: Mapping[str, Any], opts: EngineOptions = EngineOptions(),
               names: GroupNames = GroupNames()) -> dict:
     """The ``kvlc: 1`` spec mapping of ``config`` on the engine ``opts`` describes."""
     m = read_model(config)
+    if opts.engine == "vllm":
+        _check(opts, m)
+        from kvlc.init.vllm import vllm_spec
+        return vllm_spec(config, m, opts)
     b = backend_of(opts)
     _check(opts, m)
     window, held = engine_layers(m, opts)
