@@ -224,3 +224,17 @@ def test_random_stage_splits(kind, ctp, ptp, ccuts, pcuts, stage, blocks, direct
             assert check_pair(cons, p, local_rank=0, direction="READ").codes() == ("pp-layers",)
     assert coverage(cons, useful).complete
     prove(cons, useful, direction, seed)
+
+
+def test_docstring_examples():
+    import doctest
+    import os
+
+    import kvlc.compiler.pp as pp
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        result = doctest.testmod(pp)
+    finally:
+        os.chdir(cwd)
+    assert result.attempted and result.failed == 0
