@@ -1,4 +1,4 @@
-"""The ``kvlc`` command line: compile | check | explain | size | schema | render | pair | demo | bench | from-vllm.
+"""The ``kvlc`` command line: compile | check | explain | size | schema | render | init | pair | demo | bench | from-vllm.
 
 Exit codes: 0 success, 2 a spec / pairing problem (every problem printed), 1 a
 failed run (transfer mismatch, benchmark failure).
@@ -262,6 +262,68 @@ def explain(spec: str, full: bool, html_out: str | None, as_json: bool, config: 
 def _echo_json(doc: dict) -> None:
     import json
     click.echo(json.dumps(doc, indent=2))
+
+
+def _layer_window(text: str | None) -> tuple[int, int] | None:
+    if text is None:
+        return None
+    start, sep, stop = text.partition(":")
+    if not sep or not start.strip().isdigit() or not stop.strip().isdigit():
+        from kvlc.init import InitError
+        raise InitError(f"--layers {text!r}: expected START:STOP, e.g. --layers 0:40 (layers [0, 40))")
+    return int(start), int(stop)
+
+
+@main.command("init")
+@click.argument("config", type=click.Path(exists=True, dir_okay=False))
+@click.option("--engine", default="kvlc", show_default=True, help="Engine whose cache shapes to use.")
+@click.option("--backend", default="paged-nhd", show_default=True, help="The engine's attention backend.")
+@click.option("--tp-size", type=int, default=1, show_default=True)
+@click.option("--pp-size", type=int, default=1, show_default=True, help="Pipeline stages (even split).")
+@click.option("--pp-rank", type=int, default=0, show_default=True, help="This engine's pipeline stage.")
+@click.option("--layers", "layers", metavar="START:STOP", help="This stage's layers [START, STOP) (instead of --pp-*).")
+@click.option("--dcp-size", type=int, default=1, show_default=True)
+@click.option("--block-size", type=int, default=16, show_default=True, help="Tokens per scheduler block.")
+@click.option("--kernel-block-size", type=int, default=None, help="Tokens per attention-kernel block.")
+@click.option("--kv-dtype", default="bf16", show_default=True)
+@click.option("--mem", type=click.Choice(["VRAM", "DRAM"]), default="VRAM", show_default=True)
+@click.option("--device", type=int, default=0, show_default=True)
+@click.option("--num-blocks", type=int, default=4096, show_default=True, help="Blocks per full-attention region.")
+@click.option("--sliding-blocks", type=int, default=None, help="Blocks per sliding-window region (default: --num-blocks).")
+@click.option("--state-slots", type=int, default=None, help="State slots per Mamba/linear layer (default: --num-blocks).")
+@click.option("--mtp/--no-mtp", "mtp", default=True, show_default=True, help="Optional regions for MTP draft layers.")
+@click.option("--name", default="", help="Spec name (default: from the model, TP, layers and block size).")
+@click.option("--model-name", default="", help="model.name (default: config's _name_or_path or model_type).")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write the spec here.")
+@click.option("--json", "as_json", is_flag=True, help="Write the spec as JSON instead of commented YAML.")
+def init_cmd(config: str, engine: str, backend: str, tp_size: int, pp_size: int, pp_rank: int, layers: str | None,
+             dcp_size: int, block_size: int, kernel_block_size: int | None, kv_dtype: str, mem: str, device: int,
+             num_blocks: int, sliding_blocks: int | None, state_slots: int | None, mtp: bool, name: str,
+             model_name: str, output: str | None, as_json: bool) -> None:
+    """Write the spec of a HuggingFace CONFIG (config.json) on the engine the options describe."""
+    import json as _json
+
+    from kvlc.compiler import compile_spec
+    from kvlc.compiler.source import load_config
+    from kvlc.init import EngineOptions, init_spec, init_yaml
+    try:
+        opts = EngineOptions(engine=engine, backend=backend, tp_size=tp_size, pp_size=pp_size, pp_rank=pp_rank,
+                             layers=_layer_window(layers), dcp_size=dcp_size, block_size=block_size,
+                             kernel_block_size=kernel_block_size, kv_dtype=kv_dtype, mem=mem, device=device,
+                             num_blocks=num_blocks, sliding_blocks=sliding_blocks, state_slots=state_slots,
+                             draft_layers=mtp, name=name, model_name=model_name)
+        cfg = load_config(config)
+        text = init_yaml(cfg, opts)
+        compile_spec(text)  # what init writes always compiles; a bad combination fails here, located
+        if as_json:
+            text = _json.dumps(init_spec(cfg, opts), indent=2) + "\n"
+    except KvlcError as exc:
+        _fail(exc)
+    if output:
+        write_atomic(output, text)
+        click.echo(f"{output}: written", err=True)
+    else:
+        click.echo(text, nl=False)
 
 
 @main.command("pair")

@@ -122,9 +122,10 @@ def test_dcp_refused_with_reason():
 
 
 def test_pp_layer_ranges():
-    """Engines holding different pipeline layer ranges: 'pp-layers' with both ranges."""
-    f = assert_refused(base(parallel={"layers": [0, 1]}), base(), "pp-layers")
-    assert "(0, 1)" in f[0].local and "(0, 2)" in f[0].remote
+    """Pipeline stages holding no layer in common: 'pp-layers' naming the layers each side holds."""
+    f = assert_refused(base(parallel={"layers": [0, 1]}), base(parallel={"layers": [1, 2]}), "pp-layers")
+    assert (f[0].message, f[0].local, f[0].remote) == ("engines hold no layer in common", "layers [0, 1)",
+                                                       "layers [1, 2)")
 
 
 # ============================================================================ groups

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from kvlc.compiler.findings import CompatReport, Finding, Severity
 from kvlc.compiler.layout import tile
 from kvlc.compiler.plan import Plan, PlanField, PlanRegion
+from kvlc.compiler.pp import holds_region, layers_text, overlap
 
 def _dims_text(f: PlanField) -> str:
     return "(" + ",".join(f"{d.name}={d.global_size if d.role == 'head' else d.size}" for d in f.dims) + ")"
@@ -105,7 +106,7 @@ def check_dcp(p: Pairing) -> list[Finding]:
 
 
 def check_pp_layers(p: Pairing) -> list[Finding]:
-    """Both engines hold the same pipeline layer range.
+    """Pipeline stages pair the layers both hold; none in common is an error, a part is a warning.
 
     >>> from kvlc import compile_spec
     >>> plan = compile_spec("layouts/llama-3.1-8b.yaml")
@@ -115,8 +116,18 @@ def check_pp_layers(p: Pairing) -> list[Finding]:
     a, b = p.local.parallel.layers, p.remote.parallel.layers
     if a == b:
         return []
-    return [_finding("pp-layers", "engines hold different pipeline layer ranges", local=f"{a}", remote=f"{b}",
-                     fix="pair each pipeline stage with the engine holding the same layers")]
+    both = overlap(p.local, p.remote)
+    held = dict(local=f"layers {layers_text(a)}", remote=f"layers {layers_text(b)}")
+    if both is None:
+        return [_finding("pp-layers", "engines hold no layer in common", **held,
+                         fix="pair each pipeline stage with the stages holding its layers")]
+    cons = p.local if p.direction == "READ" else p.remote
+    lacking = [w for w in (((cons.parallel.layers[0], both[0])), (both[1], cons.parallel.layers[1])) if w[0] < w[1]]
+    rest = ("; the consumer gets layers " + " and ".join(layers_text(w) for w in lacking)
+            + " from the producer's other pipeline stages") if lacking else ""
+    return [_finding("pp-partial", f"pairs layers {layers_text(both)} only, the layers both engines hold{rest}",
+                     **held, fix="pair the consumer with every producer stage (kvlc.compiler.pp.coverage)"
+                     if lacking else "", severity="warning")]
 
 
 def check_groups(p: Pairing) -> list[Finding]:
@@ -153,7 +164,7 @@ def check_region_sets(p: Pairing) -> list[Finding]:
     for side, plan, other in (("local", p.local, p.remote), ("remote", p.remote, p.local)):
         names = {r.name for r in other.regions}
         for r in plan.regions:
-            if r.name not in names and not r.optional:
+            if r.name not in names and not r.optional and holds_region(other, r.name):
                 out.append(_finding("region-missing", f"region exists on the {side} engine only", r.name,
                                     local="present" if side == "local" else "absent",
                                     remote="absent" if side == "local" else "present",

@@ -175,9 +175,16 @@ class TransferProgram:
         """sha256 of :meth:`text`, hex."""
         return self.memo.get("digest", lambda: hashlib.sha256(self.text().encode()).hexdigest())
 
+    @property
+    def layers(self) -> tuple[int, int]:
+        """The layers this program moves: those both engines hold (pipeline stages pair their overlap)."""
+        from kvlc.compiler.pp import overlap
+        both = overlap(self.local, self.remote)
+        return both if both is not None else (0, 0)
+
     def summary(self) -> dict:
-        """The program as JSON-ready data: peers, consumer counts, parts and digest."""
-        return {"peer_ranks": list(self.peer_ranks),
+        """The program as JSON-ready data: peers, consumer counts, layers covered, parts and digest."""
+        return {"peer_ranks": list(self.peer_ranks), "layers": list(self.layers),
                 "consumer_counts": {str(k): v for k, v in sorted(self.consumer_counts.items())},
                 "parts": [{"peer_rank": k.peer_rank, "local_mem": k.local_mem, "remote_mem": k.remote_mem,
                            "entries": s.entries, "runs_per_tile": s.runs_per_tile,

@@ -1,0 +1,112 @@
+"""``kvlc init``: a spec from a HuggingFace ``config.json`` and an engine description.
+
+Pure (no torch, no vLLM). :func:`init_spec` gives the spec as a mapping,
+:func:`init_yaml` as commented YAML. The model is read by its config fields
+(:mod:`kvlc.init.model`), the engine's cache shape comes from data
+(:mod:`kvlc.init.engines`), and :mod:`kvlc.init.write` assembles the spec. Engine ``vllm``
+takes its backend layouts from the vLLM adapter's offline views (:mod:`kvlc.init.vllm`).
+
+>>> from kvlc.compiler import compile_spec
+>>> cfg = {"num_hidden_layers": 4, "hidden_size": 5120, "num_attention_heads": 64,
+...        "num_key_value_heads": 8, "head_dim": 128}
+>>> plan = compile_spec(init_yaml(cfg, EngineOptions(tp_size=2, num_blocks=64)))
+>>> plan.regions[0].text()
+'layer.0 kv.0+0 VRAM:0 blocks=64 bytes=32768 stride=32768 tokens=16 groups=full | k@0:bf16(token@T=16:1024,head@H=4/8:256,head_dim=128:2) v@16384:bf16(token@T=16:1024,head@H=4/8:256,head_dim=128:2)'
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import yaml
+
+from kvlc.compiler.spec import DTYPE_SIZES
+from kvlc.errors import did_you_mean
+from kvlc.init.engines import ENGINES, MEMS, EngineOptions, backend_of, stage_layers
+from kvlc.init.model import Family, InitError, LayerKind, Model, read_model
+from kvlc.init.write import GroupNames, Layer, groups, layouts, regions, storages
+
+DS_MLA = "fp8_ds_mla"
+
+
+def _check(opts: EngineOptions, m: Model) -> None:
+    if opts.kv_dtype == DS_MLA:
+        raise InitError(f"--kv-dtype {DS_MLA} packs fp8 values, fp32 scales and bf16 rope values into one "
+                        "per-token record, which the spec language cannot state yet; fix: use bf16 (or "
+                        "another plain dtype) for the MLA latent")
+    if opts.kv_dtype not in DTYPE_SIZES:
+        raise InitError(f"unknown KV dtype '{opts.kv_dtype}'; {did_you_mean(opts.kv_dtype, DTYPE_SIZES)}")
+    if opts.mem not in MEMS:
+        raise InitError(f"unknown memory type '{opts.mem}'; {did_you_mean(opts.mem, MEMS)}")
+    for key in ("tp_size", "dcp_size", "block_size", "num_blocks"):
+        if getattr(opts, key) < 1:
+            raise InitError(f"--{key.replace('_', '-')} must be at least 1, found {getattr(opts, key)}")
+
+
+def engine_layers(m: Model, opts: EngineOptions) -> tuple[tuple[int, int] | None, list[Layer]]:
+    """The pipeline window (None: all layers) and the cache-holding layers in it (draft layers last)."""
+    window = stage_layers(opts, m.num_layers)
+    start, stop = window or (0, m.num_layers)
+    held = [Layer(i, m.kinds[i]) for i in range(start, stop) if m.kinds[i] != LayerKind.NONE]
+    if opts.draft_layers and stop == m.num_layers:
+        held += [Layer(m.num_layers + j, LayerKind.FULL, optional=True) for j in range(m.draft_layers)]
+    return window, held
+
+
+def _model_block(m: Model, opts: EngineOptions) -> dict:
+    out: dict = {"name": opts.model_name or m.name, "num_layers": m.num_layers}
+    if m.family != Family.MLA:
+        out.update(num_kv_heads=m.num_kv_heads, head_dim=m.head_dim)
+    return {**out, "sizes": dict(m.sizes)} if m.sizes else out
+
+
+def init_spec(config: Mapping[str, Any], opts: EngineOptions = EngineOptions(),
+              names: GroupNames = GroupNames()) -> dict:
+    """The ``kvlc: 1`` spec mapping of ``config`` on the engine ``opts`` describes."""
+    m = read_model(config)
+    if opts.engine == "vllm":
+        _check(opts, m)
+        from kvlc.init.vllm import vllm_spec
+        return vllm_spec(config, m, opts)
+    b = backend_of(opts)
+    _check(opts, m)
+    window, held = engine_layers(m, opts)
+    parallel: dict = {"tp_size": opts.tp_size}
+    if opts.dcp_size != 1:
+        parallel["dcp_size"] = opts.dcp_size
+    if window is not None:
+        parallel["layers"] = list(window)
+    lays = layouts(m, b, opts)
+    return {"kvlc": 1, "name": opts.name or default_name(m, opts, window), "model": _model_block(m, opts),
+            "parallel": parallel, "block_size": opts.block_size, "groups": groups(m, opts, names),
+            "storages": storages(held, b, opts, bool(m.index_head_dim)), "layouts": lays,
+            "regions": regions(m, held, b, opts, names, lays)}
+
+
+def default_name(m: Model, opts: EngineOptions, window: tuple[int, int] | None) -> str:
+    """``<model>-tp<N>[-pp<start>-<stop>]-b<block>``, the model part taken from its name's last path part."""
+    stem = m.name.rsplit("/", 1)[-1].lower().replace("_", "-")
+    pp = f"-pp{window[0]}-{window[1]}" if window else ""
+    return f"{stem}-tp{opts.tp_size}{pp}-b{opts.block_size}"
+
+
+def _stage(spec: dict) -> str:
+    window = spec["parallel"].get("layers")
+    return f", pipeline stage holding layers [{window[0]}, {window[1]})" if window else ""
+
+
+def init_yaml(config: Mapping[str, Any], opts: EngineOptions = EngineOptions(),
+              names: GroupNames = GroupNames()) -> str:
+    """:func:`init_spec` as YAML with a comment saying what it was made from."""
+    spec = init_spec(config, opts, names)
+    m = read_model(config)
+    kinds = ", ".join(f"{sum(1 for k in m.kinds if k == kind)} {kind.value}" for kind in LayerKind
+                      if kind in m.kinds)
+    head = (f"# {spec['model']['name']} ({m.num_layers} layers: {kinds}; {m.family.value}) on engine "
+            f"{opts.engine}, backend {opts.backend}, TP{opts.tp_size}{_stage(spec)}, {opts.block_size}-token blocks, "
+            f"{opts.kv_dtype}.\n# Generated by kvlc init from the model's config.json.\n")
+    return head + yaml.safe_dump(spec, sort_keys=False, default_flow_style=None, width=120)
+
+
+__all__ = ["init_spec", "init_yaml", "EngineOptions", "GroupNames", "InitError", "ENGINES", "read_model"]
