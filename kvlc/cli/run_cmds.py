@@ -1,0 +1,212 @@
+"""``kvlc demo | bench | from-vllm``: commands that start processes or engines."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from kvlc.cli.base import EXIT_SPEC, _fail, main, write_atomic
+from kvlc.errors import KvlcError
+
+
+@main.command("from-vllm")
+@click.argument("model_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("--backend", default="CPU_ATTN", show_default=True,
+              help="vLLM attention backend: CPU_ATTN, FLASH_ATTN, FLASHINFER, TRITON_ATTN, or an MLA one "
+                   "(FLASHMLA, FLASHINFER_MLA, CUTLASS_MLA, TRITON_MLA, ...).")
+@click.option("--block-size", type=int, default=None, help="Tokens per block [default: 128 on CPU_ATTN, else 16].")
+@click.option("--kernel-block-size", type=int, default=None, help="Tokens per kernel block [default: block size].")
+@click.option("--tp-size", type=int, default=1, show_default=True)
+@click.option("--tp-rank", type=int, default=0, show_default=True)
+@click.option("--kv-dtype", default="bf16", show_default=True, help="bf16, fp16, fp32, fp8_e4m3, fp8_e5m2.")
+@click.option("--num-blocks", type=int, default=None, help="KV-cache blocks [default: 1024; with --from-engine "
+              "the engine's own count].")
+@click.option("--layout", default=None, help="vLLM KV-cache layout: LBHNC, LBNHC, BLHNC, BLNHC; older vLLM: "
+              "split-NHD/split-HND (FLASH_ATTN), blockkv-NHD/blockkv-HND (FLASHINFER).")
+@click.option("--from-engine", is_flag=True, help="Start a real vLLM engine on CPU and derive from its tensors.")
+@click.option("--kv-cache-mib", type=int, default=64, show_default=True, help="KV-cache memory of the engine.")
+@click.option("--save-view", type=click.Path(dir_okay=False), help="Also write the engine view as JSON here.")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write the YAML here.")
+def from_vllm(model_dir: str, backend: str, block_size: int | None, kernel_block_size: int | None, tp_size: int,
+              tp_rank: int, kv_dtype: str, num_blocks: int | None, layout: str | None, from_engine: bool,
+              kv_cache_mib: int, save_view: str | None, output: str | None) -> None:
+    """The kvlc spec of a vLLM engine serving MODEL_DIR, as commented YAML.
+
+    Derived from MODEL_DIR/config.json and vLLM's published backend layouts without
+    starting an engine (so GPU backends work here too), or with --from-engine from a
+    real CPU engine's live KV-cache tensors.
+    """
+    import json
+
+    from kvlc.compiler import compile_spec
+    from kvlc.engines.vllm.derive import spec_yaml
+    block_size = block_size or (128 if backend == "CPU_ATTN" else 16)
+    try:
+        if from_engine:
+            from kvlc.engines.vllm.derive_engine import live_views
+            dtypes = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+            if num_blocks or kv_dtype not in dtypes:
+                raise KvlcError("--from-engine: the engine sizes its cache from --kv-cache-mib (drop --num-blocks) "
+                                f"and runs in {', '.join(dtypes)} (got --kv-dtype {kv_dtype})")
+            views = live_views(model_dir, block_size=block_size, tp_size=tp_size, dtype=dtypes[kv_dtype],
+                               kv_cache_memory_bytes=kv_cache_mib << 20,
+                               attention_backend=None if backend == "CPU_ATTN" else backend)
+            view = views[min(tp_rank, len(views) - 1)]
+        else:
+            from kvlc.engines.vllm.derive_offline import published_view
+            config_path = Path(model_dir) / "config.json"
+            try:
+                config = json.loads(config_path.read_text())
+            except (OSError, ValueError) as exc:
+                raise KvlcError(f"{config_path}: cannot read the model config: {exc}; "
+                                "fix: point MODEL_DIR at a HuggingFace model folder") from None
+            view = published_view(config, model_dir, backend=backend, block_size=block_size,
+                                  num_blocks=num_blocks or 1024, tp_size=tp_size, tp_rank=tp_rank,
+                                  kv_dtype=kv_dtype, layout=layout, kernel_block_size=kernel_block_size)
+        text = spec_yaml(view)
+        compile_spec(text)
+    except KvlcError as exc:
+        _fail(exc)
+    if save_view:
+        write_atomic(save_view, json.dumps(view.to_dict(), indent=1) + "\n")
+    if output:
+        write_atomic(output, text)
+        click.echo(f"{output}: {len(view.layers)} layers from {view.provenance.value}", err=True)
+    else:
+        click.echo(text, nl=False)
+
+@main.command()
+@click.argument("layout", required=False, type=click.Path(exists=True, dir_okay=False))
+@click.option("--consumer", type=click.Path(exists=True, dir_okay=False),
+              help="The consumer's layout (default: the same as LAYOUT), e.g. another TP or block size.")
+@click.option("--mode", type=click.Choice(["pull", "push", "pull_via_push"]), default="pull", show_default=True)
+@click.option("--requests", type=int, default=64, show_default=True)
+@click.option("--tokens", type=int, default=None, help="Tokens per request (default: what the pools allow).")
+@click.option("--pool-mib", type=int, default=64, show_default=True,
+              help="Shrink every storage pool to about this many MiB (layouts keep their geometry).")
+@click.option("--check", type=click.Choice(["all", "first", "none"]), default="all", show_default=True,
+              help="Which rounds to verify byte by byte.")
+@click.option("--ids", type=click.Choice(["random", "contiguous"]), default="random", show_default=True,
+              help="Producer block ids: scattered over the pool, or contiguous runs (descriptors coalesce).")
+@click.option("--descriptors", type=click.Choice(["rows", "prepped"]), default="rows", show_default=True,
+              help="rows: coalesced (N, 3) rows per request; prepped: strided lists prepared once, indices per request.")
+def demo(layout: str | None, consumer: str | None, mode: str, requests: int, tokens: int | None, pool_mib: int,
+         check: str, ids: str, descriptors: str) -> None:
+    """Producer and consumer processes on loopback move a content-coded workload; every byte is checked.
+
+    The producer fills its cache with bytes that encode what they are (region, field, head,
+    token); the consumer pulls (or the producer pushes) the requests with real NIXL agents over
+    UCX, then compares every destination byte. LAYOUT defaults to layouts/llama-3.1-8b.yaml of
+    the kvlc source tree the package runs from (found next to the package, from any directory).
+    The pair is checked before any engine starts (exit 2 with the report); exit 1 on any mismatch
+    or failed request.
+    """
+    _demo_needs_extras()
+    from kvlc.testing.demo import DEFAULT_LAYOUT, DemoError, check_pair, make_workload, run_demo, scaled_plan
+
+    if layout is None:
+        if not DEFAULT_LAYOUT.exists():
+            _fail(DemoError(f"no LAYOUT given and the default {DEFAULT_LAYOUT} is not there (an installed "
+                            "package has no layouts/): pass a layout file, e.g. kvlc demo my-model.yaml"))
+        layout = str(DEFAULT_LAYOUT)
+    try:  # every option and the pairing are checked before engines start
+        if pool_mib < 1:
+            raise DemoError(f"--pool-mib {pool_mib}: give at least 1 (MiB per rank)")
+        prod = scaled_plan(layout, pool_mib << 20, to_dram=True)
+        cons = scaled_plan(consumer, pool_mib << 20, to_dram=True) if consumer else prod
+        check_pair(cons, prod)
+        if requests < 1:
+            raise DemoError(f"--requests {requests}: give at least 1")
+        make_workload(cons, prod, 1, tokens)
+    except KvlcError as exc:
+        _fail(exc)
+    _run_demo(run_demo, layout, consumer, mode, requests, tokens, pool_mib, check, ids, descriptors)
+
+
+def _demo_needs_extras() -> None:
+    import importlib.util
+
+    missing = [m for m in ("msgpack", "torch", "nixl", "rich") if importlib.util.find_spec(m) is None]
+    if missing:
+        click.echo(f"kvlc demo needs the runtime extra, missing: {', '.join(missing)}; "
+                   "install it with: pip install 'kvlc[runtime]' (and rich)", err=True)
+        sys.exit(EXIT_SPEC)
+
+
+def _run_demo(run_demo, layout, consumer, mode, requests, tokens, pool_mib, check, ids, descriptors) -> None:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    console = Console()
+    console.print(f"kvlc demo: {mode} {requests} requests, producer {layout}"
+                  + (f", consumer {consumer}" if consumer else ""), highlight=False)
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), console=console) as bar:
+        task = bar.add_task("requests", total=requests, rate="")
+
+        def progress(done, total, nbytes, seconds):
+            rate = f"{nbytes / seconds / 1e9:.2f} GB/s" if seconds else ""
+            bar.update(task, completed=done, rate=rate)
+
+        try:
+            result = run_demo(layout, consumer, mode=mode, requests=requests, tokens=tokens,
+                              max_bytes=pool_mib << 20, progress=progress, check=check, ids=ids,
+                              descriptors=descriptors)
+        except KvlcError as exc:
+            _fail(exc)
+    table = Table(title="result")
+    table.add_column("what")
+    table.add_column("value", justify="right")
+    for k, v in (("requests", f"{result.requests}"), ("bytes moved", f"{result.nbytes:,}"),
+                 ("start-up (compile, pair, start engines, connect)", f"{result.startup_seconds:.2f} s"),
+                 ("transfer time", f"{result.seconds:.3f} s"), ("throughput", f"{result.gbps:.2f} GB/s"),
+                 ("verification time", f"{result.verify_seconds:.2f} s"),
+                 ("descriptors per request", f"{result.descriptors_per_request:.1f}"),
+                 ("requests verified", f"{result.verified_requests} of {result.requests} "
+                                       f"({result.verified_rounds} of {result.rounds} rounds)"),
+                 ("bytes verified", f"{result.checked_bytes:,}"),
+                 ("failed requests", f"{len(result.failed)}"), ("mismatches", f"{len(result.mismatches)}")):
+        table.add_row(k, v)
+    console.print(table)
+    for line in result.mismatches[:20]:
+        console.print(f"[red]mismatch[/red] {line}", highlight=False)
+    for req, why in list(result.failed.items())[:20]:
+        console.print(f"[red]failed[/red] {req}: {why}", highlight=False)
+    if not result.ok:
+        sys.exit(1)
+    if result.verified_requests == result.requests and result.requests:
+        console.print(f"[green]every byte of all {result.requests} requests verified[/green]"
+                      f" ({result.checked_bytes:,} bytes)")
+    elif result.verified_requests:
+        console.print(f"[yellow]{result.verified_requests} of {result.requests} requests verified "
+                      f"({result.checked_bytes:,} bytes); the rest moved unchecked[/yellow]")
+    else:
+        console.print("done: nothing verified (--check none)")
+
+@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@click.option("--only", metavar="NAMES", help="Comma-separated benchmarks: compile, pair, prep, transfer.")
+@click.option("--quick", is_flag=True, help="Smoke run: fewer repetitions, smaller sizes (no size-dependent verdicts).")
+@click.option("--no-run", is_flag=True, help="Run nothing: summarize and plot the recorded results.")
+@click.pass_context
+def bench(ctx: click.Context, only: str | None, quick: bool, no_run: bool) -> None:
+    """Run the benchmark suite of a source checkout (``python3 benchmarks/run.py``).
+
+    Looks for ``benchmarks/run.py`` in the current directory and its parents. Results go to a
+    fresh folder (``benchmarks/runs/<date-time>/``); the recorded results change only with
+    ``--record``. Other options (``--out``, ``--record``) pass through to run.py.
+    """
+    import subprocess
+
+    here = Path.cwd().resolve()
+    script = next((d / "benchmarks" / "run.py" for d in (here, *here.parents)
+                   if (d / "benchmarks" / "run.py").is_file()), None)
+    if script is None:
+        click.echo(f"kvlc bench: no benchmarks/ folder with run.py in {here} or above it; the benchmarks "
+                   "are not installed with the package: run kvlc bench in a kvlc source checkout", err=True)
+        sys.exit(1)
+    args = ([f"--only={only}"] if only else []) + (["--quick"] if quick else []) + \
+        (["--no-run"] if no_run else []) + list(ctx.args)
+    sys.exit(subprocess.call([sys.executable, str(script), *args]))

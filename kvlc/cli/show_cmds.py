@@ -1,0 +1,127 @@
+"""``kvlc explain | size | pair``: what a plan holds, what a request costs, how two engines pair."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from kvlc.cli.base import EXIT_SPEC, _config_opt, _echo_json, _fail, _load_plan, _set_opt, main, write_atomic
+from kvlc.errors import KvlcError
+
+
+@main.command()
+@click.argument("spec", metavar="SPEC|PLAN", type=click.Path(exists=True, dir_okay=False))
+@click.option("--full", is_flag=True, help="One row per region and storage (no collapsing of per-layer runs).")
+@click.option("--html", "html_out", type=click.Path(dir_okay=False),
+              help="Also write a standalone HTML page: storages to scale per memory type, one block's byte map.")
+@click.option("--json", "as_json", is_flag=True, help="Print every number as JSON instead of tables.")
+@_config_opt
+@_set_opt
+def explain(spec: str, full: bool, html_out: str | None, as_json: bool, config: str | None,
+            sets: tuple[str, ...]) -> None:
+    """Explain a spec or plan .json: regions, groups, storages, memory-type totals and token capacity.
+
+    Byte counts are per rank; the engine totals multiply them by tp_size.
+    """
+    from kvlc.explain import render_html, render_table
+    from kvlc.explain.terminal import console
+    try:
+        plan = _load_plan(spec, config, sets)
+    except KvlcError as exc:
+        _fail(exc)
+    if html_out:
+        write_atomic(html_out, render_html(plan))
+        click.echo(f"{html_out}: written ({len(plan.regions)} regions, digest {plan.digest[:16]})", err=True)
+    if as_json:
+        from kvlc.explain.docs import explain_doc
+        _echo_json(explain_doc(plan))
+    else:
+        render_table(plan, console(), full=full)
+
+@main.command("pair")
+@click.argument("producer", type=click.Path(exists=True, dir_okay=False))
+@click.argument("consumer", type=click.Path(exists=True, dir_okay=False))
+@click.option("--rank", "rank", type=int, default=0, show_default=True,
+              help="The local rank: the consumer's for a pull, the producer's for a push.")
+@click.option("--direction", type=click.Choice(["pull", "push"]), default="pull", show_default=True,
+              help="pull: the consumer READs from producer ranks; push: the producer WRITEs to consumer ranks.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report and summary as JSON.")
+@click.option("--program", "show_program", is_flag=True, help="Also print the program, one line per entry.")
+@click.option("--html", "html_out", type=click.Path(dir_okay=False),
+              help="Also write a page drawing which consumer rank reads which producer heads and tokens, "
+                   "and the descriptors of one block.")
+def pair_cmd(producer: str, consumer: str, rank: int, direction: str, as_json: bool, show_program: bool,
+             html_out: str | None) -> None:
+    """Pair PRODUCER and CONSUMER (specs or plan .json): compatibility report and program summary."""
+    import json as _json
+
+    from kvlc.compiler.pair import pair_and_check
+    try:
+        prod, cons = _load_plan(producer), _load_plan(consumer)
+    except KvlcError as exc:
+        _fail(exc)
+    local, remote = (cons, prod) if direction == "pull" else (prod, cons)
+    op = "READ" if direction == "pull" else "WRITE"
+    report, program = pair_and_check(local, remote, local_rank=rank, direction=op)
+    if html_out:
+        _pair_html(html_out, prod, cons, rank, op, program is not None)
+    if as_json:
+        from kvlc.explain.docs import pair_doc
+        click.echo(_json.dumps(pair_doc(report, program, rank), indent=2))
+    else:
+        from kvlc.explain.terminal import console as _console
+        console = _console()
+        console.print(report.render(), markup=False, highlight=False)
+        if program is not None:
+            from kvlc.explain.tables import program_table
+            from kvlc.explain.terminal import print_line, print_table
+            print_table(program_table(program, op, rank), console)
+            counts = ", ".join(f"rank {k}: {v}" for k, v in sorted(program.consumer_counts.items()))
+            print_line(console, f"consumer ranks reading from each producer rank: {counts}")
+            if show_program:
+                click.echo(program.text(), nl=False)
+    if not report.ok:
+        sys.exit(EXIT_SPEC)
+
+
+def _pair_html(path: str, producer, consumer, rank: int, op: str, compatible: bool) -> None:
+    """``kvlc pair --html``: the rank / head / token mapping of every consumer rank, and one block's runs."""
+    if not compatible:
+        click.echo(f"{path}: not written (the engines do not pair; the report says why)", err=True)
+        return
+    from kvlc.explain.pairing import render_pair_html
+    write_atomic(path, render_pair_html(producer, consumer, rank=rank, direction=op))
+    click.echo(f"{path}: written", err=True)
+
+@main.command()
+@click.argument("spec", metavar="SPEC|PLAN", type=click.Path(exists=True, dir_okay=False))
+@click.option("--tokens", type=click.IntRange(min=1), required=True, help="Prompt length of the request, in tokens.")
+@click.option("--peer", type=click.Path(exists=True, dir_okay=False),
+              help="The other engine's spec or plan (default: an engine of the same plan).")
+@click.option("--rank", "ranks", type=int, multiple=True,
+              help="Only this rank of SPEC (repeatable; default every rank: per-rank rows and the engine total).")
+@click.option("--direction", type=click.Choice(["pull", "push"]), default="pull", show_default=True,
+              help="pull: SPEC reads from PEER (SPEC consumes); push: SPEC writes to PEER (SPEC produces).")
+@click.option("--json", "as_json", is_flag=True, help="Print the numbers as JSON.")
+def size(spec: str, tokens: int, peer: str | None, ranks: tuple[int, ...], direction: str, as_json: bool) -> None:
+    """Bytes and NIXL descriptors of one request of --tokens tokens, per rank and per engine.
+
+    Each rank's program is paired and instantiated for the request; descriptors are counted
+    for scattered block ids (none adjacent: the worst case) and contiguous ones (the best).
+    """
+    from kvlc.explain.size import request_size
+    try:
+        plan = _load_plan(spec)
+        other = _load_plan(peer) if peer else None
+        result = request_size(plan, tokens, other, "READ" if direction == "pull" else "WRITE",
+                              tuple(ranks) if ranks else None)
+    except KvlcError as exc:
+        _fail(exc)
+    if as_json:
+        from kvlc.explain.docs import size_doc
+        _echo_json(size_doc(result))
+    else:
+        from kvlc.explain.sizetext import render_size
+        from kvlc.explain.terminal import console
+        render_size(result, console())

@@ -1,0 +1,177 @@
+"""``kvlc compile | check | render | init | schema``: specs in, plans and specs out."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from kvlc.cli.base import (EXIT_SPEC, _config_opt, _echo_json, _fail, _load_plan, _overrides, _set_opt,
+                           main, write_atomic)
+from kvlc.errors import KvlcError
+
+
+@main.command()
+@click.argument("spec", type=click.Path(exists=True, dir_okay=False))
+@click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write the plan JSON here.")
+@click.option("--text", is_flag=True, help="Print the one-line-per-region text form instead of JSON.")
+@_config_opt
+@_set_opt
+def compile(spec: str, output: str | None, text: bool, config: str | None, sets: tuple[str, ...]) -> None:
+    """Compile SPEC into a plan (canonical JSON; its sha256 digest goes to stderr)."""
+    try:
+        plan = _load_plan(spec, config, sets)
+    except KvlcError as exc:
+        _fail(exc)
+    body = plan.text() if text else plan.to_json() + "\n"
+    if output:
+        write_atomic(output, body)
+        click.echo(f"{output}: {len(plan.regions)} regions, digest {plan.digest}", err=True)
+    else:
+        click.echo(body, nl=False)
+        click.echo(f"digest {plan.digest}", err=True)
+
+
+@main.command()
+@click.argument("specs", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
+@_config_opt
+@_set_opt
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document: per spec ok and digest, or problems.")
+def check(specs: tuple[str, ...], config: str | None, sets: tuple[str, ...], as_json: bool) -> None:
+    """Check one or more specs; print every problem found (exit 2 if any)."""
+    if as_json:
+        _check_json(specs, config, sets)
+        return
+    failed = 0
+    for spec in specs:
+        try:
+            plan = _load_plan(spec, config, sets)
+        except KvlcError as exc:
+            failed += 1
+            click.echo(str(exc), err=True)
+            continue
+        click.echo(f"{spec}: ok, {len(plan.regions)} regions, digest {plan.digest[:16]}")
+    if failed:
+        click.echo(f"kvlc: {failed} of {len(specs)} spec(s) have problems", err=True)
+        sys.exit(EXIT_SPEC)
+
+
+def _check_json(specs: tuple[str, ...], config: str | None, sets: tuple[str, ...]) -> None:
+    """``kvlc check --json``: the same checks, as one document on stdout (exit 2 if any failed)."""
+    from kvlc.explain.docs import check_doc, problem_doc
+    results = []
+    for spec in specs:
+        try:
+            plan = _load_plan(spec, config, sets)
+        except KvlcError as exc:
+            problems = getattr(exc, "problems", None)
+            results.append({"spec": spec, "ok": False, "problems": [problem_doc(p) for p in problems]
+                            if problems else [{"what": str(exc)}]})
+            continue
+        results.append({"spec": spec, "ok": True, "plan": plan.name, "regions": len(plan.regions),
+                        "digest": plan.digest})
+    doc = check_doc(results)
+    _echo_json(doc)
+    if not doc["ok"]:
+        sys.exit(EXIT_SPEC)
+
+@main.command()
+@click.argument("template", type=click.Path(exists=True, dir_okay=False))
+@_config_opt
+@_set_opt
+@click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write the YAML here.")
+def render(template: str, config: str | None, sets: tuple[str, ...], output: str | None) -> None:
+    """Render a .yaml.j2 TEMPLATE with a model config into concrete YAML (validated first)."""
+    from kvlc.compiler import compile_spec
+    from kvlc.compiler.source import parse_yaml, render_template, rendered_name
+    from kvlc.compiler.validate import validate
+    try:
+        cfg, ovr = _overrides(sets, config)
+        text = render_template(template, cfg, ovr)
+        source = parse_yaml(text, rendered_name(template))
+        spec = validate(source)
+        spec._source = source
+        compile_spec(spec)
+    except KvlcError as exc:
+        _fail(exc)
+    if output:
+        write_atomic(output, text)
+        click.echo(f"{output}: written", err=True)
+    else:
+        click.echo(text, nl=False)
+
+def _layer_window(text: str | None) -> tuple[int, int] | None:
+    if text is None:
+        return None
+    start, sep, stop = text.partition(":")
+    if not sep or not start.strip().isdigit() or not stop.strip().isdigit():
+        from kvlc.init import InitError
+        raise InitError(f"--layers {text!r}: expected START:STOP, e.g. --layers 0:40 (layers [0, 40))")
+    return int(start), int(stop)
+
+
+@main.command("init")
+@click.argument("config", type=click.Path(exists=True, dir_okay=False))
+@click.option("--engine", default="kvlc", show_default=True, help="Engine whose cache shapes to use.")
+@click.option("--backend", default="paged-nhd", show_default=True, help="The engine's attention backend.")
+@click.option("--tp-size", type=int, default=1, show_default=True)
+@click.option("--pp-size", type=int, default=1, show_default=True, help="Pipeline stages (even split).")
+@click.option("--pp-rank", type=int, default=0, show_default=True, help="This engine's pipeline stage.")
+@click.option("--layers", "layers", metavar="START:STOP", help="This stage's layers [START, STOP) (instead of --pp-*).")
+@click.option("--dcp-size", type=int, default=1, show_default=True)
+@click.option("--block-size", type=int, default=16, show_default=True, help="Tokens per scheduler block.")
+@click.option("--kernel-block-size", type=int, default=None, help="Tokens per attention-kernel block.")
+@click.option("--kv-dtype", default="bf16", show_default=True)
+@click.option("--mem", type=click.Choice(["VRAM", "DRAM"]), default="VRAM", show_default=True)
+@click.option("--device", type=int, default=0, show_default=True)
+@click.option("--num-blocks", type=int, default=4096, show_default=True, help="Blocks per full-attention region.")
+@click.option("--sliding-blocks", type=int, default=None, help="Blocks per sliding-window region (default: --num-blocks).")
+@click.option("--state-slots", type=int, default=None, help="State slots per Mamba/linear layer (default: --num-blocks).")
+@click.option("--mtp/--no-mtp", "mtp", default=True, show_default=True, help="Optional regions for MTP draft layers.")
+@click.option("--name", default="", help="Spec name (default: from the model, TP, layers and block size).")
+@click.option("--model-name", default="", help="model.name (default: config's _name_or_path or model_type).")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write the spec here.")
+@click.option("--json", "as_json", is_flag=True, help="Write the spec as JSON instead of commented YAML.")
+def init_cmd(config: str, engine: str, backend: str, tp_size: int, pp_size: int, pp_rank: int, layers: str | None,
+             dcp_size: int, block_size: int, kernel_block_size: int | None, kv_dtype: str, mem: str, device: int,
+             num_blocks: int, sliding_blocks: int | None, state_slots: int | None, mtp: bool, name: str,
+             model_name: str, output: str | None, as_json: bool) -> None:
+    """Write the spec of a HuggingFace CONFIG (config.json) on the engine the options describe."""
+    import json as _json
+
+    from kvlc.compiler import compile_spec
+    from kvlc.compiler.source import load_config
+    from kvlc.init import EngineOptions, init_spec, init_yaml
+    try:
+        opts = EngineOptions(engine=engine, backend=backend, tp_size=tp_size, pp_size=pp_size, pp_rank=pp_rank,
+                             layers=_layer_window(layers), dcp_size=dcp_size, block_size=block_size,
+                             kernel_block_size=kernel_block_size, kv_dtype=kv_dtype, mem=mem, device=device,
+                             num_blocks=num_blocks, sliding_blocks=sliding_blocks, state_slots=state_slots,
+                             draft_layers=mtp, name=name, model_name=model_name)
+        cfg = load_config(config)
+        text = init_yaml(cfg, opts)
+        compile_spec(text)  # what init writes always compiles; a bad combination fails here, located
+        if as_json:
+            text = _json.dumps(init_spec(cfg, opts), indent=2) + "\n"
+    except KvlcError as exc:
+        _fail(exc)
+    if output:
+        write_atomic(output, text)
+        click.echo(f"{output}: written", err=True)
+    else:
+        click.echo(text, nl=False)
+
+@main.command()
+@click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write the schema here.")
+def schema(output: str | None) -> None:
+    """Print the JSON Schema of the spec language, for editors (yaml-language-server).
+
+    Put `# yaml-language-server: $schema=kvlc.schema.json` on a spec's first line.
+    """
+    from kvlc.schema import schema_json
+    text = schema_json()
+    if output:
+        write_atomic(output, text)
+        click.echo(f"{output}: written", err=True)
+    else:
+        click.echo(text, nl=False)
