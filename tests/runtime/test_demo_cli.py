@@ -63,12 +63,12 @@ def test_missing_extras_are_named_with_the_install_command(monkeypatch, capsys):
     """Without msgpack (or torch, nixl, rich) the demo says which are missing and how to install them."""
     import importlib.util
 
-    from kvlc import cli
+    from kvlc.cli import run_cmds
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "msgpack" else real(name, *a))
     with pytest.raises(SystemExit) as exc:
-        cli._demo_needs_extras()
+        run_cmds._demo_needs_extras()
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "missing: msgpack" in err and "pip install 'kvlc[runtime]'" in err
