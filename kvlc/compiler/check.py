@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from kvlc.compiler.overlap import first_shared_byte
 from kvlc.compiler.resolve import Resolved, ResolvedRegion
 from kvlc.errors import CompileError, Problem, format_path
 
@@ -38,7 +39,7 @@ def _disjoint(a, b) -> bool:
         s = a.block_stride
         d = (b.offset - a.offset) % s
         return a.block_bytes <= d and d + b.block_bytes <= s
-    return False
+    return first_shared_byte(a, b) is None  # different strides: exact (kvlc.compiler.overlap)
 
 
 def _overlap_problem(a, rr: ResolvedRegion) -> Problem:
@@ -47,6 +48,9 @@ def _overlap_problem(a, rr: ResolvedRegion) -> Problem:
     expected = f"bytes disjoint from [{a.offset}, {a.end})"
     found = f"[{r.offset}, {r.end})"
     s = a.block_stride
+    if r.block_stride != s:
+        byte = first_shared_byte(a, r)
+        found = f"[{r.offset}, {r.end}) every {r.block_stride} bytes; both hold byte {byte}"
     if r.block_stride == s and a.block_bytes + r.block_bytes <= s:  # could interleave, but collides
         phase = f"(offset - {a.offset}) mod {s}" if a.offset else f"offset mod {s}"
         expected = (f"{phase} in [{a.block_bytes}, {s - r.block_bytes}] to fit between its blocks, "
