@@ -157,3 +157,49 @@ def test_checked_in_record_layout_is_vllms_656_byte_row():
     assert got == [("nope", "fp8_e4m3", 0, "(64,512):(656,1)"), ("scale", "fp32", 512, "(64,4):(656,4)"),
                    ("rope", "bf16", 528, "(64,64):(656,2)")]
     assert r.block_bytes == 64 * 656 == sum(f.nbytes for f in r.fields)
+
+
+def cpu_kv_spec(name: str, tp: int, block: int, heads: int, dim: int, cpu: bool, blocks: int = 6) -> str:
+    """vLLM's CPU cache: per block [heads][block_size][2 * head_dim] bf16, K of a head stored
+    [head_dim][token] in the first half of the head's slab, V [token][head_dim] in the second."""
+    item, local = 2, heads // tp
+    slab = block * 2 * dim * item                      # one head's bytes in a block
+    if cpu:
+        k_dims = [{"name": "token", "role": "token", "stride": item},
+                  {"name": "head", "role": "head", "stride": slab},
+                  {"name": "head_dim", "stride": block * item}]
+        v_dims = [{"name": "token", "role": "token", "stride": dim * item},
+                  {"name": "head", "role": "head", "stride": slab},
+                  {"name": "head_dim", "stride": item}]
+        fields = [{"name": "k", "dtype": "bf16", "offset": 0, "dims": k_dims},
+                  {"name": "v", "dtype": "bf16", "offset": block * dim * item, "dims": v_dims}]
+        layout = {"size": local * slab, "fields": fields}
+    else:
+        dims = [{"name": "token", "role": "token"}, {"name": "head", "role": "head"}, {"name": "head_dim"}]
+        layout = {"fields": [{"name": "k", "dtype": "bf16", "dims": dims}, {"name": "v", "dtype": "bf16", "dims": dims}]}
+    return yaml.safe_dump({
+        "kvlc": 1, "name": name, "model": {"name": "m", "num_layers": 1, "num_kv_heads": heads, "head_dim": dim},
+        "parallel": {"tp_size": tp}, "block_size": block, "groups": [{"name": "full", "kind": "full_attention"}],
+        "storages": [{"name": "kv", "mem": "DRAM"}], "layouts": {"kv": layout},
+        "regions": [{"name": "layer.0", "storage": "kv", "layout": "kv", "num_blocks": blocks, "groups": ["full"]}]},
+        sort_keys=False)
+
+
+@pytest.mark.parametrize("cpu_side,tps,blocks", [("cons", (1, 2), (4, 8)), ("prod", (2, 1), (8, 4)),
+                                                 ("cons", (2, 2), (16, 4))])
+def test_vllm_cpu_transposed_k_pairs_with_nhd(cpu_side, tps, blocks):
+    """Strides express vLLM's CPU cache (K [head_dim][token], V [token][head_dim] per head): it pairs
+    with a plain NHD engine across TP and block sizes, every byte exact, in the minimum of descriptors."""
+    heads, dim, tokens = 4, 4, 13
+    texts = {}
+    for side, tp, block in (("cons", tps[0], blocks[0]), ("prod", tps[1], blocks[1])):
+        texts[side] = cpu_kv_spec(f"cpu-{side}", tp, block, heads, dim, cpu=(side == cpu_side))
+    sides = [Side(tps[0], {"full": (blocks[0], blocks[0])}, texts["cons"]),
+             Side(tps[1], {"full": (blocks[1], blocks[1])}, texts["prod"])]
+    ids = [{"full": list(range(-(-tokens // b)))[::-1]} for b in blocks]   # descending ids
+    model = Model(heads=heads, head_dim=dim, groups=(("full", "full_attention"),), layouts=(), regions=(), swa="none")
+    k = kvlc.compile_spec(texts[cpu_side]).regions[0].field("k")
+    assert [d.stride for d in k.dims] == [2, 2 * blocks[0 if cpu_side == "cons" else 1] * dim * 2,
+                                          blocks[0 if cpu_side == "cons" else 1] * 2]
+    stats = run_case(Case(model, sides[0], sides[1], {"full": tokens}, ids[0], ids[1], "arbitrary", tokens))
+    assert stats["bytes"] > 0
