@@ -169,7 +169,7 @@ def _region(src: Sourced, ctx: _Context) -> ResolvedRegion | None:
         num_blocks=r.num_blocks, block_bytes=res.block_bytes, block_stride=stride,
         groups=tuple(g.name for g in groups), block_tokens=tokens,
         kernel_blocks_per_block=1 if first.is_state else first.kernel_blocks_per_block,
-        optional=r.optional, fields=res.fields), path)
+        optional=r.optional, fields=res.fields, aliases=r.aliases), path)
 
 
 def _region_alignment(r, path: tuple, storage, group: PlanGroup, fields) -> list[Problem]:

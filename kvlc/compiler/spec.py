@@ -291,6 +291,7 @@ class Region(Frozen):
     offset: NonNegative | Literal["auto"] = "auto"
     block_stride: Positive | Literal["auto"] = "auto"
     optional: bool = False
+    aliases: tuple[Name, ...] = ()  # regions whose pages this one lies over on purpose (one page pool)
 
 
 class Range(Frozen):
