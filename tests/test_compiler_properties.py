@@ -12,6 +12,8 @@ check the plan by enumerating bytes, not by trusting the compiler's arithmetic.
 
 from __future__ import annotations
 
+import math
+
 from collections import defaultdict
 from math import prod
 
@@ -49,7 +51,7 @@ def _field_offsets(draw, extents: list[int]) -> tuple[list[int | None], int]:
             offsets.append(None)
             start = cursor
         else:
-            start = cursor + draw(st.integers(0, 24))
+            start = _align(cursor, 4) + 4 * draw(st.integers(0, 6))  # explicit offsets: dtype-aligned
             offsets.append(start)
         cursor = start + extent
     return offsets, cursor
@@ -163,6 +165,8 @@ def specs(draw) -> dict:
     if draw(st.booleans()):
         groups.append({"name": "ssm", "kind": "mamba"})
     spec["groups"] = groups
+    ratio = {g["name"]: (g.get("block_size", block) // g.get("kernel_block_size", g.get("block_size", kernel or block))
+                         if g["kind"] != "mamba" else 1) for g in groups}
 
     layouts, block_bytes, layout_group = {}, {}, {}
     for g in groups:
@@ -195,7 +199,7 @@ def specs(draw) -> dict:
 
     def region(name: str, storage: str, layout: str) -> dict:
         r = {"name": name, "storage": storage, "layout": layout,
-             "num_blocks": draw(st.integers(1, 5)),
+             "num_blocks": ratio[layout_group[layout]] * draw(st.integers(1, 5)),  # whole logical blocks
              "groups": draw(st.sampled_from([[layout_group[layout]]]
                                             + [s for s in shareable if layout_group[layout] in s]))}
         if draw(st.booleans()):
@@ -220,7 +224,7 @@ def specs(draw) -> dict:
             storage = draw(st.sampled_from(sorted(s["name"] for s in storages)))
             r = region(f"r{ri}", storage, layout)
             if draw(st.booleans()):
-                r["offset"] = cursor[storage] + draw(st.integers(0, 100))
+                r["offset"] = _align(cursor[storage] + draw(st.integers(0, 100)), math.lcm(align[storage], 4))
             place(storage, r.get("offset", "auto"), r["num_blocks"],
                   r.get("block_stride", block_bytes[layout]), block_bytes[layout])
             entries.append(r)
@@ -229,10 +233,11 @@ def specs(draw) -> dict:
             other = draw(st.sampled_from(sorted(layouts)))
             a, b = region(f"r{ri}.a", storage, layout), region(f"r{ri}.b", storage, other)
             spare = draw(st.integers(0, 16))
-            stride = block_bytes[layout] + block_bytes[other] + spare
+            step = math.lcm(align[storage], 4)  # explicit offsets: aligned to the storage and dtypes
+            a["offset"] = _align(cursor[storage] + draw(st.integers(0, 64)), step)
+            b["offset"] = _align(a["offset"] + block_bytes[layout] + draw(st.integers(0, spare)), step)
+            stride = _align(b["offset"] - a["offset"] + block_bytes[other] + spare, step)
             a["block_stride"] = b["block_stride"] = stride
-            a["offset"] = cursor[storage] + draw(st.integers(0, 64))
-            b["offset"] = a["offset"] + block_bytes[layout] + draw(st.integers(0, spare))
             for r, lay in ((a, layout), (b, other)):
                 place(storage, r["offset"], r["num_blocks"], stride, block_bytes[lay])
             entries.extend([a, b])

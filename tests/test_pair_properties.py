@@ -163,7 +163,7 @@ def side_layouts(draw, model: Model, side: Side) -> tuple[dict, dict]:
                 acc *= n
             strides.reverse()
             pad = draw(st.sampled_from((0, 0, 1, 6, 16))) if explicit else 0
-            start = cursor + pad
+            start = -(-(cursor + pad) // 4) * 4 if explicit else cursor  # explicit offsets: dtype-aligned
             cursor = start + acc
             fy: dict = {"name": f.name, "dtype": f.dtype, "dims": [dim_yaml(d) for d in dims]}
             if f.sections:
@@ -245,7 +245,8 @@ def side_spec(draw, model: Model, side: Side, label: str, need: dict) -> Side:
         offset = -(-cursor[st_["name"]] // align) * align
         gap = draw(st.sampled_from((None, None, 0, 5, 64)))
         if gap is not None:
-            offset = cursor[st_["name"]] + gap
+            step = math.lcm(align, 4)  # explicit offsets: aligned to the storage and the dtypes
+            offset = -(-(cursor[st_["name"]] + gap) // step) * step
             ry["offset"] = offset
         cursor[st_["name"]] = max(cursor[st_["name"]], offset + (num_blocks - 1) * stride + bb)
         regions_y.append(ry)

@@ -51,6 +51,10 @@ def fake_bases(p, tag: int, rank: int) -> dict:
 def random_request(local, remote, rng, max_tokens: int = 200):
     """Random distinct ids per group in range on both sides, and random token counts."""
     lids, rids, tokens = {}, {}, {}
+    # groups of one aliased page pool take distinct pages (as the allocator gives them)
+    taken = {side: set() for side in ("l", "r")}
+    pooled = {g for p in (local, remote) for r in p.regions if r.aliases
+              for g in r.groups + sum((p.region(a).groups for a in r.aliases), ())}
     for g in local.groups:
         lcap = [r.capacity for r in local.regions if g.name in r.groups]
         rcap = [r.capacity for r in remote.regions if g.name in r.groups]
@@ -62,8 +66,11 @@ def random_request(local, remote, rng, max_tokens: int = 200):
             tokens[g.name] = int(rng.integers(1, max_tokens))
             n = -(-tokens[g.name] // g.block_size)
             nr = -(-tokens[g.name] // remote.group(g.name).block_size)
-        lids[g.name] = rng.choice(min(lcap), n, replace=False).tolist()
-        rids[g.name] = rng.choice(min(rcap), n if g.name not in tokens else nr, replace=False).tolist()
+        for side, cap, k, out in (("l", lcap, n, lids), ("r", rcap, n if g.name not in tokens else nr, rids)):
+            free = [i for i in range(min(cap)) if g.name not in pooled or i not in taken[side]]
+            out[g.name] = rng.choice(free, k, replace=False).tolist()
+            if g.name in pooled:
+                taken[side] |= set(out[g.name])
     return lids, rids, tokens
 
 
@@ -164,8 +171,11 @@ def test_checked_in_pairs_same_byte_map_as_instantiate(entry, direction):
             lbs, rbs = local.group(g).block_size, remote.group(g).block_size
             tile = lbs * rbs // np.gcd(lbs, rbs)
             tokens[g] = tile
-            lids[g] = list(range(tile // lbs))
-            rids[g] = list(range(tile // rbs))
+            # ids of other groups stay out of the way (pooled groups never share a page)
+            lused = set().union(*(lids[h] for h in lids if h != g))
+            rused = set().union(*(rids[h] for h in rids if h != g))
+            lids[g] = [i for i in range(tile // lbs + len(lused)) if i not in lused][:tile // lbs]
+            rids[g] = [i for i in range(tile // rbs + len(rused)) if i not in rused][:tile // rbs]
         compare(bound, lids, rids, tokens)
         assert not bound.prepared_indices(lids, rids, tokens).tail
 

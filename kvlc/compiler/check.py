@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from kvlc.compiler.aliases import check_aliases, pools
+from kvlc.compiler.overlap import first_shared_byte
 from kvlc.compiler.resolve import Resolved, ResolvedRegion
 from kvlc.errors import CompileError, Problem, format_path
 
@@ -38,7 +40,7 @@ def _disjoint(a, b) -> bool:
         s = a.block_stride
         d = (b.offset - a.offset) % s
         return a.block_bytes <= d and d + b.block_bytes <= s
-    return False
+    return first_shared_byte(a, b) is None  # different strides: exact (kvlc.compiler.overlap)
 
 
 def _overlap_problem(a, rr: ResolvedRegion) -> Problem:
@@ -47,6 +49,9 @@ def _overlap_problem(a, rr: ResolvedRegion) -> Problem:
     expected = f"bytes disjoint from [{a.offset}, {a.end})"
     found = f"[{r.offset}, {r.end})"
     s = a.block_stride
+    if r.block_stride != s:
+        byte = first_shared_byte(a, r)
+        found = f"[{r.offset}, {r.end}) every {r.block_stride} bytes; both hold byte {byte}"
     if r.block_stride == s and a.block_bytes + r.block_bytes <= s:  # could interleave, but collides
         phase = f"(offset - {a.offset}) mod {s}" if a.offset else f"offset mod {s}"
         expected = (f"{phase} in [{a.block_bytes}, {s - r.block_bytes}] to fit between its blocks, "
@@ -54,10 +59,14 @@ def _overlap_problem(a, rr: ResolvedRegion) -> Problem:
         found = f"offset {r.offset}, {phase} = {(r.offset - a.offset) % s}"
     return Problem(rr.path + ("offset",),
                    f"region '{r.name}' overlaps region '{a.name}' in storage '{r.storage}'",
-                   expected=expected, found=found, fix="move the offset, or let it default to 'auto'")
+                   expected=expected, found=found, fix="move the offset, or let it default to 'auto'" + (
+                       f"; if both lie over one page pool on purpose, declare aliases: ['{a.name}'] "
+                       "(one offset, block_stride and num_blocks)"
+                       if r.offset == a.offset and not set(r.groups) & set(a.groups) else ""))
 
 
 def _overlaps(regions: list[ResolvedRegion], problems: list) -> None:
+    pool = pools(regions)
     by_storage: dict[str, list[ResolvedRegion]] = defaultdict(list)
     for rr in regions:
         by_storage[rr.region.storage].append(rr)
@@ -68,6 +77,8 @@ def _overlaps(regions: list[ResolvedRegion], problems: list) -> None:
             r = rr.region
             active = [a for a in active if a.region.end > r.offset]
             for a in active:
+                if pool[a.region.name] == pool[r.name]:
+                    continue  # a declared page pool: checked by check_aliases
                 if not _disjoint(a.region, r):
                     problems.append(_overlap_problem(a.region, rr))
                     break
@@ -177,7 +188,7 @@ def check_overlaps(res: Resolved) -> list[Problem]:
     return problems
 
 
-CHECKS = (check_names, check_strides, check_storage_ends, check_address_space, check_overlaps)
+CHECKS = (check_names, check_strides, check_storage_ends, check_address_space, check_overlaps, check_aliases)
 
 
 def check(res: Resolved) -> Resolved:

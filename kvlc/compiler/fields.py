@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from kvlc.compiler.layout import row_major, shard, valid_tp_sizes
 from kvlc.compiler.plan import PlanDim, PlanField
+from kvlc.compiler.records import Placed, alignment_problems, record_overlaps
 from kvlc.compiler.spec import DTYPE_SIZES, BlockLayout, Dim, LayoutSpec
 from kvlc.errors import Problem, did_you_mean, format_path
 
@@ -159,7 +160,8 @@ class LayoutResolver:
     # ------------------------------------------------------------------ fields
     def _fields(self, f, sizes: list[SizedDim], start: int) -> list[PlanField]:
         item = DTYPE_SIZES[f.dtype]
-        strides = row_major([s.local for s in sizes], item).stride
+        strides = (tuple(s.dim.stride for s in sizes) if f.dims[0].stride is not None
+                   else row_major([s.local for s in sizes], item).stride)
         if f.kind != "sections":
             dims = tuple(PlanDim(name=s.dim.name, role=s.dim.role or "", size=s.local, global_size=s.global_size,
                                  stride=st) for s, st in zip(sizes, strides))
@@ -180,30 +182,39 @@ class LayoutResolver:
     def _layout(self, name: str, layout: BlockLayout, tokens: int, problems: list):
         fields: list[PlanField] = []
         spans: list[Span] = []
+        placed: list[Placed] = []
         cursor = 0
         for fi, f in enumerate(layout.fields):
             sizes = self._sized(f, ("layouts", name, "fields", fi), tokens, problems)
             if sizes is None:
                 continue
-            extent = row_major([s.local for s in sizes]).size * DTYPE_SIZES[f.dtype]
+            item = DTYPE_SIZES[f.dtype]
+            problems.extend(alignment_problems(name, fi, f, item))
             start = cursor if f.offset is None else f.offset
+            made = self._fields(f, sizes, start)
+            extent = made[0].extent if f.dims[0].stride is not None else \
+                row_major([s.local for s in sizes]).size * item
             cursor = start + extent
             spans.append(Span(start, cursor, fi, f.name))
-            fields.extend(self._fields(f, sizes, start))
+            placed.append(Placed(fi, f.name, tuple(made)))
+            fields.extend(made)
         block_bytes = layout.size if layout.size is not None else max((s.end for s in spans), default=0)
-        problems.extend(span_problems(name, spans, block_bytes))
+        strided = any(f.dims[0].stride is not None for f in layout.fields)
+        if strided:  # interleaved records: the byte-exact check replaces the interval one
+            problems.extend(record_overlaps(name, placed))
+        problems.extend(span_problems(name, spans, block_bytes, overlaps=not strided))
         return tuple(fields), block_bytes
 
 
-def span_problems(layout: str, spans: list[Span], block_bytes: int) -> list[Problem]:
-    """Fields that overlap one another, or end outside their block.
+def span_problems(layout: str, spans: list[Span], block_bytes: int, overlaps: bool = True) -> list[Problem]:
+    """Fields that overlap one another (unless ``overlaps`` is False), or end outside their block.
 
     >>> [p.what for p in span_problems("kv", [Span(0, 8, 0, "k"), Span(4, 12, 1, "v")], 10)]
     ["field 'v' overlaps field 'k'", "field 'v' ends outside its block"]
     """
     out = []
     ordered = sorted(spans, key=lambda s: (s.start, s.end, s.index, s.name))
-    for a, b in zip(ordered, ordered[1:]):
+    for a, b in zip(ordered, ordered[1:]) if overlaps else ():
         if b.start < a.end:
             out.append(Problem(("layouts", layout, "fields", b.index, "offset"), f"field '{b.name}' overlaps field "
                                f"'{a.name}'", expected=f"offset >= {a.end}", found=f"bytes [{b.start}, {b.end})",

@@ -12,7 +12,7 @@ import json
 from typing import Any, Literal, Mapping
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, PrivateAttr
+from pydantic import BaseModel, ConfigDict, PrivateAttr, model_serializer
 
 from kvlc.compiler.frozen import FrozenMap
 from kvlc.compiler.layout import Layout, ceildiv, is_state_kind
@@ -133,6 +133,14 @@ class PlanRegion(_Frozen):
     kernel_blocks_per_block: int
     optional: bool = False
     fields: tuple[PlanField, ...]
+    aliases: tuple[str, ...] = ()  # regions lying over the same pages (a shared page pool)
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler):
+        out = handler(self)
+        if not self.aliases:  # plans without aliasing serialize (and hash) as before
+            out.pop("aliases", None)
+        return out
 
     @property
     def is_state(self) -> bool:
@@ -158,7 +166,8 @@ class PlanRegion(_Frozen):
         opt = " optional" if self.optional else ""
         return (f"{self.name} {self.storage}+{self.offset} {self.mem}:{self.device} "
                 f"blocks={self.num_blocks} bytes={self.block_bytes} stride={self.block_stride} "
-                f"{toks} groups={','.join(self.groups)}{opt} | "
+                f"{toks} groups={','.join(self.groups)}{opt}"
+                + (f" aliases={','.join(self.aliases)}" if self.aliases else "") + " | "
                 + " ".join(f.text() for f in self.fields))
 
 

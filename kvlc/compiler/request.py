@@ -148,4 +148,26 @@ def check_request(prog: "TransferProgram", local_block_ids, remote_block_ids, nu
         if regions.is_state and len(kids_l[group]) != len(kids_r[group]):
             raise TransferError(f"group '{group}': {len(kids_l[group])} local vs {len(kids_r[group])} "
                                 "remote state blocks; give one remote block per local block")
+    _pool_conflicts(prog.local if local_receives else prog.remote, kids_l if local_receives else kids_r,
+                    "local" if local_receives else "remote")
     return Request(kids_l, kids_r, tokens_of)
+
+
+def _pool_conflicts(plan, kids: Mapping[str, np.ndarray], side: str) -> None:
+    """Groups whose regions share one page pool (declared aliases) must not receive into one page."""
+    if not any(r.aliases for r in plan.regions):
+        return
+    from kvlc.compiler.aliases import pools
+    members: dict[str, list] = {}
+    pool = pools(plan.regions)
+    for r in plan.regions:
+        members.setdefault(pool[r.name], []).append(r)
+    for regions in members.values():
+        groups = sorted({g for r in regions for g in r.groups if g in kids})
+        for i, ga in enumerate(groups):
+            for gb in groups[i + 1:]:
+                both = np.intersect1d(kids[ga], kids[gb])
+                if both.size:
+                    raise TransferError(f"{side} page {int(both[0])} of pool '{regions[0].name}' is given to "
+                                        f"groups '{ga}' and '{gb}', whose regions share one page pool "
+                                        "(aliases); give each group its own pages")

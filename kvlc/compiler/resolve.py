@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from kvlc.compiler.expand import Expanded, Sourced, layer_range
 from kvlc.compiler.fields import LayoutResolver, unknown_fix
-from kvlc.compiler.layout import ceildiv, shard
+from kvlc.compiler.layout import ceildiv, lcm, shard
 from kvlc.compiler.plan import PlanGroup, PlanRegion, PlanStorage
 from kvlc.compiler.spec import LayoutSpec
 from kvlc.errors import Problem
@@ -161,6 +161,7 @@ def _region(src: Sourced, ctx: _Context) -> ResolvedRegion | None:
             ctx.reported_layouts.add((r.layout, tokens))
             ctx.problems.extend(res.problems)
         return None
+    ctx.problems.extend(_region_alignment(r, path, st.item, first, res.fields))
     stride = res.block_bytes if r.block_stride == "auto" else r.block_stride
     offset = ctx.packing.place(r.storage, r.offset, st.item.align, r.num_blocks, stride, res.block_bytes)
     return ResolvedRegion(PlanRegion(
@@ -168,7 +169,28 @@ def _region(src: Sourced, ctx: _Context) -> ResolvedRegion | None:
         num_blocks=r.num_blocks, block_bytes=res.block_bytes, block_stride=stride,
         groups=tuple(g.name for g in groups), block_tokens=tokens,
         kernel_blocks_per_block=1 if first.is_state else first.kernel_blocks_per_block,
-        optional=r.optional, fields=res.fields), path)
+        optional=r.optional, fields=res.fields, aliases=r.aliases), path)
+
+
+def _region_alignment(r, path: tuple, storage, group: PlanGroup, fields) -> list[Problem]:
+    """A whole number of logical blocks; an explicit offset aligned to the storage's ``align`` and the dtypes."""
+    out = []
+    ratio = 1 if group.is_state else group.kernel_blocks_per_block
+    if r.num_blocks % ratio:
+        down = r.num_blocks - r.num_blocks % ratio
+        out.append(Problem(path + ("num_blocks",), f"region '{r.name}' num_blocks {r.num_blocks} is not a whole "
+                           f"number of logical blocks", expected=f"a multiple of {ratio} (kernel blocks per "
+                           f"{group.block_size}-token block of group '{group.name}')", found=str(r.num_blocks),
+                           fix=f"use {down or ratio} or {down + ratio}"))
+    item = max((f.itemsize for f in fields), default=1)
+    if r.offset != "auto":
+        need = lcm(storage.align, item)
+        if r.offset % need:
+            out.append(Problem(path + ("offset",), f"region '{r.name}' offset {r.offset} is not aligned",
+                               expected=f"a multiple of {need} (storage '{storage.name}' align {storage.align}, "
+                               f"largest dtype {item} bytes)", found=str(r.offset),
+                               fix=f"use offset {r.offset - r.offset % need + need} or 'auto'"))
+    return out
 
 
 def _storages(exp: Expanded, ends: dict[str, int]) -> tuple[ResolvedStorage, ...]:

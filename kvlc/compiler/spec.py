@@ -170,6 +170,7 @@ class Dim(Frozen):
     size: DimSize | str | None = None
     role: Literal["token", "head"] | None = None
     sections: FrozenMap[Name, DimSize] | None = None
+    stride: Positive | None = None  # explicit byte stride (all dims of a field, or none)
 
 
 class ArrayField(Frozen):
@@ -184,6 +185,7 @@ class ArrayField(Frozen):
     @model_validator(mode="after")
     def _dims(self):
         _check_dim_roles(self.dims)
+        _check_strides(self.dims)
         for i, d in enumerate(self.dims):
             if d.sections:
                 raise spec_error(f"dim '{d.name}' has sections, but field '{self.name}' is a plain array",
@@ -208,6 +210,12 @@ class SectionsField(Frozen):
     @model_validator(mode="after")
     def _one_split(self):
         _check_dim_roles(self.dims)
+        strided = [i for i, d in enumerate(self.dims) if d.stride is not None]
+        if strided:
+            raise spec_error(f"sections field '{self.name}' cannot take explicit strides",
+                             expected="strides on plain array fields only", found="stride: "
+                             f"{self.dims[strided[0]].stride}", at=("dims", strided[0], "stride"),
+                             fix="remove 'stride' (sections share their parent's row-major strides)")
         split = [i for i, d in enumerate(self.dims) if d.sections]
         if len(split) != 1:
             names = ", ".join(f"'{self.dims[i].name}'" for i in split)
@@ -223,6 +231,17 @@ class SectionsField(Frozen):
                              expected=f"no 'size' (the sections add up to {sum(d.sections.values())})",
                              found=f"size: {d.size}", at=("dims", split[0], "size"), fix="remove 'size'")
         return self
+
+
+def _check_strides(dims) -> None:
+    """Explicit byte strides are given on every dim of a field or on none."""
+    given = [d.stride is not None for d in dims]
+    if any(given) and not all(given):
+        i = given.index(False)
+        raise spec_error(f"dim '{dims[i].name}' has no stride, but other dims of its field do",
+                         expected="'stride:' on every dim of the field, or on none",
+                         found=f"strides on {sum(given)} of {len(dims)} dims", at=("dims", i),
+                         fix=f"add 'stride:' to dim '{dims[i].name}', or remove the others")
 
 
 def _check_dim_roles(dims) -> None:
@@ -272,6 +291,7 @@ class Region(Frozen):
     offset: NonNegative | Literal["auto"] = "auto"
     block_stride: Positive | Literal["auto"] = "auto"
     optional: bool = False
+    aliases: tuple[Name, ...] = ()  # regions whose pages this one lies over on purpose (one page pool)
 
 
 class Range(Frozen):

@@ -170,7 +170,8 @@ def _allowed_range(loc: tuple) -> str | None:
 
 # Keys people bring from elsewhere, and what to do instead.
 _KEY_HINTS = {
-    ("Dim", "stride"): "remove it: byte strides follow from the order of dims (last dim innermost)",
+    ("Dim", "strides"): "write 'stride:' (one byte stride per dim, on every dim of the field), or leave it "
+                        "out: byte strides then follow from the order of dims (last dim innermost)",
 }
 
 

@@ -215,7 +215,7 @@ def region_row(r: PlanRegion, tp_size: int = 1) -> RegionRow:
         name=r.name, storage=r.storage, mem=f"{r.mem}:{r.device}", offset=r.offset,
         num_blocks=r.num_blocks, capacity=r.capacity, block_bytes=r.block_bytes,
         block_stride=r.block_stride, tokens=_tokens(r), groups=r.groups,
-        bytes=r.num_blocks * r.block_bytes, span=r.end - r.offset,
+        bytes=0 if r.aliases else r.num_blocks * r.block_bytes, span=r.end - r.offset,
         fields=" ".join(field_short(f) for f in r.fields), optional=r.optional,
         replicas=max((replicas(f, tp_size) for f in r.fields), default=1))
 
@@ -236,7 +236,7 @@ def summarize(plan: Plan) -> Summary:
         regs = [r for r in plan.regions if r.mem == mem]
         devices = tuple(sorted({s.device for s in sts} | {r.device for r in regs}))
         mems.append(MemTotal(mem=mem, devices=devices, storages=len(sts), size=sum(s.size for s in sts),
-                             regions=len(regs), bytes=sum(r.num_blocks * r.block_bytes for r in regs)))
+                             regions=len(regs), bytes=sum(r.num_blocks * r.block_bytes for r in regs if not r.aliases)))
     groups = []
     for g in plan.groups:
         regs = [r for r in plan.regions if g.name in r.groups]
