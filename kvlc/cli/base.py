@@ -71,6 +71,15 @@ def main() -> None:
     """kvlc: compile KV-cache layout specs into plans and move KV blocks with NIXL."""
 
 
+def emit(text: str, output: str | None, note: str = "written") -> None:
+    """Write ``text`` to ``output`` atomically (saying so on stderr), or print it."""
+    if output:
+        write_atomic(output, text)
+        click.echo(f"{output}: {note}", err=True)
+    else:
+        click.echo(text, nl=False)
+
+
 def _echo_json(doc: dict) -> None:
     import json
     click.echo(json.dumps(doc, indent=2))

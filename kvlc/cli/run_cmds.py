@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from kvlc.cli.base import EXIT_SPEC, _fail, main, write_atomic
+from kvlc.cli.base import EXIT_SPEC, _fail, emit, main, write_atomic
 from kvlc.errors import KvlcError
 
 
@@ -71,11 +71,8 @@ def from_vllm(model_dir: str, backend: str, block_size: int | None, kernel_block
         _fail(exc)
     if save_view:
         write_atomic(save_view, json.dumps(view.to_dict(), indent=1) + "\n")
-    if output:
-        write_atomic(output, text)
-        click.echo(f"{output}: {len(view.layers)} layers from {view.provenance.value}", err=True)
-    else:
-        click.echo(text, nl=False)
+    emit(text, output, f"{len(view.layers)} layers from {view.provenance.value}")
+
 
 @main.command()
 @click.argument("layout", required=False, type=click.Path(exists=True, dir_okay=False))
@@ -185,6 +182,7 @@ def _run_demo(run_demo, layout, consumer, mode, requests, tokens, pool_mib, chec
                       f"({result.checked_bytes:,} bytes); the rest moved unchecked[/yellow]")
     else:
         console.print("done: nothing verified (--check none)")
+
 
 @main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
 @click.option("--only", metavar="NAMES", help="Comma-separated benchmarks: compile, pair, prep, transfer.")

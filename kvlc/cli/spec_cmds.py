@@ -7,7 +7,7 @@ import sys
 import click
 
 from kvlc.cli.base import (EXIT_SPEC, _config_opt, _echo_json, _fail, _load_plan, _overrides, _set_opt,
-                           main, write_atomic)
+                           emit, main, write_atomic)
 from kvlc.errors import KvlcError
 
 
@@ -75,6 +75,7 @@ def _check_json(specs: tuple[str, ...], config: str | None, sets: tuple[str, ...
     if not doc["ok"]:
         sys.exit(EXIT_SPEC)
 
+
 @main.command()
 @click.argument("template", type=click.Path(exists=True, dir_okay=False))
 @_config_opt
@@ -94,11 +95,7 @@ def render(template: str, config: str | None, sets: tuple[str, ...], output: str
         compile_spec(spec)
     except KvlcError as exc:
         _fail(exc)
-    if output:
-        write_atomic(output, text)
-        click.echo(f"{output}: written", err=True)
-    else:
-        click.echo(text, nl=False)
+    emit(text, output)
 
 def _layer_window(text: str | None) -> tuple[int, int] | None:
     if text is None:
@@ -155,11 +152,8 @@ def init_cmd(config: str, engine: str, backend: str, tp_size: int, pp_size: int,
             text = _json.dumps(init_spec(cfg, opts), indent=2) + "\n"
     except KvlcError as exc:
         _fail(exc)
-    if output:
-        write_atomic(output, text)
-        click.echo(f"{output}: written", err=True)
-    else:
-        click.echo(text, nl=False)
+    emit(text, output)
+
 
 @main.command()
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write the schema here.")
@@ -170,8 +164,4 @@ def schema(output: str | None) -> None:
     """
     from kvlc.schema import schema_json
     text = schema_json()
-    if output:
-        write_atomic(output, text)
-        click.echo(f"{output}: written", err=True)
-    else:
-        click.echo(text, nl=False)
+    emit(text, output)
