@@ -29,9 +29,10 @@ from kvlc.errors import KvlcError
 @click.option("--kv-cache-mib", type=int, default=64, show_default=True, help="KV-cache memory of the engine.")
 @click.option("--save-view", type=click.Path(dir_okay=False), help="Also write the engine view as JSON here.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write the YAML here.")
+@click.option("--json", "as_json", is_flag=True, help="Write the spec as JSON instead of commented YAML.")
 def from_vllm(model_dir: str, backend: str, block_size: int | None, kernel_block_size: int | None, tp_size: int,
               tp_rank: int, kv_dtype: str, num_blocks: int | None, layout: str | None, from_engine: bool,
-              kv_cache_mib: int, save_view: str | None, output: str | None) -> None:
+              kv_cache_mib: int, save_view: str | None, output: str | None, as_json: bool) -> None:
     """The kvlc spec of a vLLM engine serving MODEL_DIR, as commented YAML.
 
     Derived from MODEL_DIR/config.json and vLLM's published backend layouts without
@@ -41,7 +42,7 @@ def from_vllm(model_dir: str, backend: str, block_size: int | None, kernel_block
     import json
 
     from kvlc.compiler import compile_spec
-    from kvlc.engines.vllm.derive import spec_yaml
+    from kvlc.engines.vllm.derive import derive_spec, spec_yaml
     block_size = block_size or (128 if backend == "CPU_ATTN" else 16)
     try:
         if from_engine:
@@ -67,6 +68,8 @@ def from_vllm(model_dir: str, backend: str, block_size: int | None, kernel_block
                                   kv_dtype=kv_dtype, layout=layout, kernel_block_size=kernel_block_size)
         text = spec_yaml(view)
         compile_spec(text)
+        if as_json:
+            text = json.dumps(derive_spec(view), indent=2) + "\n"
     except KvlcError as exc:
         _fail(exc)
     if save_view:
@@ -89,8 +92,9 @@ def from_vllm(model_dir: str, backend: str, block_size: int | None, kernel_block
               help="Producer block ids: scattered over the pool, or contiguous runs (descriptors coalesce).")
 @click.option("--descriptors", type=click.Choice(["rows", "prepped"]), default="rows", show_default=True,
               help="rows: coalesced (N, 3) rows per request; prepped: strided lists prepared once, indices per request.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON document (no progress display).")
 def demo(layout: str | None, consumer: str | None, mode: str, requests: int, tokens: int | None, pool_mib: int,
-         check: str, ids: str, descriptors: str) -> None:
+         check: str, ids: str, descriptors: str, as_json: bool) -> None:
     """Producer and consumer processes on loopback move a content-coded workload; every byte is checked.
 
     The producer fills its cache with bytes that encode what they are (region, field, head,
@@ -119,7 +123,28 @@ def demo(layout: str | None, consumer: str | None, mode: str, requests: int, tok
         make_workload(cons, prod, 1, tokens)
     except KvlcError as exc:
         _fail(exc)
-    _run_demo(run_demo, layout, consumer, mode, requests, tokens, pool_mib, check, ids, descriptors)
+    args = dict(mode=mode, requests=requests, tokens=tokens, max_bytes=pool_mib << 20, check=check, ids=ids,
+                descriptors=descriptors)
+    if as_json:
+        _demo_json(run_demo, layout, consumer, args)
+    else:
+        _run_demo(run_demo, layout, consumer, args)
+
+
+def _demo_json(run_demo, layout: str, consumer: str | None, args: dict) -> None:
+    """``kvlc demo --json``: the whole result as data; exit 1 on any mismatch or failed request."""
+    import dataclasses
+    import json
+
+    try:
+        result = run_demo(layout, consumer, **args)
+    except KvlcError as exc:
+        _fail(exc)
+    doc = {"producer": layout, "consumer": consumer or layout, **dataclasses.asdict(result),
+           "gbps": result.gbps, "descriptors_per_request": result.descriptors_per_request, "ok": result.ok}
+    click.echo(json.dumps(doc, indent=2))
+    if not result.ok:
+        sys.exit(1)
 
 
 def _demo_needs_extras() -> None:
@@ -132,13 +157,14 @@ def _demo_needs_extras() -> None:
         sys.exit(EXIT_SPEC)
 
 
-def _run_demo(run_demo, layout, consumer, mode, requests, tokens, pool_mib, check, ids, descriptors) -> None:
+def _run_demo(run_demo, layout: str, consumer: str | None, args: dict) -> None:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
     console = Console()
-    console.print(f"kvlc demo: {mode} {requests} requests, producer {layout}"
+    requests = args["requests"]
+    console.print(f"kvlc demo: {args['mode']} {requests} requests, producer {layout}"
                   + (f", consumer {consumer}" if consumer else ""), highlight=False)
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), console=console) as bar:
@@ -149,9 +175,7 @@ def _run_demo(run_demo, layout, consumer, mode, requests, tokens, pool_mib, chec
             bar.update(task, completed=done, rate=rate)
 
         try:
-            result = run_demo(layout, consumer, mode=mode, requests=requests, tokens=tokens,
-                              max_bytes=pool_mib << 20, progress=progress, check=check, ids=ids,
-                              descriptors=descriptors)
+            result = run_demo(layout, consumer, progress=progress, **args)
         except KvlcError as exc:
             _fail(exc)
     table = Table(title="result")

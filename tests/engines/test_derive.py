@@ -297,6 +297,15 @@ def test_from_vllm_prints_a_spec_that_compiles(model_dir, args):
     assert plan.regions[0].num_blocks == 40 and plan.model.num_layers == 4
 
 
+def test_from_vllm_json_is_the_same_spec_as_the_yaml(model_dir):
+    """`--json` prints the derived spec as JSON; it compiles to the plan the YAML compiles to."""
+    yaml_out = CliRunner().invoke(main, ["from-vllm", str(model_dir), "--num-blocks", "40"])
+    json_out = CliRunner().invoke(main, ["from-vllm", str(model_dir), "--num-blocks", "40", "--json"])
+    assert yaml_out.exit_code == 0 and json_out.exit_code == 0, json_out.output
+    assert json.loads(json_out.output)["kvlc"] == 1
+    assert compile_spec(json_out.output).digest == compile_spec(yaml_out.output).digest
+
+
 def test_from_vllm_writes_file_and_view(model_dir, tmp_path):
     """-o writes the YAML, --save-view the view JSON that rebuilds the same spec."""
     out, saved = tmp_path / "spec.yaml", tmp_path / "view.json"

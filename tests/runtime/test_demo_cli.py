@@ -72,3 +72,16 @@ def test_missing_extras_are_named_with_the_install_command(monkeypatch, capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "missing: msgpack" in err and "pip install 'kvlc[runtime]'" in err
+
+
+def test_demo_json_is_one_document_with_what_was_verified(tmp_path):
+    """``--json`` prints one JSON document (no progress display): counts, times, bytes verified, ok."""
+    import json
+
+    pytest.importorskip("nixl")
+    out = _demo("--requests", "2", "--pool-mib", "2", "--json", cwd=tmp_path)
+    assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-2000:])
+    doc = json.loads(out.stdout)
+    assert doc["ok"] is True and doc["requests"] == 2 and doc["verified_requests"] == 2
+    assert doc["checked_bytes"] > 0 and doc["mismatches"] == [] and doc["failed"] == {}
+    assert doc["startup_seconds"] > 0 and doc["nbytes"] > 0 and doc["descriptors_per_request"] > 0
