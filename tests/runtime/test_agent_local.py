@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import msgpack
 import pytest
-from engines import KEY, LAYOUTS, SECRET, TEST_LAYOUTS
+from runtime_engines import KEY, LAYOUTS, SECRET, TEST_LAYOUTS
 
 from kvlc import compile_spec
 from kvlc.errors import CompatError, TransferError

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from engines import TEST_LAYOUTS, config
+from runtime_engines import TEST_LAYOUTS, config
 
 from kvlc import compile_spec
 from kvlc.testing.procs import EngineProcess, stop_engines

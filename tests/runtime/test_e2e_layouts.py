@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import yaml
-from engines import LAYOUTS, TEST_LAYOUTS, check_bytes, config, flip, move
+from runtime_engines import LAYOUTS, TEST_LAYOUTS, check_bytes, config, flip, move
 
 from kvlc.compiler.pair import pair
 from kvlc.testing.demo import cpu_plan, default_tokens, make_workload

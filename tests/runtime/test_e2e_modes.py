@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from engines import TEST_LAYOUTS, check_bytes, config, flip, move
+from runtime_engines import TEST_LAYOUTS, check_bytes, config, flip, move
 
 from kvlc import compile_spec
 from kvlc.testing.procs import start_engines, stop_engines

@@ -12,7 +12,7 @@ import signal
 import time
 
 import pytest
-from engines import TEST_LAYOUTS, check_from_many, config, flip
+from runtime_engines import TEST_LAYOUTS, check_from_many, config, flip
 
 from kvlc import compile_spec
 from kvlc.testing.procs import EngineProcess, stop_engines

@@ -12,7 +12,7 @@ import socket
 import msgpack
 import numpy as np
 import pytest
-from engines import KEY, SECRET, TEST_LAYOUTS
+from runtime_engines import KEY, SECRET, TEST_LAYOUTS
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -11,7 +11,7 @@ import time
 import weakref
 
 import pytest
-from engines import SECRET, TEST_LAYOUTS
+from runtime_engines import SECRET, TEST_LAYOUTS
 
 from kvlc import compile_spec
 from kvlc.errors import TransferError

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from engines import LAYOUTS, TEST_LAYOUTS
+from runtime_engines import LAYOUTS, TEST_LAYOUTS
 
 from kvlc import compile_spec
 from kvlc.testing.content import expected_bytes

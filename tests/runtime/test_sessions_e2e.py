@@ -10,7 +10,7 @@ then one producer engine is killed with requests in flight and restarted under t
 from __future__ import annotations
 
 import pytest
-from engines import TEST_LAYOUTS, TIMEOUT, check_from_many, config, flip
+from runtime_engines import TEST_LAYOUTS, TIMEOUT, check_from_many, config, flip
 
 from kvlc import compile_spec
 from kvlc.testing.procs import EngineProcess, stop_engines

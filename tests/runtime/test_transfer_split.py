@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from engines import LAYOUTS
+from runtime_engines import LAYOUTS
 from fake import FakeAgent
 
 from kvlc import compile_spec

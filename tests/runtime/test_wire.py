@@ -6,7 +6,7 @@ import json
 
 import msgpack
 import pytest
-from engines import TEST_LAYOUTS
+from runtime_engines import TEST_LAYOUTS
 
 from kvlc import compile_spec
 from kvlc.runtime.errors import HandshakeError
