@@ -70,6 +70,9 @@ FIELD_DOCS: dict[tuple[str, str], str] = {
     ("Dim", "size"): "An integer, a `model.sizes` name, or omitted: a dim named like a model size takes it; "
                      "a `token` dim takes the kernel block size. A `head` dim gives the *global* count.",
     ("Dim", "role"): "`token` (the axis block size counts), `head` (sharded by tensor parallelism), or none.",
+    ("Dim", "stride"): "Byte stride of this dim (CuTe-style `shape:stride`); on every dim of a field or on "
+                       "none. With strides, fields of different dtypes interleave in one per-token record "
+                       "(checked byte-exactly for overlap); without, dims are row-major over per-rank sizes.",
     ("Dim", "sections"): "Only in a `kind: sections` field: `{NAME: SIZE, ...}` splits this dim into named "
                          "parts, each sharded by TP on its own (Mamba conv x|B|C).",
     ("ArrayField", "kind"): "`array` (the default; may be omitted).",
@@ -91,6 +94,9 @@ FIELD_DOCS: dict[tuple[str, str], str] = {
     ("Region", "layout"): "The block layout of its blocks (a key of `layouts`).",
     ("Region", "num_blocks"): "Kernel blocks it holds; block ids address logical blocks "
                               "(`num_blocks / (block_size / kernel_block_size)` of them).",
+    ("Region", "aliases"): "Regions this one lies over page for page (same storage, offset, stride and "
+                          "block count), serving other groups of one page pool (vLLM's hybrid allocator); "
+                          "any overlap not declared here is an error.",
     ("Region", "groups"): "The group(s) whose blocks it holds; several = a region shared by groups of one "
                           "block geometry.",
     ("Region", "offset"): "Byte offset of block 0 in the storage, or `auto`: after the previous region in "
