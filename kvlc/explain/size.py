@@ -130,12 +130,18 @@ def _groups(plan: Plan, tokens: int) -> tuple[GroupSize, ...]:
 
 
 def _ids(plan: Plan, tokens: int, groups, scattered: bool) -> dict[str, list[int]]:
-    """Block ids per group: ``0..n-1`` ascending, or descending (no two consecutive)."""
-    out = {}
+    """Block ids per group: ``0..n-1`` ascending, or descending (no two consecutive).
+
+    Where groups share one page pool (declared aliases) each group gets its own pages, one range
+    after the other, as an engine's allocator would hand them out.
+    """
+    shared = any(r.aliases for r in plan.regions)
+    out, start = {}, 0
     for g in groups:
         n = plan.blocks_for(g, tokens)
-        ids = list(range(n))
+        ids = list(range(start, start + n))
         out[g] = ids[::-1] if scattered else ids
+        start += n if shared else 0
     return out
 
 
