@@ -1,0 +1,244 @@
+"""The child side of :mod:`kvlc.testing.procs`: hosts agents, fills their memory, answers the pipe.
+
+Runs in a spawned interpreter; imports torch and nixl (through the runtime) only there.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from kvlc.testing.procs import EngineConfig
+
+
+def _fill(plan, rank: int, tensors: Mapping[str, Any], how: str, seed: int) -> None:
+    import torch
+
+    if how == "zeros":
+        return
+    host = {
+        n: (t if t.device.type == "cpu" else torch.empty(t.numel(), dtype=torch.uint8))
+        for n, t in tensors.items()
+    }
+    if how == "content":
+        from kvlc.testing.content import fill
+
+        fill(plan, rank, {n: t.numpy() for n, t in host.items()})
+    else:
+        rng = np.random.default_rng(seed)
+        for t in host.values():
+            t.numpy()[:] = rng.integers(0, 256, t.numel(), dtype=np.uint8)
+    for n, t in tensors.items():
+        if t.device.type != "cpu":
+            t.copy_(host[n])
+
+
+class _Hosted:
+    """One agent in the child, with the completions it has seen."""
+
+    def __init__(self, cfg: EngineConfig):
+        from kvlc.compiler.plan import Plan
+        from kvlc.runtime.agent import KvAgent
+        from kvlc.runtime.binding import allocate
+
+        self.plan = Plan.from_json(cfg.plan_json)
+        self.tensors = allocate(self.plan, pin=cfg.pin)
+        _fill(self.plan, cfg.rank, self.tensors, cfg.fill, cfg.seed)
+        self.agent = KvAgent(
+            self.plan,
+            cfg.rank,
+            self.tensors,
+            name=cfg.name,
+            timeout=cfg.timeout,
+            telemetry=cfg.telemetry,
+            progress=cfg.progress,
+            secret=cfg.secret,
+            insecure=cfg.insecure,
+            engine_id=cfg.engine_id or f"harness-{self.plan.digest[:12]}-{cfg.fill}",
+            lease=cfg.lease,
+        )
+        self.address = self.agent.serve(cfg.host)
+        self.peers: dict[str, Any] = {}
+        self.finished: dict[str, float] = {}
+        self.failed: dict[str, str] = {}
+        self.held: dict[str, str] = {}
+        self.freeable: list[str] = []
+        self.flips: list[str] = []  # contract breaks seen: a request finished after it had failed/held
+
+    def pump(self) -> bool:
+        c = self.agent.poll()
+        now = time.perf_counter()
+        for r in c.finished:
+            if r in self.failed or r in self.held:
+                self.flips.append(r)
+            self.finished[r] = now
+        self.held.update(c.held)
+        self.failed.update(c.failed)
+        self.freeable.extend(c.freeable)
+        return bool(c)
+
+
+def resources(h: _Hosted | None = None) -> dict:
+    """This process's open fds, threads and RSS (KiB), plus the agent's live NIXL handles."""
+    import threading
+
+    out = {"fds": len(os.listdir("/proc/self/fd")), "threads": threading.active_count()}
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("VmRSS:"):
+                out["rss_kib"] = int(line.split()[1])
+    if h is not None:
+        out.update(nixl_handles=h.agent.nixl.live_handles, remotes=len(h.agent.nixl.remotes),
+                   sessions=len(h.agent.sessions.all()), incoming=len(h.agent.incoming),
+                   tallies=len(h.agent.tallies), in_flight=h.agent.in_flight)
+    return out
+
+
+def _main(conn) -> None:  # pragma: no cover - runs in the child
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    hosted: dict[int, _Hosted] = {}
+
+    def pump_all() -> bool:
+        busy = False
+        for h in hosted.values():
+            busy |= h.pump()
+        return busy
+
+    def wait(h: _Hosted, ids, timeout):
+        deadline = time.monotonic() + timeout
+        want = set(ids)
+        while not want <= (set(h.finished) | set(h.failed)) and time.monotonic() < deadline:
+            if not pump_all():
+                time.sleep(0.0002)
+
+    def submit(h: _Hosted, peer_id, method, requests, timeout):
+        errors = {}
+        fn = getattr(h.peers[peer_id], method)
+        for req, lids, rids, n in requests:
+            try:
+                fn(req, lids, rids, n, timeout=timeout)
+            except Exception as exc:
+                errors[req] = f"{type(exc).__name__}: {exc}"
+        return errors
+
+    def outcome(h: _Hosted, ids):
+        return {
+            "finished": sorted(set(ids) & set(h.finished)),
+            "failed": {r: h.failed[r] for r in ids if r in h.failed},
+            "held": {r: h.held[r] for r in ids if r in h.held and r not in h.failed},
+            "ever_held": sorted(set(ids) & set(h.held)),
+            "open": sorted(set(ids) - set(h.finished) - set(h.failed)),
+        }
+
+    while True:
+        busy = pump_all()
+        if not conn.poll(0 if busy else 0.0005):
+            continue
+        cmd, aid, *args = conn.recv()
+        try:
+            if cmd == "add":
+                h = hosted[aid] = _Hosted(args[0])
+                result = {"address": h.address, "name": h.agent.name}
+            elif cmd == "batch":  # several agents' requests at once, waited together: timing
+                jobs, timeout = args
+                t0 = time.perf_counter()
+                errors = {}
+                for a_id, peer_id, method, requests in jobs:
+                    errors[a_id] = submit(hosted[a_id], peer_id, method, requests, timeout)
+                result = {}
+                for a_id, peer_id, method, requests in jobs:
+                    h = hosted[a_id]
+                    ids = [r[0] for r in requests if r[0] not in errors[a_id]]
+                    wait(h, ids, timeout + 5)
+                    result[a_id] = dict(
+                        outcome(h, ids),
+                        errors=errors[a_id],
+                        end=max([h.finished[r] for r in ids if r in h.finished], default=t0),
+                    )
+                result = {"agents": result, "seconds": max(r["end"] for r in result.values()) - t0}
+            elif cmd == "exit":
+                for h in hosted.values():
+                    h.agent.close()
+                conn.send(("ok", None))
+                return
+            else:
+                h = hosted[aid]
+                if cmd == "connect":
+                    addrs, direction, mode, peer_id = args
+                    peer = h.agent.connect(*addrs, direction=direction, mode=mode)
+                    h.peers[peer_id] = peer
+                    result = {"peer_ranks": list(peer.peer_ranks), "program": peer.program.text()}
+                elif cmd == "submit":
+                    result = submit(h, *args)
+                elif cmd == "run":  # submit a batch, wait for all of it: timing
+                    peer_id, method, requests, timeout = args
+                    t0 = time.perf_counter()
+                    errors = submit(h, peer_id, method, requests, timeout)
+                    ids = [r[0] for r in requests if r[0] not in errors]
+                    wait(h, ids, timeout + 5)
+                    result = outcome(h, ids)
+                    ends = [h.finished[r] for r in result["finished"]]
+                    result.update(errors=errors, seconds=(max(ends) - t0) if ends else 0.0)
+                elif cmd == "expect":
+                    h.agent.expect(*args)
+                    result = None
+                elif cmd in ("cancel", "offer"):
+                    getattr(h.agent, cmd)(*args)
+                    result = None
+                elif cmd == "peer_close":
+                    h.peers.pop(args[0]).close()
+                    result = None
+                elif cmd == "resources":
+                    result = resources(h)
+                elif cmd == "wait":
+                    ids, timeout = args
+                    wait(h, ids, timeout)
+                    result = outcome(h, ids)
+                elif cmd == "events":
+                    h.pump()
+                    result = {
+                        "finished": sorted(h.finished),
+                        "failed": dict(h.failed),
+                        "held": dict(h.held),
+                        "freeable": list(h.freeable),
+                        "flips": list(h.flips),
+                    }
+                    h.finished.clear(), h.failed.clear(), h.freeable.clear(), h.held.clear()
+                elif cmd == "dump":
+                    result = {n: t.cpu().numpy().copy() for n, t in h.tensors.items()}
+                elif cmd == "stats":
+                    from kvlc.runtime.nixl import Xfer
+
+                    a = h.agent
+                    result = dict(
+                        a.stats,
+                        live_handles=a.nixl.live_handles,
+                        in_flight=a.in_flight,
+                        remotes=len(a.nixl.remotes),
+                        xfers=len(a.nixl.live(Xfer)),
+                    )
+                elif cmd == "close":
+                    h.agent.close()
+                    result = {"live_handles": h.agent.nixl.live_handles, "remotes": len(h.agent.nixl.remotes)}
+                elif cmd == "drop":  # close and forget the agent and its tensors
+                    h.agent.close()
+                    del hosted[aid]
+                    result = None
+                else:
+                    raise ValueError(f"unknown command {cmd!r}")
+        except Exception as exc:
+            conn.send(
+                (
+                    "error",
+                    type(exc).__name__,
+                    f"{exc}" if cmd != "add" else f"{exc}\n{traceback.format_exc()}",
+                )
+            )
+        else:
+            conn.send(("ok", result))
