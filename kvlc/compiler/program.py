@@ -199,13 +199,17 @@ class TransferProgram:
         return self.memo.get("index", lambda: ProgramIndex.build(self))
 
     def check_request(self, local_block_ids: Mapping[str, Sequence[int]],
-                      remote_block_ids: Mapping[str, Sequence[int]], num_tokens: int | Mapping[str, int]):
+                      remote_block_ids: Mapping[str, Sequence[int]],
+                      num_tokens: int | Mapping[str, int] | None = None, *, tokens=None):
         """Validate a request's ids (types, counts, bounds, duplicates) and expand them to kernel block ids.
 
+        ``num_tokens=N`` moves tokens ``[0, N)``; ``tokens=(start, stop)`` or ``range(start, stop)``
+        (or a mapping group -> either) moves ``[start, stop)``. Each side's ids list that side's
+        logical blocks the range touches, in order: ``start // bs .. ceil(stop / bs) - 1``.
         Returns a :class:`kvlc.compiler.request.Request`; raises only :class:`~kvlc.errors.TransferError`.
         """
         from kvlc.compiler.request import check_request
-        return check_request(self, local_block_ids, remote_block_ids, num_tokens)
+        return check_request(self, local_block_ids, remote_block_ids, num_tokens, tokens=tokens)
 
     def bind(self, local_bases: Mapping[str, object], remote_bases: Mapping[int, Mapping[str, object]]):
         """Fix storage base addresses once (per connection); then instantiate per request.
@@ -217,12 +221,13 @@ class TransferProgram:
 
     def instantiate(self, local_bases: Mapping[str, object], remote_bases: Mapping[int, Mapping[str, object]],
                     local_block_ids: Mapping[str, Sequence[int]], remote_block_ids: Mapping[str, Sequence[int]],
-                    num_tokens: int | Mapping[str, int], *, coalesce: str = "order"):
+                    num_tokens: int | Mapping[str, int] | None = None, *, tokens=None, coalesce: str = "order"):
         """Descriptors of one request, per part: ``bind(...)`` then ``instantiate(...)``.
 
-        Block ids are logical, per group name. Every id is checked against every
+        Block ids are logical, per group name (see :meth:`check_request` for ``num_tokens`` /
+        ``tokens`` and which blocks the ids list). Every id is checked against every
         region's capacity before any descriptor is built. See
         :meth:`kvlc.compiler.instantiate.BoundProgram.instantiate` for ``coalesce``.
         """
-        req = self.check_request(local_block_ids, remote_block_ids, num_tokens)
+        req = self.check_request(local_block_ids, remote_block_ids, num_tokens, tokens=tokens)
         return self.bind(local_bases, remote_bases).emit(req, coalesce=coalesce)

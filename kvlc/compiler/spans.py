@@ -1,0 +1,118 @@
+"""Per request, token arithmetic — which tokens ``[start, stop)`` a request moves, in which blocks and tiles.
+
+A request names the tokens ``[start, stop)`` it moves (``num_tokens=N`` is ``[0, N)``).
+Each side's block ids list the blocks of that side that the range touches, in order:
+logical blocks ``start // bs .. ceil(stop / bs) - 1`` of that side's block size ``bs``
+(:func:`block_span`). Bytes of tokens outside the range are never written, also in a
+block the range covers only partly (a prefix-cache hit that ends mid-block).
+
+A sliding-window group moves only what its window still needs (:func:`window_start`).
+Pure integer rules; :mod:`kvlc.compiler.request` applies them, :mod:`kvlc.compiler.instantiate`
+and :mod:`kvlc.compiler.prepared` walk the tiles of :func:`tile_spans`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvlc.compiler.layout import ceildiv
+
+
+@dataclass(frozen=True)
+class Span:
+    """Tokens ``[start, stop)`` of one group (``start < stop``, or equal: nothing to move)."""
+
+    start: int
+    stop: int
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+
+def block_span(span: Span, block_size: int) -> tuple[int, int]:
+    """First logical block and number of blocks of size ``block_size`` that ``span`` touches.
+
+    >>> block_span(Span(20, 40), 16)    # blocks 1 and 2: tokens 16..47
+    (1, 2)
+    >>> block_span(Span(0, 33), 16)
+    (0, 3)
+    """
+    first = span.start // block_size
+    return first, ceildiv(span.stop, block_size) - first
+
+
+def window_start(span: Span, window: int, block_size: int) -> int:
+    """First token a sliding-window group of ``window`` tokens still needs after ``span``, at the receiver.
+
+    vLLM computes token ``stop`` next; it attends to ``[stop - window + 1, stop]``
+    (``SlidingWindowManager.get_num_skipped_tokens`` in
+    vllm/v1/core/single_type_kv_cache_manager.py: ``max(0, num_computed_tokens -
+    sliding_window + 1)`` tokens are skipped), and ``remove_skipped_blocks`` frees
+    (replaces by the null block) only blocks whose tokens are all skipped. The receiving
+    side's blocks that stay must hold every one of their tokens (they may be cached and hit
+    by a later, shorter prefix), so the range starts at the first kept block of the receiver
+    (logical blocks of ``block_size`` tokens), never before the request's own ``start``.
+
+    >>> window_start(Span(0, 100), 32, 16)    # skipped: 69 tokens -> blocks 0..3 go; block 4 (64..79) stays
+    64
+    >>> window_start(Span(90, 100), 32, 16), window_start(Span(0, 20), 32, 16)
+    (90, 0)
+    """
+    skipped = max(0, span.stop - window + 1)
+    return max(span.start, skipped // block_size * block_size)
+
+
+def window_max_blocks(window: int, block_size: int) -> int:
+    """Most receiver blocks of ``block_size`` tokens a sliding-window group moves per request.
+
+    The kept blocks are those holding a token of ``[stop - window + 1, stop)``: at most
+    ``ceil((window + block_size - 2) / block_size)``, never more than vLLM's
+    ``cdiv(window, block_size) + 1`` (its NIXL connector's clip).
+
+    >>> window_max_blocks(1024, 16), window_max_blocks(128, 16), window_max_blocks(1, 16)
+    (65, 9, 1)
+    """
+    return max(1, ceildiv(window + block_size - 2, block_size))
+
+
+@dataclass(frozen=True)
+class PartialTile:
+    """Tokens ``[lo, hi)`` (offsets in the tile) of tile ``tile``: a tile the range covers only partly."""
+
+    tile: int
+    lo: int
+    hi: int
+
+
+@dataclass(frozen=True)
+class TileSpan:
+    """The tiles of a span: ``count`` whole tiles from tile ``first``, and up to two partial ones."""
+
+    first: int
+    count: int
+    partial: tuple[PartialTile, ...]
+
+
+def tile_spans(span: Span, tile_tokens: int) -> TileSpan:
+    """Whole and partial tiles of ``tile_tokens`` tokens that ``span`` covers (tile ``j``: tokens ``j*T ..``).
+
+    >>> tile_spans(Span(0, 40), 16)
+    TileSpan(first=0, count=2, partial=(PartialTile(tile=2, lo=0, hi=8),))
+    >>> tile_spans(Span(20, 40), 16)
+    TileSpan(first=2, count=0, partial=(PartialTile(tile=1, lo=4, hi=16), PartialTile(tile=2, lo=0, hi=8)))
+    >>> tile_spans(Span(18, 30), 16)
+    TileSpan(first=1, count=0, partial=(PartialTile(tile=1, lo=2, hi=14),))
+    """
+    T = tile_tokens
+    if span.stop <= span.start:
+        return TileSpan(0, 0, ())
+    head, last = span.start // T, span.stop // T
+    if head == last:                      # inside one tile (then stop % T > 0)
+        return TileSpan(head, 0, (PartialTile(head, span.start - head * T, span.stop - head * T),))
+    first = ceildiv(span.start, T)
+    partial = []
+    if span.start % T:
+        partial.append(PartialTile(head, span.start % T, T))
+    if span.stop % T:
+        partial.append(PartialTile(last, 0, span.stop % T))
+    return TileSpan(first, last - first, tuple(partial))
