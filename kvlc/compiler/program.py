@@ -10,7 +10,7 @@ turned into prepared lists (:mod:`kvlc.compiler.prepared`).
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Hashable, Mapping, Sequence
 
 import numpy as np
@@ -182,13 +182,24 @@ class TransferProgram:
         both = overlap(self.local, self.remote)
         return both if both is not None else (0, 0)
 
+    def window_stats(self) -> tuple:
+        """Per sliding-window group: the most blocks and tokens one request moves
+        (:class:`kvlc.compiler.spans.WindowStats`; only the blocks the window still needs move)."""
+        from kvlc.compiler.spans import window_stats
+        recv, send = (self.local, self.remote) if self.direction == "READ" else (self.remote, self.local)
+        side = "local" if self.direction == "READ" else "remote"
+        groups = {e.group for e in self.entries}
+        return tuple(window_stats(g.name, g.window, side, g.block_size, send.group(g.name).block_size)
+                     for g in recv.groups if g.kind == "sliding_window" and g.name in groups)
+
     def summary(self) -> dict:
-        """The program as JSON-ready data: peers, consumer counts, layers covered, parts and digest."""
+        """The program as JSON-ready data: peers, consumer counts, layers covered, parts, windows and digest."""
         return {"peer_ranks": list(self.peer_ranks), "layers": list(self.layers),
                 "consumer_counts": {str(k): v for k, v in sorted(self.consumer_counts.items())},
                 "parts": [{"peer_rank": k.peer_rank, "local_mem": k.local_mem, "remote_mem": k.remote_mem,
                            "entries": s.entries, "runs_per_tile": s.runs_per_tile,
                            "bytes_per_tile": s.bytes_per_tile} for k, s in self.part_stats().items()],
+                "windows": [{**asdict(w), "vllm_blocks": w.vllm_blocks} for w in self.window_stats()],
                 "digest": self.digest}
 
     # ------------------------------------------------------------------ per request

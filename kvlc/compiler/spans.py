@@ -14,6 +14,7 @@ and :mod:`kvlc.compiler.prepared` walk the tiles of :func:`tile_spans`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from math import gcd
 
 from kvlc.compiler.layout import ceildiv
 
@@ -62,17 +63,48 @@ def window_start(span: Span, window: int, block_size: int) -> int:
     return max(span.start, skipped // block_size * block_size)
 
 
-def window_max_blocks(window: int, block_size: int) -> int:
-    """Most receiver blocks of ``block_size`` tokens a sliding-window group moves per request.
+@dataclass(frozen=True)
+class WindowStats:
+    """What a sliding-window group moves per request, at most: blocks on each side, tokens.
 
-    The kept blocks are those holding a token of ``[stop - window + 1, stop)``: at most
-    ``ceil((window + block_size - 2) / block_size)``, never more than vLLM's
-    ``cdiv(window, block_size) + 1`` (its NIXL connector's clip).
-
-    >>> window_max_blocks(1024, 16), window_max_blocks(128, 16), window_max_blocks(1, 16)
-    (65, 9, 1)
+    ``receiver`` / ``sender``: ``"local"`` or ``"remote"``; block sizes are each side's
+    logical block size. ``vllm_blocks``: vLLM's own clip, ``cdiv(window, block) + 1`` receiver blocks.
     """
-    return max(1, ceildiv(window + block_size - 2, block_size))
+
+    group: str
+    window: int
+    receiver: str
+    receiver_block_size: int
+    sender_block_size: int
+    max_receiver_blocks: int
+    max_sender_blocks: int
+    max_tokens: int
+
+    @property
+    def vllm_blocks(self) -> int:
+        return ceildiv(self.window, self.receiver_block_size) + 1
+
+    def text(self) -> str:
+        return (f"sliding-window group '{self.group}' (window {self.window}): a request moves at most "
+                f"{self.max_receiver_blocks} blocks of {self.receiver_block_size} tokens on the receiving "
+                f"({self.receiver}) side, {self.max_sender_blocks} of {self.sender_block_size} on the sending "
+                f"side, {self.max_tokens} tokens (vLLM keeps {self.vllm_blocks} blocks)")
+
+
+def window_stats(group: str, window: int, receiver: str, recv_bs: int, send_bs: int) -> WindowStats:
+    """The most a window group moves per request, over every ``stop`` (exact: one period of both block sizes).
+
+    >>> w = window_stats("local", 1024, "local", 16, 32)
+    >>> w.max_receiver_blocks, w.max_sender_blocks, w.max_tokens, w.vllm_blocks
+    (65, 33, 1038, 65)
+    """
+    best = (0, 0, 0)
+    period = recv_bs // gcd(recv_bs, send_bs) * send_bs
+    for stop in range(max(1, window - 1), window - 1 + period + 1):
+        moved = Span(window_start(Span(0, stop), window, recv_bs), stop)
+        here = (block_span(moved, recv_bs)[1], block_span(moved, send_bs)[1], len(moved))
+        best = tuple(max(x, y) for x, y in zip(best, here))
+    return WindowStats(group, window, receiver, recv_bs, send_bs, *best)
 
 
 @dataclass(frozen=True)
