@@ -109,6 +109,17 @@ def _kernel_ids(plan: Plan, group: str, ids: Sequence[int]) -> np.ndarray:
     return kernel_ids(np.asarray(ids, dtype=np.int64), 1 if g.is_state else g.kernel_blocks_per_block)
 
 
+def request_tokens(t) -> dict:
+    """A request's tokens as keywords: an int is ``num_tokens``, a (start, stop) pair or range ``tokens``.
+
+    >>> request_tokens(40), request_tokens((16, 40))
+    ({'num_tokens': 40}, {'tokens': (16, 40)})
+    """
+    if isinstance(t, (tuple, list, range)):
+        return {"tokens": t if isinstance(t, range) else tuple(t)}
+    return {"num_tokens": t}
+
+
 def _range(num_tokens, tokens, group: str) -> tuple[int, int]:
     if tokens is not None:
         t = tokens[group] if isinstance(tokens, Mapping) else tokens
