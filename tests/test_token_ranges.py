@@ -175,3 +175,118 @@ def test_sliding_window_moves_only_its_window(drawn, as_range):
 def test_different_block_sizes(blocks, data):
     """Non-divisible block sizes on each side (tiles of lcm tokens, ranges cutting tiles on both ends)."""
     run_range(*data.draw(range_case(blocks=blocks, scale=False)), False)
+
+
+# ============================================================================ examples and refusals
+@pytest.fixture(scope="module")
+def gemma():
+    """Gemma-3 b16 consumer pulling from b32 (sliding window 1024 + global groups), rank 0."""
+    c = kvlc.compile_spec(LAYOUTS / "gemma-3-27b-tp2-b16.yaml")
+    p = kvlc.compile_spec(LAYOUTS / "gemma-3-27b-tp2-b32.yaml")
+    prog = pair(c, p, local_rank=0, direction="READ")
+    bases = ({s.name: 1 << 40 for s in c.storages}, {r: {s.name: 2 << 40 for s in p.storages} for r in prog.peer_ranks})
+    return prog, bases
+
+
+def _ids(n16: int, n32: int):
+    return {"local": list(range(n16)), "global": list(range(n16))}, {"local": list(range(n32)), "global": list(range(n32))}
+
+
+def test_num_tokens_is_the_range_from_zero(gemma):
+    """num_tokens=N and tokens=(0, N) give the same descriptors, row for row."""
+    prog, bases = gemma
+    for n in (1, 16, 40, 1500):
+        lids, rids = _ids(-(-n // 16), -(-n // 32))
+        a = prog.instantiate(*bases, lids, rids, n)
+        b = prog.instantiate(*bases, lids, rids, tokens=(0, n))
+        c = prog.instantiate(*bases, lids, rids, tokens=range(0, n))
+        for key in a:
+            assert np.array_equal(a[key].local, b[key].local) and np.array_equal(a[key].remote, c[key].remote)
+
+
+def test_window_group_moves_what_the_window_keeps(gemma):
+    """3000 tokens, window 1024, consumer blocks of 16: the window group moves tokens [1968, 3000), 1032 of them."""
+    prog, bases = gemma
+    lids, rids = _ids(188, 94)
+    one = {"local": [0], "global": [0]}
+
+    def moved(n):
+        return sum(p.nbytes for p in prog.instantiate(*bases, one, one, n).values())
+
+    per_local = moved({"local": 2, "global": 1}) - moved({"local": 1, "global": 1})
+    per_global = moved({"local": 1, "global": 2}) - moved({"local": 1, "global": 1})
+    full = sum(p.nbytes for p in prog.instantiate(*bases, lids, rids, 3000).values())
+    assert full == per_local * 1032 + per_global * 3000
+    w, = prog.window_stats()
+    assert (w.group, w.max_receiver_blocks, w.max_sender_blocks, w.max_tokens) == ("local", 65, 33, 1038)
+    assert prog.summary()["windows"][0]["max_receiver_blocks"] == 65
+
+
+def test_window_placeholders_are_never_read(gemma):
+    """Ids of blocks before the window may repeat or lie past the pool; inside the window they are checked."""
+    prog, bases = gemma
+    lids, rids = _ids(188, 94)
+    lids["local"] = [0] * 122 + [10 ** 6] + list(range(100, 165))
+    rids["local"] = [0] * 60 + [5] + list(range(200, 233))
+    prog.instantiate(*bases, lids, rids, 3000)
+    lids["local"][-1] = 100
+    with pytest.raises(TransferError) as e:
+        prog.instantiate(*bases, lids, rids, 3000)
+    assert str(e.value) == ("local block ids of group 'local': block id 100 appears 2 times; the receiving side "
+                            "writes each block once, so give distinct ids")
+
+
+BAD_RANGES = [
+    (dict(tokens=(20, 20)), "group 'local': tokens (20, 20) must have 0 <= start < stop"),
+    (dict(tokens=(30, 20)), "group 'local': tokens (30, 20) must have 0 <= start < stop"),
+    (dict(tokens=(-1, 20)), "group 'local': tokens (-1, 20) must have 0 <= start < stop"),
+    (dict(tokens=(20, 40.0)), "group 'local': tokens (start, stop) must be integers; found 40.0 (float)"),
+    (dict(tokens=(True, 40)), "group 'local': tokens (start, stop) must be integers; found True (bool)"),
+    (dict(tokens=40), "group 'local': tokens must be (start, stop) or range(start, stop); found 40 (int)"),
+    (dict(tokens=(1, 2, 3)), "group 'local': tokens must be (start, stop) or range(start, stop); found (1, 2, 3) "
+                             "(tuple)"),
+    (dict(tokens=range(20, 40, 2)), "group 'local': tokens range(20, 40, 2) must have step 1 (a token range moves "
+                                    "every token in it)"),
+    (dict(tokens=(20, 40), num_tokens=40), "give the tokens to move as num_tokens=N (tokens [0, N)) or "
+                                           "tokens=(start, stop), not both"),
+    (dict(tokens={"global": (20, 40)}), "tokens has no entry for group 'local' (give one per token group: "
+                                        "['global', 'local'])"),
+]
+
+
+@pytest.mark.parametrize("kw, message", BAD_RANGES, ids=[m[:40] for _, m in BAD_RANGES])
+def test_bad_ranges_are_refused(gemma, kw, message):
+    prog, bases = gemma
+    with pytest.raises(TransferError) as e:
+        prog.instantiate(*bases, {"local": [5, 6], "global": [7, 8]}, {"local": [1, 2], "global": [3, 4]}, **kw)
+    assert str(e.value) == message
+
+
+@pytest.mark.parametrize("lids, rids, message", [
+    ([5], [1, 2], "group 'local': 1 local block ids for tokens [20, 40); expected 2, one per block the range "
+                  "touches (block size 16: logical blocks 1..2)"),
+    ([5, 6], [1], "group 'local': 1 remote block ids for tokens [20, 40); expected 2, one per block the range "
+                  "touches (block size 32: logical blocks 0..1)"),
+    ([5, 6, 7], [1, 2], "group 'local': 3 local block ids for tokens [20, 40); expected 2, one per block the "
+                        "range touches (block size 16: logical blocks 1..2)"),
+])
+def test_id_counts_follow_the_range(gemma, lids, rids, message):
+    """Each side lists its own blocks the range touches: [20, 40) is blocks 1..2 of 16 and 0..1 of 32."""
+    prog, bases = gemma
+    with pytest.raises(TransferError) as e:
+        prog.instantiate(*bases, {"local": lids, "global": [7, 8]}, {"local": rids, "global": [3, 4]},
+                         tokens=(20, 40))
+    assert str(e.value) == message
+
+
+def test_per_block_field_needs_a_block_aligned_start():
+    """A scale per block (no token dim) cannot be split: a range starting mid-block is refused, aligned is fine."""
+    plan = kvlc.compile_spec(LAYOUTS / "llama-3.1-8b-fp8-tp2.yaml")
+    prog = pair(plan, plan, local_rank=0, direction="READ")
+    bases = ({s.name: 1 << 40 for s in plan.storages}, {0: {s.name: 2 << 40 for s in plan.storages}})
+    with pytest.raises(TransferError) as e:
+        prog.instantiate(*bases, {"full": [1, 2]}, {"full": [3, 4]}, tokens=(20, 40))
+    assert str(e.value) == ("group 'full': tokens [20, 40) start inside a block of region 'layer.0' (16 tokens per "
+                            "block), whose field 'k_scale' has no token dim (one value per block); start the range "
+                            "on a multiple of 16")
+    assert prog.instantiate(*bases, {"full": [1, 2]}, {"full": [3, 4]}, tokens=(16, 40))
