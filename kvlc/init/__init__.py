@@ -23,19 +23,15 @@ import yaml
 
 from kvlc.compiler.spec import DTYPE_SIZES
 from kvlc.errors import did_you_mean
+from kvlc.init.ds_mla import DS_MLA, ds_mla_record
 from kvlc.init.engines import ENGINES, MEMS, EngineOptions, backend_of, stage_layers
 from kvlc.init.model import Family, InitError, LayerKind, Model, read_model
 from kvlc.init.write import GroupNames, Layer, groups, layouts, regions, storages
 
-DS_MLA = "fp8_ds_mla"
-
-
 def _check(opts: EngineOptions, m: Model) -> None:
     if opts.kv_dtype == DS_MLA:
-        raise InitError(f"--kv-dtype {DS_MLA} packs fp8 values, fp32 scales and bf16 rope values into one "
-                        "per-token record, which the spec language cannot state yet; fix: use bf16 (or "
-                        "another plain dtype) for the MLA latent")
-    if opts.kv_dtype not in DTYPE_SIZES:
+        ds_mla_record(m)  # refuses models without a latent it can pack
+    elif opts.kv_dtype not in DTYPE_SIZES:
         raise InitError(f"unknown KV dtype '{opts.kv_dtype}'; {did_you_mean(opts.kv_dtype, DTYPE_SIZES)}")
     if opts.mem not in MEMS:
         raise InitError(f"unknown memory type '{opts.mem}'; {did_you_mean(opts.mem, MEMS)}")
@@ -58,7 +54,10 @@ def _model_block(m: Model, opts: EngineOptions) -> dict:
     out: dict = {"name": opts.model_name or m.name, "num_layers": m.num_layers}
     if m.family != Family.MLA:
         out.update(num_kv_heads=m.num_kv_heads, head_dim=m.head_dim)
-    return {**out, "sizes": dict(m.sizes)} if m.sizes else out
+    sizes = dict(m.sizes)
+    if opts.kv_dtype == DS_MLA:  # the record's parts replace the one latent
+        sizes = {**ds_mla_record(m).sizes(), **{k: v for k, v in sizes.items() if k != "latent"}}
+    return {**out, "sizes": sizes} if sizes else out
 
 
 def init_spec(config: Mapping[str, Any], opts: EngineOptions = EngineOptions(),
