@@ -366,12 +366,6 @@ def test_vllm_engine_pp_stage():
 
 
 @pytest.mark.parametrize("cfg, opts, message", [
-    ("nemotron-h-8b", EngineOptions(engine="vllm", backend="FLASH_ATTN"),
-     "engine 'vllm': the offline vLLM views cover attention and MLA layers, not mamba-hybrid state layers; "
-     "fix: use --engine kvlc, or derive the spec from a running engine (kvlc from-vllm)"),
-    ("deepseek-v3.2", EngineOptions(engine="vllm", backend="FLASHMLA_SPARSE", block_size=64),
-     "engine 'vllm': the offline vLLM views cover attention and MLA layers, not the sparse-attention indexer; "
-     "fix: use --engine kvlc, or derive the spec from a running engine (kvlc from-vllm)"),
     ("qwen3-32b", EngineOptions(engine="vllm", backend="FLASH_ATN"),
      "engine 'vllm' has no backend 'FLASH_ATN'; did you mean 'FLASH_ATTN' or 'FLASH_ATTN_MLA' or 'FLASHMLA'?"),
     ("qwen3-32b", EngineOptions(engine="vllm", backend="CPU_ATTN"),
