@@ -124,6 +124,13 @@ def test_pp_stage_holds_its_window_with_model_layer_numbers():
                                                                     if NEMOTRON["hybrid_override_pattern"][i] in "M*"}
 
 
+def test_stage_without_state_layers_keeps_the_models_page():
+    """A stage of attention layers only still grows its block to the model's state page, as vLLM does."""
+    cfg = {**NEMOTRON, "num_hidden_layers": 4, "hybrid_override_pattern": "MM**"}
+    stage = vllm(cfg, layers=(2, 4))
+    assert [r.name for r in stage.regions] == ["layer.2", "layer.3"] and block_of(stage) == 1040
+
+
 @pytest.mark.parametrize("cfg, opts, message", [
     (NEMOTRON, dict(tp_size=16), "engine 'vllm': tp_size 16 does not divide the model's n_groups 8: vLLM then "
      "replicates B/C groups across ranks (extra groups per shard), which kvlc's evenly split conv sections cannot "

@@ -96,7 +96,7 @@ def _hybrid(config: Mapping[str, Any], m: Model, opts: EngineOptions, window: tu
     layers = [(i, HYBRID[m.kinds[i]]) for i in range(*window) if m.kinds[i] in HYBRID]
     try:
         return hybrid_spec(config.get("text_config", config), opts.model_name or m.name, layers,
-                           backend=opts.backend, block_size=opts.block_size, num_blocks=opts.num_blocks,
+                           state_kind="mamba" if m.family == Family.MAMBA else "linear", backend=opts.backend, block_size=opts.block_size, num_blocks=opts.num_blocks,
                            tp_size=opts.tp_size, kv_dtype=opts.kv_dtype, device=device, num_layers=m.num_layers)
     except ViewError as exc:
         raise InitError(f"engine 'vllm': {exc}") from None

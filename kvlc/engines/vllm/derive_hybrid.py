@@ -179,13 +179,13 @@ def _attention_part(c: Mapping[str, Any], name: str, *, backend: str, block: int
                                       tp_size=tp, kv_dtype=kv_dtype, device=device))
 
 
-def hybrid_spec(c: Mapping[str, Any], name: str, layers: Sequence[tuple[int, str]], *, backend: str,
-                block_size: int, num_blocks: int, tp_size: int, kv_dtype: str, device: str,
+def hybrid_spec(c: Mapping[str, Any], name: str, layers: Sequence[tuple[int, str]], *, state_kind: str,
+                backend: str, block_size: int, num_blocks: int, tp_size: int, kv_dtype: str, device: str,
                 num_layers: int) -> dict:
     """The ``kvlc: 1`` spec of a hybrid vLLM 0.32 engine holding ``layers`` (``(index, kind)``, kinds
-    ``attention`` / ``mamba`` / ``linear``) of text config ``c`` (see the module docstring)."""
-    kinds = {k for _, k in layers}
-    state = state_layout(c, "mamba" if "mamba" in kinds else "linear")
+    ``attention`` / ``mamba`` / ``linear``) of text config ``c`` whose state layers are ``state_kind``
+    (the model's, also on a pipeline stage that holds none; see the module docstring)."""
+    state = state_layout(c, state_kind)
     check_state_split(state, c, tp_size)
     head_dim = int(c.get("attention_head_dim") or c.get("head_dim"))
     kv_heads = int(c.get("num_key_value_heads") or c["num_attention_heads"])
