@@ -1,7 +1,8 @@
-"""`kvlc init --engine vllm` on a Mamba-2 hybrid equals what a real vLLM 0.32 CPU engine allocates.
+"""`kvlc init --engine vllm` on hybrids equals what a real vLLM 0.32 CPU engine allocates.
 
-A tiny Nemotron-H (layers M * M M * M: four Mamba-2 layers, two attention layers; dummy weights)
-is started in single-process mode. In its worker: the KV-cache groups, block size, page size and
+Two tiny hybrids (dummy weights), started at once in single-process mode, one per core: a
+Nemotron-H (layers M * M M * M: four Mamba-2 layers, two attention layers) and a Qwen3-Next
+(six Gated-DeltaNet layers, full attention every fourth). In each worker: the KV-cache groups, block size, page size and
 every layer's placement are read from vLLM's own ``KVCacheConfig``; then, one layer at a time,
 content-coded bytes are written through the layer's own views (conv and SSM state tensors, the
 attention ``[B, H, N, 2D]`` view) and read back at the addresses of the spec ``kvlc init`` wrote
@@ -69,9 +70,9 @@ WORKER = textwrap.dedent('''
                     if flat[start:start + len(want)].tobytes() != want:
                         raise AssertionError(f"{r.name} block {b}: bytes differ")
                     checked += len(want)
-                if len(views) == 2:   # Mamba: conv [taps, x|B|C], ssm [heads, head_dim, state]
+                if len(views) == 2:   # conv [taps, sections], then ssm / recurrent [heads, ...]
                     conv, ssm = (v.float().numpy() for v in views)
-                    sections = {"conv.x": (0, 256), "conv.B": (256, 288), "conv.C": (288, 320)}
+                    sections = json.loads(sys.argv[4])
                     for f in r.fields:
                         item = 4 if f.dtype == "fp32" else 2
                         arr = np.lib.stride_tricks.as_strided(
@@ -79,7 +80,7 @@ WORKER = textwrap.dedent('''
                             shape=(r.num_blocks,) + tuple(d.size for d in f.dims),
                             strides=(r.block_stride,) + tuple(d.stride for d in f.dims))
                         got = arr if item == 4 else (arr.astype(np.uint32) << 16).view(np.float32)
-                        want = ssm if f.name == "ssm" else conv[:, :, slice(*sections[f.name])]
+                        want = conv[:, :, slice(*sections[f.name])] if f.name in sections else ssm
                         if not np.array_equal(got, want, equal_nan=True):
                             raise AssertionError(f"{r.name} field {f.name} differs")
                         fields += 1
@@ -95,12 +96,8 @@ WORKER = textwrap.dedent('''
 ''')
 
 
-@pytest.fixture(scope="module")
-def tiny_nemotron_h(tmp_path_factory):
-    """A 6-layer Nemotron-H config (8 Mamba heads x 32, 2 groups x 16 states; 2 KV heads x 64)."""
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("vllm")
-    path = tmp_path_factory.mktemp("tiny-nemotron-h")
+def _nemotron_h(path: Path, transformers) -> None:
+    """6 layers M*MM*M: 8 Mamba heads x 32, 2 groups x 16 states, conv 4; 2 KV heads x 64."""
     cfg = transformers.NemotronHConfig(vocab_size=1024, hidden_size=256, num_hidden_layers=len(PATTERN),
                                        hybrid_override_pattern=PATTERN, num_attention_heads=4, num_key_value_heads=2,
                                        head_dim=64, mamba_num_heads=8, mamba_head_dim=32, n_groups=2,
@@ -112,26 +109,78 @@ def tiny_nemotron_h(tmp_path_factory):
     data.update(architectures=["NemotronHForCausalLM"], hybrid_override_pattern=PATTERN,
                 num_hidden_layers=len(PATTERN), attention_head_dim=64)
     (path / "config.json").write_text(json.dumps(data))
-    return path
 
 
-def test_init_spec_is_what_vllm_allocates_for_a_mamba_hybrid(tiny_nemotron_h, tmp_path):
-    """Groups, block size, placement and every byte of every layer's blocks agree with the live engine."""
-    script, result = tmp_path / "check.py", tmp_path / "result.json"
-    script.write_text(WORKER)
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               VLLM_CPU_OMP_THREADS_BIND="0")
-    run = subprocess.run([sys.executable, str(script), str(tiny_nemotron_h), str(result),
-                          str(tiny_nemotron_h / "config.json")], cwd=tmp_path, env=env, capture_output=True,
-                         text=True, timeout=540)
-    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
-    live = json.loads(result.read_text())
-    assert live["live_groups"] == live["kvlc_groups"] == [[0, 3], [2, 5], [1, 4]]
-    assert live["live_block"] == live["kvlc_block"] == 64
+def _qwen3_next(path: Path, transformers) -> None:
+    """8 layers, full attention every 4th: DeltaNet 2 key heads x 32, 4 value heads x 16 (unequal, so the
+    recurrent state's (v_heads, v_dim, k_dim) order shows), conv 4; 2 KV heads x 64."""
+    cfg = transformers.Qwen3NextConfig(vocab_size=1024, hidden_size=256, num_hidden_layers=8, full_attention_interval=4,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                       linear_num_key_heads=2, linear_key_head_dim=32, linear_num_value_heads=4,
+                                       linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=4,
+                                       num_experts_per_tok=2, moe_intermediate_size=128,
+                                       shared_expert_intermediate_size=128, intermediate_size=512,
+                                       max_position_embeddings=512, torch_dtype="bfloat16")
+    cfg.architectures = ["Qwen3NextForCausalLM"]
+    cfg.save_pretrained(path)
+
+
+MODELS = {  # name: (config writer, conv sections in channels, per core)
+    "nemotron-h": (_nemotron_h, {"conv.x": (0, 256), "conv.B": (256, 288), "conv.C": (288, 320)}, "0"),
+    "qwen3-next": (_qwen3_next, {"conv.q": (0, 64), "conv.k": (64, 128), "conv.v": (128, 192)}, "1"),
+}
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+    """Each model's engine, started in parallel; name -> what its worker found (or the failing log)."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("vllm")
+    root = tmp_path_factory.mktemp("hybrids")
+    (root / "check.py").write_text(WORKER)
+    procs = {}
+    for name, (write, sections, core) in MODELS.items():
+        (root / name).mkdir()
+        write(root / name, transformers)
+        env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                   VLLM_CPU_OMP_THREADS_BIND=core)
+        procs[name] = subprocess.Popen([sys.executable, str(root / "check.py"), str(root / name),
+                                        str(root / f"{name}.json"), str(root / name / "config.json"),
+                                        json.dumps(sections)], cwd=root, env=env, stdout=subprocess.PIPE,
+                                       stderr=subprocess.STDOUT, text=True)
+    out = {}
+    for name, proc in procs.items():
+        log, _ = proc.communicate(timeout=600)
+        out[name] = json.loads((root / f"{name}.json").read_text()) if proc.returncode == 0 else log[-4000:]
+    return out
+
+
+def _agrees(live: dict, groups: list, block: int) -> None:
+    assert live["live_groups"] == live["kvlc_groups"] == groups
+    assert live["live_block"] == live["kvlc_block"] == block
     assert live["live_place"] == live["kvlc_place"]
+
+
+def test_mamba2_hybrid_spec_is_what_vllm_allocates(live):
+    """Nemotron-H: groups (0,3) (2,5) (1,4), block 32 raised to 64, two pages per slot; every byte and field."""
+    got = live["nemotron-h"]
+    assert isinstance(got, dict), got
+    _agrees(got, [[0, 3], [2, 5], [1, 4]], 64)
     page = 64 * 2 * 2 * 64 * 2
-    assert sorted({tuple(p) for p in live["kvlc_place"].values()}) == [(0, page), (page * live["num_blocks"], page)]
-    assert live["bound_bytes"] == 2 * page * live["num_blocks"]
-    state, attn = 3 * 320 * 2 + 8 * 32 * 16 * 4, page
-    assert live["checked"] == live["num_blocks"] * (4 * state + 2 * attn)
-    assert live["fields"] == 4 * 4
+    assert sorted({tuple(p) for p in got["kvlc_place"].values()}) == [(0, page), (page * got["num_blocks"], page)]
+    assert got["bound_bytes"] == 2 * page * got["num_blocks"]
+    state = 3 * 320 * 2 + 8 * 32 * 16 * 4
+    assert got["checked"] == got["num_blocks"] * (4 * state + 2 * page)
+    assert got["fields"] == 4 * 4
+
+
+def test_gated_deltanet_hybrid_spec_is_what_vllm_allocates(live):
+    """Qwen3-Next: three DeltaNet groups and one full group of two layers, block 32 kept; every byte and field."""
+    got = live["qwen3-next"]
+    assert isinstance(got, dict), got
+    _agrees(got, [[0, 4], [1, 5], [2, 6], [3, 7]], 32)
+    page = 32 * 2 * 2 * 64 * 2
+    state = 3 * 192 * 2 + 4 * 16 * 32 * 2
+    assert got["bound_bytes"] == 2 * page * got["num_blocks"]
+    assert got["checked"] == got["num_blocks"] * (6 * state + 2 * page)
+    assert got["fields"] == 6 * 4
