@@ -64,6 +64,8 @@ def test_attention_block_grows_until_a_page_holds_a_state():
     assert pages == {1040 * token}
     state_region = plan.region("layer.0")
     assert state_region.block_bytes == 2127872 and state_region.block_stride - state_region.block_bytes == 2048
+    head = init_yaml(NEMOTRON, EngineOptions(engine="vllm", backend="FLASH_ATTN", tp_size=2)).splitlines()[0]
+    assert "TP2, --block-size 16 raised to 1040-token blocks (a page holds a state), bf16." in head
 
 
 def test_a_larger_block_size_is_kept_when_its_page_holds_a_state():
