@@ -178,10 +178,59 @@ def test_bad_engine_description(opts, message):
     assert str(exc.value) == message
 
 
-def test_fp8_ds_mla_refused():
-    with pytest.raises(InitError, match="^--kv-dtype fp8_ds_mla packs fp8 values, fp32 scales and bf16 rope "
-                                        "values into one per-token record, which the spec language cannot state"):
-        init_spec(config("deepseek-v3"), EngineOptions(kv_dtype="fp8_ds_mla", block_size=64))
+# ---------------------------------------------------------------- fp8_ds_mla: vLLM's packed MLA record
+DS_MLA_OPTS = EngineOptions(tp_size=8, block_size=64, num_blocks=2048, kv_dtype="fp8_ds_mla", draft_layers=False,
+                            model_name="deepseek-ai/DeepSeek-V3.2", name="deepseek-v3.2-fp8-ds-mla-tp8")
+
+
+def test_fp8_ds_mla_reproduces_the_checked_in_record_layout():
+    """V3.2 with --kv-dtype fp8_ds_mla: every MLA region equals the checked-in record layout's (656-byte
+    records, explicit strides); the config without its indexer fields gives that file's digest exactly."""
+    want = compile_spec(LAYOUTS / "deepseek-v3.2-fp8-ds-mla-tp8.yaml")
+    got = compile_spec(init_yaml(config("deepseek-v3.2"), DS_MLA_OPTS, MLA))
+    assert [got.region(r.name) for r in want.regions] == list(want.regions)
+    assert [r.name for r in got.regions if r.groups == ("indexer",)] == [f"layer.{i}.indexer" for i in range(61)]
+    mla_only = {k: v for k, v in config("deepseek-v3.2").items() if not k.startswith("index_")}
+    assert compile_spec(init_yaml(mla_only, DS_MLA_OPTS, MLA)).digest == want.digest
+    f = {x.name: x for x in got.region("layer.0").fields}
+    assert [(n, f[n].offset, f[n].dtype) for n in ("nope", "scale", "rope")] == \
+        [("nope", 0, "fp8_e4m3"), ("scale", 512, "fp32"), ("rope", 528, "bf16")]
+    assert got.region("layer.0").block_bytes == 64 * 656
+
+
+def test_fp8_ds_mla_record_comes_from_config_fields():
+    """A smaller MLA model gets its own record: rank 256 → 2 scales, rope 32 → 256 + 8 + 64 = 328 bytes."""
+    cfg = {**config("deepseek-v3"), "kv_lora_rank": 256, "qk_rope_head_dim": 32, "num_hidden_layers": 2}
+    plan = compile_spec(init_yaml(cfg, EngineOptions(kv_dtype="fp8_ds_mla", block_size=16, num_blocks=4)))
+    r = plan.region("layer.0")
+    assert r.block_bytes == 16 * 328 and plan.model.sizes["nope"] == 256 and plan.model.sizes["scale"] == 2
+    assert {x.name: x.offset for x in r.fields} == {"nope": 0, "scale": 256, "rope": 264}
+
+
+def test_cli_fp8_ds_mla(tmp_path):
+    out = tmp_path / "r.yaml"
+    res = CliRunner().invoke(cli, ["init", str(LAYOUTS / "configs/deepseek-v3.2.config.json"), "--tp-size", "8",
+                                   "--block-size", "64", "--num-blocks", "2048", "--kv-dtype", "fp8_ds_mla",
+                                   "--no-mtp", "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    assert compile_spec(out).region("layer.60").text().startswith("layer.60 kv.60+0 VRAM:0 blocks=2048 bytes=41984")
+
+
+@pytest.mark.parametrize("cfg, change, message", [
+    ("llama-3.1-70b", {}, "--kv-dtype fp8_ds_mla is vLLM's packed MLA cache (fp8 latent, fp32 scales, bf16 rope "
+     "per token), but this is a dense model (config.json has no 'kv_lora_rank'); fix: use a plain KV dtype such "
+     "as bf16 or fp8_e4m3"),
+    ("nemotron-h-8b", {}, "--kv-dtype fp8_ds_mla is vLLM's packed MLA cache (fp8 latent, fp32 scales, bf16 rope "
+     "per token), but this is a mamba-hybrid model (config.json has no 'kv_lora_rank'); fix: use a plain KV "
+     "dtype such as bf16 or fp8_e4m3"),
+    ("deepseek-v3", {"kv_lora_rank": 500}, "--kv-dtype fp8_ds_mla quantizes the latent in tiles of 128 values "
+     "with one fp32 scale each; config.json's kv_lora_rank 500 is not a multiple of 128; fix: use bf16 for the "
+     "MLA latent"),
+])
+def test_fp8_ds_mla_refused_without_a_packable_latent(cfg, change, message):
+    with pytest.raises(InitError) as exc:
+        init_spec({**config(cfg), **change}, EngineOptions(kv_dtype="fp8_ds_mla", block_size=64))
+    assert str(exc.value) == message
 
 
 @pytest.mark.parametrize("cfg, message", [
@@ -251,7 +300,7 @@ def test_generated_yaml_is_self_describing():
     assert kvlc.compile_spec(text).regions
 
 
-@pytest.mark.parametrize("name", ["kvlc.init", "kvlc.init.model", "kvlc.init.engines"])
+@pytest.mark.parametrize("name", ["kvlc.init", "kvlc.init.model", "kvlc.init.engines", "kvlc.init.ds_mla"])
 def test_docstring_examples(name):
     import doctest
     import importlib
@@ -317,12 +366,6 @@ def test_vllm_engine_pp_stage():
 
 
 @pytest.mark.parametrize("cfg, opts, message", [
-    ("nemotron-h-8b", EngineOptions(engine="vllm", backend="FLASH_ATTN"),
-     "engine 'vllm': the offline vLLM views cover attention and MLA layers, not mamba-hybrid state layers; "
-     "fix: use --engine kvlc, or derive the spec from a running engine (kvlc from-vllm)"),
-    ("deepseek-v3.2", EngineOptions(engine="vllm", backend="FLASHMLA_SPARSE", block_size=64),
-     "engine 'vllm': the offline vLLM views cover attention and MLA layers, not the sparse-attention indexer; "
-     "fix: use --engine kvlc, or derive the spec from a running engine (kvlc from-vllm)"),
     ("qwen3-32b", EngineOptions(engine="vllm", backend="FLASH_ATN"),
      "engine 'vllm' has no backend 'FLASH_ATN'; did you mean 'FLASH_ATTN' or 'FLASH_ATTN_MLA' or 'FLASHMLA'?"),
     ("qwen3-32b", EngineOptions(engine="vllm", backend="CPU_ATTN"),

@@ -87,6 +87,7 @@ class Model:
     head_dim: int = 0
     window: int = 0
     latent: int = 0                 # MLA: kv_lora_rank + qk_rope_head_dim
+    rope: int = 0                   # MLA: qk_rope_head_dim (the latent's last ``rope`` values)
     index_head_dim: int = 0         # sparse-attention indexer key size (0: none)
     draft_layers: int = 0           # MTP layers after the main ones
     mamba: Mamba2 | None = None
@@ -136,7 +137,8 @@ def _mla(c: Mapping, name: str, n: int) -> Model:
     latent = _int(c, "kv_lora_rank") + _int(c, "qk_rope_head_dim")
     index = _int(c, "index_head_dim") if c.get("index_head_dim") or c.get("index_topk") else 0
     sizes = {"latent": latent, **({"index_head_dim": index} if index else {})}
-    return Model(name, Family.MLA, n, (LayerKind.FULL,) * n, latent=latent, index_head_dim=index,
+    return Model(name, Family.MLA, n, (LayerKind.FULL,) * n, latent=latent, rope=_int(c, "qk_rope_head_dim"),
+                 index_head_dim=index,
                  draft_layers=_int(c, "num_nextn_predict_layers") if c.get("num_nextn_predict_layers") else 0,
                  sizes=sizes)
 

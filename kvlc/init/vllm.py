@@ -9,8 +9,11 @@ adjusts the spec it derives:
 * a pipeline stage is an engine whose allocation holds its layers only: the adapter sees
   a model of ``stop - start`` layers, and its regions are renamed to the model's layer
   numbers and put under ``parallel.layers``;
-* Mamba / linear-attention states and the sparse-attention indexer are not in the
-  adapter's offline views: refused (use ``--engine kvlc``, or derive from a running engine).
+* Mamba-2 and Gated-DeltaNet hybrids take vLLM's hybrid page pool
+  (:mod:`kvlc.engines.vllm.derive_hybrid`): one allocation whose layers of different groups
+  lie over the same pages, declared as ``aliases``; the attention block grows so a page
+  holds a state;
+* the sparse-attention indexer is refused (see :func:`_refuse`).
 """
 
 from __future__ import annotations
@@ -20,17 +23,28 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvlc.errors import did_you_mean
+from kvlc.init.ds_mla import DS_MLA
 from kvlc.init.engines import EngineOptions, stage_layers
 from kvlc.init.model import Family, InitError, LayerKind, Model
 
 _LAYER = re.compile(r"^layer\.(\d+)")
 
 
+HYBRID = {LayerKind.FULL: "attention", LayerKind.MAMBA: "mamba", LayerKind.LINEAR: "linear"}
+
+
 def _refuse(m: Model, opts: EngineOptions) -> None:
-    if m.family in (Family.MAMBA, Family.LINEAR) or m.index_head_dim:
-        what = "the sparse-attention indexer" if m.index_head_dim else f"{m.family.value} state layers"
-        raise InitError(f"engine 'vllm': the offline vLLM views cover attention and MLA layers, not {what}; "
-                        "fix: use --engine kvlc, or derive the spec from a running engine (kvlc from-vllm)")
+    if m.index_head_dim or opts.kv_dtype == DS_MLA:
+        raise InitError("engine 'vllm': vLLM 0.32 keeps the sparse-attention indexer's keys (and the fp8_ds_mla "
+                        "cache its sparse MLA backends read) as a second MLA-type layer per attention layer, in the "
+                        "MLA layers' KV-cache group and allocation; the offsets and the byte order inside an "
+                        "indexer page (keys, then scales) were not checked against a running engine (the sparse "
+                        "backends need a GPU), so kvlc does not state them; fix: use --engine kvlc (its indexer "
+                        "is a region per layer in a group of its own) or write the spec by hand")
+    if m.family in (Family.MAMBA, Family.LINEAR) and opts.kernel_block_size not in (None, opts.block_size):
+        raise InitError(f"engine 'vllm', {m.family.value} model: --kernel-block-size {opts.kernel_block_size} "
+                        "would split attention pages that state pages alias, which kvlc's page-for-page alias "
+                        "check cannot state; fix: drop --kernel-block-size")
     if opts.sliding_blocks is not None or opts.state_slots is not None:
         raise InitError("engine 'vllm' gives every KV-cache group the same block count; "
                         "fix: drop --sliding-blocks / --state-slots and set --num-blocks")
@@ -64,18 +78,40 @@ def vllm_spec(config: Mapping[str, Any], m: Model, opts: EngineOptions) -> dict:
     window = stage_layers(opts, m.num_layers)
     start, stop = window or (0, m.num_layers)
     device = "cpu" if opts.mem == "DRAM" else f"cuda:{opts.device}"
+    if m.family in (Family.MAMBA, Family.LINEAR):
+        return _finish(_hybrid(config, m, opts, (start, stop), device), opts, window, renumber=False)
     view = published_view(_stage_config(config, m, (start, stop)), opts.model_name or m.name,
                           backend=opts.backend, block_size=opts.block_size, num_blocks=opts.num_blocks,
                           tp_size=opts.tp_size, kv_dtype=opts.kv_dtype, kernel_block_size=opts.kernel_block_size,
                           device=device)
     spec = derive_spec(view)
     spec["model"]["num_layers"] = m.num_layers
+    return _finish(spec, opts, window, renumber=True)
+
+
+def _hybrid(config: Mapping[str, Any], m: Model, opts: EngineOptions, window: tuple[int, int],
+            device: str) -> dict:
+    from kvlc.engines.vllm.derive_hybrid import hybrid_spec
+    from kvlc.engines.vllm.derive_view import ViewError
+    layers = [(i, HYBRID[m.kinds[i]]) for i in range(*window) if m.kinds[i] in HYBRID]
+    try:
+        return hybrid_spec(config.get("text_config", config), opts.model_name or m.name, layers,
+                           state_kind="mamba" if m.family == Family.MAMBA else "linear", backend=opts.backend, block_size=opts.block_size, num_blocks=opts.num_blocks,
+                           tp_size=opts.tp_size, kv_dtype=opts.kv_dtype, device=device, num_layers=m.num_layers)
+    except ViewError as exc:
+        raise InitError(f"engine 'vllm': {exc}") from None
+
+
+def _finish(spec: dict, opts: EngineOptions, window: tuple[int, int] | None, renumber: bool) -> dict:
+    """Name, DCP and pipeline window on a derived spec (regions renumbered when the adapter numbered from 0)."""
     if opts.name:
         spec["name"] = opts.name
     if opts.dcp_size != 1:
         spec["parallel"]["dcp_size"] = opts.dcp_size
     if window is not None:
+        start, stop = window
         spec["parallel"]["layers"] = [start, stop]
         spec["name"] = opts.name or f"{spec['name']}-pp{start}-{stop}"
-        spec["regions"] = [{**r, "name": _renumber(r["name"], start)} for r in spec["regions"]]
+        if renumber:
+            spec["regions"] = [{**r, "name": _renumber(r["name"], start)} for r in spec["regions"]]
     return spec

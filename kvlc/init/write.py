@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvlc.init.ds_mla import DS_MLA, ds_mla_record
 from kvlc.init.engines import Backend, EngineOptions, KvPlacement
 from kvlc.init.model import Family, LayerKind, Model
 
@@ -51,8 +52,11 @@ def layouts(m: Model, b: Backend, opts: EngineOptions) -> dict:
     """The named layouts the spec declares."""
     out: dict = {}
     if m.family == Family.MLA:
-        out["mla_latent"] = {"fields": [_field("latent", opts.kv_dtype, [{"name": "token", "role": "token"},
-                                                                         {"name": "latent"}])]}
+        if opts.kv_dtype == DS_MLA:
+            out[DS_MLA] = ds_mla_record(m).layout(opts.kernel_block_size or opts.block_size)
+        else:
+            out["mla_latent"] = {"fields": [_field("latent", opts.kv_dtype, [{"name": "token", "role": "token"},
+                                                                             {"name": "latent"}])]}
         if m.index_head_dim:
             out["indexer_fp8"] = {"fields": [
                 _field("k", "fp8_e4m3", [{"name": "token", "role": "token"}, {"name": "index_head_dim"}]),
@@ -148,7 +152,8 @@ def regions(m: Model, layers: list[Layer], b: Backend, opts: EngineOptions, name
         if kind in STATE_KINDS:
             out.append(_region(f"layer.{i}", f"state.{i}", state_layout, blocks, group, opt))
         elif m.family == Family.MLA:
-            out.append(_region(f"layer.{i}", f"kv.{i}", "mla_latent", blocks, group, opt))
+            latent = DS_MLA if DS_MLA in lays else "mla_latent"
+            out.append(_region(f"layer.{i}", f"kv.{i}", latent, blocks, group, opt))
             if m.index_head_dim and not opt:
                 out.append(_region(f"layer.{i}.indexer", f"idx.{i}", "indexer_fp8", blocks, names.indexer, opt))
         elif b.placement == KvPlacement.BLOCK:

@@ -3,7 +3,7 @@
 One module per concern, in the order a transfer meets them:
 
     kinds     str enums: Direction, Mode, Status, Event
-    binding   tensors ↔ plan storages (present, contiguous, memory type, device, size)
+    binding   tensors ↔ plan storages (present, contiguous, memory type, device, size, no overlap)
     nixl      the one choke point for NIXL: typed errors, XferState, idempotent handles
     auth      the shared secret, HMAC handshake, sealed frames, notification tags
     wire      handshake record, side-channel messages, notifications (msgpack/JSON + pydantic)

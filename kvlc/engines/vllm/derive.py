@@ -99,8 +99,10 @@ def group_names(view: EngineView) -> tuple[str, ...]:
                 GroupKind.CHUNKED_LOCAL: f"chunked.{g.chunk}", GroupKind.MLA: "mla"}.get(g.kind)
         if base is None:
             raise ViewError(f"KV-cache group of kind '{g.kind.value}' ({g.spec_type or 'unknown spec'}, layers "
-                            f"{', '.join(g.layer_names[:3])}...) cannot be derived yet; write the spec by hand "
-                            "(see layouts/nemotron-h-8b-tp2.yaml for Mamba state) and pass it as 'spec'")
+                            f"{', '.join(g.layer_names[:3])}...) cannot be derived yet from live tensors, and the "
+                            "connector cannot serve hybrid engines yet; the engine's spec (its hybrid page pool) "
+                            "comes offline from the model's config.json: `kvlc init CONFIG.json --engine vllm "
+                            "--backend B`")
         n = sum(1 for x in out if x == base or x.startswith(base + "."))
         out.append(base if n == 0 else f"{base}.{n}")
     return tuple(out)
@@ -160,8 +162,9 @@ def _check_unshared(view: EngineView) -> None:
         if other != t.name:
             raise ViewError(f"layers '{other}' and '{t.name}' share one tensor at {t.data_ptr:#x} (vLLM's hybrid "
                             "KV-cache manager lets layers of different groups share memory); kvlc regions of "
-                            "different layers cannot overlap; fix: start vLLM with "
-                            "--disable-hybrid-kv-cache-manager, or write the spec by hand")
+                            "different layers cannot overlap unless declared as aliases; fix: start vLLM with "
+                            "--disable-hybrid-kv-cache-manager, or get the spec offline from "
+                            "`kvlc init CONFIG.json --engine vllm --backend B` (it declares the aliases)")
 
 
 def _model_entry(view: EngineView, latent: int | None) -> dict:

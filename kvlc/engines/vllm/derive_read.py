@@ -107,7 +107,8 @@ def layer_tensor(name: str, t: Any, mla: bool = False, cache_dtype: str | None =
     """A :class:`LayerTensor` from a torch tensor of vLLM's logical [blocks, heads, tokens, content] view."""
     if not hasattr(t, "untyped_storage"):
         raise ViewError(f"kv_caches['{name}'] is a {type(t).__name__}, not a tensor (Mamba state layers "
-                        "cannot be derived yet; give a hand-written spec)")
+                        "cannot be derived from live tensors yet; `kvlc init CONFIG.json --engine vllm` writes the "
+                        "hybrid engine's spec offline)")
     if mla and t.dim() == 3:  # an MLA layer's own [blocks, tokens, latent] view (vLLM squeezes the head)
         axes = (Axis.BLOCK, Axis.TOKEN, Axis.LATENT)
     elif t.dim() == 4:

@@ -1,0 +1,174 @@
+"""``kvlc init --engine vllm`` for Mamba-2 and Gated-DeltaNet hybrids: vLLM 0.32's hybrid page pool
+(groups, page size, aliases) from the checked-in configs; the indexer and fp8_ds_mla refused with the reason."""
+
+from __future__ import annotations
+
+import json
+from math import ceil
+from pathlib import Path
+
+import pytest
+
+from kvlc.compiler import compile_spec
+from kvlc.compiler.pair import pair
+from kvlc.engines.vllm.derive_hybrid import hybrid_block_size, state_layout, vllm_groups
+from kvlc.init import EngineOptions, InitError, init_spec, init_yaml, read_model
+
+TEMPLATES = Path(__file__).resolve().parents[1] / "layouts" / "templates"
+NEMOTRON = json.loads((TEMPLATES / "nemotron-h-8b.config.json").read_text())
+QWEN_NEXT = json.loads((TEMPLATES / "qwen3-next-80b-a3b.config.json").read_text())
+
+
+def block_of(plan):
+    """The attention group's block size (tokens)."""
+    return next(g.block_size for g in plan.groups if g.kind == "full_attention")
+
+
+def vllm(cfg, **kw):
+    opts = dict(engine="vllm", backend="FLASH_ATTN", tp_size=2, num_blocks=64)
+    return compile_spec(init_yaml(cfg, EngineOptions(**{**opts, **kw})))
+
+
+def test_groups_follow_vllms_rule():
+    """Nemotron-H 8B: 24 Mamba layers and 4 attention layers make six Mamba groups of four (every sixth
+    Mamba layer) and one attention group; Qwen3-Next: three DeltaNet groups of twelve and one full group."""
+    m = read_model(NEMOTRON)
+    kinds = [(i, k.value) for i, k in enumerate(m.kinds) if k.value in ("mamba", "full")]
+    groups = vllm_groups(kinds)
+    mamba = [i for i, k in kinds if k == "mamba"]
+    assert [k for k, _ in groups] == ["mamba"] * 6 + ["full"]
+    assert [g for _, g in groups[:6]] == [tuple(mamba[i::6]) for i in range(6)]
+    plan = vllm(QWEN_NEXT)
+    assert [(g.name, g.kind) for g in plan.groups] == [("linear", "linear_attention"), ("linear.1", "linear_attention"),
+                                                       ("linear.2", "linear_attention"), ("full", "full_attention")]
+    assert [r.name for r in plan.regions if r.groups == ("linear.1",)] == [f"layer.{4 * k + 1}" for k in range(12)]
+
+
+def test_padding_rule_takes_the_largest_bucket_when_close():
+    """Buckets of 3 and 4 layers (4 < 1.5 * 3): one group each, the smaller padded (vLLM's rule)."""
+    layers = [(0, "mamba"), (1, "attention"), (2, "mamba"), (3, "attention"), (4, "mamba"), (5, "attention"),
+              (6, "attention")]
+    assert vllm_groups(layers) == [("mamba", (0, 2, 4)), ("attention", (1, 3, 5, 6))]
+
+
+def test_attention_block_grows_until_a_page_holds_a_state():
+    """At TP2 a Nemotron-H state is 2,127,872 bytes; a 16-token attention block of 2,048 bytes a token grows
+    to the smallest multiple of 16 whose page holds it (1040 tokens); the state pages are padded to it."""
+    state = state_layout(NEMOTRON, "mamba")
+    assert state.bytes_per_rank(2) == 3 * (8192 + 2 * 1024) // 2 * 2 + 64 * 64 * 128 * 4 == 2127872
+    token = 2 * 4 * 128 * 2
+    assert hybrid_block_size(16, token, 2127872) == 16 * ceil(2127872 / (16 * token)) == 1040
+    plan = vllm(NEMOTRON)
+    assert block_of(plan) == 1040
+    pages = {r.block_stride for r in plan.regions}
+    assert pages == {1040 * token}
+    state_region = plan.region("layer.0")
+    assert state_region.block_bytes == 2127872 and state_region.block_stride - state_region.block_bytes == 2048
+    head = init_yaml(NEMOTRON, EngineOptions(engine="vllm", backend="FLASH_ATTN", tp_size=2)).splitlines()[0]
+    assert "TP2, --block-size 16 raised to 1040-token blocks (a page holds a state), bf16." in head
+
+
+def test_a_larger_block_size_is_kept_when_its_page_holds_a_state():
+    plan = vllm(NEMOTRON, block_size=2048)
+    assert block_of(plan) == 2048 and plan.region("layer.4").block_stride == 2048 * 2048
+
+
+def test_kth_layers_of_all_groups_alias_one_page_range():
+    """Layer k of every group lies at k * page * num_blocks; later groups' regions alias the first's."""
+    plan = vllm(NEMOTRON)
+    page = plan.region("layer.0").block_stride
+    groups = {g.name: [r for r in plan.regions if r.groups == (g.name,)] for g in plan.groups}
+    for name, regions in groups.items():
+        assert [r.offset for r in regions] == [k * page * 64 for k in range(len(regions))]
+    first = groups["mamba"]
+    for name, regions in list(groups.items())[1:]:
+        assert [r.aliases for r in regions] == [(f.name,) for f in first[:len(regions)]]
+    assert plan.storages[0].size == 4 * page * 64
+
+
+def test_state_layouts_are_vllms():
+    """Mamba-2: conv (taps, x|B|C) in the model dtype, SSM (heads, head_dim, state) fp32 by default;
+    Gated DeltaNet: conv (taps, q|k|v) and a recurrent (v_heads, v_dim, k_dim) state, both bf16."""
+    r = vllm(NEMOTRON).region("layer.0")
+    assert [(f.name, f.dtype) for f in r.fields] == [("conv.x", "bf16"), ("conv.B", "bf16"), ("conv.C", "bf16"),
+                                                       ("ssm", "fp32")]
+    g = vllm(QWEN_NEXT).region("layer.0")
+    rec = next(f for f in g.fields if f.name == "recurrent")
+    assert rec.dtype == "bf16" and [d.name for d in rec.dims] == ["v_head", "v_dim", "k_dim"]
+    assert vllm({**NEMOTRON, "mamba_ssm_cache_dtype": "bfloat16"}).region("layer.0").fields[-1].dtype == "bf16"
+
+
+def test_attention_region_is_the_adapters_at_the_pool_block():
+    """The attention layers' layout is the vLLM adapter's own (FLASH_ATTN: per token K|V per head)."""
+    from kvlc.engines.vllm.derive import derive_spec
+    from kvlc.engines.vllm.derive_offline import published_view
+    plan = vllm(QWEN_NEXT)
+    one = derive_spec(published_view({"num_hidden_layers": 1, "num_attention_heads": 16, "num_key_value_heads": 2,
+                                      "head_dim": 256}, "m", backend="FLASH_ATTN", block_size=block_of(plan),
+                                     num_blocks=64, tp_size=2))
+    want = compile_spec(json.dumps(one)).region("layer.0")
+    got = plan.region("layer.3")
+    assert got.fields == want.fields and got.block_stride == want.block_stride
+
+
+def test_hybrid_pairs_across_tp():
+    """A TP1 and a TP2 vLLM Nemotron-H engine pair (sections and heads split per rank), at one block size."""
+    tp1, tp2 = vllm(NEMOTRON, tp_size=1, block_size=2080), vllm(NEMOTRON, tp_size=2, block_size=2080)
+    assert block_of(tp1) == block_of(tp2) == 2080
+    prog = pair(tp2, tp1, local_rank=1)
+    assert {e.region for e in prog.entries} == {r.name for r in tp1.regions}
+
+
+def test_pp_stage_holds_its_window_with_model_layer_numbers():
+    stage = vllm(NEMOTRON, layers=(26, 52))
+    assert stage.parallel.layers == (26, 52)
+    assert {int(r.name.split(".")[1]) for r in stage.regions} == {i for i in range(26, 52)
+                                                                    if NEMOTRON["hybrid_override_pattern"][i] in "M*"}
+
+
+def test_stage_without_state_layers_keeps_the_models_page():
+    """A stage of attention layers only still grows its block to the model's state page, as vLLM does."""
+    cfg = {**NEMOTRON, "num_hidden_layers": 4, "hybrid_override_pattern": "MM**"}
+    stage = vllm(cfg, layers=(2, 4))
+    assert [r.name for r in stage.regions] == ["layer.2", "layer.3"] and block_of(stage) == 1040
+
+
+@pytest.mark.parametrize("cfg, opts, message", [
+    (NEMOTRON, dict(tp_size=16), "engine 'vllm': tp_size 16 does not divide the model's n_groups 8: vLLM then "
+     "replicates B/C groups across ranks (extra groups per shard), which kvlc's evenly split conv sections cannot "
+     "state; fix: a tp_size that divides 8"),
+    (QWEN_NEXT, dict(kernel_block_size=8), "engine 'vllm', linear-hybrid model: --kernel-block-size 8 would split "
+     "attention pages that state pages alias, which kvlc's page-for-page alias check cannot state; fix: drop "
+     "--kernel-block-size"),
+    ({**NEMOTRON, "torch_dtype": "float64"}, {}, "engine 'vllm': config.json: torch_dtype 'float64' is not a dtype "
+     "kvlc knows; expected one of ['bf16', 'bfloat16', 'float16', 'float32', 'fp16', 'fp32']"),
+])
+def test_hybrid_refusals(cfg, opts, message):
+    with pytest.raises(InitError) as exc:
+        init_spec(cfg, EngineOptions(engine="vllm", backend="FLASH_ATTN", num_blocks=8, **opts))
+    assert str(exc.value) == message
+
+
+INDEXER = ("engine 'vllm': vLLM 0.32 keeps the sparse-attention indexer's keys (and the fp8_ds_mla cache its sparse "
+           "MLA backends read) as a second MLA-type layer per attention layer, in the MLA layers' KV-cache group and "
+           "allocation; the offsets and the byte order inside an indexer page (keys, then scales) were not checked "
+           "against a running engine (the sparse backends need a GPU), so kvlc does not state them; fix: use "
+           "--engine kvlc (its indexer is a region per layer in a group of its own) or write the spec by hand")
+
+
+@pytest.mark.parametrize("cfg, kv_dtype", [("deepseek-v3.2", "bf16"), ("deepseek-v3.2", "fp8_ds_mla"),
+                                           ("deepseek-v3", "fp8_ds_mla")])
+def test_indexer_and_fp8_ds_mla_refused_with_the_reason(cfg, kv_dtype):
+    path = TEMPLATES.parent / "configs" / f"{cfg}.config.json"
+    with pytest.raises(InitError) as exc:
+        init_spec(json.loads(path.read_text()), EngineOptions(engine="vllm", backend="FLASHMLA_SPARSE", block_size=64,
+                                                              kv_dtype=kv_dtype))
+    assert str(exc.value) == INDEXER
+
+
+def test_docstring_examples():
+    import doctest
+
+    import kvlc.engines.vllm.derive_hybrid as mod
+    result = doctest.testmod(mod)
+    assert result.attempted and result.failed == 0
