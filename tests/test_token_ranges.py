@@ -290,3 +290,40 @@ def test_per_block_field_needs_a_block_aligned_start():
                             "block), whose field 'k_scale' has no token dim (one value per block); start the range "
                             "on a multiple of 16")
     assert prog.instantiate(*bases, {"full": [1, 2]}, {"full": [3, 4]}, tokens=(16, 40))
+
+
+# ============================================================================ golden requests
+GOLDEN = Path(__file__).resolve().parent / "golden" / "requests"
+GOLDEN_CASES = {   # name: (ids local, ids remote, range): gemma-3 b16 decode rank 0 pulling from b32
+    "gemma3-b16-from-b32-prefix-hit-20-40": ({"local": [5, 6], "global": [7, 8]}, {"local": [1, 2], "global": [3, 4]},
+                                             (20, 40)),
+    "gemma3-b16-from-b32-window-0-1100": ({"local": [0] * 4 + list(range(100, 165)), "global": list(range(69))},
+                                          {"local": [0] * 2 + list(range(200, 233)), "global": list(range(35))},
+                                          (0, 1100)),
+}
+
+
+def request_text(prog, bases, lids, rids, span) -> str:
+    """Descriptor rows of one request, addresses relative to the bases: one line per row (a part of
+    more than 400 rows: its row and byte counts only)."""
+    lbase, rbase = 1 << 40, 2 << 40
+    lines = [f"request tokens [{span[0]}, {span[1]}) windows {[w.text() for w in prog.window_stats()]}"]
+    for key, part in prog.instantiate(*bases, lids, rids, tokens=span).items():
+        lines.append(f"part {key} rows={len(part)} bytes={part.nbytes}")
+        lines.extend(f"{int(la) - lbase:#x} <- {int(ra) - rbase:#x} x{int(n)}"
+                     for (la, n, _), (ra, _, _) in zip(part.local.tolist(), part.remote.tolist()) if len(part) <= 400)
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize("name", sorted(GOLDEN_CASES))
+def test_golden_requests(gemma, name):
+    """A prefix hit ending mid-block and a window request: their descriptors equal the checked-in text.
+    Regenerate with KVLC_UPDATE_GOLDEN=1 and review the diff."""
+    import os
+    prog, bases = gemma
+    text = request_text(prog, bases, *GOLDEN_CASES[name])
+    path = GOLDEN / f"{name}.txt"
+    if os.environ.get("KVLC_UPDATE_GOLDEN") == "1":
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    assert path.read_text() == text, f"request descriptors differ from {path}"

@@ -55,13 +55,14 @@ class EngineSpec:
     connector: dict | None = None  # KVTransferConfig keyword arguments
     env: dict = field(default_factory=dict)
     kv_cache_bytes: int = 64 << 20
+    prefix_caching: bool = False
 
     def llm_kwargs(self) -> dict:
         return dict(model=self.model, load_format="safetensors", enforce_eager=True,
                     skip_tokenizer_init=True, dtype=self.dtype, max_model_len=512, seed=0,
                     max_num_seqs=4, max_num_batched_tokens=512, kv_cache_memory_bytes=self.kv_cache_bytes,
                     block_size=self.block_size, tensor_parallel_size=self.tp,
-                    enable_prefix_caching=False)
+                    enable_prefix_caching=self.prefix_caching)
 
 
 def _serve(spec: EngineSpec, conn) -> None:

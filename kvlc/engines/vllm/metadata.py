@@ -21,9 +21,11 @@ from kvlc.engines.vllm.params import RemotePrefill
 class Load:
     """A decode request whose prompt KV comes from a prefill engine.
 
-    ``local_block_ids`` / ``remote_block_ids``: both engines' blocks per KV-cache group for
-    the ``num_tokens`` tokens to move (in token order); ``remote``: the producer's params;
-    ``consumer_addresses``: every rank of this engine (a push producer writes to all).
+    It moves tokens ``[start_token, start_token + num_tokens)``: ``start_token`` tokens were
+    a local prefix-cache hit (any offset). ``local_block_ids`` / ``remote_block_ids``: each
+    engine's blocks per KV-cache group that the range touches (in token order); ``remote``:
+    the producer's params; ``consumer_addresses``: every rank of this engine (a push
+    producer writes to all).
     """
 
     req_id: str
@@ -33,6 +35,12 @@ class Load:
     num_tokens: int
     mode: Mode
     consumer_addresses: tuple[str, ...]
+    start_token: int = 0
+
+    @property
+    def tokens(self) -> tuple[int, int]:
+        """The token range ``(start, stop)`` this load moves."""
+        return self.start_token, self.start_token + self.num_tokens
 
     @property
     def kvlc_id(self) -> str:

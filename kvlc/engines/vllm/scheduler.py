@@ -7,8 +7,8 @@ workers finished comes back through vLLM's own outputs.
 Consumer (decode) side: a request given a kvlc prefill engine's ``kv_transfer_params``
 loads ``min(remote_num_tokens, prompt length)`` tokens asynchronously (vLLM parks it
 in WAITING_FOR_REMOTE_KVS until every worker reports it received). Tokens the local
-prefix cache already holds are skipped when they end on a whole tile of both block
-sizes; otherwise the request is computed locally.
+prefix cache already holds are skipped, at any token offset: the load is the token range
+``[cached, n)``, whichever block boundaries of the two engines the hit ends on.
 
 Producer (prefill) side: a request sent with ``{"do_remote_decode": True}`` keeps its
 blocks after it finishes (``request_finished`` returns True) until every worker reports
@@ -19,7 +19,6 @@ that its consumer is done or the lease ends; the returned dict is
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -88,12 +87,7 @@ class SchedulerSide:
                       "agent (register_kv_caches did not run)", request.request_id)
             return 0, False
         n = min(remote.remote_num_tokens, request.num_prompt_tokens)
-        tile = math.lcm(self.block_size, remote.remote_block_size)
-        if num_computed_tokens % tile:
-            log.info("kvlc: request %s: %d locally cached tokens do not end on a %d-token tile; "
-                     "computing locally", request.request_id, num_computed_tokens, tile)
-            return 0, False
-        count = n - num_computed_tokens
+        count = n - num_computed_tokens   # a hit may end anywhere in the producer's blocks: a token range
         return (count, True) if count > 0 else (0, False)
 
     def after_alloc(self, request, blocks, num_external_tokens: int) -> None:
@@ -119,6 +113,7 @@ class SchedulerSide:
             num_tokens=num_external_tokens,
             mode=remote.effective_mode(self.settings.mode),
             consumer_addresses=self._addresses()[0],
+            start_token=skip,
         ))
 
     # ------------------------------------------------------------------ producer

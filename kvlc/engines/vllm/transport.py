@@ -42,6 +42,12 @@ class PushAsk(BaseModel):
     producer_blocks: dict[str, tuple[int, ...]]
     consumer_blocks: dict[str, tuple[int, ...]]
     num_tokens: int
+    start_token: int = 0      # the push moves tokens [start_token, num_tokens)
+
+    @property
+    def span(self) -> dict:
+        """The request's tokens as keywords for ``Peer.write``."""
+        return {"tokens": (self.start_token, self.num_tokens)} if self.start_token else {"num_tokens": self.num_tokens}
 
 
 @dataclass
@@ -106,20 +112,23 @@ class Transport:
 
     def load(self, req: str, mode: Mode, producer: Sequence[str], producer_push: Sequence[str],
              consumers: Sequence[str], local: Mapping[str, Sequence[int]],
-             remote: Mapping[str, Sequence[int]], num_tokens: int, ask: bool) -> None:
-        """Start moving request ``req`` into this rank's ``local`` blocks. Non-blocking; raises
-        :class:`KvlcError` when the producer cannot be reached or refuses (pairing)."""
+             remote: Mapping[str, Sequence[int]], tokens: tuple[int, int], ask: bool) -> None:
+        """Start moving tokens ``[start, stop)`` of request ``req`` into this rank's ``local`` blocks
+        (ids: each side's blocks the range touches). Non-blocking; raises :class:`KvlcError` when
+        the producer cannot be reached or refuses (pairing)."""
+        start, stop = int(tokens[0]), int(tokens[1])
+        span = {"tokens": (start, stop)} if start else {"num_tokens": stop}
         if mode is Mode.PULL:
-            self.peer(producer, "READ").read(req, local, remote, num_tokens)
+            self.peer(producer, "READ").read(req, local, remote, **span)
         elif mode is Mode.PULL_VIA_PUSH:
-            self.peer(producer, "READ", "pull_via_push").read(req, local, remote, num_tokens)
+            self.peer(producer, "READ", "pull_via_push").read(req, local, remote, **span)
         else:
             self.agent.expect(req, self.settings.timeout)
             if ask:
                 msg = PushAsk(req=req, consumer_addresses=tuple(consumers),
                               producer_blocks={g: tuple(v) for g, v in remote.items()},
                               consumer_blocks={g: tuple(v) for g, v in local.items()},
-                              num_tokens=int(num_tokens))
+                              num_tokens=stop, start_token=start)
                 for addr in producer_push:
                     self._ask(addr, msg)
 
@@ -168,7 +177,8 @@ class Transport:
             if src is None:
                 return _reply(False, f"request '{ask.req}' is not held by this engine (finished or unknown)")
             for g, ids in ask.producer_blocks.items():
-                mine = src.blocks.get(g, ())
+                first = ask.start_token // self.ep.plan.group(g).block_size if g in self.ep.groups else 0
+                mine = src.blocks.get(g, ())[first:]   # the request's own blocks from the range's first
                 if tuple(mine[: len(ids)]) != tuple(ids):
                     return _reply(False, f"request '{ask.req}' group '{g}': blocks {list(ids)[:8]} are "
                                          f"not the request's own {list(mine)[:8]}")
@@ -180,7 +190,7 @@ class Transport:
     def _push(self, ask: PushAsk) -> bytes:
         try:
             self.peer(ask.consumer_addresses, "WRITE").write(
-                ask.req, ask.producer_blocks, ask.consumer_blocks, ask.num_tokens)
+                ask.req, ask.producer_blocks, ask.consumer_blocks, **ask.span)
         except KvlcError as exc:
             log.error("kvlc: push of '%s' refused: %s", ask.req, exc)
             with self._lock:

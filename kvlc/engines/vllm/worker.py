@@ -90,13 +90,13 @@ class WorkerSide:
             self._loads[load.kvlc_id] = load
             self._started[load.kvlc_id] = time.perf_counter()
             r = load.remote
-            log.info("kvlc: rank %d loads request %s (%d tokens, %s) from %s: local %s remote %s",
-                     self.rank, load.req_id, load.num_tokens, load.mode.value, r.kvlc_addresses[0],
+            log.info("kvlc: rank %d loads request %s (tokens [%d, %d), %s) from %s: local %s remote %s",
+                     self.rank, load.req_id, *load.tokens, load.mode.value, r.kvlc_addresses[0],
                      load.local_block_ids, load.remote_block_ids)
             try:
                 t.load(load.kvlc_id, load.mode, r.kvlc_addresses, r.kvlc_push_addresses,
                        load.consumer_addresses, t.groups(load.local_block_ids),
-                       t.groups(load.remote_block_ids), load.num_tokens, ask=self.rank == 0)
+                       t.groups(load.remote_block_ids), load.tokens, ask=self.rank == 0)
             except (KvlcError, OSError) as exc:
                 log.error("kvlc: load of request %s from engine %s failed: %s",
                           load.req_id, r.remote_engine_id, exc)
