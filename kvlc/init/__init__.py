@@ -47,6 +47,11 @@ def engine_layers(m: Model, opts: EngineOptions) -> tuple[tuple[int, int] | None
     held = [Layer(i, m.kinds[i]) for i in range(start, stop) if m.kinds[i] != LayerKind.NONE]
     if opts.draft_layers and stop == m.num_layers:
         held += [Layer(m.num_layers + j, LayerKind.FULL, optional=True) for j in range(m.draft_layers)]
+    if not held:
+        raise InitError(f"layers [{start}, {stop}) hold no KV-cache or state layer (every layer there is of a "
+                        "kind that keeps no cache, e.g. an MLP-only layer of a hybrid), so this engine has "
+                        "nothing to transfer; choose a --layers window that holds at least one attention or "
+                        "state layer")
     return window, held
 
 
