@@ -284,12 +284,24 @@ class KvAgent:
         with self._lock:
             if not self.closed:
                 self._pump()
+                self._polled = time.monotonic()
             return self.events.drain()
 
+    _polled = 0.0  # when poll() last advanced everything (monotonic seconds)
+    PUMP_SKIP_S = 0.001  # the progress thread skips a turn when poll() ran this recently
+
     def _pump_locked(self) -> None:
-        with self._lock:
+        """The progress thread's turn: it only fills the gaps between the engine's own polls, and never
+        makes Peer.write/read (or poll) wait: when the lock is taken it tries again next turn."""
+        if time.monotonic() - self._polled < self.PUMP_SKIP_S:
+            return
+        if not self._lock.acquire(blocking=False):
+            return
+        try:
             if not self.closed:
                 self._pump()
+        finally:
+            self._lock.release()
 
     def _pump(self) -> None:
         for out in self.executor.progress():

@@ -1,0 +1,118 @@
+"""Where a push request's time goes on the producer: kvlc between ``Peer.write`` and ``done``, per request.
+
+The producer KvAgent runs in this process (so cProfile sees it), the consumer in a spawned engine
+process (``kvlc.testing.procs``), both on DRAM over UCX on loopback, Llama-3.1-8B scaled to a pool of
+``--pool-mib`` per rank and requests of ``--tokens`` with contiguous block ids (one descriptor per
+layer: 32 per request). A round submits ``--inflight`` requests back to back, then waits until every
+one is done on the producer (``Completions.finished``), exactly like the demo's timed batches.
+
+Prints the time per request split as: instantiate (compiler rows), submit (NIXL create + post),
+wait (from the last post to the last ``done``), plus a cProfile of the whole loop (``--profile``).
+
+Run:  python3 benchmarks/profile_push.py [--tokens 256] [--inflight 8] [--rounds 20] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import secrets
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvlc.testing.demo import DEFAULT_LAYOUT, cpu_plan, make_workload  # noqa: E402
+
+
+def setup(pool_mib: int, progress: str, interval: float):
+    from kvlc.runtime.agent import KvAgent
+    from kvlc.runtime.binding import allocate
+    from kvlc.testing.procs import EngineConfig, EngineProcess
+
+    plan = cpu_plan(DEFAULT_LAYOUT, max_bytes=pool_mib << 20)
+    secret = secrets.token_hex(32)
+    proc = EngineProcess()
+    cons = proc.add(EngineConfig(plan.to_json(), 0, fill="zeros", secret=secret, engine_id="profile-consumer"))
+    tensors = allocate(plan)
+    prod = KvAgent(plan, 0, tensors, secret=secret, engine_id="profile-producer", progress=progress,
+                   progress_interval=interval)
+    peer = prod.connect(cons.address, direction="WRITE")
+    return plan, proc, prod, peer
+
+
+def one_round(prod, peer, batch, timeout: float = 60.0) -> dict:
+    t0 = time.perf_counter()
+    for req, cids, pids, n in batch:
+        peer.write(req, pids, cids, n, timeout=timeout)
+    t_posted = time.perf_counter()
+    want = {b[0] for b in batch}
+    deadline = time.monotonic() + timeout
+    while want and time.monotonic() < deadline:
+        c = prod.poll()
+        if c.failed:
+            raise RuntimeError(f"failed: {dict(c.failed)}")
+        want -= set(c.finished)
+        if want and not c:
+            time.sleep(0.0002)
+    if want:
+        raise RuntimeError(f"{len(want)} requests still open")
+    return {"submit_s": t_posted - t0, "total_s": time.perf_counter() - t0}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--pool-mib", type=int, default=256)
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--inflight", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--progress", default="thread")
+    ap.add_argument("--interval", type=float, default=0.001)
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--top", type=int, default=35)
+    args = ap.parse_args(argv)
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    plan, proc, prod, peer = setup(args.pool_mib, args.progress, args.interval)
+    try:
+        rounds = make_workload(plan, plan, args.inflight, args.tokens, ids="contiguous")
+        batch = [(f"{r}-{k}", c, p, n) for k, (r, c, p, n) in enumerate(rounds[0])]
+        parts = peer._instantiate(batch[0][2], batch[0][1], batch[0][3])
+        rows = sum(len(getattr(p, "local", p)) for p in parts.values())
+        nbytes = sum(int(p.nbytes) for p in parts.values())
+        one_round(prod, peer, [(f"warm-{i}", c, p, n) for i, (_, c, p, n) in enumerate(batch)])
+        prof = cProfile.Profile() if args.profile else None
+        results = []
+        if prof:
+            prof.enable()
+        for i in range(args.rounds):
+            results.append(one_round(prod, peer, [(f"r{i}-{r}", c, p, n) for r, c, p, n in batch]))
+        if prof:
+            prof.disable()
+        t_inst = time.perf_counter()
+        for _ in range(50):
+            peer._instantiate(batch[0][2], batch[0][1], batch[0][3])
+        inst = (time.perf_counter() - t_inst) / 50
+        n = args.inflight
+        sub = sorted(r["submit_s"] for r in results)[len(results) // 2] / n
+        tot = sorted(r["total_s"] for r in results)[len(results) // 2]
+        print(f"{n} requests in flight, {rows} descriptors, {nbytes / 2**20:.1f} MiB each: "
+              f"instantiate {inst * 1e6:.0f} us, submit (instantiate + create + post) {sub * 1e6:.0f} us per request, "
+              f"round {tot * 1e3:.2f} ms = {tot / n * 1e6:.0f} us per request, {n * nbytes / tot / 1e9:.2f} GB/s; "
+              f"load {os.getloadavg()[0]:.2f}")
+        if prof:
+            s = io.StringIO()
+            pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(args.top)
+            print(s.getvalue())
+    finally:
+        peer.close()
+        prod.close()
+        proc.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
