@@ -202,10 +202,12 @@ def _serial(pair, req, desc: int) -> dict:
             "requests": len(req), "bytes_per_request": req[0].nbytes, "descriptors_per_request": desc}
 
 
-def fastpath_cases(pdev: int, cdev: int, quick: bool, tmp: Path) -> list[dict]:
+def fastpath_cases(pdev: int, cdev: int, quick: bool, tmp: Path, select: str = "") -> list[dict]:
     """Per-request cost of push/pull: kvlc (rows, prepped; progress thread or manual polling; 4..32
-    requests in flight) next to raw NIXL on the same shapes, in one run (see _raw_rows)."""
-    rows = _raw_rows(pdev, cdev)
+    requests in flight) next to raw NIXL on the same shapes, in one run (see _raw_rows).
+    ``select``: comma-separated labels; only those kvlc cases run (and raw NIXL only with the word "raw")."""
+    words = [w for w in select.split(",") if w]
+    rows = _raw_rows(pdev, cdev) if not words or "raw" in words else []
     lp, lc = on_device(LLAMA, pdev, tmp), on_device(LLAMA, cdev, tmp)
     n = 32 if quick else 64
     G = 1 << 30
@@ -218,6 +220,8 @@ def fastpath_cases(pdev: int, cdev: int, quick: bool, tmp: Path) -> list[dict]:
             ("push 2 GiB contiguous manual", "push", 16, 16384, 32 * G, "rows", "manual"),
             ("pull 256 MiB contiguous", "pull", n, 2048, 8 * G, "rows", "thread"),
             ("pull 2 GiB contiguous", "pull", 16, 16384, 32 * G, "rows", "thread")):
+        if words and label not in words:
+            continue
         rows.append(_kvlc_row(f"kvlc VRAM llama-3.1-8b {label}", lp, lc, mode, requests, tokens, pool, desc, prog))
     return rows
 
@@ -260,6 +264,8 @@ def main(argv=None) -> int:
     ap.add_argument("--merge", action="store_true", help="add the rows to an existing --out document")
     ap.add_argument("--only", default="kvlc,staging,raw,check",
                     help="comma-separated parts: kvlc, staging, raw, check, diag, fastpath (the last two: not by default)")
+    ap.add_argument("--select", default="", help="fastpath part: comma-separated labels of its kvlc cases to run "
+                    "(e.g. 'push 256 MiB contiguous,raw'; 'raw' for raw NIXL); default all")
     args = ap.parse_args(argv)
     import torch
 
@@ -287,7 +293,7 @@ def main(argv=None) -> int:
              ("staging", lambda tmp: gpu_staging.staged_cases(p, c, args.quick)),
              ("raw", lambda tmp: gpu_staging.raw_cases(p, c, args.quick)),
              ("kvlc", lambda tmp: kvlc_cases(p, c, args.quick, tmp)),
-             ("fastpath", lambda tmp: fastpath_cases(p, c, args.quick, tmp)))
+             ("fastpath", lambda tmp: fastpath_cases(p, c, args.quick, tmp, args.select)))
     with tempfile.TemporaryDirectory() as tmp:
         for part, run in steps:
             if part in parts:
