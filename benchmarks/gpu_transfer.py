@@ -193,6 +193,15 @@ def _raw_rows(pdev: int | None, cdev: int | None, big: int = 2048 * MiB) -> list
                                lambda: _serial(pair, req, desc))
     finally:
         pair.stop()
+    ucx = {"num_threads": 4}  # UCX's thread pool posts a request's descriptors in parallel
+    pair = Pair(Side((big,), device=pdev, fill=False, ucx=ucx), Side((big,), device=cdev, fill=False, ucx=ucx))
+    try:
+        for inflight in (4, 32):
+            req = [gpu_staging.contiguous(32, big // 8 // 32)] * inflight
+            gpu_staging._guard(rows, f"raw WRITE 32 desc {big // 8 // MiB} MiB x{inflight} in flight [UCX threads=4]",
+                               lambda: dict(gpu_staging._raw(pair, "WRITE", req, 3, False), in_flight=inflight))
+    finally:
+        pair.stop()
     return rows
 
 

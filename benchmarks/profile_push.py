@@ -24,7 +24,10 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kvlc.testing.demo import DEFAULT_LAYOUT, cpu_plan, make_workload  # noqa: E402
 
@@ -64,6 +67,60 @@ def one_round(prod, peer, batch, timeout: float = 60.0) -> dict:
     return {"submit_s": t_posted - t0, "total_s": time.perf_counter() - t0}
 
 
+def _kvlc_gbps(prod, peer, plan, tokens: int, inflight: int, rounds: int, tag: str) -> tuple[float, int, int]:
+    batch = make_workload(plan, plan, inflight, tokens, ids="contiguous")[0]
+    parts = peer._instantiate(batch[0][2], batch[0][1], batch[0][3])
+    nbytes = sum(int(p.nbytes) for p in parts.values())
+    desc = sum(len(getattr(p, "local", p)) for p in parts.values())
+    times = [one_round(prod, peer, [(f"{tag}-{i}-{k}", c, p, n) for k, (_, c, p, n) in enumerate(batch)])["total_s"]
+             for i in range(rounds)]
+    return len(batch) * nbytes / sorted(times)[len(times) // 2] / 1e9, nbytes, desc
+
+
+def compare(args) -> list[dict]:
+    """kvlc push vs raw NIXL single-descriptor WRITE on the same bytes, rounds alternated, one run."""
+    from kvlc.testing.staging_pair import Pair, Ranges, Side
+
+    plan, proc, prod, peer = setup(args.pool_mib, args.progress, args.interval)
+    out = []
+    try:
+        sizes = [int(t) for t in args.compare.split(",")]
+        _, cids, pids, n = make_workload(plan, plan, 1, max(sizes), ids="contiguous")[0][0]
+        parts = peer._instantiate(pids, cids, n)
+        biggest = sum(int(p.nbytes) for p in parts.values())
+        pair = Pair(Side((biggest,), fill=False, pin=False), Side((biggest,), fill=False, pin=False))
+        try:
+            for tokens in sizes:
+                k, raw, ser = [], [], []
+                for i in range(-1, args.rounds):  # round -1 warms connections and caches up, not counted
+                    g, nbytes, desc = _kvlc_gbps(prod, peer, plan, tokens, args.inflight, 1, f"c{tokens}-{i}")
+                    k.append(g)
+                    one = np.array([[0, 0, nbytes]], dtype=np.int64)
+                    req = [Ranges(one, one)] * args.inflight
+                    r = pair.raw("WRITE", req, reps=1, single=True)
+                    raw.append(r["bytes"] / r["seconds"] / 1e9)
+                    r = pair.raw("WRITE", req, reps=1, single=True, serial=True)
+                    ser.append(r["bytes"] / r["seconds"] / 1e9)
+                    if i < 0:
+                        k, raw, ser = [], [], []
+                med = {n: sorted(v)[len(v) // 2] for n, v in (("kvlc", k), ("raw", raw), ("raw_serial", ser))}
+                row = {"tokens": tokens, "bytes_per_request": nbytes, "descriptors": desc, "in_flight": args.inflight,
+                       "rounds": args.rounds, "kvlc_push_gbps": med["kvlc"], "raw_write_1desc_gbps": med["raw"],
+                       "raw_write_1desc_created_per_request_gbps": med["raw_serial"],
+                       "ratio": med["kvlc"] / med["raw"], "ratio_vs_created": med["kvlc"] / med["raw_serial"]}
+                out.append(row)
+                print(f"{nbytes / 2**20:7.1f} MiB x{args.inflight} ({desc} descriptors): kvlc push {med['kvlc']:.2f} GB/s, "
+                      f"raw 1-descriptor WRITE {med['raw']:.2f} (created per request {med['raw_serial']:.2f}) -> "
+                      f"{row['ratio']:.2f} ({row['ratio_vs_created']:.2f})", flush=True)
+        finally:
+            pair.stop()
+    finally:
+        peer.close()
+        prod.close()
+        proc.stop()
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pool-mib", type=int, default=256)
@@ -74,8 +131,17 @@ def main(argv=None) -> int:
     ap.add_argument("--interval", type=float, default=0.001)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--top", type=int, default=35)
+    ap.add_argument("--compare", default="", help="comma-separated tokens per request: kvlc push vs raw NIXL "
+                    "single-descriptor WRITE of the same bytes, alternated (--rounds each); writes results/push_vs_raw.json")
     args = ap.parse_args(argv)
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    if args.compare:
+        from common import write_results
+
+        rows = compare(args)
+        extra = {"load_end": os.getloadavg()[0], "progress": args.progress, "pool_mib": args.pool_mib, "rows": rows}
+        print(f"wrote {write_results('push_vs_raw', extra)}")
+        return 0
     plan, proc, prod, peer = setup(args.pool_mib, args.progress, args.interval)
     try:
         rounds = make_workload(plan, plan, args.inflight, args.tokens, ids="contiguous")

@@ -287,8 +287,8 @@ class KvAgent:
                 self._polled = time.monotonic()
             return self.events.drain()
 
-    _polled = 0.0  # when poll() last advanced everything (monotonic seconds)
-    PUMP_SKIP_S = 0.001  # the progress thread skips a turn when poll() ran this recently
+    _polled = 0.0  # when poll() last advanced everything, or the engine submitted a request (monotonic s)
+    PUMP_SKIP_S = 0.001  # the progress thread skips a turn when the engine was this recently active
 
     def _pump_locked(self) -> None:
         """The progress thread's turn: it only fills the gaps between the engine's own polls, and never
