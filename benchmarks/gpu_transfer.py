@@ -193,6 +193,17 @@ def _raw_rows(pdev: int | None, cdev: int | None, big: int = 2048 * MiB) -> list
                                lambda: _serial(pair, req, desc))
     finally:
         pair.stop()
+    pair = Pair(Side((big,), device=pdev, fill=False), Side((big,), device=cdev, fill=False))
+    try:  # 32 descriptors NIXL cannot merge (apart in memory, as kvlc's layers are): kvlc's real shape
+        for inflight in (4, 32):
+            req = [_spread(32, big // 8 // 32, big // 32)] * inflight
+            gpu_staging._guard(rows, f"raw WRITE 32 desc {big // 8 // MiB} MiB apart x{inflight} in flight",
+                               lambda: dict(gpu_staging._raw(pair, "WRITE", req, 3, False), in_flight=inflight))
+        req = [_spread(32, big // 8 // 32, big // 32)] * 8
+        gpu_staging._guard(rows, f"raw WRITE 32 desc {big // 8 // MiB} MiB apart created per request, serial",
+                           lambda: _serial(pair, req, 32))
+    finally:
+        pair.stop()
     ucx = {"num_threads": 4}  # UCX's thread pool posts a request's descriptors in parallel
     pair = Pair(Side((big,), device=pdev, fill=False, ucx=ucx), Side((big,), device=cdev, fill=False, ucx=ucx))
     try:
@@ -203,6 +214,17 @@ def _raw_rows(pdev: int | None, cdev: int | None, big: int = 2048 * MiB) -> list
     finally:
         pair.stop()
     return rows
+
+
+def _spread(n: int, size: int, pitch: int):
+    """``n`` rows of ``size`` bytes, ``pitch`` apart (no two adjacent: nothing for NIXL to merge)."""
+    import numpy as np
+
+    from kvlc.testing.staging_pair import Ranges
+
+    offs = np.arange(n, dtype=np.int64) * pitch
+    rows = np.stack([np.zeros(n, dtype=np.int64), offs, np.full(n, size, dtype=np.int64)], axis=1)
+    return Ranges(rows, rows.copy())
 
 
 def _serial(pair, req, desc: int) -> dict:

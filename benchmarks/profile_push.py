@@ -29,19 +29,21 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from kvlc.testing.demo import DEFAULT_LAYOUT, cpu_plan, make_workload  # noqa: E402
+from kvlc.testing.demo import DEFAULT_LAYOUT, make_workload  # noqa: E402
 
 
-def setup(pool_mib: int, progress: str, interval: float):
+def setup(pool_mib: int, progress: str, interval: float, gpu: bool = False):
     from kvlc.runtime.agent import KvAgent
     from kvlc.runtime.binding import allocate
+    from kvlc.testing.demo import scaled_plan
     from kvlc.testing.procs import EngineConfig, EngineProcess
 
-    plan = cpu_plan(DEFAULT_LAYOUT, max_bytes=pool_mib << 20)
+    plan = scaled_plan(DEFAULT_LAYOUT, pool_mib << 20, to_dram=not gpu)  # gpu: VRAM on cuda:0 both sides
     secret = secrets.token_hex(32)
     proc = EngineProcess()
-    cons = proc.add(EngineConfig(plan.to_json(), 0, fill="zeros", secret=secret, engine_id="profile-consumer"))
-    tensors = allocate(plan)
+    cons = proc.add(EngineConfig(plan.to_json(), 0, fill="zeros", secret=secret, engine_id="profile-consumer",
+                                 pin=gpu))
+    tensors = allocate(plan, pin=gpu)
     prod = KvAgent(plan, 0, tensors, secret=secret, engine_id="profile-producer", progress=progress,
                    progress_interval=interval)
     peer = prod.connect(cons.address, direction="WRITE")
@@ -131,6 +133,8 @@ def main(argv=None) -> int:
     ap.add_argument("--interval", type=float, default=0.001)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--top", type=int, default=35)
+    ap.add_argument("--sort", default="tottime", help="cProfile order (tottime, cumulative)")
+    ap.add_argument("--gpu", action="store_true", help="VRAM on cuda:0 on both sides (a GPU machine)")
     ap.add_argument("--compare", default="", help="comma-separated tokens per request: kvlc push vs raw NIXL "
                     "single-descriptor WRITE of the same bytes, alternated (--rounds each); writes results/push_vs_raw.json")
     args = ap.parse_args(argv)
@@ -142,7 +146,7 @@ def main(argv=None) -> int:
         extra = {"load_end": os.getloadavg()[0], "progress": args.progress, "pool_mib": args.pool_mib, "rows": rows}
         print(f"wrote {write_results('push_vs_raw', extra)}")
         return 0
-    plan, proc, prod, peer = setup(args.pool_mib, args.progress, args.interval)
+    plan, proc, prod, peer = setup(args.pool_mib, args.progress, args.interval, args.gpu)
     try:
         rounds = make_workload(plan, plan, args.inflight, args.tokens, ids="contiguous")
         batch = [(f"{r}-{k}", c, p, n) for k, (r, c, p, n) in enumerate(rounds[0])]
@@ -171,7 +175,7 @@ def main(argv=None) -> int:
               f"load {os.getloadavg()[0]:.2f}")
         if prof:
             s = io.StringIO()
-            pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(args.top)
+            pstats.Stats(prof, stream=s).sort_stats(args.sort).print_stats(args.top)
             print(s.getvalue())
     finally:
         peer.close()
