@@ -134,6 +134,7 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--top", type=int, default=35)
     ap.add_argument("--sort", default="tottime", help="cProfile order (tottime, cumulative)")
+    ap.add_argument("--legacy-pump", action="store_true", help="progress turn that waits for the lock (as before)")
     ap.add_argument("--gpu", action="store_true", help="VRAM on cuda:0 on both sides (a GPU machine)")
     ap.add_argument("--compare", default="", help="comma-separated tokens per request: kvlc push vs raw NIXL "
                     "single-descriptor WRITE of the same bytes, alternated (--rounds each); writes results/push_vs_raw.json")
@@ -146,6 +147,14 @@ def main(argv=None) -> int:
         extra = {"load_end": os.getloadavg()[0], "progress": args.progress, "pool_mib": args.pool_mib, "rows": rows}
         print(f"wrote {write_results('push_vs_raw', extra)}")
         return 0
+    if args.legacy_pump:  # the progress turn as it was: wait for the lock, run whatever the engine does
+        from kvlc.runtime.agent import KvAgent
+
+        def legacy(self):
+            with self._lock:
+                if not self.closed:
+                    self._pump()
+        KvAgent._pump_locked = legacy
     plan, proc, prod, peer = setup(args.pool_mib, args.progress, args.interval, args.gpu)
     try:
         rounds = make_workload(plan, plan, args.inflight, args.tokens, ids="contiguous")
