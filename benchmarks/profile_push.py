@@ -9,7 +9,12 @@ one is done on the producer (``Completions.finished``), exactly like the demo's 
 Prints the time per request split as: instantiate (compiler rows), submit (NIXL create + post),
 wait (from the last post to the last ``done``), plus a cProfile of the whole loop (``--profile``).
 
+``--compare 16,256,2048`` instead measures kvlc push against raw NIXL single-descriptor WRITEs of the
+same bytes between two more processes, rounds alternated (results/push_vs_raw.json); ``--gpu`` puts
+both sides' caches in VRAM on cuda:0 (a GPU machine).
+
 Run:  python3 benchmarks/profile_push.py [--tokens 256] [--inflight 8] [--rounds 20] [--profile]
+      python3 benchmarks/profile_push.py --compare 16,256,2048 --rounds 5 --inflight 4 --pool-mib 1024
 """
 
 from __future__ import annotations
