@@ -291,11 +291,8 @@ class KvAgent:
     PUMP_SKIP_S = 0.001  # the progress thread skips a turn when the engine was this recently active
 
     def _pump_locked(self) -> None:
-        """The progress thread's turn: it only fills the gaps between the engine's own polls, and never
-        makes Peer.write/read (or poll) wait: when the lock is taken it tries again next turn."""
-        if time.monotonic() - self._polled < self.PUMP_SKIP_S:
-            return
-        if not self._lock.acquire(blocking=False):
+        """The progress thread's turn: fills gaps between the engine's polls, never makes the engine wait."""
+        if time.monotonic() - self._polled < self.PUMP_SKIP_S or not self._lock.acquire(blocking=False):
             return
         try:
             if not self.closed:
