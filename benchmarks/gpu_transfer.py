@@ -148,6 +148,115 @@ def kvlc_cases(pdev: int, cdev: int, quick: bool, tmp: Path) -> list[dict]:
     return rows
 
 
+def _kvlc_row(name: str, prod: str, cons: str, mode: str, requests: int, tokens: int, pool: int,
+              descriptors: str = "rows", progress: str = "thread", timeout: float = 300.0) -> dict:
+    """One timed kvlc run (contiguous ids, no check): GB/s, requests in flight per round, descriptors."""
+    from kvlc.testing.demo import run_demo
+
+    t0 = time.time()
+    try:
+        res = run_demo(prod, cons, mode=mode, requests=requests, tokens=tokens, max_bytes=pool, device="gpu",
+                       check="none", fill="zeros", ids="contiguous", timeout=timeout, descriptors=descriptors,
+                       progress_mode=progress)
+        row = {"case": name, "ok": res.ok, "bytes": res.nbytes, "seconds": res.seconds, "gbps": res.gbps,
+               "requests": res.requests, "rounds": res.rounds, "in_flight": res.requests // max(1, res.rounds),
+               "bytes_per_request": res.nbytes // max(1, res.requests),
+               "descriptors_per_request": res.descriptors_per_request, "progress": progress,
+               "failed": dict(list(res.failed.items())[:3])}
+    except Exception as exc:
+        row = {"case": name, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-2000:]}
+    row["wall_s"] = round(time.time() - t0, 1)
+    print(json.dumps({k: v for k, v in row.items() if k != "traceback"}), flush=True)
+    return row
+
+
+def _raw_rows(pdev: int | None, cdev: int | None, big: int = 2048 * MiB) -> list[dict]:
+    """Raw NIXL WRITE/READ (no kvlc, no UCX thread pool) on the shapes kvlc posts: 1 descriptor and
+    32 descriptors per request, 4 or 32 requests in flight (created before the clock), and created
+    inside the clock one at a time (what a runtime pays per request)."""
+    import gpu_staging
+    from kvlc.testing.staging_pair import Pair, Side
+
+    rows: list[dict] = []
+    pair = Pair(Side((big,), device=pdev, fill=False), Side((big,), device=cdev, fill=False))
+    try:
+        for size, desc in ((big // 8, 1), (big // 8, 32), (big, 1), (big, 32)):
+            for inflight in ((4, 32) if size < big else (2, 16)):
+                req = [gpu_staging.contiguous(desc, size // desc)] * inflight
+                reps = 3 if size < big else 2
+                for op in (("WRITE", "READ") if desc == 1 and inflight in (4, 2) else ("WRITE",)):
+                    gpu_staging._guard(rows, f"raw {op} {desc} desc {size // MiB} MiB x{inflight} in flight",
+                                       lambda: dict(gpu_staging._raw(pair, op, req, reps, desc == 1),
+                                                    in_flight=inflight))
+            req = [gpu_staging.contiguous(desc, size // desc)] * 8
+            gpu_staging._guard(rows, f"raw WRITE {desc} desc {size // MiB} MiB created per request, serial",
+                               lambda: _serial(pair, req, desc))
+    finally:
+        pair.stop()
+    pair = Pair(Side((big,), device=pdev, fill=False), Side((big,), device=cdev, fill=False))
+    try:  # 32 descriptors NIXL cannot merge (apart in memory, as kvlc's layers are): kvlc's real shape
+        for inflight in (4, 32):
+            req = [_spread(32, big // 8 // 32, big // 32)] * inflight
+            gpu_staging._guard(rows, f"raw WRITE 32 desc {big // 8 // MiB} MiB apart x{inflight} in flight",
+                               lambda: dict(gpu_staging._raw(pair, "WRITE", req, 3, False), in_flight=inflight))
+        req = [_spread(32, big // 8 // 32, big // 32)] * 8
+        gpu_staging._guard(rows, f"raw WRITE 32 desc {big // 8 // MiB} MiB apart created per request, serial",
+                           lambda: _serial(pair, req, 32))
+    finally:
+        pair.stop()
+    ucx = {"num_threads": 4}  # UCX's thread pool posts a request's descriptors in parallel
+    pair = Pair(Side((big,), device=pdev, fill=False, ucx=ucx), Side((big,), device=cdev, fill=False, ucx=ucx))
+    try:
+        for inflight in (4, 32):
+            req = [gpu_staging.contiguous(32, big // 8 // 32)] * inflight
+            gpu_staging._guard(rows, f"raw WRITE 32 desc {big // 8 // MiB} MiB x{inflight} in flight [UCX threads=4]",
+                               lambda: dict(gpu_staging._raw(pair, "WRITE", req, 3, False), in_flight=inflight))
+    finally:
+        pair.stop()
+    return rows
+
+
+def _spread(n: int, size: int, pitch: int):
+    """``n`` rows of ``size`` bytes, ``pitch`` apart (no two adjacent: nothing for NIXL to merge)."""
+    import numpy as np
+
+    from kvlc.testing.staging_pair import Ranges
+
+    offs = np.arange(n, dtype=np.int64) * pitch
+    rows = np.stack([np.zeros(n, dtype=np.int64), offs, np.full(n, size, dtype=np.int64)], axis=1)
+    return Ranges(rows, rows.copy())
+
+
+def _serial(pair, req, desc: int) -> dict:
+    r = pair.raw("WRITE", req, reps=1, single=desc == 1, serial=True)
+    return {"bytes": r["bytes"], "seconds": r["seconds"], "gbps": r["bytes"] / r["seconds"] / 1e9,
+            "requests": len(req), "bytes_per_request": req[0].nbytes, "descriptors_per_request": desc}
+
+
+def fastpath_cases(pdev: int, cdev: int, quick: bool, tmp: Path, select: str = "") -> list[dict]:
+    """Per-request cost of push/pull: kvlc (rows, prepped; progress thread or manual polling; 4..32
+    requests in flight) next to raw NIXL on the same shapes, in one run (see _raw_rows).
+    ``select``: comma-separated labels; only those kvlc cases run (and raw NIXL only with the word "raw")."""
+    words = [w for w in select.split(",") if w]
+    rows = _raw_rows(pdev, cdev) if not words or "raw" in words else []
+    lp, lc = on_device(LLAMA, pdev, tmp), on_device(LLAMA, cdev, tmp)
+    n = 32 if quick else 64
+    G = 1 << 30
+    for label, mode, requests, tokens, pool, desc, prog in (
+            ("push 256 MiB contiguous", "push", n, 2048, 8 * G, "rows", "thread"),
+            ("push 256 MiB contiguous manual", "push", n, 2048, 8 * G, "rows", "manual"),
+            ("push 256 MiB contiguous x4", "push", 32, 2048, 1 * G, "rows", "thread"),
+            ("push 256 MiB contiguous prepped", "push", n, 2048, 8 * G, "prepped", "thread"),
+            ("push 2 GiB contiguous", "push", 16, 16384, 32 * G, "rows", "thread"),
+            ("push 2 GiB contiguous manual", "push", 16, 16384, 32 * G, "rows", "manual"),
+            ("pull 256 MiB contiguous", "pull", n, 2048, 8 * G, "rows", "thread"),
+            ("pull 2 GiB contiguous", "pull", 16, 16384, 32 * G, "rows", "thread")):
+        if words and label not in words:
+            continue
+        rows.append(_kvlc_row(f"kvlc VRAM llama-3.1-8b {label}", lp, lc, mode, requests, tokens, pool, desc, prog))
+    return rows
+
+
 def ceilings(pdev: int, cdev: int) -> dict:
     out = {}
     for size in (256 * MiB, 2048 * MiB):
@@ -185,7 +294,9 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer and smaller requests")
     ap.add_argument("--merge", action="store_true", help="add the rows to an existing --out document")
     ap.add_argument("--only", default="kvlc,staging,raw,check",
-                    help="comma-separated parts: kvlc, staging, raw, check, diag (diag: not by default)")
+                    help="comma-separated parts: kvlc, staging, raw, check, diag, fastpath (the last two: not by default)")
+    ap.add_argument("--select", default="", help="fastpath part: comma-separated labels of its kvlc cases to run "
+                    "(e.g. 'push 256 MiB contiguous,raw'; 'raw' for raw NIXL); default all")
     args = ap.parse_args(argv)
     import torch
 
@@ -212,7 +323,8 @@ def main(argv=None) -> int:
              ("diag", lambda tmp: gpu_staging.diag_cases(p, c)),
              ("staging", lambda tmp: gpu_staging.staged_cases(p, c, args.quick)),
              ("raw", lambda tmp: gpu_staging.raw_cases(p, c, args.quick)),
-             ("kvlc", lambda tmp: kvlc_cases(p, c, args.quick, tmp)))
+             ("kvlc", lambda tmp: kvlc_cases(p, c, args.quick, tmp)),
+             ("fastpath", lambda tmp: fastpath_cases(p, c, args.quick, tmp, args.select)))
     with tempfile.TemporaryDirectory() as tmp:
         for part, run in steps:
             if part in parts:

@@ -114,6 +114,8 @@ class _Job:
 def _segments(kl: np.ndarray, kr: np.ndarray, full: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Runs of consecutive ids on both sides among the first ``full`` ids: starts and lengths."""
     cont = (kl[1:full] == kl[:full - 1] + 1) & (kr[1:full] == kr[:full - 1] + 1)
+    if cont.all():  # the common case, contiguous ids on both sides: one run
+        return kl[:1], kr[:1], np.array([full], dtype=np.int64)
     starts = np.flatnonzero(np.concatenate(([True], ~cont)))
     lens = np.diff(np.append(starts, full))
     return kl[starts], kr[starts], lens
@@ -181,10 +183,9 @@ class BoundProgram:
                         Side(ir, rs.stride, rs.base, np.tile(runs.remote_offset, count), rs.device),
                         np.tile(runs.length, count))
 
-    def _block_pieces(self, b: Block, req: Request, segments: dict) -> list[RowPiece]:
+    def _block_pieces(self, b: Block, req: Request, segments: dict, sides: tuple[Side, Side]) -> list[RowPiece]:
         kl, kr = req.local[b.group], req.remote[b.group]
         ts, shift = block_tiles(b, req)
-        sides = self.sides(b)
         partial = [self.tiles(self.program.index.tail_runs(b, p.hi, p.lo), p.tile, 1, b, kl, kr, sides, shift)
                    for p in ts.partial]
         head = 1 if ts.partial and ts.partial[0].tile < ts.first else 0
@@ -210,8 +211,10 @@ class BoundProgram:
         # every piece straight into one (N, 3) array per side and part: no intermediate arrays,
         # no concatenation (fresh memory is what costs most here).
         jobs, sizes, segments = [], {}, {}
-        for b in self.program.index.blocks:
-            pieces = self._block_pieces(b, req, segments)
+        blocks = self.program.index.blocks
+        sides = self.memo.get("sides", lambda: [self.sides(b) for b in blocks])  # fixed per binding
+        for b, sd in zip(blocks, sides):
+            pieces = self._block_pieces(b, req, segments, sd)
             if pieces:
                 rows = len(b.entries) * sum(len(p) for p in pieces)
                 jobs.append(_Job(b.key, len(b.entries), pieces, rows))

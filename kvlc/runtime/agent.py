@@ -284,12 +284,21 @@ class KvAgent:
         with self._lock:
             if not self.closed:
                 self._pump()
+                self._polled = time.monotonic()
             return self.events.drain()
 
+    _polled = 0.0  # when poll() last advanced everything, or the engine submitted a request (monotonic s)
+    PUMP_SKIP_S = 0.001  # the progress thread skips a turn when the engine was this recently active
+
     def _pump_locked(self) -> None:
-        with self._lock:
+        """The progress thread's turn: fills gaps between the engine's polls, never makes the engine wait."""
+        if time.monotonic() - self._polled < self.PUMP_SKIP_S or not self._lock.acquire(blocking=False):
+            return
+        try:
             if not self.closed:
                 self._pump()
+        finally:
+            self._lock.release()
 
     def _pump(self) -> None:
         for out in self.executor.progress():

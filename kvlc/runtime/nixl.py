@@ -23,11 +23,12 @@ from typing import Any
 import numpy as np
 
 from kvlc.runtime.errors import NixlError
-from kvlc.runtime.nixl_status import MEM_TYPES, OPS, XferState, _rows, _state, call, check, run
+from kvlc.runtime.nixl_status import MEM_TYPES, OPS, XferState, _rows, _state, _status_of, call, check, run
 from kvlc.runtime.ucx import UcxOptions, create_backends
 
 
 log = logging.getLogger("kvlc.runtime.nixl")
+_FAST = {"DONE": XferState.DONE, "PROC": XferState.PROC}  # the states a healthy transfer reports
 
 
 def _quiet_nixl() -> None:
@@ -241,30 +242,40 @@ class Agent:
             return Xfer(self, raw, f"{op} {what} to {remote_agent!r}")
 
     # ------------------------------------------------------------------ transfers
-    def _advance(self, xfer: Xfer, what: str, err: str, fn, *args) -> XferState:
-        """Call ``fn`` (post or check), store the state on ``xfer``; ERR keeps its reason."""
+    def _advance(self, xfer: Xfer, verb: str, fn, *args) -> XferState:
+        """Call ``fn`` (post or check), store the state on ``xfer``; ERR keeps its reason.
+
+        The hot path: messages are only built when something failed."""
         try:
-            xfer.state = _state(call(what, fn, *args))
-        except NixlError as exc:
-            xfer.state, xfer.error = XferState.ERR, str(exc)
-        else:
-            if xfer.state is XferState.ERR:
-                xfer.error = err
-        return xfer.state
+            value = fn(*args)
+        except Exception as exc:  # NIXL raises its own exception types, plus ValueError/KeyError
+            err = exc if isinstance(exc, NixlError) else NixlError(f"{verb} {xfer.what}", _status_of(exc))
+            xfer.state, xfer.error = XferState.ERR, str(err)
+            return xfer.state
+        state = _FAST.get(value) if isinstance(value, str) else None
+        if state is None:  # anything else takes the checked path (None, "ERR", unknown strings)
+            try:
+                state = _state(check(value, f"{verb} {xfer.what}"))
+            except NixlError as exc:
+                xfer.state, xfer.error = XferState.ERR, str(exc)
+                return xfer.state
+        xfer.state = state
+        if state is XferState.ERR:
+            xfer.error = (f"NIXL post {xfer.what} failed" if verb == "post"
+                          else f"NIXL {xfer.what} reported an error")
+        return state
 
     def post(self, xfer: Xfer) -> XferState:
         """Start a transfer; a failure is returned as ``ERR`` with ``xfer.error`` set."""
         with self._lock:
-            return self._advance(xfer, f"post {xfer.what}", f"NIXL post {xfer.what} failed",
-                                 self._n.transfer, xfer._raw, b"")
+            return self._advance(xfer, "post", self._n.transfer, xfer._raw, b"")
 
     def state(self, xfer: Xfer) -> XferState:
         """Current state; terminal states stick. A failure sets ``xfer.error``."""
         with self._lock:
             if xfer.state.terminal or xfer.released:
                 return xfer.state
-            return self._advance(xfer, f"check {xfer.what}", f"NIXL {xfer.what} reported an error",
-                                 self._n.check_xfer_state, xfer._raw)
+            return self._advance(xfer, "check", self._n.check_xfer_state, xfer._raw)
 
     def telemetry(self, xfer: Xfer) -> dict[str, int] | None:
         """Descriptor count and bytes after NIXL's merging, when the agent captures telemetry."""

@@ -252,6 +252,7 @@ class Peer:
             if self.mode is not Mode.PULL_VIA_PUSH:
                 parts = self._instantiate(local_block_ids, remote_block_ids, num_tokens, tokens)
                 a._submit(("read", request_id), request_id, "READ", parts, self._targets(), timeout)
+                a._polled = time.monotonic()  # the engine is at work and polls soon: the progress thread waits
                 return
             self.program.check_request(local_block_ids, remote_block_ids, num_tokens, tokens=tokens)
             start, n = _wire_range(num_tokens, tokens)
@@ -296,6 +297,7 @@ class Peer:
             a.events.ended.pop(("write", request_id), None)
             a._submit(("write", request_id), request_id, "WRITE", parts, self._targets(),
                       a.timeout if timeout is None else timeout)
+            a._polled = time.monotonic()  # the engine is at work and polls soon: the progress thread waits
 
     def close(self) -> None:
         """End these sessions: close the connections, release prepared lists, revoke the NIXL agents

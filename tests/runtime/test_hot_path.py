@@ -1,0 +1,143 @@
+"""The per-request hot path: the progress thread never makes the engine wait, post/state build messages
+only on failure (and still name the operation), and the one-run shortcut of instantiate's segments
+gives what the general path gives."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvlc.compiler.instantiate import _segments
+from kvlc.runtime.errors import NixlError
+from kvlc.runtime.nixl import Agent, Xfer, XferState
+
+
+# ------------------------------------------------------------------ progress thread
+@pytest.fixture(scope="module")
+def kv_agent():
+    from kvlc.runtime.agent import KvAgent
+    from kvlc.runtime.binding import allocate
+    from kvlc.testing.demo import DEFAULT_LAYOUT, cpu_plan
+
+    plan = cpu_plan(DEFAULT_LAYOUT, max_bytes=1 << 20)
+    agent = KvAgent(plan, 0, allocate(plan), insecure=True, progress="manual")
+    yield agent
+    agent.close()
+
+
+def _counting(agent, monkeypatch) -> list:
+    calls = []
+    real = agent._pump
+    monkeypatch.setattr(agent, "_pump", lambda: (calls.append(1), real()))
+    return calls
+
+
+def test_progress_turn_skips_right_after_poll_and_runs_later(kv_agent, monkeypatch):
+    calls = _counting(kv_agent, monkeypatch)
+    kv_agent.poll()
+    assert len(calls) == 1
+    kv_agent._pump_locked()  # poll() just ran: the engine is progressing itself
+    assert len(calls) == 1
+    time.sleep(kv_agent.PUMP_SKIP_S * 3)
+    kv_agent._pump_locked()
+    assert len(calls) == 2
+
+
+def test_progress_turn_never_waits_for_the_lock(kv_agent, monkeypatch):
+    calls = _counting(kv_agent, monkeypatch)
+    time.sleep(kv_agent.PUMP_SKIP_S * 3)
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        with kv_agent._lock:
+            held.set()
+            release.wait(5)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    held.wait(5)
+    t0 = time.monotonic()
+    kv_agent._pump_locked()  # the engine's thread holds the lock (a write in progress): skip, at once
+    waited = time.monotonic() - t0
+    release.set()
+    t.join()
+    assert calls == [] and waited < 0.5
+    kv_agent._pump_locked()
+    assert calls == [1]
+
+
+# ------------------------------------------------------------------ post / state
+class _Raw:
+    """Stands in for nixl_agent: transfer/check_xfer_state return or raise what a test scripts."""
+
+    def __init__(self, result):
+        self.result = result
+
+    def _answer(self, *args):
+        if isinstance(self.result, BaseException):
+            raise self.result
+        return self.result
+
+    transfer = check_xfer_state = _answer
+
+
+def _agent(result) -> Agent:
+    a = Agent.__new__(Agent)  # no NIXL: only the wrapper's bookkeeping and status handling
+    a._lock, a._live, a._nixl, a.name = threading.RLock(), set(), _Raw(result), "fake"
+    return a
+
+
+@pytest.mark.parametrize("result, state", [("DONE", XferState.DONE), ("PROC", XferState.PROC)])
+def test_healthy_states_pass_through(result, state):
+    a = _agent(result)
+    x = Xfer(a, object(), "WRITE request 'r1' part peer0:VRAM->VRAM")
+    assert a.post(x) is state and x.error is None
+    assert a.state(x) is state
+
+
+@pytest.mark.parametrize("result, words", [
+    ("ERR", ["NIXL post", "request 'r1'", "failed"]),
+    (None, ["post WRITE request 'r1'", "no result"]),
+    (RuntimeError("NIXL_ERR_BACKEND remote gone"), ["post WRITE request 'r1'", "NIXL_ERR_BACKEND"]),
+    (NixlError("post x", "NIXL_ERR_NOT_FOUND"), ["NIXL_ERR_NOT_FOUND"]),
+    ("WEIRD", ["NIXL post WRITE request 'r1'", "failed"]),  # a state NIXL does not define
+])
+def test_failed_post_names_the_operation(result, words):
+    a = _agent(result)
+    x = Xfer(a, object(), "WRITE request 'r1' part peer0:VRAM->VRAM")
+    assert a.post(x) is XferState.ERR
+    assert all(w in x.error for w in words), x.error
+
+
+def test_failed_check_names_the_operation_and_sticks():
+    a = _agent("ERR")
+    x = Xfer(a, object(), "READ request 'r2' part peer1:DRAM->DRAM")
+    assert a.state(x) is XferState.ERR and "NIXL check READ request 'r2'" in x.error, x.error
+    a._nixl.result = "DONE"
+    assert a.state(x) is XferState.ERR  # terminal states stick
+
+
+# ------------------------------------------------------------------ segments
+def _segments_reference(kl, kr, full):
+    starts = [0] + [i for i in range(1, full) if not (kl[i] == kl[i - 1] + 1 and kr[i] == kr[i - 1] + 1)]
+    lens = [b - a for a, b in zip(starts, starts[1:] + [full])]
+    return [int(kl[s]) for s in starts], [int(kr[s]) for s in starts], lens
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.booleans()), min_size=1, max_size=40), st.integers(0, 1000))
+def test_segments_match_the_definition(steps, start):
+    # ids that mostly continue (the shortcut's case) and sometimes jump, on either side
+    kl, kr = [start], [start * 2]
+    for jump, which in steps[1:]:
+        kl.append(kl[-1] + 1 + (jump if which else 0))
+        kr.append(kr[-1] + 1 + (0 if which else jump))
+    kl, kr = np.array(kl, dtype=np.int64), np.array(kr, dtype=np.int64)
+    sl, sr, lens = _segments(kl, kr, len(kl))
+    assert (sl.tolist(), sr.tolist(), lens.tolist()) == _segments_reference(kl, kr, len(kl))
+    assert lens.dtype == np.int64
