@@ -63,14 +63,19 @@ def _case_labels(reqs: list[dict]) -> list[str]:
     return [f"{r['case']}\n{r['ids']}" for r in reqs]
 
 
-def plot_instantiate(doc: dict, out: Path) -> Path:
+def _per_request_axes(reqs: list[dict]):
+    """A figure with one pair of bars a request case: (figure, axes, bar positions, bar width)."""
     plt = _plt()
     import numpy as np
 
-    reqs = doc["requests"]
     x = np.arange(len(reqs))
     fig, ax = plt.subplots(figsize=(max(8, len(reqs) * 0.8), 4.8))
-    w = 0.4
+    return fig, ax, x, 0.4
+
+
+def plot_instantiate(doc: dict, out: Path) -> Path:
+    reqs = doc["requests"]
+    fig, ax, x, w = _per_request_axes(reqs)
     ax.bar(x - w / 2, [r["instantiate_bound_s"] * 1e3 for r in reqs], w, label="kvlc (bound program)")
     ax.bar(x + w / 2, [r["per_block_baseline_s"] * 1e3 for r in reqs], w, label="per-block scheme (numpy)")
     ax.axhline(
@@ -89,13 +94,8 @@ def plot_instantiate(doc: dict, out: Path) -> Path:
 
 
 def plot_descriptors(doc: dict, out: Path) -> Path:
-    plt = _plt()
-    import numpy as np
-
     reqs = doc["requests"]
-    x = np.arange(len(reqs))
-    fig, ax = plt.subplots(figsize=(max(8, len(reqs) * 0.8), 4.8))
-    w = 0.4
+    fig, ax, x, w = _per_request_axes(reqs)
     ax.bar(x - w / 2, [r["descriptors_kvlc"] for r in reqs], w, label="kvlc")
     valid = [r.get("per_block_valid", True) for r in reqs]
     bars = ax.bar(x + w / 2, [r["descriptors_per_block"] for r in reqs], w, label="per-block scheme")
