@@ -116,8 +116,8 @@ def field_copy_runs(lf: PlanField, rf: PlanField, piece: Piece, chunk: Chunk) ->
     return strided_runs(dims, off_l, off_r, lf.itemsize)
 
 
-def chunks(lr: PlanRegion, rr: PlanRegion, tokens: int | None = None) -> list[Chunk]:
-    """Token chunks of one tile (``tokens``: clip a partial last tile; state: one whole chunk).
+def chunks(lr: PlanRegion, rr: PlanRegion, tokens: int | None = None, start: int = 0) -> list[Chunk]:
+    """Token chunks of one tile (``[start, tokens)``: clip a partial tile; state: one whole chunk).
 
     >>> from kvlc import compile_spec
     >>> a = compile_spec("layouts/gemma-3-27b-tp2-b16.yaml").regions[0]
@@ -130,14 +130,15 @@ def chunks(lr: PlanRegion, rr: PlanRegion, tokens: int | None = None) -> list[Ch
         return [WHOLE]
     limit = t.tokens if tokens is None else tokens
     bl, br = lr.block_tokens, rr.block_tokens
-    return [Chunk(t0 // bl, t0 % bl, t0 // br, t0 % br, min(t.chunk, limit - t0))
-            for t0 in range(0, limit, t.chunk)]
+    cuts = [start] + list(range(start // t.chunk * t.chunk + t.chunk, limit, t.chunk)) + [limit]
+    return [Chunk(a // bl, a % bl, a // br, a % br, b - a) for a, b in zip(cuts, cuts[1:]) if b > a]
 
 
-def tile_runs(lr: PlanRegion, rr: PlanRegion, pieces: Sequence[Piece], tokens: int | None = None) -> Runs:
+def tile_runs(lr: PlanRegion, rr: PlanRegion, pieces: Sequence[Piece], tokens: int | None = None,
+              start: int = 0) -> Runs:
     """Runs of one tile of region ``lr`` (local) ↔ ``rr`` (remote), merged to the minimum.
 
-    ``tokens`` clips a partial last tile (None: a whole tile). Post-condition: the runs map
+    ``[start, tokens)`` clips a partial tile (tokens None: to the tile's end). Post-condition: the runs map
     every byte of the pieces exactly once, and no two runs continue each other on both sides.
 
     >>> from kvlc import compile_spec
@@ -146,7 +147,7 @@ def tile_runs(lr: PlanRegion, rr: PlanRegion, pieces: Sequence[Piece], tokens: i
     >>> len(runs), runs.nbytes == r.block_bytes
     (1, True)
     """
-    cs = chunks(lr, rr, tokens)
+    cs = chunks(lr, rr, tokens, start)
     parts = []
     for piece in pieces:
         lf, rf = lr.field(piece.field), rr.field(piece.field)
