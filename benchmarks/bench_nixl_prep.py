@@ -55,50 +55,56 @@ def main(argv=None) -> int:
     rows = []
     try:
         for n in sizes:
-            per = n // REGIONS
-            starts = np.uint64(base) + np.arange(REGIONS, dtype=np.uint64) * np.uint64(per * BLOCK)
-            # (N, 3): one row per block, the way a per-block scheme prepares its lists
-            t0 = time.perf_counter()
-            idx = np.arange(per, dtype=np.uint64)
-            n3 = np.empty((REGIONS * per, 3), dtype=np.uint64)
-            n3[:, 0] = (starts[:, None] + idx[None, :] * np.uint64(BLOCK)).ravel()
-            n3[:, 1] = BLOCK
-            n3[:, 2] = 0
-            build3 = time.perf_counter() - t0
-            # (R, 5): one strided row per region
-            n5 = np.empty((REGIONS, 5), dtype=np.uint64)
-            n5[:, 0] = starts
-            n5[:, 1] = BLOCK
-            n5[:, 2] = 0
-            n5[:, 3] = BLOCK
-            n5[:, 4] = per
-            reps = 1 if args.quick or n >= 10_000_000 else 3
-            t3, t5 = [], []
-            for _ in range(reps):
-                gc.collect()
-                t0 = time.perf_counter()
-                h3 = agent.prep_xfer_dlist("NIXL_INIT_AGENT", n3, "DRAM")
-                t3.append(time.perf_counter() - t0)
-                agent.release_dlist_handle(h3)
-                t0 = time.perf_counter()
-                h5 = agent.prep_xfer_dlist("NIXL_INIT_AGENT", n5, "DRAM")
-                t5.append(time.perf_counter() - t0)
-                agent.release_dlist_handle(h5)
-            expanded = int(n5[:, 4].sum())
-            row = {"descriptors": REGIONS * per, "strided_rows": REGIONS, "strided_expanded": expanded,
-                   "build_nx3_s": build3, "prep_nx3_s": min(t3), "prep_nx5_s": min(t5),
-                   "speedup_nx5": min(t3) / max(min(t5), 1e-9)}
-            rows.append(row)
-            print(f"N={REGIONS * per:>10,d}  build Nx3 {ms(build3):>12}  prep Nx3 {ms(min(t3)):>12}  "
-                  f"prep Nx5 ({REGIONS} rows, {expanded:,d} descs) {ms(min(t5)):>10}  "
-                  f"{row['speedup_nx5']:.0f}x")
-            del n3
+            rows.append(_size_row(agent, base, n, 1 if args.quick or n >= 10_000_000 else 3))
     finally:
         agent.deregister_memory(reg)
     programs = [] if args.no_programs else program_lists(nixl_agent, nixl_agent_config, args.quick)
     if not args.no_write:
         print(f"wrote {write_results('nixl_prep', {'block_bytes': BLOCK, 'rows': rows, 'program_lists': programs})}")
     return 0
+
+
+def _size_row(agent, base: int, n: int, reps: int) -> dict:
+    """Build and prep times of ``n`` descriptors as an (N, 3) list and as one strided (R, 5) row per region."""
+    per = n // REGIONS
+    starts = np.uint64(base) + np.arange(REGIONS, dtype=np.uint64) * np.uint64(per * BLOCK)
+    # (N, 3): one row per block, the way a per-block scheme prepares its lists
+    t0 = time.perf_counter()
+    idx = np.arange(per, dtype=np.uint64)
+    n3 = np.empty((REGIONS * per, 3), dtype=np.uint64)
+    n3[:, 0] = (starts[:, None] + idx[None, :] * np.uint64(BLOCK)).ravel()
+    n3[:, 1] = BLOCK
+    n3[:, 2] = 0
+    build3 = time.perf_counter() - t0
+    # (R, 5): one strided row per region
+    n5 = np.empty((REGIONS, 5), dtype=np.uint64)
+    n5[:, 0] = starts
+    n5[:, 1] = BLOCK
+    n5[:, 2] = 0
+    n5[:, 3] = BLOCK
+    n5[:, 4] = per
+    t3, t5 = [], []
+    for _ in range(reps):
+        gc.collect()
+        t3.append(_prep_once(agent, n3))
+        t5.append(_prep_once(agent, n5))
+    expanded = int(n5[:, 4].sum())
+    row = {"descriptors": REGIONS * per, "strided_rows": REGIONS, "strided_expanded": expanded,
+           "build_nx3_s": build3, "prep_nx3_s": min(t3), "prep_nx5_s": min(t5),
+           "speedup_nx5": min(t3) / max(min(t5), 1e-9)}
+    print(f"N={REGIONS * per:>10,d}  build Nx3 {ms(build3):>12}  prep Nx3 {ms(min(t3)):>12}  "
+          f"prep Nx5 ({REGIONS} rows, {expanded:,d} descs) {ms(min(t5)):>10}  "
+          f"{row['speedup_nx5']:.0f}x")
+    return row
+
+
+def _prep_once(agent, rows: np.ndarray) -> float:
+    """Seconds NIXL takes to prepare one local list of ``rows`` (the handle is released after)."""
+    t0 = time.perf_counter()
+    h = agent.prep_xfer_dlist("NIXL_INIT_AGENT", rows, "DRAM")
+    seconds = time.perf_counter() - t0
+    agent.release_dlist_handle(h)
+    return seconds
 
 
 # ----------------------------------------------------------------------------- program lists
@@ -133,7 +139,7 @@ def program_lists(nixl_agent, nixl_agent_config, quick: bool) -> list[dict]:
     """Strided lists of real transfer programs: rows vs expanded descriptors, prep time of both forms,
     and per request the index arrays (prepared_indices) against instantiate."""
     import kvlc
-    from common import LAYOUTS, timeit
+    from common import LAYOUTS
     from kvlc.compiler.pair import pair
 
     print(f"\nprogram lists (consumer rank 0 pulls; request of {REQUEST_TOKENS} tokens, random block ids)")
@@ -157,56 +163,76 @@ def program_lists(nixl_agent, nixl_agent_config, quick: bool) -> list[dict]:
         try:
             # the runtime registers DRAM here: prepare every list as DRAM whatever the plan says
             bound = prog.bind(lbases, rbases)
-            t0 = time.perf_counter()
-            lists = bound.prepared_rows()
-            build5 = time.perf_counter() - t0
-            srows = sum(2 * len(pl) for pl in lists.values())
-            expanded = sum(pl.local_size + pl.remote_size for pl in lists.values())
-            t0 = time.perf_counter()
-            full = [(_expand(pl.local), _expand(pl.remote)) for pl in lists.values()]
-            build3 = time.perf_counter() - t0
-            t5, t3 = [], []
-            for _ in range(reps):
-                for which, times, pairs_ in (("nx5", t5, [(pl.local, pl.remote) for pl in lists.values()]),
-                                             ("nx3", t3, full)):
-                    gc.collect()
-                    t0 = time.perf_counter()
-                    hs = [local.prep_xfer_dlist("NIXL_INIT_AGENT", lrows, "DRAM") for lrows, _ in pairs_]
-                    hs += [local.prep_xfer_dlist(rname, rrows, "DRAM") for _, rrows in pairs_]
-                    times.append(time.perf_counter() - t0)
-                    for h in hs:
-                        local.release_dlist_handle(h)
-            del full
-            rng = np.random.default_rng(0)
-            ids = {}
-            for side, plan in (("local", cons), ("remote", prod)):
-                g = plan.groups[0]
-                cap = min(r.capacity for r in plan.regions if g.name in r.groups)
-                ids[side] = {g.name: rng.choice(cap, ceildiv(REQUEST_TOKENS, g.block_size), replace=False)}
-            req = bound.prepared_indices(ids["local"], ids["remote"], REQUEST_TOKENS)
-            parts = bound.instantiate(ids["local"], ids["remote"], REQUEST_TOKENS)
-            t_idx = timeit(lambda: bound.prepared_indices(ids["local"], ids["remote"], REQUEST_TOKENS), repeat=7)
-            t_inst = timeit(lambda: bound.instantiate(ids["local"], ids["remote"], REQUEST_TOKENS), repeat=7)
-            row = {"pair": name, "parts": len(lists), "strided_rows": srows, "expanded_descriptors": expanded,
-                   "build_nx5_s": build5, "build_nx3_s": build3, "prep_nx5_s": min(t5), "prep_nx3_s": min(t3),
-                   "request_tokens": REQUEST_TOKENS,
-                   "request_indices": sum(len(i[0]) for i in req.indices.values()),
-                   "request_tail_rows": sum(len(p) for p in req.tail.values()),
-                   "instantiate_rows": sum(len(p) for p in parts.values()),
-                   "prepared_indices_s": t_idx["median"], "instantiate_s": t_inst["median"]}
+            row = {"pair": name, **_list_numbers(bound, local, rname, reps), "request_tokens": REQUEST_TOKENS,
+                   **_request_numbers(bound, cons, prod)}
             out.append(row)
-            print(f"{name:<24} lists: {srows:,d} strided rows = {expanded:,d} descriptors "
-                  f"({len(lists)} parts x local+remote)  prep Nx5 {ms(row['prep_nx5_s'])}  "
-                  f"prep Nx3 {ms(row['prep_nx3_s'])} ({row['prep_nx3_s'] / max(row['prep_nx5_s'], 1e-9):.0f}x)")
-            print(f"{'':<24} request: {row['request_indices']:,d} indices + {row['request_tail_rows']} tail rows "
-                  f"in {ms(row['prepared_indices_s'])}  vs instantiate {row['instantiate_rows']:,d} rows "
-                  f"in {ms(row['instantiate_s'])}")
+            _print_row(name, row)
         finally:
             local.remove_remote_agent(rname)
             for agent, reg in regs:
                 agent.deregister_memory(reg)
             del keep
     return out
+
+
+def _list_numbers(bound, local, rname: str, reps: int) -> dict:
+    """The prepared lists of ``bound``: strided rows, descriptors, build and prep time of both forms."""
+    t0 = time.perf_counter()
+    lists = bound.prepared_rows()
+    build5 = time.perf_counter() - t0
+    srows = sum(2 * len(pl) for pl in lists.values())
+    expanded = sum(pl.local_size + pl.remote_size for pl in lists.values())
+    t0 = time.perf_counter()
+    full = [(_expand(pl.local), _expand(pl.remote)) for pl in lists.values()]
+    build3 = time.perf_counter() - t0
+    t5, t3 = [], []
+    for _ in range(reps):
+        for times, pairs_ in ((t5, [(pl.local, pl.remote) for pl in lists.values()]), (t3, full)):
+            times.append(_prep_seconds(local, rname, pairs_))
+    return {"parts": len(lists), "strided_rows": srows, "expanded_descriptors": expanded,
+            "build_nx5_s": build5, "build_nx3_s": build3, "prep_nx5_s": min(t5), "prep_nx3_s": min(t3)}
+
+
+def _prep_seconds(local, rname: str, pairs_: list) -> float:
+    """Seconds to prepare every (local rows, remote rows) list with NIXL (the handles are released after)."""
+    gc.collect()
+    t0 = time.perf_counter()
+    hs = [local.prep_xfer_dlist("NIXL_INIT_AGENT", lrows, "DRAM") for lrows, _ in pairs_]
+    hs += [local.prep_xfer_dlist(rname, rrows, "DRAM") for _, rrows in pairs_]
+    seconds = time.perf_counter() - t0
+    for h in hs:
+        local.release_dlist_handle(h)
+    return seconds
+
+
+def _request_numbers(bound, cons, prod) -> dict:
+    """One request of random block ids: prepared_indices against instantiate (sizes and median times)."""
+    from common import timeit
+
+    rng = np.random.default_rng(0)
+    ids = {}
+    for side, plan in (("local", cons), ("remote", prod)):
+        g = plan.groups[0]
+        cap = min(r.capacity for r in plan.regions if g.name in r.groups)
+        ids[side] = {g.name: rng.choice(cap, ceildiv(REQUEST_TOKENS, g.block_size), replace=False)}
+    req = bound.prepared_indices(ids["local"], ids["remote"], REQUEST_TOKENS)
+    parts = bound.instantiate(ids["local"], ids["remote"], REQUEST_TOKENS)
+    t_idx = timeit(lambda: bound.prepared_indices(ids["local"], ids["remote"], REQUEST_TOKENS), repeat=7)
+    t_inst = timeit(lambda: bound.instantiate(ids["local"], ids["remote"], REQUEST_TOKENS), repeat=7)
+    return {"request_indices": sum(len(i[0]) for i in req.indices.values()),
+            "request_tail_rows": sum(len(p) for p in req.tail.values()),
+            "instantiate_rows": sum(len(p) for p in parts.values()),
+            "prepared_indices_s": t_idx["median"], "instantiate_s": t_inst["median"]}
+
+
+def _print_row(name: str, row: dict) -> None:
+    srows, expanded = row["strided_rows"], row["expanded_descriptors"]
+    print(f"{name:<24} lists: {srows:,d} strided rows = {expanded:,d} descriptors "
+          f"({row['parts']} parts x local+remote)  prep Nx5 {ms(row['prep_nx5_s'])}  "
+          f"prep Nx3 {ms(row['prep_nx3_s'])} ({row['prep_nx3_s'] / max(row['prep_nx5_s'], 1e-9):.0f}x)")
+    print(f"{'':<24} request: {row['request_indices']:,d} indices + {row['request_tail_rows']} tail rows "
+          f"in {ms(row['prepared_indices_s'])}  vs instantiate {row['instantiate_rows']:,d} rows "
+          f"in {ms(row['instantiate_s'])}")
 
 
 if __name__ == "__main__":

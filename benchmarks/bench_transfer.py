@@ -39,6 +39,8 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import LAYOUTS, timeit, write_results  # noqa: E402
+from common import spread as _stats  # noqa: E402
+from nixl_sweep import nixl_descriptor_sweep  # noqa: E402
 
 from kvlc.compiler import compile_spec  # noqa: E402
 from kvlc.compiler.layout import ceildiv  # noqa: E402
@@ -287,10 +289,6 @@ class Engines:
             p.stop()
 
 
-def _stats(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": len(values)}
-
-
 def verify_stage(spec: Path, tokens: int, layers: int, tmp: Path) -> dict:
     """Byte check of one request per mode on the first ``layers`` layers of ``spec`` (run_demo)."""
     stage = fitted_spec(spec, tokens, tmp, layers=layers)
@@ -333,7 +331,6 @@ def run_mode(
 ) -> dict:
     """Round 0 (verified when ``inline``, untimed), then ``rounds`` timed rounds, each followed by
     one single-descriptor READ and one single-descriptor WRITE of the same byte count."""
-    cons, prod, total, tp = eng.cons_plan, eng.prod_plan, row["bytes_per_request"], row["tp"]
     # Inline verification needs fresh (noise-filled) consumers for every run, so that a byte an
     # earlier run wrote cannot pass for a transfer. Otherwise one set serves every run: a dropped
     # agent's memory comes back only when the child's garbage collector runs, and large pools
@@ -341,27 +338,54 @@ def run_mode(
     if inline or not eng.cons:
         eng.add_consumers("random" if inline else "zeros", seed=10 * seed + 1)
     link = eng.connect(mode)
-    if ids == "random":
-        work = make_workload(cons, prod, rounds + 1, row["tokens"], seed=seed)
-    else:
-        work = contiguous_workload(cons, prod, rounds + 1, row["tokens"])
-    assert all(len(b) == 1 for b in work), "pools hold one request: one request per round"
-    work = [[(f"{mode}-{ids}-{i}", *b[0][1:])] for i, b in enumerate(work)]
+    work = _mode_workload(eng, row["tokens"], mode, ids, rounds, seed)
     # Round 0: verified (inline) and not timed; it also warms both paths up.
+    first = _first_round(eng, row["verify"], mode, ids, link, work[0], inline)
+    eng.flat_round("READ"), eng.flat_round("WRITE")
+    timed = _timed_rounds(eng, mode, link, work[1:rounds + 1], row["bytes_per_request"], dict(first["failed"]))
+    m = _mode_numbers(mode, ids, timed, row["tp"], memcpy_gbps)
+    log(
+        f"[{row['case']}] {mode:13s} {ids:10s} {m['gbps']['median']:6.2f} GB/s  single READ "
+        f"{m['single_read_gbps']['median']:6.2f}  WRITE {m['single_write_gbps']['median']:6.2f}  "
+        f"memcpy {memcpy_gbps:6.2f}  kvlc/(a) {m['ratio_vs_single_read']:.3f} "
+        f"(same op {m['ratio_vs_single_same_op']:.3f})  kvlc/(b) {m['ratio_vs_memcpy']:.3f}  "
+        f"{m['descriptors_per_request']:.0f} descriptors/request"
+        + (f"  FAILED {len(m['failed'])}" if m["failed"] else "")
+    )
+    if inline:
+        eng.drop_consumers()
+    return m
+
+
+def _mode_workload(eng: Engines, tokens: int, mode: str, ids: str, rounds: int, seed: int) -> list:
+    """``rounds + 1`` rounds of one request each, named after the mode and the kind of ids."""
+    cons, prod = eng.cons_plan, eng.prod_plan
+    if ids == "random":
+        work = make_workload(cons, prod, rounds + 1, tokens, seed=seed)
+    else:
+        work = contiguous_workload(cons, prod, rounds + 1, tokens)
+    assert all(len(b) == 1 for b in work), "pools hold one request: one request per round"
+    return [[(f"{mode}-{ids}-{i}", *b[0][1:])] for i, b in enumerate(work)]
+
+
+def _first_round(eng: Engines, v: dict, mode: str, ids: str, link, batch: list, inline: bool) -> dict:
+    """The untimed round 0; with ``inline``, every consumer byte checked into the verify record ``v``."""
     before = [h.call("dump") for h in eng.cons] if inline else None
-    first = eng.kvlc_round(mode, link, work[0])
-    v = row["verify"]
+    first = eng.kvlc_round(mode, link, batch)
     v["failed"].update(first["failed"])
     if inline:
         for h, b in zip(eng.cons, before):
-            checked, problems = verify(cons, h.config.rank, prod, b, h.call("dump"), work[0])
+            checked, problems = verify(eng.cons_plan, h.config.rank, eng.prod_plan, b, h.call("dump"), batch)
             v["checked_bytes"] += checked
             v["mismatches"] += [f"{mode}/{ids}: {p}" for p in problems]
-        before = None
-    eng.flat_round("READ"), eng.flat_round("WRITE")
-    kv, rd, wr, desc, failed = [], [], [], [], dict(first["failed"])
-    for i in range(1, rounds + 1):
-        a = eng.kvlc_round(mode, link, work[i])
+    return first
+
+
+def _timed_rounds(eng: Engines, mode: str, link, work: list, total: int, failed: dict) -> dict:
+    """Each round: the kvlc request, then one single-descriptor READ and WRITE of ``total`` bytes (GB/s each)."""
+    kv, rd, wr, desc = [], [], [], []
+    for batch in work:
+        a = eng.kvlc_round(mode, link, batch)
         b = eng.flat_round("READ")
         c = eng.flat_round("WRITE")
         for x in (a, b, c):
@@ -371,6 +395,11 @@ def run_mode(
         rd.append(total / b["seconds"] / 1e9)
         wr.append(total / c["seconds"] / 1e9)
         desc.append(a["descriptors"])
+    return {"kvlc": kv, "read": rd, "write": wr, "descriptors": desc, "failed": failed}
+
+
+def _mode_numbers(mode: str, ids: str, timed: dict, tp: int, memcpy_gbps: float) -> dict:
+    kv, rd, wr, failed = timed["kvlc"], timed["read"], timed["write"], timed["failed"]
     same_op = wr if mode in ("push", "pull_via_push") else rd
     m = {
         "mode": mode,
@@ -378,7 +407,7 @@ def run_mode(
         "gbps": _stats(kv),
         "single_read_gbps": _stats(rd),
         "single_write_gbps": _stats(wr),
-        "descriptors_per_request": statistics.mean(desc),
+        "descriptors_per_request": statistics.mean(timed["descriptors"]),
         "single_descriptors_per_request": tp,
         "ratio_vs_single_read": statistics.median(kv) / statistics.median(rd),
         "ratio_vs_single_same_op": statistics.median(kv) / statistics.median(same_op),
@@ -386,16 +415,6 @@ def run_mode(
         "failed": failed,
     }
     m["target_met"] = m["ratio_vs_single_same_op"] >= TARGET_RATIO and not failed  # same operation
-    log(
-        f"[{row['case']}] {mode:13s} {ids:10s} {m['gbps']['median']:6.2f} GB/s  single READ "
-        f"{m['single_read_gbps']['median']:6.2f}  WRITE {m['single_write_gbps']['median']:6.2f}  "
-        f"memcpy {memcpy_gbps:6.2f}  kvlc/(a) {m['ratio_vs_single_read']:.3f} "
-        f"(same op {m['ratio_vs_single_same_op']:.3f})  kvlc/(b) {m['ratio_vs_memcpy']:.3f}  "
-        f"{m['descriptors_per_request']:.0f} descriptors/request"
-        + (f"  FAILED {len(failed)}" if failed else "")
-    )
-    if inline:
-        eng.drop_consumers()
     return m
 
 
@@ -423,19 +442,9 @@ def run_case(
     total = sum(per_rank)
     flat = flat_plan(per_rank[0], tp)
     inline = pool_bytes(cons) * tp <= verify_max
-    row = {
-        "case": name,
-        "layout": layout,
-        "tokens": tokens,
-        "tp": tp,
-        "regions": len(cons.regions),
-        "bytes_per_request": total,
-        "bytes_per_rank": per_rank[0],
-        "pool_bytes_per_rank": pool_bytes(cons),
-        "rounds": rounds,
-        "load_start": _load(),
-        "mem_available_start": _mem_available(),
-    }
+    row = {"case": name, "layout": layout, "tokens": tokens, "tp": tp, "regions": len(cons.regions),
+           "bytes_per_request": total, "bytes_per_rank": per_rank[0], "pool_bytes_per_rank": pool_bytes(cons),
+           "rounds": rounds, "load_start": _load(), "mem_available_start": _mem_available()}
     log(
         f"[{name}] {len(cons.regions)} regions, TP{tp}, {total / 2**20:.1f} MiB per request, "
         f"pool {pool_bytes(cons) / 2**20:.1f} MiB per rank, load {row['load_start']:.2f}"
@@ -444,28 +453,12 @@ def run_case(
     memcpy = bench_memcpy(total, repeat=max(3, rounds // 2))
     row["memcpy"] = memcpy
     log(f"[{name}] numpy memcpy {memcpy['gbps']:.2f} GB/s")
-
-    if not inline:
-        row["verify"] = verify_stage(spec, tokens, 4, tmp)
-        log(
-            f"[{name}] verified on a stage: {row['verify']['checked_bytes']:,} bytes, ok={row['verify']['ok']}"
-        )
-    else:
-        row["verify"] = {
-            "how": "first round of every mode, in the timed engines (content codes; every "
-            "other consumer byte unchanged)",
-            "checked_bytes": 0,
-            "mismatches": [],
-            "failed": {},
-        }
+    row["verify"] = _verify_record(name, spec, tokens, tmp, inline, log)
     eng = Engines(prod, cons, flat, "content" if inline else "zeros", progress)
     try:
         row["runs"] = []
-        k = 0
-        for ids in IDS:
-            for mode in MODES:
-                k += 1
-                row["runs"].append(run_mode(eng, row, mode, ids, rounds, inline, memcpy["gbps"], k, log))
+        for k, (ids, mode) in enumerate(((ids, mode) for ids in IDS for mode in MODES), start=1):
+            row["runs"].append(run_mode(eng, row, mode, ids, rounds, inline, memcpy["gbps"], k, log))
     finally:
         eng.stop()
     v = row["verify"]
@@ -475,103 +468,22 @@ def run_case(
     return row
 
 
-# ----------------------------------------------------------------------------- why: NIXL per descriptor
-def _sweep_target(conn, nbytes: int) -> None:  # pragma: no cover - runs in the child
-    import os
-
-    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-    from nixl._api import nixl_agent, nixl_agent_config
-
-    agent = nixl_agent("sweep-target", nixl_agent_config(backends=["UCX"]))
-    buf = np.empty(nbytes, dtype=np.uint8)
-    buf[:] = 7
-    agent.register_memory(np.array([[buf.ctypes.data, nbytes, 0]], dtype=np.uint64), "DRAM")
-    conn.send((agent.get_agent_metadata(), buf.ctypes.data))
-    while not (conn.poll(0.01) and conn.recv() == "exit"):
-        pass
-
-
-def nixl_descriptor_sweep(nbytes: int = 256 << 20, sizes=None, repeat: int = 7) -> dict:
-    """Plain NIXL (no kvlc) between this process and a spawned one: ``nbytes`` moved as descriptors
-    of one size (remote order permuted, like fragmented block ids), READ and WRITE, sizes
-    interleaved, busy polling. Shows what one descriptor costs UCX on this machine."""
-    import multiprocessing as mp
-
-    from nixl._api import nixl_agent, nixl_agent_config
-
-    sizes = sizes or [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 8 << 20, 64 << 20, nbytes]
-    ctx = mp.get_context("spawn")
-    here, there = ctx.Pipe()
-    child = ctx.Process(target=_sweep_target, args=(there, nbytes), daemon=True)
-    child.start()
-    try:
-        md, raddr = here.recv()
-        agent = nixl_agent("sweep-initiator", nixl_agent_config(backends=["UCX"]))
-        buf = np.zeros(nbytes, dtype=np.uint8)
-        buf[:] = 1
-        agent.register_memory(np.array([[buf.ctypes.data, nbytes, 0]], dtype=np.uint64), "DRAM")
-        peer = agent.add_remote_agent(md)
-        rng = np.random.default_rng(0)
-
-        def rows(base: int, order: np.ndarray, size: int) -> np.ndarray:
-            out = np.zeros((len(order), 3), dtype=np.uint64)
-            out[:, 0] = np.uint64(base) + order.astype(np.uint64) * np.uint64(size)
-            out[:, 1] = size
-            return out
-
-        def once(op: str, size: int) -> float:
-            n = nbytes // size
-            local = rows(buf.ctypes.data, np.arange(n), size)
-            remote = rows(raddr, rng.permutation(n), size)
-            t0 = time.perf_counter()
-            h = agent.initialize_xfer(
-                op, agent.get_xfer_descs(local, "DRAM"), agent.get_xfer_descs(remote, "DRAM"), peer, b""
-            )
-            state = agent.transfer(h)
-            while state == "PROC":
-                state = agent.check_xfer_state(h)
-            dt = time.perf_counter() - t0
-            agent.release_xfer_handle(h)
-            if state != "DONE":
-                raise RuntimeError(f"NIXL {op} of {n} descriptors ended {state}")
-            return dt
-
-        times = {(op, s): [] for op in ("READ", "WRITE") for s in sizes}
-        for op, s in times:
-            once(op, s)  # warm-up
-        for _ in range(repeat):
-            for key, ts in times.items():
-                ts.append(once(*key))
-        out = []
-        for (op, s), ts in times.items():
-            med = statistics.median(ts)
-            out.append(
-                {
-                    "op": op,
-                    "descriptor_bytes": s,
-                    "descriptors": nbytes // s,
-                    "seconds": _stats(ts),
-                    "gbps": nbytes / med / 1e9,
-                }
-            )
-        for op in ("READ", "WRITE"):  # cost of one more descriptor, from the smallest size
-            one = next(r for r in out if r["op"] == op and r["descriptors"] == 1)["seconds"]["median"]
-            many = next(r for r in out if r["op"] == op and r["descriptor_bytes"] == min(sizes))
-            many["extra_us_per_descriptor"] = (
-                (many["seconds"]["median"] - one) / (many["descriptors"] - 1) * 1e6
-            )
-        return {"bytes": nbytes, "repeat": repeat, "polling": "busy (check_xfer_state loop)", "rows": out}
-    finally:
-        try:
-            here.send("exit")
-        except OSError:
-            pass
-        child.join(10)
-        if child.is_alive():
-            child.kill()
+def _verify_record(name: str, spec: Path, tokens: int, tmp: Path, inline: bool, log) -> dict:
+    """How a case's bytes are verified: inline (filled in by each mode's first round) or on a stage now."""
+    if inline:
+        return {
+            "how": "first round of every mode, in the timed engines (content codes; every "
+            "other consumer byte unchanged)",
+            "checked_bytes": 0,
+            "mismatches": [],
+            "failed": {},
+        }
+    v = verify_stage(spec, tokens, 4, tmp)
+    log(f"[{name}] verified on a stage: {v['checked_bytes']:,} bytes, ok={v['ok']}")
+    return v
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -597,18 +509,19 @@ def main(argv=None) -> int:
         help="who drives NIXL in every agent (KvAgent progress; default thread)",
     )
     ap.add_argument("--no-write", action="store_true")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def _selected_cases(args) -> list[tuple[str, str, int]]:
     cases = [c for c in CASES if not args.case or any(s == c[0] or s in c[0].split() for s in args.case)]
-    if args.quick:
-        cases = [c for c in cases if c[2] < 32768]
-    rows = []
-    t0 = time.time()
-    with tempfile.TemporaryDirectory(prefix="kvlc-bench-") as tmp:
-        for name, layout, tokens in cases:
-            rounds = args.rounds or (3 if args.quick else (4 if tokens >= 32768 else 12))
-            rows.append(run_case(name, layout, tokens, rounds, args.verify_max, Path(tmp), args.progress))
-    print("NIXL alone, 256 MiB as descriptors of one size (why fragmented requests are slower):")
-    sweep = nixl_descriptor_sweep(repeat=3 if args.quick else 9)
+    return [c for c in cases if c[2] < 32768] if args.quick else cases
+
+
+def _default_rounds(tokens: int, quick: bool) -> int:
+    return 3 if quick else (4 if tokens >= 32768 else 12)
+
+
+def _print_sweep(sweep: dict) -> None:
     for r in sweep["rows"]:
         print(
             f"  {r['op']:5s} {r['descriptor_bytes']:>10,} B x {r['descriptors']:>6,}  {r['gbps']:6.2f} GB/s"
@@ -618,6 +531,19 @@ def main(argv=None) -> int:
                 else ""
             )
         )
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    rows = []
+    t0 = time.time()
+    with tempfile.TemporaryDirectory(prefix="kvlc-bench-") as tmp:
+        for name, layout, tokens in _selected_cases(args):
+            rounds = args.rounds or _default_rounds(tokens, args.quick)
+            rows.append(run_case(name, layout, tokens, rounds, args.verify_max, Path(tmp), args.progress))
+    print("NIXL alone, 256 MiB as descriptors of one size (why fragmented requests are slower):")
+    sweep = nixl_descriptor_sweep(repeat=3 if args.quick else 9)
+    _print_sweep(sweep)
     ok = all(r["verify"]["ok"] for r in rows) and not any(m["failed"] for r in rows for m in r["runs"])
     print(f"done in {time.time() - t0:.0f} s; bytes verified: {'yes' if ok else 'NO'}")
     if not args.no_write:

@@ -48,7 +48,12 @@ def timeit(fn: Callable[[], object], repeat: int = 15, warmup: int = 2, min_time
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return {"median": statistics.median(times), "min": min(times), "max": max(times), "runs": len(times)}
+    return spread(times)
+
+
+def spread(values: list[float]) -> dict:
+    """Median, min, max and count of measured ``values``."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": len(values)}
 
 
 def write_results(name: str, payload: dict) -> Path:

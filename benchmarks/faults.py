@@ -43,23 +43,9 @@ def one(plan, fault: str, side: str, mode: str, count: int, timeout: float, stop
     ids = [r[0] for r in reqs]
     row = {"fault": fault, "side": side, "mode": mode, "requests": count}
     try:
-        if mode == "push":
-            prod.connect([cons.address], "WRITE", "direct", "x")
-            for r in ids:
-                cons.call("expect", r, timeout)
-            sent = pp
-            pp._send("submit", prod.aid, "x", "write", [(r, b, a, n) for r, a, b, n in reqs], timeout)
-        else:
-            cons.connect([prod.address], "READ", mode, "x")
-            sent = cp
-            cp._send("submit", cons.aid, "x", "read", reqs, timeout)
+        sent = _submit(pp, cp, prod, cons, mode, reqs, timeout)
         time.sleep(0.05)
-        if fault == "kill9":
-            victim.kill()
-        else:
-            victim.signal(signal.SIGSTOP)
-            time.sleep(stop_s)
-            victim.signal(signal.SIGCONT)
+        _inflict(victim, fault, stop_s)
         if sent.process.is_alive():
             try:
                 sent._recv(60)  # the submit's answer
@@ -68,14 +54,7 @@ def one(plan, fault: str, side: str, mode: str, count: int, timeout: float, stop
         if fault == "kill9" and side == "consumer":
             row.update(finished="n/a", failed="n/a", held_seen="n/a", late_bytes="n/a (consumer memory gone)")
             return row
-        out = cons.call("wait", ids, 3 * timeout + 30)
-        snap = cons.call("dump")
-        time.sleep(settle)
-        again = cons.call("dump")
-        late = int(sum(int(np.count_nonzero(snap[k] != again[k])) for k in snap))
-        ev = cons.call("events")
-        row.update(finished=len(out["finished"]), failed=len(out["failed"]), open=len(out["open"]),
-                   held_seen=len(out["ever_held"]), late_bytes=late, flips=len(ev["flips"]))
+        row.update(_consumer_outcome(cons, ids, timeout, settle))
         return row
     finally:
         for p in (pp, cp):
@@ -84,6 +63,41 @@ def one(plan, fault: str, side: str, mode: str, count: int, timeout: float, stop
             except (OSError, ProcessLookupError):
                 pass
             p.stop(10)
+
+
+def _submit(pp, cp, prod, cons, mode: str, reqs: list, timeout: float):
+    """Connect and send the submit of every request without waiting for its answer; the process sent to."""
+    if mode == "push":
+        prod.connect([cons.address], "WRITE", "direct", "x")
+        for r in (r[0] for r in reqs):
+            cons.call("expect", r, timeout)
+        pp._send("submit", prod.aid, "x", "write", [(r, b, a, n) for r, a, b, n in reqs], timeout)
+        return pp
+    cons.connect([prod.address], "READ", mode, "x")
+    cp._send("submit", cons.aid, "x", "read", reqs, timeout)
+    return cp
+
+
+def _inflict(victim, fault: str, stop_s: float) -> None:
+    """kill -9 the victim, or stop it for ``stop_s`` seconds and let it go on."""
+    if fault == "kill9":
+        victim.kill()
+    else:
+        victim.signal(signal.SIGSTOP)
+        time.sleep(stop_s)
+        victim.signal(signal.SIGCONT)
+
+
+def _consumer_outcome(cons, ids: list, timeout: float, settle: float) -> dict:
+    """How the consumer's requests ended, and the bytes that still changed after ``settle`` seconds."""
+    out = cons.call("wait", ids, 3 * timeout + 30)
+    snap = cons.call("dump")
+    time.sleep(settle)
+    again = cons.call("dump")
+    late = int(sum(int(np.count_nonzero(snap[k] != again[k])) for k in snap))
+    ev = cons.call("events")
+    return dict(finished=len(out["finished"]), failed=len(out["failed"]), open=len(out["open"]),
+                held_seen=len(out["ever_held"]), late_bytes=late, flips=len(ev["flips"]))
 
 
 def main(argv=None) -> int:
@@ -104,12 +118,16 @@ def main(argv=None) -> int:
                 rows.append(r)
                 print(f"{fault:6} {side:9} {mode:14} {r['finished']!s:>8} {r['failed']!s:>7} "
                       f"{r['held_seen']!s:>9} {r['late_bytes']!s:>11}", flush=True)
-    bad = [r for r in rows if isinstance(r["late_bytes"], int) and r["late_bytes"]]
-    bad += [r for r in rows if r.get("open") or r.get("flips")]
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))
     print("late bytes in reused blocks:", sum(r["late_bytes"] for r in rows if isinstance(r["late_bytes"], int)))
-    return 1 if bad else 0
+    return 1 if _bad(rows) else 0
+
+
+def _bad(rows: list[dict]) -> list[dict]:
+    """Rows where bytes landed late, a request stayed open, or a finished request had failed before."""
+    bad = [r for r in rows if isinstance(r["late_bytes"], int) and r["late_bytes"]]
+    return bad + [r for r in rows if r.get("open") or r.get("flips")]
 
 
 if __name__ == "__main__":

@@ -27,14 +27,22 @@ def _g(row):
 
 def verdicts(doc: dict) -> list[dict]:
     rows, ceil = doc["rows"], doc["torch_copy_gbps"]
-    out = []
+    return [_checks_verdict(rows), *_speed_verdicts(rows, ceil), *_staged_verdicts(rows, ceil)]
+
+
+def _checks_verdict(rows: list[dict]) -> dict:
+    """Every content-coded check row ok."""
     checks = [r for r in rows if r["case"].endswith("check") or r["case"].startswith("check")]
     bad = [r["case"] for r in checks if not r.get("ok")]
-    out.append({"target": "content-coded bytes right in every mode", "verdict": "met" if checks and not bad else
-                "missed", "detail": f"{len(checks) - len(bad)} of {len(checks)} checks ok" + (f"; failed: {bad}" if bad else "")})
+    return {"target": "content-coded bytes right in every mode", "verdict": "met" if checks and not bad else
+            "missed", "detail": f"{len(checks) - len(bad)} of {len(checks)} checks ok" + (f"; failed: {bad}" if bad else "")}
+
+
+def _speed_verdicts(rows: list[dict], ceil: dict) -> list[dict]:
+    """VRAM to VRAM: pull vs push, READ vs WRITE, kvlc vs raw NIXL and vs a device-to-device copy."""
     push = _find(rows, "kvlc VRAM", " push 256 MiB contiguous")
     pull = _find(rows, "kvlc VRAM", " pull 256 MiB contiguous")
-    out.append(_ratio("pull at push speed (kvlc pull / push, 256 MiB)", _g(pull), _g(push), 0.9, "pull vs push"))
+    out = [_ratio("pull at push speed (kvlc pull / push, 256 MiB)", _g(pull), _g(push), 0.9, "pull vs push")]
     raw_pull = _find(rows, "raw READ 1 desc 256 MiB [no thread pool")
     raw_push = _find(rows, "raw WRITE 1 desc 256 MiB [no thread pool")
     out.append(_ratio("raw READ at WRITE speed (1 descriptor, 256 MiB)", _g(raw_pull), _g(raw_push), 0.9, "READ vs WRITE"))
@@ -45,8 +53,13 @@ def verdicts(doc: dict) -> list[dict]:
                           f"best kvlc vs best raw {shape}"))
         d2d = ceil.get(f"d2d {256 if size == '256 MiB' else 2048} MiB")
         out.append(_ratio(f"kvlc push >= 0.8 of D2D ({size})", _g(k), d2d, 0.8, "kvlc push vs torch d2d"))
+    return out
+
+
+def _staged_verdicts(rows: list[dict], ceil: dict) -> list[dict]:
+    """Staged transfers: fragmented VRAM to VRAM, and DRAM <-> VRAM, against torch copies."""
     frag = _find(rows, "staged VRAM -> VRAM fragmented")
-    out.append(_ratio("4,086 x 64 KiB >= 0.3 of D2D (staged)", _g(frag), ceil.get("d2d 256 MiB"), 0.3, "staged vs d2d"))
+    out = [_ratio("4,086 x 64 KiB >= 0.3 of D2D (staged)", _g(frag), ceil.get("d2d 256 MiB"), 0.3, "staged vs d2d")]
     for name, ceiling in (("DRAM -> VRAM", "h2d 256 MiB"), ("VRAM -> DRAM", "d2h 256 MiB")):
         for ids in ("contiguous", "fragmented"):
             r = _find(rows, f"staged {name} {ids}")

@@ -60,34 +60,43 @@ def _guard(rows: list, name: str, fn) -> None:
 
 def raw_cases(pdev: int, cdev: int, quick: bool) -> list[dict]:
     """Raw NIXL between the two devices' processes: single descriptor, and rows, with UCX settings."""
-    from kvlc.testing.staging_pair import Pair, Side, fragmented
+    from kvlc.testing.staging_pair import Pair, Side
 
     rows: list[dict] = []
     big = (512 if quick else 2048) * MiB
-    default = "no thread pool (kvlc default)"
-    for label, ucx in ((default, {}), ("threads=4 split=4", {"num_threads": 4}),
+    for label, ucx in ((RAW_DEFAULT, {}), ("threads=4 split=4", {"num_threads": 4}),
                        ("threads=4 split=8", {"num_threads": 4, "split_batch_size": 8}),
                        ("threads=8 split=8", {"num_threads": 8, "split_batch_size": 8})):
         pair = Pair(Side((big,), device=pdev, fill=False, ucx=ucx), Side((big,), device=cdev, fill=False, ucx=ucx))
         try:
-            for size, inflight, reps in ((256 * MiB, 4, 4), (big, 1, 3)):
-                for op in ("WRITE", "READ"):
-                    if label != default and (op == "READ" or size != 256 * MiB):
-                        continue
-                    req = [contiguous(1, size)] * inflight
-                    _guard(rows, f"raw {op} 1 desc {size // MiB} MiB [{label}]",
-                           lambda: _raw(pair, op, req, reps, True))
-            for desc, size in ((32, 8 * MiB), (32, 64 * MiB)):
-                if desc * size > big or (size > 8 * MiB and label not in (default, "threads=4 split=4")):
-                    continue
-                req = [contiguous(desc, size)] * (4 if size == 8 * MiB else 2)
-                _guard(rows, f"raw WRITE {desc} x {size // MiB} MiB rows [{label}]",
-                       lambda: _raw(pair, "WRITE", req, 3, False))
-            frag = [fragmented(1, 1, FRAG, BLOCK, big // BLOCK, seed=s) for s in range(2)]
-            _guard(rows, f"raw WRITE {FRAG} x 64 KiB rows [{label}]", lambda: _raw(pair, "WRITE", frag, 1, False))
+            _raw_setting(rows, pair, label, big)
         finally:
             pair.stop()
     return rows
+
+
+RAW_DEFAULT = "no thread pool (kvlc default)"
+
+
+def _raw_setting(rows: list[dict], pair, label: str, big: int) -> None:
+    """The raw cases of one UCX setting: the default runs every one, the thread pools the WRITEs that matter."""
+    from kvlc.testing.staging_pair import fragmented
+
+    for size, inflight, reps in ((256 * MiB, 4, 4), (big, 1, 3)):
+        for op in ("WRITE", "READ"):
+            if label != RAW_DEFAULT and (op == "READ" or size != 256 * MiB):
+                continue
+            req = [contiguous(1, size)] * inflight
+            _guard(rows, f"raw {op} 1 desc {size // MiB} MiB [{label}]",
+                   lambda: _raw(pair, op, req, reps, True))
+    for desc, size in ((32, 8 * MiB), (32, 64 * MiB)):
+        if desc * size > big or (size > 8 * MiB and label not in (RAW_DEFAULT, "threads=4 split=4")):
+            continue
+        req = [contiguous(desc, size)] * (4 if size == 8 * MiB else 2)
+        _guard(rows, f"raw WRITE {desc} x {size // MiB} MiB rows [{label}]",
+               lambda: _raw(pair, "WRITE", req, 3, False))
+    frag = [fragmented(1, 1, FRAG, BLOCK, big // BLOCK, seed=s) for s in range(2)]
+    _guard(rows, f"raw WRITE {FRAG} x 64 KiB rows [{label}]", lambda: _raw(pair, "WRITE", frag, 1, False))
 
 
 def _raw(pair, op, req, reps, single) -> dict:

@@ -63,14 +63,19 @@ def _case_labels(reqs: list[dict]) -> list[str]:
     return [f"{r['case']}\n{r['ids']}" for r in reqs]
 
 
-def plot_instantiate(doc: dict, out: Path) -> Path:
+def _per_request_axes(reqs: list[dict]):
+    """A figure with one pair of bars a request case: (figure, axes, bar positions, bar width)."""
     plt = _plt()
     import numpy as np
 
-    reqs = doc["requests"]
     x = np.arange(len(reqs))
     fig, ax = plt.subplots(figsize=(max(8, len(reqs) * 0.8), 4.8))
-    w = 0.4
+    return fig, ax, x, 0.4
+
+
+def plot_instantiate(doc: dict, out: Path) -> Path:
+    reqs = doc["requests"]
+    fig, ax, x, w = _per_request_axes(reqs)
     ax.bar(x - w / 2, [r["instantiate_bound_s"] * 1e3 for r in reqs], w, label="kvlc (bound program)")
     ax.bar(x + w / 2, [r["per_block_baseline_s"] * 1e3 for r in reqs], w, label="per-block scheme (numpy)")
     ax.axhline(
@@ -89,13 +94,8 @@ def plot_instantiate(doc: dict, out: Path) -> Path:
 
 
 def plot_descriptors(doc: dict, out: Path) -> Path:
-    plt = _plt()
-    import numpy as np
-
     reqs = doc["requests"]
-    x = np.arange(len(reqs))
-    fig, ax = plt.subplots(figsize=(max(8, len(reqs) * 0.8), 4.8))
-    w = 0.4
+    fig, ax, x, w = _per_request_axes(reqs)
     ax.bar(x - w / 2, [r["descriptors_kvlc"] for r in reqs], w, label="kvlc")
     valid = [r.get("per_block_valid", True) for r in reqs]
     bars = ax.bar(x + w / 2, [r["descriptors_per_block"] for r in reqs], w, label="per-block scheme")
@@ -157,7 +157,6 @@ def plot_prep(doc: dict, out: Path) -> Path:
 
 def plot_transfer(doc: dict, out: Path) -> Path:
     plt = _plt()
-    import numpy as np
 
     cases = doc["cases"]
     ids_kinds = list(dict.fromkeys(m["ids"] for c in cases for m in c["runs"])) or ["random"]
@@ -172,40 +171,8 @@ def plot_transfer(doc: dict, out: Path) -> Path:
         ("(a) one descriptor, WRITE", "0.55"),
         ("(b) numpy memcpy", "0.25"),
     ]
-    w = 0.84 / len(bars)
     for ax, kind in zip(axes[0], ids_kinds):
-        x = np.arange(len(cases))
-        cols = []
-        for m in modes:
-            cols.append([(_run(c, m, kind) or {"gbps": {"median": 0}})["gbps"]["median"] for c in cases])
-        for key in ("single_read_gbps", "single_write_gbps"):
-            cols.append([_median([m[key]["median"] for m in c["runs"] if m["ids"] == kind]) for c in cases])
-        cols.append([c["memcpy"]["gbps"] for c in cases])
-        for i, ((label, color), vals) in enumerate(zip(bars, cols)):
-            ax.bar(x + (i - (len(bars) - 1) / 2) * w, vals, w, label=label, color=color)
-        for c_i, c in enumerate(cases):
-            for i, m in enumerate(modes):
-                r = _run(c, m, kind)
-                if r:
-                    ax.text(
-                        c_i + (i - (len(bars) - 1) / 2) * w,
-                        r["gbps"]["median"] + 0.2,
-                        f"{r['ratio_vs_single_read']:.0%}",
-                        ha="center",
-                        fontsize=6.5,
-                        rotation=90,
-                    )
-        labels = []
-        for c in cases:
-            desc = [m["descriptors_per_request"] for m in c["runs"] if m["ids"] == kind]
-            labels.append(
-                f"{c['case']}\n{c['bytes_per_request'] / 2**20:,.0f} MiB, {_median(desc):,.0f} desc/req"
-            )
-        ax.set_xticks(x, labels, fontsize=7.5)
-        ax.set_ylabel("GB/s (median of rounds)")
-        ax.set_title(
-            f"{kind} producer block ids (labels over kvlc bars: kvlc / one-descriptor READ)", fontsize=9.5
-        )
+        _transfer_axes(ax, cases, modes, kind, bars)
     fig.suptitle(
         "loopback transfer between two processes, DRAM, UCX (same run, interleaved rounds)", fontsize=11
     )
@@ -215,6 +182,53 @@ def plot_transfer(doc: dict, out: Path) -> Path:
     fig.savefig(out / "transfer.png", dpi=120)
     plt.close(fig)
     return out / "transfer.png"
+
+
+def _transfer_axes(ax, cases: list, modes: list, kind: str, bars: list) -> None:
+    """One panel of ``transfer.png``: the bars of every case for producer ids ``kind``."""
+    import numpy as np
+
+    w = 0.84 / len(bars)
+    x = np.arange(len(cases))
+    for i, ((label, color), vals) in enumerate(zip(bars, _transfer_columns(cases, modes, kind))):
+        ax.bar(x + (i - (len(bars) - 1) / 2) * w, vals, w, label=label, color=color)
+    for c_i, c in enumerate(cases):
+        _ratio_labels(ax, c_i, c, modes, kind, (len(bars) - 1) / 2, w)
+    labels = []
+    for c in cases:
+        desc = [m["descriptors_per_request"] for m in c["runs"] if m["ids"] == kind]
+        labels.append(
+            f"{c['case']}\n{c['bytes_per_request'] / 2**20:,.0f} MiB, {_median(desc):,.0f} desc/req"
+        )
+    ax.set_xticks(x, labels, fontsize=7.5)
+    ax.set_ylabel("GB/s (median of rounds)")
+    ax.set_title(
+        f"{kind} producer block ids (labels over kvlc bars: kvlc / one-descriptor READ)", fontsize=9.5
+    )
+
+
+def _transfer_columns(cases: list, modes: list, kind: str) -> list[list[float]]:
+    """GB/s per case of each bar: every kvlc mode, one-descriptor READ and WRITE, numpy memcpy."""
+    cols = [[(_run(c, m, kind) or {"gbps": {"median": 0}})["gbps"]["median"] for c in cases] for m in modes]
+    for key in ("single_read_gbps", "single_write_gbps"):
+        cols.append([_median([m[key]["median"] for m in c["runs"] if m["ids"] == kind]) for c in cases])
+    cols.append([c["memcpy"]["gbps"] for c in cases])
+    return cols
+
+
+def _ratio_labels(ax, c_i: int, case: dict, modes: list, kind: str, middle: float, w: float) -> None:
+    """Over each kvlc bar of case ``c_i``: its throughput as a share of the one-descriptor READ."""
+    for i, m in enumerate(modes):
+        r = _run(case, m, kind)
+        if r:
+            ax.text(
+                c_i + (i - middle) * w,
+                r["gbps"]["median"] + 0.2,
+                f"{r['ratio_vs_single_read']:.0%}",
+                ha="center",
+                fontsize=6.5,
+                rotation=90,
+            )
 
 
 def _run(case: dict, mode: str, ids: str) -> dict | None:
@@ -235,25 +249,7 @@ def plot_transfer_descriptors(doc: dict, out: Path) -> Path | None:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     for op, style, shade in (("READ", "o-", "0.80"), ("WRITE", "s--", "0.90")):
-        rows = sorted((r for r in sweep["rows"] if r["op"] == op), key=lambda r: r["descriptor_bytes"])
-        size = [r["descriptor_bytes"] for r in rows]
-        ax.plot(
-            size,
-            [r["gbps"] for r in rows],
-            style,
-            color="0.4",
-            label=f"NIXL alone, {op}, median ({sweep['bytes'] / 2**20:.0f} MiB)",
-        )
-        if all("seconds" in r for r in rows):  # spread of the rounds: slowest .. fastest
-            ax.fill_between(
-                size,
-                [sweep["bytes"] / r["seconds"]["max"] / 1e9 for r in rows],
-                [sweep["bytes"] / r["seconds"]["min"] / 1e9 for r in rows],
-                color=shade,
-                alpha=0.5,
-                lw=0,
-                label=f"NIXL alone, {op}, slowest..fastest round",
-            )
+        _sweep_curve(ax, sweep, op, style, shade)
     markers = {"pull": "v", "push": "^", "pull_via_push": "D"}
     for i, c in enumerate(doc["cases"]):
         for m in c["runs"]:
@@ -278,6 +274,29 @@ def plot_transfer_descriptors(doc: dict, out: Path) -> Path | None:
     )
     ax.legend(fontsize=7, ncol=2)
     return _save(fig, out / "transfer_descriptors.png")
+
+
+def _sweep_curve(ax, sweep: dict, op: str, style: str, shade: str) -> None:
+    """NIXL alone for ``op``: the median GB/s per descriptor size, and the rounds' spread when recorded."""
+    rows = sorted((r for r in sweep["rows"] if r["op"] == op), key=lambda r: r["descriptor_bytes"])
+    size = [r["descriptor_bytes"] for r in rows]
+    ax.plot(
+        size,
+        [r["gbps"] for r in rows],
+        style,
+        color="0.4",
+        label=f"NIXL alone, {op}, median ({sweep['bytes'] / 2**20:.0f} MiB)",
+    )
+    if all("seconds" in r for r in rows):  # spread of the rounds: slowest .. fastest
+        ax.fill_between(
+            size,
+            [sweep["bytes"] / r["seconds"]["max"] / 1e9 for r in rows],
+            [sweep["bytes"] / r["seconds"]["min"] / 1e9 for r in rows],
+            color=shade,
+            alpha=0.5,
+            lw=0,
+            label=f"NIXL alone, {op}, slowest..fastest round",
+        )
 
 
 def plot_gpu(name: str, doc: dict, out: Path) -> Path | None:  # GPU HOOK

@@ -44,63 +44,81 @@ def main(argv=None) -> int:
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args(argv)
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-    from nixl._api import nixl_agent, nixl_agent_config
 
     with tempfile.TemporaryDirectory() as tmp:
         plan = cpu_plan(fitted_spec(LAYOUTS / args.layout, args.tokens, Path(tmp)), max_bytes=1 << 62)
     prog = pair(plan, plan, local_rank=0, direction="READ")
-    size = sum(s.size for s in plan.storages)
-    bufs = [np.zeros(size, dtype=np.uint8) for _ in range(2)]
-    for b in bufs:
-        b[:] = 1  # fault the pages in
-    agents = [nixl_agent(f"profile-{i}", nixl_agent_config(backends=["UCX"])) for i in range(2)]
-    for a, b in zip(agents, bufs):
-        a.register_memory(np.array([[b.ctypes.data, b.nbytes, 0]], dtype=np.uint64), "DRAM")
-    peer = agents[0].add_remote_agent(agents[1].get_agent_metadata())
-
-    def bases(buf):
-        out, at = {}, buf.ctypes.data
-        for s in plan.storages:
-            out[s.name] = (at, 0)
-            at += s.size
-        return out
-
-    bound = prog.bind(bases(bufs[0]), {0: bases(bufs[1])})
+    pair_ = _Loopback(sum(s.size for s in plan.storages))
+    bound = prog.bind(_bases(plan, pair_.bufs[0]), {0: _bases(plan, pair_.bufs[1])})
     rows = []
     for ids in ("random", "contiguous"):
-        work = make_workload(plan, plan, 1, args.tokens, seed=1)[0][0]
-        _, cids, pids, tokens = work
-        if ids == "contiguous":  # storages lie back to back here: the whole request is one run
-            pids = {g: sorted(v) for g, v in pids.items()}
-        req = (cids, pids, tokens)
-        parts = bound.instantiate(*req)
-        (part,) = parts.values()
-        n, nbytes = len(part), part.nbytes
-
-        def create(local, remote):
-            a = agents[0]
-            h = a.initialize_xfer("READ", a.get_xfer_descs(local, "DRAM"), a.get_xfer_descs(remote, "DRAM"),
-                                  peer, b"")
-            a.release_xfer_handle(h)
-
-        one_l = np.array([[bufs[0].ctypes.data, nbytes, 0]], dtype=np.uint64)
-        one_r = np.array([[bufs[1].ctypes.data, nbytes, 0]], dtype=np.uint64)
-        t_inst = timeit(lambda q=req: bound.instantiate(*q), repeat=args.repeat)
-        t_create = timeit(lambda p=part: create(p.local, p.remote), repeat=args.repeat)
-        t_one = timeit(lambda a=one_l, b=one_r: create(a, b), repeat=args.repeat)
-        row = {"ids": ids, "descriptors": n, "bytes": nbytes, "instantiate_s": t_inst["median"],
-               "nixl_create_s": t_create["median"], "nixl_create_one_s": t_one["median"],
-               "cpu_us_per_descriptor": (t_inst["median"] + t_create["median"] - t_one["median"]) / (n - 1) * 1e6
-               if n > 1 else None}
+        row = _profile(pair_, bound, plan, ids, args.tokens, args.repeat)
         rows.append(row)
-        print(f"{ids:10s} {n:6,d} descriptors ({nbytes / 2**20:.0f} MiB): instantiate {ms(t_inst['median'])}, "
-              f"NIXL descs+create {ms(t_create['median'])} (one descriptor: {ms(t_one['median'])})"
-              + (f" -> {row['cpu_us_per_descriptor']:.3f} us of initiator CPU per extra descriptor before the "
-                 "transfer" if n > 1 else ""))
-    agents[0].remove_remote_agent(peer)
+        _print_row(row)
+    pair_.agents[0].remove_remote_agent(pair_.peer)
     if not args.no_write:
         print(f"wrote {write_results('profile_request', {'layout': args.layout, 'tokens': args.tokens, 'rows': rows})}")
     return 0
+
+
+class _Loopback:
+    """Two NIXL UCX agents in this process, each with a registered DRAM buffer of ``size`` bytes."""
+
+    def __init__(self, size: int):
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        self.bufs = [np.zeros(size, dtype=np.uint8) for _ in range(2)]
+        for b in self.bufs:
+            b[:] = 1  # fault the pages in
+        self.agents = [nixl_agent(f"profile-{i}", nixl_agent_config(backends=["UCX"])) for i in range(2)]
+        for a, b in zip(self.agents, self.bufs):
+            a.register_memory(np.array([[b.ctypes.data, b.nbytes, 0]], dtype=np.uint64), "DRAM")
+        self.peer = self.agents[0].add_remote_agent(self.agents[1].get_agent_metadata())
+
+    def create(self, local: np.ndarray, remote: np.ndarray) -> None:
+        """Describe both lists and create (then release) one READ of them: what the runtime does first."""
+        a = self.agents[0]
+        h = a.initialize_xfer("READ", a.get_xfer_descs(local, "DRAM"), a.get_xfer_descs(remote, "DRAM"),
+                              self.peer, b"")
+        a.release_xfer_handle(h)
+
+
+def _bases(plan, buf: np.ndarray) -> dict:
+    """The plan's storages back to back in ``buf``."""
+    out, at = {}, buf.ctypes.data
+    for s in plan.storages:
+        out[s.name] = (at, 0)
+        at += s.size
+    return out
+
+
+def _profile(pair_: _Loopback, bound, plan, ids: str, tokens: int, repeat: int) -> dict:
+    """One request (``ids``: random or contiguous producer ids): instantiate and NIXL create times."""
+    work = make_workload(plan, plan, 1, tokens, seed=1)[0][0]
+    _, cids, pids, tokens = work
+    if ids == "contiguous":  # storages lie back to back here: the whole request is one run
+        pids = {g: sorted(v) for g, v in pids.items()}
+    req = (cids, pids, tokens)
+    parts = bound.instantiate(*req)
+    (part,) = parts.values()
+    n, nbytes = len(part), part.nbytes
+    one_l = np.array([[pair_.bufs[0].ctypes.data, nbytes, 0]], dtype=np.uint64)
+    one_r = np.array([[pair_.bufs[1].ctypes.data, nbytes, 0]], dtype=np.uint64)
+    t_inst = timeit(lambda q=req: bound.instantiate(*q), repeat=repeat)
+    t_create = timeit(lambda p=part: pair_.create(p.local, p.remote), repeat=repeat)
+    t_one = timeit(lambda a=one_l, b=one_r: pair_.create(a, b), repeat=repeat)
+    return {"ids": ids, "descriptors": n, "bytes": nbytes, "instantiate_s": t_inst["median"],
+            "nixl_create_s": t_create["median"], "nixl_create_one_s": t_one["median"],
+            "cpu_us_per_descriptor": (t_inst["median"] + t_create["median"] - t_one["median"]) / (n - 1) * 1e6
+            if n > 1 else None}
+
+
+def _print_row(row: dict) -> None:
+    n, nbytes = row["descriptors"], row["bytes"]
+    print(f"{row['ids']:10s} {n:6,d} descriptors ({nbytes / 2**20:.0f} MiB): instantiate {ms(row['instantiate_s'])}, "
+          f"NIXL descs+create {ms(row['nixl_create_s'])} (one descriptor: {ms(row['nixl_create_one_s'])})"
+          + (f" -> {row['cpu_us_per_descriptor']:.3f} us of initiator CPU per extra descriptor before the "
+             "transfer" if n > 1 else ""))
 
 
 if __name__ == "__main__":

@@ -135,24 +135,8 @@ def run_scripts(bench_dir: Path, names: Sequence[str], quick: bool = False, cons
             log = results_dir / f"{n}.log"
             progress.start_task(tasks[n])
             t0 = time.perf_counter()
-            with open(log, "w") as fh:
-                fh.write("$ " + " ".join(cmd) + "\n")
-                proc = subprocess.Popen(
-                    cmd,
-                    cwd=bench_dir.parent,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    text=True,
-                    env=env,
-                )
-                assert proc.stdout is not None
-                for line in proc.stdout:
-                    fh.write(line)
-                    fh.flush()
-                    text = line.strip()
-                    if text:
-                        progress.update(tasks[n], status=text[:90])
-                rc = proc.wait()
+            rc = _run_logged(cmd, bench_dir.parent, env, log, lambda text, task=tasks[n]: progress.update(
+                task, status=text[:90]))
             dt = time.perf_counter() - t0
             progress.update(
                 tasks[n],
@@ -162,6 +146,28 @@ def run_scripts(bench_dir: Path, names: Sequence[str], quick: bool = False, cons
             progress.stop_task(tasks[n])
             out.append(RunResult(n, rc, dt, log))
     return out
+
+
+def _run_logged(cmd: list[str], cwd: Path, env: dict, log: Path, status) -> int:
+    """Run ``cmd``, every output line to ``log`` and each non-blank one to ``status``; its exit code."""
+    with open(log, "w") as fh:
+        fh.write("$ " + " ".join(cmd) + "\n")
+        proc = subprocess.Popen(
+            cmd,
+            cwd=cwd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            fh.write(line)
+            fh.flush()
+            text = line.strip()
+            if text:
+                status(text)
+        return proc.wait()
 
 
 # ----------------------------------------------------------------------------- verdicts
@@ -206,6 +212,12 @@ def _instantiate_verdicts(reqs: list[dict]) -> list[Verdict]:
         out.append(Verdict("pair", f"instantiate 128 x 512 < {_ms(INSTANTIATE_TARGET_S)} (token-major hetero TP, "
                            "flagged at pairing)", f"{_ms(w['instantiate_bound_s'])} ({w['descriptors_kvlc']:,} "
                            "descriptors)", w["instantiate_bound_s"] < INSTANTIATE_TARGET_S))
+    return out + _descriptor_verdicts(reqs)
+
+
+def _descriptor_verdicts(reqs: list[dict]) -> list[Verdict]:
+    """Descriptors at the coalesced minimum, and far below per-block for contiguous ids."""
+    out = []
     if all("at_minimum" in r for r in reqs):
         out.append(Verdict("pair", "descriptors = coalesced minimum (every case)",
                            f"{sum(r['at_minimum'] for r in reqs)}/{len(reqs)}", all(r["at_minimum"] for r in reqs)))
@@ -484,6 +496,14 @@ def fresh_folder(bench_dir: Path) -> Path:
     return path
 
 
+def _run_selected(bench_dir: Path, names: list[str], quick: bool, console, out: Path) -> list[RunResult]:
+    """Run the selected scripts into ``out``; those that failed."""
+    console.print(
+        f"kvlc bench: {', '.join(names)}{' (quick)' if quick else ''} from {bench_dir} into {out}",
+        highlight=False)
+    return [r for r in run_scripts(bench_dir, names, quick, console, out) if r.returncode]
+
+
 def main_bench(only: str | None = None, quick: bool = False, run: bool = True, console=None,
                out: Path | None = None, record: bool = False) -> int:
     """What ``benchmarks/run.py`` does; returns the exit code (1 if a script failed).
@@ -497,14 +517,7 @@ def main_bench(only: str | None = None, quick: bool = False, run: bool = True, c
     recorded = bench_dir / "results"
     out = recorded if record else Path(out) if out else fresh_folder(bench_dir)
     out.mkdir(parents=True, exist_ok=True)
-    failed = []
-    if run:
-        console.print(
-            f"kvlc bench: {', '.join(names)}{' (quick)' if quick else ''} from {bench_dir} into {out}",
-            highlight=False)
-        for r in run_scripts(bench_dir, names, quick, console, out):
-            if r.returncode:
-                failed.append(r)
+    failed = _run_selected(bench_dir, names, quick, console, out) if run else []
     source = out if run else recorded
     results = load_results(source)
     if not results:

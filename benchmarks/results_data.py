@@ -71,45 +71,42 @@ def gpu_rows(doc: dict) -> list[dict]:
     out = []
     for c in doc.get("cases", []):
         for mode, m in c.get("modes", {}).items():
-            check = m.get("check", {})
-            for key, t in m.items():
-                if not key.startswith("throughput") or not isinstance(t, dict) or "gbps" not in t:
-                    continue
-                d2d = t.get("torch_d2d_gbps_same_bytes")
-                out.append(
-                    {
-                        "case": c.get("case", "?"),
-                        "mode": mode,
-                        "ids": key.partition("_")[2] or "-",
-                        "gbps": t["gbps"],
-                        "d2d_gbps": d2d,
-                        "fraction": t.get("fraction_of_d2d", t["gbps"] / d2d if d2d else None),
-                        "descriptors": t.get("descriptors_per_request"),
-                        "verified": check.get("verified_bytes")
-                        if check.get("ok")
-                        else (False if check else None),
-                        "ok": t.get("ok", True),
-                    }
-                )
-    for r in doc.get("rows", []):
-        if "gbps" not in r:
-            continue
-        d2d = r.get("torch_d2d_gbps_same_bytes", r.get("d2d_gbps"))
-        frac = r.get("fraction_of_d2d", r.get("ratio_vs_d2d"))
-        case = r.get("case") or (f"{r['tokens']} tokens" if "tokens" in r else "?")
-        if "progress" in r:
-            case += f" ({r['progress']})"
-        out.append(
-            {
-                "case": case,
-                "mode": r.get("mode", "?"),
-                "ids": r.get("ids", "-"),
-                "gbps": r["gbps"],
-                "d2d_gbps": d2d,
-                "fraction": frac if frac is not None else (r["gbps"] / d2d if d2d else None),
-                "descriptors": r.get("descriptors_per_request"),
-                "verified": None,
-                "ok": r.get("ok", True),
-            }
-        )
-    return out
+            out += [_case_row(c, mode, key, t, m.get("check", {})) for key, t in m.items()
+                    if key.startswith("throughput") and isinstance(t, dict) and "gbps" in t]
+    return out + [_flat_row(r) for r in doc.get("rows", []) if "gbps" in r]
+
+
+def _case_row(c: dict, mode: str, key: str, t: dict, check: dict) -> dict:
+    """The row of one ``throughput_<ids>`` entry of a per-case GPU result."""
+    d2d = t.get("torch_d2d_gbps_same_bytes")
+    return {
+        "case": c.get("case", "?"),
+        "mode": mode,
+        "ids": key.partition("_")[2] or "-",
+        "gbps": t["gbps"],
+        "d2d_gbps": d2d,
+        "fraction": t.get("fraction_of_d2d", t["gbps"] / d2d if d2d else None),
+        "descriptors": t.get("descriptors_per_request"),
+        "verified": check.get("verified_bytes") if check.get("ok") else (False if check else None),
+        "ok": t.get("ok", True),
+    }
+
+
+def _flat_row(r: dict) -> dict:
+    """The row of one entry of a flat ``{"rows": [...]}`` GPU result."""
+    d2d = r.get("torch_d2d_gbps_same_bytes", r.get("d2d_gbps"))
+    frac = r.get("fraction_of_d2d", r.get("ratio_vs_d2d"))
+    case = r.get("case") or (f"{r['tokens']} tokens" if "tokens" in r else "?")
+    if "progress" in r:
+        case += f" ({r['progress']})"
+    return {
+        "case": case,
+        "mode": r.get("mode", "?"),
+        "ids": r.get("ids", "-"),
+        "gbps": r["gbps"],
+        "d2d_gbps": d2d,
+        "fraction": frac if frac is not None else (r["gbps"] / d2d if d2d else None),
+        "descriptors": r.get("descriptors_per_request"),
+        "verified": None,
+        "ok": r.get("ok", True),
+    }

@@ -44,13 +44,18 @@ def start():
     for c in ("C1", "C2", "C3"):
         for p in ("P1", "P2"):
             for mode in MODES:
-                if mode == "push":
-                    for h in eng[p]:
-                        h.connect([x.address for x in eng[c]], "WRITE", "direct", f"push-{c}")
-                else:
-                    for h in eng[c]:
-                        h.connect([x.address for x in eng[p]], "READ", mode, f"{p}-{mode}")
+                _connect(eng, c, p, mode)
     return plans, procs, eng
+
+
+def _connect(eng, c: str, p: str, mode: str) -> None:
+    """Push: every rank of producer ``p`` to consumer ``c``; otherwise every rank of ``c`` to ``p``."""
+    if mode == "push":
+        for h in eng[p]:
+            h.connect([x.address for x in eng[c]], "WRITE", "direct", f"push-{c}")
+    else:
+        for h in eng[c]:
+            h.connect([x.address for x in eng[p]], "READ", mode, f"{p}-{mode}")
 
 
 def workload(plans, c, p, mode, count, tag, disjoint):
@@ -68,7 +73,7 @@ def workload(plans, c, p, mode, count, tag, disjoint):
 
 def run_round(plans, eng, tag, per_pair, check):
     before = {c: [h.call("dump") for h in eng[c]] for c in ("C1", "C2", "C3")} if check else None
-    waits, batches, slot = {}, {c: [] for c in ("C1", "C2", "C3")}, 0
+    waits, batches = {}, {c: [] for c in ("C1", "C2", "C3")}
     for c in ("C1", "C2", "C3"):
         slot = 0
         for p in ("P1", "P2"):
@@ -76,30 +81,46 @@ def run_round(plans, eng, tag, per_pair, check):
                 reqs = workload(plans, c, p, mode, per_pair, tag, slot if check else None)
                 slot += per_pair
                 batches[c].append((p, reqs))
-                if mode == "push":
-                    for h in eng[p]:
-                        h.call("submit", f"push-{c}", "write", [(r, b, a, n) for r, a, b, n in reqs], TIMEOUT)
-                        waits.setdefault(id(h), (h, []))[1].extend(r[0] for r in reqs)
-                else:
-                    for h in eng[c]:
-                        h.call("submit", f"{p}-{mode}", "read", reqs, TIMEOUT)
-                for h in eng[c]:
-                    waits.setdefault(id(h), (h, []))[1].extend(r[0] for r in reqs)
+                _submit(eng, c, p, mode, reqs, waits)
+    failed = _wait_all(waits)
+    checked, problems = _check_round(plans, eng, before, batches) if check else (0, [])
+    return sum(len(r) for c in batches for _, r in batches[c]), failed, checked, problems
+
+
+def _submit(eng, c: str, p: str, mode: str, reqs: list, waits: dict) -> None:
+    """Submit ``reqs`` between consumer ``c`` and producer ``p``; ``waits`` gets what each rank waits for."""
+    if mode == "push":
+        for h in eng[p]:
+            h.call("submit", f"push-{c}", "write", [(r, b, a, n) for r, a, b, n in reqs], TIMEOUT)
+            waits.setdefault(id(h), (h, []))[1].extend(r[0] for r in reqs)
+    else:
+        for h in eng[c]:
+            h.call("submit", f"{p}-{mode}", "read", reqs, TIMEOUT)
+    for h in eng[c]:
+        waits.setdefault(id(h), (h, []))[1].extend(r[0] for r in reqs)
+
+
+def _wait_all(waits: dict) -> dict:
+    """Wait on every rank for its requests; the failed and still open ones."""
     failed = {}
     for h, ids in waits.values():
         out = h.call("wait", ids, TIMEOUT + 30)
         failed.update(out["failed"])
         failed.update({r: "open" for r in out["open"]})
+    return failed
+
+
+def _check_round(plans, eng, before: dict, batches: dict) -> tuple[int, list[str]]:
+    """Every consumer rank's bytes against the round's requests (writes of other pairs are not faults)."""
     checked, problems = 0, []
-    if check:
-        for c in ("C1", "C2", "C3"):
-            for h, b in zip(eng[c], before[c]):
-                after = h.call("dump")
-                for p, reqs in batches[c]:
-                    n, probs = verify(plans[c], h.config.rank, plans[p], b, after, reqs)
-                    checked += n
-                    problems += [x for x in probs if "outside the requested blocks" not in x]
-    return sum(len(r) for c in batches for _, r in batches[c]), failed, checked, problems
+    for c in ("C1", "C2", "C3"):
+        for h, b in zip(eng[c], before[c]):
+            after = h.call("dump")
+            for p, reqs in batches[c]:
+                n, probs = verify(plans[c], h.config.rank, plans[p], b, after, reqs)
+                checked += n
+                problems += [x for x in probs if "outside the requested blocks" not in x]
+    return checked, problems
 
 
 def resources(eng):

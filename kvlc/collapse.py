@@ -68,17 +68,22 @@ def vary_label(names: Sequence[str]) -> str:
     return skel.format(*parts)
 
 
+def _by_skeleton(texts: Iterable[str]) -> list[list[str]]:
+    """The distinct texts grouped by their skeleton (numbers taken out), in order of first appearance."""
+    groups: dict[str, list[str]] = {}
+    for text in dict.fromkeys(texts):
+        groups.setdefault(split_name(text)[0], []).append(text)
+    return list(groups.values())
+
+
 def compact_names(names: Iterable[str], least: int = 3) -> list[str]:
     """Names in order, those of one skeleton (``least`` or more) as one label.
 
     >>> compact_names(["kv.0", "kv.1", "kv.2", "kv.3", "indexer"])
     ['kv.{0..3}', 'indexer']
     """
-    groups: dict[str, list[str]] = {}
-    for name in dict.fromkeys(names):
-        groups.setdefault(split_name(name)[0], []).append(name)
     out = []
-    for members in groups.values():
+    for members in _by_skeleton(names):
         out.extend([vary_label(members)] if len(members) >= least else members)
     return out
 
@@ -92,11 +97,8 @@ def collapse_lines(lines: Iterable[str], least: int = 2) -> list[str]:
     ...                + ["warning [x] other"])
     ['error [region-missing] layer.{32..79}: absent on the remote (48 alike)', 'warning [x] other']
     """
-    groups: dict[str, list[str]] = {}
-    for line in dict.fromkeys(lines):
-        groups.setdefault(split_name(line)[0], []).append(line)
     out = []
-    for members in groups.values():
+    for members in _by_skeleton(lines):
         if len(members) >= least:
             out.append(f"{vary_label(members)} ({len(members)} alike)")
         else:

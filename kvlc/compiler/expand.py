@@ -63,15 +63,18 @@ def _format(text: str, env: dict, key: tuple) -> str:
         raise StampError(key, text, str(exc)) from None
 
 
+def _has_var(text: str) -> bool:
+    return "{" in text or "}" in text
+
+
 def _stamp(item, env: dict):
     """Substitute ``{var}`` in every string field of a region or storage."""
     updates = {}
     for key, value in item:
-        if isinstance(value, str) and ("{" in value or "}" in value):
+        if isinstance(value, str) and _has_var(value):
             updates[key] = _format(value, env, (key,))
         elif isinstance(value, tuple) and value and all(isinstance(v, str) for v in value):
-            updates[key] = tuple(_format(v, env, (key, i)) if ("{" in v or "}" in v) else v
-                                 for i, v in enumerate(value))
+            updates[key] = tuple(_format(v, env, (key, i)) if _has_var(v) else v for i, v in enumerate(value))
     return item.model_copy(update=updates) if updates else item
 
 

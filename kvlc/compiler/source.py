@@ -108,39 +108,57 @@ def _scan(text: str, loader, file: str) -> None:
     total = 0
     for event in yaml.parse(text, Loader=loader):
         if isinstance(event, yaml.CollectionEndEvent):
-            anchor, size = open_.pop()
-            if anchor is not None:
-                sizes[anchor] = size
-            if open_:
-                open_[-1][1] += size
+            _close_collection(open_, sizes)
             continue
-        if isinstance(event, yaml.AliasEvent):
-            size = _alias_size(event, open_, sizes, file)
-        elif isinstance(event, (yaml.ScalarEvent, yaml.CollectionStartEvent)):
-            size = 1
-        else:
+        size = _event_size(event, open_, sizes, file)
+        if size is None:
             continue
         total += size
         if total > MAX_NODES:
-            alias = isinstance(event, yaml.AliasEvent)
-            raise _Limit(Problem((), "YAML aliases expand too far" if alias else "spec too large",
-                                 expected=f"at most {MAX_NODES:,} values after expanding aliases",
-                                 found=f"more than {MAX_NODES:,}"
-                                 + (f" at '*{event.anchor}'" if alias else ""),
-                                 fix="write the spec without nested aliases (or use a template)",
-                                 mark=_at(file, event.start_mark)))
+            raise _too_many(event, file)
         if isinstance(event, yaml.CollectionStartEvent):
-            open_.append([event.anchor, 1])
-            if len(open_) > MAX_DEPTH:
-                raise _Limit(Problem((), "YAML nested too deeply", expected=f"at most {MAX_DEPTH} levels",
-                                     found=f"more than {MAX_DEPTH} nested lists or mappings",
-                                     fix="flatten the structure (a spec needs about 10 levels)",
-                                     mark=_at(file, event.start_mark)))
+            _open_collection(event, open_, file)
             continue
         if isinstance(event, yaml.ScalarEvent) and event.anchor is not None:
             sizes[event.anchor] = 1
         if open_:
             open_[-1][1] += size
+
+
+def _close_collection(open_: list, sizes: dict) -> None:
+    """A collection ends: its anchor (if any) records its size, which its parent adds up."""
+    anchor, size = open_.pop()
+    if anchor is not None:
+        sizes[anchor] = size
+    if open_:
+        open_[-1][1] += size
+
+
+def _event_size(event, open_: list, sizes: dict, file: str) -> int | None:
+    """How many values an event adds (an alias: all it expands to); None for events that hold none."""
+    if isinstance(event, yaml.AliasEvent):
+        return _alias_size(event, open_, sizes, file)
+    if isinstance(event, (yaml.ScalarEvent, yaml.CollectionStartEvent)):
+        return 1
+    return None
+
+
+def _too_many(event, file: str) -> _Limit:
+    alias = isinstance(event, yaml.AliasEvent)
+    return _Limit(Problem((), "YAML aliases expand too far" if alias else "spec too large",
+                          expected=f"at most {MAX_NODES:,} values after expanding aliases",
+                          found=f"more than {MAX_NODES:,}" + (f" at '*{event.anchor}'" if alias else ""),
+                          fix="write the spec without nested aliases (or use a template)",
+                          mark=_at(file, event.start_mark)))
+
+
+def _open_collection(event: yaml.CollectionStartEvent, open_: list, file: str) -> None:
+    open_.append([event.anchor, 1])
+    if len(open_) > MAX_DEPTH:
+        raise _Limit(Problem((), "YAML nested too deeply", expected=f"at most {MAX_DEPTH} levels",
+                             found=f"more than {MAX_DEPTH} nested lists or mappings",
+                             fix="flatten the structure (a spec needs about 10 levels)",
+                             mark=_at(file, event.start_mark)))
 
 
 def _alias_size(event: yaml.AliasEvent, open_: list, sizes: dict, file: str) -> int:

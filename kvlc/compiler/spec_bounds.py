@@ -81,18 +81,28 @@ def _check_expansion(entries: list, spec_error) -> None:
                          fix="check the repeat ranges (range: layers, or [start, stop])", at=repeat or path)
 
 
+def _largest_tokens(spec) -> int:
+    """The most tokens any block of the spec holds (spec, kernel and group block sizes)."""
+    return max([spec.block_size, spec.kernel_block_size or 0]
+               + [g.block_size or 0 for g in spec.groups] + [g.kernel_block_size or 0 for g in spec.groups])
+
+
+def _region_span(r, times: int, block: int, aligns: int) -> int:
+    """The most bytes ``times`` copies of region ``r`` can reach, with blocks of at most ``block`` bytes."""
+    stride = r.block_stride if isinstance(r.block_stride, int) else block
+    offset = r.offset if isinstance(r.offset, int) else 0
+    return times * (offset + r.num_blocks * max(stride, block) + aligns)
+
+
 def _check_addresses(spec, storages: list, regions: list, spec_error) -> None:
-    tokens = max([spec.block_size, spec.kernel_block_size or 0]
-                 + [g.block_size or 0 for g in spec.groups] + [g.kernel_block_size or 0 for g in spec.groups])
+    tokens = _largest_tokens(spec)
     aligns = max([e[0].align for e in storages], default=1)
     largest = max((block_bound(lay, spec, tokens) for lay in spec.layouts.values()), default=0)
     total, worst = 0, (0, ())
     for r, path, times, _ in regions:
         layout = spec.layouts.get(r.layout)
         block = block_bound(layout, spec, tokens) if layout is not None else largest
-        stride = r.block_stride if isinstance(r.block_stride, int) else block
-        offset = r.offset if isinstance(r.offset, int) else 0
-        span = times * (offset + r.num_blocks * max(stride, block) + aligns)
+        span = _region_span(r, times, block, aligns)
         total += span
         worst = max(worst, (span, path))
     if total >= ADDRESS_LIMIT:

@@ -22,11 +22,7 @@ def syntax_problem(exc: yaml.MarkedYAMLError, file: str, text: str) -> Problem:
     indentation = _indentation_problem(problem, m, file, text)
     if indentation is not None:
         return indentation
-    what = "YAML syntax error"
-    if exc.context:
-        what += f" {exc.context}"
-        if exc.context_mark is not None and exc.context_mark is not exc.problem_mark:
-            what += f" started at line {exc.context_mark.line + 1}, column {exc.context_mark.column + 1}"
+    what = _context_words(exc)
     parts = re.fullmatch(r"expected (.*), but (?:found|got) (.*)", problem, flags=re.S)
     if parts:
         expected, found = parts.group(1), parts.group(2)
@@ -34,19 +30,39 @@ def syntax_problem(exc: yaml.MarkedYAMLError, file: str, text: str) -> Problem:
         expected, found = "valid YAML", problem.removeprefix("found ")
     else:
         what += f": {problem}"
-        lines = text.splitlines()
-        line = lines[m.line].strip() if m and m.line < len(lines) else ""
-        expected, found = "valid YAML", repr(line) if line else "end of file"
-    fix = None
-    if exc.context and "flow sequence" in exc.context:
-        fix = "close the '[' with ']'"
-    elif exc.context and "flow mapping" in exc.context:
-        fix = "close the '{' with '}'"
-    elif "'\\t'" in problem:
-        fix = "indent with spaces, not tabs"
-    elif problem == "mapping values are not allowed here":
-        fix = "quote a value that contains ': ', or put the key on its own line"
-    return Problem((), what, expected=expected, found=found, fix=fix, mark=mark)
+        expected, found = "valid YAML", _line_at(text, m)
+    return Problem((), what, expected=expected, found=found, fix=_syntax_fix(exc.context, problem),
+                   mark=mark)
+
+
+def _context_words(exc: yaml.MarkedYAMLError) -> str:
+    """'YAML syntax error', with the construct the parser was in and where that started."""
+    what = "YAML syntax error"
+    if exc.context:
+        what += f" {exc.context}"
+        if exc.context_mark is not None and exc.context_mark is not exc.problem_mark:
+            what += f" started at line {exc.context_mark.line + 1}, column {exc.context_mark.column + 1}"
+    return what
+
+
+def _line_at(text: str, m) -> str:
+    """The stripped line at mark ``m``, quoted, or 'end of file' when there is none."""
+    lines = text.splitlines()
+    line = lines[m.line].strip() if m and m.line < len(lines) else ""
+    return repr(line) if line else "end of file"
+
+
+def _syntax_fix(context: str | None, problem: str) -> str | None:
+    """How to fix the common syntax errors (an unclosed bracket, a tab, a bare ': ')."""
+    if context and "flow sequence" in context:
+        return "close the '[' with ']'"
+    if context and "flow mapping" in context:
+        return "close the '{' with '}'"
+    if "'\\t'" in problem:
+        return "indent with spaces, not tabs"
+    if problem == "mapping values are not allowed here":
+        return "quote a value that contains ': ', or put the key on its own line"
+    return None
 
 
 def _indent(line: str) -> int:
@@ -58,23 +74,41 @@ def _content(line: str) -> bool:
     return bool(stripped) and not stripped.startswith("#")
 
 
-def _indentation_problem(problem: str, m, file: str, text: str) -> Problem | None:
-    """A block-structure error whose line is indented unlike its block: say so, and by how much."""
+def _block_error_line(problem: str, m, lines: list[str]) -> int | None:
+    """The line (0-based) of a block-structure error that indentation may explain, else None.
+
+    That is the last line with content at or above the mark, for the two errors a wrong indent
+    causes, unless the mark is past the end or a tab is in the mark's indentation.
+    """
     if m is None or not (problem == "mapping values are not allowed here"
                          or re.fullmatch(r"expected <block end>, but found .*", problem)):
         return None
-    lines = text.splitlines()
     if m.line >= len(lines) or "\t" in lines[m.line][:_indent(lines[m.line]) + 1]:
         return None
     row = m.line
     while row > 0 and not _content(lines[row]):
         row -= 1
-    here = _indent(lines[row])
+    return row
+
+
+def _open_blocks(lines: list[str], row: int) -> tuple[list[int], int | None]:
+    """The indents of the blocks open at ``row``, innermost first, and the nearest line above with content."""
     levels, prev_row = [], None
-    for i in range(row - 1, -1, -1):  # the indents of the open blocks, innermost first
+    for i in range(row - 1, -1, -1):
         if _content(lines[i]) and (not levels or _indent(lines[i]) < levels[-1]):
             prev_row = i if prev_row is None else prev_row
             levels.append(_indent(lines[i]))
+    return levels, prev_row
+
+
+def _indentation_problem(problem: str, m, file: str, text: str) -> Problem | None:
+    """A block-structure error whose line is indented unlike its block: say so, and by how much."""
+    lines = text.splitlines()
+    row = _block_error_line(problem, m, lines)
+    if row is None:
+        return None
+    here = _indent(lines[row])
+    levels, prev_row = _open_blocks(lines, row)
     if prev_row is None or here in levels:
         return None
     near = min(levels, key=lambda lv: (abs(lv - here), -lv))  # a tie: the inner block

@@ -107,6 +107,59 @@ def _too_big(value: Any, times: Any) -> bool:
             and len(value) * times > MAX_OUTPUT_BYTES)
 
 
+def _huge_repeat(left, right) -> _Refused | None:
+    if _too_big(left, right) or _too_big(right, left):
+        return _Refused("template builds a huge string or list with '*'",
+                        f"results up to {MAX_OUTPUT_BYTES:,} items", f"{type(left).__name__} * "
+                        f"{type(right).__name__} past that", "repeat fewer times")
+    return None
+
+
+def _huge_product(left, right) -> _Refused | None:
+    if (isinstance(left, int) and isinstance(right, int)
+            and left.bit_length() + right.bit_length() > MAX_NUMBER_BITS + 1):
+        return _Refused("template computes a huge number with '*'",
+                        f"results up to {MAX_NUMBER_BITS} bits",
+                        f"{left.bit_length()}-bit * {right.bit_length()}-bit", "compute smaller numbers")
+    return None
+
+
+def _huge_power(left, right) -> _Refused | None:
+    if (isinstance(left, int) and isinstance(right, int) and right > 0
+            and abs(left) > 1 and abs(left).bit_length() * right > MAX_NUMBER_BITS):
+        return _Refused("template computes a huge number with '**'",
+                        f"results up to {MAX_NUMBER_BITS} bits", f"{left} ** {right}",
+                        "use a smaller exponent")
+    return None
+
+
+def _huge_format(left, right) -> _Refused | None:
+    if isinstance(left, str) and any(
+            int(w) > MAX_OUTPUT_BYTES for w in re.findall(r"%[-+ #0]*\.?(\d+)", left)):
+        return _Refused("template formats a huge field with '%'", f"widths up to {MAX_OUTPUT_BYTES:,}",
+                        repr(left[:40]), "use a smaller width")
+    return None
+
+
+def _huge_concat(left, right) -> _Refused | None:
+    sized = (str, list, tuple)
+    if isinstance(left, sized) and isinstance(right, sized) and len(left) + len(right) > MAX_OUTPUT_BYTES:
+        return _Refused("template builds a huge value with '+'",
+                        f"results up to {MAX_OUTPUT_BYTES:,} items",
+                        f"{len(left):,} + {len(right):,}", "build smaller values")
+    return None
+
+
+# The checks a binary operator's operands pass before jinja computes it, in order: each returns
+# the refusal of a result too large to build, or None.
+_BINOP_LIMITS = {
+    "*": (_huge_repeat, _huge_product),
+    "**": (_huge_power,),
+    "%": (_huge_format,),
+    "+": (_huge_concat,),
+}
+
+
 class _Sandbox(ImmutableSandboxedEnvironment):
     """The sandbox, counting every call and loop step and refusing huge ``*`` / ``**`` results."""
 
@@ -165,30 +218,10 @@ class _Sandbox(ImmutableSandboxedEnvironment):
 
     def call_binop(self, context, operator, left, right):
         self.budget.tick()
-        if operator == "*" and (_too_big(left, right) or _too_big(right, left)):
-            raise _Refused("template builds a huge string or list with '*'",
-                           f"results up to {MAX_OUTPUT_BYTES:,} items", f"{type(left).__name__} * "
-                           f"{type(right).__name__} past that", "repeat fewer times")
-        if (operator == "**" and isinstance(left, int) and isinstance(right, int) and right > 0
-                and abs(left) > 1 and abs(left).bit_length() * right > MAX_NUMBER_BITS):
-            raise _Refused("template computes a huge number with '**'",
-                           f"results up to {MAX_NUMBER_BITS} bits", f"{left} ** {right}",
-                           "use a smaller exponent")
-        if (operator == "*" and isinstance(left, int) and isinstance(right, int)
-                and left.bit_length() + right.bit_length() > MAX_NUMBER_BITS + 1):
-            raise _Refused("template computes a huge number with '*'",
-                           f"results up to {MAX_NUMBER_BITS} bits",
-                           f"{left.bit_length()}-bit * {right.bit_length()}-bit", "compute smaller numbers")
-        if operator == "%" and isinstance(left, str) and any(
-                int(w) > MAX_OUTPUT_BYTES for w in re.findall(r"%[-+ #0]*\.?(\d+)", left)):
-            raise _Refused("template formats a huge field with '%'", f"widths up to {MAX_OUTPUT_BYTES:,}",
-                           repr(left[:40]), "use a smaller width")
-        sized = (str, list, tuple)
-        if (operator == "+" and isinstance(left, sized) and isinstance(right, sized)
-                and len(left) + len(right) > MAX_OUTPUT_BYTES):
-            raise _Refused("template builds a huge value with '+'",
-                           f"results up to {MAX_OUTPUT_BYTES:,} items",
-                           f"{len(left):,} + {len(right):,}", "build smaller values")
+        for refusal in _BINOP_LIMITS.get(operator, ()):
+            refused = refusal(left, right)
+            if refused is not None:
+                raise refused
         return _checked(super().call_binop(context, operator, left, right))
 
 

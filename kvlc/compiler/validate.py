@@ -6,6 +6,7 @@ import re
 import types
 import typing
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
@@ -62,20 +63,50 @@ def _members(tp) -> list[tuple[Any, set]]:
     return out
 
 
+def _field_type(model: type[BaseModel], part):
+    """The annotation of ``model``'s field ``part`` (None when it has no such field)."""
+    field = model.model_fields.get(part) if isinstance(part, str) else None
+    return field.annotation if field else None
+
+
+def _tuple_item(args: tuple, index: int):
+    """The type of item ``index`` of a ``tuple[...]`` with these type arguments."""
+    if len(args) == 2 and args[1] is Ellipsis:
+        return args[0]
+    return args[index] if index < len(args) else None
+
+
 def _child(tp, part):
     """The declared type one step below ``tp`` at ``part`` (a field, an index or a dict key)."""
     tp = _unwrap(tp)
     if isinstance(tp, type) and issubclass(tp, BaseModel):
-        field = tp.model_fields.get(part) if isinstance(part, str) else None
-        return field.annotation if field else None
+        return _field_type(tp, part)
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin is tuple and isinstance(part, int):
-        if len(args) == 2 and args[1] is Ellipsis:
-            return args[0]
-        return args[part] if part < len(args) else None
+        return _tuple_item(args, part)
     if origin is dict or (isinstance(origin, type) and issubclass(origin, Mapping)):  # dict, FrozenMap
         return args[1]
     return None
+
+
+def _tag_member(union, part):
+    """The member of ``union`` that the discriminator tag ``part`` selects (None when none)."""
+    return next((m for m, tags in _members(union) if part in tags), None)
+
+
+def _place(node, part, in_union: bool) -> tuple[bool, Any]:
+    """Whether ``part`` names a place in the data below ``node``, and the data found there.
+
+    A missing (or unknown) key of a mapping is a place too (the problem points at the mapping
+    and names the key), unless the declared type is a union: then the part names a branch.
+    """
+    if isinstance(node, dict) and part in node:
+        return True, node[part]
+    if isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+        return True, node[part]
+    if isinstance(node, dict) and isinstance(part, str) and not in_union:
+        return True, None
+    return False, None
 
 
 def _walk(data, loc: tuple) -> tuple[tuple, bool, Any]:
@@ -91,27 +122,18 @@ def _walk(data, loc: tuple) -> tuple[tuple, bool, Any]:
     node, tp = data, LayoutSpec
     branch = False
     for part in loc:
-        branch = False
         here = _unwrap(tp) if tp is not None else None
-        if here is not None and _is_union(here):
-            member = next((m for m, tags in _members(here) if part in tags), None)
-            if member is not None:
-                tp = member
-                continue  # a discriminator tag, not a place in the file
-        if isinstance(node, dict) and part in node:
-            path.append(part)
-            node = node[part]
-        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
-            path.append(part)
-            node = node[part]
-        elif isinstance(node, dict) and isinstance(part, str) and not (
-                here is not None and _is_union(here)):
-            path.append(part)  # a missing (or unknown) key: point at the mapping, name the key
-            node = None
-        else:
-            branch = True  # a union member or a constraint name
-            tp = None
+        in_union = here is not None and _is_union(here)
+        member = _tag_member(here, part) if in_union else None
+        if member is not None:  # a discriminator tag, not a place in the file
+            tp, branch = member, False
             continue
+        placed, below = _place(node, part, in_union)
+        if not placed:  # a union member or a constraint name
+            tp, branch = None, True
+            continue
+        path.append(part)
+        node, branch = below, False
         tp = _child(tp, part) if tp is not None else None
     return tuple(path), branch, tp
 
@@ -138,15 +160,21 @@ def _model_at(loc: tuple) -> type[BaseModel] | None:
     return tp if isinstance(tp, type) and issubclass(tp, BaseModel) else None
 
 
+def _bounds(group: list) -> tuple[int, int] | None:
+    """The (lowest, highest) integer that one group of annotation metadata allows, when both are set."""
+    parts = [p for meta in group for p in (*getattr(meta, "metadata", ()), meta)]
+    lo = next((m.ge for m in parts if hasattr(m, "ge")), None)
+    lo = next((m.gt + 1 for m in parts if hasattr(m, "gt")), lo)
+    hi = next((m.le for m in parts if hasattr(m, "le")), None)
+    return (lo, hi) if isinstance(lo, int) and isinstance(hi, int) else None
+
+
 def _int_ranges(tp, out: set) -> None:
     """Every (lowest, highest) an annotation allows its integers (pydantic keeps them as metadata)."""
     for group in ([tp], list(getattr(tp, "__metadata__", ()))):
-        parts = [p for meta in group for p in (*getattr(meta, "metadata", ()), meta)]
-        lo = next((m.ge for m in parts if hasattr(m, "ge")), None)
-        lo = next((m.gt + 1 for m in parts if hasattr(m, "gt")), lo)
-        hi = next((m.le for m in parts if hasattr(m, "le")), None)
-        if isinstance(lo, int) and isinstance(hi, int):
-            out.add((lo, hi))
+        bounds = _bounds(group)
+        if bounds is not None:
+            out.add(bounds)
     for arg in typing.get_args(tp):
         _int_ranges(arg, out)
 
@@ -204,49 +232,110 @@ def _known_kind(err: dict, loc: tuple) -> tuple[str, str, str | None]:
     return msg, expected, fix
 
 
+@dataclass(frozen=True)
+class _Failure:
+    """One pydantic error with where it points: its ``loc``, the data path and the declared type there."""
+
+    err: dict
+    loc: tuple
+    path: tuple
+    declared: Any
+    source: Source
+
+    @property
+    def ctx(self) -> dict:
+        return self.err.get("ctx") or {}
+
+
+@dataclass(frozen=True)
+class _Words:
+    """How one problem reads: the data path it points at, what is wrong, expected, found and fix."""
+
+    path: tuple
+    what: str
+    expected: str | None
+    found: str | None
+    fix: str | None
+
+
+def _own_words(f: _Failure) -> _Words:
+    """An error raised by a spec validator, with its own expected / found / fix."""
+    ctx = f.ctx
+    return _Words(f.path + tuple(ctx.get("at", ())), f.err.get("msg", "invalid value"),
+                  ctx.get("expected"), ctx.get("found"), ctx.get("fix"))
+
+
+def _missing(f: _Failure) -> _Words:
+    key = f.loc[-1] if f.loc else "?"
+    return _Words(f.path, f"missing required key '{key}'", f"a '{key}' key", "nothing", f"add '{key}:'")
+
+
+def _unknown_key(f: _Failure) -> _Words:
+    key = f.loc[-1]
+    model = _model_at(f.loc[:-1])
+    allowed = sorted(model.model_fields) if model else []
+    expected = ("one of " + ", ".join(allowed)) if allowed else "one of the keys this object defines"
+    fix = _KEY_HINTS.get((model.__name__ if model else "", key)) or _close(key, allowed) or "remove it"
+    return _Words(f.path, f"unknown key '{key}'", expected, f"'{key}'", fix)
+
+
+def _no_kind(f: _Failure) -> _Words:
+    tags = _union_tags(f.declared)
+    expected = "'kind:' " + (f"one of {', '.join(tags)}" if tags else "naming what this is")
+    fix = f"add 'kind: {tags[0]}' or another kind" if tags else "add 'kind:'"
+    return _Words(f.path, "missing 'kind'", expected, "no 'kind' key", fix)
+
+
+def _bad_kind(f: _Failure) -> _Words:
+    tags = [t.strip().strip("'") for t in str(f.ctx.get("expected_tags", "")).split(",")]
+    node = f.source.data
+    for part in f.path:
+        node = node[part]
+    path = f.path + ("kind",) if isinstance(node, dict) and "kind" in node else f.path
+    tag = f.ctx.get("tag")
+    return _Words(path, f"unknown kind {tag!r}", "one of " + ", ".join(tags), repr(tag), _close(tag, tags))
+
+
+def _kvlc_kind(f: _Failure) -> _Words:
+    """An error kind kvlc words itself (:data:`_KINDS`)."""
+    msg, expected, fix = _known_kind(f.err, f.loc)
+    return _Words(f.path, msg, expected, _describe(f.err.get("input")), fix)
+
+
+def _pydantic_words(f: _Failure) -> _Words:
+    """Any other error: pydantic's message (without its "Value error, " prefix)."""
+    msg = f.err.get("msg", "invalid value")
+    if f.err.get("type", "").startswith("value_error"):
+        msg = msg.removeprefix("Value error, ")
+    return _Words(f.path, msg, None, _describe(f.err.get("input")), None)
+
+
+# pydantic error type → how kvlc words it (the kinds of _KINDS go through _kvlc_kind).
+_WORDING = {
+    "kvlc": _own_words,
+    "missing": _missing,
+    "extra_forbidden": _unknown_key,
+    "union_tag_not_found": _no_kind,
+    "union_tag_invalid": _bad_kind,
+}
+
+
 def _problem(err: dict, source: Source) -> tuple[Problem, bool]:
     """One pydantic error as a located :class:`Problem`, and whether it is one branch of a union."""
     loc = tuple(err.get("loc", ()))
     path, branch, declared = _walk(source.data, loc)
     kind = err.get("type", "")
-    ctx = err.get("ctx") or {}
-    msg = err.get("msg", "invalid value")
-    found = _describe(err.get("input"))
-    expected = fix = None
-    if kind == "kvlc":  # raised by a spec validator with its own expected / found / fix
-        path += tuple(ctx.get("at", ()))
-        expected, found, fix = ctx.get("expected"), ctx.get("found"), ctx.get("fix")
-    elif kind == "missing":
-        key = loc[-1] if loc else "?"
-        msg, expected, found, fix = f"missing required key '{key}'", f"a '{key}' key", "nothing", f"add '{key}:'"
-    elif kind == "extra_forbidden":
-        key = loc[-1]
-        model = _model_at(loc[:-1])
-        allowed = sorted(model.model_fields) if model else []
-        msg, found = f"unknown key '{key}'", f"'{key}'"
-        expected = ("one of " + ", ".join(allowed)) if allowed else "one of the keys this object defines"
-        fix = (_KEY_HINTS.get((model.__name__ if model else "", key)) or _close(key, allowed)
-               or "remove it")
-    elif kind == "union_tag_not_found":
-        tags = _union_tags(declared)
-        msg, expected, found = "missing 'kind'", "'kind:' " + (f"one of {', '.join(tags)}" if tags
-                                                             else "naming what this is"), "no 'kind' key"
-        fix = f"add 'kind: {tags[0]}' or another kind" if tags else "add 'kind:'"
-    elif kind == "union_tag_invalid":
-        tags = [t.strip().strip("'") for t in str(ctx.get("expected_tags", "")).split(",")]
-        node = source.data
-        for part in path:
-            node = node[part]
-        if isinstance(node, dict) and "kind" in node:
-            path += ("kind",)
-        msg, found = f"unknown kind {ctx.get('tag')!r}", repr(ctx.get("tag"))
-        expected = "one of " + ", ".join(tags)
-        fix = _close(ctx.get("tag"), tags)
-    elif kind in _KINDS:
-        msg, expected, fix = _known_kind(err, loc)
-    elif kind.startswith("value_error"):
-        msg = msg.removeprefix("Value error, ")
-    return Problem(path, msg, expected=expected, found=found, fix=fix, mark=source.mark(path)), branch
+    wording = _WORDING.get(kind) or (_kvlc_kind if kind in _KINDS else _pydantic_words)
+    w = wording(_Failure(err, loc, path, declared, source))
+    return Problem(w.path, w.what, expected=w.expected, found=w.found, fix=w.fix,
+                   mark=source.mark(w.path)), branch
+
+
+def _joined(q: Problem, p: Problem) -> Problem:
+    """Two failed branches of one union at one place as one problem: 'expected A or B'."""
+    expected = " or ".join(e for e in (q.expected, p.expected) if e)
+    return Problem(q.path, f"invalid value for '{q.path[-1]}'" if q.path else q.what,
+                   expected=expected, found=q.found, fix=q.fix, mark=q.mark)
 
 
 def _merge_branches(items: list[tuple[Problem, bool]]) -> list[Problem]:
@@ -255,10 +344,7 @@ def _merge_branches(items: list[tuple[Problem, bool]]) -> list[Problem]:
     where: dict[tuple, int] = {}
     for p, branch in items:
         if branch and p.path in where:
-            q = out[where[p.path]]
-            expected = " or ".join(e for e in (q.expected, p.expected) if e)
-            out[where[p.path]] = Problem(q.path, f"invalid value for '{q.path[-1]}'" if q.path else q.what,
-                                         expected=expected, found=q.found, fix=q.fix, mark=q.mark)
+            out[where[p.path]] = _joined(out[where[p.path]], p)
             continue
         if branch:
             where[p.path] = len(out)

@@ -64,7 +64,11 @@ def slice_runs(f: PlanField, role: str) -> list[tuple[int, int]]:
     outer = dims[:i]
     starts = [f.offset + sum(k * d.stride for k, d in zip(idx, outer))
               for idx in product(*(range(d.size) for d in outer))] if outer else [f.offset]
-    starts.sort()
+    return _merged(sorted(starts), run)
+
+
+def _merged(starts: list[int], run: int) -> list[tuple[int, int]]:
+    """Runs of ``run`` bytes at sorted ``starts`` as ``(start, length)``, a run that continues the last joined to it."""
     out: list[list[int]] = []
     for s in starts:
         if out and out[-1][0] + out[-1][1] == s:

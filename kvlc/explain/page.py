@@ -97,35 +97,46 @@ def _region_item(r: PlanRegion, label_name: str, y: float, lane: int, px: float,
                 bytes=r.num_blocks * r.block_bytes, span=span, enlarged=w > span * px)
 
 
+def _storage_title(run: list, regs: list, label: str, enlarged: bool) -> str:
+    """The hover text of one storage bar (``run``: the alike storages it is drawn once for)."""
+    s = run[0]
+    used = sum(r.num_blocks * r.block_bytes for r in regs)
+    return "\n".join((f"storage {label} ({s.mem}:{s.device})" + (f", {len(run)} alike" if len(run) > 1 else ""),
+                      f"size {exact(s.size)} B ({human(s.size)})" + (" each" if len(run) > 1 else ""),
+                      f"{len(regs)} regions, {exact(used)} B in blocks, {exact(s.size - used)} B free")
+                     + (("drawn enlarged to stay visible",) if enlarged else ()))
+
+
+def _storage_row(plan: Plan, run: list, y: float, scale: float, colors: dict, region_labels: dict) -> dict:
+    """One storage bar at height ``y`` with its regions in lanes (``run``: alike storages drawn once)."""
+    from kvlc.explain.summary import _vary_label
+    s = run[0]
+    regs = [r for r in plan.regions if r.storage == s.name]
+    lanes = _lanes(regs)
+    h = (max(lanes, default=0) + 1) * LANE_H
+    true_w = s.size * scale
+    bar_w = max(MIN_STORAGE_PX, true_w)
+    px = bar_w / s.size
+    label = _vary_label([x.name for x in run])
+    title = _storage_title(run, regs, label, bar_w > true_w)
+    items = [_region_item(r, region_labels.get(r.name, r.name), y, lane, px, LABEL_W, bar_w, colors,
+                          plan.parallel.tp_size, len(run))
+             for r, lane in zip(regs, lanes)]
+    items.sort(key=lambda it: it["enlarged"])   # enlarged ones last: drawn on top
+    return dict(name=label, first=s.name, count=len(run), members=" ".join(x.name for x in run),
+                mem=f"{s.mem}:{s.device}", size=human(s.size), size_bytes=s.size, y=y, h=h,
+                label_y=y + h / 2 + 4, regions=items, enlarged=bar_w > true_w,
+                bar=dict(x=LABEL_W, y=y, w=bar_w, h=h, mem=s.mem, title=title))
+
+
 def _mem_map(plan: Plan, mem: str, runs: list[list], colors: dict, region_labels: dict) -> dict:
     """One memory type's map: its storages (collapsed runs) on one scale of their own."""
-    from kvlc.explain.summary import _vary_label
     largest = max(run[0].size for run in runs)
     scale = BAR_W / largest
     y, rows = RULER_H, []
     for run in runs:
-        s = run[0]
-        regs = [r for r in plan.regions if r.storage == s.name]
-        lanes = _lanes(regs)
-        h = (max(lanes, default=0) + 1) * LANE_H
-        true_w = s.size * scale
-        bar_w = max(MIN_STORAGE_PX, true_w)
-        px = bar_w / s.size
-        label = _vary_label([x.name for x in run])
-        used = sum(r.num_blocks * r.block_bytes for r in regs)
-        title = "\n".join((f"storage {label} ({s.mem}:{s.device})" + (f", {len(run)} alike" if len(run) > 1 else ""),
-                           f"size {exact(s.size)} B ({human(s.size)})" + (" each" if len(run) > 1 else ""),
-                           f"{len(regs)} regions, {exact(used)} B in blocks, {exact(s.size - used)} B free")
-                          + (("drawn enlarged to stay visible",) if bar_w > true_w else ()))
-        items = [_region_item(r, region_labels.get(r.name, r.name), y, lane, px, LABEL_W, bar_w, colors,
-                              plan.parallel.tp_size, len(run))
-                 for r, lane in zip(regs, lanes)]
-        items.sort(key=lambda it: it["enlarged"])   # enlarged ones last: drawn on top
-        rows.append(dict(name=label, first=s.name, count=len(run), members=" ".join(x.name for x in run),
-                         mem=f"{s.mem}:{s.device}", size=human(s.size), size_bytes=s.size, y=y, h=h,
-                         label_y=y + h / 2 + 4, regions=items, enlarged=bar_w > true_w,
-                         bar=dict(x=LABEL_W, y=y, w=bar_w, h=h, mem=s.mem, title=title)))
-        y += h + ROW_GAP
+        rows.append(_storage_row(plan, run, y, scale, colors, region_labels))
+        y += rows[-1]["h"] + ROW_GAP
     step = _ruler_step(largest)
     ticks = [dict(x=LABEL_W + k * step * scale, label=human(k * step) if k else "0")
              for k in range(largest // step + 1)]

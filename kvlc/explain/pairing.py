@@ -72,23 +72,30 @@ def mapping_model(producer: Plan, consumer: Plan) -> dict:
         for e in prog.entries:
             if e.region != region or e.group != prog.entries[0].group:
                 continue
-            for name, h0, h1 in (piece(x) for x in e.pieces):
-                if (cf is None) != (h1 == h0) or (cf is not None and name != cf.name):
-                    continue
-                pb, cb = prow[e.peer], crow[c]
-                if h1 > h0:
-                    xs = (_x_of(pb, h0), _x_of(pb, h1), _x_of(cb, h1), _x_of(cb, h0))
-                    what = f"heads {h0}..{h1 - 1}" if h1 - h0 > 1 else f"head {h0}"
-                else:
-                    xs = (pb["x"], pb["x"] + pb["w"], cb["x"] + cb["w"], cb["x"])
-                    what = f"field {name} (no head dim: every rank holds it whole)"
-                bands.append(dict(consumer=c, producer=e.peer, h0=h0, h1=h1, what=what,
-                                  points=_points(xs, pb["y"] + pb["h"], cb["y"]),
-                                  color=PEER_COLORS[e.peer % len(PEER_COLORS)],
-                                  title=f"consumer rank {c} reads {what} from producer rank {e.peer}"))
+            bands += [_band(c, e.peer, name, h0, h1, prow[e.peer], crow[c])
+                      for name, h0, h1 in (piece(x) for x in e.pieces) if _drawn_piece(cf, name, h0, h1)]
     field = cf.name if cf is not None else (consumer.region(region).fields[0].name)
     return dict(region=region, field=field, producer=prow, consumer=crow, bands=bands, height=240,
                 head_field=cf is not None)
+
+
+def _drawn_piece(cf: PlanField | None, name: str, h0: int, h1: int) -> bool:
+    """Whether a piece is drawn: a head slice of the head field ``cf``, or (no head field) a whole field."""
+    return (cf is None) == (h1 == h0) and (cf is None or name == cf.name)
+
+
+def _band(c: int, peer: int, name: str, h0: int, h1: int, pb: dict, cb: dict) -> dict:
+    """The band joining producer rank box ``pb`` to consumer rank ``c``'s box ``cb`` for one piece."""
+    if h1 > h0:
+        xs = (_x_of(pb, h0), _x_of(pb, h1), _x_of(cb, h1), _x_of(cb, h0))
+        what = f"heads {h0}..{h1 - 1}" if h1 - h0 > 1 else f"head {h0}"
+    else:
+        xs = (pb["x"], pb["x"] + pb["w"], cb["x"] + cb["w"], cb["x"])
+        what = f"field {name} (no head dim: every rank holds it whole)"
+    return dict(consumer=c, producer=peer, h0=h0, h1=h1, what=what,
+                points=_points(xs, pb["y"] + pb["h"], cb["y"]),
+                color=PEER_COLORS[peer % len(PEER_COLORS)],
+                title=f"consumer rank {c} reads {what} from producer rank {peer}")
 
 
 def _points(xs, y_top: float, y_bottom: float) -> str:
@@ -127,14 +134,7 @@ def descriptors_model(local: Plan, remote: Plan, rank: int, direction: str) -> d
         color = PEER_COLORS[e.peer % len(PEER_COLORS)]
         peers.append(dict(peer=e.peer, y=y, w=e.remote_sub * rr.block_bytes * px, color=color,
                           label=f"peer rank {e.peer}", runs=len(runs(e.runs)), bytes=e.bytes_per_tile))
-        for kl, ol, kr, orr, n in runs(e.runs)[:MAX_DRAWN_RUNS]:
-            lx, rx, w = LEFT + (kl * lr.block_bytes + ol) * px, LEFT + (kr * rr.block_bytes + orr) * px, n * px
-            field = next((f.name for f in lr.fields if f.offset <= ol < f.offset + f.extent), "")
-            drawn.append(dict(peer=e.peer, lx=lx, rx=rx, w=max(w, 0.8), color=color, ry=y, field=field,
-                             label=field if w >= len(field) * 7 + 8 else "",
-                             points=_points((lx, lx + w, rx + w, rx), 54, y),
-                             title=f"{exact(n)} B of field {field}: local block +{kl} byte {exact(ol)} <-> "
-                                   f"peer {e.peer} block +{kr} byte {exact(orr)}"))
+        drawn += [_run_shape(run, e.peer, lr, rr, px, y) for run in runs(e.runs)[:MAX_DRAWN_RUNS]]
         y += 46
     local_is = "consumer" if direction == "READ" else "producer"
     return dict(region=first.region, group=first.group, local_w=ltile * px, local_sub=first.local_sub,
@@ -143,6 +143,18 @@ def descriptors_model(local: Plan, remote: Plan, rank: int, direction: str) -> d
                 tile_tokens=first.tile_tokens, total_runs=sum(len(runs(e.runs)) for e in entries),
                 drawn=len(drawn), per_tile=sum(e.bytes_per_tile for e in entries), stats=prog.stats(),
                 peer_ranks=prog.peer_ranks, warnings=[str(f) for f in prog.report.warnings])
+
+
+def _run_shape(run: tuple, peer: int, lr, rr, px: float, y: float) -> dict:
+    """One run ``(kl, ol, kr, orr, n)`` of peer ``peer`` drawn from the local block row to the peer's at ``y``."""
+    kl, ol, kr, orr, n = run
+    lx, rx, w = LEFT + (kl * lr.block_bytes + ol) * px, LEFT + (kr * rr.block_bytes + orr) * px, n * px
+    field = next((f.name for f in lr.fields if f.offset <= ol < f.offset + f.extent), "")
+    return dict(peer=peer, lx=lx, rx=rx, w=max(w, 0.8), color=PEER_COLORS[peer % len(PEER_COLORS)], ry=y,
+                field=field, label=field if w >= len(field) * 7 + 8 else "",
+                points=_points((lx, lx + w, rx + w, rx), 54, y),
+                title=f"{exact(n)} B of field {field}: local block +{kl} byte {exact(ol)} <-> "
+                      f"peer {peer} block +{kr} byte {exact(orr)}")
 
 
 def render_pair_html(producer: Plan, consumer: Plan, *, rank: int = 0, direction: str = "READ") -> str:

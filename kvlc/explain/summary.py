@@ -220,37 +220,45 @@ def region_row(r: PlanRegion, tp_size: int = 1) -> RegionRow:
         replicas=max((replicas(f, tp_size) for f in r.fields), default=1))
 
 
-def summarize(plan: Plan) -> Summary:
-    """Per-region rows and per-storage, per-memory-type and per-group totals of ``plan``."""
-    rows = tuple(region_row(r, plan.parallel.tp_size) for r in plan.regions)
+def _storage_totals(plan: Plan, rows: tuple[RegionRow, ...]) -> tuple[StorageTotal, ...]:
     by_storage: dict[str, list[RegionRow]] = defaultdict(list)
     for row in rows:
         by_storage[row.storage].append(row)
-    storages = tuple(
+    return tuple(
         StorageTotal(name=s.name, mem=f"{s.mem}:{s.device}", size=s.size,
                      regions=len(by_storage[s.name]), bytes=sum(r.bytes for r in by_storage[s.name]))
         for s in plan.storages)
-    mems = []
-    for mem in dict.fromkeys([s.mem for s in plan.storages] + [r.mem for r in plan.regions]):
-        sts = [s for s in plan.storages if s.mem == mem]
-        regs = [r for r in plan.regions if r.mem == mem]
-        devices = tuple(sorted({s.device for s in sts} | {r.device for r in regs}))
-        mems.append(MemTotal(mem=mem, devices=devices, storages=len(sts), size=sum(s.size for s in sts),
-                             regions=len(regs), bytes=sum(r.num_blocks * r.block_bytes for r in regs if not r.aliases)))
-    groups = []
-    for g in plan.groups:
-        regs = [r for r in plan.regions if g.name in r.groups]
-        groups.append(GroupTotal(
-            name=g.name, kind=g.kind, window=g.window, block_size=g.block_size,
-            kernel_block_size=g.kernel_block_size, is_state=g.is_state, regions=len(regs),
-            bytes=sum(r.num_blocks * r.block_bytes for r in regs),
-            block_bytes=sum(r.block_bytes * r.kernel_blocks_per_block for r in regs),
-            capacity=min((r.capacity for r in regs), default=0),
-            dcp_size=plan.parallel.dcp_size))
+
+
+def _mem_total(plan: Plan, mem: str) -> MemTotal:
+    sts = [s for s in plan.storages if s.mem == mem]
+    regs = [r for r in plan.regions if r.mem == mem]
+    devices = tuple(sorted({s.device for s in sts} | {r.device for r in regs}))
+    return MemTotal(mem=mem, devices=devices, storages=len(sts), size=sum(s.size for s in sts),
+                    regions=len(regs), bytes=sum(r.num_blocks * r.block_bytes for r in regs if not r.aliases))
+
+
+def _group_total(plan: Plan, g) -> GroupTotal:
+    regs = [r for r in plan.regions if g.name in r.groups]
+    return GroupTotal(
+        name=g.name, kind=g.kind, window=g.window, block_size=g.block_size,
+        kernel_block_size=g.kernel_block_size, is_state=g.is_state, regions=len(regs),
+        bytes=sum(r.num_blocks * r.block_bytes for r in regs),
+        block_bytes=sum(r.block_bytes * r.kernel_blocks_per_block for r in regs),
+        capacity=min((r.capacity for r in regs), default=0),
+        dcp_size=plan.parallel.dcp_size)
+
+
+def summarize(plan: Plan) -> Summary:
+    """Per-region rows and per-storage, per-memory-type and per-group totals of ``plan``."""
+    rows = tuple(region_row(r, plan.parallel.tp_size) for r in plan.regions)
+    mems = dict.fromkeys([s.mem for s in plan.storages] + [r.mem for r in plan.regions])
     return Summary(name=plan.name, digest=plan.digest, model=plan.model.name,
                    num_layers=plan.model.num_layers, tp_size=plan.parallel.tp_size,
                    dcp_size=plan.parallel.dcp_size, layers=tuple(plan.parallel.layers),
-                   regions=rows, storages=storages, mems=tuple(mems), groups=tuple(groups))
+                   regions=rows, storages=_storage_totals(plan, rows),
+                   mems=tuple(_mem_total(plan, mem) for mem in mems),
+                   groups=tuple(_group_total(plan, g) for g in plan.groups))
 
 
 # ---------------------------------------------------------------- collapsing per-layer runs

@@ -119,6 +119,14 @@ def fit(t: "TableData", width: int | None) -> list[list[tuple[int, int]]] | None
     cols = _columns(t)
     if width is None or sum(c.natural for c in cols) + _overhead(len(cols)) <= width:
         return [[(i, c.natural) for i, c in enumerate(cols)]]
+    chunks = _chunks(cols, width)
+    if chunks is None:
+        return None
+    return [_widen(cols, chunk, width) for chunk in chunks or [[0]]]
+
+
+def _chunks(cols: list[_Col], width: int) -> list[list[int]] | None:
+    """Columns at their least widths in chunks of ``width``, each led by column 0; None if one cannot fit."""
     chunks: list[list[int]] = []
     for i in range(1, len(cols)):
         cur = chunks[-1] if chunks else None
@@ -128,16 +136,18 @@ def fit(t: "TableData", width: int | None) -> list[list[tuple[int, int]]] | None
             chunks.append([0, i])
         else:
             return None
-    out = []
-    for chunk in chunks or [[0]]:
-        widths = {j: cols[j].least for j in chunk}
-        spare = width - sum(widths.values()) - _overhead(len(chunk))
-        for j in sorted(chunk, key=lambda j: cols[j].numeric):   # text columns get the room first
-            grow = min(spare, cols[j].natural - widths[j])
-            widths[j] += grow
-            spare -= grow
-        out.append([(j, widths[j]) for j in chunk])
-    return out
+    return chunks
+
+
+def _widen(cols: list[_Col], chunk: list[int], width: int) -> list[tuple[int, int]]:
+    """The widths of one chunk's columns: the least, then what is left to ``width``, text columns first."""
+    widths = {j: cols[j].least for j in chunk}
+    spare = width - sum(widths.values()) - _overhead(len(chunk))
+    for j in sorted(chunk, key=lambda j: cols[j].numeric):   # text columns get the room first
+        grow = min(spare, cols[j].natural - widths[j])
+        widths[j] += grow
+        spare -= grow
+    return [(j, widths[j]) for j in chunk]
 
 
 def print_line(con: "Console", text: str, style: str = "") -> None:

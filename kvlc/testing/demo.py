@@ -20,26 +20,29 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
-import numpy as np
 import yaml
 
 from kvlc.compiler import compile_spec
 from kvlc.compiler.plan import Plan
-from kvlc.errors import KvlcError
+from kvlc.testing.workload import (  # noqa: F401  (re-exported: the demo's public names)
+    MAX_TOKENS,
+    DemoError,
+    check_pair,
+    default_tokens,
+    make_workload,
+    max_fit,
+    verify,
+)
 
 Progress = Callable[[int, int, int, float], None]  # (requests done, total, bytes so far, seconds so far)
 MODES = ("pull", "push", "pull_via_push")
 # The default layout: the repository's layouts/ folder next to the package (a source checkout).
 DEFAULT_LAYOUT = Path(__file__).resolve().parents[2] / "layouts" / "llama-3.1-8b.yaml"
-MAX_TOKENS = 1 << 24
-
-
-class DemoError(KvlcError):
-    """A demo option or workload that cannot run (says which option and what would)."""
 
 
 def _rewrite(node, factor: int, multiple: int, to_dram: bool):
@@ -126,132 +129,11 @@ class DemoResult:
         return not self.mismatches and not self.failed
 
 
-def _capacities(plan: Plan) -> dict[str, int]:
-    return {g.name: plan.group_capacity(g.name) for g in plan.groups
-            if any(g.name in r.groups for r in plan.regions)}
-
-
-def default_tokens(consumer: Plan, producer: Plan, limit: int = 128) -> int:
-    """Tokens per request so that at least two requests fit each consumer pool (at most ``limit``)."""
-    cap_c, cap_p = _capacities(consumer), _capacities(producer)
-    best = limit
-    for g in consumer.groups:
-        if g.is_state or g.name not in cap_p:
-            continue
-        best = min(
-            best, max(1, cap_c[g.name] // 2) * g.block_size, cap_p[g.name] * producer.group(g.name).block_size
-        )
-    return max(1, best)
-
-
-def max_fit(consumer: Plan, producer: Plan, group: str) -> int:
-    """The most tokens one request of ``group`` can carry in both pools."""
-    cap_c, cap_p = _capacities(consumer), _capacities(producer)
-    return min(cap_c[group] * consumer.group(group).block_size, cap_p[group] * producer.group(group).block_size)
-
-
-def check_pair(consumer: Plan, producer: Plan) -> None:
-    """Pair every consumer rank with the producer before any engine starts (``CompatError`` with the report)."""
-    from kvlc.compiler.pair import pair
-
-    for r in range(consumer.parallel.tp_size):
-        pair(consumer, producer, local_rank=r, direction="READ")
-
-
-def make_workload(consumer: Plan, producer: Plan, requests: int, tokens: int | None = None, seed: int = 0,
-                  ids: str = "random"):
-    """Rounds of requests: (id, consumer ids, producer ids, tokens); destinations disjoint within a round.
-
-    ``ids``: producer block ids drawn at ``"random"`` (a fragmented pool), or ``"contiguous"``
-    runs on both sides (a fresh pool; descriptors coalesce across blocks).
-    """
-    if ids not in ("random", "contiguous"):
-        raise DemoError(f"ids {ids!r}: use random or contiguous")
-    if isinstance(requests, bool) or not isinstance(requests, int) or requests < 1:
-        raise DemoError(f"requests {requests!r}: give a whole number of requests, at least 1")
-    if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or not 1 <= tokens <= MAX_TOKENS):
-        raise DemoError(f"tokens {tokens!r}: give a whole number of tokens per request, 1 to {MAX_TOKENS}")
-    rng = np.random.default_rng(seed)
-    groups = [g.name for g in consumer.groups if g.name in {x.name for x in producer.groups}]
-    cap_c, cap_p = _capacities(consumer), _capacities(producer)
-    tokens = default_tokens(consumer, producer) if tokens is None else tokens
-    need_c = {g: consumer.blocks_for(g, tokens) for g in groups}
-    need_p = {g: producer.blocks_for(g, tokens) for g in groups}
-    for g in groups:
-        if need_c[g] > cap_c[g] or need_p[g] > cap_p[g]:
-            raise DemoError(
-                f"--tokens {tokens}: group '{g}': {tokens} tokens need {need_c[g]} consumer / {need_p[g]} producer blocks; "
-                f"the pools hold {cap_c[g]} / {cap_p[g]}: use at most {max_fit(consumer, producer, g)} tokens or a larger pool (--pool-mib)"
-            )
-    per_round = max(1, min(cap_c[g] // need_c[g] for g in groups))
-    if ids == "contiguous":
-        per_round = max(1, min(per_round, *(cap_p[g] // need_p[g] for g in groups)))
-    rounds, i = [], 0
-    while i < requests:
-        batch = []
-        for j in range(min(per_round, requests - i)):
-            cids = {g: list(range(j * need_c[g], (j + 1) * need_c[g])) for g in groups}
-            if ids == "contiguous":
-                pids = {g: list(range(j * need_p[g], (j + 1) * need_p[g])) for g in groups}
-            else:
-                pids = {g: rng.choice(cap_p[g], need_p[g], replace=False).tolist() for g in groups}
-            batch.append((f"req-{i + j}", cids, pids, tokens))
-        rounds.append(batch)
-        i += len(batch)
-    return rounds
-
-
-def verify(
-    consumer: Plan,
-    rank: int,
-    producer: Plan,
-    before: Mapping[str, np.ndarray],
-    after: Mapping[str, np.ndarray],
-    batch,
-) -> tuple[int, list[str]]:
-    """Compare one consumer rank's memory with the content codes of a round's requests."""
-    from kvlc.testing.content import expected_bytes, request_tokens
-
-    touched = {k: np.zeros(len(v), bool) for k, v in after.items()}
-    checked, problems = 0, []
-    for req, cids, pids, tokens in batch:
-        for storage, idx, vals in expected_bytes(consumer, rank, producer, cids, pids, **request_tokens(tokens)):
-            bad = np.flatnonzero(after[storage][idx] != vals)
-            if bad.size:
-                problems.append(
-                    f"{req}: rank {rank} storage {storage}: {bad.size} wrong bytes, first at byte "
-                    f"{int(idx[bad[0]])}"
-                )
-            touched[storage][idx] = True
-            checked += idx.size
-    for name, t in touched.items():
-        changed = np.flatnonzero((after[name] != before[name]) & ~t)
-        if changed.size:
-            problems.append(
-                f"rank {rank} storage {name}: {changed.size} bytes outside the requested blocks "
-                f"changed, first at byte {int(changed[0])}"
-            )
-    return checked, problems
-
-
-def run_demo(
-    layout: str | Path,
-    consumer_layout: str | Path | None = None,
-    *,
-    mode: str = "pull",
-    requests: int = 32,
-    tokens: int | None = None,
-    max_bytes: int = 8 << 20,
-    seed: int = 0,
-    progress: Progress | None = None,
-    timeout: float = 60.0,
-    device: str = "cpu",
-    check: str = "all",
-    progress_mode: str = "thread",
-    fill: str = "content",
-    ids: str = "random",
-    descriptors: str = "rows",
-) -> DemoResult:
+def run_demo(layout: str | Path, consumer_layout: str | Path | None = None, *, mode: str = "pull",
+             requests: int = 32, tokens: int | None = None, max_bytes: int = 8 << 20, seed: int = 0,
+             progress: Progress | None = None, timeout: float = 60.0, device: str = "cpu", check: str = "all",
+             progress_mode: str = "thread", fill: str = "content", ids: str = "random",
+             descriptors: str = "rows") -> DemoResult:
     """Run the loopback demo; see the module docstring. ``mode``: pull | push | pull_via_push.
 
     ``tokens`` per request defaults to what lets two requests share the smallest consumer pool.
@@ -267,94 +149,130 @@ def run_demo(
     """
     import secrets
 
-    from kvlc.testing.procs import EngineConfig, EngineProcess
+    from kvlc.testing.procs import EngineProcess
 
-    for what, value, choices in (("mode", mode, MODES), ("check", check, ("all", "first", "none")),
-                                 ("descriptors", descriptors, ("rows", "prepped")),
-                                 ("fill", fill, ("content", "random", "zeros")), ("device", device, ("cpu", "gpu"))):
-        if value not in choices:
-            raise DemoError(f"{what} {value!r}: use one of {', '.join(choices)}")
-    direct = "prepped" if descriptors == "prepped" else "direct"
-    if fill != "content" and check != "none":
-        raise DemoError("checking bytes needs fill='content'")
-    if not (isinstance(timeout, (int, float)) and timeout > 0):
-        raise DemoError(f"timeout {timeout!r}: give seconds, more than 0")
+    _check_options(mode=mode, check=check, descriptors=descriptors, fill=fill, device=device, timeout=timeout)
     t_start = time.perf_counter()
     to_dram = device == "cpu"
-    prod_plan = scaled_plan(layout, max_bytes, to_dram=to_dram)
-    cons_plan = scaled_plan(consumer_layout, max_bytes, to_dram=to_dram) if consumer_layout else prod_plan
+    prod_plan, cons_plan = _plans(layout, consumer_layout, max_bytes, to_dram)
     check_pair(cons_plan, prod_plan)  # an incompatible pair fails here, before any engine starts
     rounds = make_workload(cons_plan, prod_plan, requests, tokens, seed, ids)
-    secret = secrets.token_hex(32)  # this run's side-channel secret, shared by its engines only
-
-    def cfg(plan, rank, fill_, seed_, engine):
-        return EngineConfig(
-            plan.to_json(),
-            rank,
-            fill=fill_,
-            seed=seed_,
-            timeout=timeout,
-            progress=progress_mode,
-            pin=not to_dram,
-            secret=secret,
-            engine_id=engine,
-        )
-
+    # this run's side-channel secret, shared by its engines only
+    cfg = partial(_config, timeout=timeout, progress=progress_mode, pin=not to_dram, secret=secrets.token_hex(32))
     pproc, cproc = EngineProcess(), EngineProcess()
     try:
         prods = [pproc.add_async(cfg(prod_plan, r, fill, 0, "demo-producer")) for r in range(prod_plan.parallel.tp_size)]
-        cons = [
-            cproc.add_async(cfg(cons_plan, r, "random", seed + r, "demo-consumer")) for r in range(cons_plan.parallel.tp_size)
-        ]
-        for h in prods + cons:
-            h.ready()
-        addrs_p = [h.address for h in prods]
-        addrs_c = [h.address for h in cons]
-        if mode == "push":
-            initiators, proc, method = prods, pproc, "write"
-            links = [h.connect(addrs_c, "WRITE", direct) for h in prods]
-        else:
-            initiators, proc, method = cons, cproc, "read"
-            links = [
-                h.connect(addrs_p, "READ", direct if mode == "pull" else "pull_via_push") for h in cons
-            ]
-        active = [h for h, link in zip(initiators, links) if link["peer_ranks"]]
-        movers = prods if mode in ("push", "pull_via_push") else cons
+        cons = [cproc.add_async(cfg(cons_plan, r, "random", seed + r, "demo-consumer"))
+                for r in range(cons_plan.parallel.tp_size)]
+        _ready(prods + cons)
+        engines = _connect(pproc, cproc, prods, cons, mode, "prepped" if descriptors == "prepped" else "direct")
         result = DemoResult(mode, 0, 0, 0.0, 0, 0, rounds=len(rounds))
-        stats0 = {id(h): h.call("stats") for h in movers}
+        stats0 = {id(h): h.call("stats") for h in engines.movers}
         result.startup_seconds = time.perf_counter() - t_start
         for i, batch in enumerate(rounds):
             verify_now = check == "all" or (check == "first" and i == 0)
-            t_v = time.perf_counter()
-            before = [h.call("dump") for h in cons] if verify_now else None
-            result.verify_seconds += time.perf_counter() - t_v
-            reqs = [(r, p, c, n) for r, c, p, n in batch] if mode == "push" else batch
-            out = proc.call("batch", -1, [(h.aid, "default", method, reqs) for h in active], timeout)
-            ids = [b[0] for b in batch]
-            for h in cons:  # every consumer rank: every request landed (push: notified)
-                got = h.call("wait", ids, timeout)
-                result.failed.update(got["failed"])
-                result.failed.update({r: "still open" for r in got["open"]})
-            for a in out["agents"].values():
-                result.failed.update(a["failed"])
-                result.failed.update(a["errors"])
-            result.seconds += out["seconds"]
-            if verify_now:
-                t_v = time.perf_counter()
-                for h, b in zip(cons, before):
-                    checked, problems = verify(cons_plan, h.config.rank, prod_plan, b, h.call("dump"), batch)
-                    result.checked_bytes += checked
-                    result.mismatches.extend(problems)
-                result.verify_seconds += time.perf_counter() - t_v
-                result.verified_requests += len(batch)
-                result.verified_rounds += 1
-            result.requests += len(batch)
-            stats = {id(h): h.call("stats") for h in movers}
-            result.nbytes = sum(stats[k]["bytes"] - stats0[k]["bytes"] for k in stats)
-            result.descriptors = sum(stats[k]["descriptors"] - stats0[k]["descriptors"] for k in stats)
+            _run_round(engines, batch, result, timeout, (cons_plan, prod_plan) if verify_now else None)
+            _count_moved(result, engines.movers, stats0)
             if progress:
                 progress(result.requests, requests, result.nbytes, result.seconds)
         return result
     finally:
         for p in (cproc, pproc):
             p.stop()
+
+
+def _plans(layout, consumer_layout, max_bytes: int, to_dram: bool) -> tuple[Plan, Plan]:
+    """The scaled producer and consumer plans (the consumer's is the producer's without its own layout)."""
+    prod_plan = scaled_plan(layout, max_bytes, to_dram=to_dram)
+    return prod_plan, scaled_plan(consumer_layout, max_bytes, to_dram=to_dram) if consumer_layout else prod_plan
+
+
+def _ready(handles: list) -> None:
+    for h in handles:
+        h.ready()
+
+
+def _check_options(*, mode, check, descriptors, fill, device, timeout) -> None:
+    for what, value, choices in (("mode", mode, MODES), ("check", check, ("all", "first", "none")),
+                                 ("descriptors", descriptors, ("rows", "prepped")),
+                                 ("fill", fill, ("content", "random", "zeros")), ("device", device, ("cpu", "gpu"))):
+        if value not in choices:
+            raise DemoError(f"{what} {value!r}: use one of {', '.join(choices)}")
+    if fill != "content" and check != "none":
+        raise DemoError("checking bytes needs fill='content'")
+    if not (isinstance(timeout, (int, float)) and timeout > 0):
+        raise DemoError(f"timeout {timeout!r}: give seconds, more than 0")
+
+
+def _config(plan: Plan, rank: int, fill: str, seed: int, engine: str, **settings):
+    """One rank's :class:`~kvlc.testing.procs.EngineConfig` (``settings``: those every rank of the run shares)."""
+    from kvlc.testing.procs import EngineConfig
+
+    return EngineConfig(plan.to_json(), rank, fill=fill, seed=seed, engine_id=engine, **settings)
+
+
+@dataclass
+class _Engines:
+    """The ranks of both engine processes, connected: which process and ranks move the bytes."""
+
+    proc: object        # the EngineProcess whose ranks initiate the transfers
+    method: str         # "read" (the consumer pulls) or "write" (the producer pushes)
+    active: list        # the initiating ranks that have peers
+    cons: list          # every consumer rank (each is waited on and checked)
+    movers: list        # the ranks whose agents post the transfers (their stats count the bytes)
+    mode: str
+
+
+def _connect(pproc, cproc, prods: list, cons: list, mode: str, direct: str) -> _Engines:
+    addrs_p = [h.address for h in prods]
+    addrs_c = [h.address for h in cons]
+    if mode == "push":
+        initiators, proc, method = prods, pproc, "write"
+        links = [h.connect(addrs_c, "WRITE", direct) for h in prods]
+    else:
+        initiators, proc, method = cons, cproc, "read"
+        links = [h.connect(addrs_p, "READ", direct if mode == "pull" else "pull_via_push") for h in cons]
+    active = [h for h, link in zip(initiators, links) if link["peer_ranks"]]
+    movers = prods if mode in ("push", "pull_via_push") else cons
+    return _Engines(proc, method, active, cons, movers, mode)
+
+
+def _run_round(engines: _Engines, batch: list, result: DemoResult, timeout: float,
+               verify_plans: tuple[Plan, Plan] | None) -> None:
+    """Move one round of requests; with ``verify_plans`` (consumer, producer) check every consumer byte."""
+    t_v = time.perf_counter()
+    before = [h.call("dump") for h in engines.cons] if verify_plans else None
+    result.verify_seconds += time.perf_counter() - t_v
+    _move(engines, batch, result, timeout)
+    if verify_plans:
+        t_v = time.perf_counter()
+        for h, b in zip(engines.cons, before):
+            checked, problems = verify(verify_plans[0], h.config.rank, verify_plans[1], b, h.call("dump"), batch)
+            result.checked_bytes += checked
+            result.mismatches.extend(problems)
+        result.verify_seconds += time.perf_counter() - t_v
+        result.verified_requests += len(batch)
+        result.verified_rounds += 1
+    result.requests += len(batch)
+
+
+def _move(engines: _Engines, batch: list, result: DemoResult, timeout: float) -> None:
+    """Post one round's requests on every active rank and wait until every consumer rank has them."""
+    reqs = [(r, p, c, n) for r, c, p, n in batch] if engines.mode == "push" else batch
+    out = engines.proc.call("batch", -1, [(h.aid, "default", engines.method, reqs) for h in engines.active], timeout)
+    ids = [b[0] for b in batch]
+    for h in engines.cons:  # every consumer rank: every request landed (push: notified)
+        got = h.call("wait", ids, timeout)
+        result.failed.update(got["failed"])
+        result.failed.update({r: "still open" for r in got["open"]})
+    for a in out["agents"].values():
+        result.failed.update(a["failed"])
+        result.failed.update(a["errors"])
+    result.seconds += out["seconds"]
+
+
+def _count_moved(result: DemoResult, movers: list, stats0: dict) -> None:
+    """Bytes and descriptors the movers' agents posted since ``stats0``."""
+    stats = {id(h): h.call("stats") for h in movers}
+    result.nbytes = sum(stats[k]["bytes"] - stats0[k]["bytes"] for k in stats)
+    result.descriptors = sum(stats[k]["descriptors"] - stats0[k]["descriptors"] for k in stats)

@@ -100,141 +100,188 @@ def resources(h: _Hosted | None = None) -> dict:
     return out
 
 
-def _main(conn) -> None:  # pragma: no cover - runs in the child
-    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-    hosted: dict[int, _Hosted] = {}
+def _submit(h: _Hosted, peer_id, method, requests, timeout) -> dict[str, str]:
+    """Post every request through peer ``peer_id``; the errors of those that could not be posted."""
+    errors = {}
+    fn = getattr(h.peers[peer_id], method)
+    for req, lids, rids, n in requests:   # n: num_tokens, or (start, stop) for a token range
+        try:
+            if isinstance(n, (tuple, list)):
+                fn(req, lids, rids, timeout=timeout, tokens=tuple(n))
+            else:
+                fn(req, lids, rids, n, timeout=timeout)
+        except Exception as exc:
+            errors[req] = f"{type(exc).__name__}: {exc}"
+    return errors
 
-    def pump_all() -> bool:
+
+def _outcome(h: _Hosted, ids) -> dict:
+    return {
+        "finished": sorted(set(ids) & set(h.finished)),
+        "failed": {r: h.failed[r] for r in ids if r in h.failed},
+        "held": {r: h.held[r] for r in ids if r in h.held and r not in h.failed},
+        "ever_held": sorted(set(ids) & set(h.held)),
+        "open": sorted(set(ids) - set(h.finished) - set(h.failed)),
+    }
+
+
+class _Child:
+    """The agents this process hosts, and the answer to each command of the pipe."""
+
+    def __init__(self):
+        self.hosted: dict[int, _Hosted] = {}
+
+    def pump_all(self) -> bool:
         busy = False
-        for h in hosted.values():
+        for h in self.hosted.values():
             busy |= h.pump()
         return busy
 
-    def wait(h: _Hosted, ids, timeout):
+    def wait(self, h: _Hosted, ids, timeout) -> None:
         deadline = time.monotonic() + timeout
         want = set(ids)
         while not want <= (set(h.finished) | set(h.failed)) and time.monotonic() < deadline:
-            if not pump_all():
+            if not self.pump_all():
                 time.sleep(0.0002)
 
-    def submit(h: _Hosted, peer_id, method, requests, timeout):
+    def answer(self, cmd: str, aid: int, args: list):
+        """The result of one command (``exit`` is the serving loop's own)."""
+        if cmd == "add":
+            h = self.hosted[aid] = _Hosted(args[0])
+            return {"address": h.address, "name": h.agent.name}
+        if cmd == "batch":
+            jobs, timeout = args
+            return self.batch(jobs, timeout)
+        h = self.hosted[aid]
+        command = _AGENT_COMMANDS.get(cmd)
+        if command is None:
+            raise ValueError(f"unknown command {cmd!r}")
+        return command(self, h, aid, args)
+
+    def batch(self, jobs, timeout) -> dict:
+        """Several agents' requests at once, waited together: timing."""
+        t0 = time.perf_counter()
         errors = {}
-        fn = getattr(h.peers[peer_id], method)
-        for req, lids, rids, n in requests:   # n: num_tokens, or (start, stop) for a token range
-            try:
-                if isinstance(n, (tuple, list)):
-                    fn(req, lids, rids, timeout=timeout, tokens=tuple(n))
-                else:
-                    fn(req, lids, rids, n, timeout=timeout)
-            except Exception as exc:
-                errors[req] = f"{type(exc).__name__}: {exc}"
-        return errors
+        for a_id, peer_id, method, requests in jobs:
+            errors[a_id] = _submit(self.hosted[a_id], peer_id, method, requests, timeout)
+        result = {}
+        for a_id, peer_id, method, requests in jobs:
+            h = self.hosted[a_id]
+            ids = [r[0] for r in requests if r[0] not in errors[a_id]]
+            self.wait(h, ids, timeout + 5)
+            result[a_id] = dict(
+                _outcome(h, ids),
+                errors=errors[a_id],
+                end=max([h.finished[r] for r in ids if r in h.finished], default=t0),
+            )
+        return {"agents": result, "seconds": max(r["end"] for r in result.values()) - t0}
 
-    def outcome(h: _Hosted, ids):
-        return {
-            "finished": sorted(set(ids) & set(h.finished)),
-            "failed": {r: h.failed[r] for r in ids if r in h.failed},
-            "held": {r: h.held[r] for r in ids if r in h.held and r not in h.failed},
-            "ever_held": sorted(set(ids) & set(h.held)),
-            "open": sorted(set(ids) - set(h.finished) - set(h.failed)),
-        }
+    def run(self, h: _Hosted, aid: int, args: list) -> dict:
+        """Submit a batch, wait for all of it: timing."""
+        peer_id, method, requests, timeout = args
+        t0 = time.perf_counter()
+        errors = _submit(h, peer_id, method, requests, timeout)
+        ids = [r[0] for r in requests if r[0] not in errors]
+        self.wait(h, ids, timeout + 5)
+        result = _outcome(h, ids)
+        ends = [h.finished[r] for r in result["finished"]]
+        result.update(errors=errors, seconds=(max(ends) - t0) if ends else 0.0)
+        return result
 
+    def wait_for(self, h: _Hosted, aid: int, args: list) -> dict:
+        ids, timeout = args
+        self.wait(h, ids, timeout)
+        return _outcome(h, ids)
+
+    def drop(self, h: _Hosted, aid: int, args: list) -> None:
+        """Close and forget the agent and its tensors."""
+        h.agent.close()
+        del self.hosted[aid]
+
+    def close_all(self) -> None:
+        for h in self.hosted.values():
+            h.agent.close()
+
+
+def _connect(child, h: _Hosted, aid, args) -> dict:
+    addrs, direction, mode, peer_id = args
+    peer = h.agent.connect(*addrs, direction=direction, mode=mode)
+    h.peers[peer_id] = peer
+    return {"peer_ranks": list(peer.peer_ranks), "program": peer.program.text()}
+
+
+def _events(child, h: _Hosted, aid, args) -> dict:
+    """What the agent reported since the last ``events``; the record is cleared."""
+    h.pump()
+    result = {
+        "finished": sorted(h.finished),
+        "failed": dict(h.failed),
+        "held": dict(h.held),
+        "freeable": list(h.freeable),
+        "flips": list(h.flips),
+    }
+    h.finished.clear(), h.failed.clear(), h.freeable.clear(), h.held.clear()
+    return result
+
+
+def _stats(child, h: _Hosted, aid, args) -> dict:
+    from kvlc.runtime.nixl import Xfer
+
+    a = h.agent
+    return dict(
+        a.stats,
+        live_handles=a.nixl.live_handles,
+        in_flight=a.in_flight,
+        remotes=len(a.nixl.remotes),
+        xfers=len(a.nixl.live(Xfer)),
+    )
+
+
+def _close(child, h: _Hosted, aid, args) -> dict:
+    h.agent.close()
+    return {"live_handles": h.agent.nixl.live_handles, "remotes": len(h.agent.nixl.remotes)}
+
+
+def _no_result(call):
+    """A command that only acts: ``call(hosted agent, arguments)``, answered with None."""
+    def command(child, h: _Hosted, aid, args) -> None:
+        call(h, args)
+    return command
+
+
+# The commands addressed to one hosted agent: (child, hosted agent, its id, arguments) -> result.
+_AGENT_COMMANDS = {
+    "connect": _connect,
+    "submit": lambda child, h, aid, args: _submit(h, *args),
+    "run": _Child.run,
+    "expect": _no_result(lambda h, args: h.agent.expect(*args)),
+    "cancel": _no_result(lambda h, args: h.agent.cancel(*args)),
+    "offer": _no_result(lambda h, args: h.agent.offer(*args)),
+    "peer_close": _no_result(lambda h, args: h.peers.pop(args[0]).close()),
+    "resources": lambda child, h, aid, args: resources(h),
+    "wait": _Child.wait_for,
+    "events": _events,
+    "dump": lambda child, h, aid, args: {n: t.cpu().numpy().copy() for n, t in h.tensors.items()},
+    "stats": _stats,
+    "close": _close,
+    "drop": _Child.drop,
+}
+
+
+def _main(conn) -> None:  # pragma: no cover - runs in the child
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    child = _Child()
     while True:
-        busy = pump_all()
+        busy = child.pump_all()
         if not conn.poll(0 if busy else 0.0005):
             continue
         cmd, aid, *args = conn.recv()
         try:
-            if cmd == "add":
-                h = hosted[aid] = _Hosted(args[0])
-                result = {"address": h.address, "name": h.agent.name}
-            elif cmd == "batch":  # several agents' requests at once, waited together: timing
-                jobs, timeout = args
-                t0 = time.perf_counter()
-                errors = {}
-                for a_id, peer_id, method, requests in jobs:
-                    errors[a_id] = submit(hosted[a_id], peer_id, method, requests, timeout)
-                result = {}
-                for a_id, peer_id, method, requests in jobs:
-                    h = hosted[a_id]
-                    ids = [r[0] for r in requests if r[0] not in errors[a_id]]
-                    wait(h, ids, timeout + 5)
-                    result[a_id] = dict(
-                        outcome(h, ids),
-                        errors=errors[a_id],
-                        end=max([h.finished[r] for r in ids if r in h.finished], default=t0),
-                    )
-                result = {"agents": result, "seconds": max(r["end"] for r in result.values()) - t0}
-            elif cmd == "exit":
-                for h in hosted.values():
-                    h.agent.close()
+            if cmd == "exit":
+                child.close_all()
                 conn.send(("ok", None))
                 return
-            else:
-                h = hosted[aid]
-                if cmd == "connect":
-                    addrs, direction, mode, peer_id = args
-                    peer = h.agent.connect(*addrs, direction=direction, mode=mode)
-                    h.peers[peer_id] = peer
-                    result = {"peer_ranks": list(peer.peer_ranks), "program": peer.program.text()}
-                elif cmd == "submit":
-                    result = submit(h, *args)
-                elif cmd == "run":  # submit a batch, wait for all of it: timing
-                    peer_id, method, requests, timeout = args
-                    t0 = time.perf_counter()
-                    errors = submit(h, peer_id, method, requests, timeout)
-                    ids = [r[0] for r in requests if r[0] not in errors]
-                    wait(h, ids, timeout + 5)
-                    result = outcome(h, ids)
-                    ends = [h.finished[r] for r in result["finished"]]
-                    result.update(errors=errors, seconds=(max(ends) - t0) if ends else 0.0)
-                elif cmd == "expect":
-                    h.agent.expect(*args)
-                    result = None
-                elif cmd in ("cancel", "offer"):
-                    getattr(h.agent, cmd)(*args)
-                    result = None
-                elif cmd == "peer_close":
-                    h.peers.pop(args[0]).close()
-                    result = None
-                elif cmd == "resources":
-                    result = resources(h)
-                elif cmd == "wait":
-                    ids, timeout = args
-                    wait(h, ids, timeout)
-                    result = outcome(h, ids)
-                elif cmd == "events":
-                    h.pump()
-                    result = {
-                        "finished": sorted(h.finished),
-                        "failed": dict(h.failed),
-                        "held": dict(h.held),
-                        "freeable": list(h.freeable),
-                        "flips": list(h.flips),
-                    }
-                    h.finished.clear(), h.failed.clear(), h.freeable.clear(), h.held.clear()
-                elif cmd == "dump":
-                    result = {n: t.cpu().numpy().copy() for n, t in h.tensors.items()}
-                elif cmd == "stats":
-                    from kvlc.runtime.nixl import Xfer
-
-                    a = h.agent
-                    result = dict(
-                        a.stats,
-                        live_handles=a.nixl.live_handles,
-                        in_flight=a.in_flight,
-                        remotes=len(a.nixl.remotes),
-                        xfers=len(a.nixl.live(Xfer)),
-                    )
-                elif cmd == "close":
-                    h.agent.close()
-                    result = {"live_handles": h.agent.nixl.live_handles, "remotes": len(h.agent.nixl.remotes)}
-                elif cmd == "drop":  # close and forget the agent and its tensors
-                    h.agent.close()
-                    del hosted[aid]
-                    result = None
-                else:
-                    raise ValueError(f"unknown command {cmd!r}")
+            result = child.answer(cmd, aid, args)
         except Exception as exc:
             conn.send(
                 (

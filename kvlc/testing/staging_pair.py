@@ -66,21 +66,22 @@ def code(region: int, n: int, offset: int = 0) -> np.ndarray:
 
 
 def _alloc(side: Side, fill: str):
+    return [_region_tensor(side, i, n, fill) for i, n in enumerate(side.regions)]
+
+
+def _region_tensor(side: Side, i: int, n: int, fill: str):
+    """Region ``i`` of ``n`` bytes: content codes (``fill="code"``) or noise, zeros without ``side.fill``."""
     import torch
 
-    out = []
-    for i, n in enumerate(side.regions):
-        if not side.fill:  # throughput runs: no codes (too slow to make for GiBs), nothing checked
-            where = f"cuda:{side.device or 0}" if side.mem_of(i) == "VRAM" else "cpu"
-            t = torch.zeros(n, dtype=torch.uint8, device=where)
-            out.append(t.pin_memory() if where == "cpu" and side.pin and torch.cuda.is_available() else t)
-            continue
-        data = torch.from_numpy(code(i, n) if fill == "code" else np.full(n, SEED_NOISE, dtype=np.uint8))
-        if side.mem_of(i) == "VRAM":
-            out.append(data.to(f"cuda:{side.device or 0}"))
-        else:
-            out.append(data.pin_memory() if side.pin and torch.cuda.is_available() else data)
-    return out
+    pin = side.pin and torch.cuda.is_available()
+    if not side.fill:  # throughput runs: no codes (too slow to make for GiBs), nothing checked
+        where = f"cuda:{side.device or 0}" if side.mem_of(i) == "VRAM" else "cpu"
+        t = torch.zeros(n, dtype=torch.uint8, device=where)
+        return t.pin_memory() if where == "cpu" and pin else t
+    data = torch.from_numpy(code(i, n) if fill == "code" else np.full(n, SEED_NOISE, dtype=np.uint8))
+    if side.mem_of(i) == "VRAM":
+        return data.to(f"cuda:{side.device or 0}")
+    return data.pin_memory() if pin else data
 
 
 def _rows(ranges: np.ndarray, bases: list[int]) -> np.ndarray:
@@ -96,9 +97,7 @@ def _child(conn, role: str, side: Side) -> None:  # pragma: no cover - runs in t
 
     agent = Agent(f"stage-{role}-{uuid.uuid4().hex[:6]}", ucx=UcxOptions(**side.ucx))
     tensors = _alloc(side, "code" if role == "sender" else "noise")
-    for i, t in enumerate(tensors):
-        agent.register(np.array([[t.data_ptr(), t.numel(), (side.device or 0) if side.mem_of(i) == "VRAM" else 0]],
-                                dtype=np.uint64), side.mem_of(i), what=f"region {i}")
+    _register(agent, side, tensors)
     bounce = BounceBuffer(agent, side.slot_bytes, side.slots, side.device)
     ep = StagingEndpoint(agent, Regions.of_tensors(tensors), bounce, prepped=side.prepped)
     if side.diag:  # where does the time go: the same protocol without one of the copies
@@ -113,6 +112,18 @@ def _child(conn, role: str, side: Side) -> None:  # pragma: no cover - runs in t
     else:
         ep.accept_from(peer["name"], bounce)
     conn.send("ready")
+    _answer(conn, agent, ep, tensors, bases, peer)
+    agent.close()
+
+
+def _register(agent, side: Side, tensors: list) -> None:
+    for i, t in enumerate(tensors):
+        agent.register(np.array([[t.data_ptr(), t.numel(), (side.device or 0) if side.mem_of(i) == "VRAM" else 0]],
+                                dtype=np.uint64), side.mem_of(i), what=f"region {i}")
+
+
+def _answer(conn, agent, ep, tensors: list, bases: list[int], peer: dict) -> None:
+    """Answer the parent's commands until ``stop``; a failed send tells the receiver to stop serving."""
     ops = {"staged": _staged, "raw": _raw, "serve": _serve, "check": _check, "ping": _ping}
     while True:
         cmd, args = conn.recv()
@@ -127,7 +138,6 @@ def _child(conn, role: str, side: Side) -> None:  # pragma: no cover - runs in t
                 except Exception:
                     pass
             conn.send(("error", f"{type(exc).__name__}: {exc}"))
-    agent.close()
 
 
 def _staged(agent, ep, tensors, bases, peer, requests: list, timeout: float) -> dict:

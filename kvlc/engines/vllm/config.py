@@ -63,6 +63,21 @@ class ConnectorSettings(BaseModel):
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
         """Parse ``kv_connector_extra_config``; a :class:`KvlcError` names the key on bad input."""
         data = dict(extra or {})
+        cls._check_keys(data)
+        try:
+            settings = cls(**data)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            where = ".".join(str(p) for p in err["loc"])
+            raise KvlcError(
+                f"kv_connector_extra_config.{where}: {err['msg']} (found {err.get('input')!r})"
+            ) from None
+        settings._check_ranges()
+        return settings
+
+    @classmethod
+    def _check_keys(cls, data: dict) -> None:
+        """Refuse an unknown mode or key, with the nearest known one."""
         mode = data.get("mode")
         if mode is not None and mode not in {m.value for m in Mode}:
             raise KvlcError(
@@ -75,19 +90,12 @@ class ConnectorSettings(BaseModel):
                 f"kv_connector_extra_config: unknown key {unknown[0]!r}; "
                 f"{did_you_mean(unknown[0], cls.model_fields)}"
             )
-        try:
-            settings = cls(**data)
-        except ValidationError as exc:
-            err = exc.errors()[0]
-            where = ".".join(str(p) for p in err["loc"])
-            raise KvlcError(
-                f"kv_connector_extra_config.{where}: {err['msg']} (found {err.get('input')!r})"
-            ) from None
-        if not 0 <= settings.port < 65536:
-            raise KvlcError(f"kv_connector_extra_config.port: expected 0..65535, found {settings.port}")
-        if settings.lease <= 0 or settings.timeout <= 0:
+
+    def _check_ranges(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise KvlcError(f"kv_connector_extra_config.port: expected 0..65535, found {self.port}")
+        if self.lease <= 0 or self.timeout <= 0:
             raise KvlcError("kv_connector_extra_config: lease and timeout must be positive seconds")
-        return settings
 
     def port_for(self, rank: int) -> int:
         """The side-channel port of TP rank ``rank`` (0: any free port)."""

@@ -67,9 +67,8 @@ class EngineSpec:
 
 def _serve(spec: EngineSpec, conn) -> None:
     os.environ.update(spec.env)
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
     from vllm.config import KVTransferConfig
-    from vllm.inputs import TokensPrompt
 
     kw = spec.llm_kwargs()
     if spec.connector is not None:
@@ -86,26 +85,32 @@ def _serve(spec: EngineSpec, conn) -> None:
             break
         if cmd == "kv":
             conn.send(("ok", _kv_blocks(arg)))
-            continue
-        if cmd == "stats":
+        elif cmd == "stats":
             conn.send(("ok", _connector_stats()))
-            continue
-        prompts, max_tokens, params = arg
-        sps = [SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, detokenize=False,
-                              extra_args={"kv_transfer_params": p} if p is not None else None)
-               for p in params]
-        t0 = time.perf_counter()
-        try:
-            outs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sps,
-                                use_tqdm=False)
-        except Exception as exc:
-            conn.send(("error", f"{type(exc).__name__}: {exc}"))
-            continue
-        dt = time.perf_counter() - t0
-        conn.send(("ok", [Output(tuple(o.outputs[0].token_ids), o.kv_transfer_params,
-                                 int(o.num_cached_tokens or 0), o.outputs[0].finish_reason, dt)
-                          for o in outs]))
+        else:
+            conn.send(_generate(llm, arg))
     del llm
+
+
+def _generate(llm, arg) -> tuple:
+    """One ``generate`` command: ``arg`` is (prompts, max_tokens, kv_transfer_params per prompt)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts, max_tokens, params = arg
+    sps = [SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, detokenize=False,
+                          extra_args={"kv_transfer_params": p} if p is not None else None)
+           for p in params]
+    t0 = time.perf_counter()
+    try:
+        outs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sps,
+                            use_tqdm=False)
+    except Exception as exc:
+        return ("error", f"{type(exc).__name__}: {exc}")
+    dt = time.perf_counter() - t0
+    return ("ok", [Output(tuple(o.outputs[0].token_ids), o.kv_transfer_params,
+                          int(o.num_cached_tokens or 0), o.outputs[0].finish_reason, dt)
+                   for o in outs])
 
 
 def _kv_blocks(block_ids) -> dict:
