@@ -28,6 +28,7 @@ Run:  python3 benchmarks/bench_transfer.py [--quick] [--rounds N] [--case NAME]
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import tempfile
@@ -62,7 +63,7 @@ CASES = [  # name, layout (producer = consumer), tokens per request
 FLAT_SPEC = """\
 kvlc: 1
 name: flat-{nbytes}-tp{tp}
-model: {{name: single-descriptor-baseline, num_layers: 1, sizes: {{byte: {nbytes}}}}}
+model: {{name: single-descriptor-baseline, num_layers: 1, sizes: {{row: {rows}, byte: {width}}}}}
 parallel: {{tp_size: {tp}}}
 block_size: 16
 groups:
@@ -72,15 +73,19 @@ storages:
 layouts:
   flat:
     fields:
-      - {{name: bytes, dtype: uint8, dims: [{{name: byte}}]}}
+      - {{name: bytes, dtype: uint8, dims: [{{name: row}}, {{name: byte}}]}}
 regions:
   - {{name: flat, storage: buf, layout: flat, num_blocks: 1, groups: [{group}]}}
 """
 
+FLAT_ROW = 1 << 16  # bytes per row of the flat baseline
+
 
 def flat_plan(nbytes: int, tp: int):
     """One region of one block of ``nbytes`` bytes, replicated on every rank: a request is ONE descriptor."""
-    return compile_spec(FLAT_SPEC.format(nbytes=nbytes, tp=tp, group=FLAT_GROUP))
+    width = math.gcd(nbytes, FLAT_ROW)  # rows x width bytes: one dim may hold at most 2**24 values
+    return compile_spec(FLAT_SPEC.format(nbytes=nbytes, rows=nbytes // width, width=width, tp=tp,
+                                         group=FLAT_GROUP))
 
 
 # ----------------------------------------------------------------------------- pools
