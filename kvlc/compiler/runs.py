@@ -15,7 +15,7 @@ from typing import Sequence
 import numpy as np
 
 from kvlc.compiler.algebra import merge_runs, strided_runs
-from kvlc.compiler.layout import tile
+from kvlc.compiler.layout import ceildiv, tile
 from kvlc.compiler.plan import PlanField, PlanRegion
 
 
@@ -119,17 +119,21 @@ def field_copy_runs(lf: PlanField, rf: PlanField, piece: Piece, chunk: Chunk) ->
 def chunks(lr: PlanRegion, rr: PlanRegion, tokens: int | None = None) -> list[Chunk]:
     """Token chunks of one tile (``tokens``: clip a partial last tile; state: one whole chunk).
 
+    Chunks count token-dim entries: a compressed cache (``tokens_per_entry`` k, the same on both
+    sides) tiles its entries, and a partial tile of ``tokens`` tokens moves ``ceil(tokens / k)``
+    entries (a partly filled last entry moves whole).
+
     >>> from kvlc import compile_spec
     >>> a = compile_spec("layouts/gemma-3-27b-tp2-b16.yaml").regions[0]
     >>> b = compile_spec("layouts/gemma-3-27b-tp2-b32.yaml").regions[0]
     >>> [(c.local_block, c.tokens) for c in chunks(a, b)]
     [(0, 16), (1, 16)]
     """
-    t = tile(lr.block_tokens, rr.block_tokens)
+    t = tile(lr.block_entries, rr.block_entries)
     if t.is_state:
         return [WHOLE]
-    limit = t.tokens if tokens is None else tokens
-    bl, br = lr.block_tokens, rr.block_tokens
+    limit = t.tokens if tokens is None else ceildiv(tokens, lr.tokens_per_entry)
+    bl, br = lr.block_entries, rr.block_entries
     return [Chunk(t0 // bl, t0 % bl, t0 // br, t0 % br, min(t.chunk, limit - t0))
             for t0 in range(0, limit, t.chunk)]
 

@@ -113,6 +113,7 @@ class _GroupBase(Frozen):
     name: Name
     block_size: Tokens | None = None
     kernel_block_size: Tokens | None = None
+    tokens_per_entry: Tokens = 1  # one token-dim entry covers this many tokens (a compressed cache)
 
 
 class FullAttention(_GroupBase):

@@ -135,16 +135,17 @@ def expected_bytes(dst: Plan, dst_rank: int, src: Plan, dst_ids: Mapping[str, Se
                     nblk = ceildiv(tokens, r.block_tokens)
                     blk_d, blk_s, tok = dk[:nblk, None], sk[:nblk, None], el.token[None, :]
                     keep = np.ones((nblk, el.offset.size), bool)
-                else:
+                else:  # token dims count entries of tokens_per_entry tokens (1: one per token)
                     tokens = num_tokens[group] if isinstance(num_tokens, Mapping) else num_tokens
                     nblk = ceildiv(tokens, r.block_tokens)
+                    entries = ceildiv(tokens, r.tokens_per_entry)      # a partly filled last entry moves
                     j = np.arange(nblk, dtype=np.int64)[:, None]
-                    t = j * r.block_tokens + el.token[None, :]          # sequence position
-                    keep = t < tokens
-                    t = np.minimum(t, tokens - 1)
+                    t = j * r.block_entries + el.token[None, :]         # entry position in the sequence
+                    keep = t < entries
+                    t = np.minimum(t, entries - 1)
                     blk_d = dk[:nblk, None]
-                    blk_s = sk[t // sr.block_tokens]
-                    tok = t % sr.block_tokens
+                    blk_s = sk[t // sr.block_entries]
+                    tok = t % sr.block_entries
                 vals = code(r.name, f.name, np.broadcast_to(el.head, keep.shape)[keep],
                             np.broadcast_to(blk_s, keep.shape)[keep], np.broadcast_to(tok, keep.shape)[keep],
                             np.broadcast_to(el.other, keep.shape)[keep], el.itemsize)
