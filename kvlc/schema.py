@@ -71,7 +71,8 @@ FIELD_DOCS: dict[tuple[str, str], str] = {
     ("Storage", "align"): "Byte alignment of the auto-placed (`offset: auto`) regions in it. Default 1.",
     ("Dim", "name"): "The dim's name; the same name on both engines is the same axis of content.",
     ("Dim", "size"): "An integer, a `model.sizes` name, or omitted: a dim named like a model size takes it; "
-                     "a `token` dim takes the kernel block size (in entries: divided by the group's `tokens_per_entry`). A `head` dim gives the *global* count.",
+                     "a `token` dim takes the kernel block size (in entries: divided by the group's "
+                     "`tokens_per_entry`). A `head` dim gives the *global* count.",
     ("Dim", "role"): "`token` (the axis block size counts), `head` (sharded by tensor parallelism), or none.",
     ("Dim", "stride"): "Byte stride of this dim (CuTe-style `shape:stride`); on every dim of a field or on "
                        "none. With strides, fields of different dtypes interleave in one per-token record "

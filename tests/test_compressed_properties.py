@@ -233,3 +233,27 @@ def test_plans_without_compression_leave_the_field_out():
     assert '"tokens_per_entry":4' in big.to_json()
     assert type(big).from_json(big.to_json()) == big
     assert np.array_equal([g.entries_for(9) for g in big.groups], [3, 3, 1])
+
+
+HEADS = """
+kvlc: 1
+name: h{tp}
+model: {{name: m, num_layers: 1, num_kv_heads: 4, head_dim: 8}}
+parallel: {{tp_size: {tp}}}
+block_size: 32
+groups: [{{name: c, kind: full_attention, tokens_per_entry: {k}}}]
+storages: [{{name: s, mem: VRAM}}]
+layouts:
+  kv: {{fields: [{{name: k, dtype: bf16, dims: [{{name: entry, role: token}}, {{name: head, role: head}},
+                                           {{name: head_dim}}]}}]}}
+regions: [{{name: r, storage: s, layout: kv, num_blocks: 4, groups: [c]}}]
+"""
+
+
+@pytest.mark.parametrize("k,warned", [(1, True), (4, True), (16, True), (32, False)])
+def test_descriptor_explosion_counts_entries(k, warned):
+    """Token-major heads across TP: about one run per entry of the tile is warned (not per token)."""
+    one, two = kvlc.compile_spec(HEADS.format(tp=1, k=k)), kvlc.compile_spec(HEADS.format(tp=2, k=k))
+    rep = check_pair(one, two, local_rank=0, direction="READ")
+    assert rep.ok
+    assert ("descriptor-explosion" in {f.code for f in rep.findings}) == warned

@@ -67,7 +67,7 @@ class LayoutResolver:
     def __init__(self, spec: LayoutSpec):
         self.tp = spec.parallel.tp_size
         self.known = spec.model.known_sizes()
-        self._done: dict[tuple[str, int], ResolvedLayout] = {}
+        self._done: dict[tuple[str, int, int], ResolvedLayout] = {}
 
     def __call__(self, name: str, layout: BlockLayout, tokens: int, per: int = 1) -> ResolvedLayout:
         key = (name, tokens, per)

@@ -155,8 +155,7 @@ class PlanRegion(_Frozen):
     optional: bool = False
     fields: tuple[PlanField, ...]
     aliases: tuple[str, ...] = ()  # regions lying over the same pages (a shared page pool)
-
-    tokens_per_entry: int = 1  # tokens one entry of the token dims covers (the group's)
+    tokens_per_entry: int = 1  # tokens one entry of the token dims covers (the group's; > 1: compressed)
 
     @model_serializer(mode="wrap")
     def _dump(self, handler):
