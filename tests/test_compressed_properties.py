@@ -154,9 +154,18 @@ def test_compressed_ascending_ids_hit_minimum(data):
 
 
 # ============================================================================ checked-in layouts
+_SMALL: dict = {}
+
+
 def _plans():
-    return (kvlc.compile_spec(ROOT / "layouts" / "deepseek-v4-example-b256.yaml"),
-            kvlc.compile_spec(ROOT / "layouts" / "deepseek-v4-example-b128-tp2.yaml"))
+    """The checked-in pair with 8 (block 256) and 16 (block 128) blocks per region: same geometry, small buffers."""
+    if not _SMALL:
+        for key, name, blocks in (("big", "deepseek-v4-example-b256.yaml", 1024),
+                                  ("small", "deepseek-v4-example-b128-tp2.yaml", 2048)):
+            text = (ROOT / "layouts" / name).read_text()
+            assert f"num_blocks: {blocks}," in text
+            _SMALL[key] = kvlc.compile_spec(text.replace(f"num_blocks: {blocks},", f"num_blocks: {blocks // 128},"))
+    return _SMALL["big"], _SMALL["small"]
 
 
 @pytest.mark.parametrize("tokens", [1, 3, 4, 5, 127, 128, 129, 256, 300, 511])
@@ -257,3 +266,42 @@ def test_descriptor_explosion_counts_entries(k, warned):
     rep = check_pair(one, two, local_rank=0, direction="READ")
     assert rep.ok
     assert ("descriptor-explosion" in {f.code for f in rep.findings}) == warned
+
+
+def _range_bytes(start: int, stop: int) -> int:
+    """Independent count: every entry holding a token of [start, stop) moves whole (584 / 132 bytes)."""
+    c4 = -(-stop // 4) - start // 4
+    c128 = -(-stop // 128) - start // 128
+    return 2 * c4 * (584 + 132) + 2 * c128 * 584
+
+
+@settings(PROPS, max_examples=60)
+@given(st.integers(0, 700), st.integers(1, 300), st.sampled_from(("READ", "WRITE")), st.booleans())
+def test_token_ranges_move_the_entries_they_touch(start, length, direction, big_receives):
+    """tokens=(start, stop) at any offsets: entries [start // k, ceil(stop / k)) move, each byte exact,
+    nothing else written (the receiver's entries before start stay), both block sizes, both directions."""
+    stop = start + length
+    big, small = _plans()
+    recv, send = (big, small) if big_receives else (small, big)
+    R, S = Engine(recv, 0, False), Engine(send, 1, True)
+    span = lambda p: list(range(start // p.group("c4a").block_size, -(-stop // p.group("c4a").block_size)))  # noqa
+    rids = {g: span(recv) for g in ("c4a", "c4a_indexer", "c128a")}
+    sids = {g: [i + 1 for i in span(send)] for g in rids}
+    rrank = recv.parallel.tp_size - 1
+    before = {k: v.copy() for k, v in R.buffers[rrank].items()}
+    moved = 0
+    if direction == "READ":
+        prog = pair(recv, send, local_rank=rrank, direction="READ")
+        parts = prog.instantiate(R.rank_bases(rrank), {p: S.rank_bases(p) for p in prog.peer_ranks}, rids, sids,
+                                 tokens=(start, stop))
+        execute(parts, R, rrank, S, "READ")
+        moved = sum(p.nbytes for p in parts.values())
+    else:
+        for p in range(send.parallel.tp_size):
+            prog = pair(send, recv, local_rank=p, direction="WRITE")
+            parts = prog.instantiate(S.rank_bases(p), {c: R.rank_bases(c) for c in prog.peer_ranks}, sids, rids,
+                                     tokens=(start, stop))
+            execute(parts, S, p, R, "WRITE")
+            moved += sum(part.nbytes for key, part in parts.items() if key.peer_rank == rrank)
+    assert moved == _range_bytes(start, stop)
+    assert verify(R, rrank, S, rids, sids, None, before, tokens=(start, stop)) == moved

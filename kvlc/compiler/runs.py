@@ -116,12 +116,12 @@ def field_copy_runs(lf: PlanField, rf: PlanField, piece: Piece, chunk: Chunk) ->
     return strided_runs(dims, off_l, off_r, lf.itemsize)
 
 
-def chunks(lr: PlanRegion, rr: PlanRegion, tokens: int | None = None) -> list[Chunk]:
-    """Token chunks of one tile (``tokens``: clip a partial last tile; state: one whole chunk).
+def chunks(lr: PlanRegion, rr: PlanRegion, tokens: int | None = None, start: int = 0) -> list[Chunk]:
+    """Token chunks of one tile (``[start, tokens)``: clip a partial tile; state: one whole chunk).
 
     Chunks count token-dim entries: a compressed cache (``tokens_per_entry`` k, the same on both
-    sides) tiles its entries, and a partial tile of ``tokens`` tokens moves ``ceil(tokens / k)``
-    entries (a partly filled last entry moves whole).
+    sides) tiles its entries, and tokens ``[start, tokens)`` of a tile are entries
+    ``[start // k, ceil(tokens / k))``: every entry holding one of them moves whole.
 
     >>> from kvlc import compile_spec
     >>> a = compile_spec("layouts/gemma-3-27b-tp2-b16.yaml").regions[0]
@@ -132,16 +132,18 @@ def chunks(lr: PlanRegion, rr: PlanRegion, tokens: int | None = None) -> list[Ch
     t = tile(lr.block_entries, rr.block_entries)
     if t.is_state:
         return [WHOLE]
-    limit = t.tokens if tokens is None else ceildiv(tokens, lr.tokens_per_entry)
+    per = lr.tokens_per_entry  # token dims count entries: [start, tokens) covers these entries
+    first, limit = start // per, t.tokens if tokens is None else ceildiv(tokens, per)
     bl, br = lr.block_entries, rr.block_entries
-    return [Chunk(t0 // bl, t0 % bl, t0 // br, t0 % br, min(t.chunk, limit - t0))
-            for t0 in range(0, limit, t.chunk)]
+    cuts = [first] + list(range(first // t.chunk * t.chunk + t.chunk, limit, t.chunk)) + [limit]
+    return [Chunk(a // bl, a % bl, a // br, a % br, b - a) for a, b in zip(cuts, cuts[1:]) if b > a]
 
 
-def tile_runs(lr: PlanRegion, rr: PlanRegion, pieces: Sequence[Piece], tokens: int | None = None) -> Runs:
+def tile_runs(lr: PlanRegion, rr: PlanRegion, pieces: Sequence[Piece], tokens: int | None = None,
+              start: int = 0) -> Runs:
     """Runs of one tile of region ``lr`` (local) ↔ ``rr`` (remote), merged to the minimum.
 
-    ``tokens`` clips a partial last tile (None: a whole tile). Post-condition: the runs map
+    ``[start, tokens)`` clips a partial tile (tokens None: to the tile's end). Post-condition: the runs map
     every byte of the pieces exactly once, and no two runs continue each other on both sides.
 
     >>> from kvlc import compile_spec
@@ -150,7 +152,7 @@ def tile_runs(lr: PlanRegion, rr: PlanRegion, pieces: Sequence[Piece], tokens: i
     >>> len(runs), runs.nbytes == r.block_bytes
     (1, True)
     """
-    cs = chunks(lr, rr, tokens)
+    cs = chunks(lr, rr, tokens, start)
     parts = []
     for piece in pieces:
         lf, rf = lr.field(piece.field), rr.field(piece.field)
