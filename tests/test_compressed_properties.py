@@ -136,7 +136,7 @@ def _entries_geometry(text: str) -> None:
                 assert f.dim("token").size == g.kernel_block_size // g.tokens_per_entry == r.block_entries
 
 
-@settings(PROPS, max_examples=30)
+@settings(PROPS, max_examples=150)
 @given(compressed_case())
 def test_compressed_pairs_move_exact_entries(case):
     """Any k, block and kernel sizes, TP, dim order: exactly ceil(N/k) entries per group, in fewest rows."""
@@ -146,7 +146,7 @@ def test_compressed_pairs_move_exact_entries(case):
     assert stats["bytes"] > 0
 
 
-@settings(PROPS, max_examples=10)
+@settings(PROPS, max_examples=40)
 @given(data=st.data())
 def test_compressed_ascending_ids_hit_minimum(data):
     """Allocator-order ids with k = 4 and k = 128-like ratios: the program's own rows are the minimum."""
