@@ -15,7 +15,7 @@ from typing import Sequence
 import numpy as np
 
 from kvlc.compiler.algebra import merge_runs, strided_runs
-from kvlc.compiler.layout import tile
+from kvlc.compiler.layout import ceildiv, tile
 from kvlc.compiler.plan import PlanField, PlanRegion
 
 
@@ -119,18 +119,23 @@ def field_copy_runs(lf: PlanField, rf: PlanField, piece: Piece, chunk: Chunk) ->
 def chunks(lr: PlanRegion, rr: PlanRegion, tokens: int | None = None, start: int = 0) -> list[Chunk]:
     """Token chunks of one tile (``[start, tokens)``: clip a partial tile; state: one whole chunk).
 
+    Chunks count token-dim entries: a compressed cache (``tokens_per_entry`` k, the same on both
+    sides) tiles its entries, and tokens ``[start, tokens)`` of a tile are entries
+    ``[start // k, ceil(tokens / k))``: every entry holding one of them moves whole.
+
     >>> from kvlc import compile_spec
     >>> a = compile_spec("layouts/gemma-3-27b-tp2-b16.yaml").regions[0]
     >>> b = compile_spec("layouts/gemma-3-27b-tp2-b32.yaml").regions[0]
     >>> [(c.local_block, c.tokens) for c in chunks(a, b)]
     [(0, 16), (1, 16)]
     """
-    t = tile(lr.block_tokens, rr.block_tokens)
+    t = tile(lr.block_entries, rr.block_entries)
     if t.is_state:
         return [WHOLE]
-    limit = t.tokens if tokens is None else tokens
-    bl, br = lr.block_tokens, rr.block_tokens
-    cuts = [start] + list(range(start // t.chunk * t.chunk + t.chunk, limit, t.chunk)) + [limit]
+    per = lr.tokens_per_entry  # token dims count entries: [start, tokens) covers these entries
+    first, limit = start // per, t.tokens if tokens is None else ceildiv(tokens, per)
+    bl, br = lr.block_entries, rr.block_entries
+    cuts = [first] + list(range(first // t.chunk * t.chunk + t.chunk, limit, t.chunk)) + [limit]
     return [Chunk(a // bl, a % bl, a // br, a % br, b - a) for a, b in zip(cuts, cuts[1:]) if b > a]
 
 

@@ -170,12 +170,14 @@ def expected_bytes(dst: Plan, dst_rank: int, src: Plan, dst_ids: Mapping[str, Se
                     if f.dim("token") is None:  # per-block field: same block sizes (checked at pairing)
                         blk_s, tok = sk[j - s0], el.token[None, :]
                         keep = np.ones((len(j), el.offset.size), bool)
-                    else:
-                        t = j * r.block_tokens + el.token[None, :]          # sequence position
-                        keep = (t >= need) & (t < stop)
-                        t = np.clip(t, need, stop - 1)
-                        blk_s = sk[t // sr.block_tokens - s0]
-                        tok = t % sr.block_tokens
+                    else:  # token dims count entries of tokens_per_entry tokens (1: one per token)
+                        per = r.tokens_per_entry  # every entry holding a needed token moves whole
+                        e0, e1 = need // per, ceildiv(stop, per)
+                        t = j * r.block_entries + el.token[None, :]         # entry position in the sequence
+                        keep = (t >= e0) & (t < e1)
+                        t = np.clip(t, e0, e1 - 1)
+                        blk_s = sk[t // sr.block_entries - s0]
+                        tok = t % sr.block_entries
                 vals = code(r.name, f.name, np.broadcast_to(el.head, keep.shape)[keep],
                             np.broadcast_to(blk_s, keep.shape)[keep], np.broadcast_to(tok, keep.shape)[keep],
                             np.broadcast_to(el.other, keep.shape)[keep], el.itemsize)
