@@ -16,6 +16,7 @@ from typing import Any, Callable, Hashable, Mapping, Sequence
 import numpy as np
 
 from kvlc.compiler.compat import CompatReport
+from kvlc.compiler.dcp import ShardPair
 from kvlc.compiler.frozen import FrozenMap
 from kvlc.compiler.plan import Plan
 from kvlc.compiler.runs import Piece, Runs
@@ -87,6 +88,7 @@ class Entry:
     remote_sub: int
     pieces: tuple[Piece, ...]
     runs: Runs = field(compare=False, repr=False)
+    shards: ShardPair | None = None  # decode context parallelism: the tokens each rank holds
 
     @property
     def key(self) -> PartKey:
@@ -98,6 +100,8 @@ class Entry:
 
     def text(self) -> str:
         kind = "state" if not self.tile_tokens else f"tile={self.tile_tokens} sub={self.local_sub}:{self.remote_sub}"
+        if self.shards is not None:
+            kind += f" dcp={self.shards.text()}"
         return (f"{self.region} [{self.group}] peer={self.peer} {self.local_mem}->{self.remote_mem} {kind} "
                 f"runs={len(self.runs)} bytes={self.bytes_per_tile} | {self.runs.text()}")
 

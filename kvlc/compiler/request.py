@@ -106,10 +106,12 @@ def _side_ids(prog, side: str, group: str, ids, tokens: int | None, receiving: b
     plan = prog.local if side == "local" else prog.remote
     g = plan.group(group)
     if tokens is not None:
-        need = ceildiv(tokens, g.block_size)
+        per = g.block_size * plan.parallel.dcp_size  # DCP: one block id per block_size slots on each rank
+        need = ceildiv(tokens, per)
         if len(arr) != need:
+            dcp = f" x dcp_size {plan.parallel.dcp_size}" if plan.parallel.dcp_size > 1 else ""
             raise TransferError(f"group '{group}': {len(arr)} {side} block ids for {tokens} tokens; "
-                                f"expected {need} (block size {g.block_size})")
+                                f"expected {need} (block size {g.block_size}{dcp})")
     if len(arr):
         lo, hi = int(arr.min()), int(arr.max())
         r = prog.index.groups[group].smallest(side)

@@ -15,6 +15,7 @@ from typing import Sequence
 import numpy as np
 
 from kvlc.compiler.algebra import merge_runs, strided_runs
+from kvlc.compiler.dcp import ShardPair, dcp_chunks, dcp_tile
 from kvlc.compiler.layout import tile
 from kvlc.compiler.plan import PlanField, PlanRegion
 
@@ -116,8 +117,12 @@ def field_copy_runs(lf: PlanField, rf: PlanField, piece: Piece, chunk: Chunk) ->
     return strided_runs(dims, off_l, off_r, lf.itemsize)
 
 
-def chunks(lr: PlanRegion, rr: PlanRegion, tokens: int | None = None) -> list[Chunk]:
+def chunks(lr: PlanRegion, rr: PlanRegion, tokens: int | None = None, shards: ShardPair | None = None
+           ) -> list[Chunk]:
     """Token chunks of one tile (``tokens``: clip a partial last tile; state: one whole chunk).
+
+    ``shards``: decode context parallelism on either side; the tile is then in global tokens
+    and the chunks cover the tokens both ranks hold (:func:`kvlc.compiler.dcp.dcp_chunks`).
 
     >>> from kvlc import compile_spec
     >>> a = compile_spec("layouts/gemma-3-27b-tp2-b16.yaml").regions[0]
@@ -128,16 +133,22 @@ def chunks(lr: PlanRegion, rr: PlanRegion, tokens: int | None = None) -> list[Ch
     t = tile(lr.block_tokens, rr.block_tokens)
     if t.is_state:
         return [WHOLE]
+    if shards is not None:
+        span = dcp_tile(lr.block_tokens, shards.local, rr.block_tokens, shards.remote).tokens
+        return [Chunk(c.a_block, c.a_token, c.b_block, c.b_token, c.tokens)
+                for c in dcp_chunks(lr.block_tokens, rr.block_tokens, shards, span if tokens is None else tokens)]
     limit = t.tokens if tokens is None else tokens
     bl, br = lr.block_tokens, rr.block_tokens
     return [Chunk(t0 // bl, t0 % bl, t0 // br, t0 % br, min(t.chunk, limit - t0))
             for t0 in range(0, limit, t.chunk)]
 
 
-def tile_runs(lr: PlanRegion, rr: PlanRegion, pieces: Sequence[Piece], tokens: int | None = None) -> Runs:
+def tile_runs(lr: PlanRegion, rr: PlanRegion, pieces: Sequence[Piece], tokens: int | None = None,
+              shards: ShardPair | None = None) -> Runs:
     """Runs of one tile of region ``lr`` (local) ↔ ``rr`` (remote), merged to the minimum.
 
-    ``tokens`` clips a partial last tile (None: a whole tile). Post-condition: the runs map
+    ``tokens`` clips a partial last tile (None: a whole tile); ``shards``: the two ranks' token
+    shares under decode context parallelism (None: each rank holds every token). Post-condition: the runs map
     every byte of the pieces exactly once, and no two runs continue each other on both sides.
 
     >>> from kvlc import compile_spec
@@ -146,7 +157,7 @@ def tile_runs(lr: PlanRegion, rr: PlanRegion, pieces: Sequence[Piece], tokens: i
     >>> len(runs), runs.nbytes == r.block_bytes
     (1, True)
     """
-    cs = chunks(lr, rr, tokens)
+    cs = chunks(lr, rr, tokens, shards)
     parts = []
     for piece in pieces:
         lf, rf = lr.field(piece.field), rr.field(piece.field)

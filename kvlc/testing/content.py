@@ -90,6 +90,28 @@ def _head_start(plan: Plan, rank: int, f: PlanField) -> int:
     return heads_of(rank, hd.global_size, plan.parallel.tp_size)[0] if hd is not None else 0
 
 
+DCP_KEY = 1 << 20  # above every token-in-block: a DCP rank's slots hold other tokens than its peers'
+
+
+def _dcp_key(plan: Plan, rank: int) -> int:
+    """Part of the token coordinate that names the DCP rank (0 without DCP: codes as before)."""
+    return (rank % plan.parallel.dcp_size) * DCP_KEY
+
+
+def _global_tokens(plan: Plan, rank: int, local: np.ndarray) -> np.ndarray:
+    """Sequence positions of a rank's local token positions (vLLM's DCP slot mapping, inverted)."""
+    p = plan.parallel
+    return (local // p.dcp_interleave) * p.dcp_interleave * p.dcp_size \
+        + (rank % p.dcp_size) * p.dcp_interleave + local % p.dcp_interleave
+
+
+def _source_slot(plan: Plan, t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Where the source engine stores sequence position ``t``: local position and DCP key."""
+    p = plan.parallel
+    period = p.dcp_interleave * p.dcp_size
+    return (t // period) * p.dcp_interleave + t % p.dcp_interleave, ((t // p.dcp_interleave) % p.dcp_size) * DCP_KEY
+
+
 def fill(plan: Plan, rank: int, buffers: Mapping[str, np.ndarray]) -> None:
     """Write content codes into every block of every region (buffers: storage → uint8 array)."""
     for r in plan.regions:
@@ -97,7 +119,7 @@ def fill(plan: Plan, rank: int, buffers: Mapping[str, np.ndarray]) -> None:
         blocks = np.arange(r.num_blocks, dtype=np.int64)
         for f in r.fields:
             el = field_elements(f, _head_start(plan, rank, f))
-            vals = code(r.name, f.name, el.head[None, :], blocks[:, None], el.token[None, :],
+            vals = code(r.name, f.name, el.head[None, :], blocks[:, None], el.token[None, :] + _dcp_key(plan, rank),
                         el.other[None, :], el.itemsize)
             addr = (r.offset + blocks[:, None] * r.block_stride + el.offset[None, :]).ravel()
             idx = (addr[:, None] + np.arange(el.itemsize)[None, :]).ravel()
@@ -132,19 +154,21 @@ def expected_bytes(dst: Plan, dst_rank: int, src: Plan, dst_ids: Mapping[str, Se
                     keep = np.ones((len(dk), el.offset.size), bool)
                 elif f.dim("token") is None:  # per-block field: same block sizes (checked at pairing)
                     tokens = num_tokens[group] if isinstance(num_tokens, Mapping) else num_tokens
-                    nblk = ceildiv(tokens, r.block_tokens)
-                    blk_d, blk_s, tok = dk[:nblk, None], sk[:nblk, None], el.token[None, :]
+                    nblk = ceildiv(tokens, r.block_tokens * dst.parallel.dcp_size)
+                    blk_d, blk_s = dk[:nblk, None], sk[:nblk, None]
+                    tok = el.token[None, :] + _dcp_key(dst, dst_rank)  # equal sharding (checked at pairing)
                     keep = np.ones((nblk, el.offset.size), bool)
                 else:
                     tokens = num_tokens[group] if isinstance(num_tokens, Mapping) else num_tokens
-                    nblk = ceildiv(tokens, r.block_tokens)
+                    nblk = min(len(dk), ceildiv(tokens, r.block_tokens))
                     j = np.arange(nblk, dtype=np.int64)[:, None]
-                    t = j * r.block_tokens + el.token[None, :]          # sequence position
+                    t = _global_tokens(dst, dst_rank, j * r.block_tokens + el.token[None, :])  # sequence position
                     keep = t < tokens
                     t = np.minimum(t, tokens - 1)
                     blk_d = dk[:nblk, None]
-                    blk_s = sk[t // sr.block_tokens]
-                    tok = t % sr.block_tokens
+                    js, key = _source_slot(src, t)
+                    blk_s = sk[js // sr.block_tokens]
+                    tok = js % sr.block_tokens + key
                 vals = code(r.name, f.name, np.broadcast_to(el.head, keep.shape)[keep],
                             np.broadcast_to(blk_s, keep.shape)[keep], np.broadcast_to(tok, keep.shape)[keep],
                             np.broadcast_to(el.other, keep.shape)[keep], el.itemsize)
