@@ -1,12 +1,11 @@
 """Compatibility of decode context parallelism: what a DCP pairing cannot move correctly.
 
 Any DCP size and interleave on either side pairs (tokens are mapped through their global
-positions, :mod:`kvlc.compiler.dcp`), except where the bytes have no single right place:
+positions, :mod:`kvlc.compiler.dcp`; per-request state, which has no token axis, is held whole
+by every DCP rank and pairs by TP alone), except where the bytes have no single right place:
 
 * ``dcp-heads``: an engine whose DCP group spans ranks that hold different heads (more DCP
   ranks than replicas of a head) stores some tokens of a head on no rank at all;
-* ``dcp-state``: per-request state (Mamba, linear attention) has no token axis to interleave,
-  and how a DCP engine holds it is not modeled;
 * ``dcp-per-block``: a field without a token dim (one value per block) describes a different
   set of tokens on each side unless both shard tokens identically.
 """
@@ -32,7 +31,7 @@ def _uncovered(plan: Plan) -> tuple[int, int, int] | None:
     """A (global heads, head, DCP rank) whose tokens no TP rank stores, if any."""
     seen = set()
     for r in plan.regions:
-        for f in r.fields:
+        for f in () if r.is_state else r.fields:  # state is not token-sharded
             hd = f.dim("head")
             if hd is None or hd.global_size in seen:
                 continue
@@ -63,7 +62,7 @@ def check_dcp_heads(p: "Pairing") -> list[Finding]:
 
 
 def check_dcp_regions(p: "Pairing") -> list[Finding]:
-    """Regions without a token axis, or fields without a token dim, under DCP."""
+    """Fields without a token dim under DCP: one value per block, so both engines must shard alike."""
     if p.local.parallel.dcp_size == 1 and p.remote.parallel.dcp_size == 1:
         return []
     rnames = {r.name for r in p.remote.regions}
@@ -73,12 +72,6 @@ def check_dcp_regions(p: "Pairing") -> list[Finding]:
             continue
         b = p.remote.region(a.name)
         if a.is_state or b.is_state:
-            out.append(Finding("dcp-state", "error", "per-request state under decode context parallelism: "
-                               "kvlc does not model how DCP ranks hold a state without a token axis", a.name,
-                               local=f"dcp_size {p.local.parallel.dcp_size}",
-                               remote=f"dcp_size {p.remote.parallel.dcp_size}",
-                               fix="pair state groups between engines without DCP (vLLM refuses hybrid "
-                                   "models with DCP in its NIXL connector too)"))
             continue
         ga, gb = _geometry(p.local, a.block_tokens), _geometry(p.remote, b.block_tokens)
         per_block = [f.name for f in a.fields if f.dim("token") is None]

@@ -37,7 +37,7 @@ def _pieces(cons_rank: int, cons: Plan, prod: Plan, region: PlanRegion, local_is
             ) -> dict[int, list[Piece]]:
     """Per producer rank: the pieces of ``region`` that one consumer rank reads from it."""
     ctp, ptp = cons.parallel.tp_size, prod.parallel.tp_size
-    dcp = _dcp(cons, prod)
+    dcp = None if region.is_state else _dcp(cons, prod)  # every DCP rank holds a request's whole state
     out: dict[int, list[Piece]] = {}
     for f in region.fields:
         hd = f.dim("head")
@@ -98,8 +98,11 @@ def build_program(local: Plan, remote: Plan, rank: int, direction: str, report: 
     names = [r.name for r in local.regions if r.name in rset]
     cache: dict = {}
     entries = [e for name in names for e in _entries(name, local, remote, rank, local_is_consumer, cache)]
-    counts = consumer_counts((f for n in names for f in cons.region(n).fields),
-                             cons.parallel.tp_size, prod.parallel.tp_size, _dcp(cons, prod))
+    tokens = [f for n in names if not cons.region(n).is_state for f in cons.region(n).fields]
+    state = [f for n in names if cons.region(n).is_state for f in cons.region(n).fields]
+    dcp = _dcp(cons, prod)
+    counts = consumer_counts(tokens if dcp else tokens + state, cons.parallel.tp_size, prod.parallel.tp_size,
+                             dcp, state if dcp else ())
     return TransferProgram(local, remote, rank, direction, tuple(entries), counts, report)
 
 

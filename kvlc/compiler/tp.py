@@ -116,11 +116,12 @@ def dcp_sources(consumer_rank: int, f: PlanField, cons, prod) -> tuple[Source, .
     return tuple(out)
 
 
-def consumer_counts(cons_fields, consumer_tp: int, producer_tp: int, dcp=None) -> dict[int, int]:
+def consumer_counts(cons_fields, consumer_tp: int, producer_tp: int, dcp=None, state_fields=()) -> dict[int, int]:
     """Per producer rank: how many consumer ranks read from it, over the given fields.
 
     ``dcp``: ``(consumer parallel, producer parallel)`` where either side has DCP; a consumer
     rank then reads from a producer rank only where both hold a token in common.
+    ``state_fields``: fields of per-request state, which every DCP rank holds whole (read by TP alone).
 
     >>> from kvlc import compile_spec
     >>> fields = compile_spec("layouts/llama-3.1-8b.yaml").regions[0].fields
@@ -128,8 +129,14 @@ def consumer_counts(cons_fields, consumer_tp: int, producer_tp: int, dcp=None) -
     {0: 1, 1: 1, 2: 1, 3: 1}
     """
     readers: dict[int, set] = {p: set() for p in range(producer_tp)}
+    _add_readers(readers, cons_fields, consumer_tp, producer_tp, dcp)
+    _add_readers(readers, state_fields, consumer_tp, producer_tp, None)
+    return {p: len(c) for p, c in readers.items()}
+
+
+def _add_readers(readers: dict[int, set], fields, consumer_tp: int, producer_tp: int, dcp) -> None:
     seen = set()
-    for f in cons_fields:
+    for f in fields:
         hd = f.dim("head")
         key = hd.global_size if hd else None
         if key in seen:
@@ -139,7 +146,6 @@ def consumer_counts(cons_fields, consumer_tp: int, producer_tp: int, dcp=None) -
             for s in (sources(c, f, consumer_tp, producer_tp) if dcp is None else dcp_sources(c, f, *dcp)):
                 if dcp is None or shards_meet(dcp[0], c, dcp[1], s.producer):
                     readers[s.producer].add(c)
-    return {p: len(c) for p, c in readers.items()}
 
 
 def shards_meet(cons, c: int, prod, p: int) -> bool:

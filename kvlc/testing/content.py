@@ -119,7 +119,8 @@ def fill(plan: Plan, rank: int, buffers: Mapping[str, np.ndarray]) -> None:
         blocks = np.arange(r.num_blocks, dtype=np.int64)
         for f in r.fields:
             el = field_elements(f, _head_start(plan, rank, f))
-            vals = code(r.name, f.name, el.head[None, :], blocks[:, None], el.token[None, :] + _dcp_key(plan, rank),
+            key = 0 if r.is_state else _dcp_key(plan, rank)  # every DCP rank holds the whole state
+            vals = code(r.name, f.name, el.head[None, :], blocks[:, None], el.token[None, :] + key,
                         el.other[None, :], el.itemsize)
             addr = (r.offset + blocks[:, None] * r.block_stride + el.offset[None, :]).ravel()
             idx = (addr[:, None] + np.arange(el.itemsize)[None, :]).ravel()
