@@ -56,6 +56,17 @@ class Shard:
     def text(self) -> str:
         return f"{self.rank}/{self.size}" + (f"i{self.interleave}" if self.interleave > 1 else "")
 
+    def describe(self) -> str:
+        """Which tokens the rank holds, in words.
+
+        >>> Shard(8, 1, 3).describe(), Shard(2, 16, 1).describe(), Shard().describe()
+        ('tokens t with t % 8 == 3', 'tokens t with (t // 16) % 2 == 1', 'every token')
+        """
+        if self.size == 1:
+            return "every token"
+        t = "t" if self.interleave == 1 else f"(t // {self.interleave})"
+        return f"tokens t with {t} % {self.size} == {self.rank}"
+
 
 def shard_of(plan, tp_rank: int) -> Shard:
     """The shard of TP rank ``tp_rank`` of ``plan`` (DCP rank ``tp_rank % dcp_size``).

@@ -186,6 +186,16 @@ class TransferProgram:
         both = overlap(self.local, self.remote)
         return both if both is not None else (0, 0)
 
+    def dcp_text(self) -> str:
+        """Which tokens this rank and each peer hold under decode context parallelism ("" without it)."""
+        shards = {e.peer: e.shards for e in self.entries if e.shards is not None}
+        if not shards:
+            return ""
+        mine = next(iter(shards.values())).local
+        peers = "; ".join(f"peer {p}: {s.remote.describe()}" for p, s in sorted(shards.items()))
+        return (f"decode context parallelism: local rank {self.local_rank} (DCP {mine.size}) holds "
+                f"{mine.describe()}; remote DCP {self.remote.parallel.dcp_size}: {peers}")
+
     def summary(self) -> dict:
         """The program as JSON-ready data: peers, consumer counts, layers covered, parts and digest."""
         return {"peer_ranks": list(self.peer_ranks), "layers": list(self.layers),
@@ -193,7 +203,7 @@ class TransferProgram:
                 "parts": [{"peer_rank": k.peer_rank, "local_mem": k.local_mem, "remote_mem": k.remote_mem,
                            "entries": s.entries, "runs_per_tile": s.runs_per_tile,
                            "bytes_per_tile": s.bytes_per_tile} for k, s in self.part_stats().items()],
-                "digest": self.digest}
+                "digest": self.digest, **({"dcp": self.dcp_text()} if self.dcp_text() else {})}
 
     # ------------------------------------------------------------------ per request
     @property

@@ -72,8 +72,8 @@ def vllm_spec(config: Mapping[str, Any], m: Model, opts: EngineOptions) -> dict:
     spec["model"]["num_layers"] = m.num_layers
     if opts.name:
         spec["name"] = opts.name
-    if opts.dcp_size != 1:
-        spec["parallel"]["dcp_size"] = opts.dcp_size
+    from kvlc.init import dcp_parallel
+    spec["parallel"].update(dcp_parallel(opts))
     if window is not None:
         spec["parallel"]["layers"] = [start, stop]
         spec["name"] = opts.name or f"{spec['name']}-pp{start}-{stop}"
