@@ -59,6 +59,8 @@ def pair_doc(report, program, rank: int) -> dict:
                         for k, v in program.stats().items()]
         doc["digest"] = program.digest
         doc["heads"] = _heads(program)
+        if program.dcp_text():
+            doc["dcp"] = program.dcp_text()
     return doc
 
 

@@ -42,6 +42,17 @@ def _check(opts: EngineOptions, m: Model) -> None:
     for key in ("tp_size", "dcp_size", "dcp_interleave", "block_size", "num_blocks"):
         if getattr(opts, key) < 1:
             raise InitError(f"--{key.replace('_', '-')} must be at least 1, found {getattr(opts, key)}")
+    _check_dcp(opts, m)
+
+
+def _check_dcp(opts: EngineOptions, m: Model) -> None:
+    """DCP ranks share a head's replicas (vLLM: dcp_size up to tp_size / num_kv_heads), or tokens are lost."""
+    heads = 1 if m.family == Family.MLA else m.num_kv_heads
+    replicas = opts.tp_size // heads if heads and opts.tp_size % heads == 0 else 1
+    if opts.dcp_size > 1 and replicas % opts.dcp_size:
+        raise InitError(f"--dcp-size {opts.dcp_size} with --tp-size {opts.tp_size} and {heads} KV heads: each "
+                        f"head is held by {replicas} rank(s), and the DCP ranks of a head must be among them; "
+                        f"fix: use a --dcp-size dividing {replicas}, or a larger --tp-size")
 
 
 def engine_layers(m: Model, opts: EngineOptions) -> tuple[tuple[int, int] | None, list[Layer]]:
