@@ -287,9 +287,9 @@ class Plan(_Frozen):
     def text(self) -> str:
         """Short canonical text: a header, one line per group, storage and region."""
         p = self.parallel
+        inter = f" dcp_interleave={p.dcp_interleave}" if p.dcp_interleave > 1 else ""
         lines = [f"plan {self.name} model={self.model.name} layers={self.model.num_layers} "
-                 f"tp={p.tp_size} dcp={p.dcp_size}" + (f" dcp_interleave={p.dcp_interleave}" if p.dcp_interleave > 1 else "")
-                 + f" pp_layers={p.layers[0]}:{p.layers[1]}"]
+                 f"tp={p.tp_size} dcp={p.dcp_size}{inter} pp_layers={p.layers[0]}:{p.layers[1]}"]
         for g in self.groups:
             win = f" window={g.window}" if g.window else ""
             lines.append(f"group {g.name} {g.kind} block={g.block_size} kernel={g.kernel_block_size}{win}")
