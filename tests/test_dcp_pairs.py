@@ -122,3 +122,15 @@ def test_kvlc_pair_names_dcp():
     js = CliRunner().invoke(main, ["pair", str(ROOT / "layouts" / "qwen3-235b-a22b-tp4.yaml"),
                                    str(ROOT / "layouts" / "qwen3-235b-a22b-tp8-dcp2.yaml"), "--json"])
     assert js.exit_code == 0 and "decode context parallelism" in js.output
+
+
+def test_fragmented_tokens_warn_and_block_interleave_does_not():
+    """Interleave 1 against whole blocks: a 'dcp-fragmented' warning with the fix; interleave 64: none."""
+    prod = kvlc.compile_spec(DS)
+    rep = check_pair(variant(DS, "ds-dcp8", dcp_size=8), prod, local_rank=0, direction="READ")
+    (w,) = [f for f in rep.findings if f.code == "dcp-fragmented"]
+    assert rep.ok and w.severity == "warning" and "64 token runs per 512-token tile" in w.message
+    assert "dcp_interleave equal to its kernel block size" in w.fix
+    rep = check_pair(variant(DS, "ds-dcp8-i64", dcp_size=8, dcp_interleave=64), prod, local_rank=0,
+                     direction="READ")
+    assert rep.ok and rep.findings == ()

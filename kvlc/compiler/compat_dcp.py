@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from kvlc.compiler.dcp import dcp_chunks
 from kvlc.compiler.findings import Finding
 from kvlc.compiler.plan import Plan
 from kvlc.compiler.tp import dcp_holders
@@ -93,3 +94,32 @@ def check_dcp(p: "Pairing") -> list[Finding]:
     []
     """
     return check_dcp_heads(p) + check_dcp_regions(p)
+
+
+# ----------------------------------------------------------------------------- warnings of a built program
+def fragmented(prog) -> list[Finding]:
+    """Warn where DCP pairs tokens in runs shorter than the kernel blocks (descriptors per token run).
+
+    A tile needs one run per kernel block on the side with more blocks when both engines
+    shard tokens alike; different interleaves cut that into ``min(interleave)``-token runs.
+    """
+    seen: dict[tuple, list[str]] = {}
+    for e in prog.entries:
+        if e.shards is None or not e.tile_tokens:
+            continue
+        lr, rr = prog.local.region(e.region), prog.remote.region(e.region)
+        key = (lr.block_tokens, rr.block_tokens, e.shards, e.tile_tokens, max(e.local_sub, e.remote_sub))
+        seen.setdefault(key, []).append(e.region)
+    out = []
+    for (lb, rb, shards, tile, blocks), regions in seen.items():
+        runs = len(dcp_chunks(lb, rb, shards, tile))
+        if runs > blocks:
+            regions = list(dict.fromkeys(regions))
+            more = f" (and in {len(regions) - 1} more region(s))" if len(regions) > 1 else ""
+            out.append(Finding(
+                "dcp-fragmented", "warning", f"{runs} token runs per {tile}-token tile (kernel blocks: {blocks}) "
+                f"because the engines interleave tokens differently{more}", regions[0],
+                local=f"DCP rank {shards.local.text()}", remote=f"DCP rank {shards.remote.text()}",
+                fix="give a DCP engine a dcp_interleave equal to its kernel block size (vLLM sets "
+                    "cp_kv_cache_interleave_size to the block size for its NIXL connector)"))
+    return out

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from kvlc.compiler.compat import CompatReport, Finding, check_plans, head_major_order
+from kvlc.compiler.compat_dcp import fragmented
 from kvlc.compiler.dcp import ShardPair, dcp_tile, shard_of
 from kvlc.compiler.index import Block, ProgramIndex
 from kvlc.compiler.instantiate import BoundProgram, bind
@@ -148,7 +149,7 @@ def _explosion_finding(n: int, regions: list[str], lf: PlanField, rf: PlanField,
 
 
 def _with_warnings(report: CompatReport, prog: TransferProgram) -> CompatReport:
-    return replace(report, findings=report.findings + tuple(explosions(prog)))
+    return replace(report, findings=report.findings + tuple(explosions(prog)) + tuple(fragmented(prog)))
 
 
 # ----------------------------------------------------------------------------- public entry points
