@@ -64,12 +64,13 @@ def execute(parts, local: Engine, local_rank: int, remote: Engine, direction: st
     return rows
 
 
-def verify(dst: Engine, dst_rank: int, src: Engine, dst_ids, src_ids, num_tokens, before) -> int:
+def verify(dst: Engine, dst_rank: int, src: Engine, dst_ids, src_ids, num_tokens, before, tokens=None) -> int:
     """Assert every requested byte holds its content code and every other byte is unchanged."""
     bufs = dst.buffers[dst_rank]
     touched = {name: np.zeros(len(b), bool) for name, b in bufs.items()}
     checked = 0
-    for storage, idx, vals in expected_bytes(dst.plan, dst_rank, src.plan, dst_ids, src_ids, num_tokens):
+    for storage, idx, vals in expected_bytes(dst.plan, dst_rank, src.plan, dst_ids, src_ids, num_tokens,
+                                                  tokens=tokens):
         got = bufs[storage][idx]
         bad = np.flatnonzero(got != vals)
         assert bad.size == 0, (f"{bad.size} wrong bytes in storage {storage} of rank {dst_rank}, "

@@ -81,6 +81,8 @@ def pair_cmd(producer: str, consumer: str, rank: int, direction: str, as_json: b
             print_line(console, f"consumer ranks reading from each producer rank: {counts}")
             if program.dcp_text():
                 print_line(console, program.dcp_text())
+            for w in program.window_stats():
+                print_line(console, w.text())
             if show_program:
                 click.echo(program.text(), nl=False)
     if not report.ok:

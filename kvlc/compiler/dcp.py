@@ -135,16 +135,16 @@ class TokenRun:
     tokens: int
 
 
-def dcp_chunks(a_kernel: int, b_kernel: int, pair: ShardPair, tokens: int) -> list[TokenRun]:
-    """Token runs of one tile's first ``tokens`` global tokens that both ranks hold.
+def dcp_chunks(a_kernel: int, b_kernel: int, pair: ShardPair, tokens: int, start: int = 0) -> list[TokenRun]:
+    """Token runs of one tile's global tokens ``[start, tokens)`` that both ranks hold.
 
-    Post-condition: every global token below ``tokens`` held by both ranks lies in exactly one
+    Post-condition: every global token in ``[start, tokens)`` held by both ranks lies in exactly one
     run, and a run is contiguous in both local streams and stays in one kernel block each side.
 
     >>> [tuple(vars(r).values()) for r in dcp_chunks(4, 4, ShardPair(Shard(1), Shard(2, 1, 1)), 8)]
     [(0, 1, 0, 0, 1), (0, 3, 0, 1, 1), (1, 1, 0, 2, 1), (1, 3, 0, 3, 1)]
     """
-    t = np.arange(tokens, dtype=np.int64)
+    t = np.arange(start, tokens, dtype=np.int64)
     t = t[pair.local.holds(t) & pair.remote.holds(t)]
     if not len(t):
         return []

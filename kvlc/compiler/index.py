@@ -145,19 +145,19 @@ class ProgramIndex:
         self.remote = SideGeometry.of(prog.remote, rregs)
         self.blocks = _blocks(prog, self.local, self.remote)
         self.groups = _group_regions(prog)
-        self._tails: dict[tuple[int, int], Runs] = {}
+        self._tails: dict[tuple[int, int, int], Runs] = {}
 
     @classmethod
     def build(cls, prog: "TransferProgram") -> "ProgramIndex":
         return cls(prog)
 
-    def tail_runs(self, block: Block, tokens: int) -> Runs:
-        """Runs of a partial last tile of ``tokens`` tokens (cached per block and token count)."""
-        key = (block.entries[0], tokens)
+    def tail_runs(self, block: Block, tokens: int, start: int = 0) -> Runs:
+        """Runs of tokens ``[start, tokens)`` of a partial tile (cached per block and token range)."""
+        key = (block.entries[0], tokens, start)
         got = self._tails.get(key)
         if got is None:
             e = self.program.entries[block.entries[0]]
             got = self._tails.setdefault(key, tile_runs(self.program.local.region(e.region),
                                                         self.program.remote.region(e.region), e.pieces, tokens,
-                                                        e.shards))
+                                                        start, e.shards))
         return got

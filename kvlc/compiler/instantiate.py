@@ -19,6 +19,7 @@ from kvlc.compiler.program import Memo, Part, PartKey, TransferProgram
 from kvlc.compiler.request import Request
 from kvlc.compiler.rows import RowPiece, Side, coalesce, write_rows
 from kvlc.compiler.runs import Runs
+from kvlc.compiler.spans import TileSpan, tile_spans
 from kvlc.errors import TransferError
 
 if TYPE_CHECKING:
@@ -118,6 +119,18 @@ def _segments(kl: np.ndarray, kr: np.ndarray, full: int) -> tuple[np.ndarray, np
     return kl[starts], kr[starts], lens
 
 
+def block_tiles(b: Block, req: Request) -> tuple[TileSpan, tuple[int, int]]:
+    """The tiles a request moves in block ``b``'s group, and each side's first kernel block number.
+
+    Tile ``t`` run ``k`` reads local id ``ids[t * local_sub + run block - first]`` (same remote).
+    State: one whole "tile" per state block, from 0.
+    """
+    if not b.tile_tokens:
+        return TileSpan(0, len(req.local[b.group]), ()), (0, 0)
+    gs = req.spans[b.group]
+    return tile_spans(gs.span, b.tile_tokens), (gs.local_first, gs.remote_first)
+
+
 @dataclass(frozen=True, eq=False)
 class BoundProgram:
     """A program with storage bases fixed: the per-request hot path."""
@@ -129,15 +142,18 @@ class BoundProgram:
 
     def instantiate(self, local_block_ids: Mapping[str, Sequence[int]],
                     remote_block_ids: Mapping[str, Sequence[int]],
-                    num_tokens: int | Mapping[str, int], *, coalesce: str = "order") -> dict[PartKey, Part]:
+                    num_tokens: int | Mapping[str, int] | None = None, *, tokens=None,
+                    coalesce: str = "order") -> dict[PartKey, Part]:
         """Descriptors of one request, per part.
 
+        ``num_tokens=N`` moves tokens ``[0, N)``, ``tokens=(start, stop)`` moves ``[start, stop)``
+        (ids: the blocks the range touches on each side; see :mod:`kvlc.compiler.request`).
         ``coalesce="order"`` (the hot path, O(N)): within each region and group the
         descriptors are the coalesced minimum; across regions and groups rows merge
         where they continue in request order. ``coalesce="sort"`` sorts each part by
         address first and reaches the minimum for the whole part, at O(N log N).
         """
-        req = self.program.check_request(local_block_ids, remote_block_ids, num_tokens)
+        req = self.program.check_request(local_block_ids, remote_block_ids, num_tokens, tokens=tokens)
         return self.emit(req, coalesce=coalesce)
 
     # ------------------------------------------------------------------ building blocks
@@ -149,13 +165,17 @@ class BoundProgram:
         return (Side(e, lg.stride, self.local.addr[lg.storage] + lg.offset, None, self.local.device[lg.storage]),
                 Side(e, rg.stride, rb.addr[rg.storage] + rg.offset, None, rb.device[rg.storage]))
 
-    def tiles(self, runs: Runs, first: int, count: int, b: Block, kl, kr, sides) -> RowPiece | None:
-        """Rows of ``count`` tiles from tile ``first`` with these runs (None without runs)."""
+    def tiles(self, runs: Runs, first: int, count: int, b: Block, kl, kr, sides,
+              shift: tuple[int, int] = (0, 0)) -> RowPiece | None:
+        """Rows of ``count`` tiles from tile ``first`` with these runs (None without runs).
+
+        ``shift``: kernel block number of ``kl[0]`` and ``kr[0]`` (:func:`block_tiles`).
+        """
         if not len(runs):
             return None
         t = np.arange(first, first + count, dtype=np.int64)[:, None]
-        il = kl[t * b.local_sub + runs.local_block[None, :]].ravel()          # (F*M,) kernel ids
-        ir = kr[t * b.remote_sub + runs.remote_block[None, :]].ravel()
+        il = kl[t * b.local_sub + runs.local_block[None, :] - shift[0]].ravel()          # (F*M,) kernel ids
+        ir = kr[t * b.remote_sub + runs.remote_block[None, :] - shift[1]].ravel()
         ls, rs = sides
         return RowPiece(Side(il, ls.stride, ls.base, np.tile(runs.local_offset, count), ls.device),
                         Side(ir, rs.stride, rs.base, np.tile(runs.remote_offset, count), rs.device),
@@ -163,20 +183,23 @@ class BoundProgram:
 
     def _block_pieces(self, b: Block, req: Request, segments: dict) -> list[RowPiece]:
         kl, kr = req.local[b.group], req.remote[b.group]
-        full, tail = divmod(req.tokens[b.group], b.tile_tokens) if b.tile_tokens else (len(kl), 0)
+        ts, shift = block_tiles(b, req)
         sides = self.sides(b)
-        pieces = []
-        if full and b.whole:
+        partial = [self.tiles(self.program.index.tail_runs(b, p.hi, p.lo), p.tile, 1, b, kl, kr, sides, shift)
+                   for p in ts.partial]
+        head = 1 if ts.partial and ts.partial[0].tile < ts.first else 0
+        pieces = partial[:head]                       # in token order: head, whole tiles, tail
+        if ts.count and b.whole:   # whole, contiguous blocks: tile = kernel block on both sides
             if b.group not in segments:
-                segments[b.group] = _segments(kl, kr, full)
+                ol, orr = ts.first - shift[0], ts.first - shift[1]
+                segments[b.group] = _segments(kl[ol:ol + ts.count], kr[orr:orr + ts.count], ts.count)
             sl, sr, lens = segments[b.group]
             ls, rs = sides
             pieces.append(RowPiece(Side(sl, ls.stride, ls.base, None, ls.device),
                                    Side(sr, rs.stride, rs.base, None, rs.device), lens * int(b.runs.length[0])))
-        elif full:
-            pieces.append(self.tiles(b.runs, 0, full, b, kl, kr, sides))
-        if tail:
-            pieces.append(self.tiles(self.program.index.tail_runs(b, tail), full, 1, b, kl, kr, sides))
+        elif ts.count:
+            pieces.append(self.tiles(b.runs, ts.first, ts.count, b, kl, kr, sides, shift))
+        pieces.extend(partial[head:])
         return [p for p in pieces if p is not None and len(p)]
 
     def emit(self, req: Request, coalesce: str = "order") -> dict[PartKey, Part]:
@@ -203,10 +226,10 @@ class BoundProgram:
 
     def prepared_indices(self, local_block_ids: Mapping[str, Sequence[int]],
                          remote_block_ids: Mapping[str, Sequence[int]],
-                         num_tokens: int | Mapping[str, int]) -> "PreparedRequest":
+                         num_tokens: int | Mapping[str, int] | None = None, *, tokens=None) -> "PreparedRequest":
         """One request against :meth:`prepared_rows` (see :func:`kvlc.compiler.prepared.prepared_indices`)."""
         from kvlc.compiler.prepared import prepared_indices
-        req = self.program.check_request(local_block_ids, remote_block_ids, num_tokens)
+        req = self.program.check_request(local_block_ids, remote_block_ids, num_tokens, tokens=tokens)
         return prepared_indices(self, req)
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvlc.compiler.frozen import FrozenMap
+from kvlc.compiler.instantiate import block_tiles
 from kvlc.compiler.program import Part, PartKey, TransferProgram
 from kvlc.compiler.request import Request
 from kvlc.compiler.rows import coalesce, write_rows
@@ -212,7 +213,8 @@ def prepared_indices(bound, req: Request) -> PreparedRequest:
       a whole tile are absent.
     * ``tail[key]``: the clipped partial last tile of each region (tokens not a multiple of
       the tile), as ordinary (N, 3) :class:`Part` rows, for a direct transfer
-      (``initialize_xfer``). Empty when tokens fill whole tiles.
+      (``initialize_xfer``); for a token range ``[start, stop)`` also a partial first tile.
+      Empty when the range fills whole tiles.
 
     Together they move exactly the bytes of ``instantiate`` (more descriptors: runs of
     consecutive blocks are not merged).
@@ -224,15 +226,15 @@ def prepared_indices(bound, req: Request) -> PreparedRequest:
     moved: dict[PartKey, int] = {}
     for b, starts in zip(prog.index.blocks, lay.blocks):
         kl, kr = req.local[b.group], req.remote[b.group]
-        full, tail = divmod(req.tokens[b.group], b.tile_tokens) if b.tile_tokens else (len(kl), 0)
-        if full and len(b.runs):
-            t = np.arange(full, dtype=np.int64)[:, None]
-            il = kl[t * b.local_sub + b.runs.local_block[None, :]]           # (F, M) kernel ids
-            ir = kr[t * b.remote_sub + b.runs.remote_block[None, :]]
+        ts, shift = block_tiles(b, req)
+        if ts.count and len(b.runs):
+            t = np.arange(ts.first, ts.first + ts.count, dtype=np.int64)[:, None]
+            il = kl[t * b.local_sub + b.runs.local_block[None, :] - shift[0]]           # (F, M) kernel ids
+            ir = kr[t * b.remote_sub + b.runs.remote_block[None, :] - shift[1]]
             jobs.setdefault(b.key, []).append((starts, il, ir))
-            moved[b.key] = moved.get(b.key, 0) + b.runs.nbytes * full * len(b.entries)
-        if tail:
-            piece = bound.tiles(prog.index.tail_runs(b, tail), full, 1, b, kl, kr, bound.sides(b))
+            moved[b.key] = moved.get(b.key, 0) + b.runs.nbytes * ts.count * len(b.entries)
+        for p in ts.partial:
+            piece = bound.tiles(prog.index.tail_runs(b, p.hi, p.lo), p.tile, 1, b, kl, kr, bound.sides(b), shift)
             if piece is not None and len(piece):
                 lrows, rrows = write_rows(piece)
                 lt, rt = tails.setdefault(b.key, ([], []))

@@ -10,7 +10,7 @@ turned into prepared lists (:mod:`kvlc.compiler.prepared`).
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Hashable, Mapping, Sequence
 
 import numpy as np
@@ -196,13 +196,25 @@ class TransferProgram:
         return (f"decode context parallelism: local rank {self.local_rank} (DCP {mine.size}) holds "
                 f"{mine.describe()}; remote DCP {self.remote.parallel.dcp_size}: {peers}")
 
+    def window_stats(self) -> tuple:
+        """Per sliding-window group: the most blocks and tokens one request moves
+        (:class:`kvlc.compiler.spans.WindowStats`; only the blocks the window still needs move)."""
+        from kvlc.compiler.spans import window_stats
+        recv, send = (self.local, self.remote) if self.direction == "READ" else (self.remote, self.local)
+        side = "local" if self.direction == "READ" else "remote"
+        groups = {e.group for e in self.entries}
+        per_id = lambda plan, name: plan.group(name).block_size * plan.parallel.dcp_size  # noqa: E731 (DCP)
+        return tuple(window_stats(g.name, g.window, side, per_id(recv, g.name), per_id(send, g.name))
+                     for g in recv.groups if g.kind == "sliding_window" and g.name in groups)
+
     def summary(self) -> dict:
-        """The program as JSON-ready data: peers, consumer counts, layers covered, parts and digest."""
+        """The program as JSON-ready data: peers, consumer counts, layers covered, parts, windows and digest."""
         return {"peer_ranks": list(self.peer_ranks), "layers": list(self.layers),
                 "consumer_counts": {str(k): v for k, v in sorted(self.consumer_counts.items())},
                 "parts": [{"peer_rank": k.peer_rank, "local_mem": k.local_mem, "remote_mem": k.remote_mem,
                            "entries": s.entries, "runs_per_tile": s.runs_per_tile,
                            "bytes_per_tile": s.bytes_per_tile} for k, s in self.part_stats().items()],
+                "windows": [{**asdict(w), "vllm_blocks": w.vllm_blocks} for w in self.window_stats()],
                 "digest": self.digest, **({"dcp": self.dcp_text()} if self.dcp_text() else {})}
 
     # ------------------------------------------------------------------ per request
@@ -213,13 +225,17 @@ class TransferProgram:
         return self.memo.get("index", lambda: ProgramIndex.build(self))
 
     def check_request(self, local_block_ids: Mapping[str, Sequence[int]],
-                      remote_block_ids: Mapping[str, Sequence[int]], num_tokens: int | Mapping[str, int]):
+                      remote_block_ids: Mapping[str, Sequence[int]],
+                      num_tokens: int | Mapping[str, int] | None = None, *, tokens=None):
         """Validate a request's ids (types, counts, bounds, duplicates) and expand them to kernel block ids.
 
+        ``num_tokens=N`` moves tokens ``[0, N)``; ``tokens=(start, stop)`` or ``range(start, stop)``
+        (or a mapping group -> either) moves ``[start, stop)``. Each side's ids list that side's
+        logical blocks the range touches, in order: ``start // bs .. ceil(stop / bs) - 1``.
         Returns a :class:`kvlc.compiler.request.Request`; raises only :class:`~kvlc.errors.TransferError`.
         """
         from kvlc.compiler.request import check_request
-        return check_request(self, local_block_ids, remote_block_ids, num_tokens)
+        return check_request(self, local_block_ids, remote_block_ids, num_tokens, tokens=tokens)
 
     def bind(self, local_bases: Mapping[str, object], remote_bases: Mapping[int, Mapping[str, object]]):
         """Fix storage base addresses once (per connection); then instantiate per request.
@@ -231,12 +247,13 @@ class TransferProgram:
 
     def instantiate(self, local_bases: Mapping[str, object], remote_bases: Mapping[int, Mapping[str, object]],
                     local_block_ids: Mapping[str, Sequence[int]], remote_block_ids: Mapping[str, Sequence[int]],
-                    num_tokens: int | Mapping[str, int], *, coalesce: str = "order"):
+                    num_tokens: int | Mapping[str, int] | None = None, *, tokens=None, coalesce: str = "order"):
         """Descriptors of one request, per part: ``bind(...)`` then ``instantiate(...)``.
 
-        Block ids are logical, per group name. Every id is checked against every
+        Block ids are logical, per group name (see :meth:`check_request` for ``num_tokens`` /
+        ``tokens`` and which blocks the ids list). Every id is checked against every
         region's capacity before any descriptor is built. See
         :meth:`kvlc.compiler.instantiate.BoundProgram.instantiate` for ``coalesce``.
         """
-        req = self.check_request(local_block_ids, remote_block_ids, num_tokens)
+        req = self.check_request(local_block_ids, remote_block_ids, num_tokens, tokens=tokens)
         return self.bind(local_bases, remote_bases).emit(req, coalesce=coalesce)

@@ -1,10 +1,15 @@
 """Per request, step 1 — check what an engine asks for before any descriptor exists.
 
-Block ids must be integers (a list / tuple of ``int`` or an integer numpy array; never
-bool, float, str or None), one per block the tokens occupy, inside every region of the
-group, and distinct on the receiving (consumer) side. ``num_tokens`` is a positive
-integer, or one per group. Every refusal is a :class:`~kvlc.errors.TransferError`
-that says which side, group and value.
+A request moves tokens ``[start, stop)``: ``tokens=(start, stop)`` (or ``range(start,
+stop)``), or ``num_tokens=N`` for ``[0, N)``; either one for all token groups or one per
+group (a mapping). Block ids must be integers (a list / tuple of ``int`` or an integer
+numpy array; never bool, float, str or None): on each side, the logical blocks of that
+side that the range touches, in order (``start // bs .. ceil(stop / bs) - 1``, block size
+``bs`` of that side's group; :mod:`kvlc.compiler.spans`). A sliding-window group takes the
+same ids and moves only the blocks its window still needs; the ids of the blocks before
+them are placeholders kvlc never reads (vLLM's null block may repeat there). Ids that are
+read must lie inside every region of the group and be distinct on the receiving side.
+Every refusal is a :class:`~kvlc.errors.TransferError` that says which side, group and value.
 """
 
 from __future__ import annotations
@@ -14,7 +19,8 @@ from typing import TYPE_CHECKING, Mapping
 
 import numpy as np
 
-from kvlc.compiler.layout import ceildiv, kernel_ids
+from kvlc.compiler.layout import kernel_ids
+from kvlc.compiler.spans import Span, block_span, window_start
 from kvlc.errors import TransferError, did_you_mean
 
 if TYPE_CHECKING:
@@ -23,13 +29,26 @@ if TYPE_CHECKING:
 ID_MAX = (1 << 63) - 1
 
 
+@dataclass(frozen=True)
+class GroupSpan:
+    """Tokens one token group moves, and the kernel block number of each side's first id.
+
+    ``local_first`` / ``remote_first``: kernel block ``k`` of the sequence (tokens
+    ``k * kernel block size ..``) is ``ids[k - first]`` of that side.
+    """
+
+    span: Span
+    local_first: int
+    remote_first: int
+
+
 @dataclass(frozen=True, eq=False)
 class Request:
-    """A checked request: kernel block ids per group on each side, and tokens per token group."""
+    """A checked request: kernel block ids per group on each side (only those read), and spans per token group."""
 
     local: Mapping[str, np.ndarray]
     remote: Mapping[str, np.ndarray]
-    tokens: Mapping[str, int]
+    spans: Mapping[str, GroupSpan]
 
 
 def _type_name(t: type) -> str:
@@ -91,27 +110,60 @@ def _known_groups(ids, plan, side: str) -> None:
                                 f"{did_you_mean(str(name), names)}")
 
 
-def _tokens_of(num_tokens, group: str, prog) -> int:
-    if isinstance(num_tokens, Mapping):
-        if group not in num_tokens:
-            raise TransferError(f"num_tokens has no entry for group '{group}' "
+def _span_value(value, group: str) -> Span:
+    """``(start, stop)`` or ``range(start, stop)`` as a :class:`Span`, ``0 <= start < stop``."""
+    where = f"group '{group}': tokens"
+    if isinstance(value, range):
+        if value.step != 1:
+            raise TransferError(f"{where} {value!r} must have step 1 (a token range moves every token in it)")
+        pair = (value.start, value.stop)
+    elif isinstance(value, (tuple, list)) and len(value) == 2:
+        pair = tuple(value)
+    else:
+        raise TransferError(f"{where} must be (start, stop) or range(start, stop); found {value!r} "
+                            f"({_type_name(type(value))})")
+    for x in pair:
+        if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)):
+            raise TransferError(f"{where} (start, stop) must be integers; found {x!r} ({_type_name(type(x))})")
+    start, stop = int(pair[0]), int(pair[1])
+    if not 0 <= start < stop:
+        raise TransferError(f"{where} ({start}, {stop}) must have 0 <= start < stop")
+    return Span(start, stop)
+
+
+def _per_group(value, group: str, prog, what: str):
+    if isinstance(value, Mapping):
+        if group not in value:
+            raise TransferError(f"{what} has no entry for group '{group}' "
                                 f"(give one per token group: {sorted(prog.index.groups)})")
-        return token_count(num_tokens[group], group)
-    return token_count(num_tokens, group)
+        return value[group]
+    return value
 
 
-def _side_ids(prog, side: str, group: str, ids, tokens: int | None, receiving: bool) -> np.ndarray:
-    where = f"{side} block ids of group '{group}'"
-    arr = block_ids(ids, where)
-    plan = prog.local if side == "local" else prog.remote
-    g = plan.group(group)
+def _span_of(num_tokens, tokens, group: str, prog) -> Span:
     if tokens is not None:
-        per = g.block_size * plan.parallel.dcp_size  # DCP: one block id per block_size slots on each rank
-        need = ceildiv(tokens, per)
-        if len(arr) != need:
-            dcp = f" x dcp_size {plan.parallel.dcp_size}" if plan.parallel.dcp_size > 1 else ""
-            raise TransferError(f"group '{group}': {len(arr)} {side} block ids for {tokens} tokens; "
-                                f"expected {need} (block size {g.block_size}{dcp})")
+        if num_tokens is not None:
+            raise TransferError("give the tokens to move as num_tokens=N (tokens [0, N)) or tokens=(start, stop), "
+                                "not both")
+        return _span_value(_per_group(tokens, group, prog, "tokens"), group)
+    return Span(0, token_count(_per_group(num_tokens, group, prog, "num_tokens"), group))
+
+
+def _count(arr: np.ndarray, side: str, group: str, span: Span, bs: int, dcp: int = 1) -> None:
+    first, need = block_span(span, bs * dcp)  # DCP: one block id per block_size slots on each rank
+    if len(arr) == need:
+        return
+    size = f"{bs} x dcp_size {dcp}" if dcp > 1 else f"{bs}"
+    if span.start == 0:
+        raise TransferError(f"group '{group}': {len(arr)} {side} block ids for {span.stop} tokens; "
+                            f"expected {need} (block size {size})")
+    raise TransferError(f"group '{group}': {len(arr)} {side} block ids for tokens [{span.start}, {span.stop}); "
+                        f"expected {need}, one per block the range touches (block size {size}: logical blocks "
+                        f"{first}..{first + need - 1})")
+
+
+def _check_ids(prog, side: str, group: str, arr: np.ndarray, receiving: bool) -> None:
+    where = f"{side} block ids of group '{group}'"
     if len(arr):
         lo, hi = int(arr.min()), int(arr.max())
         r = prog.index.groups[group].smallest(side)
@@ -126,33 +178,88 @@ def _side_ids(prog, side: str, group: str, ids, tokens: int | None, receiving: b
                 dup = int(uniq[np.argmax(counts > 1)])
                 raise TransferError(f"{where}: block id {dup} appears {int(counts.max())} times; the receiving "
                                     "side writes each block once, so give distinct ids")
-    return kernel_ids(arr, 1 if g.is_state else g.kernel_blocks_per_block)
 
 
-def check_request(prog: "TransferProgram", local_block_ids, remote_block_ids, num_tokens) -> Request:
-    """Validate a request's ids (types, counts, bounds, duplicates) and expand them to kernel block ids."""
+def _moved(prog, group: str, span: Span, local_receives: bool) -> Span:
+    """The part of ``span`` a group moves: all of it, or what a sliding window still needs."""
+    g = prog.local.group(group)
+    if g.kind != "sliding_window":
+        return span
+    plan = prog.local if local_receives else prog.remote
+    return Span(window_start(span, g.window, plan.group(group).block_size * plan.parallel.dcp_size), span.stop)
+
+
+def _whole_blocks_only(prog, group: str, moved: Span, asked: Span) -> None:
+    """A per-block field (no token dim) cannot be split: a range starting mid-block is refused there."""
+    if moved.start == 0:
+        return
+    for r in prog.index.groups[group].local:
+        flat = [f.name for f in r.fields if f.dim("token") is None]
+        per = r.block_tokens * prog.local.parallel.dcp_size  # DCP: a block covers that many tokens
+        if flat and moved.start % per:
+            raise TransferError(f"group '{group}': tokens [{asked.start}, {asked.stop}) start inside a block of "
+                                f"region '{r.name}' ({per} tokens per block), whose field "
+                                f"'{flat[0]}' has no token dim (one value per block); start the range on a "
+                                f"multiple of {per}")
+
+
+def _token_group(prog, group: str, ids: tuple, span: Span, local_receives: bool):
+    """Check one token group's ids on both sides; return kernel ids of the blocks read, and their span."""
+    moved = _moved(prog, group, span, local_receives)
+    _whole_blocks_only(prog, group, moved, span)
+    out, firsts = [], []
+    for side, raw, receiving in (("local", ids[0], local_receives), ("remote", ids[1], not local_receives)):
+        plan = prog.local if side == "local" else prog.remote
+        g, per = plan.group(group), plan.group(group).block_size * plan.parallel.dcp_size  # tokens per block id
+        arr = block_ids(raw, f"{side} block ids of group '{group}'")
+        _count(arr, side, group, span, g.block_size, plan.parallel.dcp_size)
+        first, n = block_span(moved, per) if len(moved) else (span.start // per, 0)
+        arr = arr[first - span.start // per:][:n]
+        _check_ids(prog, side, group, arr, receiving)
+        out.append(kernel_ids(arr, g.kernel_blocks_per_block))
+        firsts.append(first * g.kernel_blocks_per_block)
+    return out[0], out[1], GroupSpan(moved, firsts[0], firsts[1])
+
+
+def _state_group(prog, group: str, ids: tuple, local_receives: bool):
+    out = []
+    for side, raw, receiving in (("local", ids[0], local_receives), ("remote", ids[1], not local_receives)):
+        arr = block_ids(raw, f"{side} block ids of group '{group}'")
+        _check_ids(prog, side, group, arr, receiving)
+        out.append(arr)
+    if len(out[0]) != len(out[1]):
+        raise TransferError(f"group '{group}': {len(out[0])} local vs {len(out[1])} "
+                            "remote state blocks; give one remote block per local block")
+    return out[0], out[1]
+
+
+def check_request(prog: "TransferProgram", local_block_ids, remote_block_ids, num_tokens=None, *,
+                  tokens=None) -> Request:
+    """Validate a request's ids (types, counts, bounds, duplicates) and expand them to kernel block ids.
+
+    ``num_tokens=N`` moves tokens ``[0, N)``; ``tokens=(start, stop)`` (or a ``range``, or a
+    mapping group -> either) moves ``[start, stop)``. Give exactly one.
+    """
     _known_groups(local_block_ids, prog.local, "local")
     _known_groups(remote_block_ids, prog.remote, "remote")
     local_receives = prog.direction == "READ"
     kids_l: dict[str, np.ndarray] = {}
     kids_r: dict[str, np.ndarray] = {}
-    tokens_of: dict[str, int] = {}
+    spans: dict[str, GroupSpan] = {}
     groups = prog.index.groups
     for group, regions in groups.items():
         if group not in local_block_ids or group not in remote_block_ids:
             raise TransferError(f"no block ids for group '{group}' "
                                 f"(give local and remote ids for groups {sorted(groups)})")
-        tok = None
-        if not regions.is_state:
-            tok = tokens_of[group] = _tokens_of(num_tokens, group, prog)
-        kids_l[group] = _side_ids(prog, "local", group, local_block_ids[group], tok, local_receives)
-        kids_r[group] = _side_ids(prog, "remote", group, remote_block_ids[group], tok, not local_receives)
-        if regions.is_state and len(kids_l[group]) != len(kids_r[group]):
-            raise TransferError(f"group '{group}': {len(kids_l[group])} local vs {len(kids_r[group])} "
-                                "remote state blocks; give one remote block per local block")
+        ids = (local_block_ids[group], remote_block_ids[group])
+        if regions.is_state:
+            kids_l[group], kids_r[group] = _state_group(prog, group, ids, local_receives)
+            continue
+        span = _span_of(num_tokens, tokens, group, prog)
+        kids_l[group], kids_r[group], spans[group] = _token_group(prog, group, ids, span, local_receives)
     _pool_conflicts(prog.local if local_receives else prog.remote, kids_l if local_receives else kids_r,
                     "local" if local_receives else "remote")
-    return Request(kids_l, kids_r, tokens_of)
+    return Request(kids_l, kids_r, spans)
 
 
 def _pool_conflicts(plan, kids: Mapping[str, np.ndarray], side: str) -> None:

@@ -117,9 +117,9 @@ def field_copy_runs(lf: PlanField, rf: PlanField, piece: Piece, chunk: Chunk) ->
     return strided_runs(dims, off_l, off_r, lf.itemsize)
 
 
-def chunks(lr: PlanRegion, rr: PlanRegion, tokens: int | None = None, shards: ShardPair | None = None
-           ) -> list[Chunk]:
-    """Token chunks of one tile (``tokens``: clip a partial last tile; state: one whole chunk).
+def chunks(lr: PlanRegion, rr: PlanRegion, tokens: int | None = None, start: int = 0,
+           shards: ShardPair | None = None) -> list[Chunk]:
+    """Token chunks of one tile (``[start, tokens)``: clip a partial tile; state: one whole chunk).
 
     ``shards``: decode context parallelism on either side; the tile is then in global tokens
     and the chunks cover the tokens both ranks hold (:func:`kvlc.compiler.dcp.dcp_chunks`).
@@ -135,20 +135,21 @@ def chunks(lr: PlanRegion, rr: PlanRegion, tokens: int | None = None, shards: Sh
         return [WHOLE]
     if shards is not None:
         span = dcp_tile(lr.block_tokens, shards.local, rr.block_tokens, shards.remote).tokens
-        return [Chunk(c.a_block, c.a_token, c.b_block, c.b_token, c.tokens)
-                for c in dcp_chunks(lr.block_tokens, rr.block_tokens, shards, span if tokens is None else tokens)]
+        return [Chunk(c.a_block, c.a_token, c.b_block, c.b_token, c.tokens) for c in
+                dcp_chunks(lr.block_tokens, rr.block_tokens, shards, span if tokens is None else tokens, start)]
     limit = t.tokens if tokens is None else tokens
     bl, br = lr.block_tokens, rr.block_tokens
-    return [Chunk(t0 // bl, t0 % bl, t0 // br, t0 % br, min(t.chunk, limit - t0))
-            for t0 in range(0, limit, t.chunk)]
+    cuts = [start] + list(range(start // t.chunk * t.chunk + t.chunk, limit, t.chunk)) + [limit]
+    return [Chunk(a // bl, a % bl, a // br, a % br, b - a) for a, b in zip(cuts, cuts[1:]) if b > a]
 
 
 def tile_runs(lr: PlanRegion, rr: PlanRegion, pieces: Sequence[Piece], tokens: int | None = None,
-              shards: ShardPair | None = None) -> Runs:
+              start: int = 0, shards: ShardPair | None = None) -> Runs:
     """Runs of one tile of region ``lr`` (local) ↔ ``rr`` (remote), merged to the minimum.
 
-    ``tokens`` clips a partial last tile (None: a whole tile); ``shards``: the two ranks' token
-    shares under decode context parallelism (None: each rank holds every token). Post-condition: the runs map
+    ``[start, tokens)`` clips a partial tile (tokens None: to the tile's end); ``shards``: the two
+    ranks' token shares under decode context parallelism (None: each rank holds every token).
+    Post-condition: the runs map
     every byte of the pieces exactly once, and no two runs continue each other on both sides.
 
     >>> from kvlc import compile_spec
@@ -157,7 +158,7 @@ def tile_runs(lr: PlanRegion, rr: PlanRegion, pieces: Sequence[Piece], tokens: i
     >>> len(runs), runs.nbytes == r.block_bytes
     (1, True)
     """
-    cs = chunks(lr, rr, tokens, shards)
+    cs = chunks(lr, rr, tokens, start, shards)
     parts = []
     for piece in pieces:
         lf, rf = lr.field(piece.field), rr.field(piece.field)

@@ -57,6 +57,7 @@ def pair_doc(report, program, rank: int) -> dict:
         doc["consumer_counts"] = {str(k): v for k, v in sorted(program.consumer_counts.items())}
         doc["parts"] = [{"peer_rank": k.peer_rank, "local_mem": k.local_mem, "remote_mem": k.remote_mem, **v}
                         for k, v in program.stats().items()]
+        doc["windows"] = program.summary()["windows"]
         doc["digest"] = program.digest
         doc["heads"] = _heads(program)
         if program.dcp_text():

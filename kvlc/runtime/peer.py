@@ -34,6 +34,17 @@ def _ids(block_ids: Mapping[str, Sequence[int]]) -> dict[str, tuple[int, ...]]:
     return {str(g): tuple(int(i) for i in np.asarray(ids).ravel().tolist()) for g, ids in block_ids.items()}
 
 
+def _wire_range(num_tokens, tokens) -> tuple[int, int]:
+    """``(start, stop)`` of a checked request, as pull_via_push carries it: one range for every group."""
+    if tokens is None:
+        if isinstance(num_tokens, Mapping):
+            raise TransferError("pull_via_push carries one token count for every group; give num_tokens=N")
+        return 0, int(num_tokens)
+    if isinstance(tokens, Mapping):
+        raise TransferError("pull_via_push carries one token range for every group; give tokens=(start, stop)")
+    return (tokens.start, tokens.stop) if isinstance(tokens, range) else (int(tokens[0]), int(tokens[1]))
+
+
 def _fetch(clients: list[ChannelClient]) -> dict[int, tuple[Record, ChannelClient]]:
     out: dict[int, tuple[Record, ChannelClient]] = {}
     for client in clients:
@@ -184,11 +195,11 @@ class Peer:
                 + (f" (rank(s) {dead} restarted or went away); connect again" if dead else "")
             )
 
-    def _instantiate(self, local_block_ids, remote_block_ids, num_tokens):
+    def _instantiate(self, local_block_ids, remote_block_ids, num_tokens, tokens=None):
         bound = self.engine.bound(self.agent.bases)
         if self.mode is not Mode.PREPPED:
-            return bound.instantiate(local_block_ids, remote_block_ids, num_tokens)
-        req = bound.prepared_indices(local_block_ids, remote_block_ids, num_tokens)
+            return bound.instantiate(local_block_ids, remote_block_ids, num_tokens, tokens=tokens)
+        req = bound.prepared_indices(local_block_ids, remote_block_ids, num_tokens, tokens=tokens)
         lists = self._prepared(bound)
         parts: dict = dict(req.tail)
         for key, (li, ri) in req.indices.items():
@@ -216,11 +227,16 @@ class Peer:
         return self._lists
 
     def read(self, request_id: str, local_block_ids: Mapping[str, Sequence[int]],
-             remote_block_ids: Mapping[str, Sequence[int]], num_tokens: int, timeout: float | None = None) -> None:
+             remote_block_ids: Mapping[str, Sequence[int]], num_tokens: int | None = None,
+             timeout: float | None = None, *, tokens=None) -> None:
         """Pull one request into this (consumer) rank's blocks. Never blocks; see :meth:`KvAgent.poll`.
 
-        Block ids are logical, per KV-cache group; every id is checked against every region's
-        capacity before anything moves (:class:`TransferError`).
+        ``num_tokens=N`` moves tokens ``[0, N)``; ``tokens=(start, stop)`` (or ``range``) moves
+        ``[start, stop)`` (a prefix-cache hit of ``start`` tokens here: those stay untouched).
+        Block ids are logical, per KV-cache group: each side's blocks the range touches
+        (:meth:`kvlc.compiler.program.TransferProgram.check_request`); every id is checked
+        against every region's capacity before anything moves (:class:`TransferError`).
+        In pull_via_push mode the range travels to the producer, which checks it again.
         """
         from kvlc.runtime.agent import check_request_id
 
@@ -234,29 +250,35 @@ class Peer:
             if ("read", request_id) in a.executor.active or request_id in a.incoming:
                 raise TransferError(f"request '{request_id}' is already in flight")
             if self.mode is not Mode.PULL_VIA_PUSH:
-                parts = self._instantiate(local_block_ids, remote_block_ids, num_tokens)
+                parts = self._instantiate(local_block_ids, remote_block_ids, num_tokens, tokens)
                 a._submit(("read", request_id), request_id, "READ", parts, self._targets(), timeout)
                 return
-            self.program.check_request(local_block_ids, remote_block_ids, num_tokens)
+            self.program.check_request(local_block_ids, remote_block_ids, num_tokens, tokens=tokens)
+            start, n = _wire_range(num_tokens, tokens)
             deadline = time.monotonic() + timeout
             inc = Incoming(request_id, deadline, self.engine,
                            via={r: (s, self._clients[r]) for r, s in self.sessions.items()})
             a.events.ended.pop(request_id, None)
             a.incoming[request_id] = inc
             a.stats["requests"] += 1
-        cblocks, pblocks, n = _ids(local_block_ids), _ids(remote_block_ids), int(num_tokens)
+        cblocks, pblocks = _ids(local_block_ids), _ids(remote_block_ids)
         for r, client in self._clients.items():
             def payload(client=client):  # built at send time: the budget left then, on the producer's clock
                 sealed = client.sealed
                 off, err = (sealed.clock_offset, sealed.clock_error) if sealed else (0.0, 0.0)
                 budget = max(0.0, deadline - time.monotonic())
                 return encode(PullRequest(req=request_id, consumer_blocks=cblocks, producer_blocks=pblocks,
-                                          num_tokens=n, until=deadline + off - err, budget_s=budget))
+                                          num_tokens=n, start_token=start, until=deadline + off - err,
+                                          budget_s=budget))
             a.sender.send(client, payload, ("pull", request_id, r, self.sessions[r].conn_id))
 
     def write(self, request_id: str, local_block_ids: Mapping[str, Sequence[int]],
-              remote_block_ids: Mapping[str, Sequence[int]], num_tokens: int, timeout: float | None = None) -> None:
-        """Push one request from this (producer) rank's blocks into the consumer ranks' blocks."""
+              remote_block_ids: Mapping[str, Sequence[int]], num_tokens: int | None = None,
+              timeout: float | None = None, *, tokens=None) -> None:
+        """Push one request from this (producer) rank's blocks into the consumer ranks' blocks.
+
+        ``num_tokens`` / ``tokens=(start, stop)`` and the ids as in :meth:`read`.
+        """
         from kvlc.runtime.agent import check_request_id
 
         if self.direction is not Direction.WRITE:
@@ -270,7 +292,7 @@ class Peer:
             for r, s in self.sessions.items():
                 if ("tomb", s.conn_id, request_id) in a.events.ended:
                     raise TransferError(f"request '{request_id}' was cancelled by consumer rank {r}; nothing written")
-            parts = self._instantiate(local_block_ids, remote_block_ids, num_tokens)
+            parts = self._instantiate(local_block_ids, remote_block_ids, num_tokens, tokens)
             a.events.ended.pop(("write", request_id), None)
             a._submit(("write", request_id), request_id, "WRITE", parts, self._targets(),
                       a.timeout if timeout is None else timeout)

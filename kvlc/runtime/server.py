@@ -98,7 +98,8 @@ def pull_request(agent: KvAgent, conn: Conn, msg: PullRequest) -> None:
                 f"request '{msg.req}' expired before it could start (its budget was {msg.budget_s:.3g}s "
                 "when sent); nothing was written"
             )
-        parts = s.engine.bound(agent.bases).instantiate(msg.producer_blocks, msg.consumer_blocks, msg.num_tokens)
+        span = {"tokens": (msg.start_token, msg.num_tokens)} if msg.start_token else {"num_tokens": msg.num_tokens}
+        parts = s.engine.bound(agent.bases).instantiate(msg.producer_blocks, msg.consumer_blocks, **span)
         parts = {k: p for k, p in parts.items() if k.peer_rank == s.rank}  # this session's share only
         agent._submit(key, msg.req, "WRITE", parts, {s.rank: Target(s.agent, s.notif_key)}, left, ("pvp", s))
         agent._tally(s.engine, msg.req)

@@ -147,6 +147,7 @@ class PullRequest(_Strict):
     ``until`` is the consumer's deadline on the *producer's* clock (estimated at the handshake,
     less its uncertainty): the producer never posts a WRITE at or after it, however long the
     frame was queued. ``budget_s`` is what was left when the frame was sent (for messages).
+    The request moves tokens ``[start_token, num_tokens)``; the producer checks it again.
     """
 
     t: Literal["pull"] = "pull"
@@ -155,6 +156,7 @@ class PullRequest(_Strict):
     consumer_blocks: BlockIds
     producer_blocks: BlockIds
     num_tokens: Annotated[int, Field(ge=0, lt=1 << 40)]
+    start_token: Annotated[int, Field(ge=0, lt=1 << 40)] = 0   # the request moves [start_token, num_tokens)
     until: float
     budget_s: Annotated[float, Field(ge=0, le=86400)]
 

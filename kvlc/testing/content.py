@@ -132,13 +132,44 @@ def _kernel_ids(plan: Plan, group: str, ids: Sequence[int]) -> np.ndarray:
     return kernel_ids(np.asarray(ids, dtype=np.int64), 1 if g.is_state else g.kernel_blocks_per_block)
 
 
+def request_tokens(t) -> dict:
+    """A request's tokens as keywords: an int is ``num_tokens``, a (start, stop) pair or range ``tokens``.
+
+    >>> request_tokens(40), request_tokens((16, 40))
+    ({'num_tokens': 40}, {'tokens': (16, 40)})
+    """
+    if isinstance(t, (tuple, list, range)):
+        return {"tokens": t if isinstance(t, range) else tuple(t)}
+    return {"num_tokens": t}
+
+
+def _range(num_tokens, tokens, group: str) -> tuple[int, int]:
+    if tokens is not None:
+        t = tokens[group] if isinstance(tokens, Mapping) else tokens
+        return (t.start, t.stop) if isinstance(t, range) else (int(t[0]), int(t[1]))
+    return 0, int(num_tokens[group] if isinstance(num_tokens, Mapping) else num_tokens)
+
+
+def _needed(dst: Plan, group: str, start: int, stop: int) -> int:
+    """First token the receiver must get: a sliding window keeps whole blocks with a token >= stop - window + 1."""
+    g = dst.group(group)
+    if g.kind != "sliding_window":
+        return start
+    per = g.block_size * dst.parallel.dcp_size  # tokens per block id
+    first_kept_block = max(0, stop - g.window + 1) // per
+    return max(start, first_kept_block * per)
+
+
 def expected_bytes(dst: Plan, dst_rank: int, src: Plan, dst_ids: Mapping[str, Sequence[int]],
-                   src_ids: Mapping[str, Sequence[int]], num_tokens: int | Mapping[str, int],
-                   regions: Sequence[str] | None = None):
+                   src_ids: Mapping[str, Sequence[int]], num_tokens: int | Mapping[str, int] | None = None,
+                   regions: Sequence[str] | None = None, tokens=None):
     """Yield ``(storage, byte addresses, expected bytes)`` for one request at the receiver.
 
-    Covers every byte the receiver rank holds in the requested blocks for tokens
-    below ``num_tokens`` (all bytes for state regions and per-block fields).
+    Covers every byte the receiver rank holds in the requested blocks for tokens in
+    ``[start, stop)`` (``num_tokens=N``: ``[0, N)``; ``tokens``: ``(start, stop)``, a range,
+    or one per group), less what a sliding window no longer needs (whole receiver blocks
+    before the one holding token ``stop - window + 1``); all bytes for state regions and
+    per-block fields of the blocks moved. Ids list each side's blocks the range touches.
     """
     names = {r.name for r in src.regions}
     for r in dst.regions:
@@ -153,23 +184,25 @@ def expected_bytes(dst: Plan, dst_rank: int, src: Plan, dst_ids: Mapping[str, Se
                 if r.is_state:
                     blk_d, blk_s, tok = dk[:, None], sk[:, None], el.token[None, :]
                     keep = np.ones((len(dk), el.offset.size), bool)
-                elif f.dim("token") is None:  # per-block field: same block sizes (checked at pairing)
-                    tokens = num_tokens[group] if isinstance(num_tokens, Mapping) else num_tokens
-                    nblk = ceildiv(tokens, r.block_tokens * dst.parallel.dcp_size)
-                    blk_d, blk_s = dk[:nblk, None], sk[:nblk, None]
-                    tok = el.token[None, :] + _dcp_key(dst, dst_rank)  # equal sharding (checked at pairing)
-                    keep = np.ones((nblk, el.offset.size), bool)
                 else:
-                    tokens = num_tokens[group] if isinstance(num_tokens, Mapping) else num_tokens
-                    nblk = min(len(dk), ceildiv(tokens, r.block_tokens))
-                    j = np.arange(nblk, dtype=np.int64)[:, None]
-                    t = _global_tokens(dst, dst_rank, j * r.block_tokens + el.token[None, :])  # sequence position
-                    keep = t < tokens
-                    t = np.minimum(t, tokens - 1)
-                    blk_d = dk[:nblk, None]
-                    js, key = _source_slot(src, t)
-                    blk_s = sk[js // sr.block_tokens]
-                    tok = js % sr.block_tokens + key
+                    start, stop = _range(num_tokens, tokens, group)
+                    need = _needed(dst, group, start, stop)
+                    dd, ds = dst.parallel.dcp_size, src.parallel.dcp_size   # DCP: a block id covers bs * dcp
+                    d0 = start // (dst.group(group).block_size * dd) * (dst.group(group).block_size // r.block_tokens)
+                    s0 = start // (src.group(group).block_size * ds) * (src.group(group).block_size // sr.block_tokens)
+                    span = r.block_tokens * dd                              # tokens of one kernel block id
+                    j = np.arange(need // span, ceildiv(stop, span), dtype=np.int64)[:, None]
+                    blk_d = dk[j - d0]
+                    if f.dim("token") is None:  # per-block field: same block sizes and sharding (checked at pairing)
+                        blk_s, tok = sk[j - s0], el.token[None, :] + _dcp_key(dst, dst_rank)
+                        keep = np.ones((len(j), el.offset.size), bool)
+                    else:
+                        t = _global_tokens(dst, dst_rank, j * r.block_tokens + el.token[None, :])  # sequence position
+                        keep = (t >= need) & (t < stop)
+                        t = np.clip(t, need, stop - 1)
+                        js, key = _source_slot(src, t)
+                        blk_s = sk[js // sr.block_tokens - s0]
+                        tok = js % sr.block_tokens + key
                 vals = code(r.name, f.name, np.broadcast_to(el.head, keep.shape)[keep],
                             np.broadcast_to(blk_s, keep.shape)[keep], np.broadcast_to(tok, keep.shape)[keep],
                             np.broadcast_to(el.other, keep.shape)[keep], el.itemsize)

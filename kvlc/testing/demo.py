@@ -210,12 +210,12 @@ def verify(
     batch,
 ) -> tuple[int, list[str]]:
     """Compare one consumer rank's memory with the content codes of a round's requests."""
-    from kvlc.testing.content import expected_bytes
+    from kvlc.testing.content import expected_bytes, request_tokens
 
     touched = {k: np.zeros(len(v), bool) for k, v in after.items()}
     checked, problems = 0, []
     for req, cids, pids, tokens in batch:
-        for storage, idx, vals in expected_bytes(consumer, rank, producer, cids, pids, tokens):
+        for storage, idx, vals in expected_bytes(consumer, rank, producer, cids, pids, **request_tokens(tokens)):
             bad = np.flatnonzero(after[storage][idx] != vals)
             if bad.size:
                 problems.append(

@@ -120,9 +120,12 @@ def _main(conn) -> None:  # pragma: no cover - runs in the child
     def submit(h: _Hosted, peer_id, method, requests, timeout):
         errors = {}
         fn = getattr(h.peers[peer_id], method)
-        for req, lids, rids, n in requests:
+        for req, lids, rids, n in requests:   # n: num_tokens, or (start, stop) for a token range
             try:
-                fn(req, lids, rids, n, timeout=timeout)
+                if isinstance(n, (tuple, list)):
+                    fn(req, lids, rids, timeout=timeout, tokens=tuple(n))
+                else:
+                    fn(req, lids, rids, n, timeout=timeout)
             except Exception as exc:
                 errors[req] = f"{type(exc).__name__}: {exc}"
         return errors

@@ -79,6 +79,8 @@ def test_messages_round_trip(record):
             until=1234.5,
             budget_s=2.5,
         ),
+        PullRequest(req="r-2", consumer_blocks={"full": (2,)}, producer_blocks={"full": (1,)}, num_tokens=40,
+                    start_token=20, until=1.0, budget_s=1.0),
         Cancel(req="r-1"),
         Cancel(req="r-1", conn="a" * 32, tag="b" * 24),
         Reply(ok=True, status="cancelled"),
