@@ -3,8 +3,9 @@
 Hypothesis draws a model (an MLA latent, or GQA K/V, optionally a per-block field and a Mamba
 state) and two engines for it with their own TP size, DCP size, DCP interleave, block and
 kernel block sizes, dim orders, capacities and memory types: DCP on one side only, on both,
-with different sizes and interleaves. A random request is executed READ from every consumer
-rank and WRITE from every producer rank on the content-coded memory model and checked:
+with different sizes and interleaves. A random request (tokens ``[0, N)`` or a token range
+``[start, stop)``) is executed READ from every consumer rank and WRITE from every producer
+rank on the content-coded memory model and checked:
 
 * every requested destination byte holds its content code, no other byte changes
   (``memory_model.verify``, whose expectation follows vLLM's slot mapping, written out in
@@ -51,10 +52,15 @@ class SideT:
 class DcpCase:
     cons: SideT
     prod: SideT
-    tokens: int
+    tokens: int                  # stop: the request moves tokens [start, tokens)
     cids: dict
     pids: dict
     id_mode: str
+    start: int = 0
+
+    def kw(self) -> dict:
+        """The request's tokens as instantiate / verify keywords."""
+        return {"tokens": (self.start, self.tokens)} if self.start else {"num_tokens": self.tokens}
 
 
 def _divisors(n: int) -> list[int]:
@@ -111,21 +117,24 @@ def dcp_case(draw, kind=None, heads=None, sides=None, max_tokens=70) -> DcpCase:
     per_block = same and draw(st.booleans())
     mamba = math.lcm(cons.tp, prod.tp) if draw(st.booleans()) else 0
     tokens = draw(st.integers(1, max_tokens))
+    # a token range [start, stop) (a prefix-cache hit); per-block fields start on a whole block of both sides
+    step = math.lcm(cons.kernel * cons.dcp, prod.kernel * prod.dcp) if per_block else 1
+    start = draw(st.sampled_from((0, 0, draw(st.integers(0, tokens - 1)) // step * step)))
     lat_size = draw(st.integers(1, 5))
     id_mode = draw(st.sampled_from(("contiguous", "ascending", "arbitrary")))
     ids = []
     for s, label in ((cons, "c"), (prod, "p")):
-        need = -(-tokens // (s.block * s.dcp))
+        need = -(-tokens // (s.block * s.dcp)) - start // (s.block * s.dcp)   # ids of the blocks touched
         cap = need + draw(st.sampled_from((0, 1, 3)))
         s.text = _spec(s, label, heads, _dims(draw, kind, lat_size), per_block, mamba, cap)
         if id_mode == "contiguous":
-            start = draw(st.integers(0, cap - need))
-            chosen = list(range(start, start + need))
+            at = draw(st.integers(0, cap - need))
+            chosen = list(range(at, at + need))
         else:
             chosen = draw(st.permutations(range(cap)))[:need]
             chosen = sorted(chosen) if id_mode == "ascending" else chosen
         ids.append({"full": chosen, **({"mamba": [draw(st.integers(0, 2))]} if mamba else {})})
-    return DcpCase(cons, prod, tokens, ids[0], ids[1], id_mode)
+    return DcpCase(cons, prod, tokens, ids[0], ids[1], id_mode, start)
 
 
 # ============================================================================ reference map
@@ -157,13 +166,18 @@ def source_rank(c: int, head: int | None, heads: int, prod, dp: int | None) -> i
     return cands[c % len(cands)]
 
 
+def _kpb(plan, group: str) -> int:
+    g = plan.group(group)
+    return g.block_size // g.kernel_block_size
+
+
 def kernel_ids(plan, group: str, ids) -> np.ndarray:
     g = plan.group(group)
     m = 1 if g.is_state else g.block_size // g.kernel_block_size
     return (np.asarray(ids, np.int64)[:, None] * m + np.arange(m)).ravel()
 
 
-def _field_ref(cp, c: int, pp, rc, rp, fc, ck, pk, tokens: int):
+def _field_ref(cp, c: int, pp, rc, rp, fc, ck, pk, start: int, tokens: int):
     """(consumer byte offsets in storage, producer rank, producer byte offsets) of one field."""
     fp = rp.field(fc.name)
     grid = np.indices([d.size for d in fc.dims], dtype=np.int64).reshape(len(fc.dims), -1)
@@ -175,19 +189,20 @@ def _field_ref(cp, c: int, pp, rc, rp, fc, ck, pk, tokens: int):
         j = np.arange(len(ck))[:, None]
         kc, kp, keep, t = j, j, np.ones((len(ck), grid.shape[1]), bool), None
     else:
-        nblk = min(len(ck), -(-tokens // rc.block_tokens))
-        kc = np.arange(nblk)[:, None]
+        span_c = rc.block_tokens * cpar.dcp_size                   # global tokens of one kernel block id
+        c0 = start // (cp.group(rc.groups[0]).block_size * cpar.dcp_size) * _kpb(cp, rc.groups[0])
+        p0 = start // (pp.group(rc.groups[0]).block_size * ppar.dcp_size) * _kpb(pp, rc.groups[0])
+        j = np.arange(start // span_c, -(-tokens // span_c))[:, None]   # this rank's kernel blocks touched
         tok = fc.dim("token")
         if tok is None:  # per-block field: equal sharding on both sides
-            nblk = -(-tokens // (rc.block_tokens * cpar.dcp_size))
-            kc = kp = np.arange(nblk)[:, None]
-            keep, t = np.ones((nblk, grid.shape[1]), bool), None
+            kc, kp = j - c0, j - p0
+            keep, t = np.ones((len(j), grid.shape[1]), bool), None
         else:
-            jl = kc * rc.block_tokens + idx[tok.name][None, :]
+            jl = j * rc.block_tokens + idx[tok.name][None, :]
             t = global_pos(jl, cpar.dcp_size, cpar.dcp_interleave, c % cpar.dcp_size)
-            keep = t < tokens
+            keep = (t >= start) & (t < tokens)
             jp = local_pos(t, ppar.dcp_size, ppar.dcp_interleave)
-            kp = jp // rp.block_tokens
+            kc, kp = j - c0, jp // rp.block_tokens - p0
     shape = keep.shape
     hd = fc.dim("head")
     heads = hd.global_size if hd else 1
@@ -212,14 +227,14 @@ def _field_ref(cp, c: int, pp, rc, rp, fc, ck, pk, tokens: int):
             poff = poff + (jp % rp.block_tokens) * d.stride
         else:
             poff = poff + np.broadcast_to(idx[d.name], shape) * d.stride
-    cblk = np.broadcast_to(ck[np.minimum(kc, len(ck) - 1)], shape)
-    pblk = np.broadcast_to(pk[np.minimum(kp, len(pk) - 1)], shape)
+    cblk = np.broadcast_to(ck[np.clip(kc, 0, len(ck) - 1)], shape)
+    pblk = np.broadcast_to(pk[np.clip(kp, 0, len(pk) - 1)], shape)
     caddr = rc.offset + cblk * rc.block_stride + np.broadcast_to(coff, shape)
     paddr = rp.offset + pblk * rp.block_stride + poff
     return caddr[keep], prank[keep], paddr[keep]
 
 
-def reference(cp, c: int, pp, C: Engine, P: Engine, cids, pids, tokens: int) -> dict:
+def reference(cp, c: int, pp, C: Engine, P: Engine, cids, pids, start: int, tokens: int) -> dict:
     """(producer, cmem, pmem) → (consumer bytes, producer bytes, entry) of consumer rank ``c``."""
     acc: dict = {}
     for e, rc in enumerate(cp.regions):
@@ -227,7 +242,7 @@ def reference(cp, c: int, pp, C: Engine, P: Engine, cids, pids, tokens: int) -> 
         g = rc.groups[0]
         ck, pk = kernel_ids(cp, g, cids[g]), kernel_ids(pp, g, pids[g])
         for fc in rc.fields:
-            ca, pr, pa = _field_ref(cp, c, pp, rc, rp, fc, ck, pk, tokens)
+            ca, pr, pa = _field_ref(cp, c, pp, rc, rp, fc, ck, pk, start, tokens)
             b = np.arange(fc.itemsize)
             ca = (ca[:, None] + b).ravel() + C.bases[(c, rc.storage)]
             pbase = np.array([P.bases[(p, rp.storage)] for p in range(pp.parallel.tp_size)])
@@ -253,11 +268,11 @@ def run_case(case: DcpCase) -> int:
         prog = pair(cons, prod, local_rank=c, direction="READ")
         before = {k: v.copy() for k, v in C.buffers[c].items()}
         bases = {p: P.rank_bases(p) for p in prog.peer_ranks}
-        parts = prog.instantiate(C.rank_bases(c), bases, case.cids, case.pids, case.tokens)
+        parts = prog.instantiate(C.rank_bases(c), bases, case.cids, case.pids, **case.kw())
         refs[c] = set(prog.peer_ranks)
-        ref = reference(cons, c, prod, C, P, case.cids, case.pids, case.tokens)
+        ref = reference(cons, c, prod, C, P, case.cids, case.pids, case.start, case.tokens)
         assert {k[0] for k in ref} <= set(prog.peer_ranks), "peer ranks"  # the program serves any request
-        for key, part in prog.instantiate(C.rank_bases(c), bases, case.cids, case.pids, case.tokens,
+        for key, part in prog.instantiate(C.rank_bases(c), bases, case.cids, case.pids, **case.kw(),
                                           coalesce="sort").items():
             wl, wr, _ = ref[(key.peer_rank, key.local_mem, key.remote_mem)]
             assert len(part) == minimum_from_bytes(wl, wr), f"part {key}: coalesce='sort' above the minimum"
@@ -265,15 +280,16 @@ def run_case(case: DcpCase) -> int:
         writes: dict = {}
         execute_counting(parts, C, c, P, "READ", writes)
         assert all(w.max(initial=0) <= 1 for w in writes.values()), "a destination byte written twice"
-        checked += verify(C, c, P, case.cids, case.pids, case.tokens, before)
+        checked += verify(C, c, P, case.cids, case.pids, case.kw().get("num_tokens"), before, case.kw().get("tokens"))
     C2 = Engine(cons, 2, False)
     befores = {c: {k: v.copy() for k, v in C2.buffers[c].items()} for c in range(ctp)}
-    refs2 = {c: reference(cons, c, prod, C2, P, case.cids, case.pids, case.tokens) for c in range(ctp)}
+    refs2 = {c: reference(cons, c, prod, C2, P, case.cids, case.pids, case.start, case.tokens)
+             for c in range(ctp)}
     writes = {}
     for p in range(ptp):
         prog = pair(prod, cons, local_rank=p, direction="WRITE")
         parts = prog.instantiate(P.rank_bases(p), {c: C2.rank_bases(c) for c in prog.peer_ranks},
-                                 case.pids, case.cids, case.tokens)
+                                 case.pids, case.cids, **case.kw())
         want = {(c, pm, cm): (pb, cb, e) for c in range(ctp) for (q, cm, pm), (cb, pb, e) in refs2[c].items()
                 if q == p}
         check_parts(parts, want, case.id_mode, P, p, C2)
@@ -281,7 +297,8 @@ def run_case(case: DcpCase) -> int:
         assert set(prog.peer_ranks) == {c for c in range(ctp) if p in refs[c]}, "push peers mirror pull peers"
     assert all(w.max(initial=0) <= 1 for w in writes.values()), "a destination byte written twice"
     for c in range(ctp):
-        verify(C2, c, P, case.cids, case.pids, case.tokens, befores[c])
+        verify(C2, c, P, case.cids, case.pids, case.kw().get("num_tokens"), befores[c],
+               case.kw().get("tokens"))
     readers = {p: sum(1 for c in range(ctp) if p in refs[c]) for p in range(ptp)}
     assert dict(prog.consumer_counts) == readers, "consumer counts: the consumer ranks reading each producer"
     return checked
