@@ -61,6 +61,9 @@ FIELD_DOCS: dict[tuple[str, str], str] = {
     ("_GroupBase", "block_size"): "This group's tokens per logical block; default the spec's `block_size`.",
     ("_GroupBase", "kernel_block_size"): "This group's tokens per kernel block; default the group's block size "
                                           "if it sets one, else the spec's `kernel_block_size`.",
+    ("_GroupBase", "tokens_per_entry"): "Tokens one entry of the `token` dims covers: 1, or k for a compressed "
+                                         "cache (one entry per k tokens). Block sizes stay in tokens and must be "
+                                         "multiples of k; N tokens are `ceil(N / k)` entries. Default 1.",
     ("SlidingWindow", "window"): "Tokens of the attention window.",
     ("ChunkedLocal", "chunk"): "Tokens of an attention chunk.",
     ("Storage", "name"): "The name the runtime binds a tensor to (`tensors={name: tensor}`); "
@@ -72,7 +75,8 @@ FIELD_DOCS: dict[tuple[str, str], str] = {
     ("Storage", "align"): "Byte alignment of the auto-placed (`offset: auto`) regions in it. Default 1.",
     ("Dim", "name"): "The dim's name; the same name on both engines is the same axis of content.",
     ("Dim", "size"): "An integer, a `model.sizes` name, or omitted: a dim named like a model size takes it; "
-                     "a `token` dim takes the kernel block size. A `head` dim gives the *global* count.",
+                     "a `token` dim takes the kernel block size (in entries: divided by the group's "
+                     "`tokens_per_entry`). A `head` dim gives the *global* count.",
     ("Dim", "role"): "`token` (the axis block size counts), `head` (sharded by tensor parallelism), or none.",
     ("Dim", "stride"): "Byte stride of this dim (CuTe-style `shape:stride`); on every dim of a field or on "
                        "none. With strides, fields of different dtypes interleave in one per-token record "

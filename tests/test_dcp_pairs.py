@@ -134,3 +134,13 @@ def test_fragmented_tokens_warn_and_block_interleave_does_not():
     rep = check_pair(variant(DS, "ds-dcp8-i64", dcp_size=8, dcp_interleave=64), prod, local_rank=0,
                      direction="READ")
     assert rep.ok and rep.findings == ()
+
+
+def test_compressed_cache_under_dcp_refused_with_reason():
+    """A compressed cache (entries of k tokens) under DCP: 'dcp-compressed', not a wrong mapping."""
+    v4 = ROOT / "layouts" / "deepseek-v4-example-b256.yaml"
+    plain = kvlc.compile_spec(v4)
+    dcp = variant(v4, "v4-dcp2", tp_size=2, dcp_size=2)
+    rep = check_pair(dcp, plain, local_rank=0, direction="READ")
+    found = [f for f in rep.findings if f.code == "dcp-compressed"]
+    assert not rep.ok and found and found[0].local == "dcp_size 2" and "without DCP" in found[0].fix

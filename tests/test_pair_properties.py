@@ -444,15 +444,17 @@ def reference(cons_plan, c: int, prod_plan, C: Engine, P: Engine, cids, pids, to
                     ptok = None
                     keep = np.ones((len(ck), grid.shape[1]), bool)
                 else:
-                    kt_c, kt_p = rc.block_tokens, rp.block_tokens
-                    nblk = -(-tokens[g] // kt_c)
+                    # token dims count entries: tokens_per_entry tokens each (1 unless compressed)
+                    per = cons_plan.group(g).tokens_per_entry
+                    kt_c, kt_p = rc.block_tokens // per, rp.block_tokens // per
+                    nblk = -(-tokens[g] // rc.block_tokens)
                     kc = np.arange(nblk)[:, None]
                     if tok is None:
                         kp, ptok = kc, None
                         keep = np.ones((nblk, grid.shape[1]), bool)
                     else:
                         pos = kc * kt_c + idx[tok.name][None, :]
-                        keep = pos < tokens[g]
+                        keep = pos < -(-tokens[g] // per)   # a partly filled last entry moves whole
                         kp, ptok = pos // kt_p, pos % kt_p
                 coff = fc.offset + sum(grid[i] * d.stride for i, d in enumerate(fc.dims))
                 poff = np.full(grid.shape[1], fp.offset, np.int64)

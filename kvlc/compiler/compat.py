@@ -118,7 +118,7 @@ def check_pp_layers(p: Pairing) -> list[Finding]:
 
 
 def check_groups(p: Pairing) -> list[Finding]:
-    """Every group exists on both engines with the same kind and window.
+    """Every group exists on both engines with the same kind, window and tokens per entry.
 
     >>> from kvlc import compile_spec
     >>> a, b = compile_spec("layouts/llama-3.1-8b.yaml"), compile_spec("layouts/gemma-3-27b-tp2-b16.yaml")
@@ -136,6 +136,12 @@ def check_groups(p: Pairing) -> list[Finding]:
         elif (a.kind, a.window) != (b.kind, b.window):
             out.append(_finding("group-kind", f"group '{name}' differs in kind",
                                 local=f"{a.kind} window={a.window}", remote=f"{b.kind} window={b.window}"))
+        elif a.tokens_per_entry != b.tokens_per_entry:  # a compressed cache: entries of k tokens each
+            out.append(_finding("tokens-per-entry", f"group '{name}' compresses tokens differently: one entry "
+                                "covers another number of tokens on each engine, so no entry holds the other's "
+                                "content", local=f"tokens_per_entry {a.tokens_per_entry}",
+                                remote=f"tokens_per_entry {b.tokens_per_entry}",
+                                fix="use the model's compression ratio as tokens_per_entry on both engines"))
     return out
 
 
@@ -250,7 +256,7 @@ def check_tile_size(a: PlanRegion, b: PlanRegion) -> list[Finding]:
     >>> check_tile_size(a.region("layer.0"), b.region("layer.0"))  # tile of 32 tokens: fine
     []
     """
-    if a.is_state or not a.block_tokens or not b.block_tokens or tile(a.block_tokens, b.block_tokens).tokens \
+    if a.is_state or not a.block_entries or not b.block_entries or tile(a.block_entries, b.block_entries).tokens \
             <= TILE_WARNING:
         return []
     return [_finding("tile-size", "block sizes share a large tile", a.name, local=f"{a.block_tokens}",

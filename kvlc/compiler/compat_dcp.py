@@ -6,6 +6,8 @@ by every DCP rank and pairs by TP alone), except where the bytes have no single 
 
 * ``dcp-heads``: an engine whose DCP group spans ranks that hold different heads (more DCP
   ranks than replicas of a head) stores some tokens of a head on no rank at all;
+* ``dcp-compressed``: a compressed cache (``tokens_per_entry`` > 1) is not mapped across DCP
+  ranks yet;
 * ``dcp-per-block``: a field without a token dim (one value per block) describes a different
   set of tokens on each side unless both shard tokens identically.
 """
@@ -73,6 +75,14 @@ def check_dcp_regions(p: "Pairing") -> list[Finding]:
             continue
         b = p.remote.region(a.name)
         if a.is_state or b.is_state:
+            continue
+        if a.tokens_per_entry > 1 or b.tokens_per_entry > 1:
+            out.append(Finding("dcp-compressed", "error", "a compressed cache (one entry per "
+                               f"{max(a.tokens_per_entry, b.tokens_per_entry)} tokens) under decode context "
+                               "parallelism: kvlc does not map compressed entries across DCP ranks yet",
+                               a.name, local=f"dcp_size {p.local.parallel.dcp_size}",
+                               remote=f"dcp_size {p.remote.parallel.dcp_size}",
+                               fix="pair compressed groups between engines without DCP"))
             continue
         ga, gb = _geometry(p.local, a.block_tokens), _geometry(p.remote, b.block_tokens)
         per_block = [f.name for f in a.fields if f.dim("token") is None]

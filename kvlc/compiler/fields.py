@@ -58,18 +58,22 @@ class ResolvedLayout:
 
 
 class LayoutResolver:
-    """Resolves block layouts of one spec, once per (layout name, tokens per kernel block)."""
+    """Resolves block layouts of one spec, once per (layout name, token entries per kernel block, tokens per entry).
+
+    ``tokens`` counts the entries of a ``token`` dim: the kernel block's tokens divided by the group's
+    ``tokens_per_entry`` (``per``; 1 unless the group's cache is compressed).
+    """
 
     def __init__(self, spec: LayoutSpec):
         self.tp = spec.parallel.tp_size
         self.known = spec.model.known_sizes()
-        self._done: dict[tuple[str, int], ResolvedLayout] = {}
+        self._done: dict[tuple[str, int, int], ResolvedLayout] = {}
 
-    def __call__(self, name: str, layout: BlockLayout, tokens: int) -> ResolvedLayout:
-        key = (name, tokens)
+    def __call__(self, name: str, layout: BlockLayout, tokens: int, per: int = 1) -> ResolvedLayout:
+        key = (name, tokens, per)
         if key not in self._done:
             problems: list[Problem] = []
-            fields, nbytes = self._layout(name, layout, tokens, problems)
+            fields, nbytes = self._layout(name, layout, tokens, problems, per)
             self._done[key] = ResolvedLayout(fields, nbytes, tuple(problems))
         return self._done[key]
 
@@ -98,17 +102,20 @@ class LayoutResolver:
                                 found="nothing", fix=f"add 'size:' or declare model.sizes.{dim.name}"))
         return None
 
-    def dim_size(self, dim: Dim, tokens: int, path: tuple, problems: list) -> int | None:
+    def dim_size(self, dim: Dim, tokens: int, path: tuple, problems: list, per: int = 1) -> int | None:
         """The global size of a dim, checked against the model and the kernel block size."""
         size = self._named_size(dim, path, problems) if isinstance(dim.size, str) else dim.size
         if size is None:
             return None if isinstance(dim.size, str) else self._implied_size(dim, tokens, path, problems)
         if dim.role == "token" and size != tokens:
             what = ("the region's groups hold per-request state" if tokens == 0
-                    else f"kernel blocks hold {tokens} tokens")
-            problems.append(Problem(path + ("size",), f"token dim '{dim.name}' has {size} tokens but {what}",
+                    else f"kernel blocks hold {tokens} tokens" if per == 1 else
+                    f"kernel blocks hold {tokens} entries ({tokens * per} tokens, one entry per {per})")
+            unit = "tokens" if per == 1 else "entries"
+            problems.append(Problem(path + ("size",), f"token dim '{dim.name}' has {size} {unit} but {what}",
                                     expected=str(tokens), found=str(size),
-                                    fix="omit the size of token dims; it follows the group's kernel block size"))
+                                    fix="omit the size of token dims; it follows the group's kernel block size"
+                                    + ("" if per == 1 else " and tokens_per_entry")))
             return None
         expect = self.known.get(dim.name)
         if expect is not None and size != expect and not dim.sections:
@@ -135,7 +142,7 @@ class LayoutResolver:
                                 fix=f"set parallel.tp_size to one of {shown}, or change the dim's size"))
         return None
 
-    def _sized(self, f, fpath: tuple, tokens: int, problems: list) -> list[SizedDim] | None:
+    def _sized(self, f, fpath: tuple, tokens: int, problems: list, per: int = 1) -> list[SizedDim] | None:
         """Every dim of a spec field with its per-rank and global size (None if one failed)."""
         out: list[SizedDim] = []
         ok = True
@@ -149,7 +156,7 @@ class LayoutResolver:
                 else:
                     out.append(SizedDim(d, sum(locs), sum(d.sections.values())))
                 continue
-            g = self.dim_size(d, tokens, fpath + ("dims", di), problems)
+            g = self.dim_size(d, tokens, fpath + ("dims", di), problems, per)
             local = None if g is None else (self.per_rank(d.name, g, where, problems) if d.role == "head" else g)
             if local is None:
                 ok = False
@@ -179,13 +186,13 @@ class LayoutResolver:
             at += local
         return out
 
-    def _layout(self, name: str, layout: BlockLayout, tokens: int, problems: list):
+    def _layout(self, name: str, layout: BlockLayout, tokens: int, problems: list, per: int = 1):
         fields: list[PlanField] = []
         spans: list[Span] = []
         placed: list[Placed] = []
         cursor = 0
         for fi, f in enumerate(layout.fields):
-            sizes = self._sized(f, ("layouts", name, "fields", fi), tokens, problems)
+            sizes = self._sized(f, ("layouts", name, "fields", fi), tokens, problems, per)
             if sizes is None:
                 continue
             item = DTYPE_SIZES[f.dtype]

@@ -119,16 +119,16 @@ def _explosion(prog: TransferProgram, e: Entry, name: str) -> int:
     if lf.dim("token") is None or lf.dim("head") is None:
         return 0
     n = len(tile_runs(lr, rr, tuple(p for p in e.pieces if p.field == name), shards=e.shards))
-    return n if n >= e.tile_tokens else 0
+    return n if n >= e.tile_tokens // lr.tokens_per_entry else 0   # one run per token (entry) of the tile
 
 
 def explosions(prog: TransferProgram) -> list[Finding]:
     """Warn where a field needs about one descriptor per token per tile (token-major + hetero TP)."""
     seen: dict[tuple, tuple[int, list[str], PlanField, PlanField, int]] = {}
     for e in prog.entries:
-        if e.tile_tokens < 2:
-            continue
         lr, rr = prog.local.region(e.region), prog.remote.region(e.region)
+        if e.tile_tokens // max(lr.tokens_per_entry, 1) < 2:
+            continue
         for name in dict.fromkeys(p.field for p in e.pieces):
             lf, rf = lr.field(name), rr.field(name)
             key = (name, lf, rf, lr.block_tokens, rr.block_tokens, e.tile_tokens, e.shards)

@@ -39,6 +39,13 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
+def _drop_default(out: dict, key: str, value, default) -> dict:
+    """Leave a field at its default out of the JSON, so plans without it serialize (and hash) as before."""
+    if value == default:
+        out.pop(key, None)
+    return out
+
+
 class PlanDim(_Frozen):
     """One axis of a field: per-rank ``size``, ``global_size`` (heads before TP), byte ``stride``."""
 
@@ -100,6 +107,11 @@ class PlanGroup(_Frozen):
     window: int = 0
     block_size: int
     kernel_block_size: int
+    tokens_per_entry: int = 1  # tokens one token-dim entry covers (> 1: a compressed cache)
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler):
+        return _drop_default(handler(self), "tokens_per_entry", self.tokens_per_entry, 1)
 
     @property
     def is_state(self) -> bool:
@@ -108,6 +120,15 @@ class PlanGroup(_Frozen):
     @property
     def kernel_blocks_per_block(self) -> int:
         return self.block_size // self.kernel_block_size
+
+    def entries_for(self, tokens: int) -> int:
+        """Token-dim entries that hold ``tokens`` tokens: a partly filled last entry counts whole.
+
+        >>> PlanGroup(name="c4a", kind="full_attention", block_size=256, kernel_block_size=256,
+        ...           tokens_per_entry=4).entries_for(13)
+        4
+        """
+        return ceildiv(tokens, self.tokens_per_entry)
 
 
 class PlanStorage(_Frozen):
@@ -134,18 +155,24 @@ class PlanRegion(_Frozen):
     optional: bool = False
     fields: tuple[PlanField, ...]
     aliases: tuple[str, ...] = ()  # regions lying over the same pages (a shared page pool)
+    tokens_per_entry: int = 1  # tokens one entry of the token dims covers (the group's; > 1: compressed)
 
     @model_serializer(mode="wrap")
     def _dump(self, handler):
         out = handler(self)
         if not self.aliases:  # plans without aliasing serialize (and hash) as before
             out.pop("aliases", None)
-        return out
+        return _drop_default(out, "tokens_per_entry", self.tokens_per_entry, 1)
 
     @property
     def is_state(self) -> bool:
         """Per-request state (Mamba): no token axis, a block is copied whole."""
         return self.block_tokens == 0
+
+    @property
+    def block_entries(self) -> int:
+        """Entries of the token dims in one kernel block: ``block_tokens / tokens_per_entry`` (0: state)."""
+        return self.block_tokens // self.tokens_per_entry
 
     @property
     def capacity(self) -> int:
@@ -163,6 +190,8 @@ class PlanRegion(_Frozen):
     def text(self) -> str:
         kb = f"x{self.kernel_blocks_per_block}" if self.kernel_blocks_per_block > 1 else ""
         toks = "state" if self.is_state else f"tokens={self.block_tokens}{kb}"
+        if self.tokens_per_entry > 1:
+            toks += f" entries={self.block_entries}"
         opt = " optional" if self.optional else ""
         return (f"{self.name} {self.storage}+{self.offset} {self.mem}:{self.device} "
                 f"blocks={self.num_blocks} bytes={self.block_bytes} stride={self.block_stride} "
@@ -292,7 +321,8 @@ class Plan(_Frozen):
                  f"tp={p.tp_size} dcp={p.dcp_size}{inter} pp_layers={p.layers[0]}:{p.layers[1]}"]
         for g in self.groups:
             win = f" window={g.window}" if g.window else ""
-            lines.append(f"group {g.name} {g.kind} block={g.block_size} kernel={g.kernel_block_size}{win}")
+            per = f" tokens_per_entry={g.tokens_per_entry}" if g.tokens_per_entry > 1 else ""
+            lines.append(f"group {g.name} {g.kind} block={g.block_size} kernel={g.kernel_block_size}{win}{per}")
         for s in self.storages:
             lines.append(f"storage {s.name} {s.mem}:{s.device} size={s.size}")
         lines.extend("region " + r.text() for r in self.regions)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from kvlc.compiler.expand import Expanded, Sourced, layer_range
 from kvlc.compiler.fields import LayoutResolver, unknown_fix
-from kvlc.compiler.layout import ceildiv, lcm, shard
+from kvlc.compiler.layout import ceildiv, is_state_kind, lcm, shard
 from kvlc.compiler.plan import PlanGroup, PlanRegion, PlanStorage
 from kvlc.compiler.spec import LayoutSpec
 from kvlc.errors import Problem
@@ -68,16 +68,41 @@ def resolve_groups(spec: LayoutSpec, problems: list) -> tuple[PlanGroup, ...]:
                 problems.append(problem)
             kernel = block
         window = getattr(g, "window", 0) or getattr(g, "chunk", 0)
+        per = _tokens_per_entry(g, i, block, kernel, problems)
         out.append(PlanGroup(name=g.name, kind=g.kind, window=window, block_size=block,
-                             kernel_block_size=kernel))
+                             kernel_block_size=kernel, tokens_per_entry=per))
     return tuple(out)
+
+
+def _tokens_per_entry(g, i: int, block: int, kernel: int, problems: list) -> int:
+    """A group's tokens per entry: every block and kernel block holds whole entries (else a problem, 1)."""
+    per = g.tokens_per_entry
+    if per == 1:
+        return 1
+    where = ("groups", i, "tokens_per_entry")
+    if is_state_kind(g.kind):
+        problems.append(Problem(where, f"group '{g.name}' holds per-request state, so it has no token entries",
+                                expected="tokens_per_entry 1 (or none) on a mamba/linear_attention group",
+                                found=f"tokens_per_entry: {per}", fix="remove 'tokens_per_entry'"))
+        return 1
+    for what, tokens in (("block size", block), ("kernel block size", kernel)):
+        if tokens % per:
+            up = ceildiv(tokens, per) * per
+            problems.append(Problem(where, f"group '{g.name}' {what} {tokens} is not a whole number of "
+                                    f"{per}-token entries", expected=f"a {what} that is a multiple of {per}",
+                                    found=f"{what} {tokens}, tokens_per_entry {per}",
+                                    fix=f"use a {what} of {up}" + (f" or {up - per}" if up > per else "")
+                                    + f", or a tokens_per_entry that divides {tokens}"))
+            return 1
+    return per
 
 
 def _block_geometry(g: PlanGroup) -> str:
     """What a group's blocks hold, in words: two groups may share a region only when equal."""
     if g.is_state:
         return "per-request state (no token dim)"
-    return f"blocks of {g.block_size} tokens, kernel blocks of {g.kernel_block_size}"
+    per = f", one entry per {g.tokens_per_entry} tokens" if g.tokens_per_entry > 1 else ""
+    return f"blocks of {g.block_size} tokens, kernel blocks of {g.kernel_block_size}{per}"
 
 
 @dataclass
@@ -155,10 +180,11 @@ def _region(src: Sourced, ctx: _Context) -> ResolvedRegion | None:
         return None
     first = groups[0]
     tokens = 0 if first.is_state else first.kernel_block_size
-    res = ctx.layouts(r.layout, layout, tokens)
+    per = first.tokens_per_entry
+    res = ctx.layouts(r.layout, layout, tokens // per, per)
     if res.problems:
-        if (r.layout, tokens) not in ctx.reported_layouts:
-            ctx.reported_layouts.add((r.layout, tokens))
+        if (r.layout, tokens, per) not in ctx.reported_layouts:
+            ctx.reported_layouts.add((r.layout, tokens, per))
             ctx.problems.extend(res.problems)
         return None
     ctx.problems.extend(_region_alignment(r, path, st.item, first, res.fields))
@@ -167,7 +193,7 @@ def _region(src: Sourced, ctx: _Context) -> ResolvedRegion | None:
     return ResolvedRegion(PlanRegion(
         name=r.name, storage=r.storage, mem=st.item.mem, device=st.item.device, offset=offset,
         num_blocks=r.num_blocks, block_bytes=res.block_bytes, block_stride=stride,
-        groups=tuple(g.name for g in groups), block_tokens=tokens,
+        groups=tuple(g.name for g in groups), block_tokens=tokens, tokens_per_entry=per,
         kernel_blocks_per_block=1 if first.is_state else first.kernel_blocks_per_block,
         optional=r.optional, fields=res.fields, aliases=r.aliases), path)
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from kvlc.compiler.algebra import merge_runs, strided_runs
 from kvlc.compiler.dcp import ShardPair, dcp_chunks, dcp_tile
-from kvlc.compiler.layout import tile
+from kvlc.compiler.layout import ceildiv, tile
 from kvlc.compiler.plan import PlanField, PlanRegion
 
 
@@ -121,8 +121,13 @@ def chunks(lr: PlanRegion, rr: PlanRegion, tokens: int | None = None, start: int
            shards: ShardPair | None = None) -> list[Chunk]:
     """Token chunks of one tile (``[start, tokens)``: clip a partial tile; state: one whole chunk).
 
+    Chunks count token-dim entries: a compressed cache (``tokens_per_entry`` k, the same on both
+    sides) tiles its entries, and tokens ``[start, tokens)`` of a tile are entries
+    ``[start // k, ceil(tokens / k))``: every entry holding one of them moves whole.
+
     ``shards``: decode context parallelism on either side; the tile is then in global tokens
-    and the chunks cover the tokens both ranks hold (:func:`kvlc.compiler.dcp.dcp_chunks`).
+    and the chunks cover the tokens both ranks hold (:func:`kvlc.compiler.dcp.dcp_chunks`;
+    compressed caches under DCP are refused at pairing).
 
     >>> from kvlc import compile_spec
     >>> a = compile_spec("layouts/gemma-3-27b-tp2-b16.yaml").regions[0]
@@ -130,16 +135,17 @@ def chunks(lr: PlanRegion, rr: PlanRegion, tokens: int | None = None, start: int
     >>> [(c.local_block, c.tokens) for c in chunks(a, b)]
     [(0, 16), (1, 16)]
     """
-    t = tile(lr.block_tokens, rr.block_tokens)
+    t = tile(lr.block_entries, rr.block_entries)
     if t.is_state:
         return [WHOLE]
     if shards is not None:
         span = dcp_tile(lr.block_tokens, shards.local, rr.block_tokens, shards.remote).tokens
         return [Chunk(c.a_block, c.a_token, c.b_block, c.b_token, c.tokens) for c in
                 dcp_chunks(lr.block_tokens, rr.block_tokens, shards, span if tokens is None else tokens, start)]
-    limit = t.tokens if tokens is None else tokens
-    bl, br = lr.block_tokens, rr.block_tokens
-    cuts = [start] + list(range(start // t.chunk * t.chunk + t.chunk, limit, t.chunk)) + [limit]
+    per = lr.tokens_per_entry  # token dims count entries: [start, tokens) covers these entries
+    first, limit = start // per, t.tokens if tokens is None else ceildiv(tokens, per)
+    bl, br = lr.block_entries, rr.block_entries
+    cuts = [first] + list(range(first // t.chunk * t.chunk + t.chunk, limit, t.chunk)) + [limit]
     return [Chunk(a // bl, a % bl, a // br, a % br, b - a) for a, b in zip(cuts, cuts[1:]) if b > a]
 
 

@@ -120,6 +120,7 @@ class _GroupBase(Frozen):
     name: Name
     block_size: Tokens | None = None
     kernel_block_size: Tokens | None = None
+    tokens_per_entry: Tokens = 1  # one token-dim entry covers this many tokens (a compressed cache)
 
 
 class FullAttention(_GroupBase):
@@ -169,7 +170,7 @@ class Dim(Frozen):
     """A named axis of a field. ``size`` is an int, a model size name, or omitted.
 
     Omitted sizes come from the model (a dim named like a model size) or, for the
-    ``token`` role, from the kernel block size. A ``head`` dim gives the *global*
+    ``token`` role, from the kernel block size (in entries of the group's ``tokens_per_entry``). A ``head`` dim gives the *global*
     count; each rank holds ``size / tp_size`` (or one replica when tp > size).
     """
 

@@ -196,6 +196,14 @@ def expected_bytes(dst: Plan, dst_rank: int, src: Plan, dst_ids: Mapping[str, Se
                     if f.dim("token") is None:  # per-block field: same block sizes and sharding (checked at pairing)
                         blk_s, tok = sk[j - s0], el.token[None, :] + _dcp_key(dst, dst_rank)
                         keep = np.ones((len(j), el.offset.size), bool)
+                    elif r.tokens_per_entry > 1:  # entries of tokens_per_entry tokens (DCP refused at pairing)
+                        per = r.tokens_per_entry  # every entry holding a needed token moves whole
+                        e0, e1 = need // per, ceildiv(stop, per)
+                        t = j * r.block_entries + el.token[None, :]         # entry position in the sequence
+                        keep = (t >= e0) & (t < e1)
+                        t = np.clip(t, e0, e1 - 1)
+                        blk_s = sk[t // sr.block_entries - s0]
+                        tok = t % sr.block_entries
                     else:
                         t = _global_tokens(dst, dst_rank, j * r.block_tokens + el.token[None, :])  # sequence position
                         keep = (t >= need) & (t < stop)

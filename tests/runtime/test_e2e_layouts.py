@@ -1,7 +1,7 @@
 """Checked-in layouts (CPU variants: DRAM, smaller pools) moved between real NIXL agents in two
 processes — every producer rank in one, every consumer rank in the other — with every byte checked:
 heterogeneous TP both ways, HND and NHD, MLA latent replicated over TP8, block-size ratios with two
-KV-cache groups, an indexer cache, sliding windows, FP8 with scale tables and padded strides, and
+KV-cache groups, an indexer cache, compressed caches (one entry per 4 and per 128 tokens), sliding windows, FP8 with scale tables and padded strides, and
 Mamba state split section by section."""
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ CASES = [
     ("nemotron-h-tp4-to-tp2", "pull_via_push"),
     ("deepseek-v3-tp8-dcp8-to-tp1", "pull"),       # DCP8 producer: each rank holds every 8th token
     ("qwen3-235b-tp4-to-tp8-dcp2", "pull"),        # DCP2 consumer, GQA, TP4 -> TP8, 32- vs 16-token blocks
+    ("v4-compressed-b256-to-b128", "pull"),
+    ("v4-compressed-b128-to-b256", "push"),
 ]
 MAX_BYTES = 4 << 20
 
