@@ -43,9 +43,13 @@ FIELD_DOCS: dict[tuple[str, str], str] = {
                             "`size: NAME` refers to one.",
     ("Parallel", "tp_size"): "Tensor-parallel ranks. A `role: head` dim holds `size / tp_size` heads per rank "
                              "(one replica per rank when tp_size is a multiple of the size). Default 1.",
-    ("Parallel", "dcp_size"): "Decode-context-parallel ranks: tokens of a request are interleaved over "
-                              "`dcp_size` ranks (each stores every dcp_size-th token). kvlc compiles such "
-                              "plans but refuses to pair them. Default 1.",
+    ("Parallel", "dcp_size"): "Decode-context-parallel ranks (vLLM `decode_context_parallel_size`): tokens of a "
+                              "request are interleaved over `dcp_size` consecutive TP ranks, so one block id "
+                              "covers `block_size * dcp_size` tokens. Must divide `tp_size`. Default 1.",
+    ("Parallel", "dcp_interleave"): "Tokens a DCP rank stores in a row before the next rank's turn (vLLM "
+                                    "`cp_kv_cache_interleave_size`): token t is on DCP rank "
+                                    "`(t // dcp_interleave) % dcp_size`. Divides every kernel block size; "
+                                    "needs `dcp_size > 1`. Default 1.",
     ("Parallel", "layers"): "`[start, stop)` layers of this pipeline stage; default all of `model.num_layers`.",
     ("_GroupBase", "name"): "The group's name; regions list it under `groups`, requests key block ids by it.",
     ("FullAttention", "kind"): "`full_attention`: K/V (or a latent) of every token.",

@@ -270,11 +270,12 @@ def test_cli_writes_the_spec(tmp_path):
 
 
 def test_cli_pp_stage_and_dcp():
-    res = CliRunner().invoke(cli, ["init", str(LAYOUTS / "templates/llama-3.1-70b.config.json"), "--tp-size", "8",
+    # 8 KV heads at TP16: each head on 2 ranks, which DCP2 shards by token (TP8 DCP2 would lose tokens)
+    res = CliRunner().invoke(cli, ["init", str(LAYOUTS / "templates/llama-3.1-70b.config.json"), "--tp-size", "16",
                                    "--layers", "40:80", "--dcp-size", "2", "--num-blocks", "64", "--json"])
     assert res.exit_code == 0, res.output
     spec = json.loads(res.output)
-    assert spec["parallel"] == {"tp_size": 8, "dcp_size": 2, "layers": [40, 80]}
+    assert spec["parallel"] == {"tp_size": 16, "dcp_size": 2, "layers": [40, 80]}
     assert [r["name"] for r in spec["regions"]] == [f"layer.{i}" for i in range(40, 80)]
 
 

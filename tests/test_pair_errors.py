@@ -113,12 +113,43 @@ def test_model_sizes():
     assert any("'head_dim'" in x.message for x in f)
 
 
-def test_dcp_refused_with_reason():
-    """Decode context parallelism on either side is refused with the reason (interleaved tokens) and a fix."""
-    for a, b, side in ((base(parallel={"dcp_size": 2}), base(), "local"),
-                       (base(), base(parallel={"dcp_size": 2}), "remote")):
-        f = assert_refused(a, b, "dcp")
-        assert f[0].local == side and "interleave" in f[0].message and "dcp_size 1" in f[0].fix
+def test_dcp_pairs_any_sizes():
+    """Decode context parallelism on one side, both, or with different sizes and interleaves pairs."""
+    dcp = lambda d, i=1: {"tp_size": 8, "dcp_size": d, **({"dcp_interleave": i} if i > 1 else {})}  # noqa: E731
+    for a, b in ((dcp(2), base()), (base(), dcp(2)), (dcp(2), dcp(1)), (dcp(2, 2), dcp(2)), (dcp(1), dcp(2, 4))):
+        a, b = (x if "kvlc" in x else base(parallel=x) for x in (a, b))
+        assert report(a, b).ok and report(b, a, direction="WRITE").ok
+
+
+def test_dcp_heads_refused_with_reason():
+    """A DCP group wider than a head's replicas stores some tokens nowhere: 'dcp-heads' on that side."""
+    for a, b, side in ((base(parallel={"tp_size": 4, "dcp_size": 2}), base(), "local"),
+                       (base(), base(parallel={"tp_size": 8, "dcp_size": 4}), "remote")):
+        f = assert_refused(a, b, "dcp-heads")
+        assert getattr(f[0], side).startswith("tp_size") and "stored by no rank" in f[0].message
+        assert "dcp_size <= tp_size / num_kv_heads" in f[0].fix
+
+
+def test_dcp_state_pairs_by_tp():
+    """Per-request state (Mamba) under DCP pairs (every DCP rank holds it whole)."""
+    def mamba(s):
+        s["groups"].append({"name": "m", "kind": "mamba"})
+        s["layouts"]["st"] = {"fields": [{"name": "ssm", "dtype": "fp32", "dims": [{"name": "x", "size": 4}]}]}
+        s["regions"].append({"name": "state.0", "storage": "gpu", "layout": "st", "num_blocks": 2, "groups": ["m"]})
+    a = edit(base(parallel={"tp_size": 8, "dcp_size": 2}), mamba)
+    assert report(a, edit(base(), mamba)).ok
+
+
+def test_dcp_per_block_field_refused_unless_same_sharding():
+    """A field without a token dim under different token sharding: 'dcp-per-block'; equal sharding pairs."""
+    def scale(s):
+        s["layouts"]["kv"]["fields"].append({"name": "scale", "dtype": "fp32", "dims": [{"name": "head",
+                                                                                          "role": "head"}]})
+    a = edit(base(parallel={"tp_size": 8, "dcp_size": 2}), scale)
+    f = assert_refused(a, edit(base(), scale), "dcp-per-block")
+    assert f[0].field == "scale" and "dcp_size 2" in f[0].local and "dcp_size 1" in f[0].remote
+    assert report(a, edit(base(parallel={"tp_size": 4, "dcp_size": 2}), scale)).codes() == ("dcp-heads",)
+    assert report(a, a).ok
 
 
 def test_pp_layer_ranges():
@@ -291,8 +322,8 @@ def test_large_tile_warns():
 def test_every_error_at_once():
     """The report lists every mismatch, not just the first, errors before warnings."""
     b = edit(base(), lambda s: (s["model"].update(name="x", num_layers=3), s["regions"].reverse()))
-    rep = report(base(parallel={"dcp_size": 2}), b)
-    assert {"model-name", "model-layers", "dcp", "region-order"} <= set(rep.codes())
+    rep = report(base(parallel={"tp_size": 4, "dcp_size": 2}), b)
+    assert {"model-name", "model-layers", "dcp-heads", "region-order"} <= set(rep.codes())
     sev = [f.severity for f in rep.findings]
     assert sev == sorted(sev, key=lambda s: s != "error")
 

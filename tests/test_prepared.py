@@ -64,8 +64,8 @@ def random_request(local, remote, rng, max_tokens: int = 200):
             n = int(rng.integers(1, 4))
         else:
             tokens[g.name] = int(rng.integers(1, max_tokens))
-            n = -(-tokens[g.name] // g.block_size)
-            nr = -(-tokens[g.name] // remote.group(g.name).block_size)
+            n = local.blocks_for(g.name, tokens[g.name])   # DCP: a block id covers block_size * dcp_size
+            nr = remote.blocks_for(g.name, tokens[g.name])
         for side, cap, k, out in (("l", lcap, n, lids), ("r", rcap, n if g.name not in tokens else nr, rids)):
             free = [i for i in range(min(cap)) if g.name not in pooled or i not in taken[side]]
             out[g.name] = rng.choice(free, k, replace=False).tolist()
@@ -168,7 +168,8 @@ def test_checked_in_pairs_same_byte_map_as_instantiate(entry, direction):
         # tokens filling whole tiles exactly: no tail at all
         lids, rids, tokens = random_request(local, remote, rng)
         for g in tokens:
-            lbs, rbs = local.group(g).block_size, remote.group(g).block_size
+            lbs = local.group(g).block_size * local.parallel.dcp_size      # tokens per block id
+            rbs = remote.group(g).block_size * remote.parallel.dcp_size
             tile = lbs * rbs // np.gcd(lbs, rbs)
             tokens[g] = tile
             # ids of other groups stay out of the way (pooled groups never share a page)

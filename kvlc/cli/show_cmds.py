@@ -79,6 +79,8 @@ def pair_cmd(producer: str, consumer: str, rank: int, direction: str, as_json: b
             print_table(program_table(program, op, rank), console)
             counts = ", ".join(f"rank {k}: {v}" for k, v in sorted(program.consumer_counts.items()))
             print_line(console, f"consumer ranks reading from each producer rank: {counts}")
+            if program.dcp_text():
+                print_line(console, program.dcp_text())
             for w in program.window_stats():
                 print_line(console, w.text())
             if show_program:

@@ -115,7 +115,9 @@ def _layer_window(text: str | None) -> tuple[int, int] | None:
 @click.option("--pp-size", type=int, default=1, show_default=True, help="Pipeline stages (even split).")
 @click.option("--pp-rank", type=int, default=0, show_default=True, help="This engine's pipeline stage.")
 @click.option("--layers", "layers", metavar="START:STOP", help="This stage's layers [START, STOP) (instead of --pp-*).")
-@click.option("--dcp-size", type=int, default=1, show_default=True)
+@click.option("--dcp-size", type=int, default=1, show_default=True, help="Decode context parallel ranks.")
+@click.option("--dcp-interleave", type=int, default=1, show_default=True,
+              help="Tokens a DCP rank stores in a row (vLLM's cp_kv_cache_interleave_size).")
 @click.option("--block-size", type=int, default=16, show_default=True, help="Tokens per scheduler block.")
 @click.option("--kernel-block-size", type=int, default=None, help="Tokens per attention-kernel block.")
 @click.option("--kv-dtype", default="bf16", show_default=True)
@@ -130,9 +132,9 @@ def _layer_window(text: str | None) -> tuple[int, int] | None:
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write the spec here.")
 @click.option("--json", "as_json", is_flag=True, help="Write the spec as JSON instead of commented YAML.")
 def init_cmd(config: str, engine: str, backend: str, tp_size: int, pp_size: int, pp_rank: int, layers: str | None,
-             dcp_size: int, block_size: int, kernel_block_size: int | None, kv_dtype: str, mem: str, device: int,
-             num_blocks: int, sliding_blocks: int | None, state_slots: int | None, mtp: bool, name: str,
-             model_name: str, output: str | None, as_json: bool) -> None:
+             dcp_size: int, dcp_interleave: int, block_size: int, kernel_block_size: int | None, kv_dtype: str,
+             mem: str, device: int, num_blocks: int, sliding_blocks: int | None, state_slots: int | None,
+             mtp: bool, name: str, model_name: str, output: str | None, as_json: bool) -> None:
     """Write the spec of a HuggingFace CONFIG (config.json) on the engine the options describe."""
     import json as _json
 
@@ -141,10 +143,10 @@ def init_cmd(config: str, engine: str, backend: str, tp_size: int, pp_size: int,
     from kvlc.init import EngineOptions, init_spec, init_yaml
     try:
         opts = EngineOptions(engine=engine, backend=backend, tp_size=tp_size, pp_size=pp_size, pp_rank=pp_rank,
-                             layers=_layer_window(layers), dcp_size=dcp_size, block_size=block_size,
-                             kernel_block_size=kernel_block_size, kv_dtype=kv_dtype, mem=mem, device=device,
-                             num_blocks=num_blocks, sliding_blocks=sliding_blocks, state_slots=state_slots,
-                             draft_layers=mtp, name=name, model_name=model_name)
+                             layers=_layer_window(layers), dcp_size=dcp_size, dcp_interleave=dcp_interleave,
+                             block_size=block_size, kernel_block_size=kernel_block_size, kv_dtype=kv_dtype,
+                             mem=mem, device=device, num_blocks=num_blocks, sliding_blocks=sliding_blocks,
+                             state_slots=state_slots, draft_layers=mtp, name=name, model_name=model_name)
         cfg = load_config(config)
         text = init_yaml(cfg, opts)
         compile_spec(text)  # what init writes always compiles; a bad combination fails here, located

@@ -22,7 +22,7 @@ def build_plan(res: Resolved) -> Plan:
         model=PlanModel(name=spec.model.name, num_layers=spec.model.num_layers,
                         sizes=dict(sorted(spec.model.known_sizes().items()))),
         parallel=PlanParallel(tp_size=spec.parallel.tp_size, dcp_size=spec.parallel.dcp_size,
-                              layers=layer_range(spec)),
+                              dcp_interleave=spec.parallel.dcp_interleave, layers=layer_range(spec)),
         groups=res.groups,
         storages=tuple(s.storage for s in res.storages),
         regions=tuple(r.region for r in res.regions),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvlc.compiler.compat_dcp import check_dcp
 from kvlc.compiler.findings import CompatReport, Finding, Severity
 from kvlc.compiler.layout import tile
 from kvlc.compiler.plan import Plan, PlanField, PlanRegion
@@ -89,20 +90,6 @@ def check_model(p: Pairing) -> list[Finding]:
         if a is not None and b is not None and a != b:
             out.append(_finding("model-size", f"model size '{key}' differs", local=str(a), remote=str(b)))
     return out
-
-
-def check_dcp(p: Pairing) -> list[Finding]:
-    """Decode context parallelism is refused on either side (tokens interleave across ranks).
-
-    >>> from kvlc import compile_spec
-    >>> plan = compile_spec("layouts/llama-3.1-8b.yaml")
-    >>> check_dcp(Pairing(plan, plan, 0, "READ"))
-    []
-    """
-    return [_finding("dcp", f"decode context parallelism (dcp_size {plan.parallel.dcp_size}) interleaves tokens "
-                     "across ranks; kvlc does not map interleaved tokens yet and refuses rather than "
-                     "transfer them to the wrong rank", local=side, fix="pair with dcp_size 1 on both engines")
-            for side, plan in (("local", p.local), ("remote", p.remote)) if plan.parallel.dcp_size > 1]
 
 
 def check_pp_layers(p: Pairing) -> list[Finding]:

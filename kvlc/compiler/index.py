@@ -110,7 +110,7 @@ def _blocks(prog: "TransferProgram", local: SideGeometry, remote: SideGeometry) 
         # the geometry (fields, pieces) is part of the key: a partial last tile clips each
         # region by its own layout even where whole tiles copy alike
         k = (e.key, e.group, e.tile_tokens, e.local_sub, e.remote_sub, e.runs.key(),
-             prog.local.region(e.region).fields, prog.remote.region(e.region).fields, e.pieces)
+             prog.local.region(e.region).fields, prog.remote.region(e.region).fields, e.pieces, e.shards)
         groups.setdefault(k, []).append(i)
     order = {k: i for i, k in enumerate(prog.part_keys)}
     out = []
@@ -159,5 +159,5 @@ class ProgramIndex:
             e = self.program.entries[block.entries[0]]
             got = self._tails.setdefault(key, tile_runs(self.program.local.region(e.region),
                                                         self.program.remote.region(e.region), e.pieces, tokens,
-                                                        start))
+                                                        start, e.shards))
         return got

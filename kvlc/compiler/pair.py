@@ -20,6 +20,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from kvlc.compiler.compat import CompatReport, Finding, check_plans, head_major_order
+from kvlc.compiler.compat_dcp import fragmented
+from kvlc.compiler.dcp import ShardPair, dcp_tile, shard_of
 from kvlc.compiler.index import Block, ProgramIndex
 from kvlc.compiler.instantiate import BoundProgram, bind
 from kvlc.compiler.layout import head_range, tile
@@ -28,7 +30,7 @@ from kvlc.compiler.prepared import INDEX_LIMIT, PreparedLists, PreparedRequest, 
 from kvlc.compiler.program import Entry, Part, PartKey, TransferProgram
 from kvlc.compiler.request import Request, check_request
 from kvlc.compiler.runs import Piece, Runs, tile_runs
-from kvlc.compiler.tp import assign, consumer_counts, heads_of, holders, sources
+from kvlc.compiler.tp import assign, consumer_counts, dcp_sources, heads_of, holders, shards_meet, sources
 from kvlc.errors import CompatError
 
 
@@ -36,10 +38,13 @@ def _pieces(cons_rank: int, cons: Plan, prod: Plan, region: PlanRegion, local_is
             ) -> dict[int, list[Piece]]:
     """Per producer rank: the pieces of ``region`` that one consumer rank reads from it."""
     ctp, ptp = cons.parallel.tp_size, prod.parallel.tp_size
+    dcp = None if region.is_state else _dcp(cons, prod)  # every DCP rank holds a request's whole state
     out: dict[int, list[Piece]] = {}
     for f in region.fields:
         hd = f.dim("head")
-        for s in sources(cons_rank, f, ctp, ptp):
+        for s in (sources(cons_rank, f, ctp, ptp) if dcp is None else dcp_sources(cons_rank, f, *dcp)):
+            if dcp is not None and not shards_meet(dcp[0], cons_rank, dcp[1], s.producer):
+                continue  # the two ranks hold no token in common
             if hd is None:
                 piece = Piece(f.name, 0, 0, 0, 0)
             else:
@@ -49,6 +54,11 @@ def _pieces(cons_rank: int, cons: Plan, prod: Plan, region: PlanRegion, local_is
                 piece = Piece(f.name, s.h0, s.h1, l0, r0)
             out.setdefault(s.producer, []).append(piece)
     return out
+
+
+def _dcp(cons: Plan, prod: Plan):
+    """Both parallels where either side has decode context parallelism, else None."""
+    return (cons.parallel, prod.parallel) if cons.parallel.dcp_size > 1 or prod.parallel.dcp_size > 1 else None
 
 
 def _by_peer(name: str, local: Plan, remote: Plan, rank: int, local_is_consumer: bool) -> dict[int, list[Piece]]:
@@ -66,15 +76,18 @@ def _by_peer(name: str, local: Plan, remote: Plan, rank: int, local_is_consumer:
 
 def _entries(name: str, local: Plan, remote: Plan, rank: int, local_is_consumer: bool, cache: dict) -> list[Entry]:
     lr, rr = local.region(name), remote.region(name)
-    t = tile(lr.block_tokens, rr.block_tokens)
+    dcp = _dcp(local, remote) is not None and not lr.is_state
     out = []
     for peer, pieces in sorted(_by_peer(name, local, remote, rank, local_is_consumer).items()):
         pieces = tuple(pieces)
-        key = (lr.fields, rr.fields, lr.block_tokens, rr.block_tokens, pieces)
+        shards = ShardPair(shard_of(local, rank), shard_of(remote, peer)) if dcp else None
+        t = (dcp_tile(lr.block_tokens, shards.local, rr.block_tokens, shards.remote) if shards
+             else tile(lr.block_tokens, rr.block_tokens))
+        key = (lr.fields, rr.fields, lr.block_tokens, rr.block_tokens, pieces, shards)
         if key not in cache:
-            cache[key] = tile_runs(lr, rr, pieces)
-        out.extend(Entry(name, group, peer, lr.mem, rr.mem, t.tokens, t.a_blocks, t.b_blocks, pieces, cache[key])
-                   for group in lr.groups)
+            cache[key] = tile_runs(lr, rr, pieces, shards=shards)
+        out.extend(Entry(name, group, peer, lr.mem, rr.mem, t.tokens, t.a_blocks, t.b_blocks, pieces, cache[key],
+                         shards) for group in lr.groups)
     return out
 
 
@@ -86,8 +99,11 @@ def build_program(local: Plan, remote: Plan, rank: int, direction: str, report: 
     names = [r.name for r in local.regions if r.name in rset]
     cache: dict = {}
     entries = [e for name in names for e in _entries(name, local, remote, rank, local_is_consumer, cache)]
-    counts = consumer_counts((f for n in names for f in cons.region(n).fields),
-                             cons.parallel.tp_size, prod.parallel.tp_size)
+    tokens = [f for n in names if not cons.region(n).is_state for f in cons.region(n).fields]
+    state = [f for n in names if cons.region(n).is_state for f in cons.region(n).fields]
+    dcp = _dcp(cons, prod)
+    counts = consumer_counts(tokens if dcp else tokens + state, cons.parallel.tp_size, prod.parallel.tp_size,
+                             dcp, state if dcp else ())
     return TransferProgram(local, remote, rank, direction, tuple(entries), counts, report)
 
 
@@ -102,7 +118,7 @@ def _explosion(prog: TransferProgram, e: Entry, name: str) -> int:
     lf = lr.field(name)
     if lf.dim("token") is None or lf.dim("head") is None:
         return 0
-    n = len(tile_runs(lr, rr, tuple(p for p in e.pieces if p.field == name)))
+    n = len(tile_runs(lr, rr, tuple(p for p in e.pieces if p.field == name), shards=e.shards))
     return n if n >= e.tile_tokens // lr.tokens_per_entry else 0   # one run per token (entry) of the tile
 
 
@@ -115,7 +131,7 @@ def explosions(prog: TransferProgram) -> list[Finding]:
             continue
         for name in dict.fromkeys(p.field for p in e.pieces):
             lf, rf = lr.field(name), rr.field(name)
-            key = (name, lf, rf, lr.block_tokens, rr.block_tokens, e.tile_tokens)
+            key = (name, lf, rf, lr.block_tokens, rr.block_tokens, e.tile_tokens, e.shards)
             if key not in seen:
                 seen[key] = (_explosion(prog, e, name), [], lf, rf, e.tile_tokens)
             seen[key][1].append(e.region)
@@ -133,7 +149,7 @@ def _explosion_finding(n: int, regions: list[str], lf: PlanField, rf: PlanField,
 
 
 def _with_warnings(report: CompatReport, prog: TransferProgram) -> CompatReport:
-    return replace(report, findings=report.findings + tuple(explosions(prog)))
+    return replace(report, findings=report.findings + tuple(explosions(prog)) + tuple(fragmented(prog)))
 
 
 # ----------------------------------------------------------------------------- public entry points

@@ -210,6 +210,14 @@ class PlanParallel(_Frozen):
     tp_size: int
     dcp_size: int
     layers: tuple[int, int]
+    dcp_interleave: int = 1  # tokens a DCP rank stores in a row before the next rank's turn
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler):
+        out = handler(self)
+        if self.dcp_interleave == 1:  # plans without an interleave serialize (and hash) as before
+            out.pop("dcp_interleave", None)
+        return out
 
 
 class Plan(_Frozen):
@@ -290,12 +298,14 @@ class Plan(_Frozen):
     def blocks_for(self, group: str, tokens: int) -> int:
         """Logical blocks of ``group`` that ``tokens`` tokens occupy (one state block for Mamba groups).
 
+        With decode context parallelism a block id covers ``block_size * dcp_size`` tokens.
+
         >>> from kvlc import compile_spec
         >>> compile_spec("layouts/llama-3.1-8b.yaml").blocks_for("full", 33)
         3
         """
         g = self.group(group)
-        return 1 if g.is_state else ceildiv(tokens, g.block_size)
+        return 1 if g.is_state else ceildiv(tokens, g.block_size * self.parallel.dcp_size)
 
     @property
     def mem_types(self) -> tuple[str, ...]:
@@ -306,8 +316,9 @@ class Plan(_Frozen):
     def text(self) -> str:
         """Short canonical text: a header, one line per group, storage and region."""
         p = self.parallel
+        inter = f" dcp_interleave={p.dcp_interleave}" if p.dcp_interleave > 1 else ""
         lines = [f"plan {self.name} model={self.model.name} layers={self.model.num_layers} "
-                 f"tp={p.tp_size} dcp={p.dcp_size} pp_layers={p.layers[0]}:{p.layers[1]}"]
+                 f"tp={p.tp_size} dcp={p.dcp_size}{inter} pp_layers={p.layers[0]}:{p.layers[1]}"]
         for g in self.groups:
             win = f" window={g.window}" if g.window else ""
             per = f" tokens_per_entry={g.tokens_per_entry}" if g.tokens_per_entry > 1 else ""

@@ -16,6 +16,7 @@ from typing import Any, Callable, Hashable, Mapping, Sequence
 import numpy as np
 
 from kvlc.compiler.compat import CompatReport
+from kvlc.compiler.dcp import ShardPair
 from kvlc.compiler.frozen import FrozenMap
 from kvlc.compiler.plan import Plan
 from kvlc.compiler.runs import Piece, Runs
@@ -87,6 +88,7 @@ class Entry:
     remote_sub: int
     pieces: tuple[Piece, ...]
     runs: Runs = field(compare=False, repr=False)
+    shards: ShardPair | None = None  # decode context parallelism: the tokens each rank holds
 
     @property
     def key(self) -> PartKey:
@@ -98,6 +100,8 @@ class Entry:
 
     def text(self) -> str:
         kind = "state" if not self.tile_tokens else f"tile={self.tile_tokens} sub={self.local_sub}:{self.remote_sub}"
+        if self.shards is not None:
+            kind += f" dcp={self.shards.text()}"
         return (f"{self.region} [{self.group}] peer={self.peer} {self.local_mem}->{self.remote_mem} {kind} "
                 f"runs={len(self.runs)} bytes={self.bytes_per_tile} | {self.runs.text()}")
 
@@ -182,6 +186,16 @@ class TransferProgram:
         both = overlap(self.local, self.remote)
         return both if both is not None else (0, 0)
 
+    def dcp_text(self) -> str:
+        """Which tokens this rank and each peer hold under decode context parallelism ("" without it)."""
+        shards = {e.peer: e.shards for e in self.entries if e.shards is not None}
+        if not shards:
+            return ""
+        mine = next(iter(shards.values())).local
+        peers = "; ".join(f"peer {p}: {s.remote.describe()}" for p, s in sorted(shards.items()))
+        return (f"decode context parallelism: local rank {self.local_rank} (DCP {mine.size}) holds "
+                f"{mine.describe()}; remote DCP {self.remote.parallel.dcp_size}: {peers}")
+
     def window_stats(self) -> tuple:
         """Per sliding-window group: the most blocks and tokens one request moves
         (:class:`kvlc.compiler.spans.WindowStats`; only the blocks the window still needs move)."""
@@ -189,7 +203,8 @@ class TransferProgram:
         recv, send = (self.local, self.remote) if self.direction == "READ" else (self.remote, self.local)
         side = "local" if self.direction == "READ" else "remote"
         groups = {e.group for e in self.entries}
-        return tuple(window_stats(g.name, g.window, side, g.block_size, send.group(g.name).block_size)
+        per_id = lambda plan, name: plan.group(name).block_size * plan.parallel.dcp_size  # noqa: E731 (DCP)
+        return tuple(window_stats(g.name, g.window, side, per_id(recv, g.name), per_id(send, g.name))
                      for g in recv.groups if g.kind == "sliding_window" and g.name in groups)
 
     def summary(self) -> dict:
@@ -200,7 +215,7 @@ class TransferProgram:
                            "entries": s.entries, "runs_per_tile": s.runs_per_tile,
                            "bytes_per_tile": s.bytes_per_tile} for k, s in self.part_stats().items()],
                 "windows": [{**asdict(w), "vllm_blocks": w.vllm_blocks} for w in self.window_stats()],
-                "digest": self.digest}
+                "digest": self.digest, **({"dcp": self.dcp_text()} if self.dcp_text() else {})}
 
     # ------------------------------------------------------------------ per request
     @property

@@ -149,15 +149,16 @@ def _span_of(num_tokens, tokens, group: str, prog) -> Span:
     return Span(0, token_count(_per_group(num_tokens, group, prog, "num_tokens"), group))
 
 
-def _count(arr: np.ndarray, side: str, group: str, span: Span, bs: int) -> None:
-    first, need = block_span(span, bs)
+def _count(arr: np.ndarray, side: str, group: str, span: Span, bs: int, dcp: int = 1) -> None:
+    first, need = block_span(span, bs * dcp)  # DCP: one block id per block_size slots on each rank
     if len(arr) == need:
         return
+    size = f"{bs} x dcp_size {dcp}" if dcp > 1 else f"{bs}"
     if span.start == 0:
         raise TransferError(f"group '{group}': {len(arr)} {side} block ids for {span.stop} tokens; "
-                            f"expected {need} (block size {bs})")
+                            f"expected {need} (block size {size})")
     raise TransferError(f"group '{group}': {len(arr)} {side} block ids for tokens [{span.start}, {span.stop}); "
-                        f"expected {need}, one per block the range touches (block size {bs}: logical blocks "
+                        f"expected {need}, one per block the range touches (block size {size}: logical blocks "
                         f"{first}..{first + need - 1})")
 
 
@@ -184,8 +185,8 @@ def _moved(prog, group: str, span: Span, local_receives: bool) -> Span:
     g = prog.local.group(group)
     if g.kind != "sliding_window":
         return span
-    recv = (prog.local if local_receives else prog.remote).group(group)
-    return Span(window_start(span, g.window, recv.block_size), span.stop)
+    plan = prog.local if local_receives else prog.remote
+    return Span(window_start(span, g.window, plan.group(group).block_size * plan.parallel.dcp_size), span.stop)
 
 
 def _whole_blocks_only(prog, group: str, moved: Span, asked: Span) -> None:
@@ -194,11 +195,12 @@ def _whole_blocks_only(prog, group: str, moved: Span, asked: Span) -> None:
         return
     for r in prog.index.groups[group].local:
         flat = [f.name for f in r.fields if f.dim("token") is None]
-        if flat and moved.start % r.block_tokens:
+        per = r.block_tokens * prog.local.parallel.dcp_size  # DCP: a block covers that many tokens
+        if flat and moved.start % per:
             raise TransferError(f"group '{group}': tokens [{asked.start}, {asked.stop}) start inside a block of "
-                                f"region '{r.name}' ({r.block_tokens} tokens per block), whose field "
+                                f"region '{r.name}' ({per} tokens per block), whose field "
                                 f"'{flat[0]}' has no token dim (one value per block); start the range on a "
-                                f"multiple of {r.block_tokens}")
+                                f"multiple of {per}")
 
 
 def _token_group(prog, group: str, ids: tuple, span: Span, local_receives: bool):
@@ -207,11 +209,12 @@ def _token_group(prog, group: str, ids: tuple, span: Span, local_receives: bool)
     _whole_blocks_only(prog, group, moved, span)
     out, firsts = [], []
     for side, raw, receiving in (("local", ids[0], local_receives), ("remote", ids[1], not local_receives)):
-        g = (prog.local if side == "local" else prog.remote).group(group)
+        plan = prog.local if side == "local" else prog.remote
+        g, per = plan.group(group), plan.group(group).block_size * plan.parallel.dcp_size  # tokens per block id
         arr = block_ids(raw, f"{side} block ids of group '{group}'")
-        _count(arr, side, group, span, g.block_size)
-        first, n = block_span(moved, g.block_size) if len(moved) else (span.start // g.block_size, 0)
-        arr = arr[first - span.start // g.block_size:][:n]
+        _count(arr, side, group, span, g.block_size, plan.parallel.dcp_size)
+        first, n = block_span(moved, per) if len(moved) else (span.start // per, 0)
+        arr = arr[first - span.start // per:][:n]
         _check_ids(prog, side, group, arr, receiving)
         out.append(kernel_ids(arr, g.kernel_blocks_per_block))
         firsts.append(first * g.kernel_blocks_per_block)

@@ -15,6 +15,7 @@ from typing import Sequence
 import numpy as np
 
 from kvlc.compiler.algebra import merge_runs, strided_runs
+from kvlc.compiler.dcp import ShardPair, dcp_chunks, dcp_tile
 from kvlc.compiler.layout import ceildiv, tile
 from kvlc.compiler.plan import PlanField, PlanRegion
 
@@ -116,12 +117,17 @@ def field_copy_runs(lf: PlanField, rf: PlanField, piece: Piece, chunk: Chunk) ->
     return strided_runs(dims, off_l, off_r, lf.itemsize)
 
 
-def chunks(lr: PlanRegion, rr: PlanRegion, tokens: int | None = None, start: int = 0) -> list[Chunk]:
+def chunks(lr: PlanRegion, rr: PlanRegion, tokens: int | None = None, start: int = 0,
+           shards: ShardPair | None = None) -> list[Chunk]:
     """Token chunks of one tile (``[start, tokens)``: clip a partial tile; state: one whole chunk).
 
     Chunks count token-dim entries: a compressed cache (``tokens_per_entry`` k, the same on both
     sides) tiles its entries, and tokens ``[start, tokens)`` of a tile are entries
     ``[start // k, ceil(tokens / k))``: every entry holding one of them moves whole.
+
+    ``shards``: decode context parallelism on either side; the tile is then in global tokens
+    and the chunks cover the tokens both ranks hold (:func:`kvlc.compiler.dcp.dcp_chunks`;
+    compressed caches under DCP are refused at pairing).
 
     >>> from kvlc import compile_spec
     >>> a = compile_spec("layouts/gemma-3-27b-tp2-b16.yaml").regions[0]
@@ -132,6 +138,10 @@ def chunks(lr: PlanRegion, rr: PlanRegion, tokens: int | None = None, start: int
     t = tile(lr.block_entries, rr.block_entries)
     if t.is_state:
         return [WHOLE]
+    if shards is not None:
+        span = dcp_tile(lr.block_tokens, shards.local, rr.block_tokens, shards.remote).tokens
+        return [Chunk(c.a_block, c.a_token, c.b_block, c.b_token, c.tokens) for c in
+                dcp_chunks(lr.block_tokens, rr.block_tokens, shards, span if tokens is None else tokens, start)]
     per = lr.tokens_per_entry  # token dims count entries: [start, tokens) covers these entries
     first, limit = start // per, t.tokens if tokens is None else ceildiv(tokens, per)
     bl, br = lr.block_entries, rr.block_entries
@@ -140,10 +150,12 @@ def chunks(lr: PlanRegion, rr: PlanRegion, tokens: int | None = None, start: int
 
 
 def tile_runs(lr: PlanRegion, rr: PlanRegion, pieces: Sequence[Piece], tokens: int | None = None,
-              start: int = 0) -> Runs:
+              start: int = 0, shards: ShardPair | None = None) -> Runs:
     """Runs of one tile of region ``lr`` (local) ↔ ``rr`` (remote), merged to the minimum.
 
-    ``[start, tokens)`` clips a partial tile (tokens None: to the tile's end). Post-condition: the runs map
+    ``[start, tokens)`` clips a partial tile (tokens None: to the tile's end); ``shards``: the two
+    ranks' token shares under decode context parallelism (None: each rank holds every token).
+    Post-condition: the runs map
     every byte of the pieces exactly once, and no two runs continue each other on both sides.
 
     >>> from kvlc import compile_spec
@@ -152,7 +164,7 @@ def tile_runs(lr: PlanRegion, rr: PlanRegion, pieces: Sequence[Piece], tokens: i
     >>> len(runs), runs.nbytes == r.block_bytes
     (1, True)
     """
-    cs = chunks(lr, rr, tokens, start)
+    cs = chunks(lr, rr, tokens, start, shards)
     parts = []
     for piece in pieces:
         lf, rf = lr.field(piece.field), rr.field(piece.field)

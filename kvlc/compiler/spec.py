@@ -100,12 +100,19 @@ class Parallel(Frozen):
 
     tp_size: Ranks = 1
     dcp_size: Ranks = 1
+    dcp_interleave: Tokens = 1
     layers: tuple[LayerIndex, LayerIndex] | None = None
 
     @field_validator("layers")
     @classmethod
     def _ordered(cls, v):
         return _ordered_range(v, "pipeline layer range")
+
+    @model_validator(mode="after")
+    def _dcp(self):
+        from kvlc.compiler.dcp import check_parallel
+        check_parallel(self, spec_error)
+        return self
 
 
 # ---------------------------------------------------------------- groups
@@ -376,4 +383,6 @@ class LayoutSpec(Frozen):
     def _bounded(self):
         from kvlc.compiler.spec_bounds import check_spec_bounds
         check_spec_bounds(self, spec_error)
+        from kvlc.compiler.dcp import check_interleave
+        check_interleave(self, spec_error)
         return self

@@ -60,6 +60,8 @@ def pair_doc(report, program, rank: int) -> dict:
         doc["windows"] = program.summary()["windows"]
         doc["digest"] = program.digest
         doc["heads"] = _heads(program)
+        if program.dcp_text():
+            doc["dcp"] = program.dcp_text()
     return doc
 
 

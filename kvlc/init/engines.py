@@ -78,6 +78,7 @@ class EngineOptions:
     pp_rank: int = 0
     layers: tuple[int, int] | None = None
     dcp_size: int = 1
+    dcp_interleave: int = 1
     block_size: int = 16
     kernel_block_size: int | None = None
     kv_dtype: str = "bf16"

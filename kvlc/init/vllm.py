@@ -106,8 +106,8 @@ def _finish(spec: dict, opts: EngineOptions, window: tuple[int, int] | None, ren
     """Name, DCP and pipeline window on a derived spec (regions renumbered when the adapter numbered from 0)."""
     if opts.name:
         spec["name"] = opts.name
-    if opts.dcp_size != 1:
-        spec["parallel"]["dcp_size"] = opts.dcp_size
+    from kvlc.init import dcp_parallel
+    spec["parallel"].update(dcp_parallel(opts))
     if window is not None:
         start, stop = window
         spec["parallel"]["layers"] = [start, stop]

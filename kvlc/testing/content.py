@@ -90,6 +90,28 @@ def _head_start(plan: Plan, rank: int, f: PlanField) -> int:
     return heads_of(rank, hd.global_size, plan.parallel.tp_size)[0] if hd is not None else 0
 
 
+DCP_KEY = 1 << 20  # above every token-in-block: a DCP rank's slots hold other tokens than its peers'
+
+
+def _dcp_key(plan: Plan, rank: int) -> int:
+    """Part of the token coordinate that names the DCP rank (0 without DCP: codes as before)."""
+    return (rank % plan.parallel.dcp_size) * DCP_KEY
+
+
+def _global_tokens(plan: Plan, rank: int, local: np.ndarray) -> np.ndarray:
+    """Sequence positions of a rank's local token positions (vLLM's DCP slot mapping, inverted)."""
+    p = plan.parallel
+    return (local // p.dcp_interleave) * p.dcp_interleave * p.dcp_size \
+        + (rank % p.dcp_size) * p.dcp_interleave + local % p.dcp_interleave
+
+
+def _source_slot(plan: Plan, t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Where the source engine stores sequence position ``t``: local position and DCP key."""
+    p = plan.parallel
+    period = p.dcp_interleave * p.dcp_size
+    return (t // period) * p.dcp_interleave + t % p.dcp_interleave, ((t // p.dcp_interleave) % p.dcp_size) * DCP_KEY
+
+
 def fill(plan: Plan, rank: int, buffers: Mapping[str, np.ndarray]) -> None:
     """Write content codes into every block of every region (buffers: storage → uint8 array)."""
     for r in plan.regions:
@@ -97,7 +119,8 @@ def fill(plan: Plan, rank: int, buffers: Mapping[str, np.ndarray]) -> None:
         blocks = np.arange(r.num_blocks, dtype=np.int64)
         for f in r.fields:
             el = field_elements(f, _head_start(plan, rank, f))
-            vals = code(r.name, f.name, el.head[None, :], blocks[:, None], el.token[None, :],
+            key = 0 if r.is_state else _dcp_key(plan, rank)  # every DCP rank holds the whole state
+            vals = code(r.name, f.name, el.head[None, :], blocks[:, None], el.token[None, :] + key,
                         el.other[None, :], el.itemsize)
             addr = (r.offset + blocks[:, None] * r.block_stride + el.offset[None, :]).ravel()
             idx = (addr[:, None] + np.arange(el.itemsize)[None, :]).ravel()
@@ -132,8 +155,9 @@ def _needed(dst: Plan, group: str, start: int, stop: int) -> int:
     g = dst.group(group)
     if g.kind != "sliding_window":
         return start
-    first_kept_block = max(0, stop - g.window + 1) // g.block_size
-    return max(start, first_kept_block * g.block_size)
+    per = g.block_size * dst.parallel.dcp_size  # tokens per block id
+    first_kept_block = max(0, stop - g.window + 1) // per
+    return max(start, first_kept_block * per)
 
 
 def expected_bytes(dst: Plan, dst_rank: int, src: Plan, dst_ids: Mapping[str, Sequence[int]],
@@ -163,14 +187,16 @@ def expected_bytes(dst: Plan, dst_rank: int, src: Plan, dst_ids: Mapping[str, Se
                 else:
                     start, stop = _range(num_tokens, tokens, group)
                     need = _needed(dst, group, start, stop)
-                    d0 = start // dst.group(group).block_size * (dst.group(group).block_size // r.block_tokens)
-                    s0 = start // src.group(group).block_size * (src.group(group).block_size // sr.block_tokens)
-                    j = np.arange(need // r.block_tokens, ceildiv(stop, r.block_tokens), dtype=np.int64)[:, None]
+                    dd, ds = dst.parallel.dcp_size, src.parallel.dcp_size   # DCP: a block id covers bs * dcp
+                    d0 = start // (dst.group(group).block_size * dd) * (dst.group(group).block_size // r.block_tokens)
+                    s0 = start // (src.group(group).block_size * ds) * (src.group(group).block_size // sr.block_tokens)
+                    span = r.block_tokens * dd                              # tokens of one kernel block id
+                    j = np.arange(need // span, ceildiv(stop, span), dtype=np.int64)[:, None]
                     blk_d = dk[j - d0]
-                    if f.dim("token") is None:  # per-block field: same block sizes (checked at pairing)
-                        blk_s, tok = sk[j - s0], el.token[None, :]
+                    if f.dim("token") is None:  # per-block field: same block sizes and sharding (checked at pairing)
+                        blk_s, tok = sk[j - s0], el.token[None, :] + _dcp_key(dst, dst_rank)
                         keep = np.ones((len(j), el.offset.size), bool)
-                    else:  # token dims count entries of tokens_per_entry tokens (1: one per token)
+                    elif r.tokens_per_entry > 1:  # entries of tokens_per_entry tokens (DCP refused at pairing)
                         per = r.tokens_per_entry  # every entry holding a needed token moves whole
                         e0, e1 = need // per, ceildiv(stop, per)
                         t = j * r.block_entries + el.token[None, :]         # entry position in the sequence
@@ -178,6 +204,13 @@ def expected_bytes(dst: Plan, dst_rank: int, src: Plan, dst_ids: Mapping[str, Se
                         t = np.clip(t, e0, e1 - 1)
                         blk_s = sk[t // sr.block_entries - s0]
                         tok = t % sr.block_entries
+                    else:
+                        t = _global_tokens(dst, dst_rank, j * r.block_tokens + el.token[None, :])  # sequence position
+                        keep = (t >= need) & (t < stop)
+                        t = np.clip(t, need, stop - 1)
+                        js, key = _source_slot(src, t)
+                        blk_s = sk[js // sr.block_tokens - s0]
+                        tok = js % sr.block_tokens + key
                 vals = code(r.name, f.name, np.broadcast_to(el.head, keep.shape)[keep],
                             np.broadcast_to(blk_s, keep.shape)[keep], np.broadcast_to(tok, keep.shape)[keep],
                             np.broadcast_to(el.other, keep.shape)[keep], el.itemsize)

@@ -32,6 +32,8 @@ CASES = [
     ("gpt-oss-120b-tp4", "pull"),
     ("llama8b-fp8-tp2", "pull"),
     ("nemotron-h-tp4-to-tp2", "pull_via_push"),
+    ("deepseek-v3-tp8-dcp8-to-tp1", "pull"),       # DCP8 producer: each rank holds every 8th token
+    ("qwen3-235b-tp4-to-tp8-dcp2", "pull"),        # DCP2 consumer, GQA, TP4 -> TP8, 32- vs 16-token blocks
     ("v4-compressed-b256-to-b128", "pull"),
     ("v4-compressed-b128-to-b256", "push"),
 ]

@@ -217,6 +217,8 @@ def derive_spec(view: EngineView) -> dict:
     parallel: dict[str, Any] = {"tp_size": p.tp_size}
     if p.dcp_size > 1:
         parallel["dcp_size"] = p.dcp_size
+    if p.dcp_interleave > 1:
+        parallel["dcp_interleave"] = p.dcp_interleave
     if p.layers is not None and p.pp_size > 1:
         parallel["layers"] = list(p.layers)
     spec: dict[str, Any] = {"kvlc": 1, "name": spec_name(view), "model": _model_entry(view, latent),

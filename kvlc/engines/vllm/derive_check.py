@@ -83,7 +83,7 @@ def check_plan_against_view(plan, view) -> None:
     _cmp(out, "model", "num_layers", plan.model.num_layers, derived.model.num_layers)
     for key, value in derived.model.sizes.items():
         _cmp(out, "model", f"sizes.{key}", plan.model.sizes.get(key, "nothing"), value)
-    for attr in ("tp_size", "dcp_size", "layers"):
+    for attr in ("tp_size", "dcp_size", "dcp_interleave", "layers"):
         _cmp(out, "parallel", attr, getattr(plan.parallel, attr), getattr(derived.parallel, attr))
     theirs_st = {s.name: s for s in derived.storages}
     for s in plan.storages:

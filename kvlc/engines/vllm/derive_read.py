@@ -146,8 +146,9 @@ def read_engine_view(vllm_config: Any, kv_cache_config: Any, kv_caches: Mapping[
                           qk_rope_head_dim=getattr(text, "qk_rope_head_dim", None) if mla else None)
     idx = sorted(layer_index(t.name) for t in layers)
     pp = int(pc.pipeline_parallel_size)
-    parallel = ParallelView(tp_size=int(pc.tensor_parallel_size), pp_size=pp,
-                            dcp_size=int(getattr(pc, "decode_context_parallel_size", 1) or 1),
+    dcp = int(getattr(pc, "decode_context_parallel_size", 1) or 1)
+    parallel = ParallelView(tp_size=int(pc.tensor_parallel_size), pp_size=pp, dcp_size=dcp,
+                            dcp_interleave=int(getattr(pc, "cp_kv_cache_interleave_size", 1) or 1) if dcp > 1 else 1,
                             layers=(idx[0], idx[-1] + 1) if pp > 1 else None, **_ranks(pc))
     kernel = layers[0].shape[layers[0].axes.index(Axis.TOKEN)]
     return EngineView(model=model, parallel=parallel, backend=backend, kv_cache_layout=_layout(vllm_config,

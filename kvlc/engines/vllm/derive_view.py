@@ -100,6 +100,7 @@ class ParallelView:
     pp_rank: int = 0
     dcp_size: int = 1
     dcp_rank: int = 0
+    dcp_interleave: int = 1   # cp_kv_cache_interleave_size: tokens a DCP rank stores in a row
     layers: tuple[int, int] | None = None
 
 

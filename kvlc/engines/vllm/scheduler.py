@@ -45,7 +45,10 @@ class SchedulerSide:
         ktc = vllm_config.kv_transfer_config
         self.engine_id = str(ktc.engine_id)
         self.settings = settings
-        self.block_size = int(vllm_config.cache_config.block_size)
+        # tokens per scheduler block id: with decode context parallelism vLLM's scheduler block is
+        # block_size * dcp_size tokens (each DCP rank stores its share in the block of that id)
+        dcp = int(getattr(vllm_config.parallel_config, "decode_context_parallel_size", 1) or 1)
+        self.block_size = int(vllm_config.cache_config.block_size) * dcp
         self.tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
         self.ranks: dict[int, KvlcHandshake] = {}
         self._producing: dict[str, Any] = {}  # prefill requests whose KV a consumer will take
