@@ -123,14 +123,22 @@ def _admit(agent: KvAgent, got, eng: RemoteEngine, mode: Mode) -> list[str]:
 
 
 def _introduce(agent: KvAgent, got, peers, direction: Direction, mode: Mode) -> None:
+    """Introduce this agent to every peer rank; staging inboxes travel here (see :mod:`kvlc.runtime.server`)."""
     wire_mode = "pull_via_push" if mode is Mode.PULL_VIA_PUSH else "direct"  # "prepped" is direct on the wire
-    hello = encode(Introduce(record=agent.record, direction=direction.value, mode=wire_mode,
-                             address=agent.address or ""))
+    st = agent.stager
     for r in peers:
+        rec = got[r][0]
+        with agent._lock:
+            inbox = st.inbox_for(rec.agent) if st is not None and mode is Mode.PULL_VIA_PUSH else None
+        hello = encode(Introduce(record=agent.record, direction=direction.value, mode=wire_mode,
+                                 address=agent.address or "", inbox=inbox))
         reply = decode(got[r][1].request(hello))
         if not isinstance(reply, Reply) or not reply.ok:
             why = reply.error if isinstance(reply, Reply) else f"a '{reply.t}' message"
-            raise HandshakeError(f"rank {r} ({got[r][0].agent}) refused this agent: {why}")
+            raise HandshakeError(f"rank {r} ({rec.agent}) refused this agent: {why}")
+        if st is not None and direction is Direction.WRITE and reply.inbox is not None:
+            with agent._lock:
+                st.add_peer(rec, reply.inbox)
 
 
 def _open(agent: KvAgent, got, eng: RemoteEngine, direction: Direction, mode: Mode) -> Peer:
@@ -191,9 +199,19 @@ class Peer:
         req = bound.prepared_indices(local_block_ids, remote_block_ids, num_tokens)
         lists = self._prepared(bound)
         parts: dict = dict(req.tail)
+        staged = []
         for key, (li, ri) in req.indices.items():
             local, remote = lists[key]
             parts[("prepped", key)] = PreparedPart(key, local, li, remote, ri, req.nbytes[key])
+            st = self.agent.stager
+            if self.direction is Direction.WRITE and st is not None and st.decide(
+                    "WRITE", key, len(li), int(req.nbytes[key]), self.sessions[key.peer_rank].agent):
+                staged.append(key)
+        if staged:  # staged parts travel as rows (the bounce buffer gathers them), the rest stay prepared
+            rows = bound.instantiate(local_block_ids, remote_block_ids, num_tokens)
+            for key in staged:
+                del parts[("prepped", key)]
+                parts[key] = rows[key]
         return parts
 
     def _prepared(self, bound):
