@@ -185,7 +185,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer and smaller requests")
     ap.add_argument("--merge", action="store_true", help="add the rows to an existing --out document")
     ap.add_argument("--only", default="kvlc,staging,raw,check",
-                    help="comma-separated parts: kvlc, staging, raw, check, diag (diag: not by default)")
+                    help="comma-separated parts: kvlc, kvlc-staging, staging, raw, check, diag (diag: not by default)")
     args = ap.parse_args(argv)
     import torch
 
@@ -193,6 +193,7 @@ def main(argv=None) -> int:
     for which, dev in (("--producer-device", args.producer_device), ("--consumer-device", args.consumer_device)):
         if not 0 <= dev < count:
             ap.error(f"{which} {dev}: this machine has {count} CUDA device(s); use 0..{count - 1}")
+    import gpu_kvlc_staging
     import gpu_staging
     from gpu_plot import annotate, plot, verdicts
 
@@ -212,7 +213,10 @@ def main(argv=None) -> int:
              ("diag", lambda tmp: gpu_staging.diag_cases(p, c)),
              ("staging", lambda tmp: gpu_staging.staged_cases(p, c, args.quick)),
              ("raw", lambda tmp: gpu_staging.raw_cases(p, c, args.quick)),
-             ("kvlc", lambda tmp: kvlc_cases(p, c, args.quick, tmp)))
+             ("kvlc", lambda tmp: kvlc_cases(p, c, args.quick, tmp)),
+             ("kvlc-staging", lambda tmp: gpu_kvlc_staging.cases(
+                 (on_device(LLAMA, p, tmp), on_device(LLAMA, c, tmp)),
+                 (on_device(DSV32[0], p, tmp), on_device(DSV32[1], c, tmp)), args.quick)))
     with tempfile.TemporaryDirectory() as tmp:
         for part, run in steps:
             if part in parts:

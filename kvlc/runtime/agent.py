@@ -165,7 +165,7 @@ class KvAgent:
         self.offers: dict[str, float] = {}           # producer: req → lease end, no consumer named it yet
         self.sender = self._res.sender = Sender(decode, self._res.stop, f"kvlc-sender-{self.name}")
         self._cancel_clients: dict = {}              # push consumer: producer address → client
-        self.stats = {"dropped_notifs": 0, "requests": 0, "bytes": 0, "descriptors": 0}
+        self.stats = {"dropped_notifs": 0, "fenced_chunks": 0, "requests": 0, "bytes": 0, "descriptors": 0}
         self._finalizer = weakref.finalize(self, self._res.close)
         if progress == "thread":
             self._res.pump = Pump(self, "_pump_locked", progress_interval, self._res.stop,

@@ -107,6 +107,7 @@ def staging(agent: KvAgent, sender: str, raw: bytes) -> None:
             return _drop(agent, "staged chunk from %r on a session where it does not write here", sender[:64])
         why = _fenced(agent, s, m.req)
         if why:
+            agent.stats["fenced_chunks"] += 1
             log.info("staged chunk %d of %r from %r not scattered: %s", m.seq, m.req[:40], sender[:64], why)
             st.endpoint.discard(sender, m, s.notif_key)
             return

@@ -83,6 +83,7 @@ class StagingEndpoint(Receiver):
         self._queue: deque[_Chunk] = deque()
         self._free_local: deque[int] = deque(range(outbox.slots)) if outbox else deque()
         self._free_remote: dict[str, deque[int]] = {}
+        self._lent: dict[tuple[str, int], tuple[str, int]] = {}  # (peer, its slot) → (req, seq) written there
         self._gathering: list[_Chunk] = []
         self._writing: list[_Chunk] = []
         self._sending: dict[tuple[str, str], _Sending] = {}   # (req, peer) -> what is still to send
@@ -106,6 +107,7 @@ class StagingEndpoint(Receiver):
         """Forget ``peer`` (its session ended): its prepared lists go; its inbox here is released."""
         self.peers.pop(peer, None)
         self._free_remote.pop(peer, None)
+        self._lent = {k: v for k, v in self._lent.items() if k[0] != peer}
         for h in self._lists.pop(peer, (None, None))[:2]:
             if h is not None:
                 h.release()
@@ -175,6 +177,7 @@ class StagingEndpoint(Receiver):
             s.queued -= 1
             c.slot = self._free_local.popleft()
             c.remote_slot = remote.popleft()
+            self._lent[(c.peer, c.remote_slot)] = (c.req, c.seq)
             self.copier.gather(c.local, self.outbox.slot(c.slot, c.nbytes))
             self._put_ranges(c)
             c.event = self._record()
@@ -255,6 +258,7 @@ class StagingEndpoint(Receiver):
         if c.xfer is not None:
             c.xfer.release()
         self._free_local.append(c.slot)
+        self._lent.pop((c.peer, c.remote_slot), None)
         self._free_remote[c.peer].append(c.remote_slot)
         s = self._sending[(c.req, c.peer)]
         s.freed += 1
@@ -288,18 +292,29 @@ class StagingEndpoint(Receiver):
 
     def _refused(self, sender: str, m: Message) -> None:
         """The receiver refused a chunk of ours (FAIL naming its slot): the request fails, the slot is free."""
-        if m.slot < self.peers[sender].slots:
-            self._free_remote[sender].append(m.slot)
         s = self._sending[(m.req, sender)]
-        s.freed += 1
+        if self._give_back(sender, m):
+            s.freed += 1
         if not s.failed:
             s.failed = m.reason or "refused by the receiver"
         self._maybe_finish(s)
 
-    def _freed(self, sender: str, m: Message) -> None:
-        if sender not in self._free_remote or m.slot >= self.peers[sender].slots:
-            raise StagingError(f"FREE of slot {m.slot} from '{sender}', which is not a peer's slot")
+    def _give_back(self, sender: str, m: Message) -> bool:
+        """The peer's slot ``m.slot`` is free again, if chunk ``m.seq`` of ``m.req`` is what it holds
+        (a FREE answering a replayed or stale LANDED must not free a slot another chunk is using)."""
+        if self._lent.get((sender, m.slot)) != (m.req, m.seq):
+            log.warning("staging: %s of slot %d from %r for chunk %d of %r, which that slot does not hold; "
+                        "ignored", m.kind.name, m.slot, sender[:64], m.seq, m.req[:40])
+            return False
+        del self._lent[(sender, m.slot)]
         self._free_remote[sender].append(m.slot)
+        return True
+
+    def _freed(self, sender: str, m: Message) -> None:
+        if sender not in self._free_remote:
+            raise StagingError(f"FREE of slot {m.slot} from '{sender}', which is not a peer")
+        if not self._give_back(sender, m):
+            return
         s = self._sending.get((m.req, sender))
         if s is not None:
             s.freed += 1

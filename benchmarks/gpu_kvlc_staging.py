@@ -1,0 +1,81 @@
+"""GPU: staging through KvAgent (the real runtime), beside direct KvAgent transfers of the same bytes.
+
+Rows (``kvlc staging ...``), two processes, ``kvlc.testing.demo.run_demo``:
+
+* content-coded checks (every destination byte) of VRAM Llama-3.1-8B with random block ids
+  (fragmented: 64 KiB descriptors) and of mixed DRAM/VRAM DeepSeek-V3.2 -> HiSparse, in push, pull
+  and pull-via-push, with ``KVLC_STAGING=always`` (every WRITE part staged) and the default
+  automatic gate;
+* timed: the same shapes with the automatic gate (staged), ``KVLC_STAGING=never`` (direct), and
+  bounce slots of 32 / 128 / 256 MiB (``KVLC_STAGING_SLOT_BYTES``).
+
+Pull (READ) is never staged (docs/runtime.md); its rows show the direct path for comparison.
+Called by benchmarks/gpu_transfer.py (``--only kvlc-staging``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import traceback
+
+MiB = 1 << 20
+
+
+def _run(rows: list, case: str, env: dict, **kw) -> None:
+    from kvlc.testing.demo import run_demo
+
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # the engine processes (spawned now) build their policy from these
+    t0 = time.time()
+    try:
+        res = run_demo(**kw)
+        row = {"case": case, "ok": res.ok, "env": env, "bytes": res.nbytes, "seconds": res.seconds,
+               "gbps": res.gbps if kw.get("check") == "none" else None, "requests": res.requests,
+               "bytes_per_request": res.nbytes // max(1, res.requests),
+               "descriptors_per_request": res.descriptors_per_request,
+               "verified_bytes": res.checked_bytes, "mismatches": res.mismatches[:5],
+               "failed": dict(list(res.failed.items())[:3])}
+    except Exception as exc:
+        row = {"case": case, "ok": False, "env": env, "error": f"{type(exc).__name__}: {exc}",
+               "traceback": traceback.format_exc()[-2000:]}
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    row["wall_s"] = round(time.time() - t0, 1)
+    rows.append(row)
+    print(json.dumps({k: v for k, v in row.items() if k != "traceback"}), flush=True)
+
+
+def cases(llama: tuple[str, str], mixed: tuple[str, str], quick: bool) -> list[dict]:
+    rows: list[dict] = []
+    modes = ("push", "pull_via_push", "pull")
+    for name, (p, c), check_bytes in (("VRAM llama-3.1-8b random ids", llama, 64 << 20),
+                                      ("mixed deepseek-v3.2 -> hisparse", mixed, 16 << 20)):
+        for mode in modes:
+            for policy in ("always", "auto"):
+                _run(rows, f"kvlc staging {name} {mode} [{policy}] check", {"KVLC_STAGING": policy},
+                     layout=p, consumer_layout=c, mode=mode, requests=4, tokens=128, max_bytes=check_bytes,
+                     device="gpu", check="all", timeout=120.0, ids="random" if "llama" in name else "contiguous")
+    n = 8 if quick else 16
+    timed = [("auto", {"KVLC_STAGING": "auto"}), ("never", {"KVLC_STAGING": "never"}),
+             ("slot 128 MiB", {"KVLC_STAGING": "auto", "KVLC_STAGING_SLOT_BYTES": str(128 * MiB)}),
+             ("slot 256 MiB", {"KVLC_STAGING": "auto", "KVLC_STAGING_SLOT_BYTES": str(256 * MiB)})]
+    for mode in ("push", "pull_via_push"):
+        for label, env in timed:
+            kind = "direct" if label == "never" else "staging"
+            _run(rows, f"kvlc {kind} VRAM llama-3.1-8b {mode} 256 MiB random ids [{label}]", env,
+                 layout=llama[0], consumer_layout=llama[1], mode=mode, requests=n, tokens=2048,
+                 max_bytes=1 << 30, device="gpu", check="none", fill="zeros", ids="random", timeout=300.0)
+        for label, env in timed[:1] + timed[2:]:
+            _run(rows, f"kvlc staging mixed deepseek-v3.2 -> hisparse {mode} contiguous [{label}]", env,
+                 layout=mixed[0], consumer_layout=mixed[1], mode=mode, requests=4, tokens=512,
+                 max_bytes=256 << 20, device="gpu", check="none", fill="zeros", ids="contiguous", timeout=300.0)
+    _run(rows, "kvlc staging VRAM llama-3.1-8b pull 256 MiB random ids [direct: READ is not staged]",
+         {"KVLC_STAGING": "auto"}, layout=llama[0], consumer_layout=llama[1], mode="pull", requests=n,
+         tokens=2048, max_bytes=1 << 30, device="gpu", check="none", fill="zeros", ids="random", timeout=300.0)
+    return rows
