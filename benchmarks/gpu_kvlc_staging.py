@@ -51,31 +51,49 @@ def _run(rows: list, case: str, env: dict, **kw) -> None:
     print(json.dumps({k: v for k, v in row.items() if k != "traceback"}), flush=True)
 
 
-def cases(llama: tuple[str, str], mixed: tuple[str, str], quick: bool) -> list[dict]:
+def cases(llama: tuple[str, str], mixed: tuple[str, str], quick: bool, device: str = "gpu",
+          scale: int = 1) -> list[dict]:
+    """Every row (see the module doc). ``quick``: checks with ``always`` only and fewer timed variants;
+    ``device="cpu"`` / ``scale`` > 1 (pools divided by it): a dry run of this script without a GPU."""
     rows: list[dict] = []
     modes = ("push", "pull_via_push", "pull")
     for name, (p, c), check_bytes in (("VRAM llama-3.1-8b random ids", llama, 64 << 20),
                                       ("mixed deepseek-v3.2 -> hisparse", mixed, 16 << 20)):
         for mode in modes:
-            for policy in ("always", "auto"):
+            for policy in ("always",) if quick else ("always", "auto"):
                 _run(rows, f"kvlc staging {name} {mode} [{policy}] check", {"KVLC_STAGING": policy},
-                     layout=p, consumer_layout=c, mode=mode, requests=4, tokens=128, max_bytes=check_bytes,
-                     device="gpu", check="all", timeout=120.0, ids="random" if "llama" in name else "contiguous")
+                     layout=p, consumer_layout=c, mode=mode, requests=4, tokens=128,
+                     max_bytes=check_bytes // scale, device=device, check="all", timeout=120.0,
+                     ids="random" if "llama" in name else "contiguous")
     n = 8 if quick else 16
     timed = [("auto", {"KVLC_STAGING": "auto"}), ("never", {"KVLC_STAGING": "never"}),
              ("slot 128 MiB", {"KVLC_STAGING": "auto", "KVLC_STAGING_SLOT_BYTES": str(128 * MiB)}),
              ("slot 256 MiB", {"KVLC_STAGING": "auto", "KVLC_STAGING_SLOT_BYTES": str(256 * MiB)})]
     for mode in ("push", "pull_via_push"):
-        for label, env in timed:
+        for label, env in (timed[:3] if mode == "push" else timed[:1] + timed[2:3]) if quick else timed:
             kind = "direct" if label == "never" else "staging"
             _run(rows, f"kvlc {kind} VRAM llama-3.1-8b {mode} 256 MiB random ids [{label}]", env,
-                 layout=llama[0], consumer_layout=llama[1], mode=mode, requests=n, tokens=2048,
-                 max_bytes=1 << 30, device="gpu", check="none", fill="zeros", ids="random", timeout=300.0)
-        for label, env in timed[:1] + timed[2:]:
+                 layout=llama[0], consumer_layout=llama[1], mode=mode, requests=n, tokens=2048 // scale,
+                 max_bytes=(1 << 30) // scale, device=device, check="none", fill="zeros", ids="random",
+                 timeout=300.0)
+        for label, env in timed[:1] + ([] if quick else timed[2:]):
             _run(rows, f"kvlc staging mixed deepseek-v3.2 -> hisparse {mode} contiguous [{label}]", env,
-                 layout=mixed[0], consumer_layout=mixed[1], mode=mode, requests=4, tokens=512,
-                 max_bytes=256 << 20, device="gpu", check="none", fill="zeros", ids="contiguous", timeout=300.0)
-    _run(rows, "kvlc staging VRAM llama-3.1-8b pull 256 MiB random ids [direct: READ is not staged]",
-         {"KVLC_STAGING": "auto"}, layout=llama[0], consumer_layout=llama[1], mode="pull", requests=n,
-         tokens=2048, max_bytes=1 << 30, device="gpu", check="none", fill="zeros", ids="random", timeout=300.0)
+                 layout=mixed[0], consumer_layout=mixed[1], mode=mode, requests=4, tokens=512 // scale,
+                 max_bytes=(256 << 20) // scale, device=device, check="none", fill="zeros", ids="contiguous",
+                 timeout=300.0)
+    if not quick:
+        _run(rows, "kvlc staging VRAM llama-3.1-8b pull 256 MiB random ids [direct: READ is not staged]",
+             {"KVLC_STAGING": "auto"}, layout=llama[0], consumer_layout=llama[1], mode="pull", requests=n,
+             tokens=2048, max_bytes=1 << 30, device=device, check="none", fill="zeros", ids="random",
+             timeout=300.0)
     return rows
+
+
+if __name__ == "__main__":  # a dry run on a CPU machine (DRAM versions of the layouts, small pools)
+    import sys
+
+    sys.path.insert(0, ".")
+    got = cases(("layouts/llama-3.1-8b.yaml",) * 2,
+                ("layouts/deepseek-v3.2-tp8.yaml", "layouts/deepseek-v3.2-hisparse-tp8.yaml"),
+                quick=True, device="cpu", scale=16)
+    print(sum(1 for r in got if r.get("ok")), "of", len(got), "ok")
