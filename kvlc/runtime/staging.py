@@ -103,17 +103,17 @@ class StagingEndpoint(Receiver):
         self.outbox = outbox
         self._free_local = deque(range(outbox.slots))
 
-    def drop_peer(self, peer: str) -> None:
-        """Forget ``peer`` (its session ended): its prepared lists go; its inbox here is released."""
+    def drop_peer(self, peer: str, inbox: bool = True) -> None:
+        """Forget ``peer`` (its session ended): its prepared lists go; its inbox here too (``inbox``)."""
         self.peers.pop(peer, None)
         self._free_remote.pop(peer, None)
         self._lent = {k: v for k, v in self._lent.items() if k[0] != peer}
         for h in self._lists.pop(peer, (None, None))[:2]:
             if h is not None:
                 h.release()
-        inbox = self.inboxes.pop(peer, None)
-        if inbox is not None:
-            inbox.release()
+        buf = self.inboxes.pop(peer, None) if inbox else None
+        if buf is not None:
+            buf.release()
 
     def add_peer(self, info: BounceInfo) -> None:
         """Send to ``info.agent`` through its inbox (its NIXL metadata must be loaded already).

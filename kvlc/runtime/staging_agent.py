@@ -101,8 +101,8 @@ class Stager:
                                      f"'{s.name}'; not staging to it")
         if self.endpoint.outbox is None:
             self.endpoint.set_outbox(self._buffer(self.policy.slots))
-        if rec.agent in self.endpoint.peers:
-            self.endpoint.drop_peer(rec.agent)
+        if rec.agent in self.endpoint.peers:  # a new session with it: its new inbox replaces the old
+            self.endpoint.drop_peer(rec.agent, inbox=False)
         self.endpoint.add_peer(BounceInfo(rec.agent, inbox.addr, inbox.slot_bytes, inbox.stride,
                                           inbox.slots, inbox.mem, inbox.device))
 

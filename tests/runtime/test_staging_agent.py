@@ -64,7 +64,7 @@ def _chunks(h) -> int:
     return 0 if st is None else st["chunks_received"] + st["chunks_sent"]
 
 
-@pytest.mark.parametrize("mode, first", [("push", 0), ("pull_via_push", 40), ("prepped", 80), ("pull", 120)])
+@pytest.mark.parametrize("mode, first", [("pull_via_push", 40), ("push", 0), ("prepped", 80), ("pull", 120)])
 def test_staged_and_direct_write_the_same_bytes(eng, plans, mode, first):
     """Every mode: the staged pair and the direct pair write identical destination bytes, each one its
     content code, nothing else changed; WRITEs went through chunks, a pull (READ) stays direct."""
