@@ -7,7 +7,7 @@ Rows (``kvlc staging ...``), two processes, ``kvlc.testing.demo.run_demo``:
   and pull-via-push, with ``KVLC_STAGING=always`` (every WRITE part staged) and the default
   automatic gate;
 * timed: the same shapes with the automatic gate (staged), ``KVLC_STAGING=never`` (direct), and
-  bounce slots of 32 / 128 / 256 MiB (``KVLC_STAGING_SLOT_BYTES``).
+  bounce slots of 32 / 128 / 256 MiB (``KVLC_STAGING_SLOT_BYTES``) and 8 slots of 64 MiB.
 
 Pull (READ) is never staged (docs/runtime.md); its rows show the direct path for comparison.
 Called by benchmarks/gpu_transfer.py (``--only kvlc-staging``).
@@ -68,15 +68,17 @@ def cases(llama: tuple[str, str], mixed: tuple[str, str], quick: bool, device: s
     n = 8 if quick else 16
     timed = [("auto", {"KVLC_STAGING": "auto"}), ("never", {"KVLC_STAGING": "never"}),
              ("slot 128 MiB", {"KVLC_STAGING": "auto", "KVLC_STAGING_SLOT_BYTES": str(128 * MiB)}),
-             ("slot 256 MiB", {"KVLC_STAGING": "auto", "KVLC_STAGING_SLOT_BYTES": str(256 * MiB)})]
+             ("slot 256 MiB", {"KVLC_STAGING": "auto", "KVLC_STAGING_SLOT_BYTES": str(256 * MiB)}),
+             ("8 slots of 64 MiB", {"KVLC_STAGING": "auto", "KVLC_STAGING_SLOT_BYTES": str(64 * MiB),
+                                    "KVLC_STAGING_SLOTS": "8"})]
     for mode in ("push", "pull_via_push"):
-        for label, env in (timed[:3] if mode == "push" else timed[:1] + timed[2:3]) if quick else timed:
+        for label, env in (timed[:3] + timed[4:] if mode == "push" else timed[:1] + timed[2:3]) if quick else timed:
             kind = "direct" if label == "never" else "staging"
             _run(rows, f"kvlc {kind} VRAM llama-3.1-8b {mode} 256 MiB random ids [{label}]", env,
                  layout=llama[0], consumer_layout=llama[1], mode=mode, requests=n, tokens=2048 // scale,
                  max_bytes=(1 << 30) // scale, device=device, check="none", fill="zeros", ids="random",
                  timeout=300.0)
-        for label, env in timed[:1] + ([] if quick else timed[2:]):
+        for label, env in timed[:1] + (timed[2:3] if quick else timed[2:]):
             _run(rows, f"kvlc staging mixed deepseek-v3.2 -> hisparse {mode} contiguous [{label}]", env,
                  layout=mixed[0], consumer_layout=mixed[1], mode=mode, requests=4, tokens=512 // scale,
                  max_bytes=(256 << 20) // scale, device=device, check="none", fill="zeros", ids="contiguous",
