@@ -91,6 +91,29 @@ def cases(llama: tuple[str, str], mixed: tuple[str, str], quick: bool, device: s
     return rows
 
 
+def fix_cases(llama: tuple[str, str], mixed: tuple[str, str]) -> list[dict]:
+    """A short set after a change: checks (always) in push and pull via push, then the timed staged rows."""
+    rows: list[dict] = []
+    for name, (p, c), check_bytes in (("VRAM llama-3.1-8b random ids", llama, 64 << 20),
+                                      ("mixed deepseek-v3.2 -> hisparse", mixed, 16 << 20)):
+        for mode in ("push", "pull_via_push") if "llama" in name else ("push",):
+            _run(rows, f"kvlc staging {name} {mode} [always] check", {"KVLC_STAGING": "always"},
+                 layout=p, consumer_layout=c, mode=mode, requests=4, tokens=128, max_bytes=check_bytes,
+                 device="gpu", check="all", timeout=120.0, ids="random" if "llama" in name else "contiguous")
+    for mode, label, env in (("push", "auto", {"KVLC_STAGING": "auto"}),
+                             ("push", "8 slots of 64 MiB", {"KVLC_STAGING": "auto", "KVLC_STAGING_SLOTS": "8",
+                                                            "KVLC_STAGING_SLOT_BYTES": str(64 * MiB)}),
+                             ("pull_via_push", "auto", {"KVLC_STAGING": "auto"})):
+        _run(rows, f"kvlc staging VRAM llama-3.1-8b {mode} 256 MiB random ids [{label}]", env,
+             layout=llama[0], consumer_layout=llama[1], mode=mode, requests=8, tokens=2048,
+             max_bytes=1 << 30, device="gpu", check="none", fill="zeros", ids="random", timeout=300.0)
+    for mode in ("push", "pull_via_push"):
+        _run(rows, f"kvlc staging mixed deepseek-v3.2 -> hisparse {mode} contiguous [auto]", {"KVLC_STAGING": "auto"},
+             layout=mixed[0], consumer_layout=mixed[1], mode=mode, requests=4, tokens=512,
+             max_bytes=256 << 20, device="gpu", check="none", fill="zeros", ids="contiguous", timeout=300.0)
+    return rows
+
+
 if __name__ == "__main__":  # a dry run on a CPU machine (DRAM versions of the layouts, small pools)
     import sys
 

@@ -216,7 +216,10 @@ def main(argv=None) -> int:
              ("kvlc", lambda tmp: kvlc_cases(p, c, args.quick, tmp)),
              ("kvlc-staging", lambda tmp: gpu_kvlc_staging.cases(
                  (on_device(LLAMA, p, tmp), on_device(LLAMA, c, tmp)),
-                 (on_device(DSV32[0], p, tmp), on_device(DSV32[1], c, tmp)), args.quick)))
+                 (on_device(DSV32[0], p, tmp), on_device(DSV32[1], c, tmp)), args.quick)),
+             ("kvlc-staging-fix", lambda tmp: gpu_kvlc_staging.fix_cases(
+                 (on_device(LLAMA, p, tmp), on_device(LLAMA, c, tmp)),
+                 (on_device(DSV32[0], p, tmp), on_device(DSV32[1], c, tmp)))))
     with tempfile.TemporaryDirectory() as tmp:
         for part, run in steps:
             if part in parts:

@@ -187,13 +187,14 @@ class StagingEndpoint(Receiver):
         """Write the chunk's destination ranges behind its data: the one WRITE carries both."""
         import torch
 
-        raw = torch.from_numpy(np.ascontiguousarray(c.remote, dtype="<u8").view(np.uint8).reshape(-1))
         dst = self.outbox.ranges(c.slot, c.nbytes, len(c.remote))
-        if self.stream is not None:
+        if self.stream is not None:  # through pinned memory: the host does not wait for the stream
+            raw = self.copier.upload(np.ascontiguousarray(c.remote, dtype="<u8").view(np.int64).reshape(-1),
+                                     dst.device)
             with torch.cuda.stream(self.stream):
-                dst.copy_(raw, non_blocking=True)
+                dst.copy_(raw.view(torch.uint8), non_blocking=True)
         else:
-            dst.copy_(raw)
+            dst.copy_(torch.from_numpy(np.ascontiguousarray(c.remote, dtype="<u8").view(np.uint8).reshape(-1)))
 
     def _record(self) -> Any:
         if self.stream is None:
