@@ -294,7 +294,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer and smaller requests")
     ap.add_argument("--merge", action="store_true", help="add the rows to an existing --out document")
     ap.add_argument("--only", default="kvlc,staging,raw,check",
-                    help="comma-separated parts: kvlc, staging, raw, check, diag, fastpath (the last two: not by default)")
+                    help="comma-separated parts: kvlc, kvlc-staging, kvlc-staging-fix, staging, raw, check, diag, "
+                    "fastpath (diag, fastpath, kvlc-staging-fix: not by default)")
     ap.add_argument("--select", default="", help="fastpath part: comma-separated labels of its kvlc cases to run "
                     "(e.g. 'push 256 MiB contiguous,raw'; 'raw' for raw NIXL); default all")
     args = ap.parse_args(argv)
@@ -304,6 +305,7 @@ def main(argv=None) -> int:
     for which, dev in (("--producer-device", args.producer_device), ("--consumer-device", args.consumer_device)):
         if not 0 <= dev < count:
             ap.error(f"{which} {dev}: this machine has {count} CUDA device(s); use 0..{count - 1}")
+    import gpu_kvlc_staging
     import gpu_staging
     from gpu_plot import annotate, plot, verdicts
 
@@ -324,7 +326,13 @@ def main(argv=None) -> int:
              ("staging", lambda tmp: gpu_staging.staged_cases(p, c, args.quick)),
              ("raw", lambda tmp: gpu_staging.raw_cases(p, c, args.quick)),
              ("kvlc", lambda tmp: kvlc_cases(p, c, args.quick, tmp)),
-             ("fastpath", lambda tmp: fastpath_cases(p, c, args.quick, tmp, args.select)))
+             ("fastpath", lambda tmp: fastpath_cases(p, c, args.quick, tmp, args.select)),
+             ("kvlc-staging", lambda tmp: gpu_kvlc_staging.cases(
+                 (on_device(LLAMA, p, tmp), on_device(LLAMA, c, tmp)),
+                 (on_device(DSV32[0], p, tmp), on_device(DSV32[1], c, tmp)), args.quick)),
+             ("kvlc-staging-fix", lambda tmp: gpu_kvlc_staging.fix_cases(
+                 (on_device(LLAMA, p, tmp), on_device(LLAMA, c, tmp)),
+                 (on_device(DSV32[0], p, tmp), on_device(DSV32[1], c, tmp)))))
     with tempfile.TemporaryDirectory() as tmp:
         for part, run in steps:
             if part in parts:

@@ -10,6 +10,8 @@ One module per concern, in the order a transfer meets them:
     channel   the per-agent authenticated side-channel server and its client, bounded
     sessions  remote engines and their rank sessions (engine id, connection, epoch)
     transfer  split a request into NIXL requests, barrier, notify, fail cleanly
+    staging*  bounce buffers for fragmented / mixed-memory WRITEs (policy, chunks, gather/scatter,
+              wire, the receiving half, and staging_agent: what a KvAgent asks of it)
     tracking  completions: finished, failed, held, freeable; leases
     server    the side-channel request server (records, introductions, pull requests, cancels)
     replies   notifications and replies coming back to a consumer
@@ -30,12 +32,14 @@ from kvlc.runtime.errors import AuthError, BindingError, ChannelError, Handshake
 from kvlc.runtime.kinds import Direction, Event, Mode, Status
 from kvlc.runtime.nixl import XferState
 from kvlc.runtime.peer import Peer
+from kvlc.runtime.staging import StagingPolicy
 from kvlc.runtime.tracking import Completions
 from kvlc.runtime.wire import Notif, Record, decode_notif, encode_notif
 
 __all__ = [
     "KvAgent",
     "Peer",
+    "StagingPolicy",
     "Completions",
     "Direction",
     "Mode",

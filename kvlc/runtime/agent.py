@@ -11,6 +11,9 @@ the **producer** sends them. Three ways to move a request (:class:`~kvlc.runtime
                           :meth:`Peer.read` hands its block ids to a background sender, each
                           producer rank WRITEs (before the consumer's deadline) and notifies.
 
+Staging (``staging=``, ``$KVLC_STAGING``=auto|always|never): fragmented or mixed-memory WRITE parts
+go through bounce buffers registered once (docs/runtime.md, "Staging").
+
 Every side calls :meth:`KvAgent.poll`; it never blocks and returns
 :class:`~kvlc.runtime.tracking.Completions` (finished, failed, held, freeable). A failed
 request's blocks are safe to reuse; a *held* one's are not yet (bytes may still land).
@@ -52,8 +55,11 @@ from kvlc.runtime.peer import Peer, connect
 from kvlc.runtime.pump import Pump, Resources, Sender
 from kvlc.runtime import replies as _replies
 from kvlc.runtime.sessions import RemoteEngine, Session, SessionTable
+from kvlc.runtime.staging import StageMode, StagingPolicy
+from kvlc.runtime.staging_agent import Stager
 from kvlc.runtime.tracking import Completions, Events, Incoming, Tally
 from kvlc.runtime.transfer import Executor, Outgoing, Target
+from kvlc.runtime.ucx import UcxOptions
 from kvlc.runtime.wire import StorageBase, decode, make_record
 
 log = logging.getLogger("kvlc.runtime.agent")
@@ -96,6 +102,8 @@ class KvAgent:
     reports a request's source blocks freeable when no consumer finished with them. ``progress``:
     ``"thread"`` (a kvlc thread advances transfers every ``progress_interval`` s), ``"nixl"``
     (NIXL's own progress thread) or ``"manual"`` (only :meth:`poll` advances anything).
+    ``ucx``: UCX backend parameters (default: ``$KVLC_UCX_*``, else NIXL's). ``staging``: which WRITE parts
+    use bounce buffers (default :meth:`StagingPolicy.from_env`: the automatic gate, or ``$KVLC_STAGING``).
     ``agent_factory`` (tests only) builds the NIXL agent wrapper from a name.
     """
 
@@ -117,6 +125,8 @@ class KvAgent:
         progress_interval: float = 0.001,
         limits: Limits | None = None,
         agent_factory: Callable[[str], Any] | None = None,
+        ucx: UcxOptions | None = None,
+        staging: StagingPolicy | None = None,
     ):
         _check_args(plan, rank, progress, timeout, lease)
         self._key = resolve_secret(secret, insecure)
@@ -129,7 +139,7 @@ class KvAgent:
         self.name = _valid_name(name or f"kvlc-{default}-r{rank}-{uuid.uuid4().hex[:8]}")
         self._lock = threading.RLock()
         self.closed = False
-        self.nixl = (agent_factory or (lambda n: Agent(n, backends, telemetry=telemetry,
+        self.nixl = (agent_factory or (lambda n: Agent(n, backends, telemetry=telemetry, ucx=ucx,
                                                         progress_thread=progress == "nixl")))(self.name)
         self._res = Resources(self.nixl, self.name)
         try:
@@ -137,13 +147,17 @@ class KvAgent:
                 self.nixl.register(b.row(), b.mem, what=f"storage '{b.name}'")
             storages = [StorageBase(name=b.name, addr=b.addr, size=b.nbytes, mem=b.mem, device=b.device)
                         for b in self.bindings.values()]
+            self.staging = staging if staging is not None else StagingPolicy.from_env()
+            self.stager = None if self.staging.mode is StageMode.NEVER else Stager(self.nixl, self.bindings,
+                                                                                    self.staging)
             self.record = make_record(self.name, self.nixl.metadata(), plan, rank, storages,
                                       self.engine_id, self.epoch)
         except BaseException:
             self.nixl.close()
             raise
         self.bases = {b.name: (b.addr, b.device) for b in self.bindings.values()}
-        self.executor = self._res.executor = Executor(self.nixl, rank)
+        self.executor = self._res.executor = Executor(self.nixl, rank, stager=self.stager)
+        self._unsettled: set[str] = set()            # consumer: complete, but a staged scatter still copies
         self.sessions = SessionTable(plan, rank, self.name)
         self.events = Events()
         self.incoming: dict[str, Incoming] = {}      # consumer: requests remote ranks move here
@@ -151,7 +165,7 @@ class KvAgent:
         self.offers: dict[str, float] = {}           # producer: req → lease end, no consumer named it yet
         self.sender = self._res.sender = Sender(decode, self._res.stop, f"kvlc-sender-{self.name}")
         self._cancel_clients: dict = {}              # push consumer: producer address → client
-        self.stats = {"dropped_notifs": 0, "requests": 0, "bytes": 0, "descriptors": 0}
+        self.stats = {"dropped_notifs": 0, "fenced_chunks": 0, "requests": 0, "bytes": 0, "descriptors": 0}
         self._finalizer = weakref.finalize(self, self._res.close)
         if progress == "thread":
             self._res.pump = Pump(self, "_pump_locked", progress_interval, self._res.stop,
@@ -303,9 +317,7 @@ class KvAgent:
     def _pump(self) -> None:
         for out in self.executor.progress():
             self._outgoing_done(out)
-        for sender, msgs in self.nixl.notifs().items():
-            for m in msgs:
-                _replies.notif(self, sender, m)
+        _replies.notifs(self, self.nixl.notifs())
         _replies.drain(self, self.sender.replies)
         self._deadlines(time.monotonic())
 

@@ -77,11 +77,12 @@ def connect(agent: KvAgent, addresses: Sequence[str], direction: str, mode: str,
     agent._check_open()
     clients = [ChannelClient(a, agent._key, timeout=timeout) for a in addresses]
     added: list[str] = []
+    given: list[str] = []  # agents this side gave a staging inbox to
     try:
         got = _fetch(clients)
         eng = _pair(agent, got, direction)
         added = _admit(agent, got, eng, mode)
-        _introduce(agent, got, eng.program.peer_ranks, direction, mode)
+        _introduce(agent, got, eng.program.peer_ranks, direction, mode, given)
         peer = _open(agent, got, eng, direction, mode)
         if mode is Mode.PREPPED:  # prepare the strided lists now: NIXL problems surface at connect
             with agent._lock:
@@ -93,6 +94,9 @@ def connect(agent: KvAgent, addresses: Sequence[str], direction: str, mode: str,
         return peer
     except BaseException:
         with agent._lock:
+            for name in given:
+                if not agent.sessions.live(name):
+                    agent.stager.drop_peer(name)
             for name in added:
                 try:
                     agent.nixl.remove_remote(name)
@@ -125,7 +129,7 @@ def _admit(agent: KvAgent, got, eng: RemoteEngine, mode: Mode) -> list[str]:
         replaced = [old for r in peers for old in agent.sessions.check(got[r][0], eng)]
         for old in replaced:
             agent._drop_session(old, f"engine '{old.engine_id}' rank {old.rank} restarted")
-        if mode is not Mode.PULL_VIA_PUSH:
+        if mode is not Mode.PULL_VIA_PUSH or agent.stager is not None:  # (staging: FREEs go to the producer)
             for r in peers:
                 if got[r][0].agent not in agent.nixl.remotes:
                     agent._load_remote(got[r][0])
@@ -133,15 +137,25 @@ def _admit(agent: KvAgent, got, eng: RemoteEngine, mode: Mode) -> list[str]:
     return added
 
 
-def _introduce(agent: KvAgent, got, peers, direction: Direction, mode: Mode) -> None:
+def _introduce(agent: KvAgent, got, peers, direction: Direction, mode: Mode, given: list[str]) -> None:
+    """Introduce this agent to every peer rank; staging inboxes travel here (see :mod:`kvlc.runtime.server`)."""
     wire_mode = "pull_via_push" if mode is Mode.PULL_VIA_PUSH else "direct"  # "prepped" is direct on the wire
-    hello = encode(Introduce(record=agent.record, direction=direction.value, mode=wire_mode,
-                             address=agent.address or ""))
+    st = agent.stager
     for r in peers:
+        rec = got[r][0]
+        with agent._lock:
+            inbox = st.inbox_for(rec.agent) if st is not None and mode is Mode.PULL_VIA_PUSH else None
+        if inbox is not None:
+            given.append(rec.agent)
+        hello = encode(Introduce(record=agent.record, direction=direction.value, mode=wire_mode,
+                                 address=agent.address or "", inbox=inbox))
         reply = decode(got[r][1].request(hello))
         if not isinstance(reply, Reply) or not reply.ok:
             why = reply.error if isinstance(reply, Reply) else f"a '{reply.t}' message"
-            raise HandshakeError(f"rank {r} ({got[r][0].agent}) refused this agent: {why}")
+            raise HandshakeError(f"rank {r} ({rec.agent}) refused this agent: {why}")
+        if st is not None and direction is Direction.WRITE and reply.inbox is not None:
+            with agent._lock:
+                st.add_peer(rec, reply.inbox)
 
 
 def _open(agent: KvAgent, got, eng: RemoteEngine, direction: Direction, mode: Mode) -> Peer:
@@ -202,9 +216,19 @@ class Peer:
         req = bound.prepared_indices(local_block_ids, remote_block_ids, num_tokens, tokens=tokens)
         lists = self._prepared(bound)
         parts: dict = dict(req.tail)
+        staged = []
         for key, (li, ri) in req.indices.items():
             local, remote = lists[key]
             parts[("prepped", key)] = PreparedPart(key, local, li, remote, ri, req.nbytes[key])
+            st = self.agent.stager
+            if self.direction is Direction.WRITE and st is not None and st.decide(
+                    "WRITE", key, len(li), int(req.nbytes[key]), self.sessions[key.peer_rank].agent):
+                staged.append(key)
+        if staged:  # staged parts travel as rows (the bounce buffer gathers them), the rest stay prepared
+            rows = bound.instantiate(local_block_ids, remote_block_ids, num_tokens)
+            for key in staged:
+                del parts[("prepped", key)]
+                parts[key] = rows[key]
         return parts
 
     def _prepared(self, bound):

@@ -3,7 +3,12 @@ when a session ends.
 
 Applied under the agent's lock by its pump (:meth:`KvAgent._pump`). A notification counts only
 when its tag proves it comes from a live session of the sender (:mod:`kvlc.runtime.auth`);
-everything else is dropped and counted (``stats["dropped_notifs"]``).
+everything else is dropped and counted (``stats["dropped_notifs"]``). Staging notifications
+(:mod:`kvlc.runtime.staging_wire`) are tagged the same way; a staged chunk is scattered only
+for a request that is still open here, from the session it is expected from, and not held: once
+a request timed out, was cancelled, or its session ended, its late chunks only give their slot
+back. A request whose scatter may still be writing (on a GPU stream) is reported failed or
+finished only once that copy completed.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from kvlc.runtime.auth import notif_tag, tag_ok
 from kvlc.runtime.channel import ChannelClient
 from kvlc.runtime.errors import ChannelError, HandshakeError, NixlError
 from kvlc.runtime.kinds import Direction, Mode, Status
+from kvlc.runtime.staging_copy import StagingError
+from kvlc.runtime.staging_wire import Kind, decode as decode_staging, is_staging, verify
 from kvlc.runtime.tracking import Incoming, hold, settle
 from kvlc.runtime.wire import Cancel, Reply, decode_notif, encode
 
@@ -29,6 +36,84 @@ _TERMINAL = {Status.DONE, Status.FAILED, Status.CANCELLED, Status.UNKNOWN}
 def _drop(agent: KvAgent, why: str, *args) -> None:
     agent.stats["dropped_notifs"] += 1
     log.warning("notification dropped: " + why, *args)
+
+
+def _settle(agent: KvAgent, inc: Incoming) -> bool:
+    """:func:`settle`, unless a staged scatter of the request may still write (then retried by the pump)."""
+    st = agent.stager
+    if st is not None and inc.complete and st.endpoint.scattering(inc.req):
+        agent._unsettled.add(inc.req)
+        return False
+    return settle(inc, agent.events)
+
+
+def notifs(agent: KvAgent, batch) -> None:
+    """Every notification NIXL delivered (sender → messages), staging ones included."""
+    staged = False
+    for sender, msgs in batch.items():
+        for m in msgs:
+            if is_staging(m):
+                staging(agent, sender, m)
+                staged = True
+            else:
+                notif(agent, sender, m)
+    if staged:  # a FREE may have completed a staged part: finish its request in this pump
+        for out in agent.executor.progress():
+            agent._outgoing_done(out)
+    for req in list(agent._unsettled):
+        inc = agent.incoming.get(req)
+        if inc is None or not inc.complete:
+            agent._unsettled.discard(req)
+        elif _settle(agent, inc):
+            agent._unsettled.discard(req)
+            del agent.incoming[req]
+
+
+def _fenced(agent: KvAgent, s, req: str) -> str:
+    """Why a chunk of ``req`` from session ``s`` must not be scattered here ("" if it may)."""
+    inc = agent.incoming.get(req)
+    if inc is None:
+        if req in agent.events.ended:
+            return "the request ended here"
+        inc = agent.incoming[req] = Incoming(req, time.monotonic() + agent.timeout)
+    if inc.engine is None:
+        inc.engine = s.engine
+    elif inc.engine is not s.engine:
+        return f"the request is expected from another engine, not '{s.engine_id}'"
+    if inc.via and (s.rank not in inc.via or inc.via[s.rank][0] is not s):
+        return "the request was not asked of this session"
+    if inc.held:
+        return f"the request is held here ({inc.why_held})"
+    if s.rank in inc.answers:
+        return f"rank {s.rank} already ended the request"
+    return ""
+
+
+def staging(agent: KvAgent, sender: str, raw: bytes) -> None:
+    """One staging notification (LANDED, FREE, FAIL), authenticated like :func:`notif`."""
+    st = agent.stager
+    if st is None:
+        return _drop(agent, "staging message from %r: staging is off here", sender[:64])
+    try:
+        m = decode_staging(raw)
+    except StagingError as exc:
+        return _drop(agent, "from %r: %s", sender[:64], exc)
+    s = next((s for s in agent.sessions.live(sender) if verify(m, s.notif_key)), None)
+    if s is None:
+        return _drop(agent, "staging %s from %r: no session whose key signs it (request %r)", m.kind.name,
+                     sender[:64], m.req[:40])
+    if m.kind is Kind.LANDED:
+        if s.direction is not Direction.READ:
+            return _drop(agent, "staged chunk from %r on a session where it does not write here", sender[:64])
+        why = _fenced(agent, s, m.req)
+        if why:
+            agent.stats["fenced_chunks"] += 1
+            log.info("staged chunk %d of %r from %r not scattered: %s", m.seq, m.req[:40], sender[:64], why)
+            st.endpoint.discard(sender, m, s.notif_key)
+            return
+    elif m.kind is Kind.FREE and s.direction is not Direction.WRITE:
+        return _drop(agent, "FREE from %r on a session where this side does not write", sender[:64])
+    st.endpoint.take(sender, m, s.notif_key)
 
 
 def notif(agent: KvAgent, sender: str, message: bytes) -> None:
@@ -64,7 +149,7 @@ def notif(agent: KvAgent, sender: str, message: bytes) -> None:
     for cid, cs in list(inc.cancel_wait.items()):
         if cs.engine is s.engine and cs.rank == s.rank:
             del inc.cancel_wait[cid]
-    if settle(inc, agent.events):
+    if _settle(agent, inc):
         del agent.incoming[n.req]
 
 
@@ -104,7 +189,7 @@ def drain(agent: KvAgent, replies) -> None:
             if s is not None and (inc.engine is None or inc.engine is s.engine):
                 if inc.engine is not None:
                     inc.answer(s.rank, status, "answered a cancel")
-        if settle(inc, agent.events):
+        if _settle(agent, inc):
             del agent.incoming[req]
 
 
@@ -138,7 +223,7 @@ def hold_and_cancel(agent: KvAgent, inc: Incoming, why: str) -> None:
             if s.address:  # else: wait for its notification or for its session to end
                 msg = encode(Cancel(req=req, conn=s.conn_id, tag=notif_tag(s.notif_key, "cancel", req)))
                 agent.sender.send(_client(agent, s.address), lambda m=msg: m, ("cancel", req, s.rank, s.conn_id))
-    if settle(inc, agent.events):
+    if _settle(agent, inc):
         agent.incoming.pop(req, None)
 
 
@@ -153,6 +238,8 @@ def end_session(agent: KvAgent, s, why: str) -> None:
                 agent._outgoing_done(done)
     unused = agent.sessions.drop(s)
     busy = any(t.agent == s.agent for out in agent.executor.active.values() for t in out.notify.values())
+    if unused and not busy and agent.stager is not None:
+        agent.stager.drop_peer(s.agent)
     if unused and s.agent in agent.nixl.remotes and not busy:
         try:
             agent.nixl.remove_remote(s.agent)  # revoke: no transfer with it can be made any more
@@ -164,7 +251,7 @@ def end_session(agent: KvAgent, s, why: str) -> None:
         hit = inc.via[s.rank][0] is s if s.rank in inc.via else (inc.engine is s.engine and not still)
         if hit and s.rank not in inc.answers:
             inc.answer(s.rank, Status.CANCELLED, f"session ended ({why}); it can no longer write here")
-        if settle(inc, agent.events):
+        if _settle(agent, inc):
             del agent.incoming[req]
     if still:
         return

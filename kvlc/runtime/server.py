@@ -42,8 +42,7 @@ def handle(agent: KvAgent, conn: Conn, frame: bytes) -> bytes:
         if isinstance(msg, Fetch):
             return encode(agent.record)
         if isinstance(msg, Introduce):
-            introduce(agent, conn, msg)
-            return encode(Reply(ok=True))
+            return encode(introduce(agent, conn, msg))
         if isinstance(msg, PullRequest):
             pull_request(agent, conn, msg)
             return encode(Reply(ok=True))
@@ -54,8 +53,11 @@ def handle(agent: KvAgent, conn: Conn, frame: bytes) -> bytes:
         return error_reply(str(exc))
 
 
-def introduce(agent: KvAgent, conn: Conn, msg: Introduce) -> None:
-    """A peer connected to us: pair from our side and open its session on this connection."""
+def introduce(agent: KvAgent, conn: Conn, msg: Introduce) -> Reply:
+    """A peer connected to us: pair from our side and open its session on this connection.
+
+    Staging on: a producer that will push here gets an inbox in the reply; a pull-via-push consumer's
+    inbox (in its hello) is where this side stages the WRITEs it asks for."""
     rec = msg.record
     if msg.mode == Mode.PULL_VIA_PUSH and msg.direction != Direction.READ:
         raise HandshakeError("pull_via_push is a consumer's mode: the introducing agent must READ")
@@ -70,9 +72,17 @@ def introduce(agent: KvAgent, conn: Conn, msg: Introduce) -> None:
             agent._drop_session(old, f"engine '{rec.engine_id}' rank {rec.rank} restarted (epoch {rec.epoch[:8]})")
         if msg.mode == Mode.PULL_VIA_PUSH:
             agent._load_remote(rec)
+        inbox = None
+        if agent.stager is not None and msg.direction == Direction.WRITE:
+            inbox = agent.stager.inbox_for(rec.agent)
+            if inbox is not None:
+                agent._load_remote(rec)  # its chunks' slots go back to it in FREE notifications
+        elif agent.stager is not None and msg.mode == Mode.PULL_VIA_PUSH and msg.inbox is not None:
+            agent.stager.add_peer(rec, msg.inbox)
         session = Session(rec, conn.id, conn.sealed.notif_key, mine, Mode(msg.mode), eng, msg.address, True)
         agent.sessions.add(session)
         conn.session = session
+    return Reply(ok=True, inbox=inbox)
 
 
 def pull_request(agent: KvAgent, conn: Conn, msg: PullRequest) -> None:

@@ -54,14 +54,12 @@ from kvlc.runtime.staging_buffers import (
     _Sending,
     split_chunks,
 )
-from kvlc.runtime.staging_wire import BounceInfo, Kind, Message, decode, encode, is_staging
+from kvlc.runtime.staging_recv import Receiver
+from kvlc.runtime.staging_wire import BounceInfo, Kind, Message, encode
 
 log = logging.getLogger("kvlc.runtime.staging")
 
-_FORGET = 1 << 14
-
-
-class StagingEndpoint:
+class StagingEndpoint(Receiver):
     """One agent's staging engine: sends through its outbox, receives into one inbox per peer.
 
     ``agent`` is a :class:`~kvlc.runtime.nixl.Agent`; ``regions`` the registered memory the
@@ -70,32 +68,53 @@ class StagingEndpoint:
     """
 
     def __init__(self, agent: Any, regions: Regions, outbox: BounceBuffer | None,
-                 clock: Callable[[], float] = time.monotonic, prepped: bool = True):
+                 clock: Callable[[], float] = time.monotonic, prepped: bool = True, device: int | None = None):
         self.agent, self.regions, self.outbox, self.clock = agent, regions, outbox, clock
-        cuda = outbox is not None and outbox.mem == "VRAM"
+        if device is None and outbox is not None and outbox.mem == "VRAM":
+            device = outbox.device
         self.stream = None
-        if cuda:
+        if device is not None:  # copies on a side stream of that GPU
             import torch
 
-            self.stream = torch.cuda.Stream(device=outbox.device)
+            self.stream = torch.cuda.Stream(device=device)
         self.copier = Copier(regions, self.stream)
         self.peers: dict[str, BounceInfo] = {}          # sending: the peer's inbox for us
         self.inboxes: dict[str, BounceBuffer] = {}      # receiving: our inbox for that peer
         self._queue: deque[_Chunk] = deque()
         self._free_local: deque[int] = deque(range(outbox.slots)) if outbox else deque()
         self._free_remote: dict[str, deque[int]] = {}
+        self._lent: dict[tuple[str, int], tuple[str, int]] = {}  # (peer, its slot) → (req, seq) written there
         self._gathering: list[_Chunk] = []
         self._writing: list[_Chunk] = []
-        self._sending: dict[str, _Sending] = {}
-        self._scattering: list[tuple[str, Message, Any]] = []
+        self._sending: dict[tuple[str, str], _Sending] = {}   # (req, peer) -> what is still to send
+        self._scattering: list[tuple[str, Message, Any, bytes]] = []
         self._receiving: dict[tuple[str, str], set[int]] = {}
-        self._failed_in: OrderedDict[tuple[str, str], None] = OrderedDict()  # bounded: _FORGET
+        self._failed_in: OrderedDict[tuple[str, str], None] = OrderedDict()  # bounded (staging_recv)
         self.events: list[StageEvent] = []
         self.prepped = prepped
         self._lists: dict[str, tuple[Any, Any, int]] = {}  # peer -> (local slots, remote slots, bytes each)
         self.stats = {"chunks_sent": 0, "chunks_received": 0, "bytes_sent": 0}
 
     # ------------------------------------------------------------------ setup
+    def set_outbox(self, outbox: BounceBuffer) -> None:
+        """Send through ``outbox`` (once, before the first :meth:`add_peer` that prepares lists)."""
+        if self.outbox is not None:
+            raise StagingError("this endpoint has an outbox already")
+        self.outbox = outbox
+        self._free_local = deque(range(outbox.slots))
+
+    def drop_peer(self, peer: str, inbox: bool = True) -> None:
+        """Forget ``peer`` (its session ended): its prepared lists go; its inbox here too (``inbox``)."""
+        self.peers.pop(peer, None)
+        self._free_remote.pop(peer, None)
+        self._lent = {k: v for k, v in self._lent.items() if k[0] != peer}
+        for h in self._lists.pop(peer, (None, None))[:2]:
+            if h is not None:
+                h.release()
+        buf = self.inboxes.pop(peer, None) if inbox else None
+        if buf is not None:
+            buf.release()
+
     def add_peer(self, info: BounceInfo) -> None:
         """Send to ``info.agent`` through its inbox (its NIXL metadata must be loaded already).
 
@@ -119,24 +138,29 @@ class StagingEndpoint:
 
     # ------------------------------------------------------------------ sending
     def send(self, req: str, local_rows: np.ndarray, remote_rows: np.ndarray, peer: str,
-             timeout: float | None = None) -> int:
-        """Stage one request to ``peer``: source ranges ``local_rows`` to ``remote_rows``. Returns chunks."""
+             timeout: float | None = None, key: bytes = b"") -> int:
+        """Stage one request to ``peer``: source ranges ``local_rows`` to ``remote_rows``; its messages are
+        sealed with ``key`` (the session's). Returns the number of chunks."""
         if self.outbox is None:
             raise StagingError("this endpoint has no outbox: create it with a BounceBuffer to send")
         if peer not in self.peers:
             raise StagingError(f"no inbox known on '{peer}': call add_peer with its BounceInfo first")
-        if req in self._sending:
-            raise StagingError(f"staged request '{req}' is already in flight")
+        if (req, peer) in self._sending:
+            raise StagingError(f"staged request '{req}' to '{peer}' is already in flight")
         local = np.asarray(local_rows, dtype=np.uint64)[:, :2]
         remote = np.asarray(remote_rows, dtype=np.uint64)[:, :2]
         if local.shape != remote.shape or not len(local):
             raise StagingError(f"need equal, non-zero row counts; got {local.shape} and {remote.shape}")
-        self.regions.locate(local, "source range")
+        where = self.regions.locate(local, "source range")
+        # Rows of one region and length next to each other: one indexed copy each, not one copy per row
+        # (a request lists its rows block by block, alternating regions). Destinations never overlap.
+        order = np.lexsort((local[:, 1], where))
+        local, remote = local[order], remote[order]
         size = min(self.outbox.slot_bytes, self.peers[peer].slot_bytes)
         chunks = split_chunks(local, remote, size)
         now = self.clock()
-        self._sending[req] = _Sending(req, peer, len(chunks), None if timeout is None else now + timeout,
-                                      queued=len(chunks))
+        self._sending[(req, peer)] = _Sending(req, peer, len(chunks), None if timeout is None else now + timeout,
+                                              queued=len(chunks), key=key)
         for seq, (lr, rr) in enumerate(chunks):
             self._queue.append(_Chunk(req, peer, seq, len(chunks), lr, rr, int(lr[:, 1].sum())))
         return len(chunks)
@@ -144,7 +168,7 @@ class StagingEndpoint:
     def _start_gathers(self) -> None:
         while self._queue and self._free_local:
             c = self._queue[0]
-            s = self._sending[c.req]
+            s = self._sending[(c.req, c.peer)]
             if s.failed:
                 self._queue.popleft()
                 s.queued -= 1
@@ -157,6 +181,7 @@ class StagingEndpoint:
             s.queued -= 1
             c.slot = self._free_local.popleft()
             c.remote_slot = remote.popleft()
+            self._lent[(c.peer, c.remote_slot)] = (c.req, c.seq)
             self.copier.gather(c.local, self.outbox.slot(c.slot, c.nbytes))
             self._put_ranges(c)
             c.event = self._record()
@@ -166,13 +191,14 @@ class StagingEndpoint:
         """Write the chunk's destination ranges behind its data: the one WRITE carries both."""
         import torch
 
-        raw = torch.from_numpy(np.ascontiguousarray(c.remote, dtype="<u8").view(np.uint8).reshape(-1))
         dst = self.outbox.ranges(c.slot, c.nbytes, len(c.remote))
-        if self.stream is not None:
+        if self.stream is not None:  # through pinned memory: the host does not wait for the stream
+            raw = self.copier.upload(np.ascontiguousarray(c.remote, dtype="<u8").view(np.int64).reshape(-1),
+                                     dst.device)
             with torch.cuda.stream(self.stream):
-                dst.copy_(raw, non_blocking=True)
+                dst.copy_(raw.view(torch.uint8), non_blocking=True)
         else:
-            dst.copy_(raw)
+            dst.copy_(torch.from_numpy(np.ascontiguousarray(c.remote, dtype="<u8").view(np.uint8).reshape(-1)))
 
     def _record(self) -> Any:
         if self.stream is None:
@@ -205,7 +231,7 @@ class StagingEndpoint:
                 state = self.agent.post(c.xfer)
             except KvlcError as exc:
                 state, c.xfer = XferState.ERR, None
-                self._fail(self._sending[c.req], f"chunk {c.seq}: {exc}")
+                self._fail(self._sending[(c.req, c.peer)], f"chunk {c.seq}: {exc}")
             if state is XferState.ERR:
                 self._chunk_failed(c)
             else:
@@ -225,7 +251,8 @@ class StagingEndpoint:
             c.xfer.release()
             self._free_local.append(c.slot)
             self.agent.send_notif(c.peer, encode(Message(Kind.LANDED, c.req, c.seq, c.total, c.remote_slot,
-                                                         nbytes=c.nbytes, nrows=len(c.remote))))
+                                                         nbytes=c.nbytes, nrows=len(c.remote)),
+                                                 self._sending[(c.req, c.peer)].key))
             self.stats["chunks_sent"] += 1
             self.stats["bytes_sent"] += c.nbytes
         self._writing = still
@@ -236,8 +263,9 @@ class StagingEndpoint:
         if c.xfer is not None:
             c.xfer.release()
         self._free_local.append(c.slot)
+        self._lent.pop((c.peer, c.remote_slot), None)
         self._free_remote[c.peer].append(c.remote_slot)
-        s = self._sending[c.req]
+        s = self._sending[(c.req, c.peer)]
         s.freed += 1
         self._fail(s, f"chunk {c.seq}: {why}")
 
@@ -245,113 +273,54 @@ class StagingEndpoint:
         if not s.failed:
             s.failed = why
             try:
-                self.agent.send_notif(s.peer, encode(Message(Kind.FAIL, s.req, reason=why)))
+                self.agent.send_notif(s.peer, encode(Message(Kind.FAIL, s.req, reason=why), s.key))
             except KvlcError:
                 pass  # the receiver may be gone; the request fails either way
         self._maybe_finish(s)
 
     def _maybe_finish(self, s: _Sending) -> None:
-        inflight = any(c.req == s.req for c in self._gathering + self._writing)
+        inflight = any(c.req == s.req and c.peer == s.peer for c in self._gathering + self._writing)
         if s.failed and not inflight and s.queued == 0:
             # chunks LANDED but not yet FREE still hold remote slots; their FREE arrives later
-            self._sending.pop(s.req, None)
-            self.events.append(StageEvent("failed", s.req, s.peer, s.failed))
+            if self._sending.pop((s.req, s.peer), None) is not None:
+                self.events.append(StageEvent("failed", s.req, s.peer, s.failed))
         elif not s.failed and s.freed == s.total:
-            self._sending.pop(s.req, None)
-            self.events.append(StageEvent("sent", s.req, s.peer))
+            if self._sending.pop((s.req, s.peer), None) is not None:
+                self.events.append(StageEvent("sent", s.req, s.peer))
 
-    # ------------------------------------------------------------------ receiving
-    def handle(self, sender: str, raw: bytes) -> bool:
-        """Take one notification; False if it is not a staging message. Bad ones are logged, dropped."""
-        if not is_staging(raw):
-            return False
-        try:
-            m = decode(raw)
-        except StagingError as exc:
-            log.warning("staging message from %r dropped: %s", sender[:64], exc)
-            return True
-        try:
-            if m.kind is Kind.LANDED:
-                self._landed(sender, m)
-            elif m.kind is Kind.FREE:
-                self._freed(sender, m)
-            elif m.req in self._sending and self._sending[m.req].peer == sender:
-                self._refused(sender, m)
-            else:
-                self._forget((sender, m.req))
-                self._receiving.pop((sender, m.req), None)
-                self.events.append(StageEvent("failed", m.req, sender, f"sender gave up: {m.reason}"))
-        except StagingError as exc:
-            log.warning("staging message from %r refused: %s", sender[:64], exc)
-            if m.kind is Kind.LANDED:  # tell the sender, and give its slot back: nothing was scattered
-                self._forget((sender, m.req))
-                self._receiving.pop((sender, m.req), None)
-                self.events.append(StageEvent("failed", m.req, sender, str(exc)))
-                self.agent.send_notif(sender, encode(Message(Kind.FAIL, m.req, m.seq, m.total, m.slot,
-                                                             reason=f"refused by the receiver: {exc}")))
-        return True
-
-    def _forget(self, key: tuple[str, str]) -> None:
-        """Remember a failed incoming request (its late chunks are answered, not scattered); bounded."""
-        self._failed_in[key] = None
-        while len(self._failed_in) > _FORGET:
-            self._failed_in.popitem(last=False)
+    def abort(self, req: str, peer: str, why: str) -> None:
+        """Give a request to ``peer`` up: nothing more is gathered or posted; a ``failed`` event follows
+        once none of its WRITEs is in flight (no byte can land after it)."""
+        s = self._sending.get((req, peer))
+        if s is not None and not s.failed:
+            self._fail(s, why)
 
     def _refused(self, sender: str, m: Message) -> None:
         """The receiver refused a chunk of ours (FAIL naming its slot): the request fails, the slot is free."""
-        if m.slot < self.peers[sender].slots:
-            self._free_remote[sender].append(m.slot)
-        s = self._sending[m.req]
-        s.freed += 1
+        s = self._sending[(m.req, sender)]
+        if self._give_back(sender, m):
+            s.freed += 1
         if not s.failed:
             s.failed = m.reason or "refused by the receiver"
         self._maybe_finish(s)
 
-    def _landed(self, sender: str, m: Message) -> None:
-        inbox = self.inboxes.get(sender)
-        if inbox is None:
-            raise StagingError(f"'{sender}' sent a chunk but has no inbox here")
-        if m.slot >= inbox.slots:
-            raise StagingError(f"chunk in slot {m.slot}; the inbox has {inbox.slots}")
-        if m.nbytes > inbox.slot_bytes:
-            raise StagingError(f"chunk of {m.nbytes} bytes; a slot holds {inbox.slot_bytes}")
-        key = (sender, m.req)
-        if key in self._failed_in:
-            self._answer(sender, m)
-            return
-        rows = inbox.ranges(m.slot, m.nbytes, m.nrows).cpu().numpy().copy().view("<u8").reshape(-1, 2)
-        if int(rows[:, 1].sum()) != m.nbytes:
-            raise StagingError(f"chunk {m.seq}: its ranges add up to {int(rows[:, 1].sum())} bytes, "
-                               f"the message says {m.nbytes}")
-        self.copier.scatter(inbox.slot(m.slot, m.nbytes), rows)
-        self._scattering.append((sender, m, self._record()))
-
-    def _answer(self, sender: str, m: Message) -> None:
-        self.agent.send_notif(sender, encode(Message(Kind.FREE, m.req, m.seq, m.total, m.slot)))
-
-    def _check_scatters(self) -> None:
-        still = []
-        for sender, m, ev in self._scattering:
-            if ev is not None and not ev.query():
-                still.append((sender, m, ev))
-                continue
-            self._answer(sender, m)  # the slot is free again only once its bytes are in place
-            self.stats["chunks_received"] += 1
-            key = (sender, m.req)
-            if key in self._failed_in:
-                continue
-            got = self._receiving.setdefault(key, set())
-            got.add(m.seq)
-            if len(got) == m.total:
-                del self._receiving[key]
-                self.events.append(StageEvent("received", m.req, sender))
-        self._scattering = still
+    def _give_back(self, sender: str, m: Message) -> bool:
+        """The peer's slot ``m.slot`` is free again, if chunk ``m.seq`` of ``m.req`` is what it holds
+        (a FREE answering a replayed or stale LANDED must not free a slot another chunk is using)."""
+        if self._lent.get((sender, m.slot)) != (m.req, m.seq):
+            log.warning("staging: %s of slot %d from %r for chunk %d of %r, which that slot does not hold; "
+                        "ignored", m.kind.name, m.slot, sender[:64], m.seq, m.req[:40])
+            return False
+        del self._lent[(sender, m.slot)]
+        self._free_remote[sender].append(m.slot)
+        return True
 
     def _freed(self, sender: str, m: Message) -> None:
-        if sender not in self._free_remote or m.slot >= self.peers[sender].slots:
-            raise StagingError(f"FREE of slot {m.slot} from '{sender}', which is not a peer's slot")
-        self._free_remote[sender].append(m.slot)
-        s = self._sending.get(m.req)
+        if sender not in self._free_remote:
+            raise StagingError(f"FREE of slot {m.slot} from '{sender}', which is not a peer")
+        if not self._give_back(sender, m):
+            return
+        s = self._sending.get((m.req, sender))
         if s is not None:
             s.freed += 1
             self._maybe_finish(s)
@@ -372,6 +341,11 @@ class StagingEndpoint:
             self._maybe_finish(s)
         events, self.events = self.events, []
         return events
+
+    def kick(self) -> None:
+        """Start what can start now (gathers into free slots, WRITEs of gathered chunks)."""
+        self._start_gathers()
+        self._post_writes()
 
     @property
     def busy(self) -> bool:

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import enum
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +20,7 @@ from kvlc.runtime.staging_wire import MAX_ROWS_PER_CHUNK, ROWS_RESERVE, BounceIn
 
 DEFAULT_SLOT_BYTES = 32 << 20
 DEFAULT_SLOTS = 4
+DRAM_SLOT_BYTES = 4 << 20
 
 
 class StageMode(str, enum.Enum):
@@ -42,14 +44,52 @@ class StagingPolicy:
     >>> p = StagingPolicy()
     >>> p.decide(4086, 4086 * 65536, "VRAM", "VRAM"), p.decide(32, 256 << 20, "VRAM", "VRAM")
     (True, False)
-    >>> StagingPolicy(mode="never").decide(4086, 1 << 20, "VRAM", "DRAM")
+    >>> StagingPolicy.never().decide(4086, 1 << 20, "VRAM", "DRAM")
     False
+    >>> StagingPolicy.from_env({"KVLC_STAGING": "always", "KVLC_STAGING_SLOTS": "8"}).slots
+    8
+
+    ``slot_bytes`` x ``slots``: each bounce buffer (one outbox per agent, one inbox per sending
+    peer; ``slot_bytes`` None: 32 MiB in VRAM, 4 MiB in DRAM). ``peers``: how many sending peers
+    get an inbox (the inboxes are registered together when the agent is created, so that its
+    NIXL metadata covers them; a peer beyond that is not staged to). ``bounce``: where buffers live: ``auto`` (VRAM on the device of the agent's first VRAM
+    storage, else on the current GPU if there is one, else DRAM), ``DRAM`` or ``VRAM``.
+    :meth:`from_env` reads ``KVLC_STAGING`` (auto|always|never), ``KVLC_STAGING_SLOT_BYTES`` and
+    ``KVLC_STAGING_SLOTS`` (what :class:`~kvlc.runtime.agent.KvAgent` uses when given no policy).
     """
 
     mode: StageMode = StageMode.AUTO
     min_descriptors: int = 256
     max_mean_bytes: int = 512 << 10
     mixed: bool = True
+    slot_bytes: int | None = None
+    slots: int = DEFAULT_SLOTS
+    bounce: str = "auto"
+    peers: int = 4
+
+    @classmethod
+    def never(cls) -> StagingPolicy:
+        return cls(mode=StageMode.NEVER)
+
+    @classmethod
+    def always(cls, **kw) -> StagingPolicy:
+        return cls(mode=StageMode.ALWAYS, **kw)
+
+    @classmethod
+    def from_env(cls, environ=None) -> StagingPolicy:
+        """The policy ``KVLC_STAGING*`` variables describe (the defaults where unset)."""
+        env = os.environ if environ is None else environ
+        kw: dict = {}
+        if env.get("KVLC_STAGING"):
+            kw["mode"] = env["KVLC_STAGING"].strip().lower()
+        for var, name in (("KVLC_STAGING_SLOT_BYTES", "slot_bytes"), ("KVLC_STAGING_SLOTS", "slots"),
+                          ("KVLC_STAGING_PEERS", "peers")):
+            if env.get(var):
+                try:
+                    kw[name] = int(env[var])
+                except ValueError:
+                    raise KvlcError(f"${var}: expected an integer, got {env[var]!r}") from None
+        return cls(**kw)
 
     def __post_init__(self) -> None:
         try:
@@ -57,10 +97,18 @@ class StagingPolicy:
         except ValueError:
             raise KvlcError(f"StagingPolicy.mode: got {self.mode!r}; use one of "
                             f"{[m.value for m in StageMode]}") from None
-        for name in ("min_descriptors", "max_mean_bytes"):
+        for name, low in (("min_descriptors", 1), ("max_mean_bytes", 1), ("slot_bytes", 4096), ("slots", 1),
+                          ("peers", 0)):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise KvlcError(f"StagingPolicy.{name}: expected a positive integer, got {v!r}")
+            if v is None and name == "slot_bytes":
+                continue
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise KvlcError(f"StagingPolicy.{name}: expected a positive integer (at least {low}), got {v!r}")
+        if self.slots > 1024 or (self.slot_bytes or 0) > 1 << 31 or self.peers > 256:
+            raise KvlcError(f"StagingPolicy: at most 1024 slots of at most 2 GiB, at most 256 peers; got "
+                            f"{self.slots} of {self.slot_bytes} bytes, {self.peers} peers")
+        if self.bounce not in ("auto", "DRAM", "VRAM"):
+            raise KvlcError(f"StagingPolicy.bounce: got {self.bounce!r}; use 'auto', 'DRAM' or 'VRAM'")
 
     def decide(self, rows: int, nbytes: int, local_mem: str, remote_mem: str) -> bool:
         """Whether a part of ``rows`` descriptors and ``nbytes`` bytes should be staged."""
@@ -107,12 +155,24 @@ class BounceBuffer:
         lo = i * self.stride + _align8(nbytes)
         return self.tensor[lo:lo + 16 * nrows]
 
+    def view(self, first: int, n: int) -> BounceBuffer:
+        """Slots ``first .. first + n - 1`` as a buffer of their own (shares the registration)."""
+        if not (0 <= first and n >= 1 and first + n <= self.slots):
+            raise KvlcError(f"bounce buffer: slots {first}..{first + n - 1} outside its {self.slots}")
+        v = object.__new__(BounceBuffer)
+        v.agent, v.slot_bytes, v.slots, v.stride = self.agent, self.slot_bytes, n, self.stride
+        v.mem, v.device, v.registration = self.mem, self.device, None
+        v.tensor = self.tensor[first * self.stride:(first + n) * self.stride]
+        v.addr = self.addr + first * self.stride
+        return v
+
     def info(self) -> BounceInfo:
         return BounceInfo(self.agent.name, self.addr, self.slot_bytes, self.stride, self.slots, self.mem,
                           self.device)
 
     def release(self) -> None:
-        self.registration.release()
+        if self.registration is not None:  # a view: its buffer's owner releases the registration
+            self.registration.release()
 
 
 def split_chunks(local: np.ndarray, remote: np.ndarray, slot_bytes: int,
@@ -173,6 +233,7 @@ class _Sending:
     freed: int = 0
     failed: str = ""
     queued: int = 0         # chunks not yet gathered
+    key: bytes = b""        # seals this request's messages (the session's key)
 
 
 @dataclass(frozen=True)

@@ -118,6 +118,22 @@ class Copier:
         self.stream = stream
         self.calls = 0  # copy calls issued (for benchmarks and tests)
         self._aliases: dict = {}
+        self._rings: dict[str, _PinnedRing] = {}  # per CUDA device
+
+    def upload(self, values: np.ndarray, device: Any) -> Any:
+        """``values`` (a 1-D int64 array) on ``device``, queued on the stream without waiting.
+
+        A copy from pageable memory would make the host wait for the stream (and, with two
+        processes on one GPU, for the other's time slice) at every indexed copy; this goes through
+        a ring of pinned buffers instead (one wait only if the ring laps a copy still in flight)."""
+        import torch
+
+        if device.type != "cuda":
+            return torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64))
+        ring = self._rings.get(str(device))
+        if ring is None:
+            ring = self._rings[str(device)] = _PinnedRing(device)
+        return ring.put(np.ascontiguousarray(values, dtype=np.int64), self.stream)
 
     def gather(self, pieces: np.ndarray, bounce: Any) -> None:
         """Copy each (addr, len) range, in order, into ``bounce`` (a 1-D uint8 tensor span)."""
@@ -193,15 +209,51 @@ class Copier:
         dtype = {16: torch.complex128, 8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[w]
         elems = src.numel() // w
         base = src[:elems * w].view(dtype)
-        rows = (src.numel() - length) // g + 1
-        view = base.as_strided((rows, length // w), (g // w, 1))
-        idx = torch.from_numpy(rel // g).to(src.device, non_blocking=True)
+        if g == length and (elems * w) % length == 0:  # rows do not overlap: a plain (contiguous) view,
+            view = base.view(-1, length // w)          # which index_select / index_copy_ run ~4x faster on
+        else:
+            rows = (src.numel() - length) // g + 1
+            view = base.as_strided((rows, length // w), (g // w, 1))
+        idx = self.upload(rel // g, src.device)
         out = span.view(dtype).view(n, length // w)
         if gather:
             torch.index_select(view, 0, idx, out=out)
         else:
             view.index_copy_(0, idx, out)
         self.calls += 1
+
+
+class _PinnedRing:
+    """Pinned host buffers cycled for uploads to one GPU; each is reused once its copy completed."""
+
+    SIZE = 1 << 17  # int64 values per buffer (a chunk has at most 8,192 ranges)
+    COUNT = 16
+
+    def __init__(self, device: Any):
+        import torch
+
+        self.device = device
+        self.host = [torch.empty(self.SIZE, dtype=torch.int64).pin_memory() for _ in range(self.COUNT)]
+        self.events: list[Any] = [None] * self.COUNT
+        self.at = 0
+
+    def put(self, values: np.ndarray, stream: Any) -> Any:
+        import torch
+
+        if values.size > self.SIZE:  # larger than a buffer: the plain (waiting) copy
+            return torch.from_numpy(values).to(self.device, non_blocking=True)
+        k, self.at = self.at, (self.at + 1) % self.COUNT
+        if self.events[k] is not None:
+            self.events[k].synchronize()
+        buf = self.host[k][:values.size]
+        buf.numpy()[:] = values
+        ctx = torch.cuda.stream(stream) if stream is not None else _nullctx()
+        with ctx:
+            out = buf.to(self.device, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record()
+        self.events[k] = ev
+        return out
 
 
 class _Cai:

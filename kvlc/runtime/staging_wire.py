@@ -2,13 +2,18 @@
 
 Three messages, binary, little-endian, all starting with the magic ``KVST``::
 
-    header  <4s B I I H H>  magic, kind, seq, total, slot, len(req)   then req (ASCII)
+    header  <4s B I I H H 12s>  magic, kind, seq, total, slot, len(req), tag   then req (ASCII)
     LANDED  + <Q I> nbytes, nrows      chunk ``seq`` of ``total`` is in bounce slot ``slot``:
                                        ``nbytes`` of data, then (8-aligned) ``nrows`` x (addr u64,
                                        len u64) destination ranges; scatter it, in order, to them
     FREE    (no payload)               the receiver scattered chunk ``seq`` (or dropped it):
                                        slot ``slot`` may be written again
     FAIL    + reason (UTF-8)           the sender gave the request up; scatter nothing more
+
+``tag`` is the HMAC of every other field under the key of the session the two agents share
+(:func:`kvlc.runtime.auth.notif_tag`, as for the other notifications): :func:`verify` tells a
+receiver whether a message comes from the holder of that key (the standalone pair uses the
+empty key).
 
 Decoding refuses, with a :class:`~kvlc.runtime.staging_copy.StagingError`, anything
 malformed: wrong magic, unknown kind, truncated header, a payload that is not whole
@@ -19,22 +24,24 @@ The destination ranges travel in the same WRITE as the data (after it, in the sl
 notification stays a few dozen bytes: large ones take UCX's rendezvous path, which cost
 milliseconds per chunk when they carried the ranges.
 
->>> m = decode(encode(Message(Kind.LANDED, "req-1", seq=0, total=2, slot=1, nbytes=4096, nrows=64)))
->>> m.slot, m.nbytes, m.nrows
-(1, 4096, 64)
+>>> m = decode(encode(Message(Kind.LANDED, "req-1", seq=0, total=2, slot=1, nbytes=4096, nrows=64), b"k"))
+>>> m.slot, m.nbytes, m.nrows, verify(m, b"k"), verify(m, b"other key")
+(1, 4096, 64, True, False)
 """
 
 from __future__ import annotations
 
 import enum
+import hmac
 import re
 import struct
 from dataclasses import dataclass
 
+from kvlc.runtime.auth import notif_tag
 from kvlc.runtime.staging_copy import StagingError
 
 MAGIC = b"KVST"
-_HEAD = struct.Struct("<4sBIIHH")
+_HEAD = struct.Struct("<4sBIIHH12s")
 _LANDED = struct.Struct("<QI")
 MAX_ROWS_PER_CHUNK = 8192  # destination ranges per chunk (128 KiB behind the data in its slot)
 ROWS_RESERVE = MAX_ROWS_PER_CHUNK * 16 + 4096  # per slot, behind the data: alignment + the ranges
@@ -62,6 +69,17 @@ class Message:
     nbytes: int = 0
     nrows: int = 0
     reason: str = ""
+    tag: bytes = b""        # set by decode: the HMAC the message came with
+
+
+def _tag(m: Message, key: bytes) -> bytes:
+    fields = ("staging", int(m.kind), m.req, m.seq, m.total, m.slot, m.nbytes, m.nrows, m.reason)
+    return bytes.fromhex(notif_tag(key, *(str(f) for f in fields)))
+
+
+def verify(m: Message, key: bytes) -> bool:
+    """Whether ``m`` was sealed with ``key`` (the session key the two agents share)."""
+    return hmac.compare_digest(m.tag, _tag(m, key))
 
 
 def is_staging(raw: bytes) -> bool:
@@ -69,14 +87,17 @@ def is_staging(raw: bytes) -> bool:
     return bytes(raw[:4]) == MAGIC
 
 
-def encode(m: Message) -> bytes:
-    """The message's bytes (see the module doc)."""
+def encode(m: Message, key: bytes = b"") -> bytes:
+    """The message's bytes, sealed with ``key`` (see the module doc)."""
+    if m.kind is Kind.FAIL:
+        m = Message(m.kind, m.req, m.seq, m.total, m.slot,
+                    reason=m.reason.encode("utf-8", "replace")[:MAX_REASON].decode("utf-8", "replace"))
     req = m.req.encode("ascii")
-    head = _HEAD.pack(MAGIC, int(m.kind), m.seq, m.total, m.slot, len(req)) + req
+    head = _HEAD.pack(MAGIC, int(m.kind), m.seq, m.total, m.slot, len(req), _tag(m, key)) + req
     if m.kind is Kind.LANDED:
         return head + _LANDED.pack(m.nbytes, m.nrows)
     if m.kind is Kind.FAIL:
-        return head + m.reason.encode("utf-8", "replace")[:MAX_REASON]
+        return head + m.reason.encode("utf-8", "replace")
     return head
 
 
@@ -85,7 +106,7 @@ def decode(raw: bytes) -> Message:
     raw = bytes(raw)
     if len(raw) < _HEAD.size:
         raise StagingError(f"staging message truncated: {len(raw)} bytes, the header alone is {_HEAD.size}")
-    magic, kind, seq, total, slot, nreq = _HEAD.unpack_from(raw)
+    magic, kind, seq, total, slot, nreq, tag = _HEAD.unpack_from(raw)
     if magic != MAGIC:
         raise StagingError(f"not a staging message (starts with {magic!r}, expected {MAGIC!r})")
     try:
@@ -105,12 +126,12 @@ def decode(raw: bytes) -> Message:
                                f"ranges of at least a byte each)")
         if seq >= total:
             raise StagingError(f"LANDED message: chunk {seq} of {total}")
-        return Message(kind, req.decode(), seq, total, slot, nbytes, nrows)
+        return Message(kind, req.decode(), seq, total, slot, nbytes, nrows, tag=tag)
     if kind is Kind.FAIL:
-        return Message(kind, req.decode(), seq, total, slot, reason=body.decode("utf-8", "replace"))
+        return Message(kind, req.decode(), seq, total, slot, reason=body.decode("utf-8", "replace"), tag=tag)
     if body:
         raise StagingError(f"FREE message with {len(body)} unexpected payload bytes")
-    return Message(kind, req.decode(), seq, total, slot)
+    return Message(kind, req.decode(), seq, total, slot, tag=tag)
 
 
 @dataclass(frozen=True)

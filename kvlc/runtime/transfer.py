@@ -18,6 +18,11 @@ and pair of memory types, row-aligned (N, 3) descriptors). :class:`Executor`
    cannot cancel yet is retried on later polls, and the request is reported
    failed only once no handle is left.
 
+Parts the agent's :class:`~kvlc.runtime.staging_agent.Stager` picks (WRITEs that are fragmented
+or cross memory types) go through bounce buffers instead: one staged send per peer rank, a part
+whose state follows the staging events (``sent`` once the receiver scattered every chunk); the
+request is terminal only when every part, direct and staged, is.
+
 A request is never created or posted at or after its deadline, and it reports
 ``held`` (:attr:`Outgoing.held`) while a part past its deadline cannot be released yet.
 Every notification carries the tag of the session it goes to (:class:`Target`).
@@ -82,6 +87,7 @@ class PartRun:
     state: XferState = XferState.PROC
     error: str | None = None
     posted: bool = False
+    staged: str = ""  # staged through bounce buffers to this NIXL agent (no handle of its own)
 
 
 @dataclass
@@ -122,12 +128,41 @@ class Outgoing:
 class Executor:
     """Runs split transfers for one agent. Not thread-safe: the caller holds its lock."""
 
-    def __init__(self, agent, rank: int, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, agent, rank: int, clock: Callable[[], float] = time.monotonic, stager: Any = None):
         self.agent = agent
         self.rank = rank
         self.clock = clock
+        self.stager = stager
         self.active: dict[Hashable, Outgoing] = {}
         self.stuck: list[Any] = []  # handles NIXL refused to release; retried on progress/close
+        self._staged: dict[tuple[str, str], tuple[Outgoing, PartRun]] = {}  # (req, peer agent) → its part
+
+    def _pick_staged(self, op: str, parts: Mapping[Any, Any], agents: Mapping[int, str]) -> dict[int, list]:
+        """Peer rank → the (row) parts to stage to it; the rest stay direct."""
+        if self.stager is None:
+            return {}
+        staged: dict[int, list] = {}
+        for pk, part in parts.items():
+            if isinstance(part, PreparedPart) or not len(part.local):
+                continue
+            if self.stager.decide(op, pk, len(part.local), int(part.nbytes), agents[pk.peer_rank]):
+                staged.setdefault(pk.peer_rank, []).append(pk)
+        return staged
+
+    def _stage(self, req: str, staged: dict[int, list], parts, agents, notify, timeout) -> list[PartRun]:
+        """Start one staged send per peer rank; if one cannot start, the ones started are given up."""
+        runs: list[PartRun] = []
+        try:
+            for rank, keys in staged.items():
+                chosen = [parts[k] for k in keys]
+                self.stager.send(req, agents[rank], chosen, notify[rank].key, timeout)
+                runs.append(PartRun(("staged", rank), None, sum(len(p.local) for p in chosen),
+                                    sum(int(p.nbytes) for p in chosen), staged=agents[rank], posted=True))
+        except BaseException:
+            for r in runs:
+                self.stager.abort(req, r.staged, "another staged part could not start")
+            raise
+        return runs
 
     # ------------------------------------------------------------------ submit
     def submit(
@@ -149,8 +184,12 @@ class Executor:
         if timeout is not None and timeout <= 0:
             raise TransferError(f"request '{req}': its deadline has passed ({timeout:.3g}s left); nothing posted")
         runs: list[PartRun] = []
+        staged = self._pick_staged(op, parts, agents)
+        skip = {k for keys in staged.values() for k in keys}
         try:
             for pk, part in parts.items():
+                if pk in skip:
+                    continue
                 if isinstance(part, PreparedPart):
                     if not len(part):
                         continue
@@ -170,6 +209,7 @@ class Executor:
                     what=f"request '{req}' part {pk}",
                 )
                 runs.append(PartRun(pk, x, len(part.local), int(part.nbytes)))
+            runs += self._stage(req, staged, parts, agents, notify, timeout) if staged else []
         except BaseException:
             for r in runs:
                 self._release(r)
@@ -178,6 +218,9 @@ class Executor:
         out = Outgoing(key, req, op, dict(notify), runs, now, None if timeout is None else now + timeout, tag)
         self.active[key] = out
         for r in runs:
+            if r.staged:
+                self._staged[(req, r.staged)] = (out, r)
+                continue
             if out.deadline is not None and self.clock() >= out.deadline and not out.reason:
                 out.reason = "deadline passed before every part was posted"
             if out.reason:  # an earlier part failed to post: do not start more
@@ -188,12 +231,19 @@ class Executor:
             if r.state is XferState.ERR:
                 r.error = r.xfer.error or "post failed"
                 out.reason = f"part {r.key}: {r.error}"
+        if out.reason:  # the request fails: its staged parts stop too
+            for r in runs:
+                if r.staged:
+                    self.stager.abort(req, r.staged, out.reason)
         return out
 
     # ------------------------------------------------------------------ progress
     def progress(self) -> list[Outgoing]:
         """Advance every active request without blocking; return those that became terminal."""
         self._retry_stuck()
+        if self.stager is not None:
+            for ev in self.stager.progress():
+                self._stage_event(ev)
         now = self.clock()
         done = []
         for key in list(self.active):
@@ -202,6 +252,18 @@ class Executor:
                 del self.active[key]
                 done.append(out)
         return done
+
+    def _stage_event(self, ev) -> None:
+        """A staged send ended: ``sent`` (every chunk scattered by the receiver) or ``failed``."""
+        got = self._staged.pop((ev.req, ev.peer), None) if ev.kind in ("sent", "failed") else None
+        if got is None:
+            return  # receiving side, or a request that ended already
+        out, r = got
+        if ev.kind == "sent":
+            r.state = XferState.DONE
+        else:
+            r.state, r.error = XferState.ERR, ev.reason or "staging failed"
+            out.reason = out.reason or f"part {r.key}: {r.error}"
 
     def _advance(self, out: Outgoing, now: float) -> bool:
         for r in out.parts:
@@ -217,7 +279,9 @@ class Executor:
                 f"{len(pending)} of {len(out.parts)} parts in flight"
             )
             for r in pending:
-                if self._release(r):
+                if r.staged:  # ends once none of its WRITEs is in flight (a staging event)
+                    self.stager.abort(out.req, r.staged, out.reason)
+                elif self._release(r):
                     r.state, r.error = XferState.ERR, "cancelled"
             pending = [r for r in out.parts if r.state is XferState.PROC]
         if pending:
@@ -295,7 +359,10 @@ class Executor:
             out = self.active.pop(key)
             out.reason = out.reason or reason
             for r in out.parts:
-                if r.state is XferState.PROC:
+                if r.staged:
+                    self.stager.abort(out.req, r.staged, out.reason)
+                    self._staged.pop((out.req, r.staged), None)
+                elif r.state is XferState.PROC:
                     # Refresh first: a part that finished meanwhile must not be counted as cancelled.
                     r.state = self.agent.state(r.xfer) if not r.xfer.released else r.state
                 if not self._release(r):

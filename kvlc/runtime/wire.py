@@ -8,10 +8,12 @@ Side-channel frames are msgpack maps validated by strict, frozen pydantic models
 ``fetch``   ask a server for its :class:`Record`
 ``record``  the :class:`Record`: version, agent name, NIXL agent metadata, plan JSON
             and its digest, rank, every storage's base address, size, memory type, device
-``hello``   :class:`Introduce`: a connecting agent's record, engine id, epoch, what it will do
+``hello``   :class:`Introduce`: a connecting agent's record, engine id, epoch, what it will do,
+            and (pull via push, staging on) the :class:`Inbox` it registered for the receiver
 ``pull``    :class:`PullRequest`: pull-via-push, a consumer rank asks a producer rank to WRITE
 ``cancel``  :class:`Cancel`: stop a request; the answer says whether bytes can still move
-``reply``   :class:`Reply`: ok, or the error text; a status for a cancel
+``reply``   :class:`Reply`: ok, or the error text; a status for a cancel; the :class:`Inbox`
+            a push consumer registered for the introducing producer (staging on)
 ==========  ===================================================================
 
 Every frame travels inside an authenticated connection (:mod:`kvlc.runtime.auth`); who
@@ -120,6 +122,17 @@ class Record(_Strict):
         return {s.name: (s.addr, s.device) for s in self.storages}
 
 
+class Inbox(_Strict):
+    """Staging: a bounce buffer a receiver registered for one sender (:mod:`kvlc.runtime.staging_agent`)."""
+
+    addr: U63
+    slot_bytes: Annotated[int, Field(ge=4096, le=1 << 31)]
+    stride: U63
+    slots: Annotated[int, Field(ge=1, le=1024)]
+    mem: Literal["DRAM", "VRAM"]
+    device: Annotated[int, Field(ge=0, lt=1 << 16)]
+
+
 class Fetch(_Strict):
     t: Literal["fetch"] = "fetch"
     version: Literal[1] = WIRE_VERSION
@@ -139,6 +152,7 @@ class Introduce(_Strict):
     direction: Literal["READ", "WRITE"]
     mode: Literal["direct", "pull_via_push"]
     address: Annotated[str, StringConstraints(max_length=300)] = ""  # where the sender serves, if it does
+    inbox: Inbox | None = None  # pull via push with staging: where the producer stages its WRITEs
 
 
 class PullRequest(_Strict):
@@ -178,6 +192,7 @@ class Reply(_Strict):
     ok: bool
     error: Annotated[str, Field(max_length=MAX_ERROR_CHARS)] = ""
     status: Literal["", "done", "failed", "cancelled", "unknown", "pending"] = ""
+    inbox: Inbox | None = None  # answer to a producer's hello, staging on: where it stages its WRITEs
 
 
 Message = Annotated[Union[Fetch, Record, Introduce, PullRequest, Cancel, Reply], Field(discriminator="t")]

@@ -51,6 +51,7 @@ class EngineConfig:
     insecure: bool = False
     engine_id: str | None = None  # ranks of one engine share it (default: one per plan and fill)
     lease: float = 30.0
+    staging: dict | None = None  # StagingPolicy fields (None: the agent's default, $KVLC_STAGING)
 
 
 class RemoteError(RuntimeError):

@@ -46,6 +46,7 @@ class _Hosted:
         from kvlc.compiler.plan import Plan
         from kvlc.runtime.agent import KvAgent
         from kvlc.runtime.binding import allocate
+        from kvlc.runtime.staging import StagingPolicy
 
         self.plan = Plan.from_json(cfg.plan_json)
         self.tensors = allocate(self.plan, pin=cfg.pin)
@@ -62,6 +63,7 @@ class _Hosted:
             insecure=cfg.insecure,
             engine_id=cfg.engine_id or f"harness-{self.plan.digest[:12]}-{cfg.fill}",
             lease=cfg.lease,
+            staging=None if cfg.staging is None else StagingPolicy(**cfg.staging),
         )
         self.address = self.agent.serve(cfg.host)
         self.peers: dict[str, Any] = {}
@@ -230,6 +232,7 @@ def _stats(child, h: _Hosted, aid, args) -> dict:
     a = h.agent
     return dict(
         a.stats,
+        staging=dict(a.stager.endpoint.stats) if a.stager is not None else None,
         live_handles=a.nixl.live_handles,
         in_flight=a.in_flight,
         remotes=len(a.nixl.remotes),

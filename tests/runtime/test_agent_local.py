@@ -16,6 +16,7 @@ from kvlc.runtime import BindingError, HandshakeError, KvAgent, allocate
 from kvlc.runtime.channel import ChannelClient, ChannelServer
 from kvlc.runtime.errors import ChannelError
 from kvlc.runtime.nixl import Registration, Xfer
+from kvlc.runtime.staging import StagingPolicy
 from kvlc.runtime.wire import Fetch, Introduce, Record, Reply, decode, encode
 
 torch = pytest.importorskip("torch")
@@ -84,10 +85,14 @@ def test_rank_outside_plan_is_refused(plans):
 
 
 def test_one_registration_per_storage_released_on_close(plans):
-    """Each storage is registered once; close() deregisters everything and is idempotent."""
+    """Each storage is registered once (plus, with staging on, one pool of staging inboxes); close()
+    deregisters everything and is idempotent."""
     plan = plans["dense-tp1"]
     a = KvAgent(plan, 0, allocate(plan), secret=SECRET)
-    assert len(a.nixl.live(Registration)) == len(plan.storages)
+    assert len(a.nixl.live(Registration)) == len(plan.storages) + 1 and a.stager is not None
+    off = KvAgent(plan, 0, allocate(plan), secret=SECRET, staging=StagingPolicy.never())
+    assert len(off.nixl.live(Registration)) == len(plan.storages) and off.stager is None
+    off.close()
     a.serve()
     a.close()
     a.close()

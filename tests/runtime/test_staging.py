@@ -94,7 +94,7 @@ def test_ranges_outside_regions_are_refused():
 
 @pytest.mark.parametrize("raw, words", [
     (b"KVS", "truncated"),
-    (b"KVSX" + bytes(13), "not a staging message"),
+    (b"KVSX" + bytes(25), "not a staging message"),
     (encode(Message(Kind.FREE, "r1"))[:4] + bytes([9]) + encode(Message(Kind.FREE, "r1"))[5:], "unknown kind"),
     (encode(Message(Kind.LANDED, "r1", 0, 1, 0, nbytes=2, nrows=1))[:-3], "payload bytes, expected 12"),
     (encode(Message(Kind.LANDED, "r1", 3, 1, 0, nbytes=2, nrows=1)), "chunk 3 of 1"),

@@ -1,0 +1,224 @@
+"""Staging through KvAgent: real NIXL (UCX) agents, DRAM bounce buffers, content-coded bytes.
+
+Engines (two processes; each hosts a staged and a direct agent of the same plan and fill):
+  P+  tiny dense TP1, content-coded, StagingPolicy "always", 4 KiB slots (a request is many chunks)
+  P-  the same, StagingPolicy "never"
+  C+  tiny dense TP1 pool 256, seeded noise, "always"      C-  the same noise, "never"
+Contracts: a staged request writes exactly the bytes a direct one writes and nothing else; pull
+(READ) stays direct; a staging notification that is not sealed by a live session that may write the
+request is dropped without a byte scattered; after a request ends failed (timed out, cancelled, peer
+stopped mid-stream), nothing lands in its blocks any more.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import numpy as np
+import pytest
+from runtime_engines import SECRET, TEST_LAYOUTS, check_bytes, config, flip, move
+
+from kvlc import compile_spec
+from kvlc.errors import KvlcError
+from kvlc.testing.procs import EngineProcess, stop_engines
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("nixl")
+pytestmark = pytest.mark.runtime
+ON = {"mode": "always", "slot_bytes": 4096, "slots": 2, "peers": 2}
+OFF = {"mode": "never"}
+
+
+@pytest.fixture(scope="module")
+def plans():
+    return {"x": compile_spec(TEST_LAYOUTS / "dense-tp1.yaml"), "z": compile_spec(TEST_LAYOUTS / "dense-tp1-pool256.yaml")}
+
+
+@pytest.fixture(scope="module")
+def eng(plans):
+    pp, cp = EngineProcess(), EngineProcess()
+    hs = [pp.add_async(config(plans["x"], 0, "content", engine_id="stg-p-on", staging=ON)),
+          pp.add_async(config(plans["x"], 0, "content", engine_id="stg-p-off", staging=OFF)),
+          cp.add_async(config(plans["z"], 0, "random", seed=3, engine_id="stg-c-on", staging=ON)),
+          cp.add_async(config(plans["z"], 0, "random", seed=3, engine_id="stg-c-off", staging=OFF))]
+    for h in hs:
+        h.ready()
+    yield dict(zip(("p_on", "p_off", "c_on", "c_off"), hs), pp=pp, cp=cp)
+    for p in (pp, cp):
+        try:
+            p.signal(signal.SIGCONT)
+        except OSError:
+            pass
+    stop_engines(hs)
+
+
+def _reqs(tag: str, first: int):
+    rng = np.random.default_rng(first)
+    return [(f"{tag}-1", {"full": [first, first + 1, first + 2]}, {"full": [5, 60, 7]}, 40),
+            (f"{tag}-2", {"full": list(range(first + 3, first + 23))}, {"full": rng.permutation(64)[:20].tolist()}, 310)]
+
+
+def _chunks(h) -> int:
+    st = h.call("stats")["staging"]
+    return 0 if st is None else st["chunks_received"] + st["chunks_sent"]
+
+
+@pytest.mark.parametrize("mode, first", [("pull_via_push", 40), ("push", 0), ("prepped", 80), ("pull", 120)])
+def test_staged_and_direct_write_the_same_bytes(eng, plans, mode, first):
+    """Every mode: the staged pair and the direct pair write identical destination bytes, each one its
+    content code, nothing else changed; WRITEs went through chunks, a pull (READ) stays direct."""
+    before_on, before_off = eng["c_on"].call("dump"), eng["c_off"].call("dump")
+    assert all((before_on[k] == before_off[k]).all() for k in before_on)
+    chunks0 = _chunks(eng["c_on"])
+    for p, c in (("p_on", "c_on"), ("p_off", "c_off")):
+        prod, cons, tag = eng[p], eng[c], f"{mode}-{p}"
+        reqs = _reqs(tag, first)
+        if mode in ("push", "prepped"):
+            prod.connect([cons.address], "WRITE", "direct" if mode == "push" else "prepped", tag)
+            move(prod, tag, "write", flip(reqs), waiters=[cons])
+        else:
+            cons.connect([prod.address], "READ", "direct" if mode == "pull" else mode, tag)
+            move(cons, tag, "read", reqs)
+        check_bytes(cons, plans["z"], plans["x"], before_on if c == "c_on" else before_off, reqs)
+    on, off = eng["c_on"].call("dump"), eng["c_off"].call("dump")
+    assert all((on[k] == off[k]).all() for k in on)
+    staged = _chunks(eng["c_on"]) - chunks0
+    assert (staged == 0) if mode == "pull" else (staged > 10), staged
+    assert eng["c_off"].call("stats")["staging"] is None
+
+
+def test_policy_comes_from_the_environment_and_is_checked(monkeypatch, plans):
+    """KVLC_STAGING=never|always|auto picks the policy of an agent given none; bad values name the variable."""
+    from kvlc.runtime import KvAgent, allocate
+    from kvlc.runtime.staging import StageMode, StagingPolicy
+
+    assert StagingPolicy.from_env({}).mode is StageMode.AUTO
+    assert StagingPolicy.from_env({"KVLC_STAGING": "Always"}).mode is StageMode.ALWAYS
+    with pytest.raises(KvlcError, match="use one of"):
+        StagingPolicy.from_env({"KVLC_STAGING": "sometimes"})
+    with pytest.raises(KvlcError, match="KVLC_STAGING_SLOTS"):
+        StagingPolicy.from_env({"KVLC_STAGING_SLOTS": "many"})
+    monkeypatch.setenv("KVLC_STAGING", "never")
+    with KvAgent(plans["x"], 0, allocate(plans["x"]), secret=SECRET) as a:
+        assert a.stager is None and a.staging.mode is StageMode.NEVER
+    with KvAgent(plans["x"], 0, allocate(plans["x"]), secret=SECRET, staging=StagingPolicy(slots=3)) as a:
+        assert a.stager is not None and a.stager.pool.slots == 3 * a.staging.peers
+
+
+def _settle_and_check(cons, req, timeout=30.0):
+    out = cons.call("wait", [req], timeout)
+    assert out["open"] == [], out
+    snap = cons.call("dump")
+    time.sleep(1.5)
+    again = cons.call("dump")
+    late = {k: int((snap[k] != again[k]).sum()) for k in snap}
+    assert sum(late.values()) == 0, f"bytes landed after the request was reported terminal: {late}"
+    assert cons.call("events")["flips"] == []
+    return out
+
+
+@pytest.mark.parametrize("mode", ["push", "pull_via_push"])
+def test_stopped_producer_mid_stream_fails_and_nothing_lands_late(eng, mode):
+    """The producer is stopped while a staged request streams: the consumer holds it at its deadline,
+    fails it only once the producer answered (after SIGCONT), and no chunk is scattered after that."""
+    prod, cons, pp = eng["p_on"], eng["c_on"], eng["pp"]
+    tag = f"stop-{mode}"
+    pids, cids = {"full": list(range(64))}, {"full": list(range(100, 164))}
+    req = f"{tag}-r"
+    base = _chunks(cons)
+    if mode == "push":
+        prod.connect([cons.address], "WRITE", "direct", tag)
+        cons.call("expect", req, 1.0)
+        assert prod.call("submit", tag, "write", [(req, pids, cids, 64 * 16)], 30.0) == {}
+    else:
+        cons.connect([prod.address], "READ", mode, tag)
+        assert cons.call("submit", tag, "read", [(req, cids, pids, 64 * 16)], 1.0) == {}
+    t0 = time.monotonic()
+    while _chunks(cons) == base and time.monotonic() - t0 < 5:  # stop it once chunks flow
+        time.sleep(0.001)
+    pp.signal(signal.SIGSTOP)
+    try:
+        got = cons.call("wait", [req], 2.5)
+        assert got["finished"] == [] and req in got["held"], got
+    finally:
+        pp.signal(signal.SIGCONT)
+    out = _settle_and_check(cons, req)
+    assert req in out["failed"] and req in out["ever_held"], out
+    assert 0 < _chunks(cons) - base < 128  # 512 KiB in 4 KiB chunks: it stopped mid-stream
+
+
+def _pump(agents, until, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    seen: dict = {}
+    while time.monotonic() < deadline:
+        for a in agents:
+            c = a.poll()
+            for r in c.finished:
+                seen[(a.name, r)] = "finished"
+            for r in c.failed:
+                seen[(a.name, r)] = f"failed: {c.failed[r]}"
+        if until(seen):
+            return seen
+        time.sleep(0.0005)
+    raise AssertionError(f"not there in {timeout}s: {seen}")
+
+
+def test_forged_replayed_and_foreign_chunks_are_dropped_unscattered(plans):
+    """In one process, manual progress: a LANDED replayed after its request finished, one sealed with
+    a key no session has, and one from another engine's session for a request this side gets from the
+    first engine are all dropped; none scatters a byte (the blocks they point at stay as they were)."""
+    from kvlc.runtime import KvAgent, allocate
+    from kvlc.runtime.staging import StagingPolicy
+    from kvlc.runtime.staging_wire import Kind, Message, encode, is_staging
+    from kvlc.testing.content import expected_bytes, fill
+
+    x, z = plans["x"], plans["z"]
+    pol = StagingPolicy(**ON)
+    tp = allocate(x)
+    fill(x, 0, {n: t.numpy() for n, t in tp.items()})
+    tc = allocate(z)
+    agents = [KvAgent(x, 0, tp, secret=SECRET, staging=pol, progress="manual", engine_id="forge-p"),
+              KvAgent(z, 0, tc, secret=SECRET, staging=pol, progress="manual", engine_id="forge-c"),
+              KvAgent(x, 0, allocate(x), secret=SECRET, staging=pol, progress="manual", engine_id="forge-q")]
+    prod, cons, other = agents
+    try:
+        addr = cons.serve()
+        peer, peer2 = prod.connect(addr, direction="WRITE"), other.connect(addr, direction="WRITE")
+        sent = []
+        real = prod.nixl.send_notif
+        prod.nixl.send_notif = lambda to, m: (sent.append(bytes(m)) if is_staging(m) else None, real(to, m))[1]
+        peer.write("r1", {"full": [0, 1, 2]}, {"full": [10, 11, 12]}, 40)
+        _pump(agents, lambda s: (cons.name, "r1") in s and (prod.name, "r1") in s)
+        for t in tc.values():
+            t.zero_()
+        snap = {n: t.clone() for n, t in tc.items()}
+        landed = [m for m in sent if m[4] == Kind.LANDED]
+        assert len(landed) > 3
+        dropped0 = cons.stats["dropped_notifs"]
+        for m in landed:  # replays: the request ended here
+            real(cons.name, m)
+        fake = Message(Kind.LANDED, "r1", 0, 1, 0, nbytes=4096, nrows=1)  # sealed with a key no session has
+        other.nixl.send_notif(cons.name, encode(fake, b"a stranger's key"))
+        _pump(agents, lambda s: cons.stats["dropped_notifs"] > dropped0, timeout=5)
+        time.sleep(0.2)
+        _pump(agents, lambda s: True)
+        assert all(torch.equal(snap[n], tc[n]) for n in tc), "a dropped chunk was scattered"
+        assert cons.stats["fenced_chunks"] >= len(landed)
+        # another engine's session sends a chunk of r2, which this side receives from prod
+        peer.write("r2", {"full": [20, 21]}, {"full": [30, 31]}, 32)
+        _pump(agents, lambda s: "r2" in cons.incoming and cons.incoming["r2"].engine is not None)
+        inbox = cons.stager.endpoint.inboxes[other.name]
+        inbox.slot(0, 4096).fill_(0xAB)
+        dst = int(tc["kv.0"].data_ptr()) + 30 * 4096
+        inbox.ranges(0, 4096, 1).copy_(torch.tensor([dst, 4096], dtype=torch.int64).view(torch.uint8))
+        fenced0 = cons.stats["fenced_chunks"]
+        other.nixl.send_notif(cons.name, encode(Message(Kind.LANDED, "r2", 0, 1, 0, nbytes=4096, nrows=1),
+                                                peer2.sessions[0].notif_key))
+        seen = _pump(agents, lambda s: (cons.name, "r2") in s and cons.stats["fenced_chunks"] > fenced0)
+        assert seen[(cons.name, "r2")] == "finished", seen
+        for storage, idx, vals in expected_bytes(z, 0, x, {"full": [30, 31]}, {"full": [20, 21]}, 32):
+            assert (tc[storage].numpy()[idx] == vals).all(), "r2's blocks hold foreign bytes"
+    finally:
+        for a in agents:
+            a.close()
