@@ -55,8 +55,8 @@ from kvlc.runtime.peer import Peer, connect
 from kvlc.runtime.pump import Pump, Resources, Sender
 from kvlc.runtime import replies as _replies
 from kvlc.runtime.sessions import RemoteEngine, Session, SessionTable
-from kvlc.runtime.staging import StageMode, StagingPolicy
-from kvlc.runtime.staging_agent import Stager
+from kvlc.runtime.staging import StagingPolicy
+from kvlc.runtime.staging_agent import make_stager
 from kvlc.runtime.tracking import Completions, Events, Incoming, Tally
 from kvlc.runtime.transfer import Executor, Outgoing, Target
 from kvlc.runtime.ucx import UcxOptions
@@ -148,8 +148,7 @@ class KvAgent:
             storages = [StorageBase(name=b.name, addr=b.addr, size=b.nbytes, mem=b.mem, device=b.device)
                         for b in self.bindings.values()]
             self.staging = staging if staging is not None else StagingPolicy.from_env()
-            self.stager = None if self.staging.mode is StageMode.NEVER else Stager(self.nixl, self.bindings,
-                                                                                    self.staging)
+            self.stager = make_stager(self.nixl, self.bindings, self.staging)
             self.record = make_record(self.name, self.nixl.metadata(), plan, rank, storages,
                                       self.engine_id, self.epoch)
         except BaseException:

@@ -25,7 +25,7 @@ import numpy as np
 
 from kvlc.runtime.errors import HandshakeError
 from kvlc.runtime.staging import DEFAULT_SLOT_BYTES, BounceBuffer, StageEvent, StagingEndpoint, StagingPolicy
-from kvlc.runtime.staging_buffers import DRAM_SLOT_BYTES
+from kvlc.runtime.staging_buffers import DRAM_SLOT_BYTES, StageMode
 from kvlc.runtime.staging_copy import Region, Regions, flat_bytes
 from kvlc.runtime.staging_wire import ROWS_RESERVE, BounceInfo
 from kvlc.runtime.wire import Inbox, Record
@@ -47,6 +47,23 @@ def _placement(policy: StagingPolicy, bindings) -> int | None:
     if policy.bounce == "VRAM":
         raise HandshakeError("StagingPolicy(bounce='VRAM') on a machine without a GPU; use 'auto' or 'DRAM'")
     return None
+
+
+def make_stager(nixl: Any, bindings, policy: StagingPolicy) -> "Stager | None":
+    """The agent's :class:`Stager`, or None where its policy can never stage (no buffers registered).
+
+    ``auto`` registers buffers only on a machine with a GPU (a VRAM storage here, or CUDA
+    available, so a peer's VRAM can meet this agent's memory), or with ``fragmented_dram``.
+    """
+    has_vram = any(b.mem == "VRAM" for b in bindings.values())
+    if not has_vram and policy.mode is not StageMode.NEVER:
+        try:
+            import torch
+
+            has_vram = bool(torch.cuda.is_available())
+        except ImportError:
+            pass
+    return Stager(nixl, bindings, policy) if policy.needs_buffers(has_vram) else None
 
 
 class Stager:

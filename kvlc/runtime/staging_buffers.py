@@ -35,15 +35,20 @@ class StageMode(str, enum.Enum):
 class StagingPolicy:
     """Which transfers go through bounce buffers.
 
-    ``auto`` stages a part whose memory types differ on the two sides (``mixed``), or
-    that has at least ``min_descriptors`` rows of at most ``max_mean_bytes`` on average.
-    The defaults come from the H200 measurements: posting costs ~5.7 us per descriptor
-    while gather + WRITE + scatter cost ~1.2 ns per byte, so staging wins well below
-    ~1 MiB per descriptor once there are hundreds of them.
+    ``auto`` stages a part whose memory types differ on the two sides (``mixed``), or a
+    VRAM-to-VRAM part that has at least ``min_descriptors`` rows of at most
+    ``max_mean_bytes`` on average. The thresholds come from the H200 measurements: posting
+    costs ~5.7 us per descriptor while gather + WRITE + scatter cost ~1.2 ns per byte, so
+    staging wins well below ~1 MiB per descriptor once there are hundreds of them.
+    Fragmented DRAM-to-DRAM parts are staged only with ``fragmented_dram`` (or ``always``):
+    on CPU the gather and scatter are CPU copies, and a staged push measured 0.1-0.2x of
+    the direct WRITE (benchmarks/README.md, "Staging through KvAgent").
 
     >>> p = StagingPolicy()
     >>> p.decide(4086, 4086 * 65536, "VRAM", "VRAM"), p.decide(32, 256 << 20, "VRAM", "VRAM")
     (True, False)
+    >>> p.decide(4086, 4086 * 65536, "DRAM", "DRAM"), p.decide(32, 256 << 20, "DRAM", "VRAM")
+    (False, True)
     >>> StagingPolicy.never().decide(4086, 1 << 20, "VRAM", "DRAM")
     False
     >>> StagingPolicy.from_env({"KVLC_STAGING": "always", "KVLC_STAGING_SLOTS": "8"}).slots
@@ -66,6 +71,7 @@ class StagingPolicy:
     slots: int = DEFAULT_SLOTS
     bounce: str = "auto"
     peers: int = 4
+    fragmented_dram: bool = False
 
     @classmethod
     def never(cls) -> StagingPolicy:
@@ -116,7 +122,16 @@ class StagingPolicy:
             return self.mode is StageMode.ALWAYS and rows > 0
         if self.mixed and local_mem != remote_mem:
             return True
+        if local_mem == remote_mem == "DRAM" and not self.fragmented_dram:
+            return False
         return rows >= self.min_descriptors and nbytes / rows <= self.max_mean_bytes
+
+    def needs_buffers(self, has_vram: bool) -> bool:
+        """Whether an agent registers bounce buffers: ``always``, or ``auto`` where a part could be
+        staged (VRAM here or on a peer, i.e. a GPU machine, or ``fragmented_dram``)."""
+        if self.mode is not StageMode.AUTO:
+            return self.mode is StageMode.ALWAYS
+        return has_vram or self.fragmented_dram
 
 
 def _align8(n: int) -> int:

@@ -88,7 +88,7 @@ def test_one_registration_per_storage_released_on_close(plans):
     """Each storage is registered once (plus, with staging on, one pool of staging inboxes); close()
     deregisters everything and is idempotent."""
     plan = plans["dense-tp1"]
-    a = KvAgent(plan, 0, allocate(plan), secret=SECRET)
+    a = KvAgent(plan, 0, allocate(plan), secret=SECRET, staging=StagingPolicy.always())
     assert len(a.nixl.live(Registration)) == len(plan.storages) + 1 and a.stager is not None
     off = KvAgent(plan, 0, allocate(plan), secret=SECRET, staging=StagingPolicy.never())
     assert len(off.nixl.live(Registration)) == len(plan.storages) and off.stager is None

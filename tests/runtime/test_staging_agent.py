@@ -102,8 +102,15 @@ def test_policy_comes_from_the_environment_and_is_checked(monkeypatch, plans):
     monkeypatch.setenv("KVLC_STAGING", "never")
     with KvAgent(plans["x"], 0, allocate(plans["x"]), secret=SECRET) as a:
         assert a.stager is None and a.staging.mode is StageMode.NEVER
-    with KvAgent(plans["x"], 0, allocate(plans["x"]), secret=SECRET, staging=StagingPolicy(slots=3)) as a:
+    with KvAgent(plans["x"], 0, allocate(plans["x"]), secret=SECRET, staging=StagingPolicy.always(slots=3)) as a:
         assert a.stager is not None and a.stager.pool.slots == 3 * a.staging.peers
+    with KvAgent(plans["x"], 0, allocate(plans["x"]), secret=SECRET, staging=StagingPolicy(slots=3)) as a:
+        # auto on DRAM only: nothing can be staged (fragmented DRAM parts are not, by default), so no buffers
+        import torch
+        assert (a.stager is None) == (not torch.cuda.is_available())
+        assert a.stager is None or a.stager.pool.slots == 3 * a.staging.peers
+    fragmented = StagingPolicy(fragmented_dram=True)
+    assert fragmented.decide(4086, 4086 * 65536, "DRAM", "DRAM") and fragmented.needs_buffers(False)
 
 
 def _settle_and_check(cons, req, timeout=30.0):
