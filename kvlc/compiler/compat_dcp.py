@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from kvlc.compiler.dcp import dcp_chunks
 from kvlc.compiler.findings import Finding
-from kvlc.compiler.plan import Plan
+from kvlc.compiler.plan import Plan, PlanRegion
 from kvlc.compiler.tp import dcp_holders
 
 if TYPE_CHECKING:
@@ -74,24 +74,28 @@ def check_dcp_regions(p: "Pairing") -> list[Finding]:
         if a.name not in rnames:
             continue
         b = p.remote.region(a.name)
-        if a.is_state or b.is_state:
-            continue
-        if a.tokens_per_entry > 1 or b.tokens_per_entry > 1:
-            out.append(Finding("dcp-compressed", "error", "a compressed cache (one entry per "
-                               f"{max(a.tokens_per_entry, b.tokens_per_entry)} tokens) under decode context "
-                               "parallelism: kvlc does not map compressed entries across DCP ranks yet",
-                               a.name, local=f"dcp_size {p.local.parallel.dcp_size}",
-                               remote=f"dcp_size {p.remote.parallel.dcp_size}",
-                               fix="pair compressed groups between engines without DCP"))
-            continue
-        ga, gb = _geometry(p.local, a.block_tokens), _geometry(p.remote, b.block_tokens)
-        per_block = [f.name for f in a.fields if f.dim("token") is None]
-        if per_block and ga != gb:
-            out.append(Finding("dcp-per-block", "error", "a field without a token dim holds one value per "
-                               "block, and the blocks of the two engines cover different tokens", a.name,
-                               per_block[0], ga, gb, fix="shard tokens identically on both engines (same "
-                               "dcp_size, dcp_interleave and kernel block size) or give the field a token dim"))
+        if not (a.is_state or b.is_state):
+            out.extend(_dcp_region(p, a, b))
     return out
+
+
+def _dcp_region(p: "Pairing", a: PlanRegion, b: PlanRegion) -> list[Finding]:
+    """The DCP findings of one token region present on both engines (``a`` local, ``b`` remote)."""
+    if a.tokens_per_entry > 1 or b.tokens_per_entry > 1:
+        return [Finding("dcp-compressed", "error", "a compressed cache (one entry per "
+                        f"{max(a.tokens_per_entry, b.tokens_per_entry)} tokens) under decode context "
+                        "parallelism: kvlc does not map compressed entries across DCP ranks yet",
+                        a.name, local=f"dcp_size {p.local.parallel.dcp_size}",
+                        remote=f"dcp_size {p.remote.parallel.dcp_size}",
+                        fix="pair compressed groups between engines without DCP")]
+    ga, gb = _geometry(p.local, a.block_tokens), _geometry(p.remote, b.block_tokens)
+    per_block = [f.name for f in a.fields if f.dim("token") is None]
+    if per_block and ga != gb:
+        return [Finding("dcp-per-block", "error", "a field without a token dim holds one value per "
+                        "block, and the blocks of the two engines cover different tokens", a.name,
+                        per_block[0], ga, gb, fix="shard tokens identically on both engines (same "
+                        "dcp_size, dcp_interleave and kernel block size) or give the field a token dim")]
+    return []
 
 
 def check_dcp(p: "Pairing") -> list[Finding]:
