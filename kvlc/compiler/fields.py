@@ -108,14 +108,7 @@ class LayoutResolver:
         if size is None:
             return None if isinstance(dim.size, str) else self._implied_size(dim, tokens, path, problems)
         if dim.role == "token" and size != tokens:
-            what = ("the region's groups hold per-request state" if tokens == 0
-                    else f"kernel blocks hold {tokens} tokens" if per == 1 else
-                    f"kernel blocks hold {tokens} entries ({tokens * per} tokens, one entry per {per})")
-            unit = "tokens" if per == 1 else "entries"
-            problems.append(Problem(path + ("size",), f"token dim '{dim.name}' has {size} {unit} but {what}",
-                                    expected=str(tokens), found=str(size),
-                                    fix="omit the size of token dims; it follows the group's kernel block size"
-                                    + ("" if per == 1 else " and tokens_per_entry")))
+            problems.append(_token_size_problem(dim, size, tokens, path, per))
             return None
         expect = self.known.get(dim.name)
         if expect is not None and size != expect and not dim.sections:
@@ -232,3 +225,15 @@ def span_problems(layout: str, spans: list[Span], block_bytes: int, overlaps: bo
                                expected=f"end <= block size {block_bytes}", found=f"end {s.end}",
                                fix="raise the layout's size or shrink the field"))
     return out
+
+
+def _token_size_problem(dim: Dim, size: int, tokens: int, path: tuple, per: int) -> Problem:
+    """A token dim whose explicit size is not the kernel block's tokens (or entries, ``per`` tokens each)."""
+    what = ("the region's groups hold per-request state" if tokens == 0
+            else f"kernel blocks hold {tokens} tokens" if per == 1 else
+            f"kernel blocks hold {tokens} entries ({tokens * per} tokens, one entry per {per})")
+    unit = "tokens" if per == 1 else "entries"
+    return Problem(path + ("size",), f"token dim '{dim.name}' has {size} {unit} but {what}",
+                   expected=str(tokens), found=str(size),
+                   fix="omit the size of token dims; it follows the group's kernel block size"
+                   + ("" if per == 1 else " and tokens_per_entry"))

@@ -99,12 +99,16 @@ def build_program(local: Plan, remote: Plan, rank: int, direction: str, report: 
     names = [r.name for r in local.regions if r.name in rset]
     cache: dict = {}
     entries = [e for name in names for e in _entries(name, local, remote, rank, local_is_consumer, cache)]
+    return TransferProgram(local, remote, rank, direction, tuple(entries), _counts(cons, prod, names), report)
+
+
+def _counts(cons: Plan, prod: Plan, names: list[str]) -> dict[int, int]:
+    """Per producer rank: how many consumer ranks read from it, over the fields of the shared regions ``names``."""
     tokens = [f for n in names if not cons.region(n).is_state for f in cons.region(n).fields]
     state = [f for n in names if cons.region(n).is_state for f in cons.region(n).fields]
     dcp = _dcp(cons, prod)
-    counts = consumer_counts(tokens if dcp else tokens + state, cons.parallel.tp_size, prod.parallel.tp_size,
-                             dcp, state if dcp else ())
-    return TransferProgram(local, remote, rank, direction, tuple(entries), counts, report)
+    return consumer_counts(tokens if dcp else tokens + state, cons.parallel.tp_size, prod.parallel.tp_size,
+                           dcp, state if dcp else ())
 
 
 # ----------------------------------------------------------------------------- warnings of a built program
