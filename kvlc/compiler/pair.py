@@ -103,7 +103,7 @@ def build_program(local: Plan, remote: Plan, rank: int, direction: str, report: 
 
 
 def _counts(cons: Plan, prod: Plan, names: list[str]) -> dict[int, int]:
-    """Per producer rank: how many consumer ranks read from it, over the fields of the shared regions ``names``."""
+    """Per producer rank: how many consumer ranks read from it, over the fields of the regions ``names``."""
     tokens = [f for n in names if not cons.region(n).is_state for f in cons.region(n).fields]
     state = [f for n in names if cons.region(n).is_state for f in cons.region(n).fields]
     dcp = _dcp(cons, prod)

@@ -143,22 +143,35 @@ def regions(m: Model, layers: list[Layer], b: Backend, opts: EngineOptions, name
             lays: dict) -> list[dict]:
     """The regions of every layer in the window, in layer order."""
     out: list[dict] = []
-    order = "nhd" if b.order[0] == "token" else "hnd"
-    state_layout = next((n for n in lays if n.endswith("_state")), "")
     for layer in layers:
-        i, kind, opt = layer.index, layer.kind, layer.optional
-        blocks = _blocks(kind, opts)
-        group = {LayerKind.FULL: names.full, LayerKind.SLIDING: names.sliding}.get(kind, names.state)
-        if kind in STATE_KINDS:
-            out.append(_region(f"layer.{i}", f"state.{i}", state_layout, blocks, group, opt))
-        elif m.family == Family.MLA:
-            latent = DS_MLA if DS_MLA in lays else "mla_latent"
-            out.append(_region(f"layer.{i}", f"kv.{i}", latent, blocks, group, opt))
-            if m.index_head_dim and not opt:
-                out.append(_region(f"layer.{i}.indexer", f"idx.{i}", "indexer_fp8", blocks, names.indexer, opt))
-        elif b.placement == KvPlacement.BLOCK:
-            out.append(_region(f"layer.{i}", f"kv.{i}", f"kv_{order}", blocks, group, opt))
-        else:
-            storage = _pool(kind) if b.placement == KvPlacement.POOL else f"kv.{i}"
-            out.extend(_region(f"layer.{i}.{f}", storage, f"{f}_{order}", blocks, group, opt) for f in "kv")
+        out.extend(_layer_regions(m, layer, b, opts, names, lays))
+    return out
+
+
+def _layer_regions(m: Model, layer: Layer, b: Backend, opts: EngineOptions, names: GroupNames,
+                   lays: dict) -> list[dict]:
+    """The regions of one layer: its state, its MLA latent (and indexer), or its K and V caches."""
+    i, kind, opt = layer.index, layer.kind, layer.optional
+    blocks = _blocks(kind, opts)
+    group = {LayerKind.FULL: names.full, LayerKind.SLIDING: names.sliding}.get(kind, names.state)
+    if kind in STATE_KINDS:
+        state_layout = next((n for n in lays if n.endswith("_state")), "")
+        return [_region(f"layer.{i}", f"state.{i}", state_layout, blocks, group, opt)]
+    if m.family == Family.MLA:
+        return _mla_regions(m, layer, blocks, group, names, lays)
+    order = "nhd" if b.order[0] == "token" else "hnd"
+    if b.placement == KvPlacement.BLOCK:
+        return [_region(f"layer.{i}", f"kv.{i}", f"kv_{order}", blocks, group, opt)]
+    storage = _pool(kind) if b.placement == KvPlacement.POOL else f"kv.{i}"
+    return [_region(f"layer.{i}.{f}", storage, f"{f}_{order}", blocks, group, opt) for f in "kv"]
+
+
+def _mla_regions(m: Model, layer: Layer, blocks: int, group: str, names: GroupNames,
+                 lays: dict) -> list[dict]:
+    """An MLA layer's latent cache, and its indexer cache where the model has one (not on optional layers)."""
+    i, opt = layer.index, layer.optional
+    latent = DS_MLA if DS_MLA in lays else "mla_latent"
+    out = [_region(f"layer.{i}", f"kv.{i}", latent, blocks, group, opt)]
+    if m.index_head_dim and not opt:
+        out.append(_region(f"layer.{i}.indexer", f"idx.{i}", "indexer_fp8", blocks, names.indexer, opt))
     return out
