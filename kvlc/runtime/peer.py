@@ -68,12 +68,7 @@ def _fetch(clients: list[ChannelClient]) -> dict[int, tuple[Record, ChannelClien
 
 def connect(agent: KvAgent, addresses: Sequence[str], direction: str, mode: str, timeout: float) -> Peer:
     """Connect ``agent`` to the ranks of one remote engine (see the module docstring)."""
-    direction = Direction.parse(direction, "direction")
-    mode = Mode.parse(mode, "mode")
-    if mode is Mode.PULL_VIA_PUSH and direction is not Direction.READ:
-        raise KvlcError("mode 'pull_via_push' is for a consumer: use direction='READ'")
-    if not addresses:
-        raise KvlcError("connect needs the side-channel address of every remote rank to pair with")
+    direction, mode = _check_connect(addresses, direction, mode)
     agent._check_open()
     clients = [ChannelClient(a, agent._key, timeout=timeout) for a in addresses]
     added: list[str] = []
@@ -85,26 +80,47 @@ def connect(agent: KvAgent, addresses: Sequence[str], direction: str, mode: str,
         _introduce(agent, got, eng.program.peer_ranks, direction, mode, given)
         peer = _open(agent, got, eng, direction, mode)
         if mode is Mode.PREPPED:  # prepare the strided lists now: NIXL problems surface at connect
-            with agent._lock:
-                try:
-                    peer._prepared(eng.bound(agent.bases))
-                except BaseException:
-                    peer.close()
-                    raise
+            _prepare_now(agent, peer, eng)
         return peer
     except BaseException:
-        with agent._lock:
-            for name in given:
-                if not agent.sessions.live(name):
-                    agent.stager.drop_peer(name)
-            for name in added:
-                try:
-                    agent.nixl.remove_remote(name)
-                except NixlError:
-                    pass
-        for c in clients:
-            c.close()
+        _undo_connect(agent, clients, added, given)
         raise
+
+
+def _check_connect(addresses: Sequence[str], direction: str, mode: str) -> tuple[Direction, Mode]:
+    """The parsed direction and mode of a connect call, after checking they go together."""
+    direction = Direction.parse(direction, "direction")
+    mode = Mode.parse(mode, "mode")
+    if mode is Mode.PULL_VIA_PUSH and direction is not Direction.READ:
+        raise KvlcError("mode 'pull_via_push' is for a consumer: use direction='READ'")
+    if not addresses:
+        raise KvlcError("connect needs the side-channel address of every remote rank to pair with")
+    return direction, mode
+
+
+def _prepare_now(agent: KvAgent, peer: Peer, eng: RemoteEngine) -> None:
+    """Prepare the peer's strided lists (mode 'prepped'); on failure close the peer and raise."""
+    with agent._lock:
+        try:
+            peer._prepared(eng.bound(agent.bases))
+        except BaseException:
+            peer.close()
+            raise
+
+
+def _undo_connect(agent: KvAgent, clients: list[ChannelClient], added: list[str], given: list[str]) -> None:
+    """Undo a connect that failed: staging inboxes given, remote agents added, side channels opened."""
+    with agent._lock:
+        for name in given:
+            if not agent.sessions.live(name):
+                agent.stager.drop_peer(name)
+        for name in added:
+            try:
+                agent.nixl.remove_remote(name)
+            except NixlError:
+                pass
+    for c in clients:
+        c.close()
 
 
 def _pair(agent: KvAgent, got, direction: Direction) -> RemoteEngine:
@@ -149,13 +165,18 @@ def _introduce(agent: KvAgent, got, peers, direction: Direction, mode: Mode, giv
             given.append(rec.agent)
         hello = encode(Introduce(record=agent.record, direction=direction.value, mode=wire_mode,
                                  address=agent.address or "", inbox=inbox))
-        reply = decode(got[r][1].request(hello))
-        if not isinstance(reply, Reply) or not reply.ok:
-            why = reply.error if isinstance(reply, Reply) else f"a '{reply.t}' message"
-            raise HandshakeError(f"rank {r} ({rec.agent}) refused this agent: {why}")
+        reply = _accepted(r, rec, decode(got[r][1].request(hello)))
         if st is not None and direction is Direction.WRITE and reply.inbox is not None:
             with agent._lock:
                 st.add_peer(rec, reply.inbox)
+
+
+def _accepted(r: int, rec: Record, reply) -> Reply:
+    """The reply of peer rank ``r`` to an introduction; HandshakeError where it refused."""
+    if not isinstance(reply, Reply) or not reply.ok:
+        why = reply.error if isinstance(reply, Reply) else f"a '{reply.t}' message"
+        raise HandshakeError(f"rank {r} ({rec.agent}) refused this agent: {why}")
+    return reply
 
 
 def _open(agent: KvAgent, got, eng: RemoteEngine, direction: Direction, mode: Mode) -> Peer:
