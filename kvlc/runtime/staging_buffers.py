@@ -31,6 +31,11 @@ class StageMode(str, enum.Enum):
     NEVER = "never"
 
 
+# StagingPolicy's integer fields with the least value each may take.
+_INTEGER_FIELDS = (("min_descriptors", 1), ("max_mean_bytes", 1), ("slot_bytes", 4096), ("slots", 1),
+                   ("peers", 0))
+
+
 @dataclass(frozen=True)
 class StagingPolicy:
     """Which transfers go through bounce buffers.
@@ -98,18 +103,29 @@ class StagingPolicy:
         return cls(**kw)
 
     def __post_init__(self) -> None:
+        self._check_mode()
+        self._check_integers()
+        self._check_bounds()
+
+    def _check_mode(self) -> None:
+        """Coerce ``mode`` to a StageMode, or say which values there are."""
         try:
             object.__setattr__(self, "mode", StageMode(self.mode))
         except ValueError:
             raise KvlcError(f"StagingPolicy.mode: got {self.mode!r}; use one of "
                             f"{[m.value for m in StageMode]}") from None
-        for name, low in (("min_descriptors", 1), ("max_mean_bytes", 1), ("slot_bytes", 4096), ("slots", 1),
-                          ("peers", 0)):
+
+    def _check_integers(self) -> None:
+        """Every integer field is an int (not a bool) of at least its lower bound; slot_bytes may be None."""
+        for name, low in _INTEGER_FIELDS:
             v = getattr(self, name)
             if v is None and name == "slot_bytes":
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise KvlcError(f"StagingPolicy.{name}: expected a positive integer (at least {low}), got {v!r}")
+
+    def _check_bounds(self) -> None:
+        """The upper bounds of slots, slot bytes and peers, and the bounce buffers' memory."""
         if self.slots > 1024 or (self.slot_bytes or 0) > 1 << 31 or self.peers > 256:
             raise KvlcError(f"StagingPolicy: at most 1024 slots of at most 2 GiB, at most 256 peers; got "
                             f"{self.slots} of {self.slot_bytes} bytes, {self.peers} peers")
