@@ -21,7 +21,7 @@ import numpy as np
 
 from kvlc.compiler.layout import ceildiv, kernel_ids
 from kvlc.compiler.layout import head_range as heads_of
-from kvlc.compiler.plan import Plan, PlanField
+from kvlc.compiler.plan import Plan, PlanField, PlanRegion
 
 _M1 = np.uint64(0x9E3779B97F4A7C15)
 _M2 = np.uint64(0xBF58476D1CE4E5B9)
@@ -182,39 +182,86 @@ def expected_bytes(dst: Plan, dst_rank: int, src: Plan, dst_ids: Mapping[str, Se
             for f in r.fields:
                 el = field_elements(f, _head_start(dst, dst_rank, f))
                 if r.is_state:
-                    blk_d, blk_s, tok = dk[:, None], sk[:, None], el.token[None, :]
                     keep = np.ones((len(dk), el.offset.size), bool)
+                    c = _Cells(dk[:, None], sk[:, None], el.token[None, :], keep)
                 else:
                     start, stop = _range(num_tokens, tokens, group)
-                    need = _needed(dst, group, start, stop)
-                    dd, ds = dst.parallel.dcp_size, src.parallel.dcp_size   # DCP: a block id covers bs * dcp
-                    d0 = start // (dst.group(group).block_size * dd) * (dst.group(group).block_size // r.block_tokens)
-                    s0 = start // (src.group(group).block_size * ds) * (src.group(group).block_size // sr.block_tokens)
-                    span = r.block_tokens * dd                              # tokens of one kernel block id
-                    j = np.arange(need // span, ceildiv(stop, span), dtype=np.int64)[:, None]
-                    blk_d = dk[j - d0]
-                    if f.dim("token") is None:  # per-block field: same block sizes and sharding (checked at pairing)
-                        blk_s, tok = sk[j - s0], el.token[None, :] + _dcp_key(dst, dst_rank)
-                        keep = np.ones((len(j), el.offset.size), bool)
-                    elif r.tokens_per_entry > 1:  # entries of tokens_per_entry tokens (DCP refused at pairing)
-                        per = r.tokens_per_entry  # every entry holding a needed token moves whole
-                        e0, e1 = need // per, ceildiv(stop, per)
-                        t = j * r.block_entries + el.token[None, :]         # entry position in the sequence
-                        keep = (t >= e0) & (t < e1)
-                        t = np.clip(t, e0, e1 - 1)
-                        blk_s = sk[t // sr.block_entries - s0]
-                        tok = t % sr.block_entries
-                    else:
-                        t = _global_tokens(dst, dst_rank, j * r.block_tokens + el.token[None, :])  # sequence position
-                        keep = (t >= need) & (t < stop)
-                        t = np.clip(t, need, stop - 1)
-                        js, key = _source_slot(src, t)
-                        blk_s = sk[js // sr.block_tokens - s0]
-                        tok = js % sr.block_tokens + key
-                vals = code(r.name, f.name, np.broadcast_to(el.head, keep.shape)[keep],
-                            np.broadcast_to(blk_s, keep.shape)[keep], np.broadcast_to(tok, keep.shape)[keep],
-                            np.broadcast_to(el.other, keep.shape)[keep], el.itemsize)
-                addr = (r.offset + np.broadcast_to(blk_d, keep.shape) * r.block_stride
-                        + el.offset[None, :])[keep]
-                idx = (addr[:, None] + np.arange(el.itemsize)[None, :]).ravel()
-                yield r.storage, idx, vals.ravel()
+                    c = _token_cells(_Pair(dst, dst_rank, src, r, sr, group), f, el, dk, sk, start, stop)
+                yield r.storage, *_cell_bytes(r, f, el, c)
+
+
+@dataclass(frozen=True)
+class _Pair:
+    """One region of one kernel block group, at receiver rank ``dst_rank`` and at the sender."""
+
+    dst: Plan
+    dst_rank: int
+    src: Plan
+    r: PlanRegion
+    sr: PlanRegion
+    group: str
+
+
+@dataclass(frozen=True)
+class _Cells:
+    """Per element of a field in the receiver's blocks (broadcast together): the receiver's kernel
+    block, the sender's kernel block and token key it came from, and whether it is expected."""
+
+    blk_d: np.ndarray
+    blk_s: np.ndarray
+    tok: np.ndarray
+    keep: np.ndarray
+
+
+def _token_cells(p: _Pair, f: PlanField, el: FieldElements, dk: np.ndarray, sk: np.ndarray,
+                 start: int, stop: int) -> _Cells:
+    """The cells of a field of a token region for tokens ``[start, stop)``."""
+    dst, src, r = p.dst, p.src, p.r
+    need = _needed(dst, p.group, start, stop)
+    dd, ds = dst.parallel.dcp_size, src.parallel.dcp_size   # DCP: a block id covers bs * dcp
+    d0 = start // (dst.group(p.group).block_size * dd) * (dst.group(p.group).block_size // r.block_tokens)
+    s0 = start // (src.group(p.group).block_size * ds) * (src.group(p.group).block_size // p.sr.block_tokens)
+    span = r.block_tokens * dd                              # tokens of one kernel block id
+    j = np.arange(need // span, ceildiv(stop, span), dtype=np.int64)[:, None]
+    blk_d = dk[j - d0]
+    if f.dim("token") is None:  # per-block field: same block sizes and sharding (checked at pairing)
+        return _Cells(blk_d, sk[j - s0], el.token[None, :] + _dcp_key(dst, p.dst_rank),
+                      np.ones((len(j), el.offset.size), bool))
+    if r.tokens_per_entry > 1:  # entries of tokens_per_entry tokens (DCP refused at pairing)
+        return _entry_cells(p, el, blk_d, sk, j, need, stop, s0)
+    return _sequence_cells(p, el, blk_d, sk, j, need, stop, s0)
+
+
+def _entry_cells(p: _Pair, el: FieldElements, blk_d: np.ndarray, sk: np.ndarray, j: np.ndarray,
+                 need: int, stop: int, s0: int) -> _Cells:
+    """Entries of ``tokens_per_entry`` tokens: every entry holding a needed token moves whole."""
+    r, sr = p.r, p.sr
+    per = r.tokens_per_entry
+    e0, e1 = need // per, ceildiv(stop, per)
+    t = j * r.block_entries + el.token[None, :]         # entry position in the sequence
+    keep = (t >= e0) & (t < e1)
+    t = np.clip(t, e0, e1 - 1)
+    return _Cells(blk_d, sk[t // sr.block_entries - s0], t % sr.block_entries, keep)
+
+
+def _sequence_cells(p: _Pair, el: FieldElements, blk_d: np.ndarray, sk: np.ndarray, j: np.ndarray,
+                    need: int, stop: int, s0: int) -> _Cells:
+    """One token per entry: each receiver token at its sequence position, from the sender's slot of it."""
+    r, sr = p.r, p.sr
+    t = _global_tokens(p.dst, p.dst_rank, j * r.block_tokens + el.token[None, :])  # sequence position
+    keep = (t >= need) & (t < stop)
+    t = np.clip(t, need, stop - 1)
+    js, key = _source_slot(p.src, t)
+    return _Cells(blk_d, sk[js // sr.block_tokens - s0], js % sr.block_tokens + key, keep)
+
+
+def _cell_bytes(r: PlanRegion, f: PlanField, el: FieldElements, c: _Cells) -> tuple[np.ndarray, np.ndarray]:
+    """The receiver's byte addresses of the kept cells and the bytes each must hold."""
+    keep = c.keep
+    vals = code(r.name, f.name, np.broadcast_to(el.head, keep.shape)[keep],
+                np.broadcast_to(c.blk_s, keep.shape)[keep], np.broadcast_to(c.tok, keep.shape)[keep],
+                np.broadcast_to(el.other, keep.shape)[keep], el.itemsize)
+    addr = (r.offset + np.broadcast_to(c.blk_d, keep.shape) * r.block_stride + el.offset[None, :])[keep]
+    idx = (addr[:, None] + np.arange(el.itemsize)[None, :]).ravel()
+    return idx, vals.ravel()
+
