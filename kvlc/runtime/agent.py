@@ -43,8 +43,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from kvlc.compiler.plan import Plan
-from kvlc.errors import KvlcError, TransferError
+from kvlc.errors import TransferError
 from kvlc.runtime import server as _server
+from kvlc.runtime.arguments import PROGRESS  # noqa: F401 - re-exported, callers import it from here
+from kvlc.runtime.arguments import check_agent_args, check_request_id, valid_name
 from kvlc.runtime.auth import resolve_secret
 from kvlc.runtime.binding import Bound, bind
 from kvlc.runtime.channel import ChannelServer, Limits
@@ -65,32 +67,6 @@ from kvlc.runtime.wire import StorageBase, decode, make_record
 log = logging.getLogger("kvlc.runtime.agent")
 DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_LEASE_S = 30.0
-_NAME_OK = re.compile(r"^[A-Za-z0-9_.:@\-]{1,128}$")
-_REQ_OK = re.compile(r"^[\x21-\x7e]{1,128}$")
-PROGRESS = ("thread", "nixl", "manual")
-
-
-def _valid_name(name: str, what: str = "agent name") -> str:
-    if not isinstance(name, str) or not _NAME_OK.match(name):
-        raise KvlcError(f"{what} {name!r}: use 1-128 characters of A-Z a-z 0-9 _ . : @ -")
-    return name
-
-
-def check_request_id(req: str) -> str:
-    if not isinstance(req, str) or not _REQ_OK.match(req):
-        raise TransferError(f"request id {req!r:.40}: use 1-128 printable ASCII characters without spaces")
-    return req
-
-
-def _check_args(plan: Plan, rank, progress, timeout, lease) -> None:
-    if progress not in PROGRESS:
-        raise KvlcError(f"progress {progress!r}: use 'thread', 'nixl' or 'manual'")
-    for what, v in (("timeout", timeout), ("lease", lease)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 86400:
-            raise KvlcError(f"{what} {v!r}: give seconds, more than 0 and at most 86400")
-    tp = plan.parallel.tp_size
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < tp:
-        raise KvlcError(f"rank {rank} outside plan '{plan.name}' (tp_size {tp}); use 0..{tp - 1}")
 
 
 class KvAgent:
@@ -128,15 +104,15 @@ class KvAgent:
         ucx: UcxOptions | None = None,
         staging: StagingPolicy | None = None,
     ):
-        _check_args(plan, rank, progress, timeout, lease)
+        check_agent_args(plan, rank, progress, timeout, lease)
         self._key = resolve_secret(secret, insecure)
         self.plan, self.rank, self.timeout, self.lease = plan, rank, float(timeout), float(lease)
         self.limits = limits or Limits()
         self.bindings: dict[str, Bound] = bind(plan, tensors)
         default = re.sub(r"[^A-Za-z0-9_.\-]", "_", plan.name)[:80]
-        self.engine_id = _valid_name(engine_id or f"{default}-{uuid.uuid4().hex[:12]}", "engine_id")
+        self.engine_id = valid_name(engine_id or f"{default}-{uuid.uuid4().hex[:12]}", "engine_id")
         self.epoch = secrets.token_hex(8)
-        self.name = _valid_name(name or f"kvlc-{default}-r{rank}-{uuid.uuid4().hex[:8]}")
+        self.name = valid_name(name or f"kvlc-{default}-r{rank}-{uuid.uuid4().hex[:8]}")
         self._lock = threading.RLock()
         self.closed = False
         self.nixl = (agent_factory or (lambda n: Agent(n, backends, telemetry=telemetry, ucx=ucx,

@@ -1,0 +1,41 @@
+"""Checks of what callers hand a :class:`~kvlc.runtime.agent.KvAgent`: names, request ids, settings.
+
+Each raises a :mod:`kvlc.errors` error that names the value and says what is accepted.
+"""
+
+from __future__ import annotations
+
+import re
+
+from kvlc.compiler.plan import Plan
+from kvlc.errors import KvlcError, TransferError
+
+_NAME_OK = re.compile(r"^[A-Za-z0-9_.:@\-]{1,128}$")
+_REQ_OK = re.compile(r"^[\x21-\x7e]{1,128}$")
+PROGRESS = ("thread", "nixl", "manual")
+
+
+def valid_name(name: str, what: str = "agent name") -> str:
+    """``name`` where it is 1-128 characters of A-Z a-z 0-9 _ . : @ - (an agent or engine name)."""
+    if not isinstance(name, str) or not _NAME_OK.match(name):
+        raise KvlcError(f"{what} {name!r}: use 1-128 characters of A-Z a-z 0-9 _ . : @ -")
+    return name
+
+
+def check_request_id(req: str) -> str:
+    """``req`` where it is 1-128 printable ASCII characters without spaces."""
+    if not isinstance(req, str) or not _REQ_OK.match(req):
+        raise TransferError(f"request id {req!r:.40}: use 1-128 printable ASCII characters without spaces")
+    return req
+
+
+def check_agent_args(plan: Plan, rank, progress, timeout, lease) -> None:
+    """The rank, progress mode, timeout and lease an agent of ``plan`` is made with."""
+    if progress not in PROGRESS:
+        raise KvlcError(f"progress {progress!r}: use 'thread', 'nixl' or 'manual'")
+    for what, v in (("timeout", timeout), ("lease", lease)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 86400:
+            raise KvlcError(f"{what} {v!r}: give seconds, more than 0 and at most 86400")
+    tp = plan.parallel.tp_size
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < tp:
+        raise KvlcError(f"rank {rank} outside plan '{plan.name}' (tp_size {tp}); use 0..{tp - 1}")
