@@ -38,7 +38,8 @@ Decoding refuses, with a :class:`~kvlc.runtime.errors.HandshakeError` that says
 why: oversize or truncated input, not msgpack / JSON, wrong version, wrong
 types, unknown or missing keys, a digest that does not match the plan JSON, a
 plan JSON that is not a kvlc plan, a rank outside the plan's TP size, storages
-that do not match the plan's storages.
+that do not match the plan's storages. The decoding steps all formats share (size
+limit, msgpack, version, error text) live in :mod:`kvlc.runtime.frames`.
 """
 
 from __future__ import annotations
@@ -60,8 +61,8 @@ from pydantic import (
 
 from kvlc.compiler.plan import Plan
 from kvlc.runtime.errors import HandshakeError
+from kvlc.runtime.frames import WIRE_VERSION, check_version, explain, unpack
 
-WIRE_VERSION = 1
 MAX_FRAME_BYTES = 8 << 20  # any side-channel frame
 MAX_RECORD_BYTES = 4 << 20  # a handshake record
 MAX_METADATA_BYTES = 1 << 20  # NIXL agent metadata inside a record
@@ -210,22 +211,6 @@ class Notif(_Strict):
     tag: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{24}$")]
 
 
-# ----------------------------------------------------------------------------- errors
-def _explain(exc: ValidationError, limit: int = 5) -> str:
-    parts = []
-    for e in exc.errors()[:limit]:
-        loc = ".".join(str(x) for x in e["loc"]) or "<root>"
-        got = e.get("input")
-        shown = repr(got)
-        if len(shown) > 60:
-            shown = shown[:57] + "..."
-        parts.append(f"{loc}: {e['msg']} (got {shown})")
-    more = len(exc.errors()) - limit
-    if more > 0:
-        parts.append(f"... and {more} more")
-    return "; ".join(parts)
-
-
 # ----------------------------------------------------------------------------- records
 def check_record(rec: Record) -> Plan:
     """Facts a schema cannot check: digest, plan, rank and storages agree. Returns the plan."""
@@ -244,7 +229,7 @@ def check_record(rec: Record) -> Plan:
         plan = Plan.from_json(rec.plan_json)
     except ValidationError as exc:
         raise HandshakeError(
-            f"record of agent '{rec.agent}': plan JSON is not a kvlc plan: {_explain(exc)}"
+            f"record of agent '{rec.agent}': plan JSON is not a kvlc plan: {explain(exc)}"
         ) from None
     if plan.digest != rec.plan_digest:
         raise HandshakeError(
@@ -310,46 +295,18 @@ def encode(msg: BaseModel) -> bytes:
     return data
 
 
-def _unpack(data: bytes, limit: int, what: str):
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise HandshakeError(f"{what}: expected bytes, got {type(data).__name__}")
-    if len(data) > limit:
-        raise HandshakeError(f"{what} refused: {len(data)} bytes is over the {limit}-byte limit")
-    if not data:
-        raise HandshakeError(f"{what} refused: empty")
-    try:
-        obj = msgpack.unpackb(bytes(data), raw=False, use_list=False, strict_map_key=True)
-    except msgpack.ExtraData:
-        raise HandshakeError(f"{what} refused: trailing bytes after the message") from None
-    except (ValueError, msgpack.UnpackException, TypeError, RecursionError) as exc:
-        reason = "truncated" if "Unpack failed" in str(exc) or "incomplete" in str(exc) else "not msgpack"
-        raise HandshakeError(f"{what} refused: {reason} ({type(exc).__name__}: {str(exc)[:80]})") from None
-    if not isinstance(obj, dict):
-        raise HandshakeError(f"{what} refused: expected a msgpack map, got {type(obj).__name__}")
-    return obj
-
-
-def _check_version(obj: dict, key: str, what: str) -> None:
-    v = obj.get(key, None)
-    if type(v) is not int or v != WIRE_VERSION:
-        raise HandshakeError(
-            f"{what} refused: wire version {v!r:.20}; this kvlc speaks version {WIRE_VERSION} "
-            "(upgrade the older side)"
-        )
-
-
 def decode(
     data: bytes, limit: int = MAX_FRAME_BYTES
 ) -> Fetch | Record | Introduce | PullRequest | Cancel | Reply:
     """Validate a side-channel frame into its message model; records are fully checked."""
-    obj = _unpack(data, limit, "side-channel message")
+    obj = unpack(data, limit, "side-channel message")
     if obj.get("t") != "reply":
-        _check_version(obj, "version", f"'{str(obj.get('t'))[:20]}' message")
+        check_version(obj, "version", f"'{str(obj.get('t'))[:20]}' message")
     try:
         msg = _MESSAGE.validate_python(obj, strict=True)
     except ValidationError as exc:
         kind = obj.get("t") if isinstance(obj.get("t"), str) else "?"
-        raise HandshakeError(f"'{kind[:20]}' message refused: {_explain(exc)}") from None
+        raise HandshakeError(f"'{kind[:20]}' message refused: {explain(exc)}") from None
     if isinstance(msg, Record):
         check_record(msg)
     elif isinstance(msg, Introduce):
@@ -359,12 +316,12 @@ def decode(
 
 def decode_record(data: bytes) -> Record:
     """Decode and fully check a handshake record (size bound :data:`MAX_RECORD_BYTES`)."""
-    obj = _unpack(data, MAX_RECORD_BYTES, "handshake record")
-    _check_version(obj, "version", "handshake record")
+    obj = unpack(data, MAX_RECORD_BYTES, "handshake record")
+    check_version(obj, "version", "handshake record")
     try:
         rec = Record.model_validate(obj, strict=True)
     except ValidationError as exc:
-        raise HandshakeError(f"handshake record refused: {_explain(exc)}") from None
+        raise HandshakeError(f"handshake record refused: {explain(exc)}") from None
     check_record(rec)
     return rec
 
@@ -395,8 +352,8 @@ def decode_notif(data: bytes) -> Notif:
         raise HandshakeError(f"notification refused: not JSON ({str(exc)[:60]})") from None
     if not isinstance(obj, dict):
         raise HandshakeError(f"notification refused: expected a JSON object, got {type(obj).__name__}")
-    _check_version(obj, "v", "notification")
+    check_version(obj, "v", "notification")
     try:
         return Notif.model_validate(obj, strict=True)
     except ValidationError as exc:
-        raise HandshakeError(f"notification refused: {_explain(exc)}") from None
+        raise HandshakeError(f"notification refused: {explain(exc)}") from None
