@@ -144,7 +144,7 @@ class KvAgent:
         self._finalizer = weakref.finalize(self, self._res.close)
         if progress == "thread":
             self._res.pump = Pump(self, "_pump_locked", progress_interval, self._res.stop,
-                                  f"kvlc-progress-{self.name}")
+                                  f"kvlc-progress-{self.name}", busy_interval=self.PUMP_BUSY_S)
 
     # ------------------------------------------------------------------ side channel
     def serve(self, host: str = "127.0.0.1", port: int = 0) -> str:
@@ -278,16 +278,24 @@ class KvAgent:
 
     _polled = 0.0  # when poll() last advanced everything, or the engine submitted a request (monotonic s)
     PUMP_SKIP_S = 0.001  # the progress thread skips a turn when the engine was this recently active
+    PUMP_BUSY_S = 0.00005  # its interval while staged chunks are in flight (each waits on a turn here)
 
-    def _pump_locked(self) -> None:
-        """The progress thread's turn: fills gaps between the engine's polls, never makes the engine wait."""
-        if time.monotonic() - self._polled < self.PUMP_SKIP_S or not self._lock.acquire(blocking=False):
-            return
+    def _pump_locked(self) -> bool:
+        """The progress thread's turn: fills gaps between the engine's polls, never waits for the engine's lock.
+
+        Returns whether staged chunks are in flight: the thread then comes back every
+        :attr:`PUMP_BUSY_S` and takes its turn even right after an engine poll (a chunk's scatter, its
+        FREE and the next chunk's WRITE each wait on some agent's turn)."""
+        staging = self.stager is not None and self.stager.endpoint.hot
+        if (not staging and time.monotonic() - self._polled < self.PUMP_SKIP_S) or not self._lock.acquire(
+                blocking=False):
+            return staging
         try:
             if not self.closed:
                 self._pump()
         finally:
             self._lock.release()
+        return self.stager is not None and self.stager.endpoint.hot
 
     def _pump(self) -> None:
         for out in self.executor.progress():

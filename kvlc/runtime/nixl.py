@@ -265,10 +265,13 @@ class Agent:
                           else f"NIXL {xfer.what} reported an error")
         return state
 
-    def post(self, xfer: Xfer) -> XferState:
-        """Start a transfer; a failure is returned as ``ERR`` with ``xfer.error`` set."""
+    def post(self, xfer: Xfer, notif: bytes = b"") -> XferState:
+        """Start a transfer; a failure is returned as ``ERR`` with ``xfer.error`` set.
+
+        ``notif``: a notification NIXL delivers to the remote agent once this transfer's bytes
+        have landed there (none is sent for a transfer that fails)."""
         with self._lock:
-            return self._advance(xfer, "post", self._n.transfer, xfer._raw, b"")
+            return self._advance(xfer, "post", self._n.transfer, xfer._raw, notif)
 
     def state(self, xfer: Xfer) -> XferState:
         """Current state; terminal states stick. A failure sets ``xfer.error``."""

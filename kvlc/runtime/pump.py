@@ -24,28 +24,33 @@ log = logging.getLogger("kvlc.runtime.pump")
 
 
 class Pump:
-    """Call ``ref().<method>()`` every ``interval`` seconds until the agent is gone or ``stop`` is set."""
+    """Call ``ref().<method>()`` every ``interval`` seconds until the agent is gone or ``stop`` is set;
+    every ``busy_interval`` seconds instead while the method returns True (work that waits on this
+    side's turns is in flight, e.g. staged chunks to scatter or to send)."""
 
-    def __init__(self, agent: Any, method: str, interval: float, stop: threading.Event, name: str):
+    def __init__(self, agent: Any, method: str, interval: float, stop: threading.Event, name: str,
+                 busy_interval: float | None = None):
         ref = weakref.ref(agent)
+        busy = interval if busy_interval is None else min(interval, busy_interval)
         self.thread = threading.Thread(
-            target=self._loop, args=(ref, method, interval, stop), name=name, daemon=True
+            target=self._loop, args=(ref, method, interval, busy, stop), name=name, daemon=True
         )
         self.thread.start()
 
     @staticmethod
-    def _loop(ref, method: str, interval: float, stop: threading.Event) -> None:
+    def _loop(ref, method: str, interval: float, busy_interval: float, stop: threading.Event) -> None:
         while not stop.is_set():
             agent = ref()
             if agent is None:
                 return
+            busy = False
             try:
-                getattr(agent, method)()
+                busy = bool(getattr(agent, method)())
             except Exception:  # keep progressing; poll() surfaces real failures
                 log.exception("progress thread")
                 stop.wait(0.1)
             del agent
-            stop.wait(interval)
+            stop.wait(busy_interval if busy else interval)
 
 
 class Sender:

@@ -9,8 +9,9 @@ Staging turns either into copies the GPU's engines do well plus one large WRITE:
    own bounce buffer (one indexed copy per run of equal ranges, on a side CUDA
    stream; :mod:`kvlc.runtime.staging_copy`);
 2. once the gather's event completes, ONE WRITE moves the slot into a slot of the
-   receiver's bounce buffer; when it is DONE, a LANDED notification carries the
-   chunk's size (its destination ranges travel in the same WRITE, behind the data;
+   receiver's bounce buffer, with a LANDED notification attached that NIXL delivers
+   once the bytes are there (no round trip through the sender): it carries the chunk's
+   size (its destination ranges travel in the same WRITE, behind the data;
    :mod:`kvlc.runtime.staging_wire`);
 3. the receiver checks every range lies inside its registered regions, scatters the
    slot into them (side stream), and only when that copy completed answers FREE;
@@ -55,6 +56,7 @@ from kvlc.runtime.staging_buffers import (
     split_chunks,
 )
 from kvlc.runtime.staging_recv import Receiver
+from kvlc.runtime.staging_trace import from_env as _trace_from_env
 from kvlc.runtime.staging_wire import BounceInfo, Kind, Message, encode
 
 log = logging.getLogger("kvlc.runtime.staging")
@@ -78,6 +80,11 @@ class StagingEndpoint(Receiver):
 
             self.stream = torch.cuda.Stream(device=device)
         self.copier = Copier(regions, self.stream)
+        if self.stream is not None:
+            import torch
+
+            self.copier.warm(torch.device("cuda", device))
+        split_chunks(np.zeros((1, 2), np.uint64) + 8, np.zeros((1, 2), np.uint64) + 8, 64)  # numpy's lazy imports
         self.peers: dict[str, BounceInfo] = {}          # sending: the peer's inbox for us
         self.inboxes: dict[str, BounceBuffer] = {}      # receiving: our inbox for that peer
         self._queue: deque[_Chunk] = deque()
@@ -94,6 +101,8 @@ class StagingEndpoint(Receiver):
         self.prepped = prepped
         self._lists: dict[str, tuple[Any, Any, int]] = {}  # peer -> (local slots, remote slots, bytes each)
         self.stats = {"chunks_sent": 0, "chunks_received": 0, "bytes_sent": 0}
+        self._last_in = 0.0  # clock() of the last LANDED taken
+        self.trace = _trace_from_env()  # None unless KVLC_STAGING_TRACE names a folder
 
     # ------------------------------------------------------------------ setup
     def set_outbox(self, outbox: BounceBuffer) -> None:
@@ -163,6 +172,8 @@ class StagingEndpoint(Receiver):
                                               queued=len(chunks), key=key)
         for seq, (lr, rr) in enumerate(chunks):
             self._queue.append(_Chunk(req, peer, seq, len(chunks), lr, rr, int(lr[:, 1].sum())))
+            if self.trace:
+                self.trace("queued", req, seq, nbytes=int(lr[:, 1].sum()))
         return len(chunks)
 
     def _start_gathers(self) -> None:
@@ -182,6 +193,8 @@ class StagingEndpoint(Receiver):
             c.slot = self._free_local.popleft()
             c.remote_slot = remote.popleft()
             self._lent[(c.peer, c.remote_slot)] = (c.req, c.seq)
+            if self.trace:
+                self.trace("gather", c.req, c.seq, c.slot, c.nbytes)
             self.copier.gather(c.local, self.outbox.slot(c.slot, c.nbytes))
             self._put_ranges(c)
             c.event = self._record()
@@ -215,6 +228,8 @@ class StagingEndpoint(Receiver):
             if c.event is not None and not c.event.query():
                 still.append(c)
                 continue
+            if self.trace:
+                self.trace("gathered", c.req, c.seq, c.slot, c.nbytes)
             info = self.peers[c.peer]
             n = _align8(c.nbytes) + 16 * len(c.remote)
             lrow = np.array([[self.outbox.addr + c.slot * self.outbox.stride, n, self.outbox.device]],
@@ -228,7 +243,10 @@ class StagingEndpoint(Receiver):
                 else:
                     c.xfer = self.agent.initialize("WRITE", lrow, self.outbox.mem, rrow, info.mem, c.peer,
                                                    what=f"staged '{c.req}' chunk {c.seq}")
-                state = self.agent.post(c.xfer)
+                # LANDED rides on the WRITE: NIXL delivers it once the bytes are in the peer's slot
+                state = self.agent.post(c.xfer, self._landed_msg(c))
+                if self.trace:
+                    self.trace("posted", c.req, c.seq, c.remote_slot, c.nbytes)
             except KvlcError as exc:
                 state, c.xfer = XferState.ERR, None
                 self._fail(self._sending[(c.req, c.peer)], f"chunk {c.seq}: {exc}")
@@ -237,6 +255,11 @@ class StagingEndpoint(Receiver):
             else:
                 self._writing.append(c)
         self._gathering = still
+
+    def _landed_msg(self, c: _Chunk) -> bytes:
+        """The sealed LANDED notification of chunk ``c`` (slot, size and row count of what lands)."""
+        return encode(Message(Kind.LANDED, c.req, c.seq, c.total, c.remote_slot, nbytes=c.nbytes,
+                              nrows=len(c.remote)), self._sending[(c.req, c.peer)].key)
 
     def _check_writes(self) -> None:
         still = []
@@ -250,9 +273,8 @@ class StagingEndpoint(Receiver):
                 continue
             c.xfer.release()
             self._free_local.append(c.slot)
-            self.agent.send_notif(c.peer, encode(Message(Kind.LANDED, c.req, c.seq, c.total, c.remote_slot,
-                                                         nbytes=c.nbytes, nrows=len(c.remote)),
-                                                 self._sending[(c.req, c.peer)].key))
+            if self.trace:
+                self.trace("written", c.req, c.seq, c.remote_slot, c.nbytes)
             self.stats["chunks_sent"] += 1
             self.stats["bytes_sent"] += c.nbytes
         self._writing = still
@@ -263,11 +285,13 @@ class StagingEndpoint(Receiver):
         if c.xfer is not None:
             c.xfer.release()
         self._free_local.append(c.slot)
-        self._lent.pop((c.peer, c.remote_slot), None)
-        self._free_remote[c.peer].append(c.remote_slot)
-        s = self._sending[(c.req, c.peer)]
-        s.freed += 1
-        self._fail(s, f"chunk {c.seq}: {why}")
+        if self._lent.get((c.peer, c.remote_slot)) == (c.req, c.seq):  # (not FREEd already)
+            del self._lent[(c.peer, c.remote_slot)]
+            self._free_remote[c.peer].append(c.remote_slot)
+        s = self._sending.get((c.req, c.peer))
+        if s is not None:  # (None: every chunk was FREEd already, the request is over)
+            s.freed += 1
+            self._fail(s, f"chunk {c.seq}: {why}")
 
     def _fail(self, s: _Sending, why: str) -> None:
         if not s.failed:
@@ -320,6 +344,8 @@ class StagingEndpoint(Receiver):
             raise StagingError(f"FREE of slot {m.slot} from '{sender}', which is not a peer")
         if not self._give_back(sender, m):
             return
+        if self.trace:
+            self.trace("freed", m.req, m.seq, m.slot)
         s = self._sending.get((m.req, sender))
         if s is not None:
             s.freed += 1
@@ -350,6 +376,13 @@ class StagingEndpoint(Receiver):
     @property
     def busy(self) -> bool:
         return bool(self._queue or self._gathering or self._writing or self._scattering or self._sending)
+
+    HOT_S = 0.5  # a partly received request keeps the endpoint hot this long after its last chunk
+
+    @property
+    def hot(self) -> bool:
+        """Busy, or a request's chunks arrived lately and more are due (worth polling often for)."""
+        return self.busy or (bool(self._receiving) and self.clock() - self._last_in < self.HOT_S)
 
 
 __all__ = ["StagingEndpoint", "StagingPolicy", "StageMode", "BounceBuffer", "BounceInfo", "StageEvent",

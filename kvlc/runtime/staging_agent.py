@@ -164,3 +164,5 @@ class Stager:
         for buf in (self.endpoint.outbox, self.pool):
             if buf is not None:
                 buf.release()
+        if self.endpoint.trace:
+            self.endpoint.trace.dump()

@@ -120,6 +120,23 @@ class Copier:
         self._aliases: dict = {}
         self._rings: dict[str, _PinnedRing] = {}  # per CUDA device
 
+    def warm(self, device: Any) -> None:
+        """Pay first-use costs now, not in the first staged request: the pinned upload ring and the
+        indexed-copy kernels of every element width (CUDA loads a kernel's module at its first launch)."""
+        import torch
+
+        if device.type == "cuda":
+            self._rings.setdefault(str(device), _PinnedRing(device))
+        idx = torch.zeros(1, dtype=torch.int64, device=device)
+        ctx = torch.cuda.stream(self.stream) if self.stream is not None else _nullctx()
+        with ctx:
+            for dtype in (torch.complex128, torch.int64, torch.int32, torch.int16, torch.uint8):
+                rows, out = torch.zeros(2, 2, dtype=dtype, device=device), torch.empty(1, 2, dtype=dtype, device=device)
+                torch.index_select(rows, 0, idx, out=out)
+                rows.index_copy_(0, idx, out)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     def upload(self, values: np.ndarray, device: Any) -> Any:
         """``values`` (a 1-D int64 array) on ``device``, queued on the stream without waiting.
 

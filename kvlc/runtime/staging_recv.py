@@ -80,6 +80,9 @@ class Receiver:
         if (sender, m.req) in self._failed_in:
             self._answer(sender, m, key)
             return
+        self._last_in = self.clock()
+        if self.trace:
+            self.trace("landed", m.req, m.seq, m.slot, m.nbytes)
         got = self._receiving.get((sender, m.req), ())
         if m.seq in got or any((s, x.req, x.seq) == (sender, m.req, m.seq) for s, x, _, _ in self._scattering):
             log.warning("staging: chunk %d of %r from %r arrived twice; the copy is dropped", m.seq,
@@ -89,7 +92,11 @@ class Receiver:
         if int(rows[:, 1].sum()) != m.nbytes:
             raise StagingError(f"chunk {m.seq}: its ranges add up to {int(rows[:, 1].sum())} bytes, "
                                f"the message says {m.nbytes}")
+        if self.trace:
+            self.trace("ranges", m.req, m.seq, m.slot, m.nbytes)
         self.copier.scatter(inbox.slot(m.slot, m.nbytes), rows)
+        if self.trace:
+            self.trace("scatter", m.req, m.seq, m.slot, m.nbytes)
         self._scattering.append((sender, m, self._record(), key))
 
     def discard(self, sender: str, m: Message, key: bytes = b"") -> None:
@@ -113,6 +120,8 @@ class Receiver:
             if ev is not None and not ev.query():
                 still.append((sender, m, ev, key))
                 continue
+            if self.trace:
+                self.trace("scattered", m.req, m.seq, m.slot, m.nbytes)
             self._answer(sender, m, key)  # the slot is free again only once its bytes are in place
             self.stats["chunks_received"] += 1
             key = (sender, m.req)

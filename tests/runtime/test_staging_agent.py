@@ -195,6 +195,9 @@ def test_forged_replayed_and_foreign_chunks_are_dropped_unscattered(plans):
         sent = []
         real = prod.nixl.send_notif
         prod.nixl.send_notif = lambda to, m: (sent.append(bytes(m)) if is_staging(m) else None, real(to, m))[1]
+        real_post = prod.nixl.post  # LANDED rides on each chunk's WRITE
+        prod.nixl.post = lambda x, notif=b"": (sent.append(bytes(notif)) if is_staging(notif) else None,
+                                               real_post(x, notif))[1]
         peer.write("r1", {"full": [0, 1, 2]}, {"full": [10, 11, 12]}, 40)
         _pump(agents, lambda s: (cons.name, "r1") in s and (prod.name, "r1") in s)
         for t in tc.values():
@@ -229,3 +232,68 @@ def test_forged_replayed_and_foreign_chunks_are_dropped_unscattered(plans):
     finally:
         for a in agents:
             a.close()
+
+
+def test_trace_records_each_chunk_step_by_step(plans, tmp_path, monkeypatch):
+    """KVLC_STAGING_TRACE: every chunk of a staged push has all ten steps, in time order, on one clock."""
+    import json
+
+    from kvlc.runtime import KvAgent, allocate
+    from kvlc.runtime.staging import StagingPolicy
+    from kvlc.runtime.staging_trace import LIMIT
+    from kvlc.testing.content import fill
+
+    monkeypatch.setenv("KVLC_STAGING_TRACE", str(tmp_path))
+    x, z = plans["x"], plans["z"]
+    pol = StagingPolicy(**ON)
+    tp = allocate(x)
+    fill(x, 0, {n: t.numpy() for n, t in tp.items()})
+    prod = KvAgent(x, 0, tp, secret=SECRET, staging=pol, progress="manual", engine_id="trace-p")
+    cons = KvAgent(z, 0, allocate(z), secret=SECRET, staging=pol, progress="manual", engine_id="trace-c")
+    try:
+        peer = prod.connect(cons.serve(), direction="WRITE")
+        peer.write("t1", {"full": [0, 1, 2]}, {"full": [10, 11, 12]}, 40)
+        _pump([prod, cons], lambda s: (cons.name, "t1") in s and (prod.name, "t1") in s)
+        chunks = prod.stager.endpoint.stats["chunks_sent"]
+        paths = [a.stager.endpoint.trace.dump() for a in (prod, cons)]
+    finally:
+        prod.close()
+        cons.close()
+    assert chunks > 3 and LIMIT > 1000
+    steps: dict = {}
+    for p in paths:
+        for line in p.read_text().splitlines():
+            row = json.loads(line)
+            steps.setdefault((row["req"], row["seq"]), []).append((row["t_ns"], row["step"]))
+    assert len(steps) == chunks
+    want = ["queued", "gather", "gathered", "posted", "landed", "ranges", "scatter", "scattered"]
+    for key, seen in steps.items():
+        names = [s for _, s in sorted(seen)]
+        assert set(names) == set(want) | {"written", "freed"}, (key, names)
+        assert [s for s in names if s in want] == want, (key, names)  # written / freed may come in any order
+        assert names.index("freed") > names.index("scattered"), (key, names)
+
+
+def test_progress_thread_comes_back_quickly_while_staging_is_busy():
+    """The pump waits ``busy_interval`` instead of ``interval`` while its method says work is in flight."""
+    import threading
+
+    from kvlc.runtime.pump import Pump
+
+    class Target:
+        def __init__(self, busy):
+            self.busy, self.calls = busy, 0
+
+        def turn(self):
+            self.calls += 1
+            return self.busy
+
+    counts = {}
+    for busy in (False, True):
+        t, stop = Target(busy), threading.Event()
+        pump = Pump(t, "turn", 0.02, stop, f"test-pump-{busy}", busy_interval=0.0005)
+        time.sleep(0.3)
+        stop.set()
+        pump.thread.join(2)
+        counts[busy] = t.calls
+    assert counts[False] <= 20 and counts[True] >= 5 * counts[False], counts

@@ -1,0 +1,214 @@
+"""GPU: why staging through KvAgent is slower than the staging pair — timelines, profiles, a latency probe.
+
+    python3 benchmarks/gpu_staging_diag.py --out <folder> [--spy <py-spy binary>]
+
+1. **Latency probe** (two processes on one GPU): how long a tiny kernel + synchronize and a
+   64 KiB device-to-host copy take in process B while process A is idle, and while A keeps the
+   GPU busy with 256 MiB device-to-device copies. Staging needs GPU work in both processes for
+   every chunk (gather and WRITE in the sender, range read and scatter in the receiver), so a
+   large latency here bounds every staged chunk on a one-GPU machine.
+2. **Timelines** (``KVLC_STAGING_TRACE``) of staged transfers through KvAgent (fragmented VRAM
+   Llama-3.1-8B push, mixed DeepSeek-V3.2 -> HiSparse push) and through the staging pair, each
+   summarized with benchmarks/staging_timeline.py; with ``--spy``, py-spy profiles of both
+   engine processes of the KvAgent run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+MiB = 1 << 20
+
+
+def _busy(conn, seconds: float) -> None:
+    import torch
+
+    a = torch.empty(256 * MiB, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    torch.cuda.synchronize()
+    conn.send("ready")
+    if conn.recv() == "go":
+        t_end = time.monotonic() + seconds
+        n = 0
+        while time.monotonic() < t_end:
+            for _ in range(4):
+                b.copy_(a)
+            torch.cuda.synchronize()
+            n += 4
+        conn.send(n)
+
+
+def _probe(n: int = 300) -> dict:
+    import torch
+
+    x = torch.zeros(1, device="cuda")
+    y = torch.zeros(64 * 1024, dtype=torch.uint8, device="cuda")
+    side = torch.cuda.Stream()
+    out = {}
+    for what in ("kernel+sync", "d2h 64 KiB", "side-stream kernel+event"):
+        ts = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            if what == "kernel+sync":
+                x.add_(1)
+                torch.cuda.synchronize()
+            elif what == "d2h 64 KiB":
+                y.cpu()
+            else:
+                with torch.cuda.stream(side):
+                    x.add_(1)
+                    ev = torch.cuda.Event()
+                    ev.record()
+                while not ev.query():
+                    pass
+            ts.append((time.perf_counter() - t0) * 1e6)
+        ts.sort()
+        out[what] = {"median_us": round(ts[len(ts) // 2], 1), "p90_us": round(ts[int(len(ts) * 0.9)], 1),
+                     "max_us": round(ts[-1], 1)}
+    return out
+
+
+def latency_probe() -> dict:
+    import torch
+
+    torch.zeros(1, device="cuda")
+    _probe(20)
+    result = {"alone": _probe()}
+    ctx = mp.get_context("spawn")
+    a, b = ctx.Pipe()
+    p = ctx.Process(target=_busy, args=(b, 4.0))
+    p.start()
+    assert a.recv() == "ready"
+    result["other process idle (context open)"] = _probe()
+    a.send("go")
+    time.sleep(0.2)
+    result["other process busy (d2d copies)"] = _probe()
+    result["busy copies"] = a.recv()
+    p.join()
+    return result
+
+
+def _spy(binary: str | None, out: Path, tag: str):
+    """Start py-spy on every engine process the demo spawns from now on; returns (undo, procs)."""
+    from kvlc.testing import procs
+
+    spies: list = []
+    if not binary:
+        return (lambda: None), spies
+    orig = procs.EngineProcess.__init__
+
+    def init(self, *a, **k):
+        orig(self, *a, **k)
+        path = out / f"spy-{tag}-{len(spies)}.txt"
+        spies.append(subprocess.Popen([binary, "record", "-r", "500", "-p", str(self.process.pid), "-o", str(path),
+                                       "-f", "raw", "--threads", "--idle", "--nonblocking"],
+                                      stdout=subprocess.DEVNULL, stderr=open(str(path) + ".err", "w")))
+    procs.EngineProcess.__init__ = init
+
+    def undo():
+        procs.EngineProcess.__init__ = orig
+        for s in spies:
+            try:
+                s.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                s.kill()
+    return undo, spies
+
+
+def timeline(out: Path, tag: str, run, spy: str | None = None) -> dict:
+    from staging_timeline import load, summarize
+
+    folder = out / f"trace-{tag}"
+    os.environ["KVLC_STAGING_TRACE"] = str(folder)
+    undo, _ = _spy(spy, out, tag)
+    try:
+        res = run()
+    finally:
+        os.environ.pop("KVLC_STAGING_TRACE", None)
+        undo()
+    summary = summarize(load(folder)) if folder.exists() else {}
+    row = {"case": tag, **res, "timeline": summary}
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def _demo(**kw) -> dict:
+    from kvlc.testing.demo import run_demo
+
+    r = run_demo(**kw)
+    return {"ok": r.ok, "gbps": round(r.gbps, 2), "requests": r.requests, "seconds": r.seconds,
+            "descriptors_per_request": r.descriptors_per_request, "failed": dict(list(r.failed.items())[:3])}
+
+
+def _pair() -> dict:
+    from gpu_staging import BLOCK, FRAG, LAYERS, _staged
+    from kvlc.testing.staging_pair import Pair, Side, fragmented
+
+    pool = (LAYERS * 32 * MiB,)
+    reqs = [fragmented(1, 1, FRAG, BLOCK, pool[0] // BLOCK, seed=s) for s in range(8)]
+    pair = Pair(Side(pool, ("VRAM",), 0, 128 * MiB, 4, fill=False), Side(pool, ("VRAM",), 0, 128 * MiB, 4, fill=False))
+    try:
+        pair.staged(reqs[:1])
+        return _staged(pair, reqs)
+    finally:
+        pair.stop()
+
+
+def _slot_settings(spec: str) -> list[tuple[str, dict]]:
+    """``default,4x128,8x64``: the policy's own slots, then slots x MiB each (KVLC_STAGING_SLOTS/_SLOT_BYTES)."""
+    out = []
+    for item in spec.split(","):
+        if item == "default":
+            out.append(("default", {}))
+        else:
+            n, mib = item.split("x")
+            out.append((item, {"KVLC_STAGING_SLOTS": n, "KVLC_STAGING_SLOT_BYTES": str(int(mib) * MiB)}))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--spy", default=None, help="py-spy binary: profile the KvAgent run's engine processes")
+    ap.add_argument("--skip-probe", action="store_true")
+    ap.add_argument("--slots", default="default", help="bounce slot settings to time, e.g. default,4x128,8x64")
+    args = ap.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    if not args.skip_probe:
+        rows.append({"case": "latency probe", **latency_probe()})
+        print(json.dumps(rows[-1]), flush=True)
+    llama, mixed = "layouts/llama-3.1-8b.yaml", ("layouts/deepseek-v3.2-tp8.yaml", "layouts/deepseek-v3.2-hisparse-tp8.yaml")
+    for label, env in _slot_settings(args.slots):
+        os.environ.update({"KVLC_STAGING": "auto", **env})
+        first = label == "default"
+        rows.append(timeline(args.out, f"kvagent-llama-random-push-{label}", lambda: _demo(
+            layout=llama, consumer_layout=llama, mode="push", requests=16, tokens=2048, max_bytes=1 << 30,
+            device="gpu", check="none", fill="zeros", ids="random", timeout=300.0), args.spy if first else None))
+        rows.append(timeline(args.out, f"kvagent-mixed-push-{label}", lambda: _demo(
+            layout=mixed[0], consumer_layout=mixed[1], mode="push", requests=4, tokens=512, max_bytes=256 << 20,
+            device="gpu", check="none", fill="zeros", ids="contiguous", timeout=300.0), args.spy if first else None))
+        for k in env:
+            os.environ.pop(k, None)
+    rows.append(timeline(args.out, "pair-fragmented-4x128MiB", _pair))
+    (args.out / "diag.json").write_text(json.dumps(rows, indent=1))
+    with tarfile.open(args.out / "traces.tar.gz", "w:gz") as tar:
+        for p in sorted(args.out.iterdir()):
+            if p.name.startswith(("trace-", "spy-")):
+                tar.add(p, arcname=p.name)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
