@@ -161,9 +161,9 @@ class StagingEndpoint(Receiver):
         if local.shape != remote.shape or not len(local):
             raise StagingError(f"need equal, non-zero row counts; got {local.shape} and {remote.shape}")
         where = self.regions.locate(local, "source range")
-        # Rows of one region and length next to each other: one indexed copy each, not one copy per row
-        # (a request lists its rows block by block, alternating regions). Destinations never overlap.
-        order = np.lexsort((local[:, 1], where))
+        # Rows of one length (then one region) next to each other: one indexed copy each, not one copy per
+        # row (a request lists its rows block by block, alternating regions). Destinations never overlap.
+        order = np.lexsort((where, local[:, 1]))
         local, remote = local[order], remote[order]
         size = min(self.outbox.slot_bytes, self.peers[peer].slot_bytes)
         chunks = split_chunks(local, remote, size)

@@ -118,6 +118,7 @@ class Copier:
         self.stream = stream
         self.calls = 0  # copy calls issued (for benchmarks and tests)
         self._aliases: dict = {}
+        self._spans: dict[str, tuple[frozenset, Region | None]] = {}  # per device (see _span)
         self._rings: dict[str, _PinnedRing] = {}  # per CUDA device
 
     def warm(self, device: Any) -> None:
@@ -172,13 +173,31 @@ class Copier:
         if int(offs[-1] + lens[-1]) > bounce.numel():
             raise StagingError(f"{int(offs[-1] + lens[-1])} bytes do not fit a bounce span of {bounce.numel()}")
         ctx = torch.cuda.stream(self.stream) if self.stream is not None else _nullctx()
+        span = self._span(bounce.device, where)
         with ctx:
-            # Runs of consecutive pieces with one region and one length share one indexed copy.
-            key = where * (1 << 40) + lens
+            # Runs of consecutive pieces with one length (and one region, unless every region lies on
+            # the bounce buffer's device: then one view spans them all) share one indexed copy.
+            key = lens if span is not None else where * (1 << 40) + lens
             cut = np.flatnonzero(np.diff(key)) + 1
             for lo, hi in zip(np.concatenate(([0], cut)), np.concatenate((cut, [len(pieces)]))):
-                self._group(pieces[lo:hi], self.regions.regions[int(where[lo])], int(lens[lo]),
-                            int(offs[lo]), bounce, gather)
+                region = span if span is not None else self.regions.regions[int(where[lo])]
+                self._group(pieces[lo:hi], region, int(lens[lo]), int(offs[lo]), bounce, gather)
+
+    def _span(self, device: Any, where: np.ndarray) -> Region | None:
+        """One byte view from the lowest to the highest of this process's regions on ``device``, when the
+        ranges (already checked to lie inside regions: ``where``) touch more than one region, all of them
+        on ``device``; None otherwise. Only the checked ranges are ever read or written through it."""
+        if len(where) < 2 or where.min() == where.max():
+            return None
+        key = str(device)
+        if key not in self._spans:
+            on = [r for r in self.regions.regions if r.tensor.device == device]
+            self._spans[key] = (frozenset(i for i, r in enumerate(self.regions.regions) if r.tensor.device == device),
+                                _view(on[0].base, on[-1].end - on[0].base, device) if len(on) > 1 else None)
+        members, view = self._spans[key]
+        if view is None or not members.issuperset(np.unique(where).tolist()):
+            return None
+        return view
 
     def _group(self, pieces, region: Region, length: int, at: int, bounce, gather: bool) -> None:
         src = region.tensor
@@ -271,6 +290,21 @@ class _PinnedRing:
             ev.record()
         self.events[k] = ev
         return out
+
+
+def _view(base: int, nbytes: int, device: Any) -> Region | None:
+    """A flat uint8 tensor over ``nbytes`` of this process's memory at ``base`` on ``device`` (no copy)."""
+    import torch
+
+    try:
+        if device.type == "cuda":
+            return Region(base, nbytes, torch.as_tensor(_Cai(base, nbytes), device=device))
+        import ctypes
+
+        raw = (ctypes.c_uint8 * nbytes).from_address(base)
+        return Region(base, nbytes, torch.from_numpy(np.ctypeslib.as_array(raw)))
+    except Exception:  # no view possible here: copy region by region
+        return None
 
 
 class _Cai:

@@ -166,3 +166,27 @@ def test_two_processes_stage_content_coded_bytes_through_small_buffers():
         assert s["failed"] == {} and r["received"] == 1 and pair.check([frag, odd])["mismatches"] == []
     finally:
         pair.stop()
+
+
+def test_ranges_of_several_regions_on_one_device_move_in_one_indexed_copy():
+    """Equal-length ranges spread over three regions of one device: one view spans the regions, so a
+    gather (and the scatter back) is ONE indexed copy, and the bytes are exactly the ranges' bytes."""
+    src = [torch.from_numpy(np.random.default_rng(i).integers(0, 256, 4096, dtype=np.uint8)) for i in range(3)]
+    rows = np.array([(src[i % 3].data_ptr() + 64 * (7 * i % 60), 64) for i in range(24)], dtype=np.uint64)
+    bounce = torch.zeros(24 * 64, dtype=torch.uint8)
+    copier = Copier(Regions.of_tensors(src))
+    copier.gather(rows, bounce)
+    everything = {t.data_ptr(): t.numpy() for t in src}
+    assert np.array_equal(bounce.numpy(), np.concatenate([_bytes(everything, a, n) for a, n in rows.tolist()]))
+    assert copier.calls == 1
+    dst = [torch.zeros(4096, dtype=torch.uint8) for _ in range(3)]
+    back = Copier(Regions.of_tensors(dst))
+    back.scatter(bounce, np.array([(dst[i % 3].data_ptr() + a - src[i % 3].data_ptr(), n)
+                                   for i, (a, n) in enumerate(rows.tolist())], dtype=np.uint64))
+    assert back.calls == 1
+    want = [np.zeros(4096, dtype=np.uint8) for _ in range(3)]
+    for i, (a, n) in enumerate(rows.tolist()):
+        off = a - src[i % 3].data_ptr()
+        want[i % 3][off:off + n] = src[i % 3].numpy()[off:off + n]
+    for d, w in zip(dst, want):
+        assert np.array_equal(d.numpy(), w)
