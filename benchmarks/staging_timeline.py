@@ -23,14 +23,21 @@ from pathlib import Path
 STEPS = ("queued", "gather", "gathered", "posted", "written", "landed", "ranges", "scatter", "scattered", "freed")
 
 
-def load(folder: Path) -> dict[tuple[str, int], dict[str, int]]:
-    """(request, chunk) -> step -> time in ns (the first time each step was seen)."""
-    chunks: dict[tuple[str, int], dict[str, int]] = defaultdict(dict)
+RECEIVER = {"landed", "ranges", "scatter", "scattered"}  # steps the receiving endpoint records
+
+
+def load(folder: Path) -> dict[tuple[str, int, str], dict[str, int]]:
+    """(request, chunk, sending agent) -> step -> time in ns (the first time each step was seen).
+
+    A sender's rows name itself as ``agent``, a receiver's name the sender as ``peer``, so one chunk's
+    rows meet under one key even with several TP ranks (and endpoints) in one process."""
+    chunks: dict[tuple[str, int, str], dict[str, int]] = defaultdict(dict)
     for path in sorted(folder.glob("staging-*.jsonl")):
         for line in path.read_text().splitlines():
             row = json.loads(line)
             if "step" in row:
-                chunks[(row["req"], row["seq"])].setdefault(row["step"], row["t_ns"])
+                sender = row.get("peer", "") if row["step"] in RECEIVER else row.get("agent", "")
+                chunks[(row["req"], row["seq"], sender)].setdefault(row["step"], row["t_ns"])
     return chunks
 
 
@@ -39,7 +46,7 @@ def _pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * (len(values) - 1) + 0.5))]
 
 
-def summarize(chunks: dict[tuple[str, int], dict[str, int]]) -> dict:
+def summarize(chunks: dict[tuple[str, int, str], dict[str, int]]) -> dict:
     rows = []
     for a, b in zip(STEPS, STEPS[1:]):
         d = [(c[b] - c[a]) / 1e3 for c in chunks.values() if a in c and b in c]
@@ -47,9 +54,9 @@ def summarize(chunks: dict[tuple[str, int], dict[str, int]]) -> dict:
             rows.append({"from": a, "to": b, "chunks": len(d), "median_us": _pct(d, 0.5),
                          "p90_us": _pct(d, 0.9), "max_us": max(d)})
     whole = [(c["freed"] - c["queued"]) / 1e3 for c in chunks.values() if "queued" in c and "freed" in c]
-    per_req: dict[str, list[int]] = defaultdict(list)
-    for (req, _), c in chunks.items():
-        per_req[req] += [t for t in c.values()]
+    per_req: dict[tuple[str, str], list[int]] = defaultdict(list)
+    for (req, _, sender), c in chunks.items():
+        per_req[(req, sender)] += [t for t in c.values()]
     spans = [(max(t) - min(t)) / 1e3 for t in per_req.values()]
     return {"chunks": len(chunks), "requests": len(per_req), "steps": rows,
             "chunk_life_median_us": _pct(whole, 0.5) if whole else None,

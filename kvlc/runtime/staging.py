@@ -102,7 +102,7 @@ class StagingEndpoint(Receiver):
         self._lists: dict[str, tuple[Any, Any, int]] = {}  # peer -> (local slots, remote slots, bytes each)
         self.stats = {"chunks_sent": 0, "chunks_received": 0, "bytes_sent": 0}
         self._last_in = 0.0  # clock() of the last LANDED taken
-        self.trace = _trace_from_env()  # None unless KVLC_STAGING_TRACE names a folder
+        self.trace = _trace_from_env(str(getattr(agent, "name", "")))  # None unless KVLC_STAGING_TRACE names a folder
 
     # ------------------------------------------------------------------ setup
     def set_outbox(self, outbox: BounceBuffer) -> None:
@@ -173,7 +173,7 @@ class StagingEndpoint(Receiver):
         for seq, (lr, rr) in enumerate(chunks):
             self._queue.append(_Chunk(req, peer, seq, len(chunks), lr, rr, int(lr[:, 1].sum())))
             if self.trace:
-                self.trace("queued", req, seq, nbytes=int(lr[:, 1].sum()))
+                self.trace("queued", req, seq, nbytes=int(lr[:, 1].sum()), peer=peer)
         return len(chunks)
 
     def _start_gathers(self) -> None:
@@ -194,7 +194,7 @@ class StagingEndpoint(Receiver):
             c.remote_slot = remote.popleft()
             self._lent[(c.peer, c.remote_slot)] = (c.req, c.seq)
             if self.trace:
-                self.trace("gather", c.req, c.seq, c.slot, c.nbytes)
+                self.trace("gather", c.req, c.seq, c.slot, c.nbytes, c.peer)
             self.copier.gather(c.local, self.outbox.slot(c.slot, c.nbytes))
             self._put_ranges(c)
             c.event = self._record()
@@ -229,7 +229,7 @@ class StagingEndpoint(Receiver):
                 still.append(c)
                 continue
             if self.trace:
-                self.trace("gathered", c.req, c.seq, c.slot, c.nbytes)
+                self.trace("gathered", c.req, c.seq, c.slot, c.nbytes, c.peer)
             info = self.peers[c.peer]
             n = _align8(c.nbytes) + 16 * len(c.remote)
             lrow = np.array([[self.outbox.addr + c.slot * self.outbox.stride, n, self.outbox.device]],
@@ -246,7 +246,7 @@ class StagingEndpoint(Receiver):
                 # LANDED rides on the WRITE: NIXL delivers it once the bytes are in the peer's slot
                 state = self.agent.post(c.xfer, self._landed_msg(c))
                 if self.trace:
-                    self.trace("posted", c.req, c.seq, c.remote_slot, c.nbytes)
+                    self.trace("posted", c.req, c.seq, c.remote_slot, c.nbytes, c.peer)
             except KvlcError as exc:
                 state, c.xfer = XferState.ERR, None
                 self._fail(self._sending[(c.req, c.peer)], f"chunk {c.seq}: {exc}")
@@ -274,7 +274,7 @@ class StagingEndpoint(Receiver):
             c.xfer.release()
             self._free_local.append(c.slot)
             if self.trace:
-                self.trace("written", c.req, c.seq, c.remote_slot, c.nbytes)
+                self.trace("written", c.req, c.seq, c.remote_slot, c.nbytes, c.peer)
             self.stats["chunks_sent"] += 1
             self.stats["bytes_sent"] += c.nbytes
         self._writing = still
@@ -345,7 +345,7 @@ class StagingEndpoint(Receiver):
         if not self._give_back(sender, m):
             return
         if self.trace:
-            self.trace("freed", m.req, m.seq, m.slot)
+            self.trace("freed", m.req, m.seq, m.slot, peer=sender)
         s = self._sending.get((m.req, sender))
         if s is not None:
             s.freed += 1

@@ -82,7 +82,7 @@ class Receiver:
             return
         self._last_in = self.clock()
         if self.trace:
-            self.trace("landed", m.req, m.seq, m.slot, m.nbytes)
+            self.trace("landed", m.req, m.seq, m.slot, m.nbytes, sender)
         got = self._receiving.get((sender, m.req), ())
         if m.seq in got or any((s, x.req, x.seq) == (sender, m.req, m.seq) for s, x, _, _ in self._scattering):
             log.warning("staging: chunk %d of %r from %r arrived twice; the copy is dropped", m.seq,
@@ -93,10 +93,10 @@ class Receiver:
             raise StagingError(f"chunk {m.seq}: its ranges add up to {int(rows[:, 1].sum())} bytes, "
                                f"the message says {m.nbytes}")
         if self.trace:
-            self.trace("ranges", m.req, m.seq, m.slot, m.nbytes)
+            self.trace("ranges", m.req, m.seq, m.slot, m.nbytes, sender)
         self.copier.scatter(inbox.slot(m.slot, m.nbytes), rows)
         if self.trace:
-            self.trace("scatter", m.req, m.seq, m.slot, m.nbytes)
+            self.trace("scatter", m.req, m.seq, m.slot, m.nbytes, sender)
         self._scattering.append((sender, m, self._record(), key))
 
     def discard(self, sender: str, m: Message, key: bytes = b"") -> None:
@@ -121,7 +121,7 @@ class Receiver:
                 still.append((sender, m, ev, key))
                 continue
             if self.trace:
-                self.trace("scattered", m.req, m.seq, m.slot, m.nbytes)
+                self.trace("scattered", m.req, m.seq, m.slot, m.nbytes, sender)
             self._answer(sender, m, key)  # the slot is free again only once its bytes are in place
             self.stats["chunks_received"] += 1
             key = (sender, m.req)

@@ -4,15 +4,15 @@ Off unless ``KVLC_STAGING_TRACE`` names a folder: every :class:`~kvlc.runtime.st
 of the process then records one row per step of each chunk (``queued``, ``gather``, ``gathered``,
 ``posted``, ``written`` on the sender; ``landed``, ``scatter``, ``scattered`` on the receiver;
 ``freed`` back on the sender) with ``time.monotonic_ns()`` (one clock for every process of a
-machine), and writes them as JSON lines to ``<folder>/staging-<pid>-<n>.jsonl`` when the
+machine), this agent's and the peer's names, and writes them as JSON lines to ``<folder>/staging-<pid>-<n>.jsonl`` when the
 endpoint's agent closes (and at exit). At most :data:`LIMIT` rows are kept per endpoint; the
 rest are counted, not stored. ``benchmarks/staging_timeline.py`` turns the files into
 per-step durations.
 
 >>> t = Trace("/tmp/unused")
->>> t("queued", "r1", 0, slot=-1, nbytes=64)
+>>> t("queued", "r1", 0, slot=-1, nbytes=64, peer="decode-0")
 >>> t.rows[0][1:]
-('queued', 'r1', 0, -1, 64)
+('queued', 'r1', 0, -1, 64, 'decode-0')
 """
 
 from __future__ import annotations
@@ -32,16 +32,17 @@ _seq = itertools.count()
 class Trace:
     """Rows ``(t_ns, step, request, chunk, slot, nbytes)``; :meth:`dump` writes them once."""
 
-    def __init__(self, folder: str | os.PathLike):
+    def __init__(self, folder: str | os.PathLike, agent: str = ""):
+        self.agent = agent  # this endpoint's NIXL agent name (a chunk is keyed by request, chunk, sender)
         self.path = Path(folder) / f"staging-{os.getpid()}-{next(_seq)}.jsonl"
         self.rows: list[tuple] = []
         self.dropped = 0
         self._written = False
         atexit.register(self.dump)
 
-    def __call__(self, step: str, req: str, seq: int, slot: int = -1, nbytes: int = 0) -> None:
+    def __call__(self, step: str, req: str, seq: int, slot: int = -1, nbytes: int = 0, peer: str = "") -> None:
         if len(self.rows) < LIMIT:
-            self.rows.append((time.monotonic_ns(), step, req, seq, slot, nbytes))
+            self.rows.append((time.monotonic_ns(), step, req, seq, slot, nbytes, peer))
         else:
             self.dropped += 1
 
@@ -52,15 +53,15 @@ class Trace:
         self._written = True
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "w") as fh:
-            for t, step, req, seq, slot, nbytes in self.rows:
-                fh.write(json.dumps({"t_ns": t, "pid": os.getpid(), "step": step, "req": req, "seq": seq,
-                                     "slot": slot, "nbytes": nbytes}) + "\n")
+            for t, step, req, seq, slot, nbytes, peer in self.rows:
+                fh.write(json.dumps({"t_ns": t, "pid": os.getpid(), "agent": self.agent, "peer": peer, "step": step,
+                                     "req": req, "seq": seq, "slot": slot, "nbytes": nbytes}) + "\n")
             if self.dropped:
                 fh.write(json.dumps({"dropped": self.dropped}) + "\n")
         return self.path
 
 
-def from_env(env=os.environ) -> Trace | None:
+def from_env(agent: str = "", env=os.environ) -> Trace | None:
     """A :class:`Trace` into the folder ``KVLC_STAGING_TRACE`` names, or None when it is unset or empty."""
     folder = env.get(ENV, "")
-    return Trace(folder) if folder else None
+    return Trace(folder, agent) if folder else None
