@@ -31,11 +31,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 MiB = 1 << 20
 
 
-def _busy(conn, seconds: float) -> None:
+def _busy(conn, seconds: float, kind: str) -> None:
+    """Keep the GPU busy from another process: 256 MiB ``copy_`` (kind "copies") or ``index_select``
+    gathers of 4,096 x 64 KiB rows (kind "kernels"), four queued at a time."""
     import torch
 
     a = torch.empty(256 * MiB, dtype=torch.uint8, device="cuda")
     b = torch.empty_like(a)
+    rows, ids = a.view(torch.int64).view(4096, -1), torch.randperm(4096, device="cuda")
     torch.cuda.synchronize()
     conn.send("ready")
     if conn.recv() == "go":
@@ -43,7 +46,10 @@ def _busy(conn, seconds: float) -> None:
         n = 0
         while time.monotonic() < t_end:
             for _ in range(4):
-                b.copy_(a)
+                if kind == "copies":
+                    b.copy_(a)
+                else:
+                    torch.index_select(rows, 0, ids, out=b.view(torch.int64).view(4096, -1))
             torch.cuda.synchronize()
             n += 4
         conn.send(n)
@@ -54,29 +60,129 @@ def _probe(n: int = 300) -> dict:
 
     x = torch.zeros(1, device="cuda")
     y = torch.zeros(64 * 1024, dtype=torch.uint8, device="cuda")
+    z = torch.empty_like(y)
+    rows = torch.zeros(64, 1024, dtype=torch.int64, device="cuda")
+    idx = torch.arange(0, 64, 2, device="cuda")
+    pinned = torch.zeros(64 * 1024, dtype=torch.uint8).pin_memory()
     side = torch.cuda.Stream()
+
+    def side_kernel():
+        with torch.cuda.stream(side):
+            x.add_(1)
+            ev = torch.cuda.Event()
+            ev.record()
+        while not ev.query():
+            pass
+
+    steps = {
+        "kernel+sync": lambda: (x.add_(1), torch.cuda.synchronize()),
+        "d2h 64 KiB": lambda: y.cpu(),
+        "d2d copy_ 64 KiB+sync": lambda: (z.copy_(y), torch.cuda.synchronize()),
+        "side-stream kernel+event": side_kernel,
+        "launch index_copy_ (call only)": lambda: rows.index_copy_(0, idx, rows[:32]),
+        "event create+record (call only)": lambda: torch.cuda.Event().record(),
+        "pinned h2d 64 KiB non_blocking (call only)": lambda: y.copy_(pinned, non_blocking=True),
+    }
     out = {}
-    for what in ("kernel+sync", "d2h 64 KiB", "side-stream kernel+event"):
+    for what, step in steps.items():
         ts = []
         for _ in range(n):
             t0 = time.perf_counter()
-            if what == "kernel+sync":
-                x.add_(1)
-                torch.cuda.synchronize()
-            elif what == "d2h 64 KiB":
-                y.cpu()
-            else:
-                with torch.cuda.stream(side):
-                    x.add_(1)
-                    ev = torch.cuda.Event()
-                    ev.record()
-                while not ev.query():
-                    pass
+            step()
             ts.append((time.perf_counter() - t0) * 1e6)
+        torch.cuda.synchronize()
         ts.sort()
         out[what] = {"median_us": round(ts[len(ts) // 2], 1), "p90_us": round(ts[int(len(ts) * 0.9)], 1),
                      "max_us": round(ts[-1], 1)}
+    out["batched copy-engine gather"] = _in_child(_batch_gather)
     return out
+
+
+def _child(conn, fn) -> None:
+    try:
+        conn.send(fn())
+    except Exception as exc:
+        conn.send({"error": f"{type(exc).__name__}: {exc}"})
+
+
+def _in_child(fn, timeout: float = 60.0) -> dict:
+    """``fn()`` in a spawned process (a crash there, e.g. a wrong C signature, is reported, not fatal)."""
+    ctx = mp.get_context("spawn")
+    a, b = ctx.Pipe()
+    p = ctx.Process(target=_child, args=(b, fn))
+    p.start()
+    got = a.recv() if a.poll(timeout) else {"error": f"no answer in {timeout} s"}
+    p.join(5)
+    if p.exitcode not in (0, None):
+        got = {"error": f"child exited with {p.exitcode}", **(got if isinstance(got, dict) else {})}
+    return got
+
+
+def _cudart():
+    """The CUDA runtime library torch loaded (ctypes), for cudaMemcpyBatchAsync (CUDA 12.8+)."""
+    import ctypes
+
+    with open("/proc/self/maps") as fh:
+        paths = sorted({line.split()[-1] for line in fh if "libcudart.so" in line})
+    return ctypes.CDLL(paths[0]) if paths else ctypes.CDLL("libcudart.so.13")
+
+
+def _batch_gather(blocks: int = 4086, block: int = 64 << 10) -> dict:
+    """4,086 x 64 KiB random blocks gathered by ONE cudaMemcpyBatchAsync (copy engines) vs index_select
+    (a kernel): time per call and to completion, bytes checked against each other."""
+    import ctypes
+
+    import numpy as np
+    import torch
+
+    class Loc(ctypes.Structure):
+        _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+    class Attr(ctypes.Structure):
+        _fields_ = [("srcAccessOrder", ctypes.c_int), ("srcLocHint", Loc), ("dstLocHint", Loc), ("flags", ctypes.c_uint)]
+
+    try:
+        fn = _cudart().cudaMemcpyBatchAsync
+    except (OSError, AttributeError) as exc:
+        return {"error": f"no cudaMemcpyBatchAsync: {exc}"}
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(Attr),
+                   ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    dev = torch.cuda.current_device()
+    pool = torch.randint(0, 255, (blocks * 4 * block,), dtype=torch.uint8, device="cuda")
+    ids = np.random.default_rng(0).permutation(blocks * 4)[:blocks]
+    out_ce, out_k = torch.zeros(blocks * block, dtype=torch.uint8, device="cuda"), torch.zeros(blocks * block, dtype=torch.uint8, device="cuda")
+    srcs = (np.uint64(pool.data_ptr()) + ids.astype(np.uint64) * np.uint64(block)).astype(np.uint64)
+    dsts = (np.uint64(out_ce.data_ptr()) + np.arange(blocks, dtype=np.uint64) * np.uint64(block)).astype(np.uint64)
+    sizes = np.full(blocks, block, dtype=np.uint64)
+    attr = Attr(1, Loc(1, dev), Loc(1, dev), 0)  # source in stream order; locations: this device
+    at = np.zeros(1, dtype=np.uint64)
+    stream = torch.cuda.current_stream().cuda_stream
+    view = pool.view(torch.int64).view(blocks * 4, block // 8)
+    tids = torch.from_numpy(ids).cuda()
+    res = {}
+    for label in ("copy engines", "index_select"):
+        calls, totals = [], []
+        for _ in range(20):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            if label == "copy engines":
+                rc = fn(dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data, blocks, ctypes.byref(attr), at.ctypes.data,
+                        1, stream)
+                if rc:
+                    return {"error": f"cudaMemcpyBatchAsync returned {rc}"}
+            else:
+                torch.index_select(view, 0, tids, out=out_k.view(torch.int64).view(blocks, block // 8))
+            t1 = time.perf_counter()
+            torch.cuda.synchronize()
+            calls.append((t1 - t0) * 1e6)
+            totals.append((time.perf_counter() - t0) * 1e6)
+        calls.sort()
+        totals.sort()
+        res[label] = {"call_us": round(calls[10], 1), "total_us": round(totals[10], 1),
+                      "gbps": round(blocks * block / (totals[10] / 1e6) / 1e9, 1)}
+    res["same bytes"] = bool(torch.equal(out_ce, out_k))
+    return res
 
 
 def latency_probe() -> dict:
@@ -86,16 +192,18 @@ def latency_probe() -> dict:
     _probe(20)
     result = {"alone": _probe()}
     ctx = mp.get_context("spawn")
-    a, b = ctx.Pipe()
-    p = ctx.Process(target=_busy, args=(b, 4.0))
-    p.start()
-    assert a.recv() == "ready"
-    result["other process idle (context open)"] = _probe()
-    a.send("go")
-    time.sleep(0.2)
-    result["other process busy (d2d copies)"] = _probe()
-    result["busy copies"] = a.recv()
-    p.join()
+    for kind in ("copies", "kernels"):
+        a, b = ctx.Pipe()
+        p = ctx.Process(target=_busy, args=(b, 12.0, kind))
+        p.start()
+        assert a.recv() == "ready"
+        if kind == "copies":
+            result["other process idle (context open)"] = _probe()
+        a.send("go")
+        time.sleep(0.2)
+        result[f"other process busy ({kind})"] = _probe()
+        result[f"busy {kind} done"] = a.recv()
+        p.join()
     return result
 
 

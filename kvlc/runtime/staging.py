@@ -206,10 +206,7 @@ class StagingEndpoint(Receiver):
 
         dst = self.outbox.ranges(c.slot, c.nbytes, len(c.remote))
         if self.stream is not None:  # through pinned memory: the host does not wait for the stream
-            raw = self.copier.upload(np.ascontiguousarray(c.remote, dtype="<u8").view(np.int64).reshape(-1),
-                                     dst.device)
-            with torch.cuda.stream(self.stream):
-                dst.copy_(raw.view(torch.uint8), non_blocking=True)
+            self.copier.upload_into(np.ascontiguousarray(c.remote, dtype="<u8").view(np.int64).reshape(-1), dst)
         else:
             dst.copy_(torch.from_numpy(np.ascontiguousarray(c.remote, dtype="<u8").view(np.uint8).reshape(-1)))
 

@@ -153,6 +153,22 @@ class Copier:
             ring = self._rings[str(device)] = _PinnedRing(device)
         return ring.put(np.ascontiguousarray(values, dtype=np.int64), self.stream)
 
+    def upload_into(self, values: np.ndarray, dst: Any) -> None:
+        """Copy int64 ``values`` into the GPU byte tensor ``dst`` straight from a pinned ring buffer,
+        queued on the stream (no intermediate device tensor, the host does not wait)."""
+        import torch
+
+        ring = self._rings.get(str(dst.device))
+        if ring is None:
+            ring = self._rings[str(dst.device)] = _PinnedRing(dst.device)
+        values = np.ascontiguousarray(values, dtype=np.int64)
+        ctx = torch.cuda.stream(self.stream) if self.stream is not None else _nullctx()
+        with ctx:
+            if values.size > ring.SIZE:  # larger than a ring buffer: a plain (waiting) copy
+                dst.copy_(torch.from_numpy(values).view(torch.uint8))
+            else:
+                ring.put_into(values, dst)
+
     def gather(self, pieces: np.ndarray, bounce: Any) -> None:
         """Copy each (addr, len) range, in order, into ``bounce`` (a 1-D uint8 tensor span)."""
         self._run(pieces, bounce, gather=True)
@@ -273,14 +289,31 @@ class _PinnedRing:
         self.events: list[Any] = [None] * self.COUNT
         self.at = 0
 
+    def _next(self) -> Any:
+        """The next ring buffer, once the copy last made from it completed."""
+        k, self.at = self.at, (self.at + 1) % self.COUNT
+        if self.events[k] is not None:
+            self.events[k].synchronize()
+        return k
+
+    def put_into(self, values: np.ndarray, dst: Any) -> None:
+        """Queue a copy of ``values`` (at most SIZE int64) into ``dst`` (bytes) on the current stream."""
+        import torch
+
+        k = self._next()
+        buf = self.host[k][:values.size]
+        buf.numpy()[:] = values
+        dst.copy_(buf.view(torch.uint8), non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record()
+        self.events[k] = ev
+
     def put(self, values: np.ndarray, stream: Any) -> Any:
         import torch
 
         if values.size > self.SIZE:  # larger than a buffer: the plain (waiting) copy
             return torch.from_numpy(values).to(self.device, non_blocking=True)
-        k, self.at = self.at, (self.at + 1) % self.COUNT
-        if self.events[k] is not None:
-            self.events[k].synchronize()
+        k = self._next()
         buf = self.host[k][:values.size]
         buf.numpy()[:] = values
         ctx = torch.cuda.stream(stream) if stream is not None else _nullctx()
