@@ -41,10 +41,10 @@ def _busy(conn, seconds: float, kind: str) -> None:
     rows, ids = a.view(torch.int64).view(4096, -1), torch.randperm(4096, device="cuda")
     torch.cuda.synchronize()
     conn.send("ready")
-    if conn.recv() == "go":
+    if conn.recv() == "go":  # until told to stop (or ``seconds`` at most)
         t_end = time.monotonic() + seconds
         n = 0
-        while time.monotonic() < t_end:
+        while time.monotonic() < t_end and not conn.poll():
             for _ in range(4):
                 if kind == "copies":
                     b.copy_(a)
@@ -55,16 +55,20 @@ def _busy(conn, seconds: float, kind: str) -> None:
         conn.send(n)
 
 
-def _probe(n: int = 300) -> dict:
+def _steps(device: str) -> dict:
+    """The probe's steps (``device="cpu"``: the same calls without CUDA, a dry run of this script)."""
     import torch
 
-    x = torch.zeros(1, device="cuda")
-    y = torch.zeros(64 * 1024, dtype=torch.uint8, device="cuda")
+    cuda = device == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    x = torch.zeros(1, device=device)
+    y = torch.zeros(64 * 1024, dtype=torch.uint8, device=device)
     z = torch.empty_like(y)
-    rows = torch.zeros(64, 1024, dtype=torch.int64, device="cuda")
-    idx = torch.arange(0, 64, 2, device="cuda")
-    pinned = torch.zeros(64 * 1024, dtype=torch.uint8).pin_memory()
-    side = torch.cuda.Stream()
+    rows, src = (torch.zeros(64, 1024, dtype=torch.int64, device=device) for _ in range(2))
+    idx = torch.arange(0, 64, 2, device=device)
+    pinned = torch.zeros(64 * 1024, dtype=torch.uint8)
+    pinned = pinned.pin_memory() if cuda else pinned
+    side = torch.cuda.Stream() if cuda else None
 
     def side_kernel():
         with torch.cuda.stream(side):
@@ -75,26 +79,35 @@ def _probe(n: int = 300) -> dict:
             pass
 
     steps = {
-        "kernel+sync": lambda: (x.add_(1), torch.cuda.synchronize()),
+        "kernel+sync": lambda: (x.add_(1), sync()),
         "d2h 64 KiB": lambda: y.cpu(),
-        "d2d copy_ 64 KiB+sync": lambda: (z.copy_(y), torch.cuda.synchronize()),
-        "side-stream kernel+event": side_kernel,
-        "launch index_copy_ (call only)": lambda: rows.index_copy_(0, idx, rows[:32]),
-        "event create+record (call only)": lambda: torch.cuda.Event().record(),
+        "d2d copy_ 64 KiB+sync": lambda: (z.copy_(y), sync()),
+        "launch index_copy_ (call only)": lambda: rows.index_copy_(0, idx, src[:32]),
         "pinned h2d 64 KiB non_blocking (call only)": lambda: y.copy_(pinned, non_blocking=True),
     }
+    if cuda:
+        steps["side-stream kernel+event"] = side_kernel
+        steps["event create+record (call only)"] = lambda: torch.cuda.Event().record()
+    return steps
+
+
+def _probe(n: int = 300, device: str = "cuda", batch: bool = True) -> dict:
+    import torch
+
     out = {}
-    for what, step in steps.items():
+    for what, step in _steps(device).items():
         ts = []
         for _ in range(n):
             t0 = time.perf_counter()
             step()
             ts.append((time.perf_counter() - t0) * 1e6)
-        torch.cuda.synchronize()
+        if device == "cuda":
+            torch.cuda.synchronize()
         ts.sort()
         out[what] = {"median_us": round(ts[len(ts) // 2], 1), "p90_us": round(ts[int(len(ts) * 0.9)], 1),
                      "max_us": round(ts[-1], 1)}
-    out["batched copy-engine gather"] = _in_child(_batch_gather)
+    if device == "cuda" and batch:
+        out["batched copy-engine gather"] = _in_child(_batch_gather)
     return out
 
 
@@ -189,12 +202,12 @@ def latency_probe() -> dict:
     import torch
 
     torch.zeros(1, device="cuda")
-    _probe(20)
+    _probe(20, batch=False)
     result = {"alone": _probe()}
     ctx = mp.get_context("spawn")
     for kind in ("copies", "kernels"):
         a, b = ctx.Pipe()
-        p = ctx.Process(target=_busy, args=(b, 12.0, kind))
+        p = ctx.Process(target=_busy, args=(b, 60.0, kind))
         p.start()
         assert a.recv() == "ready"
         if kind == "copies":
@@ -202,6 +215,7 @@ def latency_probe() -> dict:
         a.send("go")
         time.sleep(0.2)
         result[f"other process busy ({kind})"] = _probe()
+        a.send("stop")
         result[f"busy {kind} done"] = a.recv()
         p.join()
     return result
