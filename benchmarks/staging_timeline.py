@@ -8,8 +8,9 @@ kvlc/runtime/staging_trace.py), then::
 Each chunk's steps, in order: queued -> gather -> gathered -> posted -> written (sender) ->
 landed -> ranges -> scatter -> scattered (receiver) -> freed (sender). The table gives, per
 transition, how many chunks made it and the median / 90th percentile / largest time between
-the two steps (one monotonic clock for every process of the machine), plus how long slots sat
-idle waiting for a FREE: ``scattered -> freed`` is the notification's trip back.
+the two steps (one monotonic clock for every process of the machine); ``scattered -> freed`` is
+the notification's trip back. On a GPU two more rows give the gather's and the scatter's own time
+on the GPU (between CUDA timing events around each), to tell a slow copy from one that waited.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from pathlib import Path
 STEPS = ("queued", "gather", "gathered", "posted", "written", "landed", "ranges", "scatter", "scattered", "freed")
 
 
-RECEIVER = {"landed", "ranges", "scatter", "scattered"}  # steps the receiving endpoint records
+RECEIVER = {"landed", "ranges", "scatter", "scattered", "scatter_gpu"}  # steps the receiving endpoint records
+GPU_TIMES = ("gather_gpu", "scatter_gpu")  # their value: the copy's time on the GPU, µs
 
 
 def load(folder: Path) -> dict[tuple[str, int, str], dict[str, int]]:
@@ -37,7 +39,8 @@ def load(folder: Path) -> dict[tuple[str, int, str], dict[str, int]]:
             row = json.loads(line)
             if "step" in row:
                 sender = row.get("peer", "") if row["step"] in RECEIVER else row.get("agent", "")
-                chunks[(row["req"], row["seq"], sender)].setdefault(row["step"], row["t_ns"])
+                value = row.get("value", 0.0) if row["step"] in GPU_TIMES else row["t_ns"]
+                chunks[(row["req"], row["seq"], sender)].setdefault(row["step"], value)
     return chunks
 
 
@@ -53,10 +56,15 @@ def summarize(chunks: dict[tuple[str, int, str], dict[str, int]]) -> dict:
         if d:
             rows.append({"from": a, "to": b, "chunks": len(d), "median_us": _pct(d, 0.5),
                          "p90_us": _pct(d, 0.9), "max_us": max(d)})
+    for step in GPU_TIMES:
+        d = [c[step] for c in chunks.values() if step in c]
+        if d:
+            rows.append({"from": step, "to": "(on the GPU)", "chunks": len(d), "median_us": _pct(d, 0.5),
+                         "p90_us": _pct(d, 0.9), "max_us": max(d)})
     whole = [(c["freed"] - c["queued"]) / 1e3 for c in chunks.values() if "queued" in c and "freed" in c]
     per_req: dict[tuple[str, str], list[int]] = defaultdict(list)
     for (req, _, sender), c in chunks.items():
-        per_req[(req, sender)] += [t for t in c.values()]
+        per_req[(req, sender)] += [t for k, t in c.items() if k not in GPU_TIMES]
     spans = [(max(t) - min(t)) / 1e3 for t in per_req.values()]
     return {"chunks": len(chunks), "requests": len(per_req), "steps": rows,
             "chunk_life_median_us": _pct(whole, 0.5) if whole else None,

@@ -102,6 +102,7 @@ class StagingEndpoint(Receiver):
         self._lists: dict[str, tuple[Any, Any, int]] = {}  # peer -> (local slots, remote slots, bytes each)
         self.stats = {"chunks_sent": 0, "chunks_received": 0, "bytes_sent": 0}
         self._last_in = 0.0  # clock() of the last LANDED taken
+        self._scatter_started: dict[tuple[str, str, int], Any] = {}  # traced runs: timing event per scatter
         self.trace = _trace_from_env(str(getattr(agent, "name", "")))  # None unless KVLC_STAGING_TRACE names a folder
 
     # ------------------------------------------------------------------ setup
@@ -195,9 +196,10 @@ class StagingEndpoint(Receiver):
             self._lent[(c.peer, c.remote_slot)] = (c.req, c.seq)
             if self.trace:
                 self.trace("gather", c.req, c.seq, c.slot, c.nbytes, c.peer)
+                c.started = self._record(timing=True)
             self.copier.gather(c.local, self.outbox.slot(c.slot, c.nbytes))
             self._put_ranges(c)
-            c.event = self._record()
+            c.event = self._record(timing=c.started is not None)
             self._gathering.append(c)
 
     def _put_ranges(self, c: _Chunk) -> None:
@@ -210,14 +212,19 @@ class StagingEndpoint(Receiver):
         else:
             dst.copy_(torch.from_numpy(np.ascontiguousarray(c.remote, dtype="<u8").view(np.uint8).reshape(-1)))
 
-    def _record(self) -> Any:
+    def _record(self, timing: bool = False) -> Any:
         if self.stream is None:
             return None
         import torch
 
-        ev = torch.cuda.Event()
+        ev = torch.cuda.Event(enable_timing=timing)
         ev.record(self.stream)
         return ev
+
+    def _gpu_time(self, step: str, req: str, seq: int, started: Any, ended: Any, peer: str) -> None:
+        """Trace how long a traced copy ran on the GPU (between its timing events), in µs."""
+        if started is not None and ended is not None:
+            self.trace(step, req, seq, peer=peer, value=started.elapsed_time(ended) * 1e3)
 
     def _post_writes(self) -> None:
         still = []
@@ -227,6 +234,7 @@ class StagingEndpoint(Receiver):
                 continue
             if self.trace:
                 self.trace("gathered", c.req, c.seq, c.slot, c.nbytes, c.peer)
+                self._gpu_time("gather_gpu", c.req, c.seq, c.started, c.event, c.peer)
             info = self.peers[c.peer]
             n = _align8(c.nbytes) + 16 * len(c.remote)
             lrow = np.array([[self.outbox.addr + c.slot * self.outbox.stride, n, self.outbox.device]],

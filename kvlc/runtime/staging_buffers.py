@@ -253,6 +253,7 @@ class _Chunk:
     remote_slot: int = -1
     event: Any = None
     xfer: Any = None
+    started: Any = None     # a timing CUDA event before the gather (traced runs only)
 
 
 @dataclass

@@ -94,10 +94,11 @@ class Receiver:
                                f"the message says {m.nbytes}")
         if self.trace:
             self.trace("ranges", m.req, m.seq, m.slot, m.nbytes, sender)
+            self._scatter_started[(sender, m.req, m.seq)] = self._record(timing=True)
         self.copier.scatter(inbox.slot(m.slot, m.nbytes), rows)
         if self.trace:
             self.trace("scatter", m.req, m.seq, m.slot, m.nbytes, sender)
-        self._scattering.append((sender, m, self._record(), key))
+        self._scattering.append((sender, m, self._record(timing=bool(self.trace)), key))
 
     def discard(self, sender: str, m: Message, key: bytes = b"") -> None:
         """A chunk the receiver will not scatter (its request ended here): only give its slot back."""
@@ -122,6 +123,8 @@ class Receiver:
                 continue
             if self.trace:
                 self.trace("scattered", m.req, m.seq, m.slot, m.nbytes, sender)
+                self._gpu_time("scatter_gpu", m.req, m.seq, self._scatter_started.pop((sender, m.req, m.seq), None),
+                               ev, sender)
             self._answer(sender, m, key)  # the slot is free again only once its bytes are in place
             self.stats["chunks_received"] += 1
             key = (sender, m.req)

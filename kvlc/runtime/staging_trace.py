@@ -3,7 +3,8 @@
 Off unless ``KVLC_STAGING_TRACE`` names a folder: every :class:`~kvlc.runtime.staging.StagingEndpoint`
 of the process then records one row per step of each chunk (``queued``, ``gather``, ``gathered``,
 ``posted``, ``written`` on the sender; ``landed``, ``scatter``, ``scattered`` on the receiver;
-``freed`` back on the sender) with ``time.monotonic_ns()`` (one clock for every process of a
+``freed`` back on the sender; on a GPU also ``gather_gpu`` / ``scatter_gpu``, whose ``value`` is
+the copy's time on the GPU in µs, between CUDA events around it) with ``time.monotonic_ns()`` (one clock for every process of a
 machine), this agent's and the peer's names, and writes them as JSON lines to ``<folder>/staging-<pid>-<n>.jsonl`` when the
 endpoint's agent closes (and at exit). At most :data:`LIMIT` rows are kept per endpoint; the
 rest are counted, not stored. ``benchmarks/staging_timeline.py`` turns the files into
@@ -12,7 +13,7 @@ per-step durations.
 >>> t = Trace("/tmp/unused")
 >>> t("queued", "r1", 0, slot=-1, nbytes=64, peer="decode-0")
 >>> t.rows[0][1:]
-('queued', 'r1', 0, -1, 64, 'decode-0')
+('queued', 'r1', 0, -1, 64, 'decode-0', 0.0)
 """
 
 from __future__ import annotations
@@ -40,9 +41,10 @@ class Trace:
         self._written = False
         atexit.register(self.dump)
 
-    def __call__(self, step: str, req: str, seq: int, slot: int = -1, nbytes: int = 0, peer: str = "") -> None:
+    def __call__(self, step: str, req: str, seq: int, slot: int = -1, nbytes: int = 0, peer: str = "",
+                 value: float = 0.0) -> None:
         if len(self.rows) < LIMIT:
-            self.rows.append((time.monotonic_ns(), step, req, seq, slot, nbytes, peer))
+            self.rows.append((time.monotonic_ns(), step, req, seq, slot, nbytes, peer, value))
         else:
             self.dropped += 1
 
@@ -53,9 +55,9 @@ class Trace:
         self._written = True
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "w") as fh:
-            for t, step, req, seq, slot, nbytes, peer in self.rows:
+            for t, step, req, seq, slot, nbytes, peer, value in self.rows:
                 fh.write(json.dumps({"t_ns": t, "pid": os.getpid(), "agent": self.agent, "peer": peer, "step": step,
-                                     "req": req, "seq": seq, "slot": slot, "nbytes": nbytes}) + "\n")
+                                     "req": req, "seq": seq, "slot": slot, "nbytes": nbytes, "value": value}) + "\n")
             if self.dropped:
                 fh.write(json.dumps({"dropped": self.dropped}) + "\n")
         return self.path
