@@ -190,3 +190,23 @@ def test_ranges_of_several_regions_on_one_device_move_in_one_indexed_copy():
         want[i % 3][off:off + n] = src[i % 3].numpy()[off:off + n]
     for d, w in zip(dst, want):
         assert np.array_equal(d.numpy(), w)
+
+
+def test_an_endpoint_stays_hot_while_a_request_is_partly_received():
+    """``hot`` (the progress thread's cue to poll every 50 us): busy, or chunks of an unfinished request
+    arrived within HOT_S; a request whose sender went silent cools down after HOT_S."""
+    from kvlc.runtime.staging import StagingEndpoint
+
+    now = [100.0]
+    ep = StagingEndpoint(None, Regions([]), None, clock=lambda: now[0])
+    assert not ep.busy and not ep.hot
+    ep._receiving[("sender", "r1")] = {0}  # chunk 0 of r1 scattered, more to come
+    ep._last_in = now[0]
+    assert ep.hot and not ep.busy
+    now[0] += ep.HOT_S * 0.9
+    assert ep.hot
+    now[0] += ep.HOT_S * 0.2
+    assert not ep.hot
+    del ep._receiving[("sender", "r1")]
+    ep._last_in = now[0]
+    assert not ep.hot  # nothing partly received: only busy work keeps it hot
