@@ -111,14 +111,29 @@ class _Job:
     rows: int
 
 
+_SMALL = 128  # ids (rows) up to this many: tested in Python, whose per-call cost is below numpy's there
+
+
 def _segments(kl: np.ndarray, kr: np.ndarray, full: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Runs of consecutive ids on both sides among the first ``full`` ids: starts and lengths."""
+    if full <= _SMALL:
+        return _segments_small(kl, kr, full)
     cont = (kl[1:full] == kl[:full - 1] + 1) & (kr[1:full] == kr[:full - 1] + 1)
     if cont.all():  # the common case, contiguous ids on both sides: one run
         return kl[:1], kr[:1], np.array([full], dtype=np.int64)
     starts = np.flatnonzero(np.concatenate(([True], ~cont)))
     lens = np.diff(np.append(starts, full))
     return kl[starts], kr[starts], lens
+
+
+def _segments_small(kl: np.ndarray, kr: np.ndarray, full: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    a, b = kl[:full].tolist(), kr[:full].tolist()
+    if a == list(range(a[0], a[0] + full)) and b == list(range(b[0], b[0] + full)):  # one run (the common case)
+        return kl[:1], kr[:1], np.array([full], dtype=np.int64)
+    starts = [0] + [i for i in range(1, full) if a[i] != a[i - 1] + 1 or b[i] != b[i - 1] + 1]
+    lens = [j - i for i, j in zip(starts, starts[1:] + [full])]
+    return (np.array([a[i] for i in starts], dtype=np.int64), np.array([b[i] for i in starts], dtype=np.int64),
+            np.array(lens, dtype=np.int64))
 
 
 def block_tiles(b: Block, req: Request) -> tuple[TileSpan, tuple[int, int]]:

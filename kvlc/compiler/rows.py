@@ -72,18 +72,22 @@ def write_rows(piece: RowPiece, out: tuple[np.ndarray, np.ndarray] | None = None
     return out
 
 
+_SMALL = 128  # rows up to this many: tested in Python, whose per-call cost is below numpy's there
 _CHUNK = 8192  # rows per step of the continuity test: temporaries stay small and in cache
 
 
 def coalesce(local: np.ndarray, remote: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """:func:`~kvlc.compiler.algebra.coalesce_rows`, same result, without large temporaries.
 
-    Tests chunk by chunk, in two small reused buffers, whether any row continues the previous
-    one on both sides; only then (something may merge) it calls ``coalesce_rows``. Rows that
+    Tests whether any row continues the previous one on both sides (a few rows in Python ints,
+    more chunk by chunk in two small reused buffers); only then (something may merge) it calls
+    ``coalesce_rows``. Rows that
     continue in address but not in device do not merge there either.
     """
     if len(local) < 2:
         return local, remote
+    if len(local) <= _SMALL:
+        return coalesce_rows(local, remote) if _continues_small(local, remote) else (local, remote)
     la, n = local[:, 0], local[:, 1]
     ra = remote[:, 0]
     m = len(local) - 1
@@ -101,3 +105,9 @@ def coalesce(local: np.ndarray, remote: np.ndarray) -> tuple[np.ndarray, np.ndar
         if np.any(s & np.equal(ra[i + 1:j + 1], e)):
             return coalesce_rows(local, remote)
     return local, remote
+
+
+def _continues_small(local: np.ndarray, remote: np.ndarray) -> bool:
+    """Whether some row continues the previous one on both sides (few rows: Python ints)."""
+    la, n, ra = local[:, 0].tolist(), local[:, 1].tolist(), remote[:, 0].tolist()
+    return any(la[i] + n[i] == la[i + 1] and ra[i] + n[i] == ra[i + 1] for i in range(len(la) - 1))
