@@ -8,6 +8,7 @@ views; :func:`coalesce` merges rows that continue on both sides.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import add, eq
 
 import numpy as np
 
@@ -109,5 +110,8 @@ def coalesce(local: np.ndarray, remote: np.ndarray) -> tuple[np.ndarray, np.ndar
 
 def _continues_small(local: np.ndarray, remote: np.ndarray) -> bool:
     """Whether some row continues the previous one on both sides (few rows: Python ints)."""
-    la, n, ra = local[:, 0].tolist(), local[:, 1].tolist(), remote[:, 0].tolist()
+    la, n = local[:, 0].tolist(), local[:, 1].tolist()
+    if not any(map(eq, map(add, la, n), la[1:])):  # no row continues on the local side: nothing merges
+        return False
+    ra = remote[:, 0].tolist()
     return any(la[i] + n[i] == la[i + 1] and ra[i] + n[i] == ra[i + 1] for i in range(len(la) - 1))
