@@ -157,8 +157,9 @@ def _check_segments(steps, start):
         kl.append(kl[-1] + 1 + (jump if which else 0))
         kr.append(kr[-1] + 1 + (0 if which else jump))
     kl, kr = np.array(kl, dtype=np.int64), np.array(kr, dtype=np.int64)
-    sl, sr, lens = _segments(kl, kr, len(kl))
-    assert (sl.tolist(), sr.tolist(), lens.tolist()) == _segments_reference(kl, kr, len(kl))
+    ids, lens = _segments(kl, kr, len(kl))
+    assert ids.shape == (2, len(lens)) and ids.dtype == np.int64
+    assert (ids[0].tolist(), ids[1].tolist(), lens.tolist()) == _segments_reference(kl, kr, len(kl))
     assert lens.dtype == np.int64
 
 
