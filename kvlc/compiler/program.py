@@ -18,6 +18,7 @@ import numpy as np
 from kvlc.compiler.compat import CompatReport
 from kvlc.compiler.dcp import ShardPair
 from kvlc.compiler.frozen import FrozenMap
+from kvlc.compiler.index import ProgramIndex
 from kvlc.compiler.plan import Plan
 from kvlc.compiler.runs import Piece, Runs
 
@@ -221,7 +222,6 @@ class TransferProgram:
     @property
     def index(self):
         """Derived lookup structures of the hot path (:class:`kvlc.compiler.index.ProgramIndex`)."""
-        from kvlc.compiler.index import ProgramIndex
         return self.memo.get("index", lambda: ProgramIndex.build(self))
 
     def check_request(self, local_block_ids: Mapping[str, Sequence[int]],
