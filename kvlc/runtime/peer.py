@@ -208,6 +208,7 @@ class Peer:
         self.sessions = sessions
         self._clients = clients
         self._lists: dict | None = None  # mode "prepped": PartKey -> (local Prepped, remote Prepped)
+        self._notify = {r: Target(s.agent, s.notif_key) for r, s in sessions.items()}  # fixed per connection
         self.closed = False
 
     @property
@@ -219,7 +220,7 @@ class Peer:
         return {r: s.record for r, s in self.sessions.items()}
 
     def _targets(self) -> dict[int, Target]:
-        return {r: Target(s.agent, s.notif_key) for r, s in self.sessions.items()}
+        return self._notify
 
     def _live(self) -> None:
         self.agent._check_open()
