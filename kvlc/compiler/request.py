@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING, Mapping
 import numpy as np
 
 from kvlc.compiler.layout import kernel_ids
+from kvlc.compiler.request_rules import GroupRule, SideRule, request_rules
 from kvlc.compiler.spans import Span, block_span, window_start
 from kvlc.errors import TransferError, did_you_mean
 
 if TYPE_CHECKING:
-    from kvlc.compiler.plan import PlanRegion
     from kvlc.compiler.program import TransferProgram
 
 ID_MAX = (1 << 63) - 1
@@ -50,70 +50,6 @@ class Request:
     local: Mapping[str, np.ndarray]
     remote: Mapping[str, np.ndarray]
     spans: Mapping[str, GroupSpan]
-
-
-@dataclass(frozen=True)
-class SideRule:
-    """What one side's ids of one group must satisfy, fixed per program (built once, used per request).
-
-    ``bound``: the side's region of the group with the fewest blocks (it bounds every id);
-    ``receiving``: the side written to (its ids must be distinct).
-    """
-
-    group: str
-    side: str
-    where: str
-    block_size: int
-    dcp: int
-    kernel_blocks: int
-    bound: "PlanRegion"
-    receiving: bool
-
-
-@dataclass(frozen=True)
-class GroupRule:
-    """One group's request rules: state or tokens, the sliding window (None: the whole range moves)."""
-
-    name: str
-    state: bool
-    window: int | None
-    window_block: int
-    local: SideRule
-    remote: SideRule
-
-
-@dataclass(frozen=True)
-class RequestRules:
-    """Every group's rules in program order, the group names each side knows, whether pools alias."""
-
-    groups: tuple[GroupRule, ...]
-    names: tuple[str, ...]
-    local_names: frozenset
-    remote_names: frozenset
-    aliased: bool
-
-
-def request_rules(prog: "TransferProgram") -> RequestRules:
-    """The program's :class:`RequestRules`, derived on first use and kept in its memo."""
-    return prog.memo.get("request_rules", lambda: _rules_of(prog))
-
-
-def _rules_of(prog: "TransferProgram") -> RequestRules:
-    local_receives = prog.direction == "READ"
-    recv = prog.local if local_receives else prog.remote
-    groups = []
-    for name, regions in prog.index.groups.items():
-        sides = [SideRule(name, side, f"{side} block ids of group '{name}'", plan.group(name).block_size,
-                          plan.parallel.dcp_size, plan.group(name).kernel_blocks_per_block, regions.smallest(side),
-                          receiving)
-                 for side, plan, receiving in (("local", prog.local, local_receives),
-                                               ("remote", prog.remote, not local_receives))]
-        g = prog.local.group(name)
-        window = g.window if g.kind == "sliding_window" else None
-        groups.append(GroupRule(name, regions.is_state, window,
-                                recv.group(name).block_size * recv.parallel.dcp_size, *sides))
-    return RequestRules(tuple(groups), tuple(prog.index.groups), frozenset(g.name for g in prog.local.groups),
-                        frozenset(g.name for g in prog.remote.groups), any(r.aliases for r in recv.regions))
 
 
 def _type_name(t: type) -> str:
@@ -277,24 +213,22 @@ def _moved(rule: GroupRule, span: Span) -> Span:
     return Span(window_start(span, rule.window, rule.window_block), span.stop)
 
 
-def _whole_blocks_only(prog, group: str, moved: Span, asked: Span) -> None:
+def _whole_blocks_only(rule: GroupRule, moved: Span, asked: Span) -> None:
     """A per-block field (no token dim) cannot be split: a range starting mid-block is refused there."""
     if moved.start == 0:
         return
-    for r in prog.index.groups[group].local:
-        flat = [f.name for f in r.fields if f.dim("token") is None]
-        per = r.block_tokens * prog.local.parallel.dcp_size  # DCP: a block covers that many tokens
-        if flat and moved.start % per:
-            raise TransferError(f"group '{group}': tokens [{asked.start}, {asked.stop}) start inside a block of "
-                                f"region '{r.name}' ({per} tokens per block), whose field "
-                                f"'{flat[0]}' has no token dim (one value per block); start the range on a "
-                                f"multiple of {per}")
+    for w in rule.whole_blocks:
+        if moved.start % w.per:
+            raise TransferError(f"group '{rule.name}': tokens [{asked.start}, {asked.stop}) start inside a block "
+                                f"of region '{w.region}' ({w.per} tokens per block), whose field "
+                                f"'{w.field}' has no token dim (one value per block); start the range on a "
+                                f"multiple of {w.per}")
 
 
 def _token_group(prog, rule: GroupRule, ids: tuple, span: Span):
     """Check one token group's ids on both sides; return kernel ids of the blocks read, and their span."""
     moved = _moved(rule, span)
-    _whole_blocks_only(prog, rule.name, moved, span)
+    _whole_blocks_only(rule, moved, span)
     kl, fl = _side_ids(rule.local, ids[0], span, moved)
     kr, fr = _side_ids(rule.remote, ids[1], span, moved)
     return kl, kr, GroupSpan(moved, fl, fr)
