@@ -18,6 +18,7 @@ import numpy as np
 
 from kvlc.compiler.pair import TransferProgram
 from kvlc.errors import KvlcError, TransferError
+from kvlc.runtime.arguments import check_request_id
 from kvlc.runtime.channel import ChannelClient
 from kvlc.runtime.errors import HandshakeError, NixlError
 from kvlc.runtime.kinds import Direction, Mode
@@ -284,8 +285,6 @@ class Peer:
         against every region's capacity before anything moves (:class:`TransferError`).
         In pull_via_push mode the range travels to the producer, which checks it again.
         """
-        from kvlc.runtime.agent import check_request_id
-
         if self.direction is not Direction.READ:
             raise TransferError("read() needs a connection made with direction='READ' (this side consumes)")
         check_request_id(request_id)
@@ -326,8 +325,6 @@ class Peer:
 
         ``num_tokens`` / ``tokens=(start, stop)`` and the ids as in :meth:`read`.
         """
-        from kvlc.runtime.agent import check_request_id
-
         if self.direction is not Direction.WRITE:
             raise TransferError("write() needs a connection made with direction='WRITE' (this side produces)")
         check_request_id(request_id)
