@@ -10,7 +10,7 @@ rows that continue on both sides.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from operator import add, eq
+from operator import add, and_, eq
 
 import numpy as np
 
@@ -133,4 +133,4 @@ def _continues_small(local: np.ndarray, remote: np.ndarray) -> bool:
     if not any(map(eq, map(add, la, n), la[1:])):  # no row continues on the local side: nothing merges
         return False
     ra = remote[:, 0].tolist()
-    return any(la[i] + n[i] == la[i + 1] and ra[i] + n[i] == ra[i + 1] for i in range(len(la) - 1))
+    return any(map(and_, map(eq, map(add, la, n), la[1:]), map(eq, map(add, ra, n), ra[1:])))
