@@ -31,7 +31,6 @@ ALLOWED = {
     "kvlc/runtime/staging_wire.py:decode",
     "kvlc/runtime/wire.py:check_record",
     # kvlc/compiler/ request, instantiate and fields: another change is reworking these modules now.
-    "kvlc/compiler/request.py:block_ids",
     "kvlc/compiler/instantiate.py:_address",
     "kvlc/compiler/fields.py:LayoutResolver._fields",
     # kvlc/init/ and the vLLM spec derivation (derive*.py): another change is reworking these now.

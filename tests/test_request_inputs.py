@@ -101,3 +101,22 @@ def test_any_request_either_works_or_raises_a_transfer_error(ids, tokens):
     assert all(isinstance(i, int) and not isinstance(i, bool) for i in ids)
     assert isinstance(tokens, int) and not isinstance(tokens, bool) and tokens > 0
     assert sum(p.nbytes for p in parts.values()) > 0
+
+
+@pytest.mark.parametrize("n", [5, 16, 128, 129, 300])
+def test_few_and_many_ids_get_the_same_refusals(n):
+    """Bounds and duplicates name the same id and count whether a side gives few ids or many (both paths)."""
+    cap = PLAN.group_capacity("full")
+    region = min((r for r in PLAN.regions if "full" in r.groups), key=lambda r: r.capacity).name
+    ids = list(range(cap - n, cap))                      # n distinct ids, the last one at the capacity limit
+    assert PULL.check_request({"full": ids}, {"full": ids}, 16 * n)
+    for bad in (-1, cap):
+        with pytest.raises(TransferError) as e:
+            PULL.check_request({"full": ids[:-1] + [bad]}, {"full": ids}, 16 * n)
+        assert str(e.value) == (f"local block id {bad} out of range for region '{region}' "
+                                f"(group 'full', capacity {cap} blocks)")
+    dup = ids[:-3] + [ids[1], ids[0], ids[0]]            # ids[0] three times, ids[1] twice: smallest id, most times
+    with pytest.raises(TransferError) as e:
+        PUSH.check_request({"full": ids}, {"full": dup}, 16 * n)
+    assert str(e.value) == (f"remote block ids of group 'full': block id {ids[0]} appears 3 times; "
+                            "the receiving side writes each block once, so give distinct ids")

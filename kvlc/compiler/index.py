@@ -112,12 +112,13 @@ def _blocks(prog: "TransferProgram", local: SideGeometry, remote: SideGeometry) 
         k = (e.key, e.group, e.tile_tokens, e.local_sub, e.remote_sub, e.runs.key(),
              prog.local.region(e.region).fields, prog.remote.region(e.region).fields, e.pieces, e.shards)
         groups.setdefault(k, []).append(i)
-    order = {k: i for i, k in enumerate(prog.part_keys)}
+    keys = {k: k for k in prog.part_keys}  # one PartKey object per part: dict lookups per request hit identity
+    order = {k: i for i, k in enumerate(keys)}
     out = []
     for idx in groups.values():
         e = prog.entries[idx[0]]
         lg, rg = local.take(idx), remote.take(idx)
-        out.append(Block(e.key, e.group, tuple(idx), e.runs, e.tile_tokens, e.local_sub, e.remote_sub, lg, rg,
+        out.append(Block(keys[e.key], e.group, tuple(idx), e.runs, e.tile_tokens, e.local_sub, e.remote_sub, lg, rg,
                          _is_whole(e.runs, e.local_sub, e.remote_sub, lg, rg)))
     out.sort(key=lambda b: (order[b.key], b.entries[0]))
     return tuple(out)

@@ -17,7 +17,7 @@ from kvlc.compiler.frozen import FrozenMap
 from kvlc.compiler.index import Block
 from kvlc.compiler.program import Memo, Part, PartKey, TransferProgram
 from kvlc.compiler.request import Request
-from kvlc.compiler.rows import RowPiece, Side, coalesce, write_rows
+from kvlc.compiler.rows import Geometry, RowPiece, Side, coalesce, write_rows
 from kvlc.compiler.runs import Runs
 from kvlc.compiler.spans import TileSpan, tile_spans
 from kvlc.errors import TransferError
@@ -111,14 +111,28 @@ class _Job:
     rows: int
 
 
-def _segments(kl: np.ndarray, kr: np.ndarray, full: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Runs of consecutive ids on both sides among the first ``full`` ids: starts and lengths."""
+_SMALL = 128  # ids (rows) up to this many: tested in Python, whose per-call cost is below numpy's there
+
+
+def _segments(kl: np.ndarray, kr: np.ndarray, full: int) -> tuple[np.ndarray, np.ndarray]:
+    """Runs of consecutive ids on both sides among the first ``full`` ids: each side's starts (2, K), lengths."""
+    if full <= _SMALL:
+        return _segments_small(kl, kr, full)
     cont = (kl[1:full] == kl[:full - 1] + 1) & (kr[1:full] == kr[:full - 1] + 1)
     if cont.all():  # the common case, contiguous ids on both sides: one run
-        return kl[:1], kr[:1], np.array([full], dtype=np.int64)
+        return np.array([[kl[0]], [kr[0]]], dtype=np.int64), np.array([full], dtype=np.int64)
     starts = np.flatnonzero(np.concatenate(([True], ~cont)))
     lens = np.diff(np.append(starts, full))
-    return kl[starts], kr[starts], lens
+    return np.stack((kl[starts], kr[starts])), lens
+
+
+def _segments_small(kl: np.ndarray, kr: np.ndarray, full: int) -> tuple[np.ndarray, np.ndarray]:
+    a, b = kl[:full].tolist(), kr[:full].tolist()
+    if a == list(range(a[0], a[0] + full)) and b == list(range(b[0], b[0] + full)):  # one run (the common case)
+        return np.array([[a[0]], [b[0]]], dtype=np.int64), np.array([full], dtype=np.int64)
+    starts = [0] + [i for i in range(1, full) if a[i] != a[i - 1] + 1 or b[i] != b[i - 1] + 1]
+    lens = [j - i for i, j in zip(starts, starts[1:] + [full])]
+    return np.array([[a[i] for i in starts], [b[i] for i in starts]], dtype=np.int64), np.array(lens, dtype=np.int64)
 
 
 def block_tiles(b: Block, req: Request) -> tuple[TileSpan, tuple[int, int]]:
@@ -159,15 +173,18 @@ class BoundProgram:
         return self.emit(req, coalesce=coalesce)
 
     # ------------------------------------------------------------------ building blocks
-    def sides(self, b: Block) -> tuple[Side, Side]:
-        """Both sides of a block's entries, with empty ids and offsets (filled per piece)."""
+    def sides(self, b: Block) -> Geometry:
+        """Both sides' operands of a block's entries (stride, base, device), stacked."""
         rb = self.remote[b.key.peer_rank]
         lg, rg = b.local, b.remote
-        e = np.zeros(0, dtype=np.int64)
-        return (Side(e, lg.stride, self.local.addr[lg.storage] + lg.offset, None, self.local.device[lg.storage]),
-                Side(e, rg.stride, rb.addr[rg.storage] + rg.offset, None, rb.device[rg.storage]))
+        return Geometry.of(Side(lg.stride, self.local.addr[lg.storage] + lg.offset, self.local.device[lg.storage]),
+                           Side(rg.stride, rb.addr[rg.storage] + rg.offset, rb.device[rg.storage]))
 
-    def tiles(self, runs: Runs, first: int, count: int, b: Block, kl, kr, sides,
+    def geometries(self) -> list[Geometry]:
+        """:meth:`sides` of every block of the program, in order (fixed per binding: made once)."""
+        return self.memo.get("sides", lambda: [self.sides(b) for b in self.program.index.blocks])
+
+    def tiles(self, runs: Runs, first: int, count: int, b: Block, kl, kr, geometry: Geometry,
               shift: tuple[int, int] = (0, 0)) -> RowPiece | None:
         """Rows of ``count`` tiles from tile ``first`` with these runs (None without runs).
 
@@ -178,15 +195,13 @@ class BoundProgram:
         t = np.arange(first, first + count, dtype=np.int64)[:, None]
         il = kl[t * b.local_sub + runs.local_block[None, :] - shift[0]].ravel()          # (F*M,) kernel ids
         ir = kr[t * b.remote_sub + runs.remote_block[None, :] - shift[1]].ravel()
-        ls, rs = sides
-        return RowPiece(Side(il, ls.stride, ls.base, np.tile(runs.local_offset, count), ls.device),
-                        Side(ir, rs.stride, rs.base, np.tile(runs.remote_offset, count), rs.device),
-                        np.tile(runs.length, count))
+        offset = np.tile(np.stack((runs.local_offset, runs.remote_offset)), (1, count))
+        return RowPiece(geometry, np.stack((il, ir)), offset, np.tile(runs.length, count))
 
-    def _block_pieces(self, b: Block, req: Request, segments: dict, sides: tuple[Side, Side]) -> list[RowPiece]:
+    def _block_pieces(self, b: Block, req: Request, segments: dict, geometry: Geometry) -> list[RowPiece]:
         kl, kr = req.local[b.group], req.remote[b.group]
         ts, shift = block_tiles(b, req)
-        partial = [self.tiles(self.program.index.tail_runs(b, p.hi, p.lo), p.tile, 1, b, kl, kr, sides, shift)
+        partial = [self.tiles(self.program.index.tail_runs(b, p.hi, p.lo), p.tile, 1, b, kl, kr, geometry, shift)
                    for p in ts.partial]
         head = 1 if ts.partial and ts.partial[0].tile < ts.first else 0
         pieces = partial[:head]                       # in token order: head, whole tiles, tail
@@ -194,12 +209,10 @@ class BoundProgram:
             if b.group not in segments:
                 ol, orr = ts.first - shift[0], ts.first - shift[1]
                 segments[b.group] = _segments(kl[ol:ol + ts.count], kr[orr:orr + ts.count], ts.count)
-            sl, sr, lens = segments[b.group]
-            ls, rs = sides
-            pieces.append(RowPiece(Side(sl, ls.stride, ls.base, None, ls.device),
-                                   Side(sr, rs.stride, rs.base, None, rs.device), lens * int(b.runs.length[0])))
+            ids, lens = segments[b.group]
+            pieces.append(RowPiece(geometry, ids, None, lens * int(b.runs.length[0])))
         elif ts.count:
-            pieces.append(self.tiles(b.runs, ts.first, ts.count, b, kl, kr, sides, shift))
+            pieces.append(self.tiles(b.runs, ts.first, ts.count, b, kl, kr, geometry, shift))
         pieces.extend(partial[head:])
         return [p for p in pieces if p is not None and len(p)]
 
@@ -211,10 +224,8 @@ class BoundProgram:
         # every piece straight into one (N, 3) array per side and part: no intermediate arrays,
         # no concatenation (fresh memory is what costs most here).
         jobs, sizes, segments = [], {}, {}
-        blocks = self.program.index.blocks
-        sides = self.memo.get("sides", lambda: [self.sides(b) for b in blocks])  # fixed per binding
-        for b, sd in zip(blocks, sides):
-            pieces = self._block_pieces(b, req, segments, sd)
+        for b, geometry in zip(self.program.index.blocks, self.geometries()):
+            pieces = self._block_pieces(b, req, segments, geometry)
             if pieces:
                 rows = len(b.entries) * sum(len(p) for p in pieces)
                 jobs.append(_Job(b.key, len(b.entries), pieces, rows))
@@ -249,13 +260,11 @@ def _write(jobs: list[_Job], sizes: dict[PartKey, int]) -> dict[PartKey, tuple[n
     for job in jobs:
         p0 = pos[job.key]
         pos[job.key] = p0 + job.rows
-        K = job.rows // job.entries
-        lv = bufs[job.key][0][p0:p0 + job.rows].reshape(job.entries, K, 3)
-        rv = bufs[job.key][1][p0:p0 + job.rows].reshape(job.entries, K, 3)
+        both = bufs[job.key][:, p0:p0 + job.rows].reshape(2, job.entries, job.rows // job.entries, 3)  # a view
         k0 = 0
         for piece in job.pieces:
             k = len(piece)
-            write_rows(piece, out=(lv[:, k0:k0 + k], rv[:, k0:k0 + k]))
+            write_rows(piece, out=both[:, :, k0:k0 + k])
             k0 += k
     return {key: (buf[0], buf[1]) for key, buf in bufs.items()}
 

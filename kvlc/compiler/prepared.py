@@ -224,7 +224,7 @@ def prepared_indices(bound, req: Request) -> PreparedRequest:
     jobs: dict[PartKey, list] = {}
     tails: dict[PartKey, tuple[list, list]] = {}
     moved: dict[PartKey, int] = {}
-    for b, starts in zip(prog.index.blocks, lay.blocks):
+    for b, starts, geometry in zip(prog.index.blocks, lay.blocks, bound.geometries()):
         kl, kr = req.local[b.group], req.remote[b.group]
         ts, shift = block_tiles(b, req)
         if ts.count and len(b.runs):
@@ -234,7 +234,7 @@ def prepared_indices(bound, req: Request) -> PreparedRequest:
             jobs.setdefault(b.key, []).append((starts, il, ir))
             moved[b.key] = moved.get(b.key, 0) + b.runs.nbytes * ts.count * len(b.entries)
         for p in ts.partial:
-            piece = bound.tiles(prog.index.tail_runs(b, p.hi, p.lo), p.tile, 1, b, kl, kr, bound.sides(b), shift)
+            piece = bound.tiles(prog.index.tail_runs(b, p.hi, p.lo), p.tile, 1, b, kl, kr, geometry, shift)
             if piece is not None and len(piece):
                 lrows, rrows = write_rows(piece)
                 lt, rt = tails.setdefault(b.key, ([], []))

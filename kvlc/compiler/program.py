@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from typing import Any, Callable, Hashable, Mapping, Sequence
 
 import numpy as np
@@ -18,6 +19,7 @@ import numpy as np
 from kvlc.compiler.compat import CompatReport
 from kvlc.compiler.dcp import ShardPair
 from kvlc.compiler.frozen import FrozenMap
+from kvlc.compiler.index import ProgramIndex
 from kvlc.compiler.plan import Plan
 from kvlc.compiler.runs import Piece, Runs
 
@@ -66,8 +68,9 @@ class Part:
     local: np.ndarray
     remote: np.ndarray
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
+        """Bytes moved (summed once: the runtime asks per part more than once per request)."""
         return int(self.local[:, 1].sum()) if len(self.local) else 0
 
     def __len__(self) -> int:
@@ -221,7 +224,6 @@ class TransferProgram:
     @property
     def index(self):
         """Derived lookup structures of the hot path (:class:`kvlc.compiler.index.ProgramIndex`)."""
-        from kvlc.compiler.index import ProgramIndex
         return self.memo.get("index", lambda: ProgramIndex.build(self))
 
     def check_request(self, local_block_ids: Mapping[str, Sequence[int]],

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Mapping
 import numpy as np
 
 from kvlc.compiler.layout import kernel_ids
+from kvlc.compiler.request_rules import GroupRule, SideRule, request_rules
 from kvlc.compiler.spans import Span, block_span, window_start
 from kvlc.errors import TransferError, did_you_mean
 
@@ -65,24 +66,36 @@ def block_ids(ids, where: str) -> np.ndarray:
     kvlc.errors.TransferError: local ids of group 'full': block ids must be integers (a list of int or an integer numpy array); found float
     """
     if isinstance(ids, np.ndarray):
-        kind = ids.dtype.kind
-        if kind not in "iu":
-            raise TransferError(f"{where}: block ids must be an integer numpy array; found dtype {ids.dtype}")
-        if kind == "u" and ids.size and int(ids.max()) > ID_MAX:
-            raise TransferError(f"{where}: block id {int(ids.max())} is too large")
-        return ids.astype(np.int64, copy=False).ravel()
+        return _array_ids(ids, where)
     if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple, range)):
         raise TransferError(f"{where}: block ids must be a list of int or an integer numpy array; "
                             f"found {_type_name(type(ids))}")
+    if not set(map(type, ids)) <= _PLAIN_INT:  # the common case, plain ints only, needs no further look
+        _integers_only(ids, where)
+    try:
+        return np.asarray(ids, dtype=np.int64).ravel()
+    except OverflowError:
+        raise TransferError(f"{where}: block id {max(ids, key=abs)} is too large") from None
+
+
+_PLAIN_INT = frozenset((int,))
+
+
+def _array_ids(ids: np.ndarray, where: str) -> np.ndarray:
+    kind = ids.dtype.kind
+    if kind not in "iu":
+        raise TransferError(f"{where}: block ids must be an integer numpy array; found dtype {ids.dtype}")
+    if kind == "u" and ids.size and int(ids.max()) > ID_MAX:
+        raise TransferError(f"{where}: block id {int(ids.max())} is too large")
+    return ids.astype(np.int64, copy=False).ravel()
+
+
+def _integers_only(ids, where: str) -> None:
     bad = sorted({_type_name(t) for t in set(map(type, ids))
                   if t is bool or t is np.bool_ or not issubclass(t, (int, np.integer))})
     if bad:
         raise TransferError(f"{where}: block ids must be integers (a list of int or an integer numpy array); "
                             f"found {', '.join(bad)}")
-    try:
-        return np.asarray(ids, dtype=np.int64).ravel()
-    except OverflowError:
-        raise TransferError(f"{where}: block id {max(ids, key=abs)} is too large") from None
 
 
 def token_count(value, group: str) -> int:
@@ -100,7 +113,9 @@ def token_count(value, group: str) -> int:
     return tok
 
 
-def _known_groups(ids, plan, side: str) -> None:
+def _known_groups(ids, plan, side: str, names: frozenset) -> None:
+    if type(ids) is dict and ids.keys() <= names:  # the common case: a dict of known groups
+        return
     if not isinstance(ids, Mapping):
         raise TransferError(f"{side} block ids must map group name -> ids; found {_type_name(type(ids))}")
     names = [g.name for g in plan.groups]
@@ -141,6 +156,8 @@ def _per_group(value, group: str, prog, what: str):
 
 
 def _span_of(num_tokens, tokens, group: str, prog) -> Span:
+    if tokens is None and type(num_tokens) is int and num_tokens > 0:  # the common case: N tokens from 0
+        return Span(0, num_tokens)
     if tokens is not None:
         if num_tokens is not None:
             raise TransferError("give the tokens to move as num_tokens=N (tokens [0, N)) or tokens=(start, stop), "
@@ -162,73 +179,82 @@ def _count(arr: np.ndarray, side: str, group: str, span: Span, bs: int, dcp: int
                         f"{first}..{first + need - 1})")
 
 
-def _check_ids(prog, side: str, group: str, arr: np.ndarray, receiving: bool) -> None:
-    where = f"{side} block ids of group '{group}'"
-    if len(arr):
-        lo, hi = int(arr.min()), int(arr.max())
-        r = prog.index.groups[group].smallest(side)
-        if lo < 0 or hi >= r.capacity:
-            bad = lo if lo < 0 else hi
-            raise TransferError(f"{side} block id {bad} out of range for region '{r.name}' "
-                                f"(group '{group}', capacity {r.capacity} blocks)")
-        if receiving and len(arr) > 1:
-            ordered = np.sort(arr)
-            if np.any(ordered[1:] == ordered[:-1]):
-                uniq, counts = np.unique(arr, return_counts=True)
-                dup = int(uniq[np.argmax(counts > 1)])
-                raise TransferError(f"{where}: block id {dup} appears {int(counts.max())} times; the receiving "
-                                    "side writes each block once, so give distinct ids")
+_SMALL = 128  # ids up to this many: checked in Python (numpy's per-call cost is larger there)
 
 
-def _moved(prog, group: str, span: Span, local_receives: bool) -> Span:
+def _check_ids(rule: SideRule, arr: np.ndarray) -> None:
+    if not len(arr):
+        return
+    small = arr.tolist() if len(arr) <= _SMALL else None
+    lo, hi = (min(small), max(small)) if small is not None else (int(arr.min()), int(arr.max()))
+    r = rule.bound
+    if lo < 0 or hi >= r.capacity:
+        bad = lo if lo < 0 else hi
+        raise TransferError(f"{rule.side} block id {bad} out of range for region '{r.name}' "
+                            f"(group '{rule.group}', capacity {r.capacity} blocks)")
+    if rule.receiving and len(arr) > 1 and _repeats(arr, small):
+        uniq, counts = np.unique(arr, return_counts=True)
+        dup = int(uniq[np.argmax(counts > 1)])
+        raise TransferError(f"{rule.where}: block id {dup} appears {int(counts.max())} times; the receiving "
+                            "side writes each block once, so give distinct ids")
+
+
+def _repeats(arr: np.ndarray, small: list | None) -> bool:
+    if small is not None:
+        return len(set(small)) != len(small)
+    ordered = np.sort(arr)
+    return bool(np.any(ordered[1:] == ordered[:-1]))
+
+
+def _moved(rule: GroupRule, span: Span) -> Span:
     """The part of ``span`` a group moves: all of it, or what a sliding window still needs."""
-    g = prog.local.group(group)
-    if g.kind != "sliding_window":
+    if rule.window is None:
         return span
-    plan = prog.local if local_receives else prog.remote
-    return Span(window_start(span, g.window, plan.group(group).block_size * plan.parallel.dcp_size), span.stop)
+    return Span(window_start(span, rule.window, rule.window_block), span.stop)
 
 
-def _whole_blocks_only(prog, group: str, moved: Span, asked: Span) -> None:
+def _whole_blocks_only(rule: GroupRule, moved: Span, asked: Span) -> None:
     """A per-block field (no token dim) cannot be split: a range starting mid-block is refused there."""
     if moved.start == 0:
         return
-    for r in prog.index.groups[group].local:
-        flat = [f.name for f in r.fields if f.dim("token") is None]
-        per = r.block_tokens * prog.local.parallel.dcp_size  # DCP: a block covers that many tokens
-        if flat and moved.start % per:
-            raise TransferError(f"group '{group}': tokens [{asked.start}, {asked.stop}) start inside a block of "
-                                f"region '{r.name}' ({per} tokens per block), whose field "
-                                f"'{flat[0]}' has no token dim (one value per block); start the range on a "
-                                f"multiple of {per}")
+    for w in rule.whole_blocks:
+        if moved.start % w.per:
+            raise TransferError(f"group '{rule.name}': tokens [{asked.start}, {asked.stop}) start inside a block "
+                                f"of region '{w.region}' ({w.per} tokens per block), whose field "
+                                f"'{w.field}' has no token dim (one value per block); start the range on a "
+                                f"multiple of {w.per}")
 
 
-def _token_group(prog, group: str, ids: tuple, span: Span, local_receives: bool):
+def _token_group(prog, rule: GroupRule, ids: tuple, span: Span):
     """Check one token group's ids on both sides; return kernel ids of the blocks read, and their span."""
-    moved = _moved(prog, group, span, local_receives)
-    _whole_blocks_only(prog, group, moved, span)
-    out, firsts = [], []
-    for side, raw, receiving in (("local", ids[0], local_receives), ("remote", ids[1], not local_receives)):
-        plan = prog.local if side == "local" else prog.remote
-        g, per = plan.group(group), plan.group(group).block_size * plan.parallel.dcp_size  # tokens per block id
-        arr = block_ids(raw, f"{side} block ids of group '{group}'")
-        _count(arr, side, group, span, g.block_size, plan.parallel.dcp_size)
-        first, n = block_span(moved, per) if len(moved) else (span.start // per, 0)
-        arr = arr[first - span.start // per:][:n]
-        _check_ids(prog, side, group, arr, receiving)
-        out.append(kernel_ids(arr, g.kernel_blocks_per_block))
-        firsts.append(first * g.kernel_blocks_per_block)
-    return out[0], out[1], GroupSpan(moved, firsts[0], firsts[1])
+    moved = _moved(rule, span)
+    _whole_blocks_only(rule, moved, span)
+    kl, fl = _side_ids(rule.local, ids[0], span, moved)
+    kr, fr = _side_ids(rule.remote, ids[1], span, moved)
+    return kl, kr, GroupSpan(moved, fl, fr)
 
 
-def _state_group(prog, group: str, ids: tuple, local_receives: bool):
+def _side_ids(rule: SideRule, raw, span: Span, moved: Span) -> tuple[np.ndarray, int]:
+    """One side's ids checked: kernel ids of the blocks read, and the kernel block number of the first."""
+    arr = block_ids(raw, rule.where)
+    _count(arr, rule.side, rule.group, span, rule.block_size, rule.dcp)
+    per = rule.block_size * rule.dcp  # tokens per block id
+    first, n = block_span(moved, per) if len(moved) else (span.start // per, 0)
+    skip = first - span.start // per
+    if skip or n != len(arr):
+        arr = arr[skip:][:n]
+    _check_ids(rule, arr)
+    return kernel_ids(arr, rule.kernel_blocks), first * rule.kernel_blocks
+
+
+def _state_group(rule: GroupRule, ids: tuple):
     out = []
-    for side, raw, receiving in (("local", ids[0], local_receives), ("remote", ids[1], not local_receives)):
-        arr = block_ids(raw, f"{side} block ids of group '{group}'")
-        _check_ids(prog, side, group, arr, receiving)
+    for side, raw in ((rule.local, ids[0]), (rule.remote, ids[1])):
+        arr = block_ids(raw, side.where)
+        _check_ids(side, arr)
         out.append(arr)
     if len(out[0]) != len(out[1]):
-        raise TransferError(f"group '{group}': {len(out[0])} local vs {len(out[1])} "
+        raise TransferError(f"group '{rule.name}': {len(out[0])} local vs {len(out[1])} "
                             "remote state blocks; give one remote block per local block")
     return out[0], out[1]
 
@@ -240,32 +266,32 @@ def check_request(prog: "TransferProgram", local_block_ids, remote_block_ids, nu
     ``num_tokens=N`` moves tokens ``[0, N)``; ``tokens=(start, stop)`` (or a ``range``, or a
     mapping group -> either) moves ``[start, stop)``. Give exactly one.
     """
-    _known_groups(local_block_ids, prog.local, "local")
-    _known_groups(remote_block_ids, prog.remote, "remote")
-    local_receives = prog.direction == "READ"
+    rules = request_rules(prog)
+    _known_groups(local_block_ids, prog.local, "local", rules.local_names)
+    _known_groups(remote_block_ids, prog.remote, "remote", rules.remote_names)
     kids_l: dict[str, np.ndarray] = {}
     kids_r: dict[str, np.ndarray] = {}
     spans: dict[str, GroupSpan] = {}
-    groups = prog.index.groups
-    for group, regions in groups.items():
+    for rule in rules.groups:
+        group = rule.name
         if group not in local_block_ids or group not in remote_block_ids:
             raise TransferError(f"no block ids for group '{group}' "
-                                f"(give local and remote ids for groups {sorted(groups)})")
+                                f"(give local and remote ids for groups {sorted(rules.names)})")
         ids = (local_block_ids[group], remote_block_ids[group])
-        if regions.is_state:
-            kids_l[group], kids_r[group] = _state_group(prog, group, ids, local_receives)
+        if rule.state:
+            kids_l[group], kids_r[group] = _state_group(rule, ids)
             continue
         span = _span_of(num_tokens, tokens, group, prog)
-        kids_l[group], kids_r[group], spans[group] = _token_group(prog, group, ids, span, local_receives)
-    _pool_conflicts(prog.local if local_receives else prog.remote, kids_l if local_receives else kids_r,
-                    "local" if local_receives else "remote")
+        kids_l[group], kids_r[group], spans[group] = _token_group(prog, rule, ids, span)
+    if rules.aliased:
+        local_receives = prog.direction == "READ"
+        _pool_conflicts(prog.local if local_receives else prog.remote, kids_l if local_receives else kids_r,
+                        "local" if local_receives else "remote")
     return Request(kids_l, kids_r, spans)
 
 
 def _pool_conflicts(plan, kids: Mapping[str, np.ndarray], side: str) -> None:
     """Groups whose regions share one page pool (declared aliases) must not receive into one page."""
-    if not any(r.aliases for r in plan.regions):
-        return
     from kvlc.compiler.aliases import pools
     members: dict[str, list] = {}
     pool = pools(plan.regions)

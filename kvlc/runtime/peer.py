@@ -18,6 +18,7 @@ import numpy as np
 
 from kvlc.compiler.pair import TransferProgram
 from kvlc.errors import KvlcError, TransferError
+from kvlc.runtime.arguments import check_request_id
 from kvlc.runtime.channel import ChannelClient
 from kvlc.runtime.errors import HandshakeError, NixlError
 from kvlc.runtime.kinds import Direction, Mode
@@ -208,6 +209,7 @@ class Peer:
         self.sessions = sessions
         self._clients = clients
         self._lists: dict | None = None  # mode "prepped": PartKey -> (local Prepped, remote Prepped)
+        self._notify = {r: Target(s.agent, s.notif_key) for r, s in sessions.items()}  # fixed per connection
         self.closed = False
 
     @property
@@ -219,7 +221,7 @@ class Peer:
         return {r: s.record for r, s in self.sessions.items()}
 
     def _targets(self) -> dict[int, Target]:
-        return {r: Target(s.agent, s.notif_key) for r, s in self.sessions.items()}
+        return self._notify
 
     def _live(self) -> None:
         self.agent._check_open()
@@ -283,8 +285,6 @@ class Peer:
         against every region's capacity before anything moves (:class:`TransferError`).
         In pull_via_push mode the range travels to the producer, which checks it again.
         """
-        from kvlc.runtime.agent import check_request_id
-
         if self.direction is not Direction.READ:
             raise TransferError("read() needs a connection made with direction='READ' (this side consumes)")
         check_request_id(request_id)
@@ -325,8 +325,6 @@ class Peer:
 
         ``num_tokens`` / ``tokens=(start, stop)`` and the ids as in :meth:`read`.
         """
-        from kvlc.runtime.agent import check_request_id
-
         if self.direction is not Direction.WRITE:
             raise TransferError("write() needs a connection made with direction='WRITE' (this side produces)")
         check_request_id(request_id)

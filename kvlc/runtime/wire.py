@@ -327,6 +327,9 @@ def decode_record(data: bytes) -> Record:
 
 
 # ----------------------------------------------------------------------------- notifications
+_COMPACT = json.JSONEncoder(separators=(",", ":"))  # json.dumps(..., separators=(",", ":")) without a new encoder
+
+
 def encode_notif(req: str, rank: int, status: str, tag: str, why: str = "") -> bytes:
     """The compact JSON notification (``tag``: :func:`kvlc.runtime.auth.notif_tag` of req, rank, status).
 
@@ -336,7 +339,8 @@ def encode_notif(req: str, rank: int, status: str, tag: str, why: str = "") -> b
     why = why[:200]
     while True:
         n = Notif(req=req, rank=rank, status=str(status), why=why, tag=tag)
-        data = json.dumps(n.model_dump(), separators=(",", ":")).encode()
+        data = _COMPACT.encode({"v": n.v, "req": n.req, "rank": n.rank, "status": n.status, "why": n.why,
+                                "tag": n.tag}).encode()  # the fields of n.model_dump(), in order
         if len(data) <= MAX_NOTIF_BYTES:
             return data
         why = why[: len(why) // 2]

@@ -1,6 +1,6 @@
 """The per-request hot path: the progress thread never makes the engine wait, post/state build messages
-only on failure (and still name the operation), and the one-run shortcut of instantiate's segments
-gives what the general path gives."""
+only on failure (and still name the operation), the one-run shortcut of instantiate's segments
+gives what the general path gives, and so do the small-input (Python) paths of segments and coalesce."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlc.compiler.instantiate import _segments
+from kvlc.compiler.algebra import coalesce_rows
+from kvlc.compiler.instantiate import _SMALL, _segments
+from kvlc.compiler.rows import coalesce
 from kvlc.runtime.errors import NixlError
 from kvlc.runtime.nixl import Agent, Xfer, XferState
 
@@ -129,15 +131,58 @@ def _segments_reference(kl, kr, full):
     return [int(kl[s]) for s in starts], [int(kr[s]) for s in starts], lens
 
 
+def _steps(small: bool):
+    sizes = {"min_size": 1, "max_size": 40} if small else {"min_size": _SMALL + 1, "max_size": 2 * _SMALL + 10}
+    return st.lists(st.tuples(st.integers(0, 3), st.booleans()), **sizes)
+
+
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 3), st.booleans()), min_size=1, max_size=40), st.integers(0, 1000))
+@given(_steps(small=True), st.integers(0, 1000))
 def test_segments_match_the_definition(steps, start):
+    """Segments of few ids (the Python path) are the maximal runs that continue on both sides."""
+    _check_segments(steps, start)
+
+
+@settings(max_examples=40, deadline=None)
+@given(_steps(small=False), st.integers(0, 1000))
+def test_segments_of_many_ids_match_the_definition(steps, start):
+    """Segments of more ids than the Python path takes (numpy) are the same maximal runs."""
+    _check_segments(steps, start)
+
+
+def _check_segments(steps, start):
     # ids that mostly continue (the shortcut's case) and sometimes jump, on either side
     kl, kr = [start], [start * 2]
     for jump, which in steps[1:]:
         kl.append(kl[-1] + 1 + (jump if which else 0))
         kr.append(kr[-1] + 1 + (0 if which else jump))
     kl, kr = np.array(kl, dtype=np.int64), np.array(kr, dtype=np.int64)
-    sl, sr, lens = _segments(kl, kr, len(kl))
-    assert (sl.tolist(), sr.tolist(), lens.tolist()) == _segments_reference(kl, kr, len(kl))
+    ids, lens = _segments(kl, kr, len(kl))
+    assert ids.shape == (2, len(lens)) and ids.dtype == np.int64
+    assert (ids[0].tolist(), ids[1].tolist(), lens.tolist()) == _segments_reference(kl, kr, len(kl))
     assert lens.dtype == np.int64
+
+
+# ------------------------------------------------------------------ coalesce
+def _rows(rng, n: int, mode: str):
+    """n rows whose neighbours continue on both sides, one side, or neither (devices 0 or 1)."""
+    length = rng.integers(1, 64, n)
+    local = np.cumsum(length) + 4096
+    remote = np.cumsum(length) + (1 << 40)
+    if mode != "all":
+        jumps = rng.random(n) < (0.5 if mode == "some" else 1.0)
+        local = local + np.cumsum(jumps * rng.integers(1, 8, n)) * (rng.random(n) < 0.7)
+        remote = remote + np.cumsum(jumps * rng.integers(1, 8, n))
+    dev = (rng.random(n) < 0.1).astype(np.int64)
+    to = lambda a, d: np.stack([a - length, length, d], axis=1).astype(np.uint64)  # noqa: E731
+    return to(local, dev), to(remote, np.zeros(n, dtype=np.int64))
+
+
+@pytest.mark.parametrize("n", [2, 3, 17, _SMALL, _SMALL + 1, 3 * _SMALL])
+@pytest.mark.parametrize("mode", ["all", "some", "none"])
+def test_coalesce_matches_coalesce_rows(n, mode):
+    """rows.coalesce gives coalesce_rows' rows for few rows (Python test) and many (numpy chunks)."""
+    for seed in range(5):
+        local, remote = _rows(np.random.default_rng(seed), n, mode)
+        got, want = coalesce(local, remote), coalesce_rows(local, remote)
+        assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1]), (n, mode, seed)
