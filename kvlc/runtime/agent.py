@@ -286,10 +286,10 @@ class KvAgent:
         Returns whether staged chunks are in flight: the thread then comes back every
         :attr:`PUMP_BUSY_S` and takes its turn even right after an engine poll (a chunk's scatter, its
         FREE and the next chunk's WRITE each wait on some agent's turn)."""
-        staging = self.stager is not None and self.stager.endpoint.hot
-        if (not staging and time.monotonic() - self._polled < self.PUMP_SKIP_S) or not self._lock.acquire(
-                blocking=False):
-            return staging
+        hot = self.stager is not None and self.stager.endpoint.hot
+        engine_active = time.monotonic() - self._polled < self.PUMP_SKIP_S
+        if (engine_active and not hot) or not self._lock.acquire(blocking=False):
+            return hot
         try:
             if not self.closed:
                 self._pump()

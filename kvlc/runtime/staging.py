@@ -232,6 +232,10 @@ class StagingEndpoint(Receiver):
             if c.event is not None and not c.event.query():
                 still.append(c)
                 continue
+            s = self._sending.get((c.req, c.peer))
+            if s is None or s.failed:  # given up while gathering: nothing more is written for it
+                self._chunk_failed(c)
+                continue
             if self.trace:
                 self.trace("gathered", c.req, c.seq, c.slot, c.nbytes, c.peer)
                 self._gpu_time("gather_gpu", c.req, c.seq, c.started, c.event, c.peer)
@@ -249,22 +253,23 @@ class StagingEndpoint(Receiver):
                     c.xfer = self.agent.initialize("WRITE", lrow, self.outbox.mem, rrow, info.mem, c.peer,
                                                    what=f"staged '{c.req}' chunk {c.seq}")
                 # LANDED rides on the WRITE: NIXL delivers it once the bytes are in the peer's slot
-                state = self.agent.post(c.xfer, self._landed_msg(c))
+                state = self.agent.post(c.xfer, self._landed_msg(c, s))
                 if self.trace:
                     self.trace("posted", c.req, c.seq, c.remote_slot, c.nbytes, c.peer)
             except KvlcError as exc:
                 state, c.xfer = XferState.ERR, None
-                self._fail(self._sending[(c.req, c.peer)], f"chunk {c.seq}: {exc}")
+                self._fail(s, f"chunk {c.seq}: {exc}")
             if state is XferState.ERR:
                 self._chunk_failed(c)
             else:
                 self._writing.append(c)
         self._gathering = still
 
-    def _landed_msg(self, c: _Chunk) -> bytes:
-        """The sealed LANDED notification of chunk ``c`` (slot, size and row count of what lands)."""
+    @staticmethod
+    def _landed_msg(c: _Chunk, s: _Sending) -> bytes:
+        """The sealed LANDED notification of chunk ``c`` of ``s`` (slot, size and row count of what lands)."""
         return encode(Message(Kind.LANDED, c.req, c.seq, c.total, c.remote_slot, nbytes=c.nbytes,
-                              nrows=len(c.remote)), self._sending[(c.req, c.peer)].key)
+                              nrows=len(c.remote)), s.key)
 
     def _check_writes(self) -> None:
         still = []
