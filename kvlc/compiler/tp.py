@@ -45,12 +45,16 @@ def assign(consumer_rank: int, heads: int, consumer_tp: int, producer_tp: int) -
     out: list[Source] = []
     for h in range(h0, h1):
         cands = holders(h, heads, producer_tp)
-        p = cands[consumer_rank % len(cands)]
-        if out and out[-1].producer == p and out[-1].h1 == h:
-            out[-1] = out[-1]._replace(h1=h + 1)
-        else:
-            out.append(Source(p, h, h + 1))
+        _add_head(out, cands[consumer_rank % len(cands)], h)
     return tuple(out)
+
+
+def _add_head(out: list[Source], producer: int, h: int) -> None:
+    """Append head ``h`` read from ``producer``: it extends the last source when that one ends at ``h``."""
+    if out and out[-1].producer == producer and out[-1].h1 == h:
+        out[-1] = out[-1]._replace(h1=h + 1)
+    else:
+        out.append(Source(producer, h, h + 1))
 
 
 def sources(consumer_rank: int, f: PlanField, consumer_tp: int, producer_tp: int) -> tuple[Source, ...]:
@@ -108,11 +112,7 @@ def dcp_sources(consumer_rank: int, f: PlanField, cons, prod) -> tuple[Source, .
     for d in range(prod.dcp_size):
         for h in range(h0, h1):
             cands = dcp_holders(h, hd.global_size, prod)[d]
-            p = cands[consumer_rank % len(cands)]
-            if out and out[-1].producer == p and out[-1].h1 == h:
-                out[-1] = out[-1]._replace(h1=h + 1)
-            else:
-                out.append(Source(p, h, h + 1))
+            _add_head(out, cands[consumer_rank % len(cands)], h)
     return tuple(out)
 
 
