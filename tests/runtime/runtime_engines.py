@@ -81,3 +81,19 @@ def check_from_many(consumer: AgentHandle, consumer_plan, before, batches, after
     assert not problems, problems[:5]
     assert checked > 0
     return checked
+
+
+def settle(consumer: AgentHandle, req_id: str, timeout: float = 30.0) -> tuple[dict, dict]:
+    """Wait for ``req_id``'s terminal answer on ``consumer``, then prove no byte of its memory changes
+    afterwards (1.5 s) and no request flipped; returns (the wait's outcome, the memory at the answer)."""
+    import time
+
+    out = consumer.call("wait", [req_id], timeout)
+    assert out["open"] == [], out
+    snap = consumer.call("dump")
+    time.sleep(1.5)
+    again = consumer.call("dump")
+    late = {k: int((snap[k] != again[k]).sum()) for k in snap}
+    assert sum(late.values()) == 0, f"bytes landed after the request was reported terminal: {late}"
+    assert consumer.call("events")["flips"] == []
+    return out, snap

@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 import pytest
-from runtime_engines import SECRET, TEST_LAYOUTS, check_bytes, config, flip, move
+from runtime_engines import SECRET, TEST_LAYOUTS, check_bytes, config, flip, move, settle
 
 from kvlc import compile_spec
 from kvlc.errors import KvlcError
@@ -113,17 +113,6 @@ def test_policy_comes_from_the_environment_and_is_checked(monkeypatch, plans):
     assert fragmented.decide(4086, 4086 * 65536, "DRAM", "DRAM") and fragmented.needs_buffers(False)
 
 
-def _settle_and_check(cons, req, timeout=30.0):
-    out = cons.call("wait", [req], timeout)
-    assert out["open"] == [], out
-    snap = cons.call("dump")
-    time.sleep(1.5)
-    again = cons.call("dump")
-    late = {k: int((snap[k] != again[k]).sum()) for k in snap}
-    assert sum(late.values()) == 0, f"bytes landed after the request was reported terminal: {late}"
-    assert cons.call("events")["flips"] == []
-    return out
-
 
 @pytest.mark.parametrize("mode", ["push", "pull_via_push"])
 def test_stopped_producer_mid_stream_fails_and_nothing_lands_late(eng, mode):
@@ -150,7 +139,7 @@ def test_stopped_producer_mid_stream_fails_and_nothing_lands_late(eng, mode):
         assert got["finished"] == [] and req in got["held"], got
     finally:
         pp.signal(signal.SIGCONT)
-    out = _settle_and_check(cons, req)
+    out, _ = settle(cons, req)
     assert req in out["failed"] and req in out["ever_held"], out
     assert 0 < _chunks(cons) - base < 128  # 512 KiB in 4 KiB chunks: it stopped mid-stream
 
