@@ -118,7 +118,7 @@ class Copier:
         self.stream = stream
         self.calls = 0  # copy calls issued (for benchmarks and tests)
         self._aliases: dict = {}
-        self._spans: dict[str, tuple[frozenset, Region | None]] = {}  # per device (see _span)
+        self._spans: dict[str, _Span] = {}  # per device (see _span)
         self._rings: dict[str, _PinnedRing] = {}  # per CUDA device
 
     def warm(self, device: Any) -> None:
@@ -207,13 +207,14 @@ class Copier:
             return None
         key = str(device)
         if key not in self._spans:
-            on = [r for r in self.regions.regions if r.tensor.device == device]
-            self._spans[key] = (frozenset(i for i, r in enumerate(self.regions.regions) if r.tensor.device == device),
-                                _view(on[0].base, on[-1].end - on[0].base, device) if len(on) > 1 else None)
-        members, view = self._spans[key]
-        if view is None or not members.issuperset(np.unique(where).tolist()):
+            on = [i for i, r in enumerate(self.regions.regions) if r.tensor.device == device]
+            first, last = (self.regions.regions[on[0]], self.regions.regions[on[-1]]) if on else (None, None)
+            self._spans[key] = _Span(frozenset(on), _view(first.base, last.end - first.base, device)
+                                     if len(on) > 1 else None)
+        span = self._spans[key]
+        if span.view is None or not span.members.issuperset(np.unique(where).tolist()):
             return None
-        return view
+        return span.view
 
     def _group(self, pieces, region: Region, length: int, at: int, bounce, gather: bool) -> None:
         src = region.tensor
@@ -323,6 +324,14 @@ class _PinnedRing:
             ev.record()
         self.events[k] = ev
         return out
+
+
+@dataclass(frozen=True)
+class _Span:
+    """The regions (indices) on one device, and one view from the lowest to the highest (None: fewer than two)."""
+
+    members: frozenset
+    view: Region | None
 
 
 def _view(base: int, nbytes: int, device: Any) -> Region | None:

@@ -12,8 +12,8 @@ per-step durations.
 
 >>> t = Trace("/tmp/unused")
 >>> t("queued", "r1", 0, slot=-1, nbytes=64, peer="decode-0")
->>> t.rows[0][1:]
-('queued', 'r1', 0, -1, 64, 'decode-0', 0.0)
+>>> t.rows[0].step, t.rows[0].req, t.rows[0].nbytes, t.rows[0].peer
+('queued', 'r1', 64, 'decode-0')
 """
 
 from __future__ import annotations
@@ -24,19 +24,33 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 ENV = "KVLC_STAGING_TRACE"
 LIMIT = 1 << 20
 _seq = itertools.count()
 
 
+class Row(NamedTuple):
+    """One step of one chunk."""
+
+    t_ns: int
+    step: str
+    req: str
+    seq: int
+    slot: int
+    nbytes: int
+    peer: str
+    value: float
+
+
 class Trace:
-    """Rows ``(t_ns, step, request, chunk, slot, nbytes)``; :meth:`dump` writes them once."""
+    """The rows (:class:`Row`) of one endpoint; :meth:`dump` writes them once."""
 
     def __init__(self, folder: str | os.PathLike, agent: str = ""):
         self.agent = agent  # this endpoint's NIXL agent name (a chunk is keyed by request, chunk, sender)
         self.path = Path(folder) / f"staging-{os.getpid()}-{next(_seq)}.jsonl"
-        self.rows: list[tuple] = []
+        self.rows: list[Row] = []
         self.dropped = 0
         self._written = False
         atexit.register(self.dump)
@@ -44,7 +58,7 @@ class Trace:
     def __call__(self, step: str, req: str, seq: int, slot: int = -1, nbytes: int = 0, peer: str = "",
                  value: float = 0.0) -> None:
         if len(self.rows) < LIMIT:
-            self.rows.append((time.monotonic_ns(), step, req, seq, slot, nbytes, peer, value))
+            self.rows.append(Row(time.monotonic_ns(), step, req, seq, slot, nbytes, peer, value))
         else:
             self.dropped += 1
 
@@ -55,9 +69,8 @@ class Trace:
         self._written = True
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "w") as fh:
-            for t, step, req, seq, slot, nbytes, peer, value in self.rows:
-                fh.write(json.dumps({"t_ns": t, "pid": os.getpid(), "agent": self.agent, "peer": peer, "step": step,
-                                     "req": req, "seq": seq, "slot": slot, "nbytes": nbytes, "value": value}) + "\n")
+            for row in self.rows:
+                fh.write(json.dumps({"pid": os.getpid(), "agent": self.agent, **row._asdict()}) + "\n")
             if self.dropped:
                 fh.write(json.dumps({"dropped": self.dropped}) + "\n")
         return self.path
