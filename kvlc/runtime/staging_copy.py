@@ -127,7 +127,7 @@ class Copier:
         import torch
 
         if device.type == "cuda":
-            self._rings.setdefault(str(device), _PinnedRing(device))
+            self._ring(device)
         idx = torch.zeros(1, dtype=torch.int64, device=device)
         ctx = torch.cuda.stream(self.stream) if self.stream is not None else _nullctx()
         with ctx:
@@ -148,19 +148,21 @@ class Copier:
 
         if device.type != "cuda":
             return torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64))
+        return self._ring(device).put(np.ascontiguousarray(values, dtype=np.int64), self.stream)
+
+    def _ring(self, device: Any) -> _PinnedRing:
+        """This copier's pinned upload ring for ``device`` (made at first use, or by :meth:`warm`)."""
         ring = self._rings.get(str(device))
         if ring is None:
             ring = self._rings[str(device)] = _PinnedRing(device)
-        return ring.put(np.ascontiguousarray(values, dtype=np.int64), self.stream)
+        return ring
 
     def upload_into(self, values: np.ndarray, dst: Any) -> None:
         """Copy int64 ``values`` into the GPU byte tensor ``dst`` straight from a pinned ring buffer,
         queued on the stream (no intermediate device tensor, the host does not wait)."""
         import torch
 
-        ring = self._rings.get(str(dst.device))
-        if ring is None:
-            ring = self._rings[str(dst.device)] = _PinnedRing(dst.device)
+        ring = self._ring(dst.device)
         values = np.ascontiguousarray(values, dtype=np.int64)
         ctx = torch.cuda.stream(self.stream) if self.stream is not None else _nullctx()
         with ctx:
