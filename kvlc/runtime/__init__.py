@@ -34,7 +34,7 @@ from kvlc.runtime.nixl import XferState
 from kvlc.runtime.peer import Peer
 from kvlc.runtime.staging import StagingPolicy
 from kvlc.runtime.tracking import Completions
-from kvlc.runtime.wire import Notif, Record, decode_notif, encode_notif
+from kvlc.runtime.wire import Notif, NotifBatch, Record, decode_notif, encode_notif
 
 __all__ = [
     "KvAgent",
@@ -57,6 +57,7 @@ __all__ = [
     "XferState",
     "Record",
     "Notif",
+    "NotifBatch",
     "encode_notif",
     "decode_notif",
 ]

@@ -24,7 +24,7 @@ from kvlc.runtime.kinds import Direction, Mode, Status
 from kvlc.runtime.staging_copy import StagingError
 from kvlc.runtime.staging_wire import Kind, decode as decode_staging, is_staging, verify
 from kvlc.runtime.tracking import Incoming, hold, settle
-from kvlc.runtime.wire import Cancel, Reply, decode_notif, encode
+from kvlc.runtime.wire import Cancel, NotifBatch, Reply, decode_notif, encode
 
 if TYPE_CHECKING:
     from kvlc.runtime.agent import KvAgent
@@ -117,40 +117,54 @@ def staging(agent: KvAgent, sender: str, raw: bytes) -> None:
 
 
 def notif(agent: KvAgent, sender: str, message: bytes) -> None:
-    """One NIXL notification (caller holds the lock)."""
+    """One NIXL notification: one request's end, or several requests' ``done`` (caller holds the lock)."""
     try:
         n = decode_notif(message)
     except HandshakeError as exc:
         return _drop(agent, "from %r: %s", sender[:64], exc)
+    if isinstance(n, NotifBatch):
+        fields = n.fields()
+        s = next((s for s in agent.sessions.live(sender)
+                  if s.rank == n.rank and tag_ok(s.notif_key, n.tag, *fields)), None)
+        if s is None:
+            return _drop(agent, "%r has no session whose key signs its batch (rank %d, %d requests from %r)",
+                         sender[:64], n.rank, len(n.done), n.done[0][:40])
+        for req in n.done:
+            _ended(agent, s, req, Status.DONE, "")
+        return
     s = next((s for s in agent.sessions.live(sender)
               if s.rank == n.rank and tag_ok(s.notif_key, n.tag, n.req, str(n.rank), n.status)), None)
     if s is None:
         return _drop(agent, "%r has no session whose key signs it (rank %d, request %r)", sender[:64], n.rank,
                      n.req[:40])
-    status = Status(n.status)
+    _ended(agent, s, n.req, Status(n.status), n.why)
+
+
+def _ended(agent: KvAgent, s, req: str, status: Status, why: str) -> None:
+    """Session ``s``'s rank says request ``req`` ended ``status`` on its side."""
     if s.direction is Direction.WRITE:  # we produce: a consumer rank is done reading
-        key = (s.engine.key, n.req)
+        key = (s.engine.key, req)
         if key in agent.events.ended:
             return
-        t = agent._tally(s.engine, n.req)
-        t.add(s.rank, status, n.why)
+        t = agent._tally(s.engine, req)
+        t.add(s.rank, status, why)
         agent._tally_check(key, t)
         return
-    inc = agent.incoming.get(n.req)
+    inc = agent.incoming.get(req)
     if inc is None:
-        if n.req in agent.events.ended:
+        if req in agent.events.ended:
             return  # late: the request already ended here
-        inc = agent.incoming[n.req] = Incoming(n.req, time.monotonic() + agent.timeout)
+        inc = agent.incoming[req] = Incoming(req, time.monotonic() + agent.timeout)
     if inc.engine is None:
         inc.engine = s.engine
     elif inc.engine is not s.engine:
-        return _drop(agent, "request %r is expected from another engine, not %r", n.req[:40], s.engine_id)
-    inc.answer(s.rank, status, n.why)
+        return _drop(agent, "request %r is expected from another engine, not %r", req[:40], s.engine_id)
+    inc.answer(s.rank, status, why)
     for cid, cs in list(inc.cancel_wait.items()):
         if cs.engine is s.engine and cs.rank == s.rank:
             del inc.cancel_wait[cid]
     if _settle(agent, inc):
-        del agent.incoming[n.req]
+        del agent.incoming[req]
 
 
 def _gone(result) -> bool:

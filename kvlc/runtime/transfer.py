@@ -10,7 +10,9 @@ and pair of memory types, row-aligned (N, 3) descriptors). :class:`Executor`
    is posted);
 2. posts them; polls their states without blocking;
 3. once every part is terminal, releases every handle; then, if every part is
-   DONE, sends exactly one ``done`` notification to each involved remote rank;
+   DONE, sends exactly one ``done`` notification to each involved remote rank
+   (requests that end in the same :meth:`Executor.progress` and go to the same session
+   share one batch notification);
    otherwise marks the request failed with the first reason and sends
    ``failed`` notifications (never ``done``) — only after all parts are
    terminal, so no byte moves after the peer hears of the request's end;
@@ -45,7 +47,7 @@ from kvlc.runtime.auth import notif_tag
 from kvlc.runtime.errors import NixlError
 from kvlc.runtime.kinds import Status
 from kvlc.runtime.nixl import XferState
-from kvlc.runtime.wire import encode_notif
+from kvlc.runtime.wire import batch_fields, batches, encode_notif, encode_notif_batch
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,12 @@ class Target:
 
     def notif(self, req: str, rank: int, status: Status, why: str = "") -> bytes:
         return encode_notif(req, rank, status, notif_tag(self.key, req, str(rank), str(status)), why)
+
+    def done(self, reqs: list[str], rank: int) -> bytes:
+        """``done`` for one request, or one batch notification for several."""
+        if len(reqs) == 1:
+            return self.notif(reqs[0], rank, Status.DONE)
+        return encode_notif_batch(reqs, rank, notif_tag(self.key, *batch_fields(reqs, rank)))
 
 log = logging.getLogger("kvlc.runtime.transfer")
 
@@ -136,6 +144,7 @@ class Executor:
         self.active: dict[Hashable, Outgoing] = {}
         self.stuck: list[Any] = []  # handles NIXL refused to release; retried on progress/close
         self._staged: dict[tuple[str, str], tuple[Outgoing, PartRun]] = {}  # (req, peer agent) → its part
+        self._done: list[Outgoing] = []  # every part done, its done notifications not sent yet
 
     def _pick_staged(self, op: str, parts: Mapping[Any, Any], agents: Mapping[int, str]) -> dict[int, list]:
         """Peer rank → the (row) parts to stage to it; the rest stay direct."""
@@ -251,6 +260,7 @@ class Executor:
             if self._advance(out, now):
                 del self.active[key]
                 done.append(out)
+        self._notify_done()
         return done
 
     def _stage_event(self, ev) -> None:
@@ -294,20 +304,48 @@ class Executor:
         return True
 
     def _finish(self, out: Outgoing, now: float) -> None:
+        """Every handle of ``out`` is released: a failed request notifies now; a successful one
+        waits for :meth:`_notify_done` (the end of this progress turn), which batches."""
         out.finished = now
-        if not out.reason:
-            sent = []
+        if out.reason:
+            self._fail(out)
+        else:
+            self._done.append(out)
+
+    def _notify_done(self) -> None:
+        """Send the ``done`` notifications of every request that ended well since the last call: one
+        notification per session for all of them (:meth:`Target.done`), then decide each request.
+        A request whose notification to one rank could not be sent fails: the ranks not yet told
+        hear ``failed`` (those told ``done`` before keep it, as their bytes did land)."""
+        outs, self._done = self._done, []
+        if not outs:
+            return
+        told: dict[int, list[int]] = {id(o): [] for o in outs}
+        groups: dict[Target, list[tuple[Outgoing, int]]] = {}
+        for out in outs:
             for rank, target in out.notify.items():
+                groups.setdefault(target, []).append((out, rank))
+        for target, members in groups.items():
+            members = [(o, rank) for o, rank in members if not o.reason]
+            at = 0
+            for chunk in batches([o.req for o, _ in members]):
+                share, at = members[at:at + len(chunk)], at + len(chunk)
                 try:
-                    self.agent.send_notif(target.agent, target.notif(out.req, self.rank, Status.DONE))
-                    sent.append(rank)
+                    self.agent.send_notif(target.agent, target.done(chunk, self.rank))
                 except NixlError as exc:
-                    out.reason = f"all parts done, but notifying rank {rank} failed: {exc}"
-                    break
-            out.notified = tuple(sent)
-            if not out.reason:
+                    for o, rank in share:
+                        o.reason = f"all parts done, but notifying rank {rank} failed: {exc}"
+                    continue
+                for o, rank in share:
+                    told[id(o)].append(rank)
+        for out in outs:
+            out.notified = tuple(told[id(out)])
+            if out.reason:
+                self._fail(out)
+            else:
                 out.status = "done"
-                return
+
+    def _fail(self, out: Outgoing) -> None:
         out.status = "failed"
         for rank, target in out.notify.items():
             if rank in out.notified:
@@ -347,6 +385,7 @@ class Executor:
         out.deadline = min(out.deadline or self.clock(), self.clock())
         if self._advance(out, self.clock()):
             del self.active[key]
+            self._notify_done()
             return out
         return None
 
@@ -371,4 +410,5 @@ class Executor:
                     r.state, r.error = XferState.ERR, "cancelled"
             self._finish(out, now)
             out_list.append(out)
+        self._notify_done()
         return out_list

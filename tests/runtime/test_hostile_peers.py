@@ -21,7 +21,8 @@ from kvlc.runtime import AuthError, HandshakeError, KvAgent, allocate
 from kvlc.runtime.auth import resolve_secret
 from kvlc.runtime.channel import ChannelClient, Limits, write_frame
 from kvlc.runtime.nixl import Agent, Xfer
-from kvlc.runtime.wire import Fetch, Introduce, decode, encode, encode_notif
+from kvlc.runtime.auth import notif_tag
+from kvlc.runtime.wire import Fetch, Introduce, batch_fields, decode, encode, encode_notif, encode_notif_batch
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("nixl")
@@ -164,6 +165,45 @@ def test_forged_notification_from_a_name_twin_is_dropped(plan, producer, victim)
         twin.close()
     peer.read("after-forge", {"full": [20]}, {"full": [1]}, 16)
     assert vic.wait(["after-forge"], timeout=20).finished == ("after-forge",)
+
+
+def test_forged_or_altered_batch_notifications_are_dropped(plan, producer, victim):
+    """Batch 'done' notifications from the producer's name twin are dropped when unsigned, when their
+    list differs from the one the session key signed (a request added, the list reordered), and when
+    signed for another rank; the requests they name stay open, and the real producer's batches still count."""
+    prod, _ = producer
+    vic, _ = victim
+    peer = vic.connect(prod.address, mode="pull_via_push")
+    (s,) = vic.sessions.live(prod.name)
+    signed = notif_tag(s.notif_key, *batch_fields(["b1"], 0))
+    forgeries = [
+        encode_notif_batch(["b1", "b2"], 0, "0" * 24),  # no key
+        encode_notif_batch(["b1", "b2"], 0, signed),  # b2 added to a list signed as [b1]
+        encode_notif_batch(["b2", "b1"], 0, notif_tag(s.notif_key, *batch_fields(["b1", "b2"], 0))),
+        encode_notif_batch(["b1"], 1, signed),  # another rank
+    ]
+    twin = Agent(prod.name)
+    try:
+        twin.add_remote(vic.record.nixl_md)
+        for req in ("b1", "b2"):
+            vic.expect(req, 30.0)
+        dropped = vic.stats["dropped_notifs"]
+        for m in forgeries:
+            twin.send_notif(vic.name, m)
+        for _ in range(300):
+            twin.notifs()
+            vic.poll()
+            if vic.stats["dropped_notifs"] >= dropped + len(forgeries):
+                break
+            __import__("time").sleep(0.01)
+        assert vic.stats["dropped_notifs"] == dropped + len(forgeries)
+        assert {"b1", "b2"} <= set(vic.incoming)  # still waiting, not finished
+    finally:
+        twin.close()
+    reqs = [f"after-batch-{i}" for i in range(6)]
+    for i, req in enumerate(reqs):
+        peer.read(req, {"full": [20 + i]}, {"full": [1 + i]}, 16)
+    assert sorted(vic.wait(reqs, timeout=20).finished) == reqs
 
 
 def test_bases_past_2_63_are_refused_in_records(producer):

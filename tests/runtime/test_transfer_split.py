@@ -211,3 +211,69 @@ def test_hetero_tp_one_notification_per_peer_rank():
     tag = notif_tag(KEY, "r1", "1", "done")
     assert all(n == {"v": 1, "req": "r1", "rank": 1, "status": "done", "why": "", "tag": tag}
                for _, n in _notifs(agent))
+
+
+def _hetero():
+    cons = compile_spec(LAYOUTS / "llama-3.1-70b-hnd-tp4.yaml")
+    prod = compile_spec(LAYOUTS / "llama-3.1-70b-hnd-tp8.yaml")
+    prog = pair(cons, prod, local_rank=1, direction="READ")
+    return prog.instantiate(
+        _bases(cons, 1), {2: _bases(prod, 2), 3: _bases(prod, 3)}, {"full": [4, 5]}, {"full": [7, 8]}, 20
+    )
+
+
+def test_requests_ending_together_share_one_notification_per_peer():
+    """Five requests that end in the same progress turn: one batch notification to each peer rank
+    naming all five in submission order, tagged over the whole list; a failed one in the same turn
+    is told apart and is not in the batch."""
+    parts = _hetero()
+    agent = FakeAgent()
+    agent.states = {("peer2", "VRAM", "VRAM"): [PROC, PROC, DONE], ("peer3", "VRAM", "VRAM"): [PROC, PROC, DONE]}
+    ex = Executor(agent, rank=1)
+    outs = [_submit(ex, parts, req=f"req-{i}") for i in range(5)]
+    agent.states = {("peer2", "VRAM", "VRAM"): [PROC, PROC, ERR], ("peer3", "VRAM", "VRAM"): [PROC, PROC, DONE]}
+    bad = _submit(ex, parts, req="bad")
+    assert ex.progress() == [] and agent.sent == []
+    assert set(o.req for o in ex.progress()) == {o.req for o in outs} | {"bad"}
+    assert [o.status for o in outs] == ["done"] * 5 and bad.status == "failed"
+    reqs = [o.req for o in outs]
+    tag = notif_tag(KEY, "done*", "1", json.dumps(reqs, separators=(",", ":")))
+    batches = [(name, n) for name, n in _notifs(agent) if "done" in n]
+    assert sorted(batches, key=lambda b: b[0]) == [
+        ("peer2", {"v": 1, "done": reqs, "rank": 1, "tag": tag}),
+        ("peer3", {"v": 1, "done": reqs, "rank": 1, "tag": tag}),
+    ]
+    failed = [(name, n["req"], n["status"]) for name, n in _notifs(agent) if "done" not in n]
+    assert sorted(failed) == [("peer2", "bad", "failed"), ("peer3", "bad", "failed")]
+    assert all(o.notified == (2, 3) for o in outs) and bad.notified == ()
+
+
+def test_a_batch_that_cannot_be_sent_fails_its_requests_only_where_untold():
+    """The batch to one peer cannot be sent: every request in it fails; the other peer, told 'done'
+    first, is not told 'failed' as well; the unreachable one is told 'failed' (best effort)."""
+    parts = _hetero()
+    agent = FakeAgent()
+    agent.fail_notif = {"peer3"}
+    ex = Executor(agent, rank=1)
+    outs = [_submit(ex, parts, req=f"req-{i}") for i in range(3)]
+    assert len(ex.progress()) == 3
+    assert all(o.status == "failed" and "notifying rank 3 failed" in o.reason for o in outs)
+    assert all(o.notified == (2,) for o in outs)
+    sent = _notifs(agent)
+    assert [name for name, _ in sent] == ["peer2"] and sent[0][1]["done"] == [o.req for o in outs]
+
+
+def test_batches_stay_within_the_notification_limit():
+    """Hundreds of long request ids ending together: several batch notifications, none over the
+    limit, every request named exactly once, in order."""
+    from kvlc.runtime.wire import MAX_BATCH_NOTIF_BYTES, decode_notif
+
+    parts = _hetero()
+    agent = FakeAgent()
+    ex = Executor(agent, rank=1)
+    outs = [_submit(ex, parts, req=f"{i:04d}-" + "r" * 120) for i in range(300)]
+    assert len(ex.progress()) == 300 and all(o.status == "done" for o in outs)
+    for peer in ("peer2", "peer3"):
+        msgs = [m for name, m in agent.sent if name == peer]
+        assert len(msgs) > 1 and all(len(m) <= MAX_BATCH_NOTIF_BYTES for m in msgs)
+        assert [r for m in msgs for r in decode_notif(m).done] == [o.req for o in outs]

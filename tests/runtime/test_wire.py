@@ -215,6 +215,48 @@ def test_notification_format():
     assert (n.req, n.rank, n.status, n.tag) == ("req-7", 3, "done", T)
 
 
+def test_batch_notification_format():
+    """A batch names its requests in order under one tag over marker, rank and the list's JSON; it
+    may exceed a single notification's limit but not MAX_BATCH_NOTIF_BYTES."""
+    from kvlc.runtime.auth import notif_tag
+    from kvlc.runtime.wire import MAX_BATCH_NOTIF_BYTES, NotifBatch, batch_fields, batches, encode_notif_batch
+
+    data = encode_notif_batch(["a", 'b"c', "d|e"], 7, T)
+    assert data == b'{"v":1,"done":["a","b\\"c","d|e"],"rank":7,"tag":"' + T.encode() + b'"}'
+    n = decode_notif(data)
+    assert isinstance(n, NotifBatch) and n.done == ["a", 'b"c', "d|e"] and n.rank == 7
+    # joined ids would make ["a|b", "c"] and ["a", "b|c"] sign alike; the JSON list does not
+    assert notif_tag(b"k", *batch_fields(["a|b", "c"], 0)) != notif_tag(b"k", *batch_fields(["a", "b|c"], 0))
+    # nor can a single notification's fields ever equal a batch's
+    assert batch_fields(["r"], 0)[2].startswith("[")
+    ids = [f"{i:03d}" + "\\" * 60 for i in range(300)]  # each id doubles as JSON
+    chunks = batches(ids)
+    assert [i for c in chunks for i in c] == ids
+    assert all(MAX_NOTIF_BYTES < len(encode_notif_batch(c, 65535, T)) <= MAX_BATCH_NOTIF_BYTES for c in chunks)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b'{"v":1,"done":[],"rank":0,"tag":"000000000000000000000000"}',
+        b'{"v":1,"done":["a","a"],"rank":0,"tag":"000000000000000000000000"}',
+        b'{"v":1,"done":"a","rank":0,"tag":"000000000000000000000000"}',
+        b'{"v":1,"done":["a",1],"rank":0,"tag":"000000000000000000000000"}',
+        b'{"v":1,"done":["has space"],"rank":0,"tag":"000000000000000000000000"}',
+        b'{"v":1,"done":["a"],"rank":0,"status":"done","tag":"000000000000000000000000"}',
+        b'{"v":1,"done":["a"],"rank":0}',
+        b'{"v":2,"done":["a"],"rank":0,"tag":"000000000000000000000000"}',
+        b'{"v":1,"done":["a"],"rank":-1,"tag":"000000000000000000000000"}',
+        b'{"v":1,"done":[' + b",".join(b'"%d"' % i for i in range(257)) + b'],"rank":0,"tag":"000000000000000000000000"}',
+        b'{"v":1,"done":["' + b"r" * 9000 + b'"],"rank":0,"tag":"000000000000000000000000"}',
+    ],
+)
+def test_bad_batch_notifications_are_refused(data):
+    """Empty, repeated, mistyped, over-long or untagged batches raise HandshakeError."""
+    with pytest.raises(HandshakeError, match="notification refused"):
+        decode_notif(data)
+
+
 @pytest.mark.parametrize(
     "data",
     [
