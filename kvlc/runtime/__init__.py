@@ -34,7 +34,8 @@ from kvlc.runtime.nixl import XferState
 from kvlc.runtime.peer import Peer
 from kvlc.runtime.staging import StagingPolicy
 from kvlc.runtime.tracking import Completions
-from kvlc.runtime.wire import Notif, NotifBatch, Record, decode_notif, encode_notif
+from kvlc.runtime.notifs import Notif, NotifBatch, decode_notif, encode_notif
+from kvlc.runtime.wire import Record
 
 __all__ = [
     "KvAgent",

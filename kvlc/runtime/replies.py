@@ -24,7 +24,8 @@ from kvlc.runtime.kinds import Direction, Mode, Status
 from kvlc.runtime.staging_copy import StagingError
 from kvlc.runtime.staging_wire import Kind, decode as decode_staging, is_staging, verify
 from kvlc.runtime.tracking import Incoming, hold, settle
-from kvlc.runtime.wire import Cancel, NotifBatch, Reply, decode_notif, encode
+from kvlc.runtime.notifs import NotifBatch, decode_notif
+from kvlc.runtime.wire import Cancel, Reply, encode
 
 if TYPE_CHECKING:
     from kvlc.runtime.agent import KvAgent

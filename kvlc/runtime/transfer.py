@@ -43,28 +43,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvlc.errors import TransferError
-from kvlc.runtime.auth import notif_tag
 from kvlc.runtime.errors import NixlError
 from kvlc.runtime.kinds import Status
 from kvlc.runtime.nixl import XferState
-from kvlc.runtime.wire import batch_fields, batches, encode_notif, encode_notif_batch
+from kvlc.runtime.notifs import Target, tell_done
 
-
-@dataclass(frozen=True)
-class Target:
-    """Where a notification goes: the peer's NIXL agent name and the session's notification key."""
-
-    agent: str
-    key: bytes
-
-    def notif(self, req: str, rank: int, status: Status, why: str = "") -> bytes:
-        return encode_notif(req, rank, status, notif_tag(self.key, req, str(rank), str(status)), why)
-
-    def done(self, reqs: list[str], rank: int) -> bytes:
-        """``done`` for one request, or one batch notification for several."""
-        if len(reqs) == 1:
-            return self.notif(reqs[0], rank, Status.DONE)
-        return encode_notif_batch(reqs, rank, notif_tag(self.key, *batch_fields(reqs, rank)))
 
 log = logging.getLogger("kvlc.runtime.transfer")
 
@@ -96,6 +79,7 @@ class PartRun:
     error: str | None = None
     posted: bool = False
     staged: str = ""  # staged through bounce buffers to this NIXL agent (no handle of its own)
+    peer: str = ""  # the NIXL agent its bytes go to or come from
 
 
 @dataclass
@@ -136,6 +120,8 @@ class Outgoing:
 class Executor:
     """Runs split transfers for one agent. Not thread-safe: the caller holds its lock."""
 
+    SWEEP_S = 0.002  # every part in flight is asked at least this often (see progress)
+
     def __init__(self, agent, rank: int, clock: Callable[[], float] = time.monotonic, stager: Any = None):
         self.agent = agent
         self.rank = rank
@@ -145,6 +131,7 @@ class Executor:
         self.stuck: list[Any] = []  # handles NIXL refused to release; retried on progress/close
         self._staged: dict[tuple[str, str], tuple[Outgoing, PartRun]] = {}  # (req, peer agent) → its part
         self._done: list[Outgoing] = []  # every part done, its done notifications not sent yet
+        self._swept = float("-inf")  # when progress last asked every part
 
     def _pick_staged(self, op: str, parts: Mapping[Any, Any], agents: Mapping[int, str]) -> dict[int, list]:
         """Peer rank → the (row) parts to stage to it; the rest stay direct."""
@@ -204,7 +191,7 @@ class Executor:
                         continue
                     x = self.agent.make_prepped(op, part.local, part.local_idx, part.remote, part.remote_idx,
                                                 what=f"request '{req}' part {part.key} (prepared)")
-                    runs.append(PartRun(part.key, x, len(part), int(part.nbytes)))
+                    runs.append(PartRun(part.key, x, len(part), int(part.nbytes), peer=agents[part.key.peer_rank]))
                     continue
                 if not len(part.local):
                     continue
@@ -217,7 +204,7 @@ class Executor:
                     agents[pk.peer_rank],
                     what=f"request '{req}' part {pk}",
                 )
-                runs.append(PartRun(pk, x, len(part.local), int(part.nbytes)))
+                runs.append(PartRun(pk, x, len(part.local), int(part.nbytes), peer=agents[pk.peer_rank]))
             runs += self._stage(req, staged, parts, agents, notify, timeout) if staged else []
         except BaseException:
             for r in runs:
@@ -248,16 +235,26 @@ class Executor:
 
     # ------------------------------------------------------------------ progress
     def progress(self) -> list[Outgoing]:
-        """Advance every active request without blocking; return those that became terminal."""
+        """Advance every active request without blocking; return those that became terminal.
+
+        Parts are asked for their state oldest first, and per peer only until one is still in
+        flight: a later part to that peer waits for the next turn (a NIXL check costs microseconds
+        and 32 requests in flight would pay 32 per turn). Every :attr:`SWEEP_S` seconds, and for a
+        request past its deadline, every part is asked, so a part that finished out of order is
+        seen within that time."""
         self._retry_stuck()
         if self.stager is not None:
             for ev in self.stager.progress():
                 self._stage_event(ev)
         now = self.clock()
+        sweep = now - self._swept >= self.SWEEP_S
+        if sweep:
+            self._swept = now
+        busy: set[str] | None = None if sweep else set()
         done = []
         for key in list(self.active):
             out = self.active[key]
-            if self._advance(out, now):
+            if self._advance(out, now, busy):
                 del self.active[key]
                 done.append(out)
         self._notify_done()
@@ -275,13 +272,21 @@ class Executor:
             r.state, r.error = XferState.ERR, ev.reason or "staging failed"
             out.reason = out.reason or f"part {r.key}: {r.error}"
 
-    def _advance(self, out: Outgoing, now: float) -> bool:
+    def _advance(self, out: Outgoing, now: float, busy: set[str] | None = None) -> bool:
+        """Check ``out``'s parts; ``busy``: peers with a part in flight seen this turn, whose later
+        parts are not asked (None: ask every part)."""
+        if busy is not None and out.deadline is not None and now >= out.deadline:
+            busy = None
         for r in out.parts:
             if r.state is XferState.PROC and r.xfer is not None and not r.xfer.released:
+                if busy is not None and r.peer in busy:
+                    continue
                 r.state = self.agent.state(r.xfer)
                 if r.state is XferState.ERR:
                     r.error = r.xfer.error or "transfer failed"
                     out.reason = out.reason or f"part {r.key}: {r.error}"
+                elif busy is not None and r.state is XferState.PROC:
+                    busy.add(r.peer)
         pending = [r for r in out.parts if r.state is XferState.PROC]
         if pending and out.deadline is not None and now >= out.deadline:
             out.reason = out.reason or (
@@ -313,33 +318,13 @@ class Executor:
             self._done.append(out)
 
     def _notify_done(self) -> None:
-        """Send the ``done`` notifications of every request that ended well since the last call: one
-        notification per session for all of them (:meth:`Target.done`), then decide each request.
-        A request whose notification to one rank could not be sent fails: the ranks not yet told
-        hear ``failed`` (those told ``done`` before keep it, as their bytes did land)."""
+        """Tell every request that ended well since the last call (:func:`tell_done`: one
+        notification per session for all of them), then decide each: one whose notification to a
+        rank could not be sent fails (the ranks not yet told hear ``failed``)."""
         outs, self._done = self._done, []
-        if not outs:
-            return
-        told: dict[int, list[int]] = {id(o): [] for o in outs}
-        groups: dict[Target, list[tuple[Outgoing, int]]] = {}
+        if outs:
+            tell_done(self.agent, self.rank, outs)
         for out in outs:
-            for rank, target in out.notify.items():
-                groups.setdefault(target, []).append((out, rank))
-        for target, members in groups.items():
-            members = [(o, rank) for o, rank in members if not o.reason]
-            at = 0
-            for chunk in batches([o.req for o, _ in members]):
-                share, at = members[at:at + len(chunk)], at + len(chunk)
-                try:
-                    self.agent.send_notif(target.agent, target.done(chunk, self.rank))
-                except NixlError as exc:
-                    for o, rank in share:
-                        o.reason = f"all parts done, but notifying rank {rank} failed: {exc}"
-                    continue
-                for o, rank in share:
-                    told[id(o)].append(rank)
-        for out in outs:
-            out.notified = tuple(told[id(out)])
             if out.reason:
                 self._fail(out)
             else:

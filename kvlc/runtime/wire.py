@@ -20,26 +20,8 @@ Every frame travels inside an authenticated connection (:mod:`kvlc.runtime.auth`
 sent a ``pull`` or ``cancel`` is the session introduced on that connection, never a name
 inside the frame.
 
-Notifications (NIXL ``send_notif``) are compact JSON, at most
-:data:`MAX_NOTIF_BYTES` bytes::
-
-    {"v":1,"req":"<request id>","rank":<sender rank>,"status":"done","tag":"<24 hex>"}
-    {"v":1,"req":"<request id>","rank":<sender rank>,"status":"failed","why":"<reason>","tag":"<24 hex>"}
-
-``tag`` is an HMAC over request, rank and status with the key of the side-channel
-connection the two agents share (:func:`kvlc.runtime.auth.notif_tag`): a notification
-from an agent that only claims a peer's name is dropped.
-
-A sender posts exactly one per request to every peer rank it exchanged bytes
-with, after all parts of the request are terminal: ``done`` if every part
-succeeded, ``failed`` otherwise (never ``done`` for a failed request). Requests that end
-``done`` in the same progress turn and go to the same session share one notification
-(:class:`NotifBatch`, at most :data:`MAX_BATCH_NOTIF_BYTES` bytes)::
-
-    {"v":1,"done":["<request id>",...],"rank":<sender rank>,"tag":"<24 hex>"}
-
-whose tag is one HMAC over the marker ``done*``, the rank and the compact JSON of the
-list (so no entry can be split, joined, added or dropped without the key).
+Notifications (NIXL ``send_notif``) are compact JSON: :mod:`kvlc.runtime.notifs` (their names are
+still reachable here).
 
 Decoding refuses, with a :class:`~kvlc.runtime.errors.HandshakeError` that says
 why: oversize or truncated input, not msgpack / JSON, wrong version, wrong
@@ -52,7 +34,6 @@ limit, msgpack, version, error text) live in :mod:`kvlc.runtime.frames`.
 from __future__ import annotations
 
 import hashlib
-import json
 from typing import Annotated, Literal, Union
 
 import msgpack
@@ -74,10 +55,6 @@ MAX_FRAME_BYTES = 8 << 20  # any side-channel frame
 MAX_RECORD_BYTES = 4 << 20  # a handshake record
 MAX_METADATA_BYTES = 1 << 20  # NIXL agent metadata inside a record
 MAX_PLAN_BYTES = 2 << 20  # plan JSON inside a record
-MAX_NOTIF_BYTES = 512
-_COMPACT = json.JSONEncoder(separators=(",", ":"))  # json.dumps(..., separators=(",", ":")) without a new encoder
-MAX_BATCH_NOTIF_BYTES = 8192  # a NotifBatch: several requests' done in one notification
-MAX_BATCH = 256  # requests in one NotifBatch
 MAX_BLOCK_IDS = 1 << 20  # per group, per side, in a pull request
 MAX_ERROR_CHARS = 4096
 
@@ -210,36 +187,6 @@ Message = Annotated[Union[Fetch, Record, Introduce, PullRequest, Cancel, Reply],
 _MESSAGE = TypeAdapter(Message)
 
 
-class Notif(_Strict):
-    """One notification: request ``req`` is terminal on the sender's (rank ``rank``) side."""
-
-    v: Literal[1] = 1
-    req: RequestId
-    rank: Rank
-    status: Literal["done", "failed"]
-    why: Annotated[str, Field(max_length=200)] = ""
-    tag: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{24}$")]
-
-
-class NotifBatch(_Strict):
-    """Several requests ended ``done`` on the sender's (rank ``rank``) side, in one notification."""
-
-    v: Literal[1] = 1
-    done: Annotated[list[RequestId], Field(min_length=1, max_length=MAX_BATCH)]
-    rank: Rank
-    tag: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{24}$")]
-
-    def fields(self) -> tuple[str, str, str]:
-        """What its tag covers (:func:`batch_fields`)."""
-        return batch_fields(self.done, self.rank)
-
-
-def batch_fields(reqs, rank: int) -> tuple[str, str, str]:
-    """The fields a :class:`NotifBatch`'s tag covers: a marker no single notification's status can
-    be, the rank, and the compact JSON of the request list (unambiguous, unlike joined ids)."""
-    return ("done*", str(rank), _COMPACT.encode(list(reqs)))
-
-
 # ----------------------------------------------------------------------------- records
 def check_record(rec: Record) -> Plan:
     """Facts a schema cannot check: digest, plan, rank and storages agree. Returns the plan."""
@@ -355,76 +302,14 @@ def decode_record(data: bytes) -> Record:
     return rec
 
 
-# ----------------------------------------------------------------------------- notifications
+_MOVED = frozenset({"Notif", "NotifBatch", "encode_notif", "decode_notif", "encode_notif_batch", "batch_fields",
+                    "batches", "MAX_NOTIF_BYTES", "MAX_BATCH_NOTIF_BYTES", "MAX_BATCH"})
 
 
-def encode_notif(req: str, rank: int, status: str, tag: str, why: str = "") -> bytes:
-    """The compact JSON notification (``tag``: :func:`kvlc.runtime.auth.notif_tag` of req, rank, status).
+def __getattr__(name: str):
+    """The notification names that moved to :mod:`kvlc.runtime.notifs` (PEP 562)."""
+    if name in _MOVED:
+        from kvlc.runtime import notifs
 
-    >>> encode_notif("r1", 0, "done", "0" * 24)
-    b'{"v":1,"req":"r1","rank":0,"status":"done","why":"","tag":"000000000000000000000000"}'
-    """
-    why = why[:200]
-    while True:
-        n = Notif(req=req, rank=rank, status=str(status), why=why, tag=tag)
-        data = _COMPACT.encode({"v": n.v, "req": n.req, "rank": n.rank, "status": n.status, "why": n.why,
-                                "tag": n.tag}).encode()  # the fields of n.model_dump(), in order
-        if len(data) <= MAX_NOTIF_BYTES:
-            return data
-        why = why[: len(why) // 2]
-
-
-def encode_notif_batch(reqs, rank: int, tag: str) -> bytes:
-    """One :class:`NotifBatch` (``tag``: :func:`~kvlc.runtime.auth.notif_tag` of :func:`batch_fields`).
-    The caller keeps it within :data:`MAX_BATCH` requests and :data:`MAX_BATCH_NOTIF_BYTES`
-    (:func:`batches` splits a list so).
-
-    >>> encode_notif_batch(["r1", "r2"], 0, "0" * 24)
-    b'{"v":1,"done":["r1","r2"],"rank":0,"tag":"000000000000000000000000"}'
-    """
-    n = NotifBatch(done=list(reqs), rank=rank, tag=tag)
-    data = _COMPACT.encode({"v": n.v, "done": list(n.done), "rank": n.rank, "tag": n.tag}).encode()
-    if len(data) > MAX_BATCH_NOTIF_BYTES:
-        raise HandshakeError(f"batch notification is {len(data)} bytes; the limit is {MAX_BATCH_NOTIF_BYTES}")
-    return data
-
-
-_BATCH_OVERHEAD = 96  # the JSON around the list, with the largest rank
-
-
-def batches(reqs: list[str]) -> list[list[str]]:
-    """Split request ids into lists that each fit one :class:`NotifBatch`, in order."""
-    out: list[list[str]] = [[]]
-    size = _BATCH_OVERHEAD
-    for r in reqs:
-        step = len(_COMPACT.encode(r)) + 1  # the id as JSON, and its comma
-        if out[-1] and (size + step > MAX_BATCH_NOTIF_BYTES or len(out[-1]) >= MAX_BATCH):
-            out.append([])
-            size = _BATCH_OVERHEAD
-        out[-1].append(r)
-        size += step
-    return [b for b in out if b]
-
-
-def decode_notif(data: bytes) -> Notif | NotifBatch:
-    """Validate a notification (one request's, or a :class:`NotifBatch`); raises
-    :class:`HandshakeError` for anything else."""
-    if not isinstance(data, (bytes, bytearray)) or len(data) > MAX_BATCH_NOTIF_BYTES:
-        raise HandshakeError(f"notification refused: not bytes or over {MAX_BATCH_NOTIF_BYTES} bytes")
-    try:
-        obj = json.loads(bytes(data).decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise HandshakeError(f"notification refused: not JSON ({str(exc)[:60]})") from None
-    if not isinstance(obj, dict):
-        raise HandshakeError(f"notification refused: expected a JSON object, got {type(obj).__name__}")
-    check_version(obj, "v", "notification")
-    batch = "done" in obj
-    if not batch and len(data) > MAX_NOTIF_BYTES:
-        raise HandshakeError(f"notification refused: over {MAX_NOTIF_BYTES} bytes")
-    try:
-        n = (NotifBatch if batch else Notif).model_validate(obj, strict=True)
-    except ValidationError as exc:
-        raise HandshakeError(f"{'batch ' if batch else ''}notification refused: {explain(exc)}") from None
-    if batch and len(set(n.done)) != len(n.done):
-        raise HandshakeError("batch notification refused: a request id appears twice in 'done'")
-    return n
+        return getattr(notifs, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

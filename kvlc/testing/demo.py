@@ -115,6 +115,7 @@ class DemoResult:
     verified_requests: int = 0     # requests whose destination bytes were all compared
     rounds: int = 0
     verified_rounds: int = 0
+    round_seconds: list[float] = field(default_factory=list)  # each round's timed seconds, in order
 
     @property
     def gbps(self) -> float:
@@ -269,6 +270,7 @@ def _move(engines: _Engines, batch: list, result: DemoResult, timeout: float) ->
         result.failed.update(a["failed"])
         result.failed.update(a["errors"])
     result.seconds += out["seconds"]
+    result.round_seconds.append(out["seconds"])
 
 
 def _count_moved(result: DemoResult, movers: list, stats0: dict) -> None:

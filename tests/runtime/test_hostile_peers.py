@@ -22,7 +22,8 @@ from kvlc.runtime.auth import resolve_secret
 from kvlc.runtime.channel import ChannelClient, Limits, write_frame
 from kvlc.runtime.nixl import Agent, Xfer
 from kvlc.runtime.auth import notif_tag
-from kvlc.runtime.wire import Fetch, Introduce, batch_fields, decode, encode, encode_notif, encode_notif_batch
+from kvlc.runtime.notifs import batch_fields, encode_notif, encode_notif_batch
+from kvlc.runtime.wire import Fetch, Introduce, decode, encode
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("nixl")

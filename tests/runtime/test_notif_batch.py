@@ -11,7 +11,7 @@ import pytest
 from runtime_engines import SECRET, TEST_LAYOUTS
 
 from kvlc import compile_spec
-from kvlc.runtime.wire import NotifBatch, decode_notif
+from kvlc.runtime.notifs import NotifBatch, decode_notif
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("nixl")

@@ -266,7 +266,7 @@ def test_a_batch_that_cannot_be_sent_fails_its_requests_only_where_untold():
 def test_batches_stay_within_the_notification_limit():
     """Hundreds of long request ids ending together: several batch notifications, none over the
     limit, every request named exactly once, in order."""
-    from kvlc.runtime.wire import MAX_BATCH_NOTIF_BYTES, decode_notif
+    from kvlc.runtime.notifs import MAX_BATCH_NOTIF_BYTES, decode_notif
 
     parts = _hetero()
     agent = FakeAgent()
@@ -277,3 +277,37 @@ def test_batches_stay_within_the_notification_limit():
         msgs = [m for name, m in agent.sent if name == peer]
         assert len(msgs) > 1 and all(len(m) <= MAX_BATCH_NOTIF_BYTES for m in msgs)
         assert [r for m in msgs for r in decode_notif(m).done] == [o.req for o in outs]
+
+
+def test_parts_are_asked_oldest_first_and_per_peer_until_one_is_in_flight():
+    """Four requests to two peers: within a turn, once a part to a peer is still in flight, later
+    requests' parts to that peer are not asked (NIXL checks cost microseconds each); a request that
+    finished out of order is seen at the next sweep (SWEEP_S), and one past its deadline is always
+    asked (and cancelled) at once."""
+    parts = _hetero()
+    agent = FakeAgent()
+    clock = Clock()
+    ex = Executor(agent, rank=1, clock=clock)
+    checks = []
+    real = agent.state
+    agent.state = lambda x: (checks.append(x.what.split("'")[1]), real(x))[1]
+    slow = {("peer2", "VRAM", "VRAM"): [PROC], ("peer3", "VRAM", "VRAM"): [PROC]}
+    agent.states = slow
+    first = _submit(ex, parts, req="first")  # stays in flight to both peers
+    agent.states = {k: [PROC, PROC, DONE] for k in slow}  # done at their second check
+    later = [_submit(ex, parts, req=f"later-{i}") for i in range(2)]
+    agent.states = slow
+    timed = _submit(ex, parts, req="timed", timeout=1.0)
+    assert ex.progress() == [] and len(checks) == 8  # the first turn sweeps: every part asked once
+    checks.clear()
+    clock.t = ex.SWEEP_S / 2
+    assert ex.progress() == [] and checks == ["first", "first"]  # both peers busy with the oldest
+    checks.clear()
+    clock.t = ex.SWEEP_S
+    assert sorted(o.req for o in ex.progress()) == ["later-0", "later-1"]  # the sweep sees them done
+    assert checks.count("later-0") == 2 and checks.count("later-1") == 2
+    assert all(o.status == "done" for o in later) and first.status == timed.status == "active"
+    checks.clear()
+    clock.t = 1.0 + ex.SWEEP_S / 4  # past timed's deadline (not a sweep turn): it is asked regardless
+    assert ex.progress() == [timed] and checks == ["first", "first", "timed", "timed"]
+    assert timed.status == "failed" and "timed out" in timed.reason

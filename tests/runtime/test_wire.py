@@ -219,7 +219,7 @@ def test_batch_notification_format():
     """A batch names its requests in order under one tag over marker, rank and the list's JSON; it
     may exceed a single notification's limit but not MAX_BATCH_NOTIF_BYTES."""
     from kvlc.runtime.auth import notif_tag
-    from kvlc.runtime.wire import MAX_BATCH_NOTIF_BYTES, NotifBatch, batch_fields, batches, encode_notif_batch
+    from kvlc.runtime.notifs import MAX_BATCH_NOTIF_BYTES, NotifBatch, batch_fields, batches, encode_notif_batch
 
     data = encode_notif_batch(["a", 'b"c', "d|e"], 7, T)
     assert data == b'{"v":1,"done":["a","b\\"c","d|e"],"rank":7,"tag":"' + T.encode() + b'"}'
