@@ -63,6 +63,7 @@ from kvlc.runtime.tracking import Completions, Events, Incoming, Tally
 from kvlc.runtime.transfer import Executor, Outgoing, Target
 from kvlc.runtime.ucx import UcxOptions
 from kvlc.runtime.wire import StorageBase, decode, make_record
+from kvlc.runtime.warmup import Warmer
 
 log = logging.getLogger("kvlc.runtime.agent")
 DEFAULT_TIMEOUT_S = 60.0
@@ -132,6 +133,7 @@ class KvAgent:
             raise
         self.bases = {b.name: (b.addr, b.device) for b in self.bindings.values()}
         self.executor = self._res.executor = Executor(self.nixl, rank, stager=self.stager)
+        self.warmer = Warmer(self.nixl, self.bindings)  # connect's warm-up READs (kvlc.runtime.warmup)
         self._unsettled: set[str] = set()            # consumer: complete, but a staged scatter still copies
         self.sessions = SessionTable(plan, rank, self.name)
         self.events = Events()
@@ -176,9 +178,11 @@ class KvAgent:
         return f"{h}:{p}"
 
     def connect(self, *addresses: str, direction: str = "READ", mode: str = "direct",
-                timeout: float = 10.0) -> Peer:
-        """Connect to the ranks of one remote engine (one side-channel address per rank); see :func:`connect`."""
-        return connect(self, addresses, direction, mode, timeout)
+                timeout: float = 10.0, warm: bool = True) -> Peer:
+        """Connect to the ranks of one remote engine (one side-channel address per rank); see :func:`connect`.
+        ``warm``: touch the peers' VRAM once now, so the first request does not pay UCX's first use
+        (:mod:`kvlc.runtime.warmup`)."""
+        return connect(self, addresses, direction, mode, timeout, warm)
 
     # ------------------------------------------------------------------ sessions (caller holds the lock)
     def _load_remote(self, rec) -> None:

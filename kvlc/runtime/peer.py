@@ -25,6 +25,7 @@ from kvlc.runtime.kinds import Direction, Mode
 from kvlc.runtime.sessions import RemoteEngine, Session
 from kvlc.runtime.tracking import Incoming
 from kvlc.runtime.transfer import PreparedPart, Target
+from kvlc.runtime.warmup import warm_peers
 from kvlc.runtime.wire import Fetch, Introduce, PullRequest, Record, Reply, decode, encode
 
 if TYPE_CHECKING:
@@ -67,7 +68,8 @@ def _fetch(clients: list[ChannelClient]) -> dict[int, tuple[Record, ChannelClien
     return out
 
 
-def connect(agent: KvAgent, addresses: Sequence[str], direction: str, mode: str, timeout: float) -> Peer:
+def connect(agent: KvAgent, addresses: Sequence[str], direction: str, mode: str, timeout: float,
+            warm: bool = True) -> Peer:
     """Connect ``agent`` to the ranks of one remote engine (see the module docstring)."""
     direction, mode = _check_connect(addresses, direction, mode)
     agent._check_open()
@@ -82,6 +84,8 @@ def connect(agent: KvAgent, addresses: Sequence[str], direction: str, mode: str,
         peer = _open(agent, got, eng, direction, mode)
         if mode is Mode.PREPPED:  # prepare the strided lists now: NIXL problems surface at connect
             _prepare_now(agent, peer, eng)
+        if warm and mode is not Mode.PULL_VIA_PUSH:  # this side moves the bytes (else the producer warms)
+            warm_peers(agent, [got[r][0] for r in eng.program.peer_ranks])
         return peer
     except BaseException:
         _undo_connect(agent, clients, added, given)

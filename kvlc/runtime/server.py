@@ -20,6 +20,7 @@ from kvlc.runtime.errors import HandshakeError
 from kvlc.runtime.kinds import Direction, Mode, Status
 from kvlc.runtime.sessions import Session
 from kvlc.runtime.transfer import Target
+from kvlc.runtime.warmup import warm_peers
 from kvlc.runtime.wire import Cancel, Fetch, Introduce, PullRequest, Reply, decode, encode
 
 if TYPE_CHECKING:
@@ -82,6 +83,8 @@ def introduce(agent: KvAgent, conn: Conn, msg: Introduce) -> Reply:
         session = Session(rec, conn.id, conn.sealed.notif_key, mine, Mode(msg.mode), eng, msg.address, True)
         agent.sessions.add(session)
         conn.session = session
+    if msg.mode == Mode.PULL_VIA_PUSH:  # this side WRITEs the consumer's requests: warm its memory now
+        warm_peers(agent, [rec])
     return Reply(ok=True, inbox=inbox)
 
 
