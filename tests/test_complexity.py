@@ -20,7 +20,6 @@ ALLOWED = {
     # kvlc/runtime/: another change is reworking these modules now.
     "kvlc/runtime/replies.py:end_session",
     "kvlc/runtime/replies.py:drain",
-    "kvlc/runtime/replies.py:notif",
     "kvlc/runtime/replies.py:hold_and_cancel",
     "kvlc/runtime/transfer.py:Executor._advance",
     "kvlc/runtime/transfer.py:Executor.submit",

@@ -79,7 +79,8 @@ class KvAgent:
     reports a request's source blocks freeable when no consumer finished with them. ``progress``:
     ``"thread"`` (a kvlc thread advances transfers every ``progress_interval`` s), ``"nixl"``
     (NIXL's own progress thread) or ``"manual"`` (only :meth:`poll` advances anything).
-    ``ucx``: UCX backend parameters (default: ``$KVLC_UCX_*``, else NIXL's). ``staging``: which WRITE parts
+    ``ucx``: UCX backend parameters (default: :meth:`UcxOptions.for_agent`: ``$KVLC_UCX_*``, and UCX's
+    thread pool when the plan holds VRAM). ``staging``: which WRITE parts
     use bounce buffers (default :meth:`StagingPolicy.from_env`: the automatic gate, or ``$KVLC_STAGING``).
     ``agent_factory`` (tests only) builds the NIXL agent wrapper from a name.
     """
@@ -116,6 +117,7 @@ class KvAgent:
         self.name = valid_name(name or f"kvlc-{default}-r{rank}-{uuid.uuid4().hex[:8]}")
         self._lock = threading.RLock()
         self.closed = False
+        ucx = ucx or UcxOptions.for_agent(any(s.mem == "VRAM" for s in plan.storages))
         self.nixl = (agent_factory or (lambda n: Agent(n, backends, telemetry=telemetry, ucx=ucx,
                                                         progress_thread=progress == "nixl")))(self.name)
         self._res = Resources(self.nixl, self.name)

@@ -165,6 +165,15 @@ class Target:
         return encode_notif_batch(reqs, rank, notif_tag(self.key, *batch_fields(reqs, rank)))
 
 
+def _by_target(outs: list) -> dict[Target, list[tuple[Any, int]]]:
+    """Target → (request, remote rank) pairs, in the order the requests came."""
+    groups: dict[Target, list[tuple[Any, int]]] = {}
+    for out in outs:
+        for r, target in out.notify.items():
+            groups.setdefault(target, []).append((out, r))
+    return groups
+
+
 def tell_done(agent: Any, rank: int, outs: list) -> None:
     """Send ``done`` for every request in ``outs`` (each with ``req``, ``notify``: remote rank →
     :class:`Target`, ``reason``, ``notified``) from this agent's rank ``rank``: one notification
@@ -172,11 +181,7 @@ def tell_done(agent: Any, rank: int, outs: list) -> None:
     (the ranks told) and, where a send failed, its ``reason``; a request with a reason is not told
     ``done`` by the targets after it."""
     told: dict[int, list[int]] = {id(o): [] for o in outs}
-    groups: dict[Target, list[tuple[Any, int]]] = {}
-    for out in outs:
-        for r, target in out.notify.items():
-            groups.setdefault(target, []).append((out, r))
-    for target, members in groups.items():
+    for target, members in _by_target(outs).items():
         members = [(o, r) for o, r in members if not o.reason]
         at = 0
         for chunk in batches([o.req for o, _ in members]):

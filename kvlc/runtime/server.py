@@ -73,19 +73,29 @@ def introduce(agent: KvAgent, conn: Conn, msg: Introduce) -> Reply:
             agent._drop_session(old, f"engine '{rec.engine_id}' rank {rec.rank} restarted (epoch {rec.epoch[:8]})")
         if msg.mode == Mode.PULL_VIA_PUSH:
             agent._load_remote(rec)
-        inbox = None
-        if agent.stager is not None and msg.direction == Direction.WRITE:
-            inbox = agent.stager.inbox_for(rec.agent)
-            if inbox is not None:
-                agent._load_remote(rec)  # its chunks' slots go back to it in FREE notifications
-        elif agent.stager is not None and msg.mode == Mode.PULL_VIA_PUSH and msg.inbox is not None:
-            agent.stager.add_peer(rec, msg.inbox)
+        inbox = _staging_peer(agent, msg)
         session = Session(rec, conn.id, conn.sealed.notif_key, mine, Mode(msg.mode), eng, msg.address, True)
         agent.sessions.add(session)
         conn.session = session
     if msg.mode == Mode.PULL_VIA_PUSH:  # this side WRITEs the consumer's requests: warm its memory now
         warm_peers(agent, [rec])
     return Reply(ok=True, inbox=inbox)
+
+
+def _staging_peer(agent: KvAgent, msg: Introduce):
+    """Staging on: the inbox a producer that will push here gets (None otherwise); a pull-via-push
+    consumer's inbox becomes where this side stages its WRITEs (caller holds the lock)."""
+    rec, st = msg.record, agent.stager
+    if st is None:
+        return None
+    if msg.direction == Direction.WRITE:
+        inbox = st.inbox_for(rec.agent)
+        if inbox is not None:
+            agent._load_remote(rec)  # its chunks' slots go back to it in FREE notifications
+        return inbox
+    if msg.mode == Mode.PULL_VIA_PUSH and msg.inbox is not None:
+        st.add_peer(rec, msg.inbox)
+    return None
 
 
 def pull_request(agent: KvAgent, conn: Conn, msg: PullRequest) -> None:

@@ -1,14 +1,17 @@
 """UCX backend settings: typed backend parameters and the one environment default the runtime sets.
 
 :class:`UcxOptions` is what :class:`~kvlc.runtime.nixl.Agent` passes to NIXL's
-``create_backend("UCX", ...)``. The default leaves UCX's thread pool off: measured on an
-H200 (two processes, one GPU, cuda_ipc, 2026-12-01, benchmarks/README.md), 256 MiB requests
-of 32 descriptors, four in flight, ran at 1,075 GB/s without it and at 151-271 GB/s with
-``num_threads`` 4 or 8 and ``split_batch_size`` 4 or 8; kvlc's 2 GiB push fell from
-1,144-1,242 to 645 GB/s with it. An earlier, differently driven measurement had seen it help,
-so the pool stays one setting away: ``UcxOptions(num_threads=4, split_batch_size=8)``, or
-``KVLC_UCX_NUM_THREADS`` / ``KVLC_UCX_SPLIT_BATCH_SIZE`` / ``KVLC_UCX_NUM_WORKERS`` in the
-environment for agents created without explicit options (:meth:`UcxOptions.from_env`).
+``create_backend("UCX", ...)``. :meth:`UcxOptions.for_agent` picks the defaults: UCX's thread
+pool (``num_threads`` :data:`GPU_THREADS`, ``split_batch_size`` 4) for an agent that holds VRAM,
+none for a DRAM-only one. Measured on an H200 (two processes, one GPU, cuda_ipc, 2026-12-01,
+benchmarks/README.md "UCX's thread pool, measured by rounds"): kvlc's push of 256 MiB requests
+(32 descriptors) ran at 692-972 GB/s in steady rounds with the pool and 389-628 without (32 in
+flight), 498-686 and 395-611 at 4 in flight, pull 650-994 and 472-674; the pool's first round
+was 2-4x slower, which the connect-time warm-up (:mod:`kvlc.runtime.warmup`) takes away.
+(Earlier runs had measured the pool slower: they timed two rounds, the first of them cold.)
+DRAM-only agents were not measured with it and keep NIXL's default. Explicit
+``UcxOptions(...)``, or ``KVLC_UCX_NUM_THREADS`` (``0``: no pool) / ``KVLC_UCX_SPLIT_BATCH_SIZE`` /
+``KVLC_UCX_NUM_WORKERS`` in the environment (:meth:`UcxOptions.from_env`), override it.
 
 Environment: UCX turns cuda_ipc reads (``get_zcopy``) off when NVML reports no
 NVLink, which makes READ (pull) fall back to emulation over TCP (0.5 GB/s against
@@ -25,6 +28,12 @@ logs that it did. To keep UCX's own choice, set the variable yourself (``=n`` or
 {'num_workers': '1'}
 >>> UcxOptions.from_env({"KVLC_UCX_NUM_THREADS": "4"}).backend_params()
 {'num_threads': '4', 'split_batch_size': '4', 'num_workers': '1'}
+>>> UcxOptions.for_agent(vram=True, environ={}).backend_params()
+{'num_threads': '4', 'split_batch_size': '4', 'num_workers': '1'}
+>>> UcxOptions.for_agent(vram=True, environ={"KVLC_UCX_NUM_THREADS": "0"}).backend_params()
+{'num_workers': '1'}
+>>> UcxOptions.for_agent(vram=False, environ={}).backend_params()
+{'num_workers': '1'}
 """
 
 from __future__ import annotations
@@ -34,7 +43,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvlc.errors import KvlcError, did_you_mean
@@ -43,6 +52,7 @@ log = logging.getLogger("kvlc.runtime.ucx")
 
 GET_ZCOPY_ENV = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"
 DEFAULT_SPLIT_BATCH = 4  # with a thread pool and no split size given
+GPU_THREADS = 4  # UCX pool threads of an agent that holds VRAM, unless told otherwise (module doc)
 ENV_FIELDS = {"KVLC_UCX_NUM_THREADS": "num_threads", "KVLC_UCX_SPLIT_BATCH_SIZE": "split_batch_size",
               "KVLC_UCX_NUM_WORKERS": "num_workers"}
 _set_by_kvlc: set[str] = set()  # variables this module set (not the user's), so later agents see them as ours
@@ -128,6 +138,16 @@ class UcxOptions:
                 except ValueError:
                     raise UcxOptionError(f"{var}={env[var]!r}: expected an integer") from None
         return cls(**kwargs)
+
+    @classmethod
+    def for_agent(cls, vram: bool, environ: Mapping[str, str] | None = None) -> UcxOptions:
+        """The defaults of an agent created without options: :meth:`from_env`, plus UCX's thread pool
+        (:data:`GPU_THREADS`) for one that holds VRAM when ``KVLC_UCX_NUM_THREADS`` is not set."""
+        env = os.environ if environ is None else environ
+        opts = cls.from_env(env)
+        if vram and "KVLC_UCX_NUM_THREADS" not in env:
+            opts = replace(opts, num_threads=GPU_THREADS)
+        return opts
 
     def backend_params(self) -> dict[str, str]:
         """The string parameters for ``create_backend("UCX", ...)``."""

@@ -72,15 +72,28 @@ class Warmer:
 
         Returns what did not work, per peer agent (empty: every peer warmed)."""
         mems = self.MEMS if mems is None else mems
-        timeout = self.TIMEOUT_S if timeout is None else timeout
-        xfers, problems = [], {}
+        problems: dict[str, str] = {}
+        xfers = self._post(records, mems, problems)
+        self._wait(xfers, self.TIMEOUT_S if timeout is None else timeout, stuck, problems)
+        for agent, why in problems.items():
+            log.info("warm-up of %s skipped: %s", agent, why)
+        return problems
+
+
+    def _groups(self, rec, mems) -> dict[tuple[str, str], list]:
+        """(local mem, remote mem) → ((local row), (remote row)) pairs for one peer rank."""
+        groups: dict[tuple[str, str], list] = {}
+        for s in [s for s in rec.storages if s.mem in mems][:MAX_STORAGES]:
+            local, addr, dev = self._local(s.mem)
+            n = min(TOUCH, s.size)
+            groups.setdefault((local, s.mem), []).append(((addr, n, dev), (s.addr, n, s.device)))
+        return groups
+
+    def _post(self, records, mems, problems: dict[str, str]) -> list:
+        """Create and post one READ per (peer rank, memory type pair); a refusal goes to ``problems``."""
+        xfers = []
         for rec in records:
-            groups: dict[tuple[str, str], list] = {}
-            for s in [s for s in rec.storages if s.mem in mems][:MAX_STORAGES]:
-                local, addr, dev = self._local(s.mem)
-                groups.setdefault((local, s.mem), []).append(((addr, min(TOUCH, s.size), dev),
-                                                              (s.addr, min(TOUCH, s.size), s.device)))
-            for (local, remote), pairs in groups.items():
+            for (local, remote), pairs in self._groups(rec, mems).items():
                 lrows = np.array([p[0] for p in pairs], dtype=np.uint64)
                 rrows = np.array([p[1] for p in pairs], dtype=np.uint64)
                 try:
@@ -90,6 +103,10 @@ class Warmer:
                     problems[rec.agent] = str(exc)
                     continue
                 xfers.append((rec.agent, x, self.nixl.post(x)))
+        return xfers
+
+    def _wait(self, xfers: list, timeout: float, stuck: list, problems: dict[str, str]) -> None:
+        """Wait for the READs until ``timeout`` s from now, then release every handle."""
         deadline = time.monotonic() + timeout
         for agent, x, state in xfers:
             while state is XferState.PROC and time.monotonic() < deadline:
@@ -101,9 +118,6 @@ class Warmer:
                 x.release()
             except NixlError:
                 stuck.append(x)
-        for agent, why in problems.items():
-            log.info("warm-up of %s skipped: %s", agent, why)
-        return problems
 
 
 def warm_peers(agent: Any, records: list, mems: frozenset[str] | None = None) -> dict[str, str]:

@@ -93,3 +93,29 @@ def test_agent_creates_ucx_with_the_options(monkeypatch):
     finally:
         agent.close()
         os.environ.pop(GET_ZCOPY_ENV, None)
+
+
+@pytest.mark.parametrize("env, vram, threads", [
+    ({}, True, "4"), ({}, False, None), ({"KVLC_UCX_NUM_THREADS": "0"}, True, None),
+    ({"KVLC_UCX_NUM_THREADS": "8"}, False, "8"), ({"KVLC_UCX_SPLIT_BATCH_SIZE": "16"}, True, "4"),
+])
+def test_default_thread_pool_for_agents_that_hold_vram(env, vram, threads):
+    """An agent with VRAM gets UCX's thread pool unless KVLC_UCX_NUM_THREADS says otherwise (0: none);
+    a DRAM-only agent keeps NIXL's default; the other variables still apply."""
+    params = UcxOptions.for_agent(vram, env).backend_params()
+    assert params.get("num_threads") == threads
+    if "KVLC_UCX_SPLIT_BATCH_SIZE" in env:
+        assert params["split_batch_size"] == "16"
+
+
+def test_dram_kv_agent_keeps_nixls_default(monkeypatch):
+    """A KvAgent over DRAM only creates its UCX backend without a thread pool (read back from NIXL)."""
+    pytest.importorskip("nixl")
+    from kvlc.runtime import KvAgent, allocate
+    from kvlc.testing.demo import DEFAULT_LAYOUT, cpu_plan
+
+    monkeypatch.delenv("KVLC_UCX_NUM_THREADS", raising=False)
+    plan = cpu_plan(DEFAULT_LAYOUT, max_bytes=1 << 20)
+    with KvAgent(plan, 0, allocate(plan), insecure=True, progress="manual") as agent:
+        assert "num_threads" not in agent.nixl.backend_params["UCX"]
+        assert agent.nixl.ucx == UcxOptions.for_agent(False, {})
