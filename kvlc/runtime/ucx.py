@@ -5,8 +5,8 @@
 pool (``num_threads`` :data:`GPU_THREADS`, ``split_batch_size`` 4) for an agent that holds VRAM,
 none for a DRAM-only one. Measured on an H200 (two processes, one GPU, cuda_ipc, 2026-12-01,
 benchmarks/README.md "UCX's thread pool, measured by rounds"): kvlc's push of 256 MiB requests
-(32 descriptors) ran at 692-972 GB/s in steady rounds with the pool and 389-628 without (32 in
-flight), 498-686 and 395-611 at 4 in flight, pull 650-994 and 472-674; the pool's first round
+(32 descriptors) ran at 619-972 GB/s in steady rounds with the pool and 389-628 without (32 in
+flight), 498-753 and 395-611 at 4 in flight, pull 569-994 and 472-674; the pool's first round
 was 2-4x slower, which the connect-time warm-up (:mod:`kvlc.runtime.warmup`) takes away.
 (Earlier runs had measured the pool slower: they timed two rounds, the first of them cold.)
 DRAM-only agents were not measured with it and keep NIXL's default. Explicit

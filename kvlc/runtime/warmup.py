@@ -1,10 +1,11 @@
 """Warm a connection before its first request: touch every peer storage once at connect.
 
-UCX does per-peer work on the first transfer that reaches a remote registration (on a GPU
-host, cuda_ipc maps the peer's memory; with UCX's thread pool each pool thread does its share).
-Measured on an H200 (two processes, one GPU, benchmarks/README.md), the first round of 32
-push requests of 256 MiB took 21-29 ms instead of 15-18 without the pool and 44-53 ms instead
-of 2-10 with it. :class:`Warmer` pays that at :meth:`KvAgent.connect
+UCX does per-peer work on the first transfer that reaches a peer's registered memory (not traced
+which; cuda_ipc opening the peer's memory, once per UCX pool thread, is the likely part).
+Measured on an H200 (two processes, one GPU, benchmarks/README.md "UCX's thread pool, the
+warm-up and timing by rounds"): with UCX's thread pool the first round of 32 push requests of
+256 MiB took 52-62 ms against 10-15 ms for later rounds, and 35-53 ms against 1.5-2 ms at 4 in
+flight; with this warm-up, 17-23 ms and 6-9 ms. :class:`Warmer` pays that at :meth:`KvAgent.connect
 <kvlc.runtime.agent.KvAgent.connect>` instead: one NIXL READ per (peer rank, memory type pair)
 of the first :data:`TOUCH` bytes of every storage the peer declared, into a scratch buffer of
 this agent that no plan covers. A READ changes no byte of either side's KV cache (a WRITE
