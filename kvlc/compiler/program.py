@@ -221,6 +221,14 @@ class TransferProgram:
                 "digest": self.digest, **({"dcp": self.dcp_text()} if self.dcp_text() else {})}
 
     # ------------------------------------------------------------------ per request
+    def prepare(self) -> TransferProgram:
+        """Derive the per-request lookup structures now (:attr:`index` and the request rules of
+        :mod:`kvlc.compiler.request_rules`), not in the first request; returns the program. A
+        runtime calls it when it pairs."""
+        from kvlc.compiler.request_rules import request_rules
+        request_rules(self)  # builds the index on the way
+        return self
+
     @property
     def index(self):
         """Derived lookup structures of the hot path (:class:`kvlc.compiler.index.ProgramIndex`)."""

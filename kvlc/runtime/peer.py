@@ -84,8 +84,11 @@ def connect(agent: KvAgent, addresses: Sequence[str], direction: str, mode: str,
         peer = _open(agent, got, eng, direction, mode)
         if mode is Mode.PREPPED:  # prepare the strided lists now: NIXL problems surface at connect
             _prepare_now(agent, peer, eng)
-        if warm and mode is not Mode.PULL_VIA_PUSH:  # this side moves the bytes (else the producer warms)
-            warm_peers(agent, [got[r][0] for r in eng.program.peer_ranks])
+        if mode is not Mode.PULL_VIA_PUSH:  # this side moves the bytes (else the producer does both)
+            with agent._lock:
+                eng.bound(agent.bases)  # the program bound to both sides' bases, before the first request
+            if warm:
+                warm_peers(agent, [got[r][0] for r in eng.program.peer_ranks])
         return peer
     except BaseException:
         _undo_connect(agent, clients, added, given)

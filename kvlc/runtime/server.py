@@ -77,7 +77,9 @@ def introduce(agent: KvAgent, conn: Conn, msg: Introduce) -> Reply:
         session = Session(rec, conn.id, conn.sealed.notif_key, mine, Mode(msg.mode), eng, msg.address, True)
         agent.sessions.add(session)
         conn.session = session
-    if msg.mode == Mode.PULL_VIA_PUSH:  # this side WRITEs the consumer's requests: warm its memory now
+        if msg.mode == Mode.PULL_VIA_PUSH:  # this side WRITEs the consumer's requests
+            eng.bound(agent.bases)
+    if msg.mode == Mode.PULL_VIA_PUSH:  # and warms its memory now
         warm_peers(agent, [rec])
     return Reply(ok=True, inbox=inbox)
 

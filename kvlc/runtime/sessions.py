@@ -102,7 +102,7 @@ class SessionTable:
         key = (rec.engine_id, rec.plan_digest, direction.value)
         eng = self.engines.get(key)
         if eng is None:
-            program = pair(self.plan, rec.plan, local_rank=self.rank, direction=direction.value)
+            program = pair(self.plan, rec.plan, local_rank=self.rank, direction=direction.value).prepare()
             eng = RemoteEngine(rec.engine_id, rec.plan, program, direction)
             self.engines[key] = eng
         return eng
