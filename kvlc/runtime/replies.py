@@ -123,23 +123,16 @@ def notif(agent: KvAgent, sender: str, message: bytes) -> None:
         n = decode_notif(message)
     except HandshakeError as exc:
         return _drop(agent, "from %r: %s", sender[:64], exc)
-    if isinstance(n, NotifBatch):
-        fields = n.fields()
-        s = next((s for s in agent.sessions.live(sender)
-                  if s.rank == n.rank and tag_ok(s.notif_key, n.tag, *fields)), None)
-        if s is None:
-            return _drop(agent, "%r has no session whose key signs its batch (rank %d, %d requests from %r)",
-                         sender[:64], n.rank, len(n.done), n.done[0][:40])
-        for req in n.done:
-            _ended(agent, s, req, Status.DONE, "")
-        return
-    s = next((s for s in agent.sessions.live(sender)
-              if s.rank == n.rank and tag_ok(s.notif_key, n.tag, n.req, str(n.rank), n.status)), None)
+    batch = isinstance(n, NotifBatch)
+    fields = n.fields() if batch else (n.req, str(n.rank), n.status)
+    s = next((s for s in agent.sessions.live(sender) if s.rank == n.rank and tag_ok(s.notif_key, n.tag, *fields)),
+             None)
+    reqs = n.done if batch else [n.req]
     if s is None:
-        return _drop(agent, "%r has no session whose key signs it (rank %d, request %r)", sender[:64], n.rank,
-                     n.req[:40])
-    _ended(agent, s, n.req, Status(n.status), n.why)
-
+        return _drop(agent, "%r has no session whose key signs it (rank %d, request %r%s)", sender[:64], n.rank,
+                     reqs[0][:40], f" and {len(reqs) - 1} more" if len(reqs) > 1 else "")
+    for req in reqs:
+        _ended(agent, s, req, Status.DONE if batch else Status(n.status), "" if batch else n.why)
 
 def _ended(agent: KvAgent, s, req: str, status: Status, why: str) -> None:
     """Session ``s``'s rank says request ``req`` ended ``status`` on its side."""
