@@ -135,6 +135,7 @@ class KvAgent:
             raise
         self.bases = {b.name: (b.addr, b.device) for b in self.bindings.values()}
         self.executor = self._res.executor = Executor(self.nixl, rank, stager=self.stager)
+        self._res.stager = self.stager
         self.warmer = Warmer(self.nixl, self.bindings)  # connect's warm-up READs (kvlc.runtime.warmup)
         self._unsettled: set[str] = set()            # consumer: complete, but a staged scatter still copies
         self.sessions = SessionTable(plan, rank, self.name)

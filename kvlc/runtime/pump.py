@@ -20,6 +20,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from kvlc.errors import KvlcError
+
 log = logging.getLogger("kvlc.runtime.pump")
 
 
@@ -122,6 +124,7 @@ class Resources:
         self.sender: Sender | None = None
         self.pump: Pump | None = None
         self.executor = None
+        self.stager = None
         self.closed = False
 
     def close(self) -> None:
@@ -139,5 +142,10 @@ class Resources:
             self.executor.cancel_all(f"agent '{self.name}' closed")
         for c in self.clients:
             c.close()
+        if self.stager is not None:
+            try:
+                self.stager.close()
+            except KvlcError as exc:  # the agent's close below releases what is left
+                log.warning("close: staging: %s", exc)
         for problem in self.nixl.close():
             log.warning("close: %s", problem)

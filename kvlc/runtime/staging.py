@@ -289,6 +289,13 @@ class StagingEndpoint(Receiver):
             self.stats["bytes_sent"] += c.nbytes
         self._writing = still
 
+    def release_writes(self) -> None:
+        """Release the handles of staged WRITEs still in flight (closing: nothing is sent after this)."""
+        while self._writing:
+            c = self._writing.pop()
+            c.xfer.release()
+            self._free_local.append(c.slot)
+
     def _chunk_failed(self, c: _Chunk) -> None:
         """A WRITE ended in ERR: nothing more lands in its slots, so both come back at once."""
         why = (c.xfer.error if c.xfer is not None else "") or "WRITE failed"

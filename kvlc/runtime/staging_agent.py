@@ -159,6 +159,11 @@ class Stager:
         return self.endpoint.progress()
 
     def close(self) -> None:
+        """Release what staging holds, in NIXL's order: WRITEs still in flight, the prepared slot
+        lists, then the bounce buffers' registrations; the trace (if any) is written. A handle NIXL
+        will not release yet raises :class:`~kvlc.runtime.errors.NixlError` (the agent's close then
+        releases it with the rest)."""
+        self.endpoint.release_writes()
         for peer in list(self.endpoint.inboxes) + list(self.endpoint.peers):
             self.drop_peer(peer)
         for buf in (self.endpoint.outbox, self.pool):

@@ -286,3 +286,40 @@ def test_progress_thread_comes_back_quickly_while_staging_is_busy():
         pump.thread.join(2)
         counts[busy] = t.calls
     assert counts[False] <= 20 and counts[True] >= 5 * counts[False], counts
+
+
+def test_close_releases_staging_in_nixl_order_and_writes_the_trace(plans, tmp_path, monkeypatch):
+    """Closing an agent closes its staging, with a request still being staged: its WRITEs (any still
+    in flight), the prepared slot lists and the bounce buffers are released by the stager itself,
+    and the trace is written without an explicit dump."""
+    from kvlc.runtime import KvAgent, allocate
+    from kvlc.runtime.staging import StagingPolicy
+    from kvlc.testing.content import fill
+
+    monkeypatch.setenv("KVLC_STAGING_TRACE", str(tmp_path))
+    x, z = plans["x"], plans["z"]
+    pol = StagingPolicy(**ON)
+    tp = allocate(x)
+    fill(x, 0, {n: t.numpy() for n, t in tp.items()})
+    prod = KvAgent(x, 0, tp, secret=SECRET, staging=pol, progress="manual", engine_id="close-p")
+    cons = KvAgent(z, 0, allocate(z), secret=SECRET, staging=pol, progress="manual", engine_id="close-c")
+    try:
+        peer = prod.connect(cons.serve(), direction="WRITE")
+        peer.write("c1", {"full": [0, 1, 2]}, {"full": [10, 11, 12]}, 40)
+        _pump([prod, cons], lambda s: (cons.name, "c1") in s and (prod.name, "c1") in s)
+        peer.write("c2", {"full": [3, 4, 5]}, {"full": [20, 21, 22]}, 40)  # the consumer never polls for it
+        for _ in range(20):
+            prod.poll()
+        ep = prod.stager.endpoint
+        held = [ep.outbox.registration, prod.stager.pool.registration] + [h for lists in ep._lists.values()
+                                                                           for h in lists[:2]]
+        assert ep.stats["chunks_sent"] > 3 and all(not h.released for h in held)
+        closed = []
+        monkeypatch.setattr(prod.stager, "close", lambda orig=prod.stager.close: (closed.append(1), orig())[1])
+    finally:
+        prod.close()
+        cons.close()
+    assert closed == [1] and all(h.released for h in held)
+    assert not ep._writing and prod.nixl.closed
+    names = sorted(p.name for p in tmp_path.glob("staging-*.jsonl"))
+    assert len(names) == 2, names  # one per agent, written at close
