@@ -213,30 +213,46 @@ def _serial(agent, tensors, bases, peer, op: str, requests: list, reps: int, sin
 
 
 def _raw(agent, ep, tensors, bases, peer, op: str, requests: list, reps: int, single: bool,
-         serial: bool = False) -> dict:
+         serial: bool = False, inflight: bool = False) -> dict:
     """Sender: plain NIXL requests (one descriptor of the same bytes, or the rows as given), all of a
-    round in flight at once, timed (created before the clock starts); ``serial``: see :func:`_serial`."""
-    from kvlc.runtime.nixl import XferState
-
+    round in flight at once, timed. Created before the clock starts, or with ``inflight`` inside it,
+    each posted right after it is created (what a runtime pays per request, no runtime code);
+    ``serial``: see :func:`_serial`."""
     if serial:
         return _serial(agent, tensors, bases, peer, op, requests, reps, single)
 
-    mems = peer["mems"]
-    xfers = [[_raw_xfer(agent, tensors, bases, peer, mems, op, r, single) for r in requests] for _ in range(reps)]
+    def make():
+        return [_raw_xfer(agent, tensors, bases, peer, peer["mems"], op, r, single) for r in requests]
+
+    xfers = [None if inflight else make() for _ in range(reps)]
+    done = []
     t0 = time.perf_counter()
     for round_ in xfers:
-        states = [agent.post(x) for x in round_]
-        for x, state in zip(round_, states):
-            while state is XferState.PROC:
-                state = agent.state(x)
-            if state is not XferState.DONE:
-                raise RuntimeError(f"raw {op} failed: {x.error}")
+        if round_ is None:  # create and post one by one, inside the clock
+            round_, states = [], []
+            for r in requests:
+                round_.append(_raw_xfer(agent, tensors, bases, peer, peer["mems"], op, r, single))
+                states.append(agent.post(round_[-1]))
+        else:
+            states = [agent.post(x) for x in round_]
+        _wait_all(agent, round_, states, op)
+        done.append(round_)
     seconds = time.perf_counter() - t0
-    for round_ in xfers:
+    for round_ in done:
         for x in round_:
             x.release()
     agent.send_notif(peer["name"], b"stop")
     return {"seconds": seconds, "bytes": reps * sum(r.nbytes for r in requests)}
+
+
+def _wait_all(agent, xfers: list, states: list, op: str) -> None:
+    from kvlc.runtime.nixl import XferState
+
+    for x, state in zip(xfers, states):
+        while state is XferState.PROC:
+            state = agent.state(x)
+        if state is not XferState.DONE:
+            raise RuntimeError(f"raw {op} failed: {x.error}")
 
 
 def _raw_xfer(agent, tensors, bases, peer, mems, op, r, single):
@@ -322,9 +338,10 @@ class Pair:
         """Stage ``requests`` (sender, receiver results: seconds, failures, copy calls)."""
         return self._both(("staged", (requests, timeout)), ("serve", ()))
 
-    def raw(self, op: str, requests: list[Ranges], reps: int = 1, single: bool = True, serial: bool = False) -> dict:
-        """Plain NIXL ``op`` (WRITE | READ) of the same bytes; timed on the sender."""
-        return self._both(("raw", (op, requests, reps, single, serial)), ("serve", ()))[0]
+    def raw(self, op: str, requests: list[Ranges], reps: int = 1, single: bool = True, serial: bool = False,
+            inflight: bool = False) -> dict:
+        """Plain NIXL ``op`` (WRITE | READ) of the same bytes; timed on the sender (see :func:`_raw`)."""
+        return self._both(("raw", (op, requests, reps, single, serial, inflight)), ("serve", ()))[0]
 
     def ping(self, n: int = 200) -> dict:
         """Notification round trip between the two agents (microseconds)."""

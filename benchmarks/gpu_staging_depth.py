@@ -1,0 +1,170 @@
+"""GPU: staged fragmented push by slot geometry, through KvAgent and through the bare staging pair.
+
+The same shape both ways: 256 MiB requests of 4,084-4,086 scattered 64 KiB blocks, VRAM -> VRAM,
+two processes on one GPU. KvAgent rows are the demo's Llama-3.1-8B push with random block ids
+(1 GiB pools: 4 requests in flight per round, 16 requests), the automatic gate staging them; the
+pair rows (``kvlc.testing.staging_pair``, no KvAgent: both processes spin on their endpoint) send
+8 requests at once. Each geometry (slots x slot bytes: ``KVLC_STAGING_SLOTS`` /
+``KVLC_STAGING_SLOT_BYTES`` for KvAgent) runs on both, so a gap between the two is the agent's,
+not the GPU's. Then mixed DRAM/VRAM with one rank per side: DeepSeek-V3.2 -> HiSparse at TP1
+(the TP8 layouts with ``tp_size: 1``, as with data-parallel attention: MLA's latent is the same on
+every rank), push and pull via push, beside the pinned host<->device copy ceiling.
+
+Run (from the repository root):  python3 benchmarks/gpu_staging_depth.py [--device cpu] [--out OUT.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+MiB = 1 << 20
+GEOMETRIES = ((4, 32 * MiB), (1, 256 * MiB), (2, 128 * MiB), (8, 32 * MiB))
+
+
+def tp1(layout: str, tmp: Path) -> str:
+    """``layout`` (a path) with ``parallel.tp_size`` 1."""
+    data = yaml.safe_load(Path(layout).read_text())
+    data["parallel"]["tp_size"] = 1
+    data["name"] = data["name"] + "-as-tp1"
+    out = tmp / (Path(layout).stem + "-tp1.yaml")
+    out.write_text(yaml.safe_dump(data, sort_keys=False))
+    return str(out)
+
+
+def agent_row(name: str, env: dict, **kw) -> dict:
+    from gpu_transfer import _steady
+
+    from kvlc.testing.demo import run_demo
+
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    t0 = time.time()
+    try:
+        res = run_demo(check="none", fill="zeros", timeout=300.0, **kw)
+        row = {"case": name, "ok": res.ok, "env": env, "gbps": res.gbps, "bytes": res.nbytes, "requests": res.requests,
+               "descriptors_per_request": res.descriptors_per_request, "failed": dict(list(res.failed.items())[:3]),
+               **_steady(res)}
+    except Exception as exc:
+        row = {"case": name, "env": env, "error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    row["wall_s"] = round(time.time() - t0, 1)
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def pair_rows(device: int | None, scale: int) -> list[dict]:
+    import gpu_staging
+
+    from kvlc.testing.staging_pair import Pair, Side, fragmented
+
+    rows: list[dict] = []
+    block = 64 << 10
+    pool = ((1 << 30) // scale,)
+    n = 4086 // scale
+    reqs = [fragmented(1, 1, n, block, pool[0] // block, seed=s) for s in range(8)]
+    for slots, size in GEOMETRIES:
+        size //= scale
+        pair = Pair(Side(pool, (), device, size, slots, fill=False), Side(pool, (), device, size, slots, fill=False))
+        try:
+            pair.staged(reqs[:1])  # warm
+            gpu_staging._guard(rows, f"pair staged VRAM -> VRAM fragmented [{slots} x {size // MiB} MiB]",
+                               lambda: gpu_staging._staged(pair, reqs))
+        finally:
+            pair.stop()
+    return rows
+
+
+def traced(device: str, folder: Path, scale: int, llama: str, mixed: tuple[str, str]) -> list[dict]:
+    """Traced KvAgent runs (``KVLC_STAGING_TRACE``): fragmented push at 1 x 256 MiB, mixed TP1 push at 4 x 32 MiB."""
+    rows = []
+    slots, size = GEOMETRIES[1]
+    env = {"KVLC_STAGING": "auto" if device == "gpu" else "always", "KVLC_STAGING_SLOTS": str(slots),
+           "KVLC_STAGING_SLOT_BYTES": str(size // scale), "KVLC_STAGING_TRACE": str(folder / "fragmented")}
+    rows.append(agent_row(f"kvlc staged VRAM llama-3.1-8b push random ids [{slots} x {size // scale // MiB} MiB, traced]",
+                          env, layout=llama, consumer_layout=llama, mode="push", requests=16, tokens=2048 // scale,
+                          max_bytes=(1 << 30) // scale, device=device, ids="random"))
+    env = {"KVLC_STAGING": "auto", "KVLC_STAGING_TRACE": str(folder / "mixed")}
+    rows.append(agent_row("kvlc staged mixed deepseek-v3.2 -> hisparse TP1 push [default, traced]", env,
+                          layout=mixed[0], consumer_layout=mixed[1], mode="push", requests=8, tokens=4096 // scale,
+                          max_bytes=(1 << 30) // scale, device=device, ids="contiguous"))
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", choices=("gpu", "cpu"), default="gpu", help="cpu: a small dry run on DRAM")
+    ap.add_argument("--out", default="")
+    ap.add_argument("--trace", default="", help="also one traced KvAgent run (default geometry) into this folder "
+                    "(KVLC_STAGING_TRACE; read it with benchmarks/staging_timeline.py)")
+    ap.add_argument("--traced-only", action="store_true", help="only traced KvAgent runs, one folder each under "
+                    "--trace: fragmented push at 1 x 256 MiB, mixed TP1 push at the default geometry")
+    args = ap.parse_args(argv)
+    from gpu_transfer import DSV32, LLAMA, on_device
+
+    gpu = args.device == "gpu"
+    scale = 1 if gpu else 16
+    doc: dict = {"benchmark": "gpu_staging_depth", "when": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+                 "command": " ".join(["python3", "benchmarks/gpu_staging_depth.py", *sys.argv[1:]]), "rows": []}
+    if gpu:
+        from gpu_transfer import ceilings
+
+        doc["torch_copy_gbps"] = ceilings(0, 0)
+
+    def save():
+        if args.out:
+            Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        t = Path(tmp)
+        llama = on_device(LLAMA, 0, t) if gpu else LLAMA
+        dp, dc = (tp1(str(ROOT / x), t) for x in DSV32)
+        if gpu:
+            dp, dc = on_device(dp, 0, t), on_device(dc, 0, t)
+        if args.traced_only:
+            doc["rows"] += traced(args.device, Path(args.trace), scale, llama, (dp, dc))
+            save()
+            return 0 if all(r.get("ok") for r in doc["rows"]) else 1
+        for slots, size in GEOMETRIES:
+            env = {"KVLC_STAGING": "auto" if gpu else "always", "KVLC_STAGING_SLOTS": str(slots),
+                   "KVLC_STAGING_SLOT_BYTES": str(size // scale)}
+            doc["rows"].append(agent_row(f"kvlc staged VRAM llama-3.1-8b push random ids [{slots} x {size // scale // MiB} MiB]",
+                                         env, layout=llama, consumer_layout=llama, mode="push", requests=16,
+                                         tokens=2048 // scale, max_bytes=(1 << 30) // scale, device=args.device,
+                                         ids="random"))
+            save()
+        if args.trace:
+            slots, size = GEOMETRIES[0]
+            env = {"KVLC_STAGING": "auto" if gpu else "always", "KVLC_STAGING_TRACE": args.trace}
+            doc["rows"].append(agent_row(f"kvlc staged VRAM llama-3.1-8b push random ids [{slots} x {size // scale // MiB} MiB, traced]",
+                                         env, layout=llama, consumer_layout=llama, mode="push", requests=16,
+                                         tokens=2048 // scale, max_bytes=(1 << 30) // scale, device=args.device,
+                                         ids="random"))
+        doc["rows"] += pair_rows(0 if gpu else None, scale)
+        save()
+        for mode in ("push", "pull_via_push"):
+            for slots, size in GEOMETRIES[:2]:
+                env = {"KVLC_STAGING": "auto", "KVLC_STAGING_SLOTS": str(slots), "KVLC_STAGING_SLOT_BYTES": str(size // scale)}
+                doc["rows"].append(agent_row(f"kvlc staged mixed deepseek-v3.2 -> hisparse TP1 {mode} [{slots} x {size // scale // MiB} MiB]",
+                                             env, layout=dp, consumer_layout=dc, mode=mode, requests=8,
+                                             tokens=4096 // scale, max_bytes=(1 << 30) // scale, device=args.device,
+                                             ids="contiguous"))
+                save()
+    return 0 if all(r.get("ok", True) and "error" not in r for r in doc["rows"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
