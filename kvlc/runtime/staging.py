@@ -1,33 +1,28 @@
 """Staging through bounce buffers: gather, one WRITE per chunk, scatter on the receiver before ``done``.
 
-Two cases make NIXL slow where a bounce buffer makes it fast (measured on an H200,
-see benchmarks/README.md): many small descriptors (UCX posts each one serially,
-~5.7 us apiece) and DRAM <-> VRAM between processes (UCX emulates it over TCP).
-Staging turns either into copies the GPU's engines do well plus one large WRITE:
+Two cases make NIXL slow where a bounce buffer makes it fast (measured on an H200, see
+benchmarks/README.md): many small descriptors (UCX posts each one serially, ~5.7 us apiece) and
+DRAM <-> VRAM between processes (UCX emulates it over TCP). Staging turns either into copies the
+GPU's engines do well plus one large WRITE:
 
-1. the sender gathers a request's source ranges, chunk by chunk, into a slot of its
-   own bounce buffer (one indexed copy per run of equal ranges, on a side CUDA
-   stream; :mod:`kvlc.runtime.staging_copy`);
-2. once the gather's event completes, ONE WRITE moves the slot into a slot of the
-   receiver's bounce buffer, with a LANDED notification attached that NIXL delivers
-   once the bytes are there (no round trip through the sender): it carries the chunk's
-   size (its destination ranges travel in the same WRITE, behind the data;
-   :mod:`kvlc.runtime.staging_wire`);
-3. the receiver checks every range lies inside its registered regions, scatters the
-   slot into them (side stream), and only when that copy completed answers FREE;
-   the request is complete on the receiver after the scatter of its last chunk, and
-   on the sender once every chunk is FREE.
+1. the sender gathers a request's source ranges, chunk by chunk, into a slot of its own bounce
+   buffer (one indexed copy per run of equal ranges, side CUDA stream; :mod:`kvlc.runtime.staging_copy`);
+2. once the gather's event completes, ONE WRITE moves the slot into a slot of the receiver's
+   bounce buffer, with a LANDED notification attached that NIXL delivers once the bytes are there
+   (no round trip through the sender): it carries the chunk's size (its destination ranges travel
+   in the same WRITE, behind the data; :mod:`kvlc.runtime.staging_wire`);
+3. the receiver checks every range lies inside its registered regions, scatters the slot into
+   them (side stream), and only when that copy completed answers FREE; the request is complete on
+   the receiver after the scatter of its last chunk, and on the sender once every chunk is FREE.
 
-Buffers are bounded and registered once: ``slots`` x ``slot_bytes`` per buffer (a
-sender's one outbox, one inbox per sending peer on a receiver); a request larger
-than that streams through the slots (credits: a slot is written again only after
-FREE), so gather, WRITE and scatter of consecutive chunks overlap.
+Buffers are bounded and registered once: ``slots`` x ``slot_bytes`` per buffer (a sender's one
+outbox, one inbox per sending peer on a receiver); a request larger than that streams through the
+slots (a slot is written again only after FREE): consecutive chunks' copies and WRITEs overlap.
 
-The module takes descriptor rows ((N, 2) or (N, 3) uint64 addr, len[, dev], row i
-of the source paired with row i of the destination, as the compiler's
-``instantiate`` gives them) and does no layout arithmetic beyond cutting those
-ranges at chunk boundaries. :class:`StagingPolicy` says when to stage. Without a
-GPU everything runs in DRAM (synchronous copies), which is how CI tests it.
+It takes descriptor rows ((N, 2) or (N, 3) uint64 addr, len[, dev], row i of the source paired
+with row i of the destination, as the compiler's ``instantiate`` gives them) and does no layout
+arithmetic beyond cutting ranges at chunk boundaries. :class:`StagingPolicy` says when to stage.
+Without a GPU everything runs in DRAM (synchronous copies), which is how CI tests it.
 """
 
 from __future__ import annotations
@@ -291,10 +286,9 @@ class StagingEndpoint(Receiver):
 
     def release_writes(self) -> None:
         """Release the handles of staged WRITEs still in flight (closing: nothing is sent after this)."""
-        while self._writing:
-            c = self._writing.pop()
+        for c in self._writing:
             c.xfer.release()
-            self._free_local.append(c.slot)
+        self._writing = []
 
     def _chunk_failed(self, c: _Chunk) -> None:
         """A WRITE ended in ERR: nothing more lands in its slots, so both come back at once."""
