@@ -89,8 +89,8 @@ class Regions:
 
     def locate(self, pieces: np.ndarray, what: str = "range") -> np.ndarray:
         """Index of the region holding each (addr, len) row; :class:`StagingError` if any lies outside."""
-        addr = pieces[:, 0].astype(np.uint64)
-        end = addr + pieces[:, 1].astype(np.uint64)
+        addr = pieces[:, 0].astype(np.uint64, copy=False)
+        end = addr + pieces[:, 1].astype(np.uint64, copy=False)
         idx = np.searchsorted(self._bases, addr, side="right").astype(np.int64) - 1
         ok = idx >= 0
         safe = np.where(ok, idx, 0)
@@ -105,8 +105,9 @@ class Regions:
         return safe
 
 
-def _width(offsets: np.ndarray, length: int, extra: int, cuda: bool) -> int:
-    g = math.gcd(int(np.gcd.reduce(offsets)) if len(offsets) else 0, length, extra)
+def _width(starts: int, length: int, extra: int, cuda: bool) -> int:
+    """The widest element that divides every row start (their gcd: ``starts``), the length and ``extra``."""
+    g = math.gcd(starts, length, extra)
     return next(w for w in ((16,) if cuda else ()) + _WIDTHS if g % w == 0)
 
 
@@ -148,7 +149,14 @@ class Copier:
 
         if device.type != "cuda":
             return torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64))
-        return self._ring(device).put(np.ascontiguousarray(values, dtype=np.int64), self.stream)
+        with torch.cuda.stream(self.stream) if self.stream is not None else _nullctx():
+            return self._ring(device).put(np.ascontiguousarray(values, dtype=np.int64))
+
+    def _upload_here(self, values: np.ndarray, device: Any) -> Any:
+        """:meth:`upload` from inside a copy (the copy stream is current already)."""
+        if device.type != "cuda":
+            return self.upload(values, device)
+        return self._ring(device).put(np.ascontiguousarray(values, dtype=np.int64))
 
     def _ring(self, device: Any) -> _PinnedRing:
         """This copier's pinned upload ring for ``device`` (made at first use, or by :meth:`warm`)."""
@@ -211,10 +219,12 @@ class Copier:
         if key not in self._spans:
             on = [i for i, r in enumerate(self.regions.regions) if r.tensor.device == device]
             first, last = (self.regions.regions[on[0]], self.regions.regions[on[-1]]) if on else (None, None)
-            self._spans[key] = _Span(frozenset(on), _view(first.base, last.end - first.base, device)
+            members = np.zeros(len(self.regions.regions), dtype=bool)
+            members[on] = True
+            self._spans[key] = _Span(members, _view(first.base, last.end - first.base, device)
                                      if len(on) > 1 else None)
         span = self._spans[key]
-        if span.view is None or not span.members.issuperset(np.unique(where).tolist()):
+        if span.view is None or not (span.members.all() or span.members[where].all()):
             return None
         return span.view
 
@@ -258,8 +268,9 @@ class Copier:
     def _indexed(self, src, rel: np.ndarray, length: int, span, gather: bool, n: int, base_addr: int) -> None:
         import torch
 
-        w = _width(rel, length, math.gcd(bounce_addr(span), base_addr), src.device.type == "cuda")
-        g = math.gcd(int(np.gcd.reduce(rel)), length)  # row starts: every multiple of g bytes
+        starts = int(np.gcd.reduce(rel))
+        w = _width(starts, length, math.gcd(bounce_addr(span), base_addr), src.device.type == "cuda")
+        g = math.gcd(starts, length)  # row starts: every multiple of g bytes
         # 16-byte elements (complex128, moved bit for bit) on the GPU: wider loads, fewer PCIe requests
         dtype = {16: torch.complex128, 8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[w]
         elems = src.numel() // w
@@ -269,7 +280,7 @@ class Copier:
         else:
             rows = (src.numel() - length) // g + 1
             view = base.as_strided((rows, length // w), (g // w, 1))
-        idx = self.upload(rel // g, src.device)
+        idx = self._upload_here(rel // g, src.device)
         out = span.view(dtype).view(n, length // w)
         if gather:
             torch.index_select(view, 0, idx, out=out)
@@ -311,7 +322,9 @@ class _PinnedRing:
         ev.record()
         self.events[k] = ev
 
-    def put(self, values: np.ndarray, stream: Any) -> Any:
+    def put(self, values: np.ndarray) -> Any:
+        """``values`` on the device, copied on the current stream (the caller makes the copy stream
+        current: :meth:`Copier._run` does)."""
         import torch
 
         if values.size > self.SIZE:  # larger than a buffer: the plain (waiting) copy
@@ -319,20 +332,19 @@ class _PinnedRing:
         k = self._next()
         buf = self.host[k][:values.size]
         buf.numpy()[:] = values
-        ctx = torch.cuda.stream(stream) if stream is not None else _nullctx()
-        with ctx:
-            out = buf.to(self.device, non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record()
+        out = buf.to(self.device, non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record()
         self.events[k] = ev
         return out
 
 
 @dataclass(frozen=True)
 class _Span:
-    """The regions (indices) on one device, and one view from the lowest to the highest (None: fewer than two)."""
+    """The regions on one device (a mask over region indices), and one view from the lowest to the
+    highest (None: fewer than two)."""
 
-    members: frozenset
+    members: np.ndarray
     view: Region | None
 
 

@@ -210,3 +210,19 @@ def test_an_endpoint_stays_hot_while_a_request_is_partly_received():
     del ep._receiving[("sender", "r1")]
     ep._last_in = now[0]
     assert not ep.hot  # nothing partly received: only busy work keeps it hot
+
+
+def test_one_view_spans_regions_only_when_every_touched_region_is_on_the_bounce_device():
+    """Ranges over several regions share one view (one indexed copy) only if each region they touch is
+    on the bounce buffer's device; a range in a region elsewhere (here a "meta" tensor) turns it off."""
+    from kvlc.runtime.staging_copy import Region
+
+    a, b = torch.zeros(4096, dtype=torch.uint8), torch.zeros(4096, dtype=torch.uint8)
+    top = max(a.data_ptr(), b.data_ptr()) + 4096
+    elsewhere = Region(top + (1 << 30), 4096, torch.empty(4096, dtype=torch.uint8, device="meta"))
+    regs = Regions([Region(a.data_ptr(), 4096, a), Region(b.data_ptr(), 4096, b), elsewhere])
+    cp = Copier(regs)
+    cpu = torch.device("cpu")
+    on_cpu = regs.locate(np.array([[a.data_ptr(), 64], [b.data_ptr() + 64, 64]], dtype=np.uint64))
+    assert cp._span(cpu, on_cpu) is not None
+    assert cp._span(cpu, np.append(on_cpu, 2)) is None and cp._span(cpu, np.array([2, 2])) is None
