@@ -5,12 +5,16 @@ KvAgent allocates them), a request of 4,084 random 64 KiB rows over every storag
 bounce span. Times, with CUDA events (median of 20, after 3 untimed):
 
 * ``Copier.gather`` / ``Copier.scatter`` (kvlc.runtime.staging_copy, as staging runs them, index
-  upload included), once on the default stream and once on a side stream;
+  upload included), once on the default stream and once on a side stream, and the host's time in
+  each call alone (``host us``);
 * the same rows by ``torch.index_select`` / ``index_copy_`` over a plain row view with int64 and
   16-byte (complex128) elements (no upload), and one ``copy_`` of 256 MiB (the ceiling);
-* optionally the same with another process holding an idle CUDA context (``--idle-peer``).
+* a Triton row kernel (int64 rows) for comparison;
+* optionally the same with another process holding an idle CUDA context (``--idle-peer``);
+  ``--profile`` instead prints a cProfile of 50 Copier gathers and scatters (host time).
 
-Run (from the repository root):  python3 benchmarks/gpu_gather_kernel.py [--idle-peer] [--out OUT.json]
+Run (from the repository root):  python3 benchmarks/gpu_gather_kernel.py [--idle-peer] [--profile] [--out OUT.json]
+(``--device cpu``: a dry run on DRAM)
 """
 
 from __future__ import annotations
