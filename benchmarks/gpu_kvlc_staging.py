@@ -24,6 +24,9 @@ MiB = 1 << 20
 
 
 def _run(rows: list, case: str, env: dict, **kw) -> None:
+    """One run_demo with ``env`` set for the engine processes it spawns; its row goes to ``rows``."""
+    from gpu_transfer import _steady
+
     from kvlc.testing.demo import run_demo
 
     saved = {k: os.environ.get(k) for k in env}
@@ -36,7 +39,7 @@ def _run(rows: list, case: str, env: dict, **kw) -> None:
                "bytes_per_request": res.nbytes // max(1, res.requests),
                "descriptors_per_request": res.descriptors_per_request,
                "verified_bytes": res.checked_bytes, "mismatches": res.mismatches[:5],
-               "failed": dict(list(res.failed.items())[:3])}
+               "failed": dict(list(res.failed.items())[:3]), **_steady(res)}
     except Exception as exc:
         row = {"case": case, "ok": False, "env": env, "error": f"{type(exc).__name__}: {exc}",
                "traceback": traceback.format_exc()[-2000:]}

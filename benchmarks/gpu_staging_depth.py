@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 import time
@@ -44,26 +43,12 @@ def tp1(layout: str, tmp: Path) -> str:
 
 
 def agent_row(name: str, env: dict, **kw) -> dict:
-    from gpu_transfer import _steady
+    """One timed KvAgent run (no byte check) with ``env`` in the engines' environment (gpu_kvlc_staging._run)."""
+    from gpu_kvlc_staging import _run
 
-    from kvlc.testing.demo import run_demo
-
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    t0 = time.time()
-    try:
-        res = run_demo(check="none", fill="zeros", timeout=300.0, **kw)
-        row = {"case": name, "ok": res.ok, "env": env, "gbps": res.gbps, "bytes": res.nbytes, "requests": res.requests,
-               "descriptors_per_request": res.descriptors_per_request, "failed": dict(list(res.failed.items())[:3]),
-               **_steady(res)}
-    except Exception as exc:
-        row = {"case": name, "env": env, "error": f"{type(exc).__name__}: {exc}"}
-    finally:
-        for k, v in saved.items():
-            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
-    row["wall_s"] = round(time.time() - t0, 1)
-    print(json.dumps(row), flush=True)
-    return row
+    rows: list[dict] = []
+    _run(rows, name, env, check="none", fill="zeros", timeout=300.0, **kw)
+    return rows[0]
 
 
 def pair_rows(device: int | None, scale: int) -> list[dict]:

@@ -223,22 +223,29 @@ def test_forged_replayed_and_foreign_chunks_are_dropped_unscattered(plans):
             a.close()
 
 
-def test_trace_records_each_chunk_step_by_step(plans, tmp_path, monkeypatch):
-    """KVLC_STAGING_TRACE: every chunk of a staged push has all ten steps, in time order, on one clock."""
-    import json
-
+def _manual_pair(plans, tag: str):
+    """A content-coded staging producer and a consumer in this process, progressed by poll() only."""
     from kvlc.runtime import KvAgent, allocate
     from kvlc.runtime.staging import StagingPolicy
-    from kvlc.runtime.staging_trace import LIMIT
     from kvlc.testing.content import fill
 
-    monkeypatch.setenv("KVLC_STAGING_TRACE", str(tmp_path))
     x, z = plans["x"], plans["z"]
     pol = StagingPolicy(**ON)
     tp = allocate(x)
     fill(x, 0, {n: t.numpy() for n, t in tp.items()})
-    prod = KvAgent(x, 0, tp, secret=SECRET, staging=pol, progress="manual", engine_id="trace-p")
-    cons = KvAgent(z, 0, allocate(z), secret=SECRET, staging=pol, progress="manual", engine_id="trace-c")
+    prod = KvAgent(x, 0, tp, secret=SECRET, staging=pol, progress="manual", engine_id=f"{tag}-p")
+    cons = KvAgent(z, 0, allocate(z), secret=SECRET, staging=pol, progress="manual", engine_id=f"{tag}-c")
+    return prod, cons
+
+
+def test_trace_records_each_chunk_step_by_step(plans, tmp_path, monkeypatch):
+    """KVLC_STAGING_TRACE: every chunk of a staged push has all ten steps, in time order, on one clock."""
+    import json
+
+    from kvlc.runtime.staging_trace import LIMIT
+
+    monkeypatch.setenv("KVLC_STAGING_TRACE", str(tmp_path))
+    prod, cons = _manual_pair(plans, "trace")
     try:
         peer = prod.connect(cons.serve(), direction="WRITE")
         peer.write("t1", {"full": [0, 1, 2]}, {"full": [10, 11, 12]}, 40)
@@ -292,17 +299,8 @@ def test_close_releases_staging_in_nixl_order_and_writes_the_trace(plans, tmp_pa
     """Closing an agent closes its staging, with a request still being staged: its WRITEs (any still
     in flight), the prepared slot lists and the bounce buffers are released by the stager itself,
     and the trace is written without an explicit dump."""
-    from kvlc.runtime import KvAgent, allocate
-    from kvlc.runtime.staging import StagingPolicy
-    from kvlc.testing.content import fill
-
     monkeypatch.setenv("KVLC_STAGING_TRACE", str(tmp_path))
-    x, z = plans["x"], plans["z"]
-    pol = StagingPolicy(**ON)
-    tp = allocate(x)
-    fill(x, 0, {n: t.numpy() for n, t in tp.items()})
-    prod = KvAgent(x, 0, tp, secret=SECRET, staging=pol, progress="manual", engine_id="close-p")
-    cons = KvAgent(z, 0, allocate(z), secret=SECRET, staging=pol, progress="manual", engine_id="close-c")
+    prod, cons = _manual_pair(plans, "close")
     try:
         peer = prod.connect(cons.serve(), direction="WRITE")
         peer.write("c1", {"full": [0, 1, 2]}, {"full": [10, 11, 12]}, 40)
