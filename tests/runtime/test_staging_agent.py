@@ -238,6 +238,14 @@ def _manual_pair(plans, tag: str):
     return prod, cons
 
 
+def _push_one(prod, cons, req: str):
+    """Connect ``prod`` to ``cons`` and push one staged request until both ends saw it end; the peer."""
+    peer = prod.connect(cons.serve(), direction="WRITE")
+    peer.write(req, {"full": [0, 1, 2]}, {"full": [10, 11, 12]}, 40)
+    _pump([prod, cons], lambda s: (cons.name, req) in s and (prod.name, req) in s)
+    return peer
+
+
 def test_trace_records_each_chunk_step_by_step(plans, tmp_path, monkeypatch):
     """KVLC_STAGING_TRACE: every chunk of a staged push has all ten steps, in time order, on one clock."""
     import json
@@ -247,9 +255,7 @@ def test_trace_records_each_chunk_step_by_step(plans, tmp_path, monkeypatch):
     monkeypatch.setenv("KVLC_STAGING_TRACE", str(tmp_path))
     prod, cons = _manual_pair(plans, "trace")
     try:
-        peer = prod.connect(cons.serve(), direction="WRITE")
-        peer.write("t1", {"full": [0, 1, 2]}, {"full": [10, 11, 12]}, 40)
-        _pump([prod, cons], lambda s: (cons.name, "t1") in s and (prod.name, "t1") in s)
+        _push_one(prod, cons, "t1")
         chunks = prod.stager.endpoint.stats["chunks_sent"]
         paths = [a.stager.endpoint.trace.dump() for a in (prod, cons)]
     finally:
@@ -302,9 +308,7 @@ def test_close_releases_staging_in_nixl_order_and_writes_the_trace(plans, tmp_pa
     monkeypatch.setenv("KVLC_STAGING_TRACE", str(tmp_path))
     prod, cons = _manual_pair(plans, "close")
     try:
-        peer = prod.connect(cons.serve(), direction="WRITE")
-        peer.write("c1", {"full": [0, 1, 2]}, {"full": [10, 11, 12]}, 40)
-        _pump([prod, cons], lambda s: (cons.name, "c1") in s and (prod.name, "c1") in s)
+        peer = _push_one(prod, cons, "c1")
         peer.write("c2", {"full": [3, 4, 5]}, {"full": [20, 21, 22]}, 40)  # the consumer never polls for it
         for _ in range(20):
             prod.poll()
