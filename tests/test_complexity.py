@@ -22,7 +22,6 @@ ALLOWED = {
     "kvlc/runtime/replies.py:drain",
     "kvlc/runtime/replies.py:hold_and_cancel",
     "kvlc/runtime/transfer.py:Executor._advance",
-    "kvlc/runtime/transfer.py:Executor.submit",
     "kvlc/runtime/agent.py:KvAgent.__init__",
     "kvlc/runtime/agent.py:KvAgent._deadlines",
     "kvlc/runtime/binding.py:_check_one",

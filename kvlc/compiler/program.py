@@ -77,6 +77,28 @@ class Part:
         return len(self.local)
 
 
+def join_parts(requests: Sequence[Mapping[PartKey, Part]]) -> dict[PartKey, Part]:
+    """Several requests' parts as one part per key: their rows one after another, in request order.
+
+    Rows are not merged across requests (each request's rows are coalesced already). Keys come in
+    the order they first appear; a key with no rows in any request is left out.
+
+    >>> a = Part(np.array([[0, 8, 0]], dtype=np.uint64), np.array([[64, 8, 0]], dtype=np.uint64))
+    >>> k = PartKey(0, "VRAM", "VRAM")
+    >>> j = join_parts([{k: a}, {k: a}])
+    >>> j[k].local[:, 0].tolist(), j[k].nbytes
+    ([0, 0], 16)
+    """
+    rows: dict[PartKey, list[Part]] = {}
+    for parts in requests:
+        for key, part in parts.items():
+            if len(part):
+                rows.setdefault(key, []).append(part)
+    return {key: ps[0] if len(ps) == 1 else Part(np.concatenate([p.local for p in ps]),
+                                                 np.concatenate([p.remote for p in ps]))
+            for key, ps in rows.items()}
+
+
 @dataclass(frozen=True)
 class Entry:
     """One region (in one group) copied with one peer rank: the runs of one tile."""

@@ -17,6 +17,7 @@ One module per concern, in the order a transfer meets them:
     replies   notifications and replies coming back to a consumer
     pump      the progress thread and background sender (weak references), owned resources
     peer      connect() and Peer: read / write
+    batch     Peer.write_many / read_many: several requests as one NIXL request per part
     agent     KvAgent: register, serve, connect, expect, cancel, offer, poll, close
 
 No layout arithmetic lives here: descriptors come from
@@ -26,6 +27,7 @@ harness and the demo live in :mod:`kvlc.testing`. Usage and threat model: docs/r
 """
 
 from kvlc.runtime.agent import KvAgent
+from kvlc.runtime.batch import BlockRequest
 from kvlc.runtime.binding import Bound, allocate, bind
 from kvlc.runtime.channel import Limits
 from kvlc.runtime.errors import AuthError, BindingError, ChannelError, HandshakeError, NixlError
@@ -40,6 +42,7 @@ from kvlc.runtime.wire import Record
 __all__ = [
     "KvAgent",
     "Peer",
+    "BlockRequest",
     "StagingPolicy",
     "Completions",
     "Direction",

@@ -1,7 +1,6 @@
 """KvAgent: one engine rank's KV cache, registered with NIXL, in sessions with the ranks of other engines.
 
-Roles follow the pairing (:func:`kvlc.compiler.pair.pair`): the **consumer** receives bytes,
-the **producer** sends them. Three ways to move a request (:class:`~kvlc.runtime.kinds.Mode`):
+Roles (:func:`~kvlc.compiler.pair.pair`): the **consumer** receives bytes, the **producer** sends them:
 
 ``direct`` / ``prepped``  the consumer connects with ``direction="READ"`` and :meth:`Peer.read`
                           READs from every producer rank it pairs with (rows per request, or
@@ -11,17 +10,12 @@ the **producer** sends them. Three ways to move a request (:class:`~kvlc.runtime
                           :meth:`Peer.read` hands its block ids to a background sender, each
                           producer rank WRITEs (before the consumer's deadline) and notifies.
 
-Staging (``staging=``, ``$KVLC_STAGING``=auto|always|never): fragmented or mixed-memory WRITE parts
-go through bounce buffers registered once (docs/runtime.md, "Staging").
-
-Every side calls :meth:`KvAgent.poll`; it never blocks and returns
-:class:`~kvlc.runtime.tracking.Completions` (finished, failed, held, freeable). A failed
-request's blocks are safe to reuse; a *held* one's are not yet (bytes may still land).
-
-Every side-channel connection is authenticated with a shared secret (``secret=``,
-``$KVLC_SECRET`` or ``$KVLC_SECRET_FILE``; see :mod:`kvlc.runtime.auth` and docs/runtime.md).
-
-Example (two processes; ``kvlc demo`` runs one)::
+:meth:`Peer.write_many` / :meth:`Peer.read_many` share NIXL requests among several (:mod:`kvlc.runtime.batch`).
+Staging (``staging=``, ``$KVLC_STAGING``) sends fragmented or mixed-memory WRITEs through bounce buffers.
+Every side calls :meth:`KvAgent.poll`; it never blocks and returns :class:`~kvlc.runtime.tracking.Completions`
+(finished, failed, held, freeable): a failed request's blocks are safe to reuse, a *held* one's
+not yet. Side-channel connections are authenticated with a shared secret (``secret=``,
+``$KVLC_SECRET`` or ``$KVLC_SECRET_FILE``; :mod:`kvlc.runtime.auth`). Example (``kvlc demo``)::
 
     producer = KvAgent(plan_p, 0, tensors_p, secret=key); addr = producer.serve()
     consumer = KvAgent(plan_c, 0, tensors_c, secret=key)
@@ -60,6 +54,7 @@ from kvlc.runtime.sessions import RemoteEngine, Session, SessionTable
 from kvlc.runtime.staging import StagingPolicy
 from kvlc.runtime.staging_agent import make_stager
 from kvlc.runtime.tracking import Completions, Events, Incoming, Tally
+from kvlc.runtime.notifs import agents_of
 from kvlc.runtime.transfer import Executor, Outgoing, Target
 from kvlc.runtime.ucx import UcxOptions
 from kvlc.runtime.wire import StorageBase, decode, make_record
@@ -145,7 +140,8 @@ class KvAgent:
         self.offers: dict[str, float] = {}           # producer: req → lease end, no consumer named it yet
         self.sender = self._res.sender = Sender(decode, self._res.stop, f"kvlc-sender-{self.name}")
         self._cancel_clients: dict = {}              # push consumer: producer address → client
-        self.stats = {"dropped_notifs": 0, "fenced_chunks": 0, "requests": 0, "bytes": 0, "descriptors": 0}
+        self.stats = {"dropped_notifs": 0, "fenced_chunks": 0, "requests": 0, "bytes": 0, "descriptors": 0,
+                      "nixl_requests": 0}
         self._finalizer = weakref.finalize(self, self._res.close)
         if progress == "thread":
             self._res.pump = Pump(self, "_pump_locked", progress_interval, self._res.stop,
@@ -202,12 +198,18 @@ class KvAgent:
 
     # ------------------------------------------------------------------ requests
     def _submit(self, key, req: str, op: str, parts, notify: Mapping[int, Target], timeout, tag=None) -> Outgoing:
-        agents = {r: t.agent for r, t in notify.items()}
-        out = self.executor.submit(key, req, op, parts, agents, notify, timeout, tag)
-        self.stats["requests"] += 1
-        self.stats["bytes"] += out.nbytes
-        self.stats["descriptors"] += out.rows
-        return out
+        return self._counted([self.executor.submit(key, req, op, parts, agents_of(notify), notify, timeout, tag)])[0]
+
+    def _submit_many(self, members, op: str, parts, notify: Mapping[int, Target], timeout) -> list[Outgoing]:
+        """Several requests sharing their NIXL requests (:mod:`kvlc.runtime.batch`)."""
+        return self._counted(self.executor.submit_many(members, op, parts, agents_of(notify), notify, timeout))
+
+    def _counted(self, outs: list[Outgoing]) -> list[Outgoing]:
+        self.stats["requests"] += len(outs)
+        self.stats["bytes"] += sum(o.nbytes for o in outs)
+        self.stats["descriptors"] += sum(o.rows for o in outs)
+        self.stats["nixl_requests"] += sum(r.xfer is not None for r in outs[0].parts)  # a batch shares its parts
+        return outs
 
     def _tally(self, engine: RemoteEngine, req: str) -> Tally:
         key = (engine.key, req)

@@ -28,6 +28,7 @@ Decoding refuses anything else with a :class:`~kvlc.runtime.errors.HandshakeErro
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -163,6 +164,11 @@ class Target:
         if len(reqs) == 1:
             return self.notif(reqs[0], rank, Status.DONE)
         return encode_notif_batch(reqs, rank, notif_tag(self.key, *batch_fields(reqs, rank)))
+
+
+def agents_of(notify: Mapping[int, Target]) -> dict[int, str]:
+    """Remote rank → the NIXL agent name its notifications go to."""
+    return {r: t.agent for r, t in notify.items()}
 
 
 def _by_target(outs: list) -> dict[Target, list[tuple[Any, int]]]:

@@ -11,14 +11,16 @@ background sender.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvlc.compiler.pair import TransferProgram
 from kvlc.errors import KvlcError, TransferError
+from kvlc.runtime import batch as _batch
 from kvlc.runtime.arguments import check_request_id
+from kvlc.runtime.batch import BlockRequest
 from kvlc.runtime.channel import ChannelClient
 from kvlc.runtime.errors import HandshakeError, NixlError
 from kvlc.runtime.kinds import Direction, Mode
@@ -348,6 +350,16 @@ class Peer:
             a._submit(("write", request_id), request_id, "WRITE", parts, self._targets(),
                       a.timeout if timeout is None else timeout)
             a._polled = time.monotonic()  # the engine is at work and polls soon: the progress thread waits
+
+    def write_many(self, requests: Iterable[BlockRequest], timeout: float | None = None) -> None:
+        """Push several requests (:class:`~kvlc.runtime.batch.BlockRequest`) as one NIXL request per
+        part: all checked first (one refusal refuses all, nothing moves), then they move and end
+        together, sharing one deadline (:mod:`kvlc.runtime.batch`). Never blocks, like :meth:`write`."""
+        _batch.submit(self, requests, Direction.WRITE, timeout)
+
+    def read_many(self, requests: Iterable[BlockRequest], timeout: float | None = None) -> None:
+        """Pull several requests, as :meth:`write_many` pushes them (``local_block_ids``: this consumer's)."""
+        _batch.submit(self, requests, Direction.READ, timeout)
 
     def close(self) -> None:
         """End these sessions: close the connections, release prepared lists, revoke the NIXL agents

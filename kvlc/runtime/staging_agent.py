@@ -144,6 +144,18 @@ class Stager:
             return False
         return peer in self.endpoint.peers
 
+    def pick(self, op: str, parts, agents) -> dict[int, list]:
+        """Peer rank → the keys of the row parts (not prepared ones) to stage to it; the rest stay direct.
+
+        ``parts``: PartKey → part of one request; ``agents``: peer rank → its NIXL agent name."""
+        staged: dict[int, list] = {}
+        for pk, part in parts.items():
+            if not isinstance(part.local, np.ndarray) or not len(part.local):
+                continue
+            if self.decide(op, pk, len(part.local), int(part.nbytes), agents[pk.peer_rank]):
+                staged.setdefault(pk.peer_rank, []).append(pk)
+        return staged
+
     def send(self, req: str, peer: str, parts: list, key: bytes, timeout: float | None) -> int:
         """Stage the rows of ``parts`` (Part objects of one peer rank) as one staged send."""
         local = np.concatenate([p.local[:, :2] for p in parts])

@@ -1,37 +1,30 @@
 """Transfer execution: split a request into NIXL requests, barrier, notify, fail cleanly.
 
 The runtime does no layout arithmetic: a request arrives as the parts that
-:meth:`kvlc.compiler.pair.TransferProgram.instantiate` built (one per peer rank
-and pair of memory types, row-aligned (N, 3) descriptors). :class:`Executor`
+:meth:`kvlc.compiler.pair.TransferProgram.instantiate` built (one per peer rank and pair of
+memory types, row-aligned (N, 3) descriptors). :class:`Executor`
 
-1. creates one NIXL request per non-empty part (rows through ``initialize``,
-   or a :class:`PreparedPart`'s indices into lists prepared at connect through
-   ``make_prepped``), none with a notification of its own (if creating any fails, the ones created are released and nothing
-   is posted);
+1. creates one NIXL request per non-empty part (rows through ``initialize``, or a
+   :class:`PreparedPart`'s indices into lists prepared at connect through ``make_prepped``),
+   none with a notification of its own; if creating one fails, none is kept or posted;
 2. posts them; polls their states without blocking;
-3. once every part is terminal, releases every handle; then, if every part is
-   DONE, sends exactly one ``done`` notification to each involved remote rank
-   (requests that end in the same :meth:`Executor.progress` and go to the same session
-   share one batch notification);
-   otherwise marks the request failed with the first reason and sends
-   ``failed`` notifications (never ``done``) — only after all parts are
-   terminal, so no byte moves after the peer hears of the request's end;
-4. on a deadline, cancels (releases) parts still in flight; a part NIXL
-   cannot cancel yet is retried on later polls, and the request is reported
-   failed only once no handle is left.
+3. once every part is terminal, releases every handle; then, if every part is DONE, sends
+   exactly one ``done`` notification to each involved remote rank (requests that end in the
+   same :meth:`Executor.progress` and go to one session share one batch notification);
+   otherwise fails the request with the first reason and sends ``failed`` (never ``done``),
+   only after all parts are terminal, so no byte moves after the peer hears of its end;
+4. on a deadline, cancels (releases) parts still in flight; a part NIXL cannot cancel yet is
+   retried on later polls, and the request is reported failed only once no handle is left.
 
-Parts the agent's :class:`~kvlc.runtime.staging_agent.Stager` picks (WRITEs that are fragmented
-or cross memory types) go through bounce buffers instead: one staged send per peer rank, a part
-whose state follows the staging events (``sent`` once the receiver scattered every chunk); the
-request is terminal only when every part, direct and staged, is.
+Parts the agent's :class:`~kvlc.runtime.staging_agent.Stager` picks (fragmented WRITEs or ones
+across memory types) go through bounce buffers instead: one staged send per peer rank, whose
+state follows the staging events. Several requests of one connection may share their NIXL
+requests (:meth:`Executor.submit_many`, :mod:`kvlc.runtime.batch`); they then end together.
 
-A request is never created or posted at or after its deadline, and it reports
-``held`` (:attr:`Outgoing.held`) while a part past its deadline cannot be released yet.
-Every notification carries the tag of the session it goes to (:class:`Target`).
-
-It talks to NIXL only through the :class:`~kvlc.runtime.nixl.Agent` interface
-(``initialize``, ``post``, ``state``, ``send_notif``, handle ``release``), so a
-fake agent can drive it in unit tests.
+A request is never created or posted at or after its deadline; it reports ``held``
+(:attr:`Outgoing.held`) while a part past its deadline cannot be released yet. Every
+notification carries the tag of the session it goes to (:class:`Target`). NIXL is reached
+only through the :class:`~kvlc.runtime.nixl.Agent` interface, so a fake agent drives it in unit tests.
 """
 
 from __future__ import annotations
@@ -47,7 +40,6 @@ from kvlc.runtime.errors import NixlError
 from kvlc.runtime.kinds import Status
 from kvlc.runtime.nixl import XferState
 from kvlc.runtime.notifs import Target, tell_done
-
 
 log = logging.getLogger("kvlc.runtime.transfer")
 
@@ -82,6 +74,17 @@ class PartRun:
     peer: str = ""  # the NIXL agent its bytes go to or come from
 
 
+@dataclass(frozen=True)
+class Member:
+    """One request of a submission (:meth:`Executor.submit_many`): key, id, tag, its own bytes and rows."""
+
+    key: Hashable
+    req: str
+    nbytes: int
+    rows: int
+    tag: Any = None
+
+
 @dataclass
 class Outgoing:
     """A request this agent moves bytes for (it initiated the READs or WRITEs)."""
@@ -99,22 +102,17 @@ class Outgoing:
     finished: float | None = None
     notified: tuple[int, ...] = ()
     held: bool = False  # reported held: past the deadline with a part not released yet
-
-    @property
-    def nbytes(self) -> int:
-        return sum(p.nbytes for p in self.parts)
-
-    @property
-    def rows(self) -> int:
-        return sum(p.rows for p in self.parts)
+    nbytes: int = 0  # this request's own bytes and rows (its parts may be shared with a batch)
+    rows: int = 0
 
     @property
     def terminal(self) -> bool:
         return self.status in ("done", "failed")
 
     @property
-    def seconds(self) -> float:
-        return (self.finished or self.started) - self.started
+    def settled(self) -> bool:
+        """No part is in flight any more (as last seen)."""
+        return not any(r.state is XferState.PROC for r in self.parts)
 
 
 class Executor:
@@ -133,18 +131,6 @@ class Executor:
         self._done: list[Outgoing] = []  # every part done, its done notifications not sent yet
         self._swept = float("-inf")  # when progress last asked every part
 
-    def _pick_staged(self, op: str, parts: Mapping[Any, Any], agents: Mapping[int, str]) -> dict[int, list]:
-        """Peer rank → the (row) parts to stage to it; the rest stay direct."""
-        if self.stager is None:
-            return {}
-        staged: dict[int, list] = {}
-        for pk, part in parts.items():
-            if isinstance(part, PreparedPart) or not len(part.local):
-                continue
-            if self.stager.decide(op, pk, len(part.local), int(part.nbytes), agents[pk.peer_rank]):
-                staged.setdefault(pk.peer_rank, []).append(pk)
-        return staged
-
     def _stage(self, req: str, staged: dict[int, list], parts, agents, notify, timeout) -> list[PartRun]:
         """Start one staged send per peer rank; if one cannot start, the ones started are given up."""
         runs: list[PartRun] = []
@@ -161,61 +147,70 @@ class Executor:
         return runs
 
     # ------------------------------------------------------------------ submit
-    def submit(
-        self,
-        key: Hashable,
-        req: str,
-        op: str,
-        parts: Mapping[Any, Any],
-        agents: Mapping[int, str],
-        notify: Mapping[int, Target],
-        timeout: float | None = None,
-        tag: Any = None,
-    ) -> Outgoing:
+    def submit(self, key: Hashable, req: str, op: str, parts: Mapping[Any, Any], agents: Mapping[int, str],
+               notify: Mapping[int, Target], timeout: float | None = None, tag: Any = None) -> Outgoing:
         """Create and post one NIXL request per non-empty part. Raises :class:`NixlError` if a
         request cannot be created (nothing is posted then); a failed post makes the request fail.
         A ``timeout`` of zero or less is refused with :class:`TransferError` (nothing is created)."""
-        if key in self.active:
-            raise NixlError(f"submit request '{req}'", "duplicate", "a request with this id is in flight")
+        own = [p for p in parts.values() if len(p)]
+        member = Member(key, req, sum(int(p.nbytes) for p in own), sum(len(p) for p in own), tag)
+        return self.submit_many([member], op, parts, agents, notify, timeout)[0]
+
+    def submit_many(self, members: list[Member], op: str, parts: Mapping[Any, Any], agents: Mapping[int, str],
+                    notify: Mapping[int, Target], timeout: float | None = None) -> list[Outgoing]:
+        """:meth:`submit` for several requests whose ``parts`` were joined: one NIXL request per part
+        carries all of them, so they end together (a failure, timeout or cancel of one fails every
+        member; none is told ``done`` before all bytes landed). Staged parts take one member only."""
+        dup = next((m for m in members if m.key in self.active), None)
+        if dup is not None:
+            raise NixlError(f"submit request '{dup.req}'", "duplicate", "a request with this id is in flight")
+        req = members[0].req
         if timeout is not None and timeout <= 0:
             raise TransferError(f"request '{req}': its deadline has passed ({timeout:.3g}s left); nothing posted")
-        runs: list[PartRun] = []
-        staged = self._pick_staged(op, parts, agents)
+        staged = self.stager.pick(op, parts, agents) if self.stager is not None else {}
+        if staged and len(members) > 1:
+            raise TransferError(f"request '{req}': staged parts cannot be shared by {len(members)} requests")
+        runs = self._create(req, op, parts, agents, staged, notify, timeout)
+        now = self.clock()
+        deadline = None if timeout is None else now + timeout
+        outs = [Outgoing(m.key, m.req, op, dict(notify), runs, now, deadline, m.tag, nbytes=m.nbytes, rows=m.rows)
+                for m in members]
+        self.active.update((o.key, o) for o in outs)
+        self._post(outs[0], runs)  # the other members see its failed parts: progress fails them too
+        return outs
+
+    def _create(self, req: str, op: str, parts: Mapping[Any, Any], agents: Mapping[int, str], staged,
+                notify, timeout) -> list[PartRun]:
+        """NIXL requests of the non-empty parts, staged sends of ``staged``; after a failure none is kept."""
         skip = {k for keys in staged.values() for k in keys}
+        runs: list[PartRun] = []
         try:
             for pk, part in parts.items():
-                if pk in skip:
-                    continue
-                if isinstance(part, PreparedPart):
-                    if not len(part):
-                        continue
-                    x = self.agent.make_prepped(op, part.local, part.local_idx, part.remote, part.remote_idx,
-                                                what=f"request '{req}' part {part.key} (prepared)")
-                    runs.append(PartRun(part.key, x, len(part), int(part.nbytes), peer=agents[part.key.peer_rank]))
-                    continue
-                if not len(part.local):
-                    continue
-                x = self.agent.initialize(
-                    op,
-                    part.local,
-                    pk.local_mem,
-                    part.remote,
-                    pk.remote_mem,
-                    agents[pk.peer_rank],
-                    what=f"request '{req}' part {pk}",
-                )
-                runs.append(PartRun(pk, x, len(part.local), int(part.nbytes), peer=agents[pk.peer_rank]))
+                key = part.key if isinstance(part, PreparedPart) else pk  # prepared: keyed ("prepped", key)
+                if pk not in skip and len(part):
+                    runs.append(self._one(req, op, key, part, agents[key.peer_rank]))
             runs += self._stage(req, staged, parts, agents, notify, timeout) if staged else []
         except BaseException:
             for r in runs:
                 self._release(r)
             raise
-        now = self.clock()
-        out = Outgoing(key, req, op, dict(notify), runs, now, None if timeout is None else now + timeout, tag)
-        self.active[key] = out
+        return runs
+
+    def _one(self, req: str, op: str, pk, part, peer: str) -> PartRun:
+        """The NIXL request of one part (``pk``: its PartKey) to ``peer``."""
+        if isinstance(part, PreparedPart):
+            x = self.agent.make_prepped(op, part.local, part.local_idx, part.remote, part.remote_idx,
+                                        what=f"request '{req}' part {pk} (prepared)")
+        else:
+            x = self.agent.initialize(op, part.local, pk.local_mem, part.remote, pk.remote_mem, peer,
+                                      what=f"request '{req}' part {pk}")
+        return PartRun(pk, x, len(part), int(part.nbytes), peer=peer)
+
+    def _post(self, out: Outgoing, runs: list[PartRun]) -> None:
+        """Post every part (a staged one is running already); after a failure, post no more."""
         for r in runs:
             if r.staged:
-                self._staged[(req, r.staged)] = (out, r)
+                self._staged[(out.req, r.staged)] = (out, r)
                 continue
             if out.deadline is not None and self.clock() >= out.deadline and not out.reason:
                 out.reason = "deadline passed before every part was posted"
@@ -230,8 +225,7 @@ class Executor:
         if out.reason:  # the request fails: its staged parts stop too
             for r in runs:
                 if r.staged:
-                    self.stager.abort(req, r.staged, out.reason)
-        return out
+                    self.stager.abort(out.req, r.staged, out.reason)
 
     # ------------------------------------------------------------------ progress
     def progress(self) -> list[Outgoing]:
@@ -252,11 +246,12 @@ class Executor:
             self._swept = now
         busy: set[str] | None = None if sweep else set()
         done = []
-        for key in list(self.active):
-            out = self.active[key]
-            if self._advance(out, now, busy):
-                del self.active[key]
-                done.append(out)
+        for again in (False, True):  # again: members of a batch whose shared parts ended after they were asked
+            for key in [k for k, o in self.active.items() if not again or o.settled]:
+                if self._advance(self.active[key], now, busy):
+                    done.append(self.active.pop(key))
+            if not done:
+                break
         self._notify_done()
         return done
 
@@ -305,6 +300,9 @@ class Executor:
             self._release(r)
         if any(r.xfer is not None and not r.xfer.released for r in out.parts):
             return False  # a handle NIXL would not release yet: try again later
+        failed = next((r for r in out.parts if r.state is XferState.ERR), None)
+        if failed is not None and not out.reason:  # a part shared with a batch failed through another member
+            out.reason = f"part {failed.key}: {failed.error or 'transfer failed'}"
         self._finish(out, now)
         return True
 

@@ -134,7 +134,7 @@ def run_demo(layout: str | Path, consumer_layout: str | Path | None = None, *, m
              requests: int = 32, tokens: int | None = None, max_bytes: int = 8 << 20, seed: int = 0,
              progress: Progress | None = None, timeout: float = 60.0, device: str = "cpu", check: str = "all",
              progress_mode: str = "thread", fill: str = "content", ids: str = "random",
-             descriptors: str = "rows") -> DemoResult:
+             descriptors: str = "rows", batch: int = 1) -> DemoResult:
     """Run the loopback demo; see the module docstring. ``mode``: pull | push | pull_via_push.
 
     ``tokens`` per request defaults to what lets two requests share the smallest consumer pool.
@@ -147,12 +147,15 @@ def run_demo(layout: str | Path, consumer_layout: str | Path | None = None, *, m
     ``"random"`` / ``"zeros"`` (fast, for throughput runs with ``check="none"``). ``ids``: see
     :func:`make_workload`. ``descriptors``: ``"rows"`` builds (N, 3) rows per request;
     ``"prepped"`` prepares strided lists once per connection and sends indices (pull and push).
+    ``batch``: requests per :meth:`~kvlc.runtime.peer.Peer.write_many` / ``read_many`` call (1:
+    one :meth:`~kvlc.runtime.peer.Peer.write` / ``read`` per request).
     """
     import secrets
 
     from kvlc.testing.procs import EngineProcess
 
-    _check_options(mode=mode, check=check, descriptors=descriptors, fill=fill, device=device, timeout=timeout)
+    _check_options(mode=mode, check=check, descriptors=descriptors, fill=fill, device=device, timeout=timeout,
+                   batch=batch)
     t_start = time.perf_counter()
     to_dram = device == "cpu"
     prod_plan, cons_plan = _plans(layout, consumer_layout, max_bytes, to_dram)
@@ -162,17 +165,14 @@ def run_demo(layout: str | Path, consumer_layout: str | Path | None = None, *, m
     cfg = partial(_config, timeout=timeout, progress=progress_mode, pin=not to_dram, secret=secrets.token_hex(32))
     pproc, cproc = EngineProcess(), EngineProcess()
     try:
-        prods = [pproc.add_async(cfg(prod_plan, r, fill, 0, "demo-producer")) for r in range(prod_plan.parallel.tp_size)]
-        cons = [cproc.add_async(cfg(cons_plan, r, "random", seed + r, "demo-consumer"))
-                for r in range(cons_plan.parallel.tp_size)]
-        _ready(prods + cons)
-        engines = _connect(pproc, cproc, prods, cons, mode, "prepped" if descriptors == "prepped" else "direct")
+        engines = _start(pproc, cproc, (prod_plan, cons_plan), cfg, fill=fill, seed=seed, mode=mode,
+                         direct="prepped" if descriptors == "prepped" else "direct", batch=batch)
         result = DemoResult(mode, 0, 0, 0.0, 0, 0, rounds=len(rounds))
         stats0 = {id(h): h.call("stats") for h in engines.movers}
         result.startup_seconds = time.perf_counter() - t_start
-        for i, batch in enumerate(rounds):
+        for i, round_ in enumerate(rounds):
             verify_now = check == "all" or (check == "first" and i == 0)
-            _run_round(engines, batch, result, timeout, (cons_plan, prod_plan) if verify_now else None)
+            _run_round(engines, round_, result, timeout, (cons_plan, prod_plan) if verify_now else None)
             _count_moved(result, engines.movers, stats0)
             if progress:
                 progress(result.requests, requests, result.nbytes, result.seconds)
@@ -180,6 +180,18 @@ def run_demo(layout: str | Path, consumer_layout: str | Path | None = None, *, m
     finally:
         for p in (cproc, pproc):
             p.stop()
+
+
+def _start(pproc, cproc, plans: tuple[Plan, Plan], cfg, *, fill: str, seed: int, mode: str, direct: str,
+           batch: int) -> "_Engines":
+    """Every rank of the producer and consumer ``plans``, ready and connected (``cfg`` makes a rank's
+    config; ``fill``: the producer's; ``seed``: the consumers' noise)."""
+    prod_plan, cons_plan = plans
+    prods = [pproc.add_async(cfg(prod_plan, r, fill, 0, "demo-producer")) for r in range(prod_plan.parallel.tp_size)]
+    cons = [cproc.add_async(cfg(cons_plan, r, "random", seed + r, "demo-consumer"))
+            for r in range(cons_plan.parallel.tp_size)]
+    _ready(prods + cons)
+    return _connect(pproc, cproc, prods, cons, mode, direct, batch)
 
 
 def _plans(layout, consumer_layout, max_bytes: int, to_dram: bool) -> tuple[Plan, Plan]:
@@ -193,7 +205,7 @@ def _ready(handles: list) -> None:
         h.ready()
 
 
-def _check_options(*, mode, check, descriptors, fill, device, timeout) -> None:
+def _check_options(*, mode, check, descriptors, fill, device, timeout, batch=1) -> None:
     for what, value, choices in (("mode", mode, MODES), ("check", check, ("all", "first", "none")),
                                  ("descriptors", descriptors, ("rows", "prepped")),
                                  ("fill", fill, ("content", "random", "zeros")), ("device", device, ("cpu", "gpu"))):
@@ -203,6 +215,8 @@ def _check_options(*, mode, check, descriptors, fill, device, timeout) -> None:
         raise DemoError("checking bytes needs fill='content'")
     if not (isinstance(timeout, (int, float)) and timeout > 0):
         raise DemoError(f"timeout {timeout!r}: give seconds, more than 0")
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise DemoError(f"batch {batch!r}: give the requests per batch, an integer of at least 1")
 
 
 def _config(plan: Plan, rank: int, fill: str, seed: int, engine: str, **settings):
@@ -222,9 +236,10 @@ class _Engines:
     cons: list          # every consumer rank (each is waited on and checked)
     movers: list        # the ranks whose agents post the transfers (their stats count the bytes)
     mode: str
+    batch: int = 1      # requests per write_many / read_many (1: write / read each)
 
 
-def _connect(pproc, cproc, prods: list, cons: list, mode: str, direct: str) -> _Engines:
+def _connect(pproc, cproc, prods: list, cons: list, mode: str, direct: str, batch: int = 1) -> _Engines:
     addrs_p = [h.address for h in prods]
     addrs_c = [h.address for h in cons]
     if mode == "push":
@@ -235,7 +250,7 @@ def _connect(pproc, cproc, prods: list, cons: list, mode: str, direct: str) -> _
         links = [h.connect(addrs_p, "READ", direct if mode == "pull" else "pull_via_push") for h in cons]
     active = [h for h, link in zip(initiators, links) if link["peer_ranks"]]
     movers = prods if mode in ("push", "pull_via_push") else cons
-    return _Engines(proc, method, active, cons, movers, mode)
+    return _Engines(proc, method, active, cons, movers, mode, batch)
 
 
 def _run_round(engines: _Engines, batch: list, result: DemoResult, timeout: float,
@@ -260,7 +275,8 @@ def _run_round(engines: _Engines, batch: list, result: DemoResult, timeout: floa
 def _move(engines: _Engines, batch: list, result: DemoResult, timeout: float) -> None:
     """Post one round's requests on every active rank and wait until every consumer rank has them."""
     reqs = [(r, p, c, n) for r, c, p, n in batch] if engines.mode == "push" else batch
-    out = engines.proc.call("batch", -1, [(h.aid, "default", engines.method, reqs) for h in engines.active], timeout)
+    method, size = (engines.method, 0) if engines.batch == 1 else (f"{engines.method}_many", engines.batch)
+    out = engines.proc.call("batch", -1, [(h.aid, "default", method, reqs, size) for h in engines.active], timeout)
     ids = [b[0] for b in batch]
     for h in engines.cons:  # every consumer rank: every request landed (push: notified)
         got = h.call("wait", ids, timeout)

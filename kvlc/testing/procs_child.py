@@ -102,10 +102,25 @@ def resources(h: _Hosted | None = None) -> dict:
     return out
 
 
-def _submit(h: _Hosted, peer_id, method, requests, timeout) -> dict[str, str]:
-    """Post every request through peer ``peer_id``; the errors of those that could not be posted."""
+def _submit(h: _Hosted, peer_id, method, requests, timeout, size: int = 0) -> dict[str, str]:
+    """Post every request through peer ``peer_id``; the errors of those that could not be posted.
+
+    ``method`` ``write_many`` / ``read_many`` posts them in batches of ``size`` (0: one batch);
+    a refused batch's error is each of its requests' error."""
     errors = {}
     fn = getattr(h.peers[peer_id], method)
+    if method.endswith("_many"):
+        from kvlc.runtime.batch import BlockRequest
+
+        size = size or len(requests) or 1
+        for at in range(0, len(requests), size):
+            chunk = requests[at:at + size]
+            try:
+                fn([BlockRequest(req, lids, rids, *((None, tuple(n)) if isinstance(n, (tuple, list)) else (n,)))
+                    for req, lids, rids, n in chunk], timeout=timeout)
+            except Exception as exc:
+                errors.update({r[0]: f"{type(exc).__name__}: {exc}" for r in chunk})
+        return errors
     for req, lids, rids, n in requests:   # n: num_tokens, or (start, stop) for a token range
         try:
             if isinstance(n, (tuple, list)):
@@ -164,10 +179,10 @@ class _Child:
         """Several agents' requests at once, waited together: timing."""
         t0 = time.perf_counter()
         errors = {}
-        for a_id, peer_id, method, requests in jobs:
-            errors[a_id] = _submit(self.hosted[a_id], peer_id, method, requests, timeout)
+        for a_id, peer_id, method, requests, *size in jobs:  # size: requests per batch of write_many / read_many
+            errors[a_id] = _submit(self.hosted[a_id], peer_id, method, requests, timeout, *size)
         result = {}
-        for a_id, peer_id, method, requests in jobs:
+        for a_id, peer_id, method, requests, *_ in jobs:
             h = self.hosted[a_id]
             ids = [r[0] for r in requests if r[0] not in errors[a_id]]
             self.wait(h, ids, timeout + 5)
@@ -180,9 +195,9 @@ class _Child:
 
     def run(self, h: _Hosted, aid: int, args: list) -> dict:
         """Submit a batch, wait for all of it: timing."""
-        peer_id, method, requests, timeout = args
+        peer_id, method, requests, timeout, *size = args  # size: requests per batch of write_many / read_many
         t0 = time.perf_counter()
-        errors = _submit(h, peer_id, method, requests, timeout)
+        errors = _submit(h, peer_id, method, requests, timeout, *size)
         ids = [r[0] for r in requests if r[0] not in errors]
         self.wait(h, ids, timeout + 5)
         result = _outcome(h, ids)

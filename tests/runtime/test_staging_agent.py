@@ -88,6 +88,25 @@ def test_staged_and_direct_write_the_same_bytes(eng, plans, mode, first):
     assert eng["c_off"].call("stats")["staging"] is None
 
 
+def test_a_batch_with_staged_parts_goes_request_by_request_and_moves_the_same_bytes(eng, plans):
+    """write_many where the policy stages every WRITE: each request is its own staged send (bounce
+    buffers are per request), every destination byte right; the unstaged pair gets one NIXL request."""
+    before = {c: eng[c].call("dump") for c in ("c_on", "c_off")}
+    for p, c in (("p_on", "c_on"), ("p_off", "c_off")):
+        prod, cons, tag = eng[p], eng[c], f"batch-{p}"
+        reqs = _reqs(tag, 10)
+        prod.connect([cons.address], "WRITE", "direct", tag)
+        s0, chunks0 = prod.call("stats"), _chunks(cons)
+        move(prod, tag, "write_many", flip(reqs), waiters=[cons])
+        check_bytes(cons, plans["z"], plans["x"], before[c], reqs)
+        s1 = prod.call("stats")
+        assert s1["requests"] - s0["requests"] == 2
+        if p == "p_on":
+            assert _chunks(cons) - chunks0 > 10 and s1["nixl_requests"] == s0["nixl_requests"]
+        else:
+            assert s1["nixl_requests"] - s0["nixl_requests"] == 1
+
+
 def test_policy_comes_from_the_environment_and_is_checked(monkeypatch, plans):
     """KVLC_STAGING=never|always|auto picks the policy of an agent given none; bad values name the variable."""
     from kvlc.runtime import KvAgent, allocate

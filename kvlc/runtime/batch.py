@@ -1,0 +1,145 @@
+"""Several requests of one connection submitted together: :meth:`Peer.write_many` / :meth:`Peer.read_many`.
+
+An empty batch does nothing. Every request is checked first (ids, counts, bounds, not in flight, not cancelled by the
+consumer); one refusal refuses the whole batch, naming the request, and nothing is created or
+posted then. On a direct connection the requests' descriptors are then joined, part by part
+(:func:`kvlc.compiler.program.join_parts`), into ONE NIXL request per part for all of them: the
+per-request costs of creating, posting and polling NIXL requests are paid once per batch, and the
+requests that end in the same progress turn share one ``done`` notification per session.
+
+A batch moves and ends as one: its requests share one deadline, and a failure, a timeout or a
+cancel of any of them fails every one (each consumer hears ``failed``, after no byte can land
+any more). Where rows cannot be shared (a ``prepped`` connection, or a part the staging policy
+sends through bounce buffers), the checked requests are submitted one by one instead; a
+``pull_via_push`` connection checks every request, then asks the producer for each.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvlc.compiler.program import join_parts
+from kvlc.errors import TransferError
+from kvlc.runtime.kinds import Direction, Mode
+from kvlc.runtime.transfer import Member
+from kvlc.runtime.arguments import check_request_id
+
+
+@dataclass(frozen=True)
+class BlockRequest:
+    """One request of a batch: its id, each side's block ids per group, and the tokens it moves
+    (``num_tokens=N`` for ``[0, N)``, or ``tokens=(start, stop)``), as :meth:`Peer.write` takes them.
+    ``local_block_ids`` are this side's (the caller's) blocks."""
+
+    request_id: str
+    local_block_ids: Mapping[str, Sequence[int]]
+    remote_block_ids: Mapping[str, Sequence[int]]
+    num_tokens: int | Mapping[str, int] | None = None
+    tokens: Any = None
+
+
+def _items(requests: Iterable[BlockRequest]) -> list[BlockRequest]:
+    items = list(requests)
+    seen: set[str] = set()
+    for i, it in enumerate(items):
+        if not isinstance(it, BlockRequest):
+            raise TransferError(f"batch item {i}: expected a kvlc.runtime.BlockRequest, found "
+                                f"{type(it).__name__}; build one per request")
+        try:
+            check_request_id(it.request_id)
+        except TransferError as exc:
+            raise TransferError(f"batch item {i}: {exc}") from None
+        if it.request_id in seen:
+            raise TransferError(f"batch item {i}: request '{it.request_id}' appears twice in the batch")
+        seen.add(it.request_id)
+    return items
+
+
+def _checked(peer, items: list[BlockRequest], op: str, verb: str) -> list[dict]:
+    """Each request's parts (PartKey → Part), or a refusal naming the request; the caller holds the lock."""
+    a = peer.agent
+    out = []
+    for i, it in enumerate(items):
+        key = (verb, it.request_id)
+        if key in a.executor.active or (op == "READ" and it.request_id in a.incoming):
+            raise TransferError(f"batch item {i}: request '{it.request_id}' is already in flight; nothing moved")
+        if op == "WRITE":
+            for r, s in peer.sessions.items():
+                if ("tomb", s.conn_id, it.request_id) in a.events.ended:
+                    raise TransferError(f"batch item {i}: request '{it.request_id}' was cancelled by consumer "
+                                        f"rank {r}; nothing written")
+        try:
+            out.append(peer._instantiate(it.local_block_ids, it.remote_block_ids, it.num_tokens, it.tokens))
+        except TransferError as exc:
+            raise TransferError(f"batch item {i} (request '{it.request_id}'): {exc}; nothing moved") from None
+    return out
+
+
+def _shareable(peer, op: str, parts: list[dict]) -> bool:
+    """Whether every part is rows that go direct (no prepared indices, nothing the stager takes)."""
+    if peer.mode is not Mode.DIRECT:
+        return False
+    st = peer.agent.stager
+    if st is None:
+        return True
+    agents = {r: t.agent for r, t in peer._targets().items()}
+    return not any(st.pick(op, p, agents) for p in parts)
+
+
+def submit(peer, requests: Iterable[BlockRequest], direction: Direction, timeout: float | None) -> None:
+    """:meth:`Peer.write_many` (``direction`` WRITE) and :meth:`Peer.read_many` (READ)."""
+    verb = "write" if direction is Direction.WRITE else "read"
+    if peer.direction is not direction:
+        raise TransferError(f"{verb}_many() needs a connection made with direction='{direction.value}'")
+    items = _items(requests)
+    if not items:  # an engine step with nothing to move
+        return
+    a = peer.agent
+    timeout = a.timeout if timeout is None else float(timeout)
+    if peer.mode is Mode.PULL_VIA_PUSH:
+        _ask_each(peer, items, timeout)
+        return
+    op = direction.value
+    with a._lock:
+        peer._live()
+        parts = _checked(peer, items, op, verb)
+        for it in items:
+            a.events.ended.pop((verb, it.request_id), None)
+        if len(items) == 1 or not _shareable(peer, op, parts):
+            _one_by_one(peer, items, parts, op, verb, timeout)
+        else:
+            members = [Member((verb, it.request_id), it.request_id, sum(int(x.nbytes) for x in p.values()),
+                              sum(len(x) for x in p.values())) for it, p in zip(items, parts)]
+            a._submit_many(members, op, join_parts(parts), peer._targets(), timeout)
+        a._polled = time.monotonic()  # the engine is at work and polls soon: the progress thread waits
+
+
+def _one_by_one(peer, items: list[BlockRequest], parts: list[dict], op: str, verb: str, timeout: float) -> None:
+    """Submit each checked request on its own; if NIXL cannot create one, the ones before it are
+    cancelled (their consumers hear ``failed``) and the error is raised."""
+    a = peer.agent
+    done: list[str] = []
+    try:
+        for it, p in zip(items, parts):
+            a._submit((verb, it.request_id), it.request_id, op, p, peer._targets(), timeout)
+            done.append(it.request_id)
+    except BaseException as exc:
+        for req in done:
+            out = a.executor.cancel((verb, req), f"another request of its batch could not start: {exc}")
+            if out is not None:  # else a part is still being released: progress ends it
+                a._outgoing_done(out)
+        raise
+
+
+def _ask_each(peer, items: list[BlockRequest], timeout: float) -> None:
+    """pull_via_push: every request checked here first, then the producer is asked for each."""
+    for i, it in enumerate(items):
+        try:
+            peer.program.check_request(it.local_block_ids, it.remote_block_ids, it.num_tokens, tokens=it.tokens)
+        except TransferError as exc:
+            raise TransferError(f"batch item {i} (request '{it.request_id}'): {exc}; nothing moved") from None
+    for it in items:
+        peer.read(it.request_id, it.local_block_ids, it.remote_block_ids, it.num_tokens, timeout, tokens=it.tokens)
