@@ -122,6 +122,21 @@ def test_pull_via_push_batch_asks_the_producer_for_each(eng, plans):
     check_bytes(z, plans["z"], plans["x"], before, reqs)
 
 
+def test_prepped_batch_goes_request_by_request(eng, plans):
+    """On a prepped connection (indices into lists prepared at connect) a batch is checked as one,
+    then each request is moved on its own (nothing shared); every byte lands right."""
+    x, z = eng["x"], eng["z"]
+    z.connect([x.address], "READ", "prepped", "x-prepped")
+    reqs = _reqs("bq", 4, 6)
+    before, s0 = z.call("dump"), _stats(z)
+    move(z, "x-prepped", "read_many", reqs)
+    check_bytes(z, plans["z"], plans["x"], before, reqs)
+    s1 = _stats(z)
+    assert s1["requests"] - s0["requests"] == 4
+    # each request its own NIXL requests: the prepared part, plus a rows part for a partial last block
+    assert s1["nixl_requests"] - s0["nixl_requests"] >= 4
+
+
 @pytest.mark.parametrize("flaw", ["id out of range", "twice in the batch", "wrong count"])
 def test_one_bad_request_refuses_the_batch_and_nothing_moves(eng, flaw):
     """A refusal names the batch item and request; no request of the batch is created or moved,

@@ -27,6 +27,7 @@ def _demo(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedPr
     (["--requests", "-3"], "--requests -3: give at least 1"),
     (["--tokens", "10000000"], "tokens 10000000"),
     (["--tokens", "0"], "tokens 0"),
+    (["--batch", "0"], "'--batch': 0 is not in the range"),
 ])
 def test_bad_options_exit_2_with_a_clear_message(tmp_path, args, says):
     """Every bad option is refused before any engine starts: exit 2, the option named, no traceback."""
@@ -75,11 +76,12 @@ def test_missing_extras_are_named_with_the_install_command(monkeypatch, capsys):
 
 
 def test_demo_json_is_one_document_with_what_was_verified(tmp_path):
-    """``--json`` prints one JSON document (no progress display): counts, times, bytes verified, ok."""
+    """``--json`` prints one JSON document (no progress display): counts, times, bytes verified, ok
+    (here the two requests move as one batch: ``--batch 2``)."""
     import json
 
     pytest.importorskip("nixl")
-    out = _demo("--requests", "2", "--pool-mib", "2", "--json", cwd=tmp_path)
+    out = _demo("--requests", "2", "--pool-mib", "2", "--batch", "2", "--json", cwd=tmp_path)
     assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-2000:])
     doc = json.loads(out.stdout)
     assert doc["ok"] is True and doc["requests"] == 2 and doc["verified_requests"] == 2
