@@ -28,6 +28,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from profile_push import wait_finished  # noqa: E402
+
 MiB = 1 << 20
 LLAMA = "layouts/llama-3.1-8b.yaml"
 
@@ -61,17 +63,7 @@ def _round(agent, peer, reqs: list, batch: int, timeout: float = 120.0) -> dict:
         for at in range(0, len(reqs), batch):
             (peer.write_many if write else peer.read_many)(reqs[at:at + batch])
     handed = time.perf_counter() - t0
-    want = {r.request_id for r in reqs}
-    deadline = time.monotonic() + timeout
-    while want and time.monotonic() < deadline:
-        c = agent.poll()
-        if c.failed:
-            raise RuntimeError(f"failed: {dict(list(c.failed.items())[:2])}")
-        want -= set(c.finished)
-        if want and not c:
-            time.sleep(0.0001)
-    if want:
-        raise RuntimeError(f"{len(want)} requests still open after {timeout}s")
+    wait_finished(agent, {r.request_id for r in reqs}, timeout, nap=0.0001)
     return {"handed_s": handed, "total_s": time.perf_counter() - t0,
             "nixl_requests": agent.stats["nixl_requests"] - created}
 

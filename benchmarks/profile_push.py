@@ -60,18 +60,22 @@ def one_round(prod, peer, batch, timeout: float = 60.0) -> dict:
     for req, cids, pids, n in batch:
         peer.write(req, pids, cids, n, timeout=timeout)
     t_posted = time.perf_counter()
-    want = {b[0] for b in batch}
+    wait_finished(prod, {b[0] for b in batch}, timeout)
+    return {"submit_s": t_posted - t0, "total_s": time.perf_counter() - t0}
+
+
+def wait_finished(agent, want: set, timeout: float, nap: float = 0.0002) -> None:
+    """Poll ``agent`` until every id in ``want`` finished; a failure or the timeout raises."""
     deadline = time.monotonic() + timeout
     while want and time.monotonic() < deadline:
-        c = prod.poll()
+        c = agent.poll()
         if c.failed:
-            raise RuntimeError(f"failed: {dict(c.failed)}")
-        want -= set(c.finished)
+            raise RuntimeError(f"failed: {dict(list(c.failed.items())[:2])}")
+        want = want - set(c.finished)
         if want and not c:
-            time.sleep(0.0002)
+            time.sleep(nap)
     if want:
-        raise RuntimeError(f"{len(want)} requests still open")
-    return {"submit_s": t_posted - t0, "total_s": time.perf_counter() - t0}
+        raise RuntimeError(f"{len(want)} requests still open after {timeout}s")
 
 
 def _kvlc_gbps(prod, peer, plan, tokens: int, inflight: int, rounds: int, tag: str) -> tuple[float, int, int]:

@@ -87,3 +87,13 @@ class FakeAgent:
     @property
     def live_handles(self):
         return len(self.live)
+
+
+class Clock:
+    """A clock the test sets by hand (``clock.t = 2.0``), for an Executor's deadlines."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t

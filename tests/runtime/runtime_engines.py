@@ -16,6 +16,16 @@ LAYOUTS = ROOT / "layouts"
 TEST_LAYOUTS = ROOT / "tests" / "runtime" / "layouts"
 
 
+def tiny_plans() -> dict:
+    """The tiny dense engines of the multi-process tests: ``x`` TP1 NHD 16-token blocks (64),
+    ``y`` TP2 HND 32-token blocks, ``z`` TP1 with 256 blocks."""
+    from kvlc import compile_spec
+
+    return {"x": compile_spec(TEST_LAYOUTS / "dense-tp1.yaml"),
+            "y": compile_spec(TEST_LAYOUTS / "dense-tp2-hnd-b32.yaml"),
+            "z": compile_spec(TEST_LAYOUTS / "dense-tp1-pool256.yaml")}
+
+
 def config(plan, rank: int, fill: str, seed: int = 0, **kw) -> EngineConfig:
     """One rank's config; ranks of one engine share ``engine_id`` (default: the plan's name and whether the
     rank is content-coded, i.e. a producer in these tests)."""

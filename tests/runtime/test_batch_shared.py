@@ -10,7 +10,7 @@ import json
 
 import numpy as np
 import pytest
-from fake import FakeAgent
+from fake import Clock, FakeAgent
 from runtime_engines import LAYOUTS
 
 from kvlc import compile_spec
@@ -23,14 +23,6 @@ pytestmark = pytest.mark.runtime
 
 DONE, PROC, ERR = XferState.DONE, XferState.PROC, XferState.ERR
 KEY = b"k" * 32
-
-
-class Clock:
-    def __init__(self):
-        self.t = 0.0
-
-    def __call__(self):
-        return self.t
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ Every test checks every destination byte against its content code and that no ot
 from __future__ import annotations
 
 import pytest
-from runtime_engines import TEST_LAYOUTS, check_bytes, config, flip, move
+from runtime_engines import TEST_LAYOUTS, check_bytes, config, flip, move, tiny_plans
 
 from kvlc import compile_spec
 from kvlc.testing.procs import EngineProcess, start_engines, stop_engines
@@ -24,8 +24,7 @@ L = TEST_LAYOUTS
 
 @pytest.fixture(scope="module")
 def plans():
-    return {"x": compile_spec(L / "dense-tp1.yaml"), "y": compile_spec(L / "dense-tp2-hnd-b32.yaml"),
-            "z": compile_spec(L / "dense-tp1-pool256.yaml")}
+    return tiny_plans()
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import json
 
 import pytest
 from runtime_engines import LAYOUTS
-from fake import FakeAgent
+from fake import Clock, FakeAgent
 
 from kvlc import compile_spec
 from kvlc.compiler.pair import pair
@@ -23,14 +23,6 @@ pytestmark = pytest.mark.runtime
 
 DONE, PROC, ERR = XferState.DONE, XferState.PROC, XferState.ERR
 KEY = b"k" * 32  # a session's notification key
-
-
-class Clock:
-    def __init__(self):
-        self.t = 0.0
-
-    def __call__(self):
-        return self.t
 
 
 def _bases(plan, tag):
