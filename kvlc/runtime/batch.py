@@ -1,8 +1,8 @@
 """Several requests of one connection submitted together: :meth:`Peer.write_many` / :meth:`Peer.read_many`.
 
-An empty batch does nothing. Every request is checked first (ids, counts, bounds, not in flight, not cancelled by the
-consumer); one refusal refuses the whole batch, naming the request, and nothing is created or
-posted then. On a direct connection the requests' descriptors are then joined, part by part
+An empty batch does nothing. Every request is checked first (ids, counts, bounds, not in flight,
+not cancelled by the consumer); one refusal refuses the whole batch, naming the request, and
+nothing is created or posted then. On a direct connection the requests' descriptors are then joined, part by part
 (:func:`kvlc.compiler.program.join_parts`), into ONE NIXL request per part for all of them: the
 per-request costs of creating, posting and polling NIXL requests are paid once per batch, and the
 requests that end in the same progress turn share one ``done`` notification per session.
@@ -23,9 +23,9 @@ from typing import Any
 
 from kvlc.compiler.program import join_parts
 from kvlc.errors import TransferError
+from kvlc.runtime.arguments import check_request_id
 from kvlc.runtime.kinds import Direction, Mode
 from kvlc.runtime.transfer import Member
-from kvlc.runtime.arguments import check_request_id
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,8 @@ def _items(requests: Iterable[BlockRequest]) -> list[BlockRequest]:
 
 
 def _checked(peer, items: list[BlockRequest], op: str, verb: str) -> list[dict]:
-    """Each request's parts (PartKey → Part), or a refusal naming the request; the caller holds the lock."""
+    """Each request's parts (as :meth:`Peer._instantiate` gives them), or a refusal naming the
+    request; the caller holds the lock."""
     a = peer.agent
     out = []
     for i, it in enumerate(items):
