@@ -25,6 +25,7 @@ from kvlc.compiler.program import join_parts
 from kvlc.errors import TransferError
 from kvlc.runtime.arguments import check_request_id
 from kvlc.runtime.kinds import Direction, Mode
+from kvlc.runtime.notifs import agents_of
 from kvlc.runtime.transfer import Member
 
 
@@ -86,7 +87,7 @@ def _shareable(peer, op: str, parts: list[dict]) -> bool:
     st = peer.agent.stager
     if st is None:
         return True
-    agents = {r: t.agent for r, t in peer._targets().items()}
+    agents = agents_of(peer._targets())
     return not any(st.pick(op, p, agents) for p in parts)
 
 
