@@ -11,6 +11,7 @@ not the GPU's. Then mixed DRAM/VRAM with one rank per side: DeepSeek-V3.2 -> HiS
 every rank), push and pull via push, beside the pinned host<->device copy ceiling.
 
 Run (from the repository root):  python3 benchmarks/gpu_staging_depth.py [--device cpu] [--out OUT.json]
+                                 python3 benchmarks/gpu_staging_depth.py --mixed 4x32,8x32,16x16 (mixed rows only)
 """
 
 from __future__ import annotations
@@ -73,6 +74,29 @@ def pair_rows(device: int | None, scale: int) -> list[dict]:
     return rows
 
 
+def _geometries(text: str) -> list[tuple[int, int]]:
+    """``"4x32,8x32"`` -> [(4, 32 MiB), (8, 32 MiB)]."""
+    out = []
+    for item in text.split(","):
+        slots, _, mib = item.strip().partition("x")
+        if not (slots.isdigit() and mib.isdigit() and int(slots) > 0 and int(mib) > 0):
+            raise SystemExit(f"--mixed: {item!r} is not SLOTSxMIB (e.g. 8x32)")
+        out.append((int(slots), int(mib) * MiB))
+    return out
+
+
+def mixed_rows(device: str, scale: int, layouts: tuple[str, str], geometries) -> list[dict]:
+    """Mixed DRAM/VRAM at TP1 through KvAgent (DeepSeek-V3.2 -> HiSparse), push and pull via push, per geometry."""
+    rows = []
+    for mode in ("push", "pull_via_push"):
+        for slots, size in geometries:
+            env = {"KVLC_STAGING": "auto", "KVLC_STAGING_SLOTS": str(slots), "KVLC_STAGING_SLOT_BYTES": str(size // scale)}
+            rows.append(agent_row(f"kvlc staged mixed deepseek-v3.2 -> hisparse TP1 {mode} [{slots} x {size // scale // MiB} MiB]",
+                                  env, layout=layouts[0], consumer_layout=layouts[1], mode=mode, requests=8,
+                                  tokens=4096 // scale, max_bytes=(1 << 30) // scale, device=device, ids="contiguous"))
+    return rows
+
+
 def traced(device: str, folder: Path, scale: int, llama: str, mixed: tuple[str, str]) -> list[dict]:
     """Traced KvAgent runs (``KVLC_STAGING_TRACE``): fragmented push at 1 x 256 MiB, mixed TP1 push at 4 x 32 MiB."""
     rows = []
@@ -95,6 +119,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="")
     ap.add_argument("--trace", default="", help="also one traced KvAgent run (default geometry) into this folder "
                     "(KVLC_STAGING_TRACE; read it with benchmarks/staging_timeline.py)")
+    ap.add_argument("--mixed", default="", metavar="SxM,...",
+                    help="only the mixed TP1 rows (push and pull via push), at these geometries: slots x slot MiB, "
+                    "e.g. 4x32,8x32,16x16")
     ap.add_argument("--traced-only", action="store_true", help="only traced KvAgent runs, one folder each under "
                     "--trace: fragmented push at 1 x 256 MiB, mixed TP1 push at the default geometry")
     args = ap.parse_args(argv)
@@ -119,6 +146,10 @@ def main(argv=None) -> int:
         dp, dc = (tp1(str(ROOT / x), t) for x in DSV32)
         if gpu:
             dp, dc = on_device(dp, 0, t), on_device(dc, 0, t)
+        if args.mixed:
+            doc["rows"] += mixed_rows(args.device, scale, (dp, dc), _geometries(args.mixed))
+            save()
+            return 0 if all(r.get("ok", True) and "error" not in r for r in doc["rows"]) else 1
         if args.traced_only:
             doc["rows"] += traced(args.device, Path(args.trace), scale, llama, (dp, dc))
             save()
@@ -140,14 +171,8 @@ def main(argv=None) -> int:
                                          ids="random"))
         doc["rows"] += pair_rows(0 if gpu else None, scale)
         save()
-        for mode in ("push", "pull_via_push"):
-            for slots, size in GEOMETRIES[:2]:
-                env = {"KVLC_STAGING": "auto", "KVLC_STAGING_SLOTS": str(slots), "KVLC_STAGING_SLOT_BYTES": str(size // scale)}
-                doc["rows"].append(agent_row(f"kvlc staged mixed deepseek-v3.2 -> hisparse TP1 {mode} [{slots} x {size // scale // MiB} MiB]",
-                                             env, layout=dp, consumer_layout=dc, mode=mode, requests=8,
-                                             tokens=4096 // scale, max_bytes=(1 << 30) // scale, device=args.device,
-                                             ids="contiguous"))
-                save()
+        doc["rows"] += mixed_rows(args.device, scale, (dp, dc), GEOMETRIES[:2])
+        save()
     return 0 if all(r.get("ok", True) and "error" not in r for r in doc["rows"]) else 1
 
 
