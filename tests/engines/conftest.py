@@ -56,6 +56,8 @@ class Engines:
         return (self.log_dir / f"{name}.log").read_text(errors="replace")
 
     def close(self) -> None:
+        for p in self.procs.values():  # all stop at once: a multi-process engine takes seconds to end
+            p.request_stop()
         for p in self.procs.values():
             p.close()
 

@@ -3,15 +3,21 @@
 :func:`tiny_llama` writes a small Llama with random weights (transformers, safetensors)
 that greedy decoding turns into varied, KV-sensitive tokens. :class:`EngineProcess`
 starts one ``vllm.LLM`` in a spawned child (each engine needs its own process: vLLM
-keeps one KV connector per process) and runs ``generate`` there.
+keeps one KV connector per process) and runs ``generate`` there. Each engine's vLLM IPC
+sockets go into a folder of its own (``VLLM_RPC_BASE_PATH``, unless the spec or the
+environment sets it), removed when the engine is closed or killed: vLLM leaves them in
+``/tmp`` otherwise.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import shutil
+import tempfile
 import time
-from dataclasses import dataclass, field
+import weakref
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -143,10 +149,16 @@ class EngineProcess:
         self._child = child
         self.proc = None
         self._ready = False
+        self._stopping = False
+        self._cleanup = None
 
     def start(self) -> EngineProcess:
-        self.proc = self._ctx.Process(target=_run_logged, args=(self.spec, self._child, self.log_path),
-                                      daemon=False)
+        spec = self.spec
+        if "VLLM_RPC_BASE_PATH" not in spec.env and "VLLM_RPC_BASE_PATH" not in os.environ:
+            rpc = tempfile.mkdtemp(prefix="kvlc-vllm-rpc-")
+            self._cleanup = weakref.finalize(self, shutil.rmtree, rpc, True)
+            spec = replace(spec, env={**spec.env, "VLLM_RPC_BASE_PATH": rpc})
+        self.proc = self._ctx.Process(target=_run_logged, args=(spec, self._child, self.log_path), daemon=False)
         self.proc.start()
         return self
 
@@ -192,16 +204,23 @@ class EngineProcess:
         if self.proc is not None and self.proc.is_alive():
             self.proc.kill()
             self.proc.join(10)
+        if self._cleanup is not None and (self.proc is None or not self.proc.is_alive()):
+            self._cleanup()  # the engine's IPC socket folder (a child of vLLM may still be ending: harmless)
 
-    def close(self, timeout: float = 30.0) -> None:
-        if self.proc is None:
-            return
-        if self.proc.is_alive():
+    def request_stop(self) -> None:
+        """Ask the engine to stop, without waiting (several engines then stop at once; :meth:`close` waits)."""
+        if self.proc is not None and self.proc.is_alive() and not self._stopping:
+            self._stopping = True
             try:
                 self._conn.send(("stop", None))
             except OSError:
                 pass
-            self.proc.join(timeout)
+
+    def close(self, timeout: float = 30.0) -> None:
+        if self.proc is None:
+            return
+        self.request_stop()
+        self.proc.join(timeout)
         self.kill()
 
 
