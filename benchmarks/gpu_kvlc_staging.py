@@ -38,6 +38,7 @@ def _run(rows: list, case: str, env: dict, **kw) -> None:
                "gbps": res.gbps if kw.get("check") == "none" else None, "requests": res.requests,
                "bytes_per_request": res.nbytes // max(1, res.requests),
                "descriptors_per_request": res.descriptors_per_request,
+               "staged_chunks": res.staged_chunks, "direct_chunks": res.direct_chunks,
                "verified_bytes": res.checked_bytes, "mismatches": res.mismatches[:5],
                "failed": dict(list(res.failed.items())[:3]), **_steady(res)}
     except Exception as exc:

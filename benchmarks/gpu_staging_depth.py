@@ -12,6 +12,7 @@ every rank), push and pull via push, beside the pinned host<->device copy ceilin
 
 Run (from the repository root):  python3 benchmarks/gpu_staging_depth.py [--device cpu] [--out OUT.json]
                                  python3 benchmarks/gpu_staging_depth.py --mixed 4x32,8x32,16x16 (mixed rows only)
+                                 python3 benchmarks/gpu_staging_depth.py --direct-ab (direct chunks on / off)
 """
 
 from __future__ import annotations
@@ -85,15 +86,37 @@ def _geometries(text: str) -> list[tuple[int, int]]:
     return out
 
 
-def mixed_rows(device: str, scale: int, layouts: tuple[str, str], geometries) -> list[dict]:
+def mixed_rows(device: str, scale: int, layouts: tuple[str, str], geometries, extra: dict | None = None,
+               label: str = "") -> list[dict]:
     """Mixed DRAM/VRAM at TP1 through KvAgent (DeepSeek-V3.2 -> HiSparse), push and pull via push, per geometry."""
     rows = []
     for mode in ("push", "pull_via_push"):
         for slots, size in geometries:
-            env = {"KVLC_STAGING": "auto", "KVLC_STAGING_SLOTS": str(slots), "KVLC_STAGING_SLOT_BYTES": str(size // scale)}
-            rows.append(agent_row(f"kvlc staged mixed deepseek-v3.2 -> hisparse TP1 {mode} [{slots} x {size // scale // MiB} MiB]",
+            env = {"KVLC_STAGING": "auto", "KVLC_STAGING_SLOTS": str(slots), "KVLC_STAGING_SLOT_BYTES": str(size // scale),
+                   **(extra or {})}
+            tag = f", {label}" if label else ""
+            rows.append(agent_row(f"kvlc staged mixed deepseek-v3.2 -> hisparse TP1 {mode} [{slots} x {size // scale // MiB} MiB{tag}]",
                                   env, layout=layouts[0], consumer_layout=layouts[1], mode=mode, requests=8,
                                   tokens=4096 // scale, max_bytes=(1 << 30) // scale, device=device, ids="contiguous"))
+    return rows
+
+
+def direct_ab(device: str, scale: int, layouts: tuple[str, str], what: str = "all") -> list[dict]:
+    """Mixed TP1 with chunks written from their sources (default) against gathered (``KVLC_STAGING_DIRECT_BYTES=0``):
+    content-coded checks (every chunk direct: ``KVLC_STAGING_DIRECT_BYTES=1``, as the checked requests'
+    ranges are short; contiguous and random ids), then timed rows."""
+    from gpu_kvlc_staging import _run
+
+    rows: list[dict] = []
+    for mode in ("push", "pull_via_push") if what in ("all", "checks") else ():
+        for ids in ("contiguous", "random"):
+            _run(rows, f"kvlc staged mixed deepseek-v3.2 -> hisparse TP1 {mode} {ids} ids [every chunk direct] check",
+                 {"KVLC_STAGING": "auto", "KVLC_STAGING_DIRECT_BYTES": "1"}, layout=layouts[0],
+                 consumer_layout=layouts[1], mode=mode, requests=4, tokens=512 // scale,
+                 max_bytes=(64 << 20) // scale, device=device, check="all", timeout=120.0, ids=ids)
+    for _ in range(2 if what in ("all", "timed") else 0):
+        for label, env in (("direct on", {}), ("direct off", {"KVLC_STAGING_DIRECT_BYTES": "0"})):
+            rows += mixed_rows(device, scale, layouts, GEOMETRIES[:1], env, label)
     return rows
 
 
@@ -122,6 +145,9 @@ def main(argv=None) -> int:
     ap.add_argument("--mixed", default="", metavar="SxM,...",
                     help="only the mixed TP1 rows (push and pull via push), at these geometries: slots x slot MiB, "
                     "e.g. 4x32,8x32,16x16")
+    ap.add_argument("--direct-ab", choices=("all", "checks", "timed"), default=None,
+                    help="only mixed TP1: content checks with direct chunks on (checks), then push / pull via push "
+                    "timed with direct chunks on and off (KVLC_STAGING_DIRECT_BYTES=0), alternated twice (timed)")
     ap.add_argument("--traced-only", action="store_true", help="only traced KvAgent runs, one folder each under "
                     "--trace: fragmented push at 1 x 256 MiB, mixed TP1 push at the default geometry")
     args = ap.parse_args(argv)
@@ -146,6 +172,10 @@ def main(argv=None) -> int:
         dp, dc = (tp1(str(ROOT / x), t) for x in DSV32)
         if gpu:
             dp, dc = on_device(dp, 0, t), on_device(dc, 0, t)
+        if args.direct_ab:
+            doc["rows"] += direct_ab(args.device, scale, (dp, dc), args.direct_ab)
+            save()
+            return 0 if all(r.get("ok", True) and "error" not in r for r in doc["rows"]) else 1
         if args.mixed:
             doc["rows"] += mixed_rows(args.device, scale, (dp, dc), _geometries(args.mixed))
             save()

@@ -7,8 +7,9 @@ GPU's engines do well plus one large WRITE:
 
 1. the sender gathers a request's source ranges, chunk by chunk, into a slot of its own bounce
    buffer (one indexed copy per run of equal ranges, side CUDA stream; :mod:`kvlc.runtime.staging_copy`);
-2. once the gather's event completes, ONE WRITE moves the slot into a slot of the receiver's
-   bounce buffer, with a LANDED notification attached that NIXL delivers once the bytes are there
+   a chunk of few, large ranges skips the gather (:mod:`kvlc.runtime.staging_direct`);
+2. once the gather's event completes, ONE WRITE moves the slot (or those ranges) into a slot of the
+   receiver's bounce buffer, with a LANDED notification attached that NIXL delivers once the bytes are there
    (no round trip through the sender): it carries the chunk's size (its destination ranges travel
    in the same WRITE, behind the data; :mod:`kvlc.runtime.staging_wire`);
 3. the receiver checks every range lies inside its registered regions, scatters the slot into
@@ -38,6 +39,7 @@ import numpy as np
 from kvlc.errors import KvlcError
 from kvlc.runtime.nixl import XferState
 from kvlc.runtime.staging_copy import Copier, Regions, StagingError
+from kvlc.runtime.staging_direct import DIRECT_MIN_BYTES, chunk_rows, goes_direct
 from kvlc.runtime.staging_buffers import (
     DEFAULT_SLOT_BYTES,
     DEFAULT_SLOTS,
@@ -45,7 +47,6 @@ from kvlc.runtime.staging_buffers import (
     StageMode,
     StageEvent,
     StagingPolicy,
-    _align8,
     _Chunk,
     _Sending,
     split_chunks,
@@ -65,8 +66,10 @@ class StagingEndpoint(Receiver):
     """
 
     def __init__(self, agent: Any, regions: Regions, outbox: BounceBuffer | None,
-                 clock: Callable[[], float] = time.monotonic, prepped: bool = True, device: int | None = None):
+                 clock: Callable[[], float] = time.monotonic, prepped: bool = True, device: int | None = None,
+                 direct_min_bytes: int = DIRECT_MIN_BYTES):
         self.agent, self.regions, self.outbox, self.clock = agent, regions, outbox, clock
+        self.direct_min_bytes = direct_min_bytes  # chunks of ranges this long on average skip the gather
         if device is None and outbox is not None and outbox.mem == "VRAM":
             device = outbox.device
         self.stream = None
@@ -95,7 +98,7 @@ class StagingEndpoint(Receiver):
         self.events: list[StageEvent] = []
         self.prepped = prepped
         self._lists: dict[str, tuple[Any, Any, int]] = {}  # peer -> (local slots, remote slots, bytes each)
-        self.stats = {"chunks_sent": 0, "chunks_received": 0, "bytes_sent": 0}
+        self.stats = {"chunks_sent": 0, "chunks_received": 0, "bytes_sent": 0, "chunks_direct": 0}
         self._last_in = 0.0  # clock() of the last LANDED taken
         self._scatter_started: dict[tuple[str, str, int], Any] = {}  # traced runs: timing event per scatter
         self.trace = _trace_from_env(str(getattr(agent, "name", "")))  # None unless KVLC_STAGING_TRACE names a folder
@@ -176,23 +179,23 @@ class StagingEndpoint(Receiver):
         while self._queue and self._free_local:
             c = self._queue[0]
             s = self._sending[(c.req, c.peer)]
-            if s.failed:
-                self._queue.popleft()
-                s.queued -= 1
-                self._maybe_finish(s)
-                continue
-            remote = self._free_remote[c.peer]
-            if not remote:
+            if not s.failed and not self._free_remote[c.peer]:
                 return
             self._queue.popleft()
             s.queued -= 1
+            if s.failed:
+                self._maybe_finish(s)
+                continue
             c.slot = self._free_local.popleft()
-            c.remote_slot = remote.popleft()
+            c.remote_slot = self._free_remote[c.peer].popleft()
             self._lent[(c.peer, c.remote_slot)] = (c.req, c.seq)
             if self.trace:
                 self.trace("gather", c.req, c.seq, c.slot, c.nbytes, c.peer)
                 c.started = self._record(timing=True)
-            self.copier.gather(c.local, self.outbox.slot(c.slot, c.nbytes))
+            c.direct = goes_direct(self.regions, c, self.outbox, self.direct_min_bytes)
+            self.stats["chunks_direct"] += c.direct
+            if not c.direct:
+                self.copier.gather(c.local, self.outbox.slot(c.slot, c.nbytes))
             self._put_ranges(c)
             c.event = self._record(timing=c.started is not None)
             self._gathering.append(c)
@@ -216,11 +219,6 @@ class StagingEndpoint(Receiver):
         ev.record(self.stream)
         return ev
 
-    def _gpu_time(self, step: str, req: str, seq: int, started: Any, ended: Any, peer: str) -> None:
-        """Trace how long a traced copy ran on the GPU (between its timing events), in µs."""
-        if started is not None and ended is not None:
-            self.trace(step, req, seq, peer=peer, value=started.elapsed_time(ended) * 1e3)
-
     def _post_writes(self) -> None:
         still = []
         for c in self._gathering:
@@ -233,20 +231,9 @@ class StagingEndpoint(Receiver):
                 continue
             if self.trace:
                 self.trace("gathered", c.req, c.seq, c.slot, c.nbytes, c.peer)
-                self._gpu_time("gather_gpu", c.req, c.seq, c.started, c.event, c.peer)
-            info = self.peers[c.peer]
-            n = _align8(c.nbytes) + 16 * len(c.remote)
-            lrow = np.array([[self.outbox.addr + c.slot * self.outbox.stride, n, self.outbox.device]],
-                            dtype=np.uint64)
-            rrow = np.array([[info.slot_addr(c.remote_slot), n, info.device]], dtype=np.uint64)
-            lists = self._lists.get(c.peer)
+                self.trace.gpu_time("gather_gpu", c.req, c.seq, c.started, c.event, c.peer)
             try:
-                if lists is not None and 2 * n >= lists[2]:  # whole prepared slots: no per-chunk resolution
-                    c.xfer = self.agent.make_prepped("WRITE", lists[0], np.array([c.slot]), lists[1],
-                                                     np.array([c.remote_slot]), what=f"staged '{c.req}' chunk {c.seq}")
-                else:
-                    c.xfer = self.agent.initialize("WRITE", lrow, self.outbox.mem, rrow, info.mem, c.peer,
-                                                   what=f"staged '{c.req}' chunk {c.seq}")
+                c.xfer = self._create_write(c)
                 # LANDED rides on the WRITE: NIXL delivers it once the bytes are in the peer's slot
                 state = self.agent.post(c.xfer, self._landed_msg(c, s))
                 if self.trace:
@@ -260,9 +247,19 @@ class StagingEndpoint(Receiver):
                 self._writing.append(c)
         self._gathering = still
 
+    def _create_write(self, c: _Chunk) -> Any:
+        """The NIXL WRITE of chunk ``c`` into the peer's slot (a gathered chunk filling at least half a slot:
+        the prepared whole-slot lists, no per-chunk resolution)."""
+        info, what = self.peers[c.peer], f"staged '{c.req}' chunk {c.seq}"
+        lrow, rrow = chunk_rows(c, self.outbox, info)
+        lists = None if c.direct else self._lists.get(c.peer)
+        if lists is not None and 2 * int(lrow[0, 1]) >= lists[2]:
+            return self.agent.make_prepped("WRITE", lists[0], np.array([c.slot]), lists[1], np.array([c.remote_slot]),
+                                           what=what)
+        return self.agent.initialize("WRITE", lrow, self.outbox.mem, rrow, info.mem, c.peer, what=what)
+
     @staticmethod
-    def _landed_msg(c: _Chunk, s: _Sending) -> bytes:
-        """The sealed LANDED notification of chunk ``c`` of ``s`` (slot, size and row count of what lands)."""
+    def _landed_msg(c: _Chunk, s: _Sending) -> bytes:  # sealed; slot, size, rows of what lands
         return encode(Message(Kind.LANDED, c.req, c.seq, c.total, c.remote_slot, nbytes=c.nbytes,
                               nrows=len(c.remote)), s.key)
 

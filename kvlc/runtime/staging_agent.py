@@ -73,7 +73,8 @@ class Stager:
         self.nixl, self.policy = nixl, policy
         self.device = _placement(policy, bindings)
         regions = Regions([Region(b.addr, b.nbytes, flat_bytes(b.tensor)) for b in bindings.values()])
-        self.endpoint = StagingEndpoint(nixl, regions, None, device=self.device)
+        self.endpoint = StagingEndpoint(nixl, regions, None, device=self.device,
+                                        direct_min_bytes=policy.direct_min_bytes)
         self.said_read = False
         # Every inbox is a share of one buffer registered now, before the agent's NIXL metadata is
         # taken: a peer that loads that metadata can WRITE into any share.

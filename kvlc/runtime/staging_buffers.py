@@ -33,7 +33,8 @@ class StageMode(str, enum.Enum):
 
 # StagingPolicy's integer fields with the least value each may take.
 _INTEGER_FIELDS = (("min_descriptors", 1), ("max_mean_bytes", 1), ("slot_bytes", 4096), ("slots", 1),
-                   ("peers", 0))
+                   ("peers", 0), ("direct_min_bytes", 0))
+DIRECT_MIN_BYTES = 1 << 20  # a chunk's mean source range from which it skips the gather (staging_direct)
 
 
 @dataclass(frozen=True)
@@ -64,8 +65,11 @@ class StagingPolicy:
     get an inbox (the inboxes are registered together when the agent is created, so that its
     NIXL metadata covers them; a peer beyond that is not staged to). ``bounce``: where buffers live: ``auto`` (VRAM on the device of the agent's first VRAM
     storage, else on the current GPU if there is one, else DRAM), ``DRAM`` or ``VRAM``.
-    :meth:`from_env` reads ``KVLC_STAGING`` (auto|always|never), ``KVLC_STAGING_SLOT_BYTES`` and
-    ``KVLC_STAGING_SLOTS`` (what :class:`~kvlc.runtime.agent.KvAgent` uses when given no policy).
+    ``direct_min_bytes``: a chunk whose source ranges are this long on average, on the outbox's
+    memory, is written from them without a gather (0: always gather; :mod:`kvlc.runtime.staging_direct`).
+    :meth:`from_env` reads ``KVLC_STAGING`` (auto|always|never), ``KVLC_STAGING_SLOT_BYTES``,
+    ``KVLC_STAGING_SLOTS``, ``KVLC_STAGING_PEERS`` and ``KVLC_STAGING_DIRECT_BYTES`` (what
+    :class:`~kvlc.runtime.agent.KvAgent` uses when given no policy).
     """
 
     mode: StageMode = StageMode.AUTO
@@ -77,6 +81,7 @@ class StagingPolicy:
     bounce: str = "auto"
     peers: int = 4
     fragmented_dram: bool = False
+    direct_min_bytes: int = DIRECT_MIN_BYTES
 
     @classmethod
     def never(cls) -> StagingPolicy:
@@ -94,7 +99,7 @@ class StagingPolicy:
         if env.get("KVLC_STAGING"):
             kw["mode"] = env["KVLC_STAGING"].strip().lower()
         for var, name in (("KVLC_STAGING_SLOT_BYTES", "slot_bytes"), ("KVLC_STAGING_SLOTS", "slots"),
-                          ("KVLC_STAGING_PEERS", "peers")):
+                          ("KVLC_STAGING_PEERS", "peers"), ("KVLC_STAGING_DIRECT_BYTES", "direct_min_bytes")):
             if env.get(var):
                 try:
                     kw[name] = int(env[var])
@@ -254,6 +259,7 @@ class _Chunk:
     event: Any = None
     xfer: Any = None
     started: Any = None     # a timing CUDA event before the gather (traced runs only)
+    direct: bool = False    # written from its source ranges, not gathered (kvlc.runtime.staging_direct)
 
 
 @dataclass

@@ -123,8 +123,8 @@ class Receiver:
                 continue
             if self.trace:
                 self.trace("scattered", m.req, m.seq, m.slot, m.nbytes, sender)
-                self._gpu_time("scatter_gpu", m.req, m.seq, self._scatter_started.pop((sender, m.req, m.seq), None),
-                               ev, sender)
+                self.trace.gpu_time("scatter_gpu", m.req, m.seq,
+                                    self._scatter_started.pop((sender, m.req, m.seq), None), ev, sender)
             self._answer(sender, m, key)  # the slot is free again only once its bytes are in place
             self.stats["chunks_received"] += 1
             key = (sender, m.req)

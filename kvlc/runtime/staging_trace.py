@@ -62,6 +62,11 @@ class Trace:
         else:
             self.dropped += 1
 
+    def gpu_time(self, step: str, req: str, seq: int, started, ended, peer: str) -> None:
+        """Record how long a traced copy ran on the GPU (between its timing CUDA events, if both exist), in µs."""
+        if started is not None and ended is not None:
+            self(step, req, seq, peer=peer, value=started.elapsed_time(ended) * 1e3)
+
     def dump(self) -> Path | None:
         """Write the rows (first call only); returns the file, or None if there was nothing."""
         if self._written or not self.rows:

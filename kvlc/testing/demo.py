@@ -116,6 +116,8 @@ class DemoResult:
     rounds: int = 0
     verified_rounds: int = 0
     round_seconds: list[float] = field(default_factory=list)  # each round's timed seconds, in order
+    staged_chunks: int = 0         # chunks the movers sent through bounce buffers (kvlc.runtime.staging)
+    direct_chunks: int = 0         # of those, chunks written from their source ranges, not gathered
 
     @property
     def gbps(self) -> float:
@@ -294,3 +296,6 @@ def _count_moved(result: DemoResult, movers: list, stats0: dict) -> None:
     stats = {id(h): h.call("stats") for h in movers}
     result.nbytes = sum(stats[k]["bytes"] - stats0[k]["bytes"] for k in stats)
     result.descriptors = sum(stats[k]["descriptors"] - stats0[k]["descriptors"] for k in stats)
+    for name, attr in (("chunks_sent", "staged_chunks"), ("chunks_direct", "direct_chunks")):
+        setattr(result, attr, sum((stats[k]["staging"] or {}).get(name, 0) - (stats0[k]["staging"] or {}).get(name, 0)
+                                  for k in stats))

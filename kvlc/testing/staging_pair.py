@@ -40,6 +40,7 @@ class Side:
     ucx: dict = field(default_factory=dict)  # UcxOptions fields
     diag: str = ""                         # benchmarks only: "no-gather" / "no-scatter" skip those copies
     prepped: bool = True                   # staged WRITEs of whole prepared slots (StagingEndpoint)
+    direct_min_bytes: int = 1 << 20        # chunks of ranges this long on average skip the gather (0: never)
 
     def mem_of(self, i: int) -> str:
         if self.mem:
@@ -99,7 +100,8 @@ def _child(conn, role: str, side: Side) -> None:  # pragma: no cover - runs in t
     tensors = _alloc(side, "code" if role == "sender" else "noise")
     _register(agent, side, tensors)
     bounce = BounceBuffer(agent, side.slot_bytes, side.slots, side.device)
-    ep = StagingEndpoint(agent, Regions.of_tensors(tensors), bounce, prepped=side.prepped)
+    ep = StagingEndpoint(agent, Regions.of_tensors(tensors), bounce, prepped=side.prepped,
+                         direct_min_bytes=side.direct_min_bytes)
     if side.diag:  # where does the time go: the same protocol without one of the copies
         setattr(ep.copier, side.diag.split("-")[1], lambda *args: None)
     bases = [int(t.data_ptr()) for t in tensors]

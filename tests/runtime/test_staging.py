@@ -168,6 +168,32 @@ def test_two_processes_stage_content_coded_bytes_through_small_buffers():
         pair.stop()
 
 
+@pytest.mark.runtime
+def test_chunks_of_large_ranges_go_direct_and_land_exactly_like_gathered_ones():
+    """Ranges of >= 1 MiB (cut at 2 MiB slot boundaries) are written from the sender's regions straight
+    into the receiver's slots, small ones in the same batch are gathered; every destination byte is its
+    content code, nothing else changed; with ``direct_min_bytes=0`` the same requests are all gathered."""
+    pytest.importorskip("nixl")
+    from kvlc.testing.staging_pair import Pair, Ranges, Side, fragmented
+
+    mib = 1 << 20
+    big = Ranges(np.array([[0, 0, 3 * mib + 17], [1, 5 * mib, 2 * mib], [0, 4 * mib, mib + 4096]]),
+                 np.array([[1, mib, 3 * mib + 17], [0, 0, 2 * mib], [2, 2 * mib, mib + 4096]]))
+    small = fragmented(2, 2, 300, 2048, 256, seed=4, dst_region0=1)
+    for direct_min, expect_direct in ((1 << 20, True), (0, False)):
+        side = Side(regions=(8 * mib, 8 * mib, 4 * mib), slot_bytes=2 * mib, slots=2, direct_min_bytes=direct_min)
+        pair = Pair(side, side)
+        try:
+            s, r = pair.staged([big, small])
+            assert s["failed"] == {} and r["failed"] == {} and r["received"] == 2
+            assert (s["stats"]["chunks_direct"] > 0) == expect_direct, s["stats"]
+            assert s["stats"]["chunks_direct"] < s["stats"]["chunks_sent"]  # the small ranges' chunks were gathered
+            checked = pair.check([big, small])
+            assert checked["mismatches"] == [] and checked["checked_bytes"] == 20 * mib  # every receiver byte
+        finally:
+            pair.stop()
+
+
 def test_ranges_of_several_regions_on_one_device_move_in_one_indexed_copy():
     """Equal-length ranges spread over three regions of one device: one view spans the regions, so a
     gather (and the scatter back) is ONE indexed copy, and the bytes are exactly the ranges' bytes."""

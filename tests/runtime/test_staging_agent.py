@@ -1,9 +1,11 @@
 """Staging through KvAgent: real NIXL (UCX) agents, DRAM bounce buffers, content-coded bytes.
 
-Engines (two processes; each hosts a staged and a direct agent of the same plan and fill):
+Engines (two processes; each hosts staged and unstaged agents of the same plan and fill):
   P+  tiny dense TP1, content-coded, StagingPolicy "always", 4 KiB slots (a request is many chunks)
   P-  the same, StagingPolicy "never"
+  P*  as P+, but every chunk is written from its source ranges (direct_min_bytes 1: no gather)
   C+  tiny dense TP1 pool 256, seeded noise, "always"      C-  the same noise, "never"
+  C*  as C+ (P* writes here)
 Contracts: a staged request writes exactly the bytes a direct one writes and nothing else; pull
 (READ) stays direct; a staging notification that is not sealed by a live session that may write the
 request is dropped without a byte scattered; after a request ends failed (timed out, cancelled, peer
@@ -28,6 +30,8 @@ pytest.importorskip("nixl")
 pytestmark = pytest.mark.runtime
 ON = {"mode": "always", "slot_bytes": 4096, "slots": 2, "peers": 2}
 OFF = {"mode": "never"}
+DIRECT = {**ON, "direct_min_bytes": 1}
+PAIRS = (("p_on", "c_on"), ("p_off", "c_off"), ("p_dir", "c_dir"))
 
 
 @pytest.fixture(scope="module")
@@ -41,10 +45,12 @@ def eng(plans):
     hs = [pp.add_async(config(plans["x"], 0, "content", engine_id="stg-p-on", staging=ON)),
           pp.add_async(config(plans["x"], 0, "content", engine_id="stg-p-off", staging=OFF)),
           cp.add_async(config(plans["z"], 0, "random", seed=3, engine_id="stg-c-on", staging=ON)),
-          cp.add_async(config(plans["z"], 0, "random", seed=3, engine_id="stg-c-off", staging=OFF))]
+          cp.add_async(config(plans["z"], 0, "random", seed=3, engine_id="stg-c-off", staging=OFF)),
+          pp.add_async(config(plans["x"], 0, "content", engine_id="stg-p-dir", staging=DIRECT)),
+          cp.add_async(config(plans["z"], 0, "random", seed=3, engine_id="stg-c-dir", staging=ON))]
     for h in hs:
         h.ready()
-    yield dict(zip(("p_on", "p_off", "c_on", "c_off"), hs), pp=pp, cp=cp)
+    yield dict(zip(("p_on", "p_off", "c_on", "c_off", "p_dir", "c_dir"), hs), pp=pp, cp=cp)
     for p in (pp, cp):
         try:
             p.signal(signal.SIGCONT)
@@ -59,6 +65,12 @@ def _reqs(tag: str, first: int):
             (f"{tag}-2", {"full": list(range(first + 3, first + 23))}, {"full": rng.permutation(64)[:20].tolist()}, 310)]
 
 
+def _direct(h) -> int:
+    """Chunks the agent wrote from their source ranges, without a gather."""
+    st = h.call("stats")["staging"]
+    return 0 if st is None else st["chunks_direct"]
+
+
 def _chunks(h) -> int:
     st = h.call("stats")["staging"]
     return 0 if st is None else st["chunks_received"] + st["chunks_sent"]
@@ -66,12 +78,13 @@ def _chunks(h) -> int:
 
 @pytest.mark.parametrize("mode, first", [("pull_via_push", 40), ("push", 0), ("prepped", 80), ("pull", 120)])
 def test_staged_and_direct_write_the_same_bytes(eng, plans, mode, first):
-    """Every mode: the staged pair and the direct pair write identical destination bytes, each one its
-    content code, nothing else changed; WRITEs went through chunks, a pull (READ) stays direct."""
-    before_on, before_off = eng["c_on"].call("dump"), eng["c_off"].call("dump")
-    assert all((before_on[k] == before_off[k]).all() for k in before_on)
-    chunks0 = _chunks(eng["c_on"])
-    for p, c in (("p_on", "c_on"), ("p_off", "c_off")):
+    """Every mode: the staged pairs (chunks gathered, or written from their sources) and the unstaged pair
+    write identical destination bytes, each one its content code, nothing else changed; WRITEs went
+    through chunks, a pull (READ) stays direct."""
+    before = {c: eng[c].call("dump") for _, c in PAIRS}
+    assert all((before["c_on"][k] == before[c][k]).all() for _, c in PAIRS for k in before[c])
+    chunks0, direct0 = _chunks(eng["c_on"]), _direct(eng["p_dir"])
+    for p, c in PAIRS:
         prod, cons, tag = eng[p], eng[c], f"{mode}-{p}"
         reqs = _reqs(tag, first)
         if mode in ("push", "prepped"):
@@ -80,11 +93,13 @@ def test_staged_and_direct_write_the_same_bytes(eng, plans, mode, first):
         else:
             cons.connect([prod.address], "READ", "direct" if mode == "pull" else mode, tag)
             move(cons, tag, "read", reqs)
-        check_bytes(cons, plans["z"], plans["x"], before_on if c == "c_on" else before_off, reqs)
-    on, off = eng["c_on"].call("dump"), eng["c_off"].call("dump")
-    assert all((on[k] == off[k]).all() for k in on)
-    staged = _chunks(eng["c_on"]) - chunks0
+        check_bytes(cons, plans["z"], plans["x"], before[c], reqs)
+    after = {c: eng[c].call("dump") for _, c in PAIRS}
+    assert all((after["c_off"][k] == after[c][k]).all() for _, c in PAIRS for k in after[c])
+    staged, direct = _chunks(eng["c_on"]) - chunks0, _direct(eng["p_dir"]) - direct0
     assert (staged == 0) if mode == "pull" else (staged > 10), staged
+    assert (direct == 0) if mode == "pull" else (direct > 10), direct
+    assert _direct(eng["p_on"]) == 0  # 4 KiB slots of small rows: every chunk gathered
     assert eng["c_off"].call("stats")["staging"] is None
 
 
