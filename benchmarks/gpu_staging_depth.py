@@ -75,6 +75,11 @@ def pair_rows(device: int | None, scale: int) -> list[dict]:
     return rows
 
 
+def pair_name(layouts: tuple[str, str]) -> str:
+    """``"deepseek-v3.2 -> hisparse"`` or, reversed, ``"hisparse -> deepseek-v3.2"``."""
+    return "hisparse -> deepseek-v3.2" if "hisparse" in Path(layouts[0]).name else "deepseek-v3.2 -> hisparse"
+
+
 def _geometries(text: str) -> list[tuple[int, int]]:
     """``"4x32,8x32"`` -> [(4, 32 MiB), (8, 32 MiB)]."""
     out = []
@@ -95,7 +100,7 @@ def mixed_rows(device: str, scale: int, layouts: tuple[str, str], geometries, ex
             env = {"KVLC_STAGING": "auto", "KVLC_STAGING_SLOTS": str(slots), "KVLC_STAGING_SLOT_BYTES": str(size // scale),
                    **(extra or {})}
             tag = f", {label}" if label else ""
-            rows.append(agent_row(f"kvlc staged mixed deepseek-v3.2 -> hisparse TP1 {mode} [{slots} x {size // scale // MiB} MiB{tag}]",
+            rows.append(agent_row(f"kvlc staged mixed {pair_name(layouts)} TP1 {mode} [{slots} x {size // scale // MiB} MiB{tag}]",
                                   env, layout=layouts[0], consumer_layout=layouts[1], mode=mode, requests=8,
                                   tokens=4096 // scale, max_bytes=(1 << 30) // scale, device=device, ids="contiguous"))
     return rows
@@ -110,7 +115,7 @@ def direct_ab(device: str, scale: int, layouts: tuple[str, str], what: str = "al
     rows: list[dict] = []
     for mode in ("push", "pull_via_push") if what in ("all", "checks") else ():
         for ids in ("contiguous", "random"):
-            _run(rows, f"kvlc staged mixed deepseek-v3.2 -> hisparse TP1 {mode} {ids} ids [every chunk direct] check",
+            _run(rows, f"kvlc staged mixed {pair_name(layouts)} TP1 {mode} {ids} ids [every chunk direct] check",
                  {"KVLC_STAGING": "auto", "KVLC_STAGING_DIRECT_BYTES": "1"}, layout=layouts[0],
                  consumer_layout=layouts[1], mode=mode, requests=4, tokens=512 // scale,
                  max_bytes=(64 << 20) // scale, device=device, check="all", timeout=120.0, ids=ids)
@@ -148,6 +153,8 @@ def main(argv=None) -> int:
     ap.add_argument("--direct-ab", choices=("all", "checks", "timed"), default=None,
                     help="only mixed TP1: content checks with direct chunks on (checks), then push / pull via push "
                     "timed with direct chunks on and off (KVLC_STAGING_DIRECT_BYTES=0), alternated twice (timed)")
+    ap.add_argument("--reverse", action="store_true",
+                    help="with --mixed / --direct-ab: the other direction, HiSparse (host latent) -> DeepSeek-V3.2 (VRAM)")
     ap.add_argument("--traced-only", action="store_true", help="only traced KvAgent runs, one folder each under "
                     "--trace: fragmented push at 1 x 256 MiB, mixed TP1 push at the default geometry")
     args = ap.parse_args(argv)
@@ -169,7 +176,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         t = Path(tmp)
         llama = on_device(LLAMA, 0, t) if gpu else LLAMA
-        dp, dc = (tp1(str(ROOT / x), t) for x in DSV32)
+        dp, dc = (tp1(str(ROOT / x), t) for x in (DSV32[::-1] if args.reverse else DSV32))
         if gpu:
             dp, dc = on_device(dp, 0, t), on_device(dc, 0, t)
         if args.direct_ab:
