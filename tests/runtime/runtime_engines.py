@@ -6,7 +6,7 @@ from pathlib import Path
 
 from kvlc.runtime.auth import resolve_secret
 from kvlc.testing.demo import verify
-from kvlc.testing.procs import HARNESS_SECRET, AgentHandle, EngineConfig
+from kvlc.testing.procs import HARNESS_SECRET, AgentHandle, EngineConfig, start_engines
 
 TIMEOUT = 30.0
 SECRET = HARNESS_SECRET  # every engine of a test run shares it; in-process agents pass it too
@@ -32,6 +32,21 @@ def config(plan, rank: int, fill: str, seed: int = 0, **kw) -> EngineConfig:
     kw.setdefault("timeout", TIMEOUT)
     kw.setdefault("engine_id", f"{plan.name}-{'p' if fill == 'content' else 'c'}")
     return EngineConfig(plan.to_json(), rank, fill=fill, seed=seed, **kw)
+
+
+def xyz_engines(plans: dict, seed: int, prefix: str | None = None) -> dict[str, AgentHandle]:
+    """Start the engines of :func:`tiny_plans` (X, and Y's ranks 0 and 1: content-coded producers; Z:
+    noise of ``seed``, the consumer), one process each; ``prefix`` names their engine ids
+    (``<prefix>-x`` ...). Returns them by name (``x``, ``y0``, ``y1``, ``z``); stop with
+    ``stop_engines(list(...values()))``."""
+    def eid(name: str) -> dict:
+        return {"engine_id": f"{prefix}-{name}"} if prefix else {}
+
+    handles = start_engines([config(plans["x"], 0, "content", **eid("x")),
+                             config(plans["y"], 0, "content", **eid("y")),
+                             config(plans["y"], 1, "content", **eid("y")),
+                             config(plans["z"], 0, "random", seed=seed, **eid("z"))])
+    return dict(zip(("x", "y0", "y1", "z"), handles))
 
 
 def move(initiator: AgentHandle, peer_id: str, method: str, requests, waiters=()) -> dict:

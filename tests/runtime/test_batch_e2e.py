@@ -12,9 +12,9 @@ import time
 
 import numpy as np
 import pytest
-from runtime_engines import TIMEOUT, check_bytes, config, flip, move, tiny_plans
+from runtime_engines import TIMEOUT, check_bytes, flip, move, tiny_plans, xyz_engines
 
-from kvlc.testing.procs import start_engines, stop_engines
+from kvlc.testing.procs import stop_engines
 
 pytest.importorskip("torch")
 pytest.importorskip("nixl")
@@ -28,12 +28,9 @@ def plans():
 
 @pytest.fixture(scope="module")
 def eng(plans):
-    handles = start_engines([config(plans["x"], 0, "content", engine_id="batch-x"),
-                             config(plans["y"], 0, "content", engine_id="batch-y"),
-                             config(plans["y"], 1, "content", engine_id="batch-y"),
-                             config(plans["z"], 0, "random", seed=11, engine_id="batch-z")])
-    yield dict(zip(("x", "y0", "y1", "z"), handles))
-    stop_engines(handles)
+    engines = xyz_engines(plans, seed=11, prefix="batch")
+    yield engines
+    stop_engines(list(engines.values()))
 
 
 def _reqs(tag: str, count: int, seed: int, ranges: bool = False):

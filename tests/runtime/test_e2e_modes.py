@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from runtime_engines import check_bytes, config, flip, move, tiny_plans
+from runtime_engines import check_bytes, flip, move, tiny_plans, xyz_engines
 
-from kvlc.testing.procs import start_engines, stop_engines
+from kvlc.testing.procs import stop_engines
 
 pytest.importorskip("torch")
 pytest.importorskip("nixl")
@@ -29,17 +29,9 @@ def plans():
 
 @pytest.fixture(scope="module")
 def eng(plans):
-    handles = start_engines(
-        [
-            config(plans["x"], 0, "content"),
-            config(plans["y"], 0, "content"),
-            config(plans["y"], 1, "content"),
-            config(plans["z"], 0, "random", seed=5),
-        ]
-    )
-    x, y0, y1, z = handles
-    yield {"x": x, "y0": y0, "y1": y1, "z": z}
-    stop_engines(handles)
+    engines = xyz_engines(plans, seed=5)
+    yield engines
+    stop_engines(list(engines.values()))
 
 
 def _events(h):
