@@ -98,6 +98,61 @@ def test_state_layouts_are_vllms():
     assert vllm({**NEMOTRON, "mamba_ssm_cache_dtype": "bfloat16"}).region("layer.0").fields[-1].dtype == "bf16"
 
 
+def _ssm(cfg, **kw):
+    """The dtype of the SSM / recurrent state field of layer 0 (a state layer in both templates)."""
+    return vllm(cfg, **kw).region("layer.0").fields[-1].dtype
+
+
+@pytest.mark.parametrize("cfg, flag, avx512_bf16, want", [
+    # --mamba-ssm-cache-dtype wins over the config and the model default on every platform
+    (QWEN_NEXT, "float32", False, "fp32"), (NEMOTRON, "bfloat16", False, "bf16"), (QWEN_NEXT, "float16", False, "fp16"),
+    # vLLM's CPU platform on an AVX-512 BF16 CPU: auto becomes fp32 for both kinds ...
+    (QWEN_NEXT, "auto", True, "fp32"), (NEMOTRON, "auto", True, "fp32"),
+    # ... an explicit bf16 / fp16 stays only for Gated DeltaNet (the accelerated kernel reads it) ...
+    (QWEN_NEXT, "bfloat16", True, "bf16"), (QWEN_NEXT, "float16", True, "fp16"),
+    # ... and without AVX-512 BF16 nothing changes
+    (QWEN_NEXT, "auto", False, "bf16"), (NEMOTRON, "auto", False, "fp32"),
+])
+def test_ssm_state_dtype_follows_vllms_flag_and_cpu_platform(cfg, flag, avx512_bf16, want):
+    """The SSM state dtype on a CPU_ATTN engine: vLLM's flag, the model default, then its CPU platform's rule."""
+    assert _ssm(cfg, backend="CPU_ATTN", mem="DRAM", mamba_ssm_cache_dtype=flag, cpu_avx512_bf16=avx512_bf16) == want
+
+
+def test_avx512_bf16_counts_only_for_the_cpu_backend():
+    """A GPU engine keeps the model's default whatever the host running init has."""
+    assert _ssm(QWEN_NEXT, cpu_avx512_bf16=True) == "bf16"
+    assert _ssm(QWEN_NEXT, backend="CPU_ATTN", mem="DRAM", cpu_avx512_bf16=True) == "fp32"
+
+
+def test_the_state_dtype_moves_the_page():
+    """An fp32 recurrent state is larger, so its fields and bytes per state move with it (the pool's page too)."""
+    bf16 = vllm(QWEN_NEXT, backend="CPU_ATTN", mem="DRAM", cpu_avx512_bf16=False).region("layer.0")
+    fp32 = vllm(QWEN_NEXT, backend="CPU_ATTN", mem="DRAM", cpu_avx512_bf16=True).region("layer.0")
+    rec = 32 // 2 * 128 * 128   # v_heads per rank x v_dim x k_dim
+    assert fp32.block_bytes - bf16.block_bytes == rec * 2
+
+
+@pytest.mark.parametrize("cfg, flag", [(NEMOTRON, "bfloat16"), (NEMOTRON, "float16"),
+                                       ({**NEMOTRON, "mamba_ssm_cache_dtype": "bfloat16"}, "auto")])
+def test_a_half_mamba2_state_on_an_avx512_bf16_cpu_is_refused(cfg, flag):
+    """vLLM keeps it or resets it to fp32 by how the engine's transformers names Mamba layers: not stated."""
+    with pytest.raises(InitError) as exc:
+        init_spec(cfg, EngineOptions(engine="vllm", backend="CPU_ATTN", mem="DRAM", num_blocks=8,
+                                     mamba_ssm_cache_dtype=flag, cpu_avx512_bf16=True))
+    want = "fp16" if flag == "float16" else "bf16"
+    assert str(exc.value).startswith(f"engine 'vllm': a {want} Mamba-2 state on vLLM's CPU platform with AVX-512 BF16")
+    assert str(exc.value).endswith("fix: --mamba-ssm-cache-dtype float32")
+    assert _ssm(cfg, backend="CPU_ATTN", mem="DRAM", mamba_ssm_cache_dtype="float32", cpu_avx512_bf16=True) == "fp32"
+
+
+def test_an_unknown_ssm_cache_dtype_is_refused():
+    with pytest.raises(InitError) as exc:
+        init_spec(QWEN_NEXT, EngineOptions(engine="vllm", backend="FLASH_ATTN", num_blocks=8,
+                                           mamba_ssm_cache_dtype="fp8"))
+    assert str(exc.value) == ("engine 'vllm': --mamba-ssm-cache-dtype 'fp8' is not one of vLLM's "
+                              "['auto', 'float32', 'bfloat16', 'float16']; fix: pass one of them")
+
+
 def test_attention_region_is_the_adapters_at_the_pool_block():
     """The attention layers' layout is the vLLM adapter's own (FLASH_ATTN: per token K|V per head)."""
     from kvlc.engines.vllm.derive import derive_spec
@@ -172,3 +227,15 @@ def test_docstring_examples():
     import kvlc.engines.vllm.derive_hybrid as mod
     result = doctest.testmod(mod)
     assert result.attempted and result.failed == 0
+
+
+@pytest.mark.parametrize("flags, want", [(["--cpu-avx512-bf16"], "fp32"), (["--no-cpu-avx512-bf16"], "bf16"),
+                                         (["--cpu-avx512-bf16", "--mamba-ssm-cache-dtype", "bfloat16"], "bf16")])
+def test_cli_state_dtype_flags(flags, want):
+    from click.testing import CliRunner
+
+    from kvlc.cli import main
+    res = CliRunner().invoke(main, ["init", str(TEMPLATES / "qwen3-next-80b-a3b.config.json"), "--engine", "vllm",
+                                    "--backend", "CPU_ATTN", "--mem", "DRAM", "--num-blocks", "8", "--json", *flags])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output)["layouts"]["gdn_state"]["fields"][1]["dtype"] == want

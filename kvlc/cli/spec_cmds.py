@@ -127,6 +127,11 @@ def _layer_window(text: str | None) -> tuple[int, int] | None:
 @click.option("--sliding-blocks", type=int, default=None, help="Blocks per sliding-window region (default: --num-blocks).")
 @click.option("--state-slots", type=int, default=None, help="State slots per Mamba/linear layer (default: --num-blocks).")
 @click.option("--mtp/--no-mtp", "mtp", default=True, show_default=True, help="Optional regions for MTP draft layers.")
+@click.option("--mamba-ssm-cache-dtype", "ssm_dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+              default="auto", show_default=True, help="vLLM's flag of that name: a hybrid's SSM state dtype.")
+@click.option("--cpu-avx512-bf16/--no-cpu-avx512-bf16", "avx512_bf16", default=None,
+              help="vLLM CPU_ATTN engine: its host has AVX-512 BF16 (vLLM then keeps SSM state in fp32); "
+                   "default: whether this host has it.")
 @click.option("--name", default="", help="Spec name (default: from the model, TP, layers and block size).")
 @click.option("--model-name", default="", help="model.name (default: config's _name_or_path or model_type).")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write the spec here.")
@@ -134,7 +139,8 @@ def _layer_window(text: str | None) -> tuple[int, int] | None:
 def init_cmd(config: str, engine: str, backend: str, tp_size: int, pp_size: int, pp_rank: int, layers: str | None,
              dcp_size: int, dcp_interleave: int, block_size: int, kernel_block_size: int | None, kv_dtype: str,
              mem: str, device: int, num_blocks: int, sliding_blocks: int | None, state_slots: int | None,
-             mtp: bool, name: str, model_name: str, output: str | None, as_json: bool) -> None:
+             mtp: bool, ssm_dtype: str, avx512_bf16: bool | None, name: str, model_name: str, output: str | None,
+             as_json: bool) -> None:
     """Write the spec of a HuggingFace CONFIG (config.json) on the engine the options describe."""
     import json as _json
 
@@ -146,7 +152,8 @@ def init_cmd(config: str, engine: str, backend: str, tp_size: int, pp_size: int,
                              layers=_layer_window(layers), dcp_size=dcp_size, dcp_interleave=dcp_interleave,
                              block_size=block_size, kernel_block_size=kernel_block_size, kv_dtype=kv_dtype,
                              mem=mem, device=device, num_blocks=num_blocks, sliding_blocks=sliding_blocks,
-                             state_slots=state_slots, draft_layers=mtp, name=name, model_name=model_name)
+                             state_slots=state_slots, draft_layers=mtp, mamba_ssm_cache_dtype=ssm_dtype,
+                             cpu_avx512_bf16=avx512_bf16, name=name, model_name=model_name)
         cfg = load_config(config)
         text = init_yaml(cfg, opts)
         compile_spec(text)  # what init writes always compiles; a bad combination fails here, located

@@ -68,7 +68,9 @@ class EngineOptions:
 
     ``layers`` is the pipeline stage's ``[start, stop)`` (None: all layers; ``pp_size``
     and ``pp_rank`` give an even split instead). ``sliding_blocks`` / ``state_slots``
-    default to ``num_blocks``.
+    default to ``num_blocks``. ``mamba_ssm_cache_dtype`` is vLLM's flag of that name (the
+    dtype of a hybrid's SSM state); ``cpu_avx512_bf16`` says whether a vLLM CPU engine's host
+    has AVX-512 BF16, which changes that dtype (None: whether the host running init has it).
     """
 
     engine: str = "kvlc"
@@ -88,6 +90,8 @@ class EngineOptions:
     sliding_blocks: int | None = None
     state_slots: int | None = None
     draft_layers: bool = True
+    mamba_ssm_cache_dtype: str = "auto"
+    cpu_avx512_bf16: bool | None = None
     name: str = ""
     model_name: str = ""
 

@@ -94,12 +94,26 @@ def _hybrid(config: Mapping[str, Any], m: Model, opts: EngineOptions, window: tu
     from kvlc.engines.vllm.derive_hybrid import hybrid_spec
     from kvlc.engines.vllm.derive_view import ViewError
     layers = [(i, HYBRID[m.kinds[i]]) for i in range(*window) if m.kinds[i] in HYBRID]
+    cpu_avx512_bf16 = opts.backend == "CPU_ATTN" and _avx512_bf16(opts)   # vLLM's CPU platform only
     try:
         return hybrid_spec(config.get("text_config", config), opts.model_name or m.name, layers,
-                           state_kind="mamba" if m.family == Family.MAMBA else "linear", backend=opts.backend, block_size=opts.block_size, num_blocks=opts.num_blocks,
-                           tp_size=opts.tp_size, kv_dtype=opts.kv_dtype, device=device, num_layers=m.num_layers)
+                           state_kind="mamba" if m.family == Family.MAMBA else "linear", backend=opts.backend,
+                           block_size=opts.block_size, num_blocks=opts.num_blocks, tp_size=opts.tp_size,
+                           kv_dtype=opts.kv_dtype, device=device, num_layers=m.num_layers,
+                           ssm_cache_dtype=opts.mamba_ssm_cache_dtype, cpu_avx512_bf16=cpu_avx512_bf16)
     except ViewError as exc:
         raise InitError(f"engine 'vllm': {exc}") from None
+
+
+def _avx512_bf16(opts: EngineOptions) -> bool:
+    """Whether the engine's CPU has AVX-512 BF16: as told, else this host's ``/proc/cpuinfo`` flags."""
+    if opts.cpu_avx512_bf16 is not None:
+        return opts.cpu_avx512_bf16
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            return any(line.startswith("flags") and "avx512_bf16" in line.split() for line in f)
+    except OSError:
+        return False
 
 
 def _finish(spec: dict, opts: EngineOptions, window: tuple[int, int] | None, renumber: bool) -> dict:

@@ -2,7 +2,8 @@
 
 Two tiny hybrids (dummy weights), started at once in single-process mode, one per core: a
 Nemotron-H (layers M * M M * M: four Mamba-2 layers, two attention layers) and a Qwen3-Next
-(six Gated-DeltaNet layers, full attention every fourth). In each worker: the KV-cache groups, block size, page size and
+(six Gated-DeltaNet layers, full attention every fourth; its recurrent state is fp32 or bf16 by the
+host's CPU, as kvlc init states). In each worker: the KV-cache groups, block size, page size and
 every layer's placement are read from vLLM's own ``KVCacheConfig``; then, one layer at a time,
 content-coded bytes are written through the layer's own views (conv and SSM state tensors, the
 attention ``[B, H, N, 2D]`` view) and read back at the addresses of the spec ``kvlc init`` wrote
@@ -71,6 +72,7 @@ WORKER = textwrap.dedent('''
                         raise AssertionError(f"{r.name} block {b}: bytes differ")
                     checked += len(want)
                 if len(views) == 2:   # conv [taps, sections], then ssm / recurrent [heads, ...]
+                    out["live_state_dtypes"] = [str(v.dtype).removeprefix("torch.") for v in views]
                     conv, ssm = (v.float().numpy() for v in views)
                     sections = json.loads(sys.argv[4])
                     for f in r.fields:
@@ -155,6 +157,12 @@ def live(tmp_path_factory):
     return out
 
 
+def torch_has_avx512_bf16() -> bool:
+    """What vLLM's CPU platform asks: whether this CPU has AVX-512 BF16 (torch's own probe)."""
+    import torch
+    return bool(torch.cpu._is_avx512_bf16_supported())
+
+
 def _agrees(live: dict, groups: list, block: int) -> None:
     assert live["live_groups"] == live["kvlc_groups"] == groups
     assert live["live_block"] == live["kvlc_block"] == block
@@ -169,6 +177,7 @@ def test_mamba2_hybrid_spec_is_what_vllm_allocates(live):
     page = 64 * 2 * 2 * 64 * 2
     assert sorted({tuple(p) for p in got["kvlc_place"].values()}) == [(0, page), (page * got["num_blocks"], page)]
     assert got["bound_bytes"] == 2 * page * got["num_blocks"]
+    assert got["live_state_dtypes"] == ["bfloat16", "float32"]
     state = 3 * 320 * 2 + 8 * 32 * 16 * 4
     assert got["checked"] == got["num_blocks"] * (4 * state + 2 * page)
     assert got["fields"] == 4 * 4
@@ -180,7 +189,11 @@ def test_gated_deltanet_hybrid_spec_is_what_vllm_allocates(live):
     assert isinstance(got, dict), got
     _agrees(got, [[0, 4], [1, 5], [2, 6], [3, 7]], 32)
     page = 32 * 2 * 2 * 64 * 2
-    state = 3 * 192 * 2 + 4 * 16 * 32 * 2
+    # vLLM's CPU platform keeps an "auto" recurrent state in fp32 on a CPU with AVX-512 BF16, else in the
+    # model dtype; kvlc init reads the same fact from this host (the field check above saw it right)
+    fp32 = torch_has_avx512_bf16()
+    assert got["live_state_dtypes"] == ["bfloat16", "float32" if fp32 else "bfloat16"]
+    state = 3 * 192 * 2 + 4 * 16 * 32 * (4 if fp32 else 2)
     assert got["bound_bytes"] == 2 * page * got["num_blocks"]
     assert got["checked"] == got["num_blocks"] * (6 * state + 2 * page)
     assert got["fields"] == 6 * 4

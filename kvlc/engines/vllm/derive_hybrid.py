@@ -10,8 +10,13 @@ What vLLM 0.32 allocates for a hybrid model (restated from its ``kv_cache_utils`
   ssm_state_size)``; Gated DeltaNet: conv over ``q | k | v``, then a recurrent state
   ``(linear_num_value_heads, linear_value_head_dim, linear_key_head_dim)``. Channels and
   heads are split by TP; the two states are packed one after the other in a page. The conv
-  state has the model dtype; the SSM state ``mamba_ssm_cache_dtype`` / ``mamba_ssm_dtype``
-  from the config, else float32 for Mamba-2 and the model dtype for Gated DeltaNet.
+  state has the model dtype. The SSM state has the engine's ``--mamba-ssm-cache-dtype``; when
+  that is ``auto``, the config's ``mamba_ssm_cache_dtype`` / ``mamba_ssm_dtype``, else float32
+  for Mamba-2 and the model dtype for Gated DeltaNet. vLLM's CPU platform then overrides it
+  on a CPU with AVX-512 BF16 (``platforms/cpu.py``): the state becomes float32 unless it is a
+  Gated-DeltaNet state kept in bf16 / fp16 by an explicit dtype (its accelerated kernel). A bf16
+  / fp16 Mamba-2 state there is refused: vLLM keeps it or not by how the engine's transformers
+  names Mamba layers, which the config does not say.
 * **One page size.** The attention block grows to ``B * ceil(state / (B * token bytes))``
   tokens (``B`` = ``--block-size``) so one attention page holds a state; state pages are
   padded to the attention page.
@@ -79,25 +84,66 @@ def _dtype(value: Any, where: str) -> str:
     return TORCH_DTYPES[str(value)]
 
 
-def state_layout(c: Mapping[str, Any], kind: str) -> StateLayout:
-    """The state of one ``mamba`` or ``linear`` layer of text config ``c`` as vLLM 0.32 keeps it."""
+SSM_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")   # vLLM's --mamba-ssm-cache-dtype
+
+
+def ssm_dtype(c: Mapping[str, Any], kind: str, model: str, *, requested: str = "auto",
+              cpu_avx512_bf16: bool = False) -> str:
+    """The dtype vLLM 0.32 keeps a ``mamba`` / ``linear`` layer's SSM (recurrent) state in.
+
+    ``requested`` is the engine's ``--mamba-ssm-cache-dtype``; ``cpu_avx512_bf16`` says the
+    engine runs on vLLM's CPU platform on a CPU with AVX-512 BF16 (see the module docstring).
+    """
+    want = _configured_ssm_dtype(c, kind, requested)
+    if cpu_avx512_bf16:
+        want = _cpu_platform_ssm_dtype(kind, want)
+    return want or model
+
+
+def _configured_ssm_dtype(c: Mapping[str, Any], kind: str, requested: str) -> str | None:
+    """The flag, else the model's own default (vLLM's per-model config hooks); None: the model dtype."""
+    if requested not in SSM_CACHE_DTYPES:
+        raise ViewError(f"--mamba-ssm-cache-dtype {requested!r} is not one of vLLM's "
+                        f"{list(SSM_CACHE_DTYPES)}; fix: pass one of them")
+    if requested != "auto":
+        return TORCH_DTYPES[requested]
+    hf = c.get("mamba_ssm_cache_dtype") or c.get("mamba_ssm_dtype")
+    if hf:
+        return _dtype(hf, "mamba_ssm_cache_dtype")
+    return "fp32" if kind == "mamba" else None
+
+
+def _cpu_platform_ssm_dtype(kind: str, want: str | None) -> str:
+    """vLLM's CPU platform on an AVX-512 BF16 CPU: fp32, except a half Gated-DeltaNet state asked for."""
+    if want in ("bf16", "fp16") and kind == "linear":
+        return want
+    if want in ("bf16", "fp16"):
+        raise ViewError(f"a {want} Mamba-2 state on vLLM's CPU platform with AVX-512 BF16: vLLM 0.32 keeps it "
+                        "only when the engine's transformers names Mamba layers 'linear_attention' (transformers "
+                        "5 does, 4.x does not) and resets it to float32 otherwise, which config.json cannot tell; "
+                        "fix: --mamba-ssm-cache-dtype float32")
+    return "fp32"
+
+
+def state_layout(c: Mapping[str, Any], kind: str, *, requested: str = "auto",
+                 cpu_avx512_bf16: bool = False) -> StateLayout:
+    """The state of one ``mamba`` or ``linear`` layer of text config ``c`` as vLLM 0.32 keeps it
+    (``requested`` and ``cpu_avx512_bf16``: see :func:`ssm_dtype`)."""
     model = _dtype(c.get("torch_dtype") or c.get("dtype") or "bfloat16", "torch_dtype")
-    ssm = c.get("mamba_ssm_cache_dtype") or c.get("mamba_ssm_dtype")
+    ssm = ssm_dtype(c, kind, model, requested=requested, cpu_avx512_bf16=cpu_avx512_bf16)
     if kind == "mamba":
         bc = int(c["n_groups"]) * int(c["ssm_state_size"])
         return StateLayout("mamba2_state", int(c["conv_kernel"]) - 1,
                            (("x", int(c["mamba_num_heads"]) * int(c["mamba_head_dim"])), ("B", bc), ("C", bc)),
                            model, "ssm", (("ssm_head", int(c["mamba_num_heads"]), True),
                                           ("mamba_head_dim", int(c["mamba_head_dim"]), False),
-                                          ("ssm_state", int(c["ssm_state_size"]), False)),
-                           _dtype(ssm, "mamba_ssm_cache_dtype") if ssm else "fp32")
+                                          ("ssm_state", int(c["ssm_state_size"]), False)), ssm)
     kd = int(c["linear_num_key_heads"]) * int(c["linear_key_head_dim"])
     return StateLayout("gdn_state", int(c["linear_conv_kernel_dim"]) - 1,
                        (("q", kd), ("k", kd), ("v", int(c["linear_num_value_heads"]) * int(c["linear_value_head_dim"]))),
                        model, "recurrent", (("v_head", int(c["linear_num_value_heads"]), True),
                                             ("v_dim", int(c["linear_value_head_dim"]), False),
-                                            ("k_dim", int(c["linear_key_head_dim"]), False)),
-                       _dtype(ssm, "mamba_ssm_dtype") if ssm else model)
+                                            ("k_dim", int(c["linear_key_head_dim"]), False)), ssm)
 
 
 def check_state_split(state: StateLayout, c: Mapping[str, Any], tp: int) -> None:
@@ -181,11 +227,12 @@ def _attention_part(c: Mapping[str, Any], name: str, *, backend: str, block: int
 
 def hybrid_spec(c: Mapping[str, Any], name: str, layers: Sequence[tuple[int, str]], *, state_kind: str,
                 backend: str, block_size: int, num_blocks: int, tp_size: int, kv_dtype: str, device: str,
-                num_layers: int) -> dict:
+                num_layers: int, ssm_cache_dtype: str = "auto", cpu_avx512_bf16: bool = False) -> dict:
     """The ``kvlc: 1`` spec of a hybrid vLLM 0.32 engine holding ``layers`` (``(index, kind)``, kinds
     ``attention`` / ``mamba`` / ``linear``) of text config ``c`` whose state layers are ``state_kind``
-    (the model's, also on a pipeline stage that holds none; see the module docstring)."""
-    state = state_layout(c, state_kind)
+    (the model's, also on a pipeline stage that holds none; see the module docstring).
+    ``ssm_cache_dtype`` and ``cpu_avx512_bf16``: see :func:`ssm_dtype`."""
+    state = state_layout(c, state_kind, requested=ssm_cache_dtype, cpu_avx512_bf16=cpu_avx512_bf16)
     check_state_split(state, c, tp_size)
     head_dim = int(c.get("attention_head_dim") or c.get("head_dim"))
     kv_heads = int(c.get("num_key_value_heads") or c["num_attention_heads"])
