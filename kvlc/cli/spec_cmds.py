@@ -8,6 +8,7 @@ import click
 
 from kvlc.cli.base import (EXIT_SPEC, _config_opt, _echo_json, _fail, _load_plan, _overrides, _set_opt,
                            emit, main, write_atomic)
+from kvlc.engines.vllm.derive_hybrid import SSM_CACHE_DTYPES   # vLLM's choices, one list
 from kvlc.errors import KvlcError
 
 
@@ -127,7 +128,7 @@ def _layer_window(text: str | None) -> tuple[int, int] | None:
 @click.option("--sliding-blocks", type=int, default=None, help="Blocks per sliding-window region (default: --num-blocks).")
 @click.option("--state-slots", type=int, default=None, help="State slots per Mamba/linear layer (default: --num-blocks).")
 @click.option("--mtp/--no-mtp", "mtp", default=True, show_default=True, help="Optional regions for MTP draft layers.")
-@click.option("--mamba-ssm-cache-dtype", "ssm_dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+@click.option("--mamba-ssm-cache-dtype", "ssm_dtype", type=click.Choice(SSM_CACHE_DTYPES),
               default="auto", show_default=True, help="vLLM's flag of that name: a hybrid's SSM state dtype.")
 @click.option("--cpu-avx512-bf16/--no-cpu-avx512-bf16", "avx512_bf16", default=None,
               help="vLLM CPU_ATTN engine: its host has AVX-512 BF16 (vLLM then keeps SSM state in fp32); "
