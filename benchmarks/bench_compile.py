@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import LAYOUTS, ms, timeit, write_results  # noqa: E402
 
 import kvlc  # noqa: E402
-from kvlc.compiler.plan import Plan  # noqa: E402
-from kvlc.compiler.spec import LayoutSpec, Region, RepeatRegions, RepeatStorages, Storage  # noqa: E402
+from kvlc.compiler.plan.model import Plan  # noqa: E402
+from kvlc.compiler.spec.models import LayoutSpec, Region, RepeatRegions, RepeatStorages, Storage  # noqa: E402
 
 BLOCK_COUNTS = (1_000, 10_000, 100_000, 1_000_000)
 COMPILE_TARGET_S = 0.050

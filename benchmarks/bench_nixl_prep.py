@@ -28,7 +28,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ms, write_results  # noqa: E402
 
-from kvlc.compiler.layout import ceildiv  # noqa: E402
+from kvlc.compiler.algebra.layout import ceildiv  # noqa: E402
 
 BLOCK = 16          # bytes per descriptor (small, so 10M descriptors fit a 160 MB buffer)
 REGIONS = 8         # strided rows (one per region)
@@ -140,7 +140,7 @@ def program_lists(nixl_agent, nixl_agent_config, quick: bool) -> list[dict]:
     and per request the index arrays (prepared_indices) against instantiate."""
     import kvlc
     from common import LAYOUTS
-    from kvlc.compiler.pair import pair
+    from kvlc.compiler.pairing.pair import pair
 
     print(f"\nprogram lists (consumer rank 0 pulls; request of {REQUEST_TOKENS} tokens, random block ids)")
     out = []

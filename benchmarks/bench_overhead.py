@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_results  # noqa: E402
 from profile_push import one_round  # noqa: E402
 
-from kvlc.testing.demo import DEFAULT_LAYOUT, make_workload, scaled_plan  # noqa: E402
+from kvlc.demo.run import DEFAULT_LAYOUT, make_workload, scaled_plan  # noqa: E402
 
 
 def tiny_plan(spec: str, head_dim: int, pool_mib: int, gpu: bool):
@@ -105,8 +105,8 @@ def main(argv=None) -> int:
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     from kvlc.runtime.agent import KvAgent
     from kvlc.runtime.binding import allocate
-    from kvlc.runtime.notifs import agents_of
-    from kvlc.testing.procs import EngineConfig, EngineProcess
+    from kvlc.runtime.channel.notifs import agents_of
+    from kvlc.demo.procs import EngineConfig, EngineProcess
 
     plan = tiny_plan(args.spec, args.head_dim, args.pool_mib, args.gpu)
     secret = secrets.token_hex(32)

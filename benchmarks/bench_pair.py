@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import LAYOUTS, ms, timeit, write_results  # noqa: E402
 
 import kvlc  # noqa: E402
-from kvlc.compiler.layout import ceildiv  # noqa: E402
-from kvlc.compiler.pair import pair  # noqa: E402
+from kvlc.compiler.algebra.layout import ceildiv  # noqa: E402
+from kvlc.compiler.pairing.pair import pair  # noqa: E402
 
 QWEN = (LAYOUTS / "qwen3-32b-tp2.yaml").read_text()
 

@@ -60,7 +60,7 @@ def measure(layout: str, tokens: int, direction: str, repeat: int) -> dict[str, 
     """Microseconds per call of each step, contiguous and random ids (this process's kvlc)."""
     import kvlc
     from kvlc import compile_spec
-    from kvlc.compiler.pair import pair
+    from kvlc.compiler.pairing.pair import pair
     from kvlc.runtime.transfer import Target
 
     plan = compile_spec(str(ROOT / "layouts" / layout))

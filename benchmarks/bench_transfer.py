@@ -2,7 +2,7 @@
 
 For realistic requests — Llama-3.1-8B at 2k and 32k tokens, DeepSeek-V3 (MLA latent, 62
 layers) at 4k tokens, Nemotron-H-8B (Mamba-2 state + attention, TP2) at 8k tokens — a
-producer process and a consumer process (``kvlc.testing.procs``, the demo's engines) move
+producer process and a consumer process (``kvlc.demo.procs``, the demo's engines) move
 one request per round as pull, push and pull-via-push. In the same processes, interleaved
 round by round with the kvlc rounds, two more agents per rank move the same byte count as ONE
 descriptor (a "flat" plan: one region, one block, one contiguous buffer), as a READ and as a
@@ -10,12 +10,12 @@ WRITE: baseline (a). Baseline (b) is a numpy memcpy of the same bytes in this pr
 
 Pools are shrunk to hold one request (every region keeps its layout; only ``num_blocks``
 changes), not the requests. Every mode runs twice: with the producer's block ids a random
-permutation of its pool (``kvlc.testing.demo.make_workload``: the fragmented worst case for
+permutation of its pool (``kvlc.demo.run.make_workload``: the fragmented worst case for
 coalescing) and with ids 0..n-1; the consumer's are contiguous. The first round of every run
 is verified byte by byte with content codes and not timed; the timed rounds are not verified. Where the consumer pool is
 too large to dump through the engine pipe on this machine (``--verify-max``), the first
 round is verified on a pipeline stage of the same layout instead (the same request on its
-first layers, via ``kvlc.testing.demo.run_demo``), and the result says so.
+first layers, via ``kvlc.demo.run.run_demo``), and the result says so.
 
 Why fragmented requests are slower is measured in the same run: NIXL alone (no kvlc) between
 this process and a spawned one moves 256 MiB as descriptors of one size, 4 KiB ... 256 MiB
@@ -44,9 +44,9 @@ from common import spread as _stats  # noqa: E402
 from nixl_sweep import nixl_descriptor_sweep  # noqa: E402
 
 from kvlc.compiler import compile_spec  # noqa: E402
-from kvlc.compiler.layout import ceildiv  # noqa: E402
-from kvlc.compiler.pair import pair  # noqa: E402
-from kvlc.testing.demo import MODES, cpu_plan, make_workload, run_demo, verify  # noqa: E402
+from kvlc.compiler.algebra.layout import ceildiv  # noqa: E402
+from kvlc.compiler.pairing.pair import pair  # noqa: E402
+from kvlc.demo.run import MODES, cpu_plan, make_workload, run_demo, verify  # noqa: E402
 
 TARGET_RATIO = 0.9  # kvlc GB/s >= 90% of one single-descriptor transfer of the same bytes
 TIMEOUT = 120.0
@@ -199,7 +199,7 @@ class Engines:
     """The producer process and the consumer process of one case, with the flat-baseline agents."""
 
     def __init__(self, prod, cons, flat, fill_producer: str, progress: str = "thread"):
-        from kvlc.testing.procs import EngineConfig, EngineProcess
+        from kvlc.demo.procs import EngineConfig, EngineProcess
 
         self.EngineConfig = EngineConfig
         self.progress = progress

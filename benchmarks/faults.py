@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kvlc import compile_spec  # noqa: E402
-from kvlc.testing.procs import EngineConfig, EngineProcess, RemoteError  # noqa: E402
+from kvlc.demo.procs import EngineConfig, EngineProcess, RemoteError  # noqa: E402
 
 LAYOUT = ROOT / "tests" / "runtime" / "layouts" / "big-tp1.yaml"  # 64 blocks of 1 MiB: requests take a while
 MODES = ("direct", "prepped", "pull_via_push", "push")

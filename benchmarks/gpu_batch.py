@@ -38,8 +38,8 @@ def _pair(direction: str, pool: int, gpu: bool):
     """(plan, engine process, local agent, peer): the local agent initiates ``direction``."""
     from kvlc.runtime.agent import KvAgent
     from kvlc.runtime.binding import allocate
-    from kvlc.testing.demo import scaled_plan
-    from kvlc.testing.procs import EngineConfig, EngineProcess
+    from kvlc.demo.run import scaled_plan
+    from kvlc.demo.procs import EngineConfig, EngineProcess
 
     plan = scaled_plan(LLAMA, pool, to_dram=not gpu)
     secret = secrets.token_hex(32)
@@ -70,7 +70,7 @@ def _round(agent, peer, reqs: list, batch: int, timeout: float = 120.0) -> dict:
 
 def kvlc_rows(direction: str, pool: int, tokens: int, inflight: int, rounds: int, gpu: bool) -> list[dict]:
     from kvlc.runtime.batch import BlockRequest
-    from kvlc.testing.demo import make_workload
+    from kvlc.demo.run import make_workload
 
     plan, proc, agent, peer = _pair(direction, pool, gpu)
     try:
@@ -110,7 +110,7 @@ def kvlc_rows(direction: str, pool: int, tokens: int, inflight: int, rounds: int
 
 def content_rows(gpu: bool) -> list[dict]:
     """Batched push, pull and pull via push with content-coded bytes, every destination byte checked."""
-    from kvlc.testing.demo import run_demo
+    from kvlc.demo.run import run_demo
 
     rows = []
     for mode in ("push", "pull", "pull_via_push"):

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_transfer import LLAMA, on_device  # noqa: E402
 
-from kvlc.testing.demo import run_demo  # noqa: E402
+from kvlc.demo.run import run_demo  # noqa: E402
 
 CASES = (("push", "auto"), ("pull", "auto"), ("pull_via_push", "auto"), ("push", "always"))
 

@@ -4,7 +4,7 @@ Llama-3.1-8B scaled to a 1 GiB pool on cuda:0 (the demo's layout: its storages a
 KvAgent allocates them), a request of 4,084 random 64 KiB rows over every storage, a 256 MiB
 bounce span. Times, with CUDA events (median of 20, after 3 untimed):
 
-* ``Copier.gather`` / ``Copier.scatter`` (kvlc.runtime.staging_copy, as staging runs them, index
+* ``Copier.gather`` / ``Copier.scatter`` (kvlc.runtime.staging.copy, as staging runs them, index
   upload included), once on the default stream and once on a side stream, and the host's time in
   each call alone (``host us``);
 * the same rows by ``torch.index_select`` / ``index_copy_`` over a plain row view with int64 and
@@ -118,8 +118,8 @@ def setup(gpu: bool):
 
     from gpu_transfer import LLAMA, on_device
     from kvlc.runtime.binding import allocate
-    from kvlc.runtime.staging_copy import Region, Regions, flat_bytes
-    from kvlc.testing.demo import scaled_plan
+    from kvlc.runtime.staging.copy import Region, Regions, flat_bytes
+    from kvlc.demo.run import scaled_plan
 
     import tempfile
 
@@ -142,7 +142,7 @@ def setup(gpu: bool):
 def cases(idle_peer: bool, gpu: bool) -> dict:
     import torch
 
-    from kvlc.runtime.staging_copy import Copier
+    from kvlc.runtime.staging.copy import Copier
 
     tensors, regions, rows, bounce = setup(gpu)
     dev = torch.device("cuda", 0) if gpu else torch.device("cpu")
@@ -196,7 +196,7 @@ def profile(gpu: bool) -> int:
 
     import torch
 
-    from kvlc.runtime.staging_copy import Copier
+    from kvlc.runtime.staging.copy import Copier
 
     _, regions, rows, bounce = setup(gpu)
     cp = Copier(regions)

@@ -1,6 +1,6 @@
 """GPU: staging through KvAgent (the real runtime), beside direct KvAgent transfers of the same bytes.
 
-Rows (``kvlc staging ...``), two processes, ``kvlc.testing.demo.run_demo``:
+Rows (``kvlc staging ...``), two processes, ``kvlc.demo.run.run_demo``:
 
 * content-coded checks (every destination byte) of VRAM Llama-3.1-8B with random block ids
   (fragmented: 64 KiB descriptors) and of mixed DRAM/VRAM DeepSeek-V3.2 -> HiSparse, in push, pull
@@ -27,7 +27,7 @@ def _run(rows: list, case: str, env: dict, **kw) -> None:
     """One run_demo with ``env`` set for the engine processes it spawns; its row goes to ``rows``."""
     from gpu_transfer import _steady
 
-    from kvlc.testing.demo import run_demo
+    from kvlc.demo.run import run_demo
 
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # the engine processes (spawned now) build their policy from these

@@ -17,7 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_transfer import LLAMA, on_device  # noqa: E402
-from kvlc.testing.demo import run_demo  # noqa: E402
+from kvlc.demo.run import run_demo  # noqa: E402
 
 def main():
     dev = sys.argv[1] if len(sys.argv) > 1 else "gpu"

@@ -1,6 +1,6 @@
 """GPU cases around raw NIXL and staging (imported by gpu_transfer.py; runs alone too).
 
-Every case is two processes with real NIXL agents (``kvlc.testing.staging_pair``), on the
+Every case is two processes with real NIXL agents (``testkit.staging_pair``), on the
 producer's and the consumer's cuda device as given:
 
 * raw NIXL: one descriptor of the same bytes, WRITE and READ (256 MiB, 2 GiB), requests in flight
@@ -35,7 +35,7 @@ LAYERS = 32
 
 
 def contiguous(n_rows: int, size: int, src_region: int = 0, dst_region: int = 0):
-    from kvlc.testing.staging_pair import Ranges
+    from testkit.staging_pair import Ranges
 
     offs = np.arange(n_rows, dtype=np.int64) * size
     src = np.stack([np.full(n_rows, src_region), offs, np.full(n_rows, size)], axis=1)
@@ -60,7 +60,7 @@ def _guard(rows: list, name: str, fn) -> None:
 
 def raw_cases(pdev: int, cdev: int, quick: bool) -> list[dict]:
     """Raw NIXL between the two devices' processes: single descriptor, and rows, with UCX settings."""
-    from kvlc.testing.staging_pair import Pair, Side
+    from testkit.staging_pair import Pair, Side
 
     rows: list[dict] = []
     big = (512 if quick else 2048) * MiB
@@ -80,7 +80,7 @@ RAW_DEFAULT = "no thread pool (kvlc default)"
 
 def _raw_setting(rows: list[dict], pair, label: str, big: int) -> None:
     """The raw cases of one UCX setting: the default runs every one, the thread pools the WRITEs that matter."""
-    from kvlc.testing.staging_pair import fragmented
+    from testkit.staging_pair import fragmented
 
     for size, inflight, reps in ((256 * MiB, 4, 4), (big, 1, 3)):
         for op in ("WRITE", "READ"):
@@ -108,7 +108,7 @@ def _raw(pair, op, req, reps, single) -> dict:
 
 def staged_cases(pdev: int, cdev: int, quick: bool) -> list[dict]:
     """Staged throughput: fragmented VRAM -> VRAM, mixed both ways (contiguous and fragmented)."""
-    from kvlc.testing.staging_pair import Pair, Side, fragmented
+    from testkit.staging_pair import Pair, Side, fragmented
 
     rows: list[dict] = []
     region = 32 * MiB                       # 512 blocks of 64 KiB per "layer" region
@@ -156,7 +156,7 @@ def _staged(pair, reqs) -> dict:
 def diag_cases(pdev: int, cdev: int) -> list[dict]:
     """Where staged fragmented VRAM time goes: the same run without the receiver's scatter, without the
     sender's gather, and one process doing gather, copy and scatter of the same chunks on one stream."""
-    from kvlc.testing.staging_pair import Pair, Side, fragmented
+    from testkit.staging_pair import Pair, Side, fragmented
 
     rows: list[dict] = []
     pool = (LAYERS * 32 * MiB,)
@@ -183,7 +183,7 @@ def diag_cases(pdev: int, cdev: int) -> list[dict]:
 def _one_process(dev: int, reqs) -> dict:
     import torch
 
-    from kvlc.runtime.staging_copy import Copier, Regions
+    from kvlc.runtime.staging.copy import Copier, Regions
 
     src = torch.zeros(LAYERS * 32 * MiB, dtype=torch.uint8, device=f"cuda:{dev}")
     dst = torch.zeros_like(src)
@@ -210,7 +210,7 @@ def _abs(r, t):
 
 def check_cases(pdev: int, cdev: int) -> list[dict]:
     """Content-coded bytes through staging in every memory pairing: all destination bytes compared."""
-    from kvlc.testing.staging_pair import Pair, Ranges, Side, fragmented
+    from testkit.staging_pair import Pair, Ranges, Side, fragmented
 
     rows: list[dict] = []
     regions = (8 * MiB,) * 4

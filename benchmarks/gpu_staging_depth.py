@@ -3,7 +3,7 @@
 The same shape both ways: 256 MiB requests of 4,084-4,086 scattered 64 KiB blocks, VRAM -> VRAM,
 two processes on one GPU. KvAgent rows are the demo's Llama-3.1-8B push with random block ids
 (1 GiB pools: 4 requests in flight per round, 16 requests), the automatic gate staging them; the
-pair rows (``kvlc.testing.staging_pair``, no KvAgent: both processes spin on their endpoint) send
+pair rows (``testkit.staging_pair``, no KvAgent: both processes spin on their endpoint) send
 8 requests at once. Each geometry (slots x slot bytes: ``KVLC_STAGING_SLOTS`` /
 ``KVLC_STAGING_SLOT_BYTES`` for KvAgent) runs on both, so a gap between the two is the agent's,
 not the GPU's. Then mixed DRAM/VRAM with one rank per side: DeepSeek-V3.2 -> HiSparse at TP1
@@ -56,7 +56,7 @@ def agent_row(name: str, env: dict, **kw) -> dict:
 def pair_rows(device: int | None, scale: int) -> list[dict]:
     import gpu_staging
 
-    from kvlc.testing.staging_pair import Pair, Side, fragmented
+    from testkit.staging_pair import Pair, Side, fragmented
 
     rows: list[dict] = []
     block = 64 << 10

@@ -174,7 +174,7 @@ def _batch_gather(blocks: int = 4086, block: int = 64 << 10) -> dict:
     view = pool.view(torch.int64).view(blocks * 4, block // 8)
     wide = pool.view(torch.complex128).view(blocks * 4, block // 16)
     tids = torch.from_numpy(ids).cuda()
-    kernels = {  # the indexed copies kvlc.runtime.staging_copy issues, at both element widths it uses on a GPU
+    kernels = {  # the indexed copies kvlc.runtime.staging.copy issues, at both element widths it uses on a GPU
         "index_select": lambda: torch.index_select(view, 0, tids, out=out_k.view(torch.int64).view(blocks, block // 8)),
         "index_select complex128": lambda: torch.index_select(wide, 0, tids,
                                                               out=out_k.view(torch.complex128).view(blocks, block // 16)),
@@ -235,7 +235,7 @@ def latency_probe() -> dict:
 
 def _spy(binary: str | None, out: Path, tag: str):
     """Start py-spy on every engine process the demo spawns from now on; returns (undo, procs)."""
-    from kvlc.testing import procs
+    from kvlc.demo import procs
 
     spies: list = []
     if not binary:
@@ -278,7 +278,7 @@ def timeline(out: Path, tag: str, run, spy: str | None = None) -> dict:
 
 
 def _demo(**kw) -> dict:
-    from kvlc.testing.demo import run_demo
+    from kvlc.demo.run import run_demo
 
     r = run_demo(**kw)
     return {"ok": r.ok, "gbps": round(r.gbps, 2), "requests": r.requests, "seconds": r.seconds,
@@ -287,7 +287,7 @@ def _demo(**kw) -> dict:
 
 def _pair() -> dict:
     from gpu_staging import BLOCK, FRAG, LAYERS, _staged
-    from kvlc.testing.staging_pair import Pair, Side, fragmented
+    from testkit.staging_pair import Pair, Side, fragmented
 
     pool = (LAYERS * 32 * MiB,)
     reqs = [fragmented(1, 1, FRAG, BLOCK, pool[0] // BLOCK, seed=s) for s in range(8)]

@@ -39,8 +39,8 @@ def raw_rows(device: int | None, size: int, inflight: int, reps: int) -> list[di
     import gpu_staging
     from gpu_transfer import _spread
 
-    from kvlc.runtime.ucx import UcxOptions
-    from kvlc.testing.staging_pair import Pair, Side
+    from kvlc.runtime.nixl.ucx import UcxOptions
+    from testkit.staging_pair import Pair, Side
 
     rows: list[dict] = []
     pool = UcxOptions.for_agent(True, {})  # what a kvlc agent with VRAM gets by default
@@ -85,7 +85,7 @@ def kvlc_rows(device: str, layout: str, requests: int, tokens: int, pool: int) -
 
 
 def _cpu_kvlc_row(name: str, layout: str, requests: int, tokens: int, pool: int) -> dict:
-    from kvlc.testing.demo import run_demo
+    from kvlc.demo.run import run_demo
 
     res = run_demo(layout, layout, mode="push", requests=requests, tokens=tokens, max_bytes=pool, device="cpu",
                    check="none", fill="zeros", ids="contiguous")

@@ -5,13 +5,13 @@ both 0 on a one-GPU machine):
 
 * ceilings: torch device-to-device copy (same device, or ``tensor.to("cuda:C")`` across devices)
   and pinned host <-> device copies, for the request sizes measured;
-* kvlc (KvAgent, two processes, ``kvlc.testing.demo``): VRAM Llama-3.1-8B push, pull and
+* kvlc (KvAgent, two processes, ``kvlc.demo.run``): VRAM Llama-3.1-8B push, pull and
   pull-via-push at 256 MiB (32 descriptors) and 2 GiB per request, random block ids
   (4,086 descriptors), and mixed DRAM/VRAM DeepSeek-V3.2 -> HiSparse; content-coded
   correctness runs in every mode first (every destination byte checked);
 * raw NIXL (no kvlc) between the same kind of processes: one descriptor of the same bytes,
   WRITE and READ, and the same rows with UCX thread-pool settings side by side;
-* staging (``kvlc.runtime.staging``): 4,086 x 64 KiB VRAM -> VRAM, 256 MiB DRAM -> VRAM and
+* staging (``kvlc.runtime.staging.endpoint``): 4,086 x 64 KiB VRAM -> VRAM, 256 MiB DRAM -> VRAM and
   VRAM -> DRAM, with content-coded checks in every memory pairing (benchmarks/gpu_staging.py).
 
 Writes JSON (``--out``) and a plot next to it. Needs a CUDA GPU, torch and nixl (not part of CI).
@@ -88,7 +88,7 @@ def on_device(layout: str, device: int, tmp: Path) -> str:
 def kvlc_case(rows: list, name: str, prod: str, cons: str, modes, runs, timeout: float = 300.0,
               check_bytes: int = 64 << 20) -> None:
     """Correctness (content codes, every byte) then timed runs through KvAgent, one row per run."""
-    from kvlc.testing.demo import run_demo
+    from kvlc.demo.run import run_demo
 
     for mode in modes:
         t0 = time.time()
@@ -151,7 +151,7 @@ def kvlc_cases(pdev: int, cdev: int, quick: bool, tmp: Path) -> list[dict]:
 def _kvlc_row(name: str, prod: str, cons: str, mode: str, requests: int, tokens: int, pool: int,
               descriptors: str = "rows", progress: str = "thread", timeout: float = 300.0) -> dict:
     """One timed kvlc run (contiguous ids, no check): GB/s, requests in flight per round, descriptors."""
-    from kvlc.testing.demo import run_demo
+    from kvlc.demo.run import run_demo
 
     t0 = time.time()
     try:
@@ -185,7 +185,7 @@ def _raw_rows(pdev: int | None, cdev: int | None, big: int = 2048 * MiB) -> list
     32 descriptors per request, 4 or 32 requests in flight (created before the clock), and created
     inside the clock one at a time (what a runtime pays per request)."""
     import gpu_staging
-    from kvlc.testing.staging_pair import Pair, Side
+    from testkit.staging_pair import Pair, Side
 
     rows: list[dict] = []
     pair = Pair(Side((big,), device=pdev, fill=False), Side((big,), device=cdev, fill=False))
@@ -230,7 +230,7 @@ def _spread(n: int, size: int, pitch: int):
     """``n`` rows of ``size`` bytes, ``pitch`` apart (no two adjacent: nothing for NIXL to merge)."""
     import numpy as np
 
-    from kvlc.testing.staging_pair import Ranges
+    from testkit.staging_pair import Ranges
 
     offs = np.arange(n, dtype=np.int64) * pitch
     rows = np.stack([np.zeros(n, dtype=np.int64), offs, np.full(n, size, dtype=np.int64)], axis=1)

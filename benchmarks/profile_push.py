@@ -1,7 +1,7 @@
 """Where a push request's time goes on the producer: kvlc between ``Peer.write`` and ``done``, per request.
 
 The producer KvAgent runs in this process (so cProfile sees it), the consumer in a spawned engine
-process (``kvlc.testing.procs``), both on DRAM over UCX on loopback, Llama-3.1-8B scaled to a pool of
+process (``kvlc.demo.procs``), both on DRAM over UCX on loopback, Llama-3.1-8B scaled to a pool of
 ``--pool-mib`` per rank and requests of ``--tokens`` with contiguous block ids (one descriptor per
 layer: 32 per request). A round submits ``--inflight`` requests back to back, then waits until every
 one is done on the producer (``Completions.finished``), exactly like the demo's timed batches.
@@ -34,14 +34,14 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from kvlc.testing.demo import DEFAULT_LAYOUT, make_workload  # noqa: E402
+from kvlc.demo.run import DEFAULT_LAYOUT, make_workload  # noqa: E402
 
 
 def setup(pool_mib: int, progress: str, interval: float, gpu: bool = False):
     from kvlc.runtime.agent import KvAgent
     from kvlc.runtime.binding import allocate
-    from kvlc.testing.demo import scaled_plan
-    from kvlc.testing.procs import EngineConfig, EngineProcess
+    from kvlc.demo.run import scaled_plan
+    from kvlc.demo.procs import EngineConfig, EngineProcess
 
     plan = scaled_plan(DEFAULT_LAYOUT, pool_mib << 20, to_dram=not gpu)  # gpu: VRAM on cuda:0 both sides
     secret = secrets.token_hex(32)
@@ -90,7 +90,7 @@ def _kvlc_gbps(prod, peer, plan, tokens: int, inflight: int, rounds: int, tag: s
 
 def compare(args) -> list[dict]:
     """kvlc push vs raw NIXL single-descriptor WRITE on the same bytes, rounds alternated, one run."""
-    from kvlc.testing.staging_pair import Pair, Ranges, Side
+    from testkit.staging_pair import Pair, Ranges, Side
 
     plan, proc, prod, peer = setup(args.pool_mib, args.progress, args.interval)
     out = []

@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_transfer import fitted_spec  # noqa: E402
 from common import LAYOUTS, ms, timeit, write_results  # noqa: E402
 
-from kvlc.compiler.pair import pair  # noqa: E402
-from kvlc.testing.demo import cpu_plan, make_workload  # noqa: E402
+from kvlc.compiler.pairing.pair import pair  # noqa: E402
+from kvlc.demo.run import cpu_plan, make_workload  # noqa: E402
 
 
 def main(argv=None) -> int:

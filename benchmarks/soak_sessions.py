@@ -23,8 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kvlc import compile_spec  # noqa: E402
-from kvlc.testing.demo import verify  # noqa: E402
-from kvlc.testing.procs import EngineConfig, EngineProcess, stop_engines  # noqa: E402
+from kvlc.demo.run import verify  # noqa: E402
+from kvlc.demo.procs import EngineConfig, EngineProcess, stop_engines  # noqa: E402
 
 LAYOUTS = ROOT / "tests" / "runtime" / "layouts"
 MODES = ("direct", "prepped", "pull_via_push", "push")

@@ -1,7 +1,7 @@
 """Where staged chunks spend their time: read ``KVLC_STAGING_TRACE`` files, print each step's duration.
 
 Run a staged transfer with ``KVLC_STAGING_TRACE=<folder>`` set in every engine process (see
-kvlc/runtime/staging_trace.py), then::
+kvlc/runtime/staging/trace.py), then::
 
     python3 benchmarks/staging_timeline.py <folder> [--json out.json]
 

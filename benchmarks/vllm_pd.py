@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvlc.engines.vllm.launch import EngineProcess, EngineSpec, tiny_llama  # noqa: E402
+from testkit.vllm_engines import EngineProcess, EngineSpec, tiny_llama  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SECRET = "vllm-pd-benchmark-secret-0123456789"

@@ -5,10 +5,10 @@ the runtime (``kvlc.runtime``) needs nixl and torch (the ``runtime`` extra).
 """
 
 from kvlc.compiler import compile_spec, load_plan, load_spec
-from kvlc.compiler.compat import CompatReport, Finding
-from kvlc.compiler.pair import PartKey, TransferProgram, check_pair, pair
-from kvlc.compiler.plan import Plan
-from kvlc.compiler.spec import LayoutSpec
+from kvlc.compiler.pairing.compat import CompatReport, Finding
+from kvlc.compiler.pairing.pair import PartKey, TransferProgram, check_pair, pair
+from kvlc.compiler.plan.model import Plan
+from kvlc.compiler.spec.models import LayoutSpec
 from kvlc.errors import CompatError, CompileError, KvlcError, SpecError, TransferError
 
 __version__ = "0.1.0"

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvlc.testing.content import expected_bytes, fill
-from kvlc.compiler.plan import Plan
+from kvlc.demo.content import expected_bytes, fill
+from kvlc.compiler.plan.model import Plan
 
 SPACE = 1 << 36
 

@@ -20,8 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvlc
-from kvlc.compiler.algebra import SUB_SHIFT, coalesce_dims, coalesce_rows, merge_runs, strided_runs
-from kvlc.compiler.pair import assign, heads_of, pair
+from kvlc.compiler.algebra.copies import SUB_SHIFT, coalesce_dims, coalesce_rows, merge_runs, strided_runs
+from kvlc.compiler.pairing.pair import assign, heads_of, pair
 
 PROPS = settings(deadline=None, max_examples=150, suppress_health_check=list(HealthCheck))
 

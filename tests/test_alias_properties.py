@@ -19,9 +19,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvlc
-from kvlc.compiler.pair import pair
+from kvlc.compiler.pairing.pair import pair
 from kvlc.errors import TransferError
-from kvlc.testing.content import fill
+from kvlc.demo.content import fill
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from memory_model import Engine, verify  # noqa: E402
@@ -137,4 +137,4 @@ def test_aliases_keep_old_plans_identical():
     assert '"aliases"' not in plain.to_json()
     pool = kvlc.compile_spec(root / "qwen3-next-80b-a3b-pool-tp4.yaml")
     assert pool.region("layer.0").aliases == ("layer.3",)
-    assert kvlc.compiler.plan.Plan.from_json(pool.to_json()).digest == pool.digest
+    assert kvlc.compiler.plan.model.Plan.from_json(pool.to_json()).digest == pool.digest

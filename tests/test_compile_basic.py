@@ -3,7 +3,7 @@
 from pathlib import Path
 
 import kvlc
-from kvlc.compiler.plan import Plan
+from kvlc.compiler.plan.model import Plan
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA = ROOT / "layouts" / "llama-3.1-8b.yaml"

@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvlc
-from kvlc.compiler.plan import Plan
+from kvlc.compiler.plan.model import Plan
 
 DTYPES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1, "uint8": 1}
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -26,18 +26,18 @@ ALLOWED = {
     "kvlc/runtime/agent.py:KvAgent._deadlines",
     "kvlc/runtime/binding.py:_check_one",
     "kvlc/runtime/binding.py:bind",
-    "kvlc/runtime/staging_wire.py:decode",
-    "kvlc/runtime/wire.py:check_record",
+    "kvlc/runtime/staging/wire.py:decode",
+    "kvlc/runtime/channel/wire.py:check_record",
     # kvlc/compiler/ request, instantiate and fields: another change is reworking these modules now.
-    "kvlc/compiler/instantiate.py:_address",
-    "kvlc/compiler/fields.py:LayoutResolver._fields",
+    "kvlc/compiler/request/instantiate.py:_address",
+    "kvlc/compiler/plan/fields.py:LayoutResolver._fields",
     # kvlc/init/ and the vLLM spec derivation (derive*.py): another change is reworking these now.
     "kvlc/init/model.py:read_model",
-    "kvlc/engines/vllm/derive.py:derive_spec",
-    "kvlc/engines/vllm/derive_check.py:check_plan_against_view",
-    "kvlc/engines/vllm/derive_offline.py:_pick_layout",
-    "kvlc/engines/vllm/derive_read.py:read_engine_view",
-    "kvlc/engines/vllm/derive_view.py:_build",
+    "kvlc/engines/vllm/derive/spec.py:derive_spec",
+    "kvlc/engines/vllm/derive/check.py:check_plan_against_view",
+    "kvlc/engines/vllm/derive/offline.py:_pick_layout",
+    "kvlc/engines/vllm/derive/read.py:read_engine_view",
+    "kvlc/engines/vllm/derive/view.py:_build",
 }
 
 

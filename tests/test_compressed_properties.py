@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvlc
-from kvlc.compiler.pair import check_pair, pair
+from kvlc.compiler.pairing.pair import check_pair, pair
 from kvlc.errors import SpecError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

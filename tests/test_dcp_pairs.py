@@ -15,9 +15,9 @@ from click.testing import CliRunner
 
 import kvlc
 from kvlc.cli import main
-from kvlc.compiler.dcp import Shard, ShardPair, dcp_chunks, dcp_tile
-from kvlc.compiler.pair import check_pair, pair
-from kvlc.compiler.plan import Plan
+from kvlc.compiler.algebra.sharding import Shard, ShardPair, dcp_chunks, dcp_tile
+from kvlc.compiler.pairing.pair import check_pair, pair
+from kvlc.compiler.plan.model import Plan
 from kvlc.errors import TransferError
 from kvlc.init import EngineOptions, InitError, init_yaml
 

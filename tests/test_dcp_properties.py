@@ -9,7 +9,7 @@ rank on the content-coded memory model and checked:
 
 * every requested destination byte holds its content code, no other byte changes
   (``memory_model.verify``, whose expectation follows vLLM's slot mapping, written out in
-  :mod:`kvlc.testing.content` independently of :mod:`kvlc.compiler.dcp`), no byte twice;
+  :mod:`kvlc.demo.content` independently of :mod:`kvlc.compiler.algebra.sharding`), no byte twice;
 * each part's byte map equals a reference map computed here from token positions;
 * each part's descriptor count equals the coalesced minimum of the reference map (after
   sorting; as produced for ascending ids, the minimum within each region and group).
@@ -29,7 +29,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvlc
-from kvlc.compiler.pair import check_pair, pair
+from kvlc.compiler.pairing.pair import check_pair, pair
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from memory_model import Engine, verify  # noqa: E402

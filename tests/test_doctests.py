@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-MODULES = ["kvlc.compiler", "kvlc.compiler.source", "kvlc.compiler.algebra", "kvlc.compiler.plan",
-           "kvlc.compiler.pair", "kvlc.compiler.resolve", "kvlc.compiler.layout", "kvlc.compiler.fields",
-           "kvlc.compiler.check", "kvlc.compiler.build", "kvlc.compiler.compat", "kvlc.compiler.tp",
-           "kvlc.compiler.runs", "kvlc.compiler.program", "kvlc.compiler.request", "kvlc.compiler.rows",
-           "kvlc.compiler.frozen", "kvlc.compiler.expand", "kvlc.compiler.index",
-           "kvlc.compiler.instantiate", "kvlc.compiler.prepared", "kvlc.explain"]
+MODULES = ["kvlc.compiler", "kvlc.compiler.spec.source", "kvlc.compiler.algebra.copies", "kvlc.compiler.plan.model",
+           "kvlc.compiler.pairing.pair", "kvlc.compiler.plan.resolve", "kvlc.compiler.algebra.layout", "kvlc.compiler.plan.fields",
+           "kvlc.compiler.plan.check", "kvlc.compiler.plan.build", "kvlc.compiler.pairing.compat", "kvlc.compiler.pairing.tp",
+           "kvlc.compiler.pairing.runs", "kvlc.compiler.pairing.program", "kvlc.compiler.request.check", "kvlc.compiler.request.rows",
+           "kvlc.compiler.frozen", "kvlc.compiler.plan.expand", "kvlc.compiler.request.index",
+           "kvlc.compiler.request.instantiate", "kvlc.compiler.request.prepared", "kvlc.explain"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -609,7 +609,7 @@ def test_printed_tables_keep_numbers_whole(t, width):
 
 @st.composite
 def _fields(draw):
-    from kvlc.compiler.plan import PlanDim, PlanField
+    from kvlc.compiler.plan.model import PlanDim, PlanField
     order = draw(st.permutations(["token", "head", "head_dim", "kv"]))
     names = list(order[:draw(st.integers(2, 4))])
     if "head" not in names:

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 import kvlc
-from kvlc.compiler.pair import pair
+from kvlc.compiler.pairing.pair import pair
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "tests" / "golden" / "programs"

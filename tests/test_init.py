@@ -78,7 +78,7 @@ def test_qwen3_32b_head_dim_comes_from_config():
     assert plan.model.sizes["head_dim"] == 128
     k = plan.region("layer.0").field("k")
     assert [(d.name, d.size) for d in k.dims] == [("token", 16), ("head", 4), ("head_dim", 128)]
-    from kvlc.compiler.source import render_template
+    from kvlc.compiler.spec.source import render_template
     wrong = compile_spec(render_template(LAYOUTS / "templates/llama-3.1-70b.yaml.j2", cfg,
                                          {"tp_size": 2, "order": "nhd"}))
     assert wrong.model.sizes["head_dim"] == 80  # the template's hidden/heads, silently wrong
@@ -326,8 +326,8 @@ def test_checked_in_pp_stages_are_init_output(window):
 # ---------------------------------------------------------------- engine vllm: the vLLM adapter's offline views
 def test_vllm_engine_is_the_adapters_view():
     """--engine vllm gives exactly the spec the vLLM adapter derives offline (reuse, not a second copy)."""
-    from kvlc.engines.vllm.derive import derive_spec
-    from kvlc.engines.vllm.derive_offline import published_view
+    from kvlc.engines.vllm.derive.spec import derive_spec
+    from kvlc.engines.vllm.derive.offline import published_view
     cfg = config("qwen3-32b")
     for backend in ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN"):
         got = init_spec(cfg, EngineOptions(engine="vllm", backend=backend, tp_size=2, num_blocks=64,
@@ -362,7 +362,7 @@ def test_vllm_engine_pp_stage():
     assert stage.parallel.layers == (32, 64) and stage.name.endswith("-pp32-64")
     assert [r.name for r in stage.regions] == [f"layer.{i}" for i in range(32, 64)]
     assert stage.region("layer.32").offset == 0 and stage.storages[0].size * 2 == whole.storages[0].size
-    from kvlc.compiler.pair import pair
+    from kvlc.compiler.pairing.pair import pair
     assert {e.region for e in pair(whole, stage, local_rank=1).entries} == {f"layer.{i}" for i in range(32, 64)}
 
 

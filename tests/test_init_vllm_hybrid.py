@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from kvlc.compiler import compile_spec
-from kvlc.compiler.pair import pair
-from kvlc.engines.vllm.derive_hybrid import hybrid_block_size, state_layout, vllm_groups
+from kvlc.compiler.pairing.pair import pair
+from kvlc.engines.vllm.derive.hybrid import hybrid_block_size, state_layout, vllm_groups
 from kvlc.init import EngineOptions, InitError, init_spec, init_yaml, read_model
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "layouts" / "templates"
@@ -155,8 +155,8 @@ def test_an_unknown_ssm_cache_dtype_is_refused():
 
 def test_attention_region_is_the_adapters_at_the_pool_block():
     """The attention layers' layout is the vLLM adapter's own (FLASH_ATTN: per token K|V per head)."""
-    from kvlc.engines.vllm.derive import derive_spec
-    from kvlc.engines.vllm.derive_offline import published_view
+    from kvlc.engines.vllm.derive.spec import derive_spec
+    from kvlc.engines.vllm.derive.offline import published_view
     plan = vllm(QWEN_NEXT)
     one = derive_spec(published_view({"num_hidden_layers": 1, "num_attention_heads": 16, "num_key_value_heads": 2,
                                       "head_dim": 256}, "m", backend="FLASH_ATTN", block_size=block_of(plan),
@@ -224,7 +224,7 @@ def test_indexer_and_fp8_ds_mla_refused_with_the_reason(cfg, kv_dtype):
 def test_docstring_examples():
     import doctest
 
-    import kvlc.engines.vllm.derive_hybrid as mod
+    import kvlc.engines.vllm.derive.hybrid as mod
     result = doctest.testmod(mod)
     assert result.attempted and result.failed == 0
 

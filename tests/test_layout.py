@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlc.compiler.layout import (Layout, ceildiv, head_range, holders, is_state_kind, kernel_ids, lcm,
+from kvlc.compiler.algebra.layout import (Layout, ceildiv, head_range, holders, is_state_kind, kernel_ids, lcm,
                                   row_major, shard, slice_mode, split_mode, tile, valid_tp_sizes)
 
 FAST = settings(max_examples=200, deadline=None)

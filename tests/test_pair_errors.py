@@ -14,8 +14,8 @@ import pytest
 import yaml
 
 import kvlc
-from kvlc.compiler.compat import CompatReport
-from kvlc.compiler.pair import check_pair, pair
+from kvlc.compiler.pairing.compat import CompatReport
+from kvlc.compiler.pairing.pair import check_pair, pair
 from kvlc.errors import CompatError, TransferError
 
 
@@ -346,9 +346,9 @@ def bases(p):
 @pytest.fixture
 def no_descriptors(monkeypatch):
     """Fail the test if instantiate reaches descriptor building (refusals must come first)."""
-    import kvlc.compiler.index as index_mod
-    import kvlc.compiler.instantiate as inst_mod
-    import kvlc.compiler.rows as rows_mod
+    import kvlc.compiler.request.index as index_mod
+    import kvlc.compiler.request.instantiate as inst_mod
+    import kvlc.compiler.request.rows as rows_mod
 
     def boom(*a, **k):
         raise AssertionError("descriptors built before the request was refused")

@@ -12,7 +12,7 @@ from every producer rank on the content-coded memory model, and checked three wa
 * every requested destination byte holds its content code, no other byte changes
   (``memory_model.verify``) and no destination byte is written twice;
 * each part's byte map (local byte → remote byte) equals a reference map computed here
-  from content coordinates, independently of ``kvlc.compiler.pair``;
+  from content coordinates, independently of ``kvlc.compiler.pairing.pair``;
 * each part's descriptor count equals the coalesced minimum of the reference map: always
   after sorting and merging the program's rows, and as produced when block ids ascend.
 """
@@ -32,7 +32,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import kvlc
-from kvlc.compiler.pair import check_pair, pair
+from kvlc.compiler.pairing.pair import check_pair, pair
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from memory_model import Engine, verify  # noqa: E402

@@ -16,11 +16,11 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import kvlc
-from kvlc.compiler.pair import check_pair, pair
-from kvlc.compiler.pp import coverage, holds_region, region_layer
+from kvlc.compiler.pairing.pair import check_pair, pair
+from kvlc.compiler.pairing.pp import coverage, holds_region, region_layer
 from kvlc.errors import CompatError
 from kvlc.init import EngineOptions, InitError, init_yaml
-from kvlc.testing.content import expected_bytes
+from kvlc.demo.content import expected_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from memory_model import Engine, execute  # noqa: E402
@@ -71,7 +71,7 @@ def test_whole_model_consumer_told_what_other_stages_give():
     assert rep.ok and (f.code, f.message, f.local, f.remote, f.fix) == (
         "pp-partial", "pairs layers [40, 80) only, the layers both engines hold; the consumer gets layers "
         "[0, 40) from the producer's other pipeline stages", "layers [0, 80)", "layers [40, 80)",
-        "pair the consumer with every producer stage (kvlc.compiler.pp.coverage)")
+        "pair the consumer with every producer stage (kvlc.compiler.pairing.pp.coverage)")
     push = check_pair(stage, full, local_rank=0, direction="WRITE")  # the stage pushes: same words
     assert push.findings[0].message == f.message
 
@@ -243,7 +243,7 @@ def test_docstring_examples():
     import doctest
     import os
 
-    import kvlc.compiler.pp as pp
+    import kvlc.compiler.pairing.pp as pp
     cwd = os.getcwd()
     os.chdir(ROOT)
     try:

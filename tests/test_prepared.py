@@ -24,8 +24,8 @@ import pytest
 import yaml
 
 import kvlc
-import kvlc.compiler.prepared as pairmod
-from kvlc.compiler.pair import Part, pair
+import kvlc.compiler.request.prepared as pairmod
+from kvlc.compiler.pairing.pair import Part, pair
 from kvlc.errors import TransferError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -248,7 +248,7 @@ def test_nixl_loopback_prepared_read(producer, consumer):
     """Two UCX agents in this process: strided lists prepared once, a prepped READ with the indices,
     the tail moved directly; every destination byte checked against its content code."""
     pytest.importorskip("nixl")
-    from kvlc.runtime.nixl import Agent, XferState
+    from kvlc.runtime.nixl.core import Agent, XferState
 
     prod, cons = plan(SMALL / producer), plan(SMALL / consumer)
     assert prod.parallel.tp_size == 1 and set(prod.mem_types) == set(cons.mem_types) == {"DRAM"}

@@ -10,7 +10,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 import kvlc
-from kvlc.compiler.overlap import first_shared_byte
+from kvlc.compiler.plan.overlap import first_shared_byte
 
 
 def region(draw):

@@ -24,7 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvlc
-from kvlc.compiler.pair import pair
+from kvlc.compiler.pairing.pair import pair
 from kvlc.errors import TransferError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -46,7 +46,7 @@ def _fail(exc: KvlcError) -> None:
 
 
 def _overrides(sets: tuple[str, ...], config: str | None):
-    from kvlc.compiler.source import load_config, parse_set
+    from kvlc.compiler.spec.source import load_config, parse_set
     return (load_config(config) if config else None), parse_set(sets)
 
 

@@ -42,11 +42,11 @@ def from_vllm(model_dir: str, backend: str, block_size: int | None, kernel_block
     import json
 
     from kvlc.compiler import compile_spec
-    from kvlc.engines.vllm.derive import derive_spec, spec_yaml
+    from kvlc.engines.vllm.derive.spec import derive_spec, spec_yaml
     block_size = block_size or (128 if backend == "CPU_ATTN" else 16)
     try:
         if from_engine:
-            from kvlc.engines.vllm.derive_engine import live_views
+            from kvlc.engines.vllm.derive.engine import live_views
             dtypes = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
             if num_blocks or kv_dtype not in dtypes:
                 raise KvlcError("--from-engine: the engine sizes its cache from --kv-cache-mib (drop --num-blocks) "
@@ -56,7 +56,7 @@ def from_vllm(model_dir: str, backend: str, block_size: int | None, kernel_block
                                attention_backend=None if backend == "CPU_ATTN" else backend)
             view = views[min(tp_rank, len(views) - 1)]
         else:
-            from kvlc.engines.vllm.derive_offline import published_view
+            from kvlc.engines.vllm.derive.offline import published_view
             config_path = Path(model_dir) / "config.json"
             try:
                 config = json.loads(config_path.read_text())
@@ -107,7 +107,7 @@ def demo(layout: str | None, consumer: str | None, mode: str, requests: int, tok
     or failed request.
     """
     _demo_needs_extras()
-    from kvlc.testing.demo import DEFAULT_LAYOUT, DemoError, check_pair, make_workload, run_demo, scaled_plan
+    from kvlc.demo.run import DEFAULT_LAYOUT, DemoError, check_pair, make_workload, run_demo, scaled_plan
 
     if layout is None:
         if not DEFAULT_LAYOUT.exists():

@@ -56,7 +56,7 @@ def pair_cmd(producer: str, consumer: str, rank: int, direction: str, as_json: b
     """Pair PRODUCER and CONSUMER (specs or plan .json): compatibility report and program summary."""
     import json as _json
 
-    from kvlc.compiler.pair import pair_and_check
+    from kvlc.compiler.pairing.pair import pair_and_check
     try:
         prod, cons = _load_plan(producer), _load_plan(consumer)
     except KvlcError as exc:

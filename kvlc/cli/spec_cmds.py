@@ -8,7 +8,7 @@ import click
 
 from kvlc.cli.base import (EXIT_SPEC, _config_opt, _echo_json, _fail, _load_plan, _overrides, _set_opt,
                            emit, main, write_atomic)
-from kvlc.engines.vllm.derive_hybrid import SSM_CACHE_DTYPES   # vLLM's choices, one list
+from kvlc.engines.vllm.derive.hybrid import SSM_CACHE_DTYPES   # vLLM's choices, one list
 from kvlc.errors import KvlcError
 
 
@@ -85,8 +85,8 @@ def _check_json(specs: tuple[str, ...], config: str | None, sets: tuple[str, ...
 def render(template: str, config: str | None, sets: tuple[str, ...], output: str | None) -> None:
     """Render a .yaml.j2 TEMPLATE with a model config into concrete YAML (validated first)."""
     from kvlc.compiler import compile_spec
-    from kvlc.compiler.source import parse_yaml, render_template, rendered_name
-    from kvlc.compiler.validate import validate
+    from kvlc.compiler.spec.source import parse_yaml, render_template, rendered_name
+    from kvlc.compiler.spec.validate import validate
     try:
         cfg, ovr = _overrides(sets, config)
         text = render_template(template, cfg, ovr)
@@ -146,7 +146,7 @@ def init_cmd(config: str, engine: str, backend: str, tp_size: int, pp_size: int,
     import json as _json
 
     from kvlc.compiler import compile_spec
-    from kvlc.compiler.source import load_config
+    from kvlc.compiler.spec.source import load_config
     from kvlc.init import EngineOptions, init_spec, init_yaml
     try:
         opts = EngineOptions(engine=engine, backend=backend, tp_size=tp_size, pp_size=pp_size, pp_rank=pp_rank,
@@ -170,8 +170,8 @@ def init_cmd(config: str, engine: str, backend: str, tp_size: int, pp_size: int,
 def schema(output: str | None) -> None:
     """Print the JSON Schema of the spec language, for editors (yaml-language-server).
 
-    Put `# yaml-language-server: $schema=kvlc.schema.json` on a spec's first line.
+    Put `# yaml-language-server: $schema=kvlc.compiler.spec.schema.json` on a spec's first line.
     """
-    from kvlc.schema import schema_json
+    from kvlc.compiler.spec.schema import schema_json
     text = schema_json()
     emit(text, output)

@@ -10,8 +10,8 @@ Stages, in the order data flows (one module each; every pass and check is a pure
     pair         tp (head mapping) → runs (tile templates) → program (:class:`TransferProgram`)
     per request  request (typed ids) → instantiate (bound (N, 3) rows) / prepared (strided lists)
 
-Shared algebra: :mod:`~kvlc.compiler.layout` (``shape:stride``, shard, tile) and
-:mod:`~kvlc.compiler.algebra` (runs). Nothing here imports nixl or torch.
+Shared algebra: :mod:`~kvlc.compiler.algebra.layout` (``shape:stride``, shard, tile) and
+:mod:`~kvlc.compiler.algebra.copies` (runs). Nothing here imports nixl or torch.
 """
 
 from __future__ import annotations
@@ -19,14 +19,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Mapping
 
-from kvlc.compiler.build import build_plan
-from kvlc.compiler.check import check
-from kvlc.compiler.expand import expand
-from kvlc.compiler.plan import Plan
-from kvlc.compiler.resolve import resolve
-from kvlc.compiler.source import read_source
-from kvlc.compiler.spec import LayoutSpec
-from kvlc.compiler.validate import validate
+from kvlc.compiler.plan.build import build_plan
+from kvlc.compiler.plan.check import check
+from kvlc.compiler.plan.expand import expand
+from kvlc.compiler.plan.model import Plan
+from kvlc.compiler.plan.resolve import resolve
+from kvlc.compiler.spec.source import read_source
+from kvlc.compiler.spec.models import LayoutSpec
+from kvlc.compiler.spec.validate import validate
 from kvlc.errors import CompileError, Problem, SpecError
 
 PASSES = (expand, resolve, check, build_plan)

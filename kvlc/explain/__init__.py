@@ -1,6 +1,6 @@
 """``kvlc explain``: what a plan holds, as tables, JSON and pages drawn to scale; request sizes.
 
-Pure: reads :class:`~kvlc.compiler.plan.Plan` values (and pairs them through the public
+Pure: reads :class:`~kvlc.compiler.plan.model.Plan` values (and pairs them through the public
 compiler API), returns values and text. No nixl, no torch. One module per concern:
 
     numbers   exact bytes, binary units, compact integer sets

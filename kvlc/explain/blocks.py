@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import product
 
-from kvlc.compiler.plan import Plan, PlanField, PlanRegion
+from kvlc.compiler.plan.model import Plan, PlanField, PlanRegion
 from kvlc.explain.summary import _vary_label, replicas
 
 MAX_RUNS = 512     # runs of a slice drawn at most (a longer list is cut, and says so)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from kvlc.compiler.plan import Plan
+from kvlc.compiler.plan.model import Plan
 from kvlc.explain.program_view import piece
 from kvlc.explain.size import RequestSize
 from kvlc.explain.summary import Summary, summarize

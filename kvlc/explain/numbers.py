@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvlc.collapse import compact_ints  # noqa: F401  (re-exported: one rule for all output)
-from kvlc.compiler.plan import PlanField
+from kvlc.compiler.plan.model import PlanField
 
 
 def human(n: int) -> str:

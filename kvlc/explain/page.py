@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-from kvlc.compiler.plan import Plan, PlanRegion
+from kvlc.compiler.plan.model import Plan, PlanRegion
 from kvlc.explain.numbers import exact, human
 from kvlc.explain.summary import region_row, summarize
 from kvlc.explain.tables import tables

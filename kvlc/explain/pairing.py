@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from math import gcd
 
-from kvlc.compiler.plan import Plan, PlanField
+from kvlc.compiler.plan.model import Plan, PlanField
 from kvlc.explain.numbers import exact, human
 from kvlc.explain.program_view import piece, runs
 

@@ -1,6 +1,6 @@
 """A program's entries as plain values for the pictures and documents of ``kvlc pair``.
 
-:class:`~kvlc.compiler.pair.TransferProgram` entries carry head-slice *pieces* and per-tile
+:class:`~kvlc.compiler.pairing.pair.TransferProgram` entries carry head-slice *pieces* and per-tile
 *runs*; these two functions read them as ``(field, h0, h1)`` and ``(local sub-block, local
 offset, remote sub-block, remote offset, length)`` tuples, whether the program stores them as
 named records or as tuples, so that explain does not depend on how the compiler spells them.

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvlc.compiler.plan import Plan
+from kvlc.compiler.plan.model import Plan
 from kvlc.errors import KvlcError
 
 _BASE = 1 << 40   # storage i of a side is placed at (i + 1) * _BASE: storages never touch

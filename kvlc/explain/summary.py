@@ -20,7 +20,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Sequence
 
-from kvlc.compiler.plan import Plan, PlanField, PlanRegion
+from kvlc.compiler.plan.model import Plan, PlanField, PlanRegion
 from kvlc.collapse import split_name as _split
 from kvlc.collapse import vary_label
 from kvlc.explain.numbers import compact_ints, exact, field_short, human  # noqa: F401  (doctests)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvlc.compiler.plan import Plan
+from kvlc.compiler.plan.model import Plan
 from kvlc.explain.numbers import both, exact
 from kvlc.explain.summary import GroupTotal, Summary, collapse_storages, summarize
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from kvlc.compiler.spec import DTYPE_SIZES
+from kvlc.compiler.spec.models import DTYPE_SIZES
 from kvlc.errors import did_you_mean
 from kvlc.init.ds_mla import DS_MLA, ds_mla_record
 from kvlc.init.engines import ENGINES, MEMS, EngineOptions, backend_of, stage_layers

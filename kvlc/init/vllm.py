@@ -1,6 +1,6 @@
 """``kvlc init --engine vllm``: vLLM's backend layouts, from the vLLM adapter's offline views.
 
-The adapter (:mod:`kvlc.engines.vllm.derive_offline`) knows how vLLM lays out each attention
+The adapter (:mod:`kvlc.engines.vllm.derive.offline`) knows how vLLM lays out each attention
 and MLA backend; this module only turns an engine description into its arguments and
 adjusts the spec it derives:
 
@@ -10,7 +10,7 @@ adjusts the spec it derives:
   a model of ``stop - start`` layers, and its regions are renamed to the model's layer
   numbers and put under ``parallel.layers``;
 * Mamba-2 and Gated-DeltaNet hybrids take vLLM's hybrid page pool
-  (:mod:`kvlc.engines.vllm.derive_hybrid`): one allocation whose layers of different groups
+  (:mod:`kvlc.engines.vllm.derive.hybrid`): one allocation whose layers of different groups
   lie over the same pages, declared as ``aliases``; the attention block grows so a page
   holds a state;
 * the sparse-attention indexer is refused (see :func:`_refuse`).
@@ -69,8 +69,8 @@ def _renumber(name: str, start: int) -> str:
 
 def vllm_spec(config: Mapping[str, Any], m: Model, opts: EngineOptions) -> dict:
     """The spec of ``config`` on a vLLM engine with backend ``opts.backend`` (see the module docstring)."""
-    from kvlc.engines.vllm.derive import derive_spec
-    from kvlc.engines.vllm.derive_offline import ATTENTION_BACKENDS, MLA_BACKENDS, published_view
+    from kvlc.engines.vllm.derive.spec import derive_spec
+    from kvlc.engines.vllm.derive.offline import ATTENTION_BACKENDS, MLA_BACKENDS, published_view
     if opts.backend not in ATTENTION_BACKENDS | MLA_BACKENDS:
         raise InitError(f"engine 'vllm' has no backend '{opts.backend}'; "
                         f"{did_you_mean(opts.backend, ATTENTION_BACKENDS | MLA_BACKENDS)}")
@@ -91,8 +91,8 @@ def vllm_spec(config: Mapping[str, Any], m: Model, opts: EngineOptions) -> dict:
 
 def _hybrid(config: Mapping[str, Any], m: Model, opts: EngineOptions, window: tuple[int, int],
             device: str) -> dict:
-    from kvlc.engines.vllm.derive_hybrid import hybrid_spec
-    from kvlc.engines.vllm.derive_view import ViewError
+    from kvlc.engines.vllm.derive.hybrid import hybrid_spec
+    from kvlc.engines.vllm.derive.view import ViewError
     layers = [(i, HYBRID[m.kinds[i]]) for i in range(*window) if m.kinds[i] in HYBRID]
     cpu_avx512_bf16 = opts.backend == "CPU_ATTN" and _avx512_bf16(opts)   # vLLM's CPU platform only
     try:

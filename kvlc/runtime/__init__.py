@@ -21,23 +21,23 @@ One module per concern, in the order a transfer meets them:
     agent     KvAgent: register, serve, connect, expect, cancel, offer, poll, close
 
 No layout arithmetic lives here: descriptors come from
-:meth:`kvlc.compiler.pair.TransferProgram.instantiate`. nixl and torch are
+:meth:`kvlc.compiler.pairing.pair.TransferProgram.instantiate`. nixl and torch are
 imported only when an agent is created or tensors are allocated. The process
-harness and the demo live in :mod:`kvlc.testing`. Usage and threat model: docs/runtime.md.
+harness and the demo live in :mod:`kvlc.demo`. Usage and threat model: docs/runtime.md.
 """
 
 from kvlc.runtime.agent import KvAgent
 from kvlc.runtime.batch import BlockRequest
 from kvlc.runtime.binding import Bound, allocate, bind
-from kvlc.runtime.channel import Limits
+from kvlc.runtime.channel.tcp import Limits
 from kvlc.runtime.errors import AuthError, BindingError, ChannelError, HandshakeError, NixlError
 from kvlc.runtime.kinds import Direction, Event, Mode, Status
-from kvlc.runtime.nixl import XferState
+from kvlc.runtime.nixl.core import XferState
 from kvlc.runtime.peer import Peer
-from kvlc.runtime.staging import StagingPolicy
+from kvlc.runtime.staging.endpoint import StagingPolicy
 from kvlc.runtime.tracking import Completions
-from kvlc.runtime.notifs import Notif, NotifBatch, decode_notif, encode_notif
-from kvlc.runtime.wire import Record
+from kvlc.runtime.channel.notifs import Notif, NotifBatch, decode_notif, encode_notif
+from kvlc.runtime.channel.wire import Record
 
 __all__ = [
     "KvAgent",

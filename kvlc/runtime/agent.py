@@ -1,6 +1,6 @@
 """KvAgent: one engine rank's KV cache, registered with NIXL, in sessions with the ranks of other engines.
 
-Roles (:func:`~kvlc.compiler.pair.pair`): the **consumer** receives bytes, the **producer** sends them:
+Roles (:func:`~kvlc.compiler.pairing.pair.pair`): the **consumer** receives bytes, the **producer** sends them:
 
 ``direct`` / ``prepped``  the consumer connects with ``direction="READ"`` and :meth:`Peer.read`
                           READs from every producer rank it pairs with (rows per request, or
@@ -15,7 +15,7 @@ Staging (``staging=``, ``$KVLC_STAGING``) sends fragmented or mixed-memory WRITE
 Every side calls :meth:`KvAgent.poll`; it never blocks and returns :class:`~kvlc.runtime.tracking.Completions`
 (finished, failed, held, freeable): a failed request's blocks are safe to reuse, a *held* one's
 not yet. Side-channel connections are authenticated with a shared secret (``secret=``,
-``$KVLC_SECRET`` or ``$KVLC_SECRET_FILE``; :mod:`kvlc.runtime.auth`). Example (``kvlc demo``)::
+``$KVLC_SECRET`` or ``$KVLC_SECRET_FILE``; :mod:`kvlc.runtime.channel.auth`). Example (``kvlc demo``)::
 
     producer = KvAgent(plan_p, 0, tensors_p, secret=key); addr = producer.serve()
     consumer = KvAgent(plan_c, 0, tensors_c, secret=key)
@@ -36,29 +36,29 @@ import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from kvlc.compiler.plan import Plan
+from kvlc.compiler.plan.model import Plan
 from kvlc.errors import TransferError
 from kvlc.runtime import server as _server
 from kvlc.runtime.arguments import PROGRESS  # noqa: F401 - re-exported, callers import it from here
 from kvlc.runtime.arguments import check_agent_args, check_request_id, valid_name
-from kvlc.runtime.auth import resolve_secret
+from kvlc.runtime.channel.auth import resolve_secret
 from kvlc.runtime.binding import Bound, bind
-from kvlc.runtime.channel import ChannelServer, Limits
+from kvlc.runtime.channel.tcp import ChannelServer, Limits
 from kvlc.runtime.errors import HandshakeError
 from kvlc.runtime.kinds import Event, Status
-from kvlc.runtime.nixl import Agent
+from kvlc.runtime.nixl.core import Agent
 from kvlc.runtime.peer import Peer, connect
 from kvlc.runtime.pump import Pump, Resources, Sender
 from kvlc.runtime import replies as _replies
-from kvlc.runtime.sessions import RemoteEngine, Session, SessionTable
-from kvlc.runtime.staging import StagingPolicy
-from kvlc.runtime.staging_agent import make_stager
+from kvlc.runtime.channel.sessions import RemoteEngine, Session, SessionTable
+from kvlc.runtime.staging.endpoint import StagingPolicy
+from kvlc.runtime.staging.agent import make_stager
 from kvlc.runtime.tracking import Completions, Events, Incoming, Tally
-from kvlc.runtime.notifs import agents_of
+from kvlc.runtime.channel.notifs import agents_of
 from kvlc.runtime.transfer import Executor, Outgoing, Target
-from kvlc.runtime.ucx import UcxOptions
-from kvlc.runtime.wire import StorageBase, decode, make_record
-from kvlc.runtime.warmup import Warmer
+from kvlc.runtime.nixl.ucx import UcxOptions
+from kvlc.runtime.channel.wire import StorageBase, decode, make_record
+from kvlc.runtime.nixl.warmup import Warmer
 
 log = logging.getLogger("kvlc.runtime.agent")
 DEFAULT_TIMEOUT_S = 60.0
@@ -131,7 +131,7 @@ class KvAgent:
         self.bases = {b.name: (b.addr, b.device) for b in self.bindings.values()}
         self.executor = self._res.executor = Executor(self.nixl, rank, stager=self.stager)
         self._res.stager = self.stager
-        self.warmer = Warmer(self.nixl, self.bindings)  # connect's warm-up READs (kvlc.runtime.warmup)
+        self.warmer = Warmer(self.nixl, self.bindings)  # connect's warm-up READs (kvlc.runtime.nixl.warmup)
         self._unsettled: set[str] = set()            # consumer: complete, but a staged scatter still copies
         self.sessions = SessionTable(plan, rank, self.name)
         self.events = Events()
@@ -180,7 +180,7 @@ class KvAgent:
                 timeout: float = 10.0, warm: bool = True) -> Peer:
         """Connect to the ranks of one remote engine (one side-channel address per rank); see :func:`connect`.
         ``warm``: touch the peers' VRAM once now, so the first request does not pay UCX's first use
-        (:mod:`kvlc.runtime.warmup`)."""
+        (:mod:`kvlc.runtime.nixl.warmup`)."""
         return connect(self, addresses, direction, mode, timeout, warm)
 
     # ------------------------------------------------------------------ sessions (caller holds the lock)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 
-from kvlc.compiler.plan import Plan
+from kvlc.compiler.plan.model import Plan
 from kvlc.errors import KvlcError, TransferError
 
 _NAME_OK = re.compile(r"^[A-Za-z0-9_.:@\-]{1,128}$")

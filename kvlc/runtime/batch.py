@@ -3,7 +3,7 @@
 An empty batch does nothing. Every request is checked first (ids, counts, bounds, not in flight,
 not cancelled by the consumer); one refusal refuses the whole batch, naming the request, and
 nothing is created or posted then. On a direct connection the requests' descriptors are then joined, part by part
-(:func:`kvlc.compiler.program.join_parts`), into ONE NIXL request per part for all of them: the
+(:func:`kvlc.compiler.pairing.program.join_parts`), into ONE NIXL request per part for all of them: the
 per-request costs of creating, posting and polling NIXL requests are paid once per batch, and the
 requests that end in the same progress turn share one ``done`` notification per session.
 
@@ -21,11 +21,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvlc.compiler.program import join_parts
+from kvlc.compiler.pairing.program import join_parts
 from kvlc.errors import TransferError
 from kvlc.runtime.arguments import check_request_id
 from kvlc.runtime.kinds import Direction, Mode
-from kvlc.runtime.notifs import agents_of
+from kvlc.runtime.channel.notifs import agents_of
 from kvlc.runtime.transfer import Member
 
 

@@ -12,7 +12,7 @@ plan can touch, ``[data_ptr, data_ptr + storage size)`` on one (memory type, dev
 tensor longer than its storage is registered whole, and that tail may overlap another
 storage (NIXL accepts overlapping registrations). Storages that really share an
 allocation are declared as one storage with a region per part, and regions that share
-pages on purpose declare ``aliases`` (:mod:`kvlc.compiler.aliases`).
+pages on purpose declare ``aliases`` (:mod:`kvlc.compiler.plan.aliases`).
 
 Tensors are duck-typed (``device``, ``is_contiguous``, ``data_ptr``, ``numel``,
 ``element_size``), so this module does not import torch.
@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from kvlc.compiler.plan import Plan, PlanStorage
+from kvlc.compiler.plan.model import Plan, PlanStorage
 from kvlc.runtime.errors import BindingError
 
 

@@ -16,19 +16,19 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvlc.compiler.pair import TransferProgram
+from kvlc.compiler.pairing.pair import TransferProgram
 from kvlc.errors import KvlcError, TransferError
 from kvlc.runtime import batch as _batch
 from kvlc.runtime.arguments import check_request_id
 from kvlc.runtime.batch import BlockRequest
-from kvlc.runtime.channel import ChannelClient
+from kvlc.runtime.channel.tcp import ChannelClient
 from kvlc.runtime.errors import HandshakeError, NixlError
 from kvlc.runtime.kinds import Direction, Mode
-from kvlc.runtime.sessions import RemoteEngine, Session
+from kvlc.runtime.channel.sessions import RemoteEngine, Session
 from kvlc.runtime.tracking import Incoming
 from kvlc.runtime.transfer import PreparedPart, Target
-from kvlc.runtime.warmup import warm_peers
-from kvlc.runtime.wire import Fetch, Introduce, PullRequest, Record, Reply, decode, encode
+from kvlc.runtime.nixl.warmup import warm_peers
+from kvlc.runtime.channel.wire import Fetch, Introduce, PullRequest, Record, Reply, decode, encode
 
 if TYPE_CHECKING:
     from kvlc.runtime.agent import KvAgent
@@ -290,7 +290,7 @@ class Peer:
         ``num_tokens=N`` moves tokens ``[0, N)``; ``tokens=(start, stop)`` (or ``range``) moves
         ``[start, stop)`` (a prefix-cache hit of ``start`` tokens here: those stay untouched).
         Block ids are logical, per KV-cache group: each side's blocks the range touches
-        (:meth:`kvlc.compiler.program.TransferProgram.check_request`); every id is checked
+        (:meth:`kvlc.compiler.pairing.program.TransferProgram.check_request`); every id is checked
         against every region's capacity before anything moves (:class:`TransferError`).
         In pull_via_push mode the range travels to the producer, which checks it again.
         """

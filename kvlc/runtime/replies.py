@@ -2,9 +2,9 @@
 when a session ends.
 
 Applied under the agent's lock by its pump (:meth:`KvAgent._pump`). A notification counts only
-when its tag proves it comes from a live session of the sender (:mod:`kvlc.runtime.auth`);
+when its tag proves it comes from a live session of the sender (:mod:`kvlc.runtime.channel.auth`);
 everything else is dropped and counted (``stats["dropped_notifs"]``). Staging notifications
-(:mod:`kvlc.runtime.staging_wire`) are tagged the same way; a staged chunk is scattered only
+(:mod:`kvlc.runtime.staging.wire`) are tagged the same way; a staged chunk is scattered only
 for a request that is still open here, from the session it is expected from, and not held: once
 a request timed out, was cancelled, or its session ended, its late chunks only give their slot
 back. A request whose scatter may still be writing (on a GPU stream) is reported failed or
@@ -17,15 +17,15 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from kvlc.runtime.auth import notif_tag, tag_ok
-from kvlc.runtime.channel import ChannelClient
+from kvlc.runtime.channel.auth import notif_tag, tag_ok
+from kvlc.runtime.channel.tcp import ChannelClient
 from kvlc.runtime.errors import ChannelError, HandshakeError, NixlError
 from kvlc.runtime.kinds import Direction, Mode, Status
-from kvlc.runtime.staging_copy import StagingError
-from kvlc.runtime.staging_wire import Kind, decode as decode_staging, is_staging, verify
+from kvlc.runtime.staging.copy import StagingError
+from kvlc.runtime.staging.wire import Kind, decode as decode_staging, is_staging, verify
 from kvlc.runtime.tracking import Incoming, hold, settle
-from kvlc.runtime.notifs import NotifBatch, decode_notif
-from kvlc.runtime.wire import Cancel, Reply, encode
+from kvlc.runtime.channel.notifs import NotifBatch, decode_notif
+from kvlc.runtime.channel.wire import Cancel, Reply, encode
 
 if TYPE_CHECKING:
     from kvlc.runtime.agent import KvAgent

@@ -1,7 +1,7 @@
 """The side-channel request server of one agent: records, introductions, pull requests, cancels.
 
-Every frame arrives on an authenticated connection (:mod:`kvlc.runtime.channel`); who sent it
-is the session introduced on that connection (:mod:`kvlc.runtime.sessions`). A pull request
+Every frame arrives on an authenticated connection (:mod:`kvlc.runtime.channel.tcp`); who sent it
+is the session introduced on that connection (:mod:`kvlc.runtime.channel.sessions`). A pull request
 WRITEs only into the bases the requesting session declared, only that session's share of the
 request, and never at or after the consumer's deadline. Handlers return reply bytes and never
 raise for bad input.
@@ -14,14 +14,14 @@ import time
 from typing import TYPE_CHECKING
 
 from kvlc.errors import KvlcError
-from kvlc.runtime.auth import tag_ok
-from kvlc.runtime.channel import Conn
+from kvlc.runtime.channel.auth import tag_ok
+from kvlc.runtime.channel.tcp import Conn
 from kvlc.runtime.errors import HandshakeError
 from kvlc.runtime.kinds import Direction, Mode, Status
-from kvlc.runtime.sessions import Session
+from kvlc.runtime.channel.sessions import Session
 from kvlc.runtime.transfer import Target
-from kvlc.runtime.warmup import warm_peers
-from kvlc.runtime.wire import Cancel, Fetch, Introduce, PullRequest, Reply, decode, encode
+from kvlc.runtime.nixl.warmup import warm_peers
+from kvlc.runtime.channel.wire import Cancel, Fetch, Introduce, PullRequest, Reply, decode, encode
 
 if TYPE_CHECKING:
     from kvlc.runtime.agent import KvAgent

@@ -1,7 +1,7 @@
 """Transfer execution: split a request into NIXL requests, barrier, notify, fail cleanly.
 
 The runtime does no layout arithmetic: a request arrives as the parts that
-:meth:`kvlc.compiler.pair.TransferProgram.instantiate` built (one per peer rank and pair of
+:meth:`kvlc.compiler.pairing.pair.TransferProgram.instantiate` built (one per peer rank and pair of
 memory types, row-aligned (N, 3) descriptors). :class:`Executor`
 
 1. creates one NIXL request per non-empty part (rows through ``initialize``, or a
@@ -16,7 +16,7 @@ memory types, row-aligned (N, 3) descriptors). :class:`Executor`
 4. on a deadline, cancels (releases) parts still in flight; a part NIXL cannot cancel yet is
    retried on later polls, and the request is reported failed only once no handle is left.
 
-Parts the agent's :class:`~kvlc.runtime.staging_agent.Stager` picks (fragmented WRITEs or ones
+Parts the agent's :class:`~kvlc.runtime.staging.agent.Stager` picks (fragmented WRITEs or ones
 across memory types) go through bounce buffers instead: one staged send per peer rank, whose
 state follows the staging events. Several requests of one connection may share their NIXL
 requests (:meth:`Executor.submit_many`, :mod:`kvlc.runtime.batch`); they then end together.
@@ -24,7 +24,7 @@ requests (:meth:`Executor.submit_many`, :mod:`kvlc.runtime.batch`); they then en
 A request is never created or posted at or after its deadline; it reports ``held``
 (:attr:`Outgoing.held`) while a part past its deadline cannot be released yet. Every
 notification carries the tag of the session it goes to (:class:`Target`). NIXL is reached
-only through the :class:`~kvlc.runtime.nixl.Agent` interface, so a fake agent drives it in unit tests.
+only through the :class:`~kvlc.runtime.nixl.core.Agent` interface, so a fake agent drives it in unit tests.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ from typing import Any
 from kvlc.errors import TransferError
 from kvlc.runtime.errors import NixlError
 from kvlc.runtime.kinds import Status
-from kvlc.runtime.nixl import XferState
-from kvlc.runtime.notifs import Target, tell_done
+from kvlc.runtime.nixl.core import XferState
+from kvlc.runtime.channel.notifs import Target, tell_done
 
 log = logging.getLogger("kvlc.runtime.transfer")
 

@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvlc.engines.vllm.launch import EngineProcess, EngineSpec, tiny_llama  # noqa: E402
+from testkit.vllm_engines import EngineProcess, EngineSpec, tiny_llama  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 

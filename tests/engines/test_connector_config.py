@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from kvlc.engines.vllm.config import ConnectorSettings, Mode
-from kvlc.engines.vllm.params import RemotePrefill
+from kvlc.engines.vllm.connector.config import ConnectorSettings, Mode
+from kvlc.engines.vllm.connector.params import RemotePrefill
 from kvlc.errors import KvlcError
 from tests.engines.conftest import ROOT
 
@@ -19,7 +19,7 @@ GOOD = dict(remote_engine_id="e", remote_request_id="r", remote_block_ids=[[1, 2
 
 def test_import_kvlc_and_the_adapter_import_no_vllm():
     """`import kvlc` and `import kvlc.engines.vllm` leave vLLM unimported (it is an optional extra)."""
-    code = ("import sys, kvlc, kvlc.engines.vllm, kvlc.engines.vllm.config, kvlc.engines.vllm.params;"
+    code = ("import sys, kvlc, kvlc.engines.vllm, kvlc.engines.vllm.connector.config, kvlc.engines.vllm.connector.params;"
             "print(sorted(m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -18,11 +18,11 @@ from click.testing import CliRunner
 import kvlc
 from kvlc.cli import main
 from kvlc.compiler import compile_spec
-from kvlc.engines.vllm.derive import (EngineView, SpecMismatchError, check_spec, derive_plan, derive_spec,
+from kvlc.engines.vllm.derive.spec import (EngineView, SpecMismatchError, check_spec, derive_plan, derive_spec,
                                       exact_plan, spec_yaml, storage_tensors)
-from kvlc.engines.vllm.derive_offline import published_view
-from kvlc.engines.vllm.derive_read import layer_tensor
-from kvlc.engines.vllm.derive_view import EXAMPLE, GroupKind, GroupView, ViewError
+from kvlc.engines.vllm.derive.offline import published_view
+from kvlc.engines.vllm.derive.read import layer_tensor
+from kvlc.engines.vllm.derive.view import EXAMPLE, GroupKind, GroupView, ViewError
 from kvlc.runtime.binding import bind
 from kvlc.runtime.errors import BindingError
 
@@ -329,8 +329,8 @@ def test_from_vllm_without_config_json(tmp_path):
     assert res.exit_code == 2 and "config.json: cannot read the model config" in res.output
 
 
-@pytest.mark.parametrize("name", ["kvlc.engines.vllm.derive", "kvlc.engines.vllm.derive_view",
-                                  "kvlc.engines.vllm.derive_layout", "kvlc.engines.vllm.derive_offline"])
+@pytest.mark.parametrize("name", ["kvlc.engines.vllm.derive.spec", "kvlc.engines.vllm.derive.view",
+                                  "kvlc.engines.vllm.derive.layout", "kvlc.engines.vllm.derive.offline"])
 def test_docstring_examples(name):
     """The runnable examples in the derive modules' docstrings hold."""
     result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
@@ -338,9 +338,9 @@ def test_docstring_examples(name):
 
 
 def test_import_needs_no_vllm():
-    """import kvlc and kvlc.engines.vllm.derive import neither vLLM nor torch."""
+    """import kvlc and kvlc.engines.vllm.derive.spec import neither vLLM nor torch."""
     import subprocess
-    code = ("import sys, kvlc, kvlc.engines.vllm.derive, kvlc.engines.vllm.derive_offline\n"
+    code = ("import sys, kvlc, kvlc.engines.vllm.derive.spec, kvlc.engines.vllm.derive.offline\n"
             "print(sorted(m for m in ('vllm', 'torch') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          cwd=Path(__file__).resolve().parents[2])

@@ -26,9 +26,9 @@ import pytest
 
 import kvlc
 from kvlc.compiler import compile_spec
-from kvlc.engines.vllm.derive import EngineView, exact_plan, spec_yaml
-from kvlc.engines.vllm.derive_exact import MEASURED_ISAS
-from kvlc.engines.vllm.derive_view import ViewError
+from kvlc.engines.vllm.derive.spec import EngineView, exact_plan, spec_yaml
+from kvlc.engines.vllm.derive.exact import MEASURED_ISAS
+from kvlc.engines.vllm.derive.view import ViewError
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.engine
@@ -73,10 +73,10 @@ WORKER_CHECK = textwrap.dedent('''
 
     def check(worker):
         import numpy as np, torch
-        from kvlc.engines.vllm.derive import (check_spec, derive_plan, engine_view, exact_plan,
+        from kvlc.engines.vllm.derive.spec import (check_spec, derive_plan, engine_view, exact_plan,
                                               storage_tensors)
-        from kvlc.engines.vllm.derive_exact import MEASURED_ISAS
-        from kvlc.engines.vllm.derive_engine import worker_kv_caches
+        from kvlc.engines.vllm.derive.exact import MEASURED_ISAS
+        from kvlc.engines.vllm.derive.engine import worker_kv_caches
         from kvlc.runtime.binding import bind
         config, kv_cache_config, kv = worker_kv_caches(worker)
         view = engine_view(config, kv_cache_config, kv)

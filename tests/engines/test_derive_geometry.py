@@ -19,10 +19,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvlc.engines.vllm.derive import derive_plan, exact_plan
-from kvlc.engines.vllm.derive_view import heads_per_rank
-from kvlc.engines.vllm.derive_offline import published_view
-from kvlc.engines.vllm.derive_read import layer_tensor
+from kvlc.engines.vllm.derive.spec import derive_plan, exact_plan
+from kvlc.engines.vllm.derive.view import heads_per_rank
+from kvlc.engines.vllm.derive.offline import published_view
+from kvlc.engines.vllm.derive.read import layer_tensor
 
 INT_OF = {"bf16": torch.int16, "fp16": torch.int16, "fp32": torch.int32, "fp8_e4m3": torch.int8}
 NP_INT = {torch.int16: np.int16, torch.int32: np.int32, torch.int8: np.int8}
@@ -103,7 +103,7 @@ def _fill(view, kernel_views):
 
 def _read_back(plan, view, raws):
     """Every element of every region, read at the plan's addresses, compared with its code."""
-    from kvlc.engines.vllm.derive import allocations
+    from kvlc.engines.vllm.derive.spec import allocations
     by_ptr = {raw.data_ptr(): raw for raw in raws}
     storage_raw = {a.name: by_ptr[a.ptr] for a in allocations(view)}
     checked = 0

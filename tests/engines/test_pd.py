@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from kvlc.engines.vllm.launch import EngineSpec
+from testkit.vllm_engines import EngineSpec
 from tests.engines.conftest import Engines, engine_env, for_decode, kvlc_config, prompt
 
 pytestmark = pytest.mark.engine

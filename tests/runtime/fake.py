@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import deque
 
 from kvlc.runtime.errors import NixlError
-from kvlc.runtime.nixl import XferState
+from kvlc.runtime.nixl.core import XferState
 
 
 class FakeXfer:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvlc.runtime.auth import resolve_secret
-from kvlc.testing.demo import verify
-from kvlc.testing.procs import HARNESS_SECRET, AgentHandle, EngineConfig, start_engines
+from kvlc.runtime.channel.auth import resolve_secret
+from kvlc.demo.run import verify
+from kvlc.demo.procs import HARNESS_SECRET, AgentHandle, EngineConfig, start_engines
 
 TIMEOUT = 30.0
 SECRET = HARNESS_SECRET  # every engine of a test run shares it; in-process agents pass it too
@@ -85,7 +85,7 @@ def check_from_many(consumer: AgentHandle, consumer_plan, before, batches, after
     (producer plan, requests). Every requested byte holds its code, every other byte is unchanged."""
     import numpy as np
 
-    from kvlc.testing.content import expected_bytes
+    from kvlc.demo.content import expected_bytes
 
     after = consumer.call("dump") if after is None else after
     touched = {k: np.zeros(len(v), bool) for k, v in after.items()}

@@ -13,11 +13,11 @@ from runtime_engines import KEY, LAYOUTS, SECRET, TEST_LAYOUTS
 from kvlc import compile_spec
 from kvlc.errors import CompatError, TransferError
 from kvlc.runtime import BindingError, HandshakeError, KvAgent, allocate
-from kvlc.runtime.channel import ChannelClient, ChannelServer
+from kvlc.runtime.channel.tcp import ChannelClient, ChannelServer
 from kvlc.runtime.errors import ChannelError
-from kvlc.runtime.nixl import Registration, Xfer
-from kvlc.runtime.staging import StagingPolicy
-from kvlc.runtime.wire import Fetch, Introduce, Record, Reply, decode, encode
+from kvlc.runtime.nixl.core import Registration, Xfer
+from kvlc.runtime.staging.endpoint import StagingPolicy
+from kvlc.runtime.channel.wire import Fetch, Introduce, Record, Reply, decode, encode
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("nixl")

@@ -14,9 +14,9 @@ from fake import Clock, FakeAgent
 from runtime_engines import LAYOUTS
 
 from kvlc import compile_spec
-from kvlc.compiler.pair import pair
-from kvlc.compiler.program import join_parts
-from kvlc.runtime.nixl import XferState
+from kvlc.compiler.pairing.pair import pair
+from kvlc.compiler.pairing.program import join_parts
+from kvlc.runtime.nixl.core import XferState
 from kvlc.runtime.transfer import Executor, Member, Target
 
 pytestmark = pytest.mark.runtime

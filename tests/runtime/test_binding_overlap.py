@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvlc import compile_spec
-from kvlc.compiler.plan import PlanStorage
+from kvlc.compiler.plan.model import PlanStorage
 from kvlc.runtime import BindingError
 from kvlc.runtime.binding import Bound, bind, overlaps
 

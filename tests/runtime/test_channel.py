@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from kvlc.runtime import auth
-from kvlc.runtime.channel import ChannelClient, ChannelServer, Limits, parse_address, read_frame, write_frame
+from kvlc.runtime.channel import auth
+from kvlc.runtime.channel.tcp import ChannelClient, ChannelServer, Limits, parse_address, read_frame, write_frame
 from kvlc.runtime.errors import AuthError, ChannelError
 
 pytestmark = pytest.mark.runtime

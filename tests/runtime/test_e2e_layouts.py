@@ -10,9 +10,9 @@ import pytest
 import yaml
 from runtime_engines import LAYOUTS, TEST_LAYOUTS, check_bytes, config, flip, move
 
-from kvlc.compiler.pair import pair
-from kvlc.testing.demo import cpu_plan, default_tokens, make_workload
-from kvlc.testing.procs import EngineProcess, stop_engines
+from kvlc.compiler.pairing.pair import pair
+from kvlc.demo.run import cpu_plan, default_tokens, make_workload
+from kvlc.demo.procs import EngineProcess, stop_engines
 
 pytest.importorskip("torch")
 pytest.importorskip("nixl")

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from runtime_engines import check_bytes, flip, move, tiny_plans, xyz_engines
 
-from kvlc.testing.procs import stop_engines
+from kvlc.demo.procs import stop_engines
 
 pytest.importorskip("torch")
 pytest.importorskip("nixl")

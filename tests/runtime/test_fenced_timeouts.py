@@ -15,7 +15,7 @@ import pytest
 from runtime_engines import TEST_LAYOUTS, check_from_many, config, flip, settle
 
 from kvlc import compile_spec
-from kvlc.testing.procs import EngineProcess, stop_engines
+from kvlc.demo.procs import EngineProcess, stop_engines
 
 pytest.importorskip("torch")
 pytest.importorskip("nixl")

@@ -18,12 +18,12 @@ from hypothesis import strategies as st
 
 from kvlc import compile_spec
 from kvlc.runtime import AuthError, HandshakeError, KvAgent, allocate
-from kvlc.runtime.auth import resolve_secret
-from kvlc.runtime.channel import ChannelClient, Limits, write_frame
-from kvlc.runtime.nixl import Agent, Xfer
-from kvlc.runtime.auth import notif_tag
-from kvlc.runtime.notifs import batch_fields, encode_notif, encode_notif_batch
-from kvlc.runtime.wire import Fetch, Introduce, decode, encode
+from kvlc.runtime.channel.auth import resolve_secret
+from kvlc.runtime.channel.tcp import ChannelClient, Limits, write_frame
+from kvlc.runtime.nixl.core import Agent, Xfer
+from kvlc.runtime.channel.auth import notif_tag
+from kvlc.runtime.channel.notifs import batch_fields, encode_notif, encode_notif_batch
+from kvlc.runtime.channel.wire import Fetch, Introduce, decode, encode
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("nixl")
@@ -255,7 +255,7 @@ _FIELDS = st.dictionaries(st.sampled_from(["t", "version", "req", "record", "unt
 def test_no_frames_from_an_unauthenticated_party_change_state_or_move_a_byte(producer, frames, handshake):
     """Any sequence of frames from a party without the secret (no handshake, half a handshake, or a
     wrong proof) leaves the agent's sessions, NIXL remotes, transfers, tallies and memory as they were."""
-    from kvlc.runtime import auth
+    from kvlc.runtime.channel import auth
 
     a, t = producer
     before, mem = _state(a), _memory(t)

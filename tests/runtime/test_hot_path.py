@@ -12,11 +12,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlc.compiler.algebra import coalesce_rows
-from kvlc.compiler.instantiate import _SMALL, _segments
-from kvlc.compiler.rows import coalesce
+from kvlc.compiler.algebra.copies import coalesce_rows
+from kvlc.compiler.request.instantiate import _SMALL, _segments
+from kvlc.compiler.request.rows import coalesce
 from kvlc.runtime.errors import NixlError
-from kvlc.runtime.nixl import Agent, Xfer, XferState
+from kvlc.runtime.nixl.core import Agent, Xfer, XferState
 
 
 # ------------------------------------------------------------------ progress thread
@@ -24,7 +24,7 @@ from kvlc.runtime.nixl import Agent, Xfer, XferState
 def kv_agent():
     from kvlc.runtime.agent import KvAgent
     from kvlc.runtime.binding import allocate
-    from kvlc.testing.demo import DEFAULT_LAYOUT, cpu_plan
+    from kvlc.demo.run import DEFAULT_LAYOUT, cpu_plan
 
     plan = cpu_plan(DEFAULT_LAYOUT, max_bytes=1 << 20)
     agent = KvAgent(plan, 0, allocate(plan), insecure=True, progress="manual")

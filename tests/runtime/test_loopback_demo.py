@@ -7,9 +7,9 @@ import pytest
 from runtime_engines import LAYOUTS, TEST_LAYOUTS
 
 from kvlc import compile_spec
-from kvlc.testing.content import expected_bytes
-from kvlc.compiler.pair import pair
-from kvlc.testing.demo import cpu_plan, make_workload, scaled_plan, verify
+from kvlc.demo.content import expected_bytes
+from kvlc.compiler.pairing.pair import pair
+from kvlc.demo.run import cpu_plan, make_workload, scaled_plan, verify
 
 pytestmark = pytest.mark.runtime
 
@@ -70,7 +70,7 @@ def test_run_demo_end_to_end():
     """Two processes, pull-via-push, every byte checked, progress reported after every round."""
     pytest.importorskip("nixl")
     seen = []
-    from kvlc.testing.demo import run_demo
+    from kvlc.demo.run import run_demo
 
     res = run_demo(
         TEST_LAYOUTS / "hybrid-tp1.yaml",

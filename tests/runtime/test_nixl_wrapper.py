@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from kvlc.runtime.errors import NixlError
-from kvlc.runtime.nixl import Agent, Xfer, XferState, call, check
+from kvlc.runtime.nixl.core import Agent, Xfer, XferState, call, check
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("nixl")

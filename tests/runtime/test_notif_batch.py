@@ -11,7 +11,7 @@ import pytest
 from runtime_engines import SECRET, TEST_LAYOUTS
 
 from kvlc import compile_spec
-from kvlc.runtime.notifs import NotifBatch, decode_notif
+from kvlc.runtime.channel.notifs import NotifBatch, decode_notif
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("nixl")
@@ -23,7 +23,7 @@ def test_pushes_ending_in_one_turn_arrive_as_one_batch_with_their_bytes():
     fewer 'done' notifications than requests (at least one batch); the consumer finishes all eight
     and every destination byte is the producer's (nothing else changed)."""
     from kvlc.runtime import KvAgent, allocate
-    from kvlc.testing.content import expected_bytes, fill
+    from kvlc.demo.content import expected_bytes, fill
 
     plan = compile_spec(TEST_LAYOUTS / "dense-tp1.yaml")
     tp, tc = allocate(plan), allocate(plan)

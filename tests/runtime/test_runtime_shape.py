@@ -13,8 +13,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 RUNTIME = ROOT / "kvlc" / "runtime"
-MODULES = ["kvlc.runtime.kinds", "kvlc.runtime.auth", "kvlc.runtime.channel", "kvlc.runtime.wire",
-           "kvlc.runtime.nixl", "kvlc.testing.procs", "kvlc.testing.demo"]
+MODULES = ["kvlc.runtime.kinds", "kvlc.runtime.channel.auth", "kvlc.runtime.channel.tcp", "kvlc.runtime.channel.wire",
+           "kvlc.runtime.nixl.core", "kvlc.demo.procs", "kvlc.demo.run"]
 
 
 @pytest.mark.parametrize("name", MODULES)
@@ -37,7 +37,7 @@ def test_public_names_are_the_product():
     for name in rt.__all__:
         assert hasattr(rt, name)
         obj = getattr(rt, name)
-        assert not getattr(obj, "__module__", "").startswith("kvlc.testing"), name
+        assert not getattr(obj, "__module__", "").startswith("kvlc.demo"), name
     assert not {"run_demo", "cpu_plan", "scaled_plan", "DemoResult", "EngineProcess"} & set(rt.__all__)
 
 
@@ -55,7 +55,7 @@ def test_importing_the_runtime_changes_no_environment():
     import subprocess
     import sys
 
-    code = ("import os; before = dict(os.environ); import kvlc.runtime, kvlc.runtime.nixl; "
+    code = ("import os; before = dict(os.environ); import kvlc.runtime, kvlc.runtime.nixl.core; "
             "assert dict(os.environ) == before, set(os.environ) ^ set(before)")
     env = {k: v for k, v in os.environ.items() if k != "NIXL_LOG_LEVEL"}
     env["PYTHONPATH"] = str(ROOT)

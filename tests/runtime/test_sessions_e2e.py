@@ -13,7 +13,7 @@ import pytest
 from runtime_engines import TEST_LAYOUTS, TIMEOUT, check_from_many, config, flip
 
 from kvlc import compile_spec
-from kvlc.testing.procs import EngineProcess, stop_engines
+from kvlc.demo.procs import EngineProcess, stop_engines
 
 pytest.importorskip("torch")
 pytest.importorskip("nixl")

@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvlc.errors import KvlcError
-from kvlc.runtime.staging import StagingPolicy, split_chunks
-from kvlc.runtime.staging_copy import Copier, Regions, StagingError
-from kvlc.runtime.staging_wire import BounceInfo, Kind, Message, decode, encode, is_staging
+from kvlc.runtime.staging.endpoint import StagingPolicy, split_chunks
+from kvlc.runtime.staging.copy import Copier, Regions, StagingError
+from kvlc.runtime.staging.wire import BounceInfo, Kind, Message, decode, encode, is_staging
 
 torch = pytest.importorskip("torch")
 
@@ -145,7 +145,7 @@ def test_two_processes_stage_content_coded_bytes_through_small_buffers():
     byte is checked and every other byte is unchanged; then a request whose destination lies outside the
     receiver's regions fails on both sides (refused by the receiver) and writes nothing."""
     pytest.importorskip("nixl")
-    from kvlc.testing.staging_pair import Pair, Ranges, Side, fragmented
+    from testkit.staging_pair import Pair, Ranges, Side, fragmented
 
     sender = Side(regions=(1 << 20, 1 << 20), slot_bytes=64 << 10, slots=2)
     receiver = Side(regions=(1 << 20, 1 << 20, 1 << 19), slot_bytes=64 << 10, slots=2)
@@ -174,7 +174,7 @@ def test_chunks_of_large_ranges_go_direct_and_land_exactly_like_gathered_ones():
     into the receiver's slots, small ones in the same batch are gathered; every destination byte is its
     content code, nothing else changed; with ``direct_min_bytes=0`` the same requests are all gathered."""
     pytest.importorskip("nixl")
-    from kvlc.testing.staging_pair import Pair, Ranges, Side, fragmented
+    from testkit.staging_pair import Pair, Ranges, Side, fragmented
 
     mib = 1 << 20
     big = Ranges(np.array([[0, 0, 3 * mib + 17], [1, 5 * mib, 2 * mib], [0, 4 * mib, mib + 4096]]),
@@ -221,7 +221,7 @@ def test_ranges_of_several_regions_on_one_device_move_in_one_indexed_copy():
 def test_an_endpoint_stays_hot_while_a_request_is_partly_received():
     """``hot`` (the progress thread's cue to poll every 50 us): busy, or chunks of an unfinished request
     arrived within HOT_S; a request whose sender went silent cools down after HOT_S."""
-    from kvlc.runtime.staging import StagingEndpoint
+    from kvlc.runtime.staging.endpoint import StagingEndpoint
 
     now = [100.0]
     ep = StagingEndpoint(None, Regions([]), None, clock=lambda: now[0])
@@ -241,7 +241,7 @@ def test_an_endpoint_stays_hot_while_a_request_is_partly_received():
 def test_one_view_spans_regions_only_when_every_touched_region_is_on_the_bounce_device():
     """Ranges over several regions share one view (one indexed copy) only if each region they touch is
     on the bounce buffer's device; a range in a region elsewhere (here a "meta" tensor) turns it off."""
-    from kvlc.runtime.staging_copy import Region
+    from kvlc.runtime.staging.copy import Region
 
     a, b = torch.zeros(4096, dtype=torch.uint8), torch.zeros(4096, dtype=torch.uint8)
     top = max(a.data_ptr(), b.data_ptr()) + 4096

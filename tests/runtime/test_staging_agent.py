@@ -23,7 +23,7 @@ from runtime_engines import SECRET, TEST_LAYOUTS, check_bytes, config, flip, mov
 
 from kvlc import compile_spec
 from kvlc.errors import KvlcError
-from kvlc.testing.procs import EngineProcess, stop_engines
+from kvlc.demo.procs import EngineProcess, stop_engines
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("nixl")
@@ -125,7 +125,7 @@ def test_a_batch_with_staged_parts_goes_request_by_request_and_moves_the_same_by
 def test_policy_comes_from_the_environment_and_is_checked(monkeypatch, plans):
     """KVLC_STAGING=never|always|auto picks the policy of an agent given none; bad values name the variable."""
     from kvlc.runtime import KvAgent, allocate
-    from kvlc.runtime.staging import StageMode, StagingPolicy
+    from kvlc.runtime.staging.endpoint import StageMode, StagingPolicy
 
     assert StagingPolicy.from_env({}).mode is StageMode.AUTO
     assert StagingPolicy.from_env({"KVLC_STAGING": "Always"}).mode is StageMode.ALWAYS
@@ -199,9 +199,9 @@ def test_forged_replayed_and_foreign_chunks_are_dropped_unscattered(plans):
     a key no session has, and one from another engine's session for a request this side gets from the
     first engine are all dropped; none scatters a byte (the blocks they point at stay as they were)."""
     from kvlc.runtime import KvAgent, allocate
-    from kvlc.runtime.staging import StagingPolicy
-    from kvlc.runtime.staging_wire import Kind, Message, encode, is_staging
-    from kvlc.testing.content import expected_bytes, fill
+    from kvlc.runtime.staging.endpoint import StagingPolicy
+    from kvlc.runtime.staging.wire import Kind, Message, encode, is_staging
+    from kvlc.demo.content import expected_bytes, fill
 
     x, z = plans["x"], plans["z"]
     pol = StagingPolicy(**ON)
@@ -260,8 +260,8 @@ def test_forged_replayed_and_foreign_chunks_are_dropped_unscattered(plans):
 def _manual_pair(plans, tag: str):
     """A content-coded staging producer and a consumer in this process, progressed by poll() only."""
     from kvlc.runtime import KvAgent, allocate
-    from kvlc.runtime.staging import StagingPolicy
-    from kvlc.testing.content import fill
+    from kvlc.runtime.staging.endpoint import StagingPolicy
+    from kvlc.demo.content import fill
 
     x, z = plans["x"], plans["z"]
     pol = StagingPolicy(**ON)
@@ -284,7 +284,7 @@ def test_trace_records_each_chunk_step_by_step(plans, tmp_path, monkeypatch):
     """KVLC_STAGING_TRACE: every chunk of a staged push has all ten steps, in time order, on one clock."""
     import json
 
-    from kvlc.runtime.staging_trace import LIMIT
+    from kvlc.runtime.staging.trace import LIMIT
 
     monkeypatch.setenv("KVLC_STAGING_TRACE", str(tmp_path))
     prod, cons = _manual_pair(plans, "trace")

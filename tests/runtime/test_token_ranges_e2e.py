@@ -14,7 +14,7 @@ import pytest
 from runtime_engines import TEST_LAYOUTS, check_bytes, config, flip, move, tiny_plans
 
 from kvlc import compile_spec
-from kvlc.testing.procs import EngineProcess, start_engines, stop_engines
+from kvlc.demo.procs import EngineProcess, start_engines, stop_engines
 
 pytest.importorskip("torch")
 pytest.importorskip("nixl")
@@ -84,7 +84,7 @@ def test_pull_via_push_range_is_checked_by_the_producer(plans):
     import time
 
     from kvlc.runtime import KvAgent, allocate
-    from kvlc.runtime.wire import PullRequest, decode, encode
+    from kvlc.runtime.channel.wire import PullRequest, decode, encode
     from runtime_engines import SECRET
 
     prod = KvAgent(plans["x"], 0, allocate(plans["x"]), secret=SECRET, engine_id="range-producer")

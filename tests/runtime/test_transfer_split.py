@@ -13,10 +13,10 @@ from runtime_engines import LAYOUTS
 from fake import Clock, FakeAgent
 
 from kvlc import compile_spec
-from kvlc.compiler.pair import pair
+from kvlc.compiler.pairing.pair import pair
 from kvlc.runtime.errors import NixlError
-from kvlc.runtime.nixl import XferState
-from kvlc.runtime.auth import notif_tag
+from kvlc.runtime.nixl.core import XferState
+from kvlc.runtime.channel.auth import notif_tag
 from kvlc.runtime.transfer import Executor, Target
 
 pytestmark = pytest.mark.runtime
@@ -258,7 +258,7 @@ def test_a_batch_that_cannot_be_sent_fails_its_requests_only_where_untold():
 def test_batches_stay_within_the_notification_limit():
     """Hundreds of long request ids ending together: several batch notifications, none over the
     limit, every request named exactly once, in order."""
-    from kvlc.runtime.notifs import MAX_BATCH_NOTIF_BYTES, decode_notif
+    from kvlc.runtime.channel.notifs import MAX_BATCH_NOTIF_BYTES, decode_notif
 
     parts = _hetero()
     agent = FakeAgent()

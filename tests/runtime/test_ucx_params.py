@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from kvlc.errors import KvlcError
-from kvlc.runtime import ucx
-from kvlc.runtime.ucx import GET_ZCOPY_ENV, ErrorHandling, UcxOptionError, UcxOptions, apply_env
+from kvlc.runtime.nixl import ucx
+from kvlc.runtime.nixl.ucx import GET_ZCOPY_ENV, ErrorHandling, UcxOptionError, UcxOptions, apply_env
 
 
 @pytest.mark.parametrize(
@@ -67,7 +67,7 @@ def test_env_default_only_when_unset_and_only_with_cuda():
 def test_import_sets_no_ucx_variable():
     """Importing the runtime leaves UCX's environment alone (the default is applied at agent creation)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
-    code = ("import os, kvlc.runtime, kvlc.runtime.nixl, kvlc.runtime.staging; "
+    code = ("import os, kvlc.runtime, kvlc.runtime.nixl.core, kvlc.runtime.staging.endpoint; "
             "print(sorted(k for k in os.environ if k.startswith('UCX_')))")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -79,7 +79,7 @@ def test_agent_creates_ucx_with_the_options(monkeypatch):
     """A real agent hands the parameters to NIXL (read back from the backend) and applies the env default
     at creation when a GPU is reported."""
     pytest.importorskip("nixl")
-    from kvlc.runtime.nixl import Agent
+    from kvlc.runtime.nixl.core import Agent
 
     monkeypatch.delenv(GET_ZCOPY_ENV, raising=False)
     monkeypatch.setattr(ucx, "cuda_visible", lambda: True)
@@ -112,7 +112,7 @@ def test_dram_kv_agent_keeps_nixls_default(monkeypatch):
     """A KvAgent over DRAM only creates its UCX backend without a thread pool (read back from NIXL)."""
     pytest.importorskip("nixl")
     from kvlc.runtime import KvAgent, allocate
-    from kvlc.testing.demo import DEFAULT_LAYOUT, cpu_plan
+    from kvlc.demo.run import DEFAULT_LAYOUT, cpu_plan
 
     monkeypatch.delenv("KVLC_UCX_NUM_THREADS", raising=False)
     plan = cpu_plan(DEFAULT_LAYOUT, max_bytes=1 << 20)

@@ -1,4 +1,4 @@
-"""The connect-time warm-up (kvlc.runtime.warmup) between real NIXL agents in this process: it READs
+"""The connect-time warm-up (kvlc.runtime.nixl.warmup) between real NIXL agents in this process: it READs
 the first bytes of every peer storage into a scratch buffer of its own, changes no byte of either
 KV cache, releases its handles, and never fails a connection. (On a CPU machine the default warms
 nothing, VRAM only; these tests ask for DRAM.)"""
@@ -9,8 +9,8 @@ import pytest
 from runtime_engines import SECRET, TEST_LAYOUTS
 
 from kvlc import compile_spec
-from kvlc.runtime.nixl import Registration, Xfer
-from kvlc.runtime.warmup import TOUCH, warm_peers
+from kvlc.runtime.nixl.core import Registration, Xfer
+from kvlc.runtime.nixl.warmup import TOUCH, warm_peers
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("nixl")
@@ -80,7 +80,7 @@ def test_default_warm_up_touches_only_vram(pair):
 def test_pull_via_push_producer_warms_the_consumer_it_will_write_to(pair, monkeypatch):
     """Pull via push: the producer moves the bytes, so it warms (on the consumer's hello); the
     consumer's connect still succeeds and its requests land."""
-    from kvlc.runtime.warmup import Warmer
+    from kvlc.runtime.nixl.warmup import Warmer
 
     monkeypatch.setattr(Warmer, "MEMS", DRAM)
     plan, prod, cons, tp, tc = pair

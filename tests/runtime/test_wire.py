@@ -10,7 +10,7 @@ from runtime_engines import TEST_LAYOUTS
 
 from kvlc import compile_spec
 from kvlc.runtime.errors import HandshakeError
-from kvlc.runtime.wire import (
+from kvlc.runtime.channel.wire import (
     MAX_NOTIF_BYTES,
     MAX_RECORD_BYTES,
     Fetch,
@@ -218,8 +218,8 @@ def test_notification_format():
 def test_batch_notification_format():
     """A batch names its requests in order under one tag over marker, rank and the list's JSON; it
     may exceed a single notification's limit but not MAX_BATCH_NOTIF_BYTES."""
-    from kvlc.runtime.auth import notif_tag
-    from kvlc.runtime.notifs import MAX_BATCH_NOTIF_BYTES, NotifBatch, batch_fields, batches, encode_notif_batch
+    from kvlc.runtime.channel.auth import notif_tag
+    from kvlc.runtime.channel.notifs import MAX_BATCH_NOTIF_BYTES, NotifBatch, batch_fields, batches, encode_notif_batch
 
     data = encode_notif_batch(["a", 'b"c', "d|e"], 7, T)
     assert data == b'{"v":1,"done":["a","b\\"c","d|e"],"rank":7,"tag":"' + T.encode() + b'"}'

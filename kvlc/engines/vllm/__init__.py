@@ -19,7 +19,7 @@ __all__ = ["KvlcConnector"]
 
 def __getattr__(name: str) -> Any:
     if name == "KvlcConnector":
-        from kvlc.engines.vllm.connector import KvlcConnector
+        from kvlc.engines.vllm.connector.connector import KvlcConnector
 
         return KvlcConnector
     raise AttributeError(f"module 'kvlc.engines.vllm' has no attribute {name!r}")

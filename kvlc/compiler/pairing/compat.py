@@ -1,0 +1,376 @@
+"""Compatibility of two plans: every finding at once, with a code and both sides' values.
+
+:func:`check_plans` never raises for a mismatch; errors block pairing, warnings
+do not. Checked once, at pairing (start-up), never per request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvlc.compiler.pairing.compat_dcp import check_dcp
+from kvlc.compiler.pairing.findings import CompatReport, Finding, Severity
+from kvlc.compiler.algebra.layout import tile
+from kvlc.compiler.plan.model import Plan, PlanField, PlanRegion
+from kvlc.compiler.pairing.pp import holds_region, layers_text, overlap
+
+def _dims_text(f: PlanField) -> str:
+    return "(" + ",".join(f"{d.name}={d.global_size if d.role == 'head' else d.size}" for d in f.dims) + ")"
+
+
+def head_major_order(f: PlanField) -> str:
+    """The dim order that keeps a head slice contiguous: head, then token, then the rest."""
+    rest = [d.name for d in f.dims if d.role not in ("head", "token")]
+    head = [d.name for d in f.dims if d.role == "head"]
+    tok = [d.name for d in f.dims if d.role == "token"]
+    return "(" + ", ".join(head + tok + rest) + ")"
+
+
+@dataclass(frozen=True)
+class Pairing:
+    """What a compatibility check looks at: both plans, the local rank and the direction."""
+
+    local: Plan
+    remote: Plan
+    local_rank: int
+    direction: str
+
+
+def _finding(code: str, message: str, region: str = "", field: str = "", local: str = "", remote: str = "",
+             fix: str = "", severity: Severity = "error") -> Finding:
+    return Finding(code, severity, message, region, field, local, remote, fix)
+
+
+# ----------------------------------------------------------------------------- plan-level checks
+def check_direction(p: Pairing) -> list[Finding]:
+    """The direction is READ or WRITE.
+
+    >>> from kvlc import compile_spec
+    >>> plan = compile_spec("layouts/llama-3.1-8b.yaml")
+    >>> [f.code for f in check_direction(Pairing(plan, plan, 0, "PUSH"))]
+    ['direction']
+    """
+    if p.direction in ("READ", "WRITE"):
+        return []
+    return [_finding("direction", "direction must be READ (pull) or WRITE (push)", local=str(p.direction))]
+
+
+def check_rank(p: Pairing) -> list[Finding]:
+    """The local rank lies in the local TP group.
+
+    >>> from kvlc import compile_spec
+    >>> plan = compile_spec("layouts/llama-3.1-8b.yaml")
+    >>> [f.code for f in check_rank(Pairing(plan, plan, 3, "READ"))]
+    ['rank']
+    """
+    tp = p.local.parallel.tp_size
+    if 0 <= p.local_rank < tp:
+        return []
+    return [_finding("rank", "local rank outside the local TP group", local=str(p.local_rank),
+                     fix=f"use a rank in [0, {tp})")]
+
+
+def check_model(p: Pairing) -> list[Finding]:
+    """Same model name, layer count and model sizes on both engines.
+
+    >>> from kvlc import compile_spec
+    >>> a, b = compile_spec("layouts/llama-3.1-8b.yaml"), compile_spec("layouts/llama-3.1-70b-tp4.yaml")
+    >>> [f.code for f in check_model(Pairing(a, b, 0, "READ"))]
+    ['model-name', 'model-layers']
+    """
+    lm, rm = p.local.model, p.remote.model
+    out = []
+    if lm.name != rm.name:
+        out.append(_finding("model-name", "different models", local=lm.name, remote=rm.name))
+    if lm.num_layers != rm.num_layers:
+        out.append(_finding("model-layers", "different layer counts", local=str(lm.num_layers),
+                            remote=str(rm.num_layers)))
+    for key in sorted(set(lm.sizes) | set(rm.sizes)):
+        a, b = lm.sizes.get(key), rm.sizes.get(key)
+        if a is not None and b is not None and a != b:
+            out.append(_finding("model-size", f"model size '{key}' differs", local=str(a), remote=str(b)))
+    return out
+
+
+def check_pp_layers(p: Pairing) -> list[Finding]:
+    """Pipeline stages pair the layers both hold; none in common is an error, a part is a warning.
+
+    >>> from kvlc import compile_spec
+    >>> plan = compile_spec("layouts/llama-3.1-8b.yaml")
+    >>> check_pp_layers(Pairing(plan, plan, 0, "READ"))
+    []
+    """
+    a, b = p.local.parallel.layers, p.remote.parallel.layers
+    if a == b:
+        return []
+    both = overlap(p.local, p.remote)
+    held = dict(local=f"layers {layers_text(a)}", remote=f"layers {layers_text(b)}")
+    if both is None:
+        return [_finding("pp-layers", "engines hold no layer in common", **held,
+                         fix="pair each pipeline stage with the stages holding its layers")]
+    cons = p.local if p.direction == "READ" else p.remote
+    lacking = [w for w in (((cons.parallel.layers[0], both[0])), (both[1], cons.parallel.layers[1])) if w[0] < w[1]]
+    rest = ("; the consumer gets layers " + " and ".join(layers_text(w) for w in lacking)
+            + " from the producer's other pipeline stages") if lacking else ""
+    return [_finding("pp-partial", f"pairs layers {layers_text(both)} only, the layers both engines hold{rest}",
+                     **held, fix="pair the consumer with every producer stage (kvlc.compiler.pairing.pp.coverage)"
+                     if lacking else "", severity="warning")]
+
+
+def check_groups(p: Pairing) -> list[Finding]:
+    """Every group exists on both engines with the same kind, window and tokens per entry.
+
+    >>> from kvlc import compile_spec
+    >>> a, b = compile_spec("layouts/llama-3.1-8b.yaml"), compile_spec("layouts/gemma-3-27b-tp2-b16.yaml")
+    >>> [f.message for f in check_groups(Pairing(a, b, 0, "READ"))]
+    ["group 'full' exists on one engine only", "group 'global' exists on one engine only", "group 'local' exists on one engine only"]
+    """
+    lg = {g.name: g for g in p.local.groups}
+    rg = {g.name: g for g in p.remote.groups}
+    out = []
+    for name in sorted(set(lg) | set(rg)):
+        a, b = lg.get(name), rg.get(name)
+        if a is None or b is None:
+            out.append(_finding("group-missing", f"group '{name}' exists on one engine only",
+                                local="present" if a else "absent", remote="present" if b else "absent"))
+        elif (a.kind, a.window) != (b.kind, b.window):
+            out.append(_finding("group-kind", f"group '{name}' differs in kind",
+                                local=f"{a.kind} window={a.window}", remote=f"{b.kind} window={b.window}"))
+        elif a.tokens_per_entry != b.tokens_per_entry:  # a compressed cache: entries of k tokens each
+            out.append(_finding("tokens-per-entry", f"group '{name}' compresses tokens differently: one entry "
+                                "covers another number of tokens on each engine, so no entry holds the other's "
+                                "content", local=f"tokens_per_entry {a.tokens_per_entry}",
+                                remote=f"tokens_per_entry {b.tokens_per_entry}",
+                                fix="use the model's compression ratio as tokens_per_entry on both engines"))
+    return out
+
+
+def check_region_sets(p: Pairing) -> list[Finding]:
+    """Every region that is not optional exists on both engines.
+
+    >>> from kvlc import compile_spec
+    >>> a, b = compile_spec("layouts/llama-3.1-8b.yaml"), compile_spec("layouts/llama-3.1-70b-tp4.yaml")
+    >>> len(check_region_sets(Pairing(a, b, 0, "READ")))  # 70B has 80 layers, 8B 32
+    48
+    """
+    out = []
+    for side, plan, other in (("local", p.local, p.remote), ("remote", p.remote, p.local)):
+        names = {r.name for r in other.regions}
+        for r in plan.regions:
+            if r.name not in names and not r.optional and holds_region(other, r.name):
+                out.append(_finding("region-missing", f"region exists on the {side} engine only", r.name,
+                                    local="present" if side == "local" else "absent",
+                                    remote="absent" if side == "local" else "present",
+                                    fix="declare it on both, or mark it optional"))
+    return out
+
+
+def common_regions(p: Pairing) -> tuple[list[str], list[str]]:
+    """Names of the regions both plans hold, in local and in remote order."""
+    lset, rset = {r.name for r in p.local.regions}, {r.name for r in p.remote.regions}
+    return [r.name for r in p.local.regions if r.name in rset], [r.name for r in p.remote.regions if r.name in lset]
+
+
+def check_region_order(p: Pairing) -> list[Finding]:
+    """Common regions appear in the same order on both engines.
+
+    >>> from kvlc import compile_spec
+    >>> plan = compile_spec("layouts/llama-3.1-8b.yaml")
+    >>> check_region_order(Pairing(plan, plan, 0, "READ"))
+    []
+    """
+    common_l, common_r = common_regions(p)
+    if common_l == common_r:
+        return []
+    first = next(i for i, (a, b) in enumerate(zip(common_l, common_r)) if a != b)
+    return [_finding("region-order", "regions appear in a different order", common_l[first],
+                     local=f"position {first}: {common_l[first]}", remote=f"position {first}: {common_r[first]}",
+                     fix="declare regions in the same order on both engines")]
+
+
+# ----------------------------------------------------------------------------- region-level checks
+def check_region_groups(a: PlanRegion, b: PlanRegion) -> list[Finding]:
+    """A region belongs to the same groups on both engines.
+
+    >>> from kvlc import compile_spec
+    >>> g = compile_spec("layouts/gemma-3-27b-tp2-b16.yaml")
+    >>> a, b = g.region("layer.0"), g.region("layer.5")
+    >>> (a.groups, b.groups), [f.code for f in check_region_groups(a, b)]
+    ((('local',), ('global',)), ['region-groups'])
+    """
+    if a.groups == b.groups:
+        return []
+    return [_finding("region-groups", "region belongs to different groups", a.name,
+                     local=",".join(a.groups), remote=",".join(b.groups))]
+
+
+def _tokens(r: PlanRegion) -> str:
+    return "state" if r.is_state else f"{r.block_tokens} tokens"
+
+
+def check_region_state(a: PlanRegion, b: PlanRegion) -> list[Finding]:
+    """A region is per-token on both engines or per-request state on both.
+
+    >>> from kvlc import compile_spec
+    >>> n = compile_spec("layouts/nemotron-h-8b-tp2.yaml")
+    >>> [f.code for f in check_region_state(n.region("layer.0"), n.region("layer.7"))]
+    ['token-tiling']
+    """
+    if a.is_state == b.is_state:
+        return []
+    return [_finding("token-tiling", "region is per-token on one engine and per-request state on the other",
+                     a.name, local=_tokens(a), remote=_tokens(b))]
+
+
+def check_region_fields(a: PlanRegion, b: PlanRegion) -> list[Finding]:
+    """Both engines declare the same fields; each field passes :data:`FIELD_CHECKS`.
+
+    >>> from kvlc import compile_spec
+    >>> a, b = compile_spec("layouts/llama-3.1-8b.yaml"), compile_spec("layouts/llama-3.1-8b-fp8-tp2.yaml")
+    >>> [(f.code, f.local, f.remote) for f in check_region_fields(a.region("layer.0"), b.region("layer.0"))]
+    [('field-set', 'k,v', 'k,v,k_scale,v_scale')]
+    """
+    lnames, rnames = [f.name for f in a.fields], [f.name for f in b.fields]
+    if sorted(lnames) != sorted(rnames):
+        return [_finding("field-set", "regions hold different fields", a.name, local=",".join(lnames),
+                         remote=",".join(rnames), fix="declare the same fields on both engines")]
+    out: list[Finding] = []
+    for lf in a.fields:
+        rf = b.field(lf.name)
+        for check in FIELD_CHECKS:
+            found = check(a, b, lf, rf)
+            out.extend(found)
+            if found and check in _FIELD_GATES:
+                break
+    return out
+
+
+TILE_WARNING = 4096  # tokens: a larger tile means many descriptors per request
+
+
+def check_tile_size(a: PlanRegion, b: PlanRegion) -> list[Finding]:
+    """Warn when two block sizes share a large tile (lcm of the block sizes).
+
+    >>> from kvlc import compile_spec
+    >>> a, b = compile_spec("layouts/gemma-3-27b-tp2-b16.yaml"), compile_spec("layouts/gemma-3-27b-tp2-b32.yaml")
+    >>> check_tile_size(a.region("layer.0"), b.region("layer.0"))  # tile of 32 tokens: fine
+    []
+    """
+    if a.is_state or not a.block_entries or not b.block_entries or tile(a.block_entries, b.block_entries).tokens \
+            <= TILE_WARNING:
+        return []
+    return [_finding("tile-size", "block sizes share a large tile", a.name, local=f"{a.block_tokens}",
+                     remote=f"{b.block_tokens}", fix="prefer block sizes that divide one another",
+                     severity="warning")]
+
+
+# ----------------------------------------------------------------------------- field-level checks
+def check_field_dtype(a: PlanRegion, b: PlanRegion, lf: PlanField, rf: PlanField) -> list[Finding]:
+    """Same dtype (a transfer copies bytes; it does not convert).
+
+    >>> from kvlc import compile_spec
+    >>> a, b = compile_spec("layouts/llama-3.1-8b.yaml"), compile_spec("layouts/llama-3.1-8b-fp8-tp2.yaml")
+    >>> ra, rb = a.region("layer.0"), b.region("layer.0")
+    >>> [(f.local, f.remote) for f in check_field_dtype(ra, rb, ra.field("k"), rb.field("k"))]
+    [('bf16', 'fp8_e4m3')]
+    """
+    if lf.dtype == rf.dtype:
+        return []
+    return [_finding("field-dtype", "dtypes differ", a.name, lf.name, lf.dtype, rf.dtype,
+                     fix="transfer needs the same dtype; convert after the transfer")]
+
+
+def check_field_dims(a: PlanRegion, b: PlanRegion, lf: PlanField, rf: PlanField) -> list[Finding]:
+    """The same dim names (in any order).
+
+    >>> from kvlc import compile_spec
+    >>> r = compile_spec("layouts/llama-3.1-8b.yaml").region("layer.0")
+    >>> check_field_dims(r, r, r.field("k"), r.field("v"))
+    []
+    """
+    ld, rd = [d.name for d in lf.dims], [d.name for d in rf.dims]
+    if set(ld) == set(rd):
+        return []
+    return [_finding("field-dims", "dims differ", a.name, lf.name, ",".join(ld), ",".join(rd),
+                     fix="name the same dims on both engines")]
+
+
+def check_dim_values(a: PlanRegion, b: PlanRegion, lf: PlanField, rf: PlanField) -> list[Finding]:
+    """Each dim has the same role, and the same size (heads: the same global count).
+
+    >>> from kvlc import compile_spec
+    >>> a, b = compile_spec("layouts/llama-3.1-70b-tp4.yaml"), compile_spec("layouts/llama-3.1-70b-tp8.yaml")
+    >>> ra, rb = a.region("layer.0"), b.region("layer.0")
+    >>> check_dim_values(ra, rb, ra.field("k"), rb.field("k"))  # 2 vs 1 heads per rank, 8 in all: equal
+    []
+    """
+    rd = {d.name: d for d in rf.dims}
+    out = []
+    for x in lf.dims:
+        y = rd[x.name]
+        if x.role != y.role:
+            out.append(_finding("dim-role", f"dim '{x.name}' has different roles", a.name, lf.name,
+                                x.role or "plain", y.role or "plain"))
+        elif x.role == "head" and x.global_size != y.global_size:
+            out.append(_finding("dim-size", f"dim '{x.name}' holds different head counts", a.name, lf.name,
+                                str(x.global_size), str(y.global_size)))
+        elif not x.role and x.size != y.size:
+            out.append(_finding("dim-size", f"dim '{x.name}' has different sizes", a.name, lf.name,
+                                str(x.size), str(y.size)))
+    return out
+
+
+def check_token_tiling(a: PlanRegion, b: PlanRegion, lf: PlanField, rf: PlanField) -> list[Finding]:
+    """A per-block field (no token dim) cannot be re-tiled across block sizes.
+
+    >>> from kvlc import compile_spec
+    >>> r = compile_spec("layouts/llama-3.1-8b.yaml").region("layer.0")
+    >>> check_token_tiling(r, r, r.field("k"), r.field("k"))
+    []
+    """
+    if a.is_state or b.is_state or a.block_tokens == b.block_tokens or lf.dim("token") is not None:
+        return []
+    return [_finding("token-tiling", "a per-block field (no token dim) cannot be re-tiled across block sizes",
+                     a.name, lf.name, f"{a.block_tokens} tokens/block", f"{b.block_tokens} tokens/block",
+                     fix="use one kernel block size on both engines or give the field a token dim")]
+
+
+FIELD_CHECKS = (check_field_dtype, check_field_dims, check_dim_values, check_token_tiling)
+_FIELD_GATES = (check_field_dtype, check_field_dims)  # a finding here makes later field checks meaningless
+REGION_CHECKS = (check_region_groups, check_region_state, check_region_fields, check_tile_size)
+
+
+def check_region_pairs(p: Pairing) -> list[Finding]:
+    """Every region both engines hold passes :data:`REGION_CHECKS`, region by region.
+
+    >>> from kvlc import compile_spec
+    >>> a, b = compile_spec("layouts/llama-3.1-70b-tp4.yaml"), compile_spec("layouts/llama-3.1-70b-tp8.yaml")
+    >>> check_region_pairs(Pairing(a, b, 0, "READ"))
+    []
+    """
+    return [f for name in common_regions(p)[0] for check in REGION_CHECKS
+            for f in check(p.local.region(name), p.remote.region(name))]
+
+
+CHECKS = (check_direction, check_rank, check_model, check_dcp, check_pp_layers, check_groups,
+          check_region_sets, check_region_order, check_region_pairs)
+
+
+def check_plans(local: Plan, remote: Plan, local_rank: int, direction: str) -> CompatReport:
+    """Compare two plans for a transfer in ``direction`` from ``local_rank``'s point of view.
+
+    Runs :data:`CHECKS` in order; errors come first in the report, each group in check order.
+
+    >>> from kvlc import compile_spec
+    >>> a, b = compile_spec("layouts/llama-3.1-70b-tp4.yaml"), compile_spec("layouts/llama-3.1-8b.yaml")
+    >>> check_plans(a, b, 0, "READ").codes()[:2]
+    ('model-name', 'model-layers')
+    """
+    p = Pairing(local, remote, local_rank, direction)
+    out = [f for check in CHECKS for f in check(p)]
+    return CompatReport(local=local.name, remote=remote.name, direction=direction, local_rank=local_rank,
+                        findings=tuple(sorted(out, key=lambda f: f.severity != "error")))
+
+
+__all__ = ["CHECKS", "REGION_CHECKS", "FIELD_CHECKS", "CompatReport", "Finding", "Pairing", "check_plans",
+           "head_major_order"]

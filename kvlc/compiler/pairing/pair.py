@@ -1,0 +1,193 @@
+"""Pairing: two plans and a rank → a checked, frozen transfer program of coalesced run templates.
+
+One general computation covers heterogeneous TP (both ways, GQA replicas,
+replicated fields), block-size ratios (also non-divisible ones, through tiles
+of lcm(tokens) tokens), kernel blocks, Mamba sections and state, and dim orders:
+
+* the **consumer** is the engine that receives bytes, the **producer** the one
+  that sends them. READ: the local engine consumes (pull); WRITE: it produces (push).
+* :mod:`~kvlc.compiler.pairing.compat` checks the two plans (``CHECKS``);
+* :mod:`~kvlc.compiler.pairing.tp` maps each consumer rank's heads to producer ranks;
+* :mod:`~kvlc.compiler.pairing.runs` turns one tile of each region pair into minimal runs;
+* :mod:`~kvlc.compiler.pairing.program` holds the result; :mod:`~kvlc.compiler.request.check`,
+  :mod:`~kvlc.compiler.request.instantiate` and :mod:`~kvlc.compiler.request.prepared` serve requests.
+
+The names the runtime has always imported from here are re-exported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from kvlc.compiler.pairing.compat import CompatReport, Finding, check_plans, head_major_order
+from kvlc.compiler.pairing.compat_dcp import fragmented
+from kvlc.compiler.algebra.sharding import ShardPair, dcp_tile, shard_of
+from kvlc.compiler.request.index import Block, ProgramIndex
+from kvlc.compiler.request.instantiate import BoundProgram, bind
+from kvlc.compiler.algebra.layout import head_range, tile
+from kvlc.compiler.plan.model import Plan, PlanField, PlanRegion
+from kvlc.compiler.request.prepared import INDEX_LIMIT, PreparedLists, PreparedRequest, prepared_indices, prepared_rows
+from kvlc.compiler.pairing.program import Entry, Part, PartKey, TransferProgram
+from kvlc.compiler.request.check import Request, check_request
+from kvlc.compiler.pairing.runs import Piece, Runs, tile_runs
+from kvlc.compiler.pairing.tp import assign, consumer_counts, dcp_sources, heads_of, holders, shards_meet, sources
+from kvlc.errors import CompatError
+
+
+def _pieces(cons_rank: int, cons: Plan, prod: Plan, region: PlanRegion, local_is_consumer: bool
+            ) -> dict[int, list[Piece]]:
+    """Per producer rank: the pieces of ``region`` that one consumer rank reads from it."""
+    ctp, ptp = cons.parallel.tp_size, prod.parallel.tp_size
+    dcp = None if region.is_state else _dcp(cons, prod)  # every DCP rank holds a request's whole state
+    out: dict[int, list[Piece]] = {}
+    for f in region.fields:
+        hd = f.dim("head")
+        for s in (sources(cons_rank, f, ctp, ptp) if dcp is None else dcp_sources(cons_rank, f, *dcp)):
+            if dcp is not None and not shards_meet(dcp[0], cons_rank, dcp[1], s.producer):
+                continue  # the two ranks hold no token in common
+            if hd is None:
+                piece = Piece(f.name, 0, 0, 0, 0)
+            else:
+                c0 = head_range(cons_rank, hd.global_size, ctp)[0]
+                p0 = head_range(s.producer, hd.global_size, ptp)[0]
+                l0, r0 = (c0, p0) if local_is_consumer else (p0, c0)
+                piece = Piece(f.name, s.h0, s.h1, l0, r0)
+            out.setdefault(s.producer, []).append(piece)
+    return out
+
+
+def _dcp(cons: Plan, prod: Plan):
+    """Both parallels where either side has decode context parallelism, else None."""
+    return (cons.parallel, prod.parallel) if cons.parallel.dcp_size > 1 or prod.parallel.dcp_size > 1 else None
+
+
+def _by_peer(name: str, local: Plan, remote: Plan, rank: int, local_is_consumer: bool) -> dict[int, list[Piece]]:
+    """Per peer rank: the pieces of region ``name`` that this local rank copies with it."""
+    cons, prod = (local, remote) if local_is_consumer else (remote, local)
+    by_peer: dict[int, list[Piece]] = {}
+    for c in ([rank] if local_is_consumer else range(cons.parallel.tp_size)):
+        for p, pieces in _pieces(c, cons, prod, cons.region(name), local_is_consumer).items():
+            if local_is_consumer:
+                by_peer[p] = pieces
+            elif p == rank:
+                by_peer[c] = pieces
+    return by_peer
+
+
+def _entries(name: str, local: Plan, remote: Plan, rank: int, local_is_consumer: bool, cache: dict) -> list[Entry]:
+    lr, rr = local.region(name), remote.region(name)
+    dcp = _dcp(local, remote) is not None and not lr.is_state
+    out = []
+    for peer, pieces in sorted(_by_peer(name, local, remote, rank, local_is_consumer).items()):
+        pieces = tuple(pieces)
+        shards = ShardPair(shard_of(local, rank), shard_of(remote, peer)) if dcp else None
+        t = (dcp_tile(lr.block_tokens, shards.local, rr.block_tokens, shards.remote) if shards
+             else tile(lr.block_tokens, rr.block_tokens))
+        key = (lr.fields, rr.fields, lr.block_tokens, rr.block_tokens, pieces, shards)
+        if key not in cache:
+            cache[key] = tile_runs(lr, rr, pieces, shards=shards)
+        out.extend(Entry(name, group, peer, lr.mem, rr.mem, t.tokens, t.a_blocks, t.b_blocks, pieces, cache[key],
+                         shards) for group in lr.groups)
+    return out
+
+
+def build_program(local: Plan, remote: Plan, rank: int, direction: str, report: CompatReport) -> TransferProgram:
+    """The program of two compatible plans (``report`` has no errors); no checks of its own."""
+    local_is_consumer = direction == "READ"
+    cons, prod = (local, remote) if local_is_consumer else (remote, local)
+    rset = {r.name for r in remote.regions}
+    names = [r.name for r in local.regions if r.name in rset]
+    cache: dict = {}
+    entries = [e for name in names for e in _entries(name, local, remote, rank, local_is_consumer, cache)]
+    return TransferProgram(local, remote, rank, direction, tuple(entries), _counts(cons, prod, names), report)
+
+
+def _counts(cons: Plan, prod: Plan, names: list[str]) -> dict[int, int]:
+    """Per producer rank: how many consumer ranks read from it, over the fields of the regions ``names``."""
+    tokens = [f for n in names if not cons.region(n).is_state for f in cons.region(n).fields]
+    state = [f for n in names if cons.region(n).is_state for f in cons.region(n).fields]
+    dcp = _dcp(cons, prod)
+    return consumer_counts(tokens if dcp else tokens + state, cons.parallel.tp_size, prod.parallel.tp_size,
+                           dcp, state if dcp else ())
+
+
+# ----------------------------------------------------------------------------- warnings of a built program
+def _order(f: PlanField) -> str:
+    return "(" + ", ".join(d.name for d in f.dims) + ")"
+
+
+def _explosion(prog: TransferProgram, e: Entry, name: str) -> int:
+    """Descriptors per tile of one field of an entry (0 where it cannot explode)."""
+    lr, rr = prog.local.region(e.region), prog.remote.region(e.region)
+    lf = lr.field(name)
+    if lf.dim("token") is None or lf.dim("head") is None:
+        return 0
+    n = len(tile_runs(lr, rr, tuple(p for p in e.pieces if p.field == name), shards=e.shards))
+    return n if n >= e.tile_tokens // lr.tokens_per_entry else 0   # one run per token (entry) of the tile
+
+
+def explosions(prog: TransferProgram) -> list[Finding]:
+    """Warn where a field needs about one descriptor per token per tile (token-major + hetero TP)."""
+    seen: dict[tuple, tuple[int, list[str], PlanField, PlanField, int]] = {}
+    for e in prog.entries:
+        lr, rr = prog.local.region(e.region), prog.remote.region(e.region)
+        if e.tile_tokens // max(lr.tokens_per_entry, 1) < 2:
+            continue
+        for name in dict.fromkeys(p.field for p in e.pieces):
+            lf, rf = lr.field(name), rr.field(name)
+            key = (name, lf, rf, lr.block_tokens, rr.block_tokens, e.tile_tokens, e.shards)
+            if key not in seen:
+                seen[key] = (_explosion(prog, e, name), [], lf, rf, e.tile_tokens)
+            seen[key][1].append(e.region)
+    return [_explosion_finding(n, list(dict.fromkeys(regions)), lf, rf, tt)
+            for n, regions, lf, rf, tt in seen.values() if n]
+
+
+def _explosion_finding(n: int, regions: list[str], lf: PlanField, rf: PlanField, tt: int) -> Finding:
+    message = (f"{n} descriptors per {tt}-token tile (about one per token) because a head "
+               "slice is not contiguous in a token-major order")
+    if len(regions) > 1:
+        message += f" (and in {len(regions) - 1} more region(s))"
+    return Finding("descriptor-explosion", "warning", message, regions[0], lf.name, local=_order(lf),
+                   remote=_order(rf), fix=f"order dims {head_major_order(lf)} on both engines (HND)")
+
+
+def _with_warnings(report: CompatReport, prog: TransferProgram) -> CompatReport:
+    return replace(report, findings=report.findings + tuple(explosions(prog)) + tuple(fragmented(prog)))
+
+
+# ----------------------------------------------------------------------------- public entry points
+def check_pair(local_plan: Plan, remote_plan: Plan, *, local_rank: int, direction: str) -> CompatReport:
+    """Every compatibility finding of a pairing; never raises for a mismatch."""
+    return pair_and_check(local_plan, remote_plan, local_rank=local_rank, direction=direction)[0]
+
+
+def pair_and_check(local_plan: Plan, remote_plan: Plan, *, local_rank: int, direction: str
+                   ) -> tuple[CompatReport, TransferProgram | None]:
+    """The report and, when compatible, the program, built once (``kvlc pair`` prints both)."""
+    report = check_plans(local_plan, remote_plan, local_rank, direction)
+    if not report.ok:
+        return report, None
+    prog = build_program(local_plan, remote_plan, local_rank, direction, report)
+    full = _with_warnings(report, prog)
+    return full, replace(prog, report=full)
+
+
+def pair(local_plan: Plan, remote_plan: Plan, *, local_rank: int, direction: str = "READ") -> TransferProgram:
+    """Check two plans and build the transfer program, or raise :class:`CompatError`.
+
+    >>> from kvlc import compile_spec
+    >>> a, b = compile_spec("layouts/llama-3.1-70b-tp4.yaml"), compile_spec("layouts/llama-3.1-70b-tp8.yaml")
+    >>> pair(a, b, local_rank=0, direction="READ").peer_ranks
+    (0, 1)
+    """
+    report, prog = pair_and_check(local_plan, remote_plan, local_rank=local_rank, direction=direction)
+    if prog is None:
+        raise CompatError(report)
+    return prog
+
+
+__all__ = ["pair", "check_pair", "pair_and_check", "build_program", "explosions", "TransferProgram",
+           "BoundProgram", "Entry", "Part", "PartKey", "Piece", "Runs", "Request", "Block", "ProgramIndex",
+           "PreparedLists", "PreparedRequest", "INDEX_LIMIT", "assign", "sources", "heads_of", "holders",
+           "tile_runs", "bind", "check_request", "prepared_rows", "prepared_indices"]

@@ -1,0 +1,291 @@
+"""Pairing, step 3 — the transfer program: a checked pairing from one local rank's view.
+
+A :class:`TransferProgram` is a frozen value: the two plans, the local rank, the
+direction, one :class:`Entry` (region × group × peer rank, with the run templates of
+one tile) per copy, and the consumer counts that notifications need. Per request it is
+bound to storage addresses and instantiated (:mod:`kvlc.compiler.request.instantiate`), or
+turned into prepared lists (:mod:`kvlc.compiler.request.prepared`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import asdict, dataclass, field
+from functools import cached_property
+from typing import Any, Callable, Hashable, Mapping, Sequence
+
+import numpy as np
+
+from kvlc.compiler.pairing.compat import CompatReport
+from kvlc.compiler.algebra.sharding import ShardPair
+from kvlc.compiler.frozen import FrozenMap
+from kvlc.compiler.request.index import ProgramIndex
+from kvlc.compiler.plan.model import Plan
+from kvlc.compiler.pairing.runs import Piece, Runs
+
+
+class Memo:
+    """An explicit cache of values derived from a frozen object: made on first use, then reused.
+
+    Not part of the owner's value (never compared, printed or serialized).
+
+    >>> m = Memo()
+    >>> m.get("x", lambda: 41 + 1), m.get("x", lambda: 0)
+    (42, 42)
+    """
+
+    __slots__ = ("_values",)
+
+    def __init__(self) -> None:
+        self._values: dict = {}
+
+    def get(self, key: Hashable, make: Callable[[], Any]) -> Any:
+        try:
+            return self._values[key]
+        except KeyError:
+            return self._values.setdefault(key, make())
+
+    def __repr__(self) -> str:
+        return f"Memo({len(self._values)} values)"
+
+
+@dataclass(frozen=True)
+class PartKey:
+    """One NIXL request of a transfer: the peer rank and both memory types."""
+
+    peer_rank: int
+    local_mem: str
+    remote_mem: str
+
+    def __str__(self) -> str:
+        return f"peer{self.peer_rank}:{self.local_mem}->{self.remote_mem}"
+
+
+@dataclass(frozen=True, eq=False)
+class Part:
+    """Row-aligned descriptors of one part: ``local[i]`` ↔ ``remote[i]``, (addr, len, dev) uint64."""
+
+    local: np.ndarray
+    remote: np.ndarray
+
+    @cached_property
+    def nbytes(self) -> int:
+        """Bytes moved (summed once: the runtime asks per part more than once per request)."""
+        return int(self.local[:, 1].sum()) if len(self.local) else 0
+
+    def __len__(self) -> int:
+        return len(self.local)
+
+
+def join_parts(requests: Sequence[Mapping[PartKey, Part]]) -> dict[PartKey, Part]:
+    """Several requests' parts as one part per key: their rows one after another, in request order.
+
+    Rows are not merged across requests (each request's rows are coalesced already). Keys come in
+    the order they first appear; a key with no rows in any request is left out.
+
+    >>> a = Part(np.array([[0, 8, 0]], dtype=np.uint64), np.array([[64, 8, 0]], dtype=np.uint64))
+    >>> k = PartKey(0, "VRAM", "VRAM")
+    >>> j = join_parts([{k: a}, {k: a}])
+    >>> j[k].local[:, 0].tolist(), j[k].nbytes
+    ([0, 0], 16)
+    """
+    rows: dict[PartKey, list[Part]] = {}
+    for parts in requests:
+        for key, part in parts.items():
+            if len(part):
+                rows.setdefault(key, []).append(part)
+    return {key: ps[0] if len(ps) == 1 else Part(np.concatenate([p.local for p in ps]),
+                                                 np.concatenate([p.remote for p in ps]))
+            for key, ps in rows.items()}
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One region (in one group) copied with one peer rank: the runs of one tile."""
+
+    region: str
+    group: str
+    peer: int
+    local_mem: str
+    remote_mem: str
+    tile_tokens: int          # 0 for per-request state
+    local_sub: int            # local kernel blocks per tile
+    remote_sub: int
+    pieces: tuple[Piece, ...]
+    runs: Runs = field(compare=False, repr=False)
+    shards: ShardPair | None = None  # decode context parallelism: the tokens each rank holds
+
+    @property
+    def key(self) -> PartKey:
+        return PartKey(self.peer, self.local_mem, self.remote_mem)
+
+    @property
+    def bytes_per_tile(self) -> int:
+        return self.runs.nbytes
+
+    def text(self) -> str:
+        kind = "state" if not self.tile_tokens else f"tile={self.tile_tokens} sub={self.local_sub}:{self.remote_sub}"
+        if self.shards is not None:
+            kind += f" dcp={self.shards.text()}"
+        return (f"{self.region} [{self.group}] peer={self.peer} {self.local_mem}->{self.remote_mem} {kind} "
+                f"runs={len(self.runs)} bytes={self.bytes_per_tile} | {self.runs.text()}")
+
+
+@dataclass(frozen=True)
+class PartStats:
+    """Entries, descriptors per tile and bytes per tile of one part."""
+
+    entries: int = 0
+    runs_per_tile: int = 0
+    bytes_per_tile: int = 0
+
+
+@dataclass(frozen=True)
+class TransferProgram:
+    """A checked pairing from one local rank's view; instantiate it per request.
+
+    >>> from kvlc import compile_spec
+    >>> from kvlc.compiler.pairing.pair import pair
+    >>> p = compile_spec("layouts/llama-3.1-8b.yaml")
+    >>> prog = pair(p, p, local_rank=0, direction="READ")
+    >>> prog.peer_ranks, len(prog.entries)
+    ((0,), 32)
+    """
+
+    local: Plan = field(repr=False)
+    remote: Plan = field(repr=False)
+    local_rank: int
+    direction: str
+    entries: tuple[Entry, ...]
+    consumer_counts: FrozenMap[int, int]
+    report: CompatReport = field(repr=False)
+    memo: Memo = field(default_factory=Memo, init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.consumer_counts, FrozenMap):
+            object.__setattr__(self, "consumer_counts", FrozenMap(self.consumer_counts))
+
+    # ------------------------------------------------------------------ summary
+    @property
+    def peer_ranks(self) -> tuple[int, ...]:
+        return tuple(sorted({e.peer for e in self.entries}))
+
+    @property
+    def part_keys(self) -> tuple[PartKey, ...]:
+        return tuple(dict.fromkeys(e.key for e in self.entries))
+
+    def part_stats(self) -> dict[PartKey, PartStats]:
+        """Per part: entries, descriptors per tile and bytes per tile."""
+        out: dict[PartKey, PartStats] = {}
+        for e in self.entries:
+            s = out.get(e.key, PartStats())
+            out[e.key] = PartStats(s.entries + 1, s.runs_per_tile + len(e.runs),
+                                   s.bytes_per_tile + e.bytes_per_tile)
+        return out
+
+    def stats(self) -> dict[PartKey, dict[str, int]]:
+        """Descriptors and bytes per tile for each (peer, local mem, remote mem), as plain dicts."""
+        return {k: {"entries": s.entries, "runs_per_tile": s.runs_per_tile, "bytes_per_tile": s.bytes_per_tile}
+                for k, s in self.part_stats().items()}
+
+    def text(self) -> str:
+        """Canonical text: a header, one line per part, one line per entry."""
+        lines = [f"program {self.direction} local={self.local.name}@{self.local.digest[:12]} rank={self.local_rank} "
+                 f"remote={self.remote.name}@{self.remote.digest[:12]} peers={','.join(map(str, self.peer_ranks))}",
+                 "consumer_counts " + " ".join(f"{k}:{v}" for k, v in sorted(self.consumer_counts.items()))]
+        for key, s in self.part_stats().items():
+            lines.append(f"part {key} entries={s.entries} runs/tile={s.runs_per_tile} "
+                         f"bytes/tile={s.bytes_per_tile}")
+        lines.extend("entry " + e.text() for e in self.entries)
+        return "\n".join(lines) + "\n"
+
+    @property
+    def digest(self) -> str:
+        """sha256 of :meth:`text`, hex."""
+        return self.memo.get("digest", lambda: hashlib.sha256(self.text().encode()).hexdigest())
+
+    @property
+    def layers(self) -> tuple[int, int]:
+        """The layers this program moves: those both engines hold (pipeline stages pair their overlap)."""
+        from kvlc.compiler.pairing.pp import overlap
+        both = overlap(self.local, self.remote)
+        return both if both is not None else (0, 0)
+
+    def dcp_text(self) -> str:
+        """Which tokens this rank and each peer hold under decode context parallelism ("" without it)."""
+        shards = {e.peer: e.shards for e in self.entries if e.shards is not None}
+        if not shards:
+            return ""
+        mine = next(iter(shards.values())).local
+        peers = "; ".join(f"peer {p}: {s.remote.describe()}" for p, s in sorted(shards.items()))
+        return (f"decode context parallelism: local rank {self.local_rank} (DCP {mine.size}) holds "
+                f"{mine.describe()}; remote DCP {self.remote.parallel.dcp_size}: {peers}")
+
+    def window_stats(self) -> tuple:
+        """Per sliding-window group: the most blocks and tokens one request moves
+        (:class:`kvlc.compiler.request.tokens.WindowStats`; only the blocks the window still needs move)."""
+        from kvlc.compiler.request.tokens import window_stats
+        recv, send = (self.local, self.remote) if self.direction == "READ" else (self.remote, self.local)
+        side = "local" if self.direction == "READ" else "remote"
+        groups = {e.group for e in self.entries}
+        per_id = lambda plan, name: plan.group(name).block_size * plan.parallel.dcp_size  # noqa: E731 (DCP)
+        return tuple(window_stats(g.name, g.window, side, per_id(recv, g.name), per_id(send, g.name))
+                     for g in recv.groups if g.kind == "sliding_window" and g.name in groups)
+
+    def summary(self) -> dict:
+        """The program as JSON-ready data: peers, consumer counts, layers covered, parts, windows and digest."""
+        return {"peer_ranks": list(self.peer_ranks), "layers": list(self.layers),
+                "consumer_counts": {str(k): v for k, v in sorted(self.consumer_counts.items())},
+                "parts": [{"peer_rank": k.peer_rank, "local_mem": k.local_mem, "remote_mem": k.remote_mem,
+                           "entries": s.entries, "runs_per_tile": s.runs_per_tile,
+                           "bytes_per_tile": s.bytes_per_tile} for k, s in self.part_stats().items()],
+                "windows": [{**asdict(w), "vllm_blocks": w.vllm_blocks} for w in self.window_stats()],
+                "digest": self.digest, **({"dcp": self.dcp_text()} if self.dcp_text() else {})}
+
+    # ------------------------------------------------------------------ per request
+    def prepare(self) -> TransferProgram:
+        """Derive the per-request lookup structures now (:attr:`index` and the request rules of
+        :mod:`kvlc.compiler.request.rules`), not in the first request; returns the program. A
+        runtime calls it when it pairs."""
+        from kvlc.compiler.request.rules import request_rules
+        request_rules(self)  # builds the index on the way
+        return self
+
+    @property
+    def index(self):
+        """Derived lookup structures of the hot path (:class:`kvlc.compiler.request.index.ProgramIndex`)."""
+        return self.memo.get("index", lambda: ProgramIndex.build(self))
+
+    def check_request(self, local_block_ids: Mapping[str, Sequence[int]],
+                      remote_block_ids: Mapping[str, Sequence[int]],
+                      num_tokens: int | Mapping[str, int] | None = None, *, tokens=None):
+        """Validate a request's ids (types, counts, bounds, duplicates) and expand them to kernel block ids.
+
+        ``num_tokens=N`` moves tokens ``[0, N)``; ``tokens=(start, stop)`` or ``range(start, stop)``
+        (or a mapping group -> either) moves ``[start, stop)``. Each side's ids list that side's
+        logical blocks the range touches, in order: ``start // bs .. ceil(stop / bs) - 1``.
+        Returns a :class:`kvlc.compiler.request.check.Request`; raises only :class:`~kvlc.errors.TransferError`.
+        """
+        from kvlc.compiler.request.check import check_request
+        return check_request(self, local_block_ids, remote_block_ids, num_tokens, tokens=tokens)
+
+    def bind(self, local_bases: Mapping[str, object], remote_bases: Mapping[int, Mapping[str, object]]):
+        """Fix storage base addresses once (per connection); then instantiate per request.
+
+        Bases map storage name → address or (address, device); remote bases are per peer rank.
+        """
+        from kvlc.compiler.request.instantiate import bind
+        return bind(self, local_bases, remote_bases)
+
+    def instantiate(self, local_bases: Mapping[str, object], remote_bases: Mapping[int, Mapping[str, object]],
+                    local_block_ids: Mapping[str, Sequence[int]], remote_block_ids: Mapping[str, Sequence[int]],
+                    num_tokens: int | Mapping[str, int] | None = None, *, tokens=None, coalesce: str = "order"):
+        """Descriptors of one request, per part: ``bind(...)`` then ``instantiate(...)``.
+
+        Block ids are logical, per group name (see :meth:`check_request` for ``num_tokens`` /
+        ``tokens`` and which blocks the ids list). Every id is checked against every
+        region's capacity before any descriptor is built. See
+        :meth:`kvlc.compiler.request.instantiate.BoundProgram.instantiate` for ``coalesce``.
+        """
+        req = self.check_request(local_block_ids, remote_block_ids, num_tokens, tokens=tokens)
+        return self.bind(local_bases, remote_bases).emit(req, coalesce=coalesce)

@@ -1,0 +1,103 @@
+"""Per request, the rules — what each group's block ids must satisfy, derived once per program.
+
+:func:`request_rules` turns a program's plans and regions into one :class:`GroupRule` per
+group (each side's block size, DCP size, kernel blocks per block, the region that bounds its
+ids, which side receives, the sliding window, the regions whose per-block fields a range may
+not split) and keeps them in the program's memo, so that
+:func:`kvlc.compiler.request.check.check_request` does no lookup per request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvlc.compiler.plan.model import PlanRegion
+    from kvlc.compiler.pairing.program import TransferProgram
+
+
+@dataclass(frozen=True)
+class SideRule:
+    """What one side's ids of one group must satisfy, fixed per program (built once, used per request).
+
+    ``bound``: the side's region of the group with the fewest blocks (it bounds every id);
+    ``receiving``: the side written to (its ids must be distinct).
+    """
+
+    group: str
+    side: str
+    where: str
+    block_size: int
+    dcp: int
+    kernel_blocks: int
+    bound: "PlanRegion"
+    receiving: bool
+
+
+@dataclass(frozen=True)
+class WholeBlock:
+    """A region whose field ``field`` has no token dim: a range must start on a multiple of ``per`` tokens there."""
+
+    region: str
+    per: int
+    field: str
+
+
+@dataclass(frozen=True)
+class GroupRule:
+    """One group's request rules: state or tokens, the sliding window (None: the whole range moves),
+    and the regions a range may not start inside a block of."""
+
+    name: str
+    state: bool
+    window: int | None
+    window_block: int
+    local: SideRule
+    remote: SideRule
+    whole_blocks: tuple[WholeBlock, ...] = ()
+
+
+@dataclass(frozen=True)
+class RequestRules:
+    """Every group's rules in program order, the group names each side knows, whether pools alias."""
+
+    groups: tuple[GroupRule, ...]
+    names: tuple[str, ...]
+    local_names: frozenset
+    remote_names: frozenset
+    aliased: bool
+
+
+def request_rules(prog: "TransferProgram") -> RequestRules:
+    """The program's :class:`RequestRules`, derived on first use and kept in its memo."""
+    return prog.memo.get("request_rules", lambda: _rules_of(prog))
+
+
+def _rules_of(prog: "TransferProgram") -> RequestRules:
+    local_receives = prog.direction == "READ"
+    recv = prog.local if local_receives else prog.remote
+    groups = []
+    for name, regions in prog.index.groups.items():
+        sides = [SideRule(name, side, f"{side} block ids of group '{name}'", plan.group(name).block_size,
+                          plan.parallel.dcp_size, plan.group(name).kernel_blocks_per_block, regions.smallest(side),
+                          receiving)
+                 for side, plan, receiving in (("local", prog.local, local_receives),
+                                               ("remote", prog.remote, not local_receives))]
+        g = prog.local.group(name)
+        window = g.window if g.kind == "sliding_window" else None
+        groups.append(GroupRule(name, regions.is_state, window, recv.group(name).block_size * recv.parallel.dcp_size,
+                                *sides, () if regions.is_state else _whole_blocks(prog, regions.local)))
+    return RequestRules(tuple(groups), tuple(prog.index.groups), frozenset(g.name for g in prog.local.groups),
+                        frozenset(g.name for g in prog.remote.groups), any(r.aliases for r in recv.regions))
+
+
+def _whole_blocks(prog, regions) -> tuple[WholeBlock, ...]:
+    """The local regions of a token group with a per-block field (no token dim), in program order."""
+    out = []
+    dcp = prog.local.parallel.dcp_size  # DCP: a block covers block_tokens x dcp_size tokens
+    for r in regions:
+        flat = [f.name for f in r.fields if f.dim("token") is None]
+        if flat:
+            out.append(WholeBlock(r.name, r.block_tokens * dcp, flat[0]))
+    return tuple(out)

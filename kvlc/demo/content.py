@@ -1,0 +1,267 @@
+"""Content-coded memory: bytes that say what they are, to prove transfers byte by byte.
+
+Every byte of a block gets a value derived from its *content coordinate*:
+(region name, field name, global head, source kernel block id, token in block,
+the other dims' indices in a canonical (name-sorted) order, byte in element).
+The coordinate does not depend on dim order or TP, so a head replicated on two
+ranks holds the same bytes, and a receiver can compute, independently of any
+transfer program, which value each of its bytes must hold after a request.
+
+Used by the pairing proof tests, the runtime tests and ``kvlc demo``: a test oracle, not part of
+the compiler. Pure numpy.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from kvlc.compiler.algebra.layout import ceildiv, kernel_ids
+from kvlc.compiler.algebra.layout import head_range as heads_of
+from kvlc.compiler.plan.model import Plan, PlanField, PlanRegion
+
+_M1 = np.uint64(0x9E3779B97F4A7C15)
+_M2 = np.uint64(0xBF58476D1CE4E5B9)
+_M3 = np.uint64(0x94D049BB133111EB)
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64 finalizer, vectorized (uint64 → uint64)."""
+    with np.errstate(over="ignore"):
+        x = x ^ (x >> np.uint64(30))
+        x = x * _M2
+        x = x ^ (x >> np.uint64(27))
+        x = x * _M3
+        return x ^ (x >> np.uint64(31))
+
+
+def _name_id(text: str) -> np.uint64:
+    return np.uint64(zlib.crc32(text.encode()))
+
+
+@dataclass(frozen=True)
+class FieldElements:
+    """Every element of one field in one block: byte offset in the block and coordinates."""
+
+    offset: np.ndarray     # int64, byte offset of the element in the block
+    head: np.ndarray       # int64 global head (0 for replicated fields)
+    token: np.ndarray      # int64 token in block (0 without a token dim)
+    other: np.ndarray      # int64 canonical flat index of the other dims
+    itemsize: int
+
+
+def field_elements(f: PlanField, head_start: int) -> FieldElements:
+    """Enumerate a field's elements (vectorized) with their coordinates."""
+    sizes = [d.size for d in f.dims]
+    grids = np.indices(sizes, dtype=np.int64).reshape(len(sizes), -1) if sizes else np.zeros((0, 1), np.int64)
+    offset = np.full(grids.shape[1], f.offset, dtype=np.int64)
+    head = np.zeros_like(offset)
+    token = np.zeros_like(offset)
+    other = np.zeros_like(offset)
+    plain = sorted((d.name, i) for i, d in enumerate(f.dims) if d.role == "")
+    for i, d in enumerate(f.dims):
+        offset += grids[i] * d.stride
+        if d.role == "head":
+            head = grids[i] + head_start
+        elif d.role == "token":
+            token = grids[i]
+    for name, i in plain:
+        other = other * f.dims[i].size + grids[i]
+    return FieldElements(offset, head, token, other, f.itemsize)
+
+
+def code(region: str, field: str, head, block, token, other, itemsize: int) -> np.ndarray:
+    """The bytes (uint8, ``itemsize`` per element) that encode the given coordinates."""
+    with np.errstate(over="ignore"):
+        key = _mix(_name_id(region) * _M1 + _name_id(field))
+        x = key ^ _mix(np.asarray(head, np.uint64) * np.uint64(1_000_003) + np.asarray(block, np.uint64))
+        x = _mix(x ^ (np.asarray(token, np.uint64) << np.uint64(32)) ^ np.asarray(other, np.uint64)).ravel()
+        out = np.empty((x.size, itemsize), dtype=np.uint8)
+        for b in range(itemsize):
+            out[:, b] = (_mix(x + np.uint64(b)) & np.uint64(0xFF)).astype(np.uint8)
+    return out
+
+
+def _head_start(plan: Plan, rank: int, f: PlanField) -> int:
+    hd = f.dim("head")
+    return heads_of(rank, hd.global_size, plan.parallel.tp_size)[0] if hd is not None else 0
+
+
+DCP_KEY = 1 << 20  # above every token-in-block: a DCP rank's slots hold other tokens than its peers'
+
+
+def _dcp_key(plan: Plan, rank: int) -> int:
+    """Part of the token coordinate that names the DCP rank (0 without DCP: codes as before)."""
+    return (rank % plan.parallel.dcp_size) * DCP_KEY
+
+
+def _global_tokens(plan: Plan, rank: int, local: np.ndarray) -> np.ndarray:
+    """Sequence positions of a rank's local token positions (vLLM's DCP slot mapping, inverted)."""
+    p = plan.parallel
+    return (local // p.dcp_interleave) * p.dcp_interleave * p.dcp_size \
+        + (rank % p.dcp_size) * p.dcp_interleave + local % p.dcp_interleave
+
+
+def _source_slot(plan: Plan, t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Where the source engine stores sequence position ``t``: local position and DCP key."""
+    p = plan.parallel
+    period = p.dcp_interleave * p.dcp_size
+    return (t // period) * p.dcp_interleave + t % p.dcp_interleave, ((t // p.dcp_interleave) % p.dcp_size) * DCP_KEY
+
+
+def fill(plan: Plan, rank: int, buffers: Mapping[str, np.ndarray]) -> None:
+    """Write content codes into every block of every region (buffers: storage → uint8 array)."""
+    for r in plan.regions:
+        buf = buffers[r.storage]
+        blocks = np.arange(r.num_blocks, dtype=np.int64)
+        for f in r.fields:
+            el = field_elements(f, _head_start(plan, rank, f))
+            key = 0 if r.is_state else _dcp_key(plan, rank)  # every DCP rank holds the whole state
+            vals = code(r.name, f.name, el.head[None, :], blocks[:, None], el.token[None, :] + key,
+                        el.other[None, :], el.itemsize)
+            addr = (r.offset + blocks[:, None] * r.block_stride + el.offset[None, :]).ravel()
+            idx = (addr[:, None] + np.arange(el.itemsize)[None, :]).ravel()
+            buf[idx] = vals.ravel()
+
+
+def _kernel_ids(plan: Plan, group: str, ids: Sequence[int]) -> np.ndarray:
+    g = plan.group(group)
+    return kernel_ids(np.asarray(ids, dtype=np.int64), 1 if g.is_state else g.kernel_blocks_per_block)
+
+
+def request_tokens(t) -> dict:
+    """A request's tokens as keywords: an int is ``num_tokens``, a (start, stop) pair or range ``tokens``.
+
+    >>> request_tokens(40), request_tokens((16, 40))
+    ({'num_tokens': 40}, {'tokens': (16, 40)})
+    """
+    if isinstance(t, (tuple, list, range)):
+        return {"tokens": t if isinstance(t, range) else tuple(t)}
+    return {"num_tokens": t}
+
+
+def _range(num_tokens, tokens, group: str) -> tuple[int, int]:
+    if tokens is not None:
+        t = tokens[group] if isinstance(tokens, Mapping) else tokens
+        return (t.start, t.stop) if isinstance(t, range) else (int(t[0]), int(t[1]))
+    return 0, int(num_tokens[group] if isinstance(num_tokens, Mapping) else num_tokens)
+
+
+def _needed(dst: Plan, group: str, start: int, stop: int) -> int:
+    """First token the receiver must get: a sliding window keeps whole blocks with a token >= stop - window + 1."""
+    g = dst.group(group)
+    if g.kind != "sliding_window":
+        return start
+    per = g.block_size * dst.parallel.dcp_size  # tokens per block id
+    first_kept_block = max(0, stop - g.window + 1) // per
+    return max(start, first_kept_block * per)
+
+
+def expected_bytes(dst: Plan, dst_rank: int, src: Plan, dst_ids: Mapping[str, Sequence[int]],
+                   src_ids: Mapping[str, Sequence[int]], num_tokens: int | Mapping[str, int] | None = None,
+                   regions: Sequence[str] | None = None, tokens=None):
+    """Yield ``(storage, byte addresses, expected bytes)`` for one request at the receiver.
+
+    Covers every byte the receiver rank holds in the requested blocks for tokens in
+    ``[start, stop)`` (``num_tokens=N``: ``[0, N)``; ``tokens``: ``(start, stop)``, a range,
+    or one per group), less what a sliding window no longer needs (whole receiver blocks
+    before the one holding token ``stop - window + 1``); all bytes for state regions and
+    per-block fields of the blocks moved. Ids list each side's blocks the range touches.
+    """
+    names = {r.name for r in src.regions}
+    for r in dst.regions:
+        if r.name not in names or (regions is not None and r.name not in regions):
+            continue
+        sr = src.region(r.name)
+        for group in r.groups:
+            dk = _kernel_ids(dst, group, dst_ids[group])
+            sk = _kernel_ids(src, group, src_ids[group])
+            for f in r.fields:
+                el = field_elements(f, _head_start(dst, dst_rank, f))
+                if r.is_state:
+                    keep = np.ones((len(dk), el.offset.size), bool)
+                    c = _Cells(dk[:, None], sk[:, None], el.token[None, :], keep)
+                else:
+                    start, stop = _range(num_tokens, tokens, group)
+                    c = _token_cells(_Pair(dst, dst_rank, src, r, sr, group), f, el, dk, sk, start, stop)
+                yield r.storage, *_cell_bytes(r, f, el, c)
+
+
+@dataclass(frozen=True)
+class _Pair:
+    """One region of one kernel block group, at receiver rank ``dst_rank`` and at the sender."""
+
+    dst: Plan
+    dst_rank: int
+    src: Plan
+    r: PlanRegion
+    sr: PlanRegion
+    group: str
+
+
+@dataclass(frozen=True)
+class _Cells:
+    """Per element of a field in the receiver's blocks (broadcast together): the receiver's kernel
+    block, the sender's kernel block and token key it came from, and whether it is expected."""
+
+    blk_d: np.ndarray
+    blk_s: np.ndarray
+    tok: np.ndarray
+    keep: np.ndarray
+
+
+def _token_cells(p: _Pair, f: PlanField, el: FieldElements, dk: np.ndarray, sk: np.ndarray,
+                 start: int, stop: int) -> _Cells:
+    """The cells of a field of a token region for tokens ``[start, stop)``."""
+    dst, src, r = p.dst, p.src, p.r
+    need = _needed(dst, p.group, start, stop)
+    dd, ds = dst.parallel.dcp_size, src.parallel.dcp_size   # DCP: a block id covers bs * dcp
+    d0 = start // (dst.group(p.group).block_size * dd) * (dst.group(p.group).block_size // r.block_tokens)
+    s0 = start // (src.group(p.group).block_size * ds) * (src.group(p.group).block_size // p.sr.block_tokens)
+    span = r.block_tokens * dd                              # tokens of one kernel block id
+    j = np.arange(need // span, ceildiv(stop, span), dtype=np.int64)[:, None]
+    blk_d = dk[j - d0]
+    if f.dim("token") is None:  # per-block field: same block sizes and sharding (checked at pairing)
+        return _Cells(blk_d, sk[j - s0], el.token[None, :] + _dcp_key(dst, p.dst_rank),
+                      np.ones((len(j), el.offset.size), bool))
+    if r.tokens_per_entry > 1:  # entries of tokens_per_entry tokens (DCP refused at pairing)
+        return _entry_cells(p, el, blk_d, sk, j, need, stop, s0)
+    return _sequence_cells(p, el, blk_d, sk, j, need, stop, s0)
+
+
+def _entry_cells(p: _Pair, el: FieldElements, blk_d: np.ndarray, sk: np.ndarray, j: np.ndarray,
+                 need: int, stop: int, s0: int) -> _Cells:
+    """Entries of ``tokens_per_entry`` tokens: every entry holding a needed token moves whole."""
+    r, sr = p.r, p.sr
+    per = r.tokens_per_entry
+    e0, e1 = need // per, ceildiv(stop, per)
+    t = j * r.block_entries + el.token[None, :]         # entry position in the sequence
+    keep = (t >= e0) & (t < e1)
+    t = np.clip(t, e0, e1 - 1)
+    return _Cells(blk_d, sk[t // sr.block_entries - s0], t % sr.block_entries, keep)
+
+
+def _sequence_cells(p: _Pair, el: FieldElements, blk_d: np.ndarray, sk: np.ndarray, j: np.ndarray,
+                    need: int, stop: int, s0: int) -> _Cells:
+    """One token per entry: each receiver token at its sequence position, from the sender's slot of it."""
+    r, sr = p.r, p.sr
+    t = _global_tokens(p.dst, p.dst_rank, j * r.block_tokens + el.token[None, :])  # sequence position
+    keep = (t >= need) & (t < stop)
+    t = np.clip(t, need, stop - 1)
+    js, key = _source_slot(p.src, t)
+    return _Cells(blk_d, sk[js // sr.block_tokens - s0], js % sr.block_tokens + key, keep)
+
+
+def _cell_bytes(r: PlanRegion, f: PlanField, el: FieldElements, c: _Cells) -> tuple[np.ndarray, np.ndarray]:
+    """The receiver's byte addresses of the kept cells and the bytes each must hold."""
+    keep = c.keep
+    vals = code(r.name, f.name, np.broadcast_to(el.head, keep.shape)[keep],
+                np.broadcast_to(c.blk_s, keep.shape)[keep], np.broadcast_to(c.tok, keep.shape)[keep],
+                np.broadcast_to(el.other, keep.shape)[keep], el.itemsize)
+    addr = (r.offset + np.broadcast_to(c.blk_d, keep.shape) * r.block_stride + el.offset[None, :])[keep]
+    idx = (addr[:, None] + np.arange(el.itemsize)[None, :]).ravel()
+    return idx, vals.ravel()
+

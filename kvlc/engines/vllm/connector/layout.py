@@ -1,0 +1,45 @@
+"""The engine's KV cache as a kvlc plan: derived from vLLM, or a given spec checked against it.
+
+:func:`engine_plan` is the connector's only door to the derivation
+(:mod:`kvlc.engines.vllm.derive.spec`): it reads the engine view, takes the derived plan
+(``exact_plan``: for the CPU backend the plan with K and V in their real dim orders, so
+engines of different block sizes pair) or compiles ``spec`` and checks it against the live
+tensors, and picks the tensors to bind, one per storage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvlc.compiler import compile_spec
+from kvlc.compiler.plan.model import Plan
+
+
+@dataclass(frozen=True)
+class EnginePlan:
+    """A worker rank's plan, the tensors that back its storages, and the plan's group names
+    in vLLM's KV-cache group order."""
+
+    plan: Plan
+    tensors: Mapping[str, Any]
+    groups: tuple[str, ...]
+    rank: int
+    block_size: int
+
+
+def engine_plan(vllm_config, kv_cache_config, kv_caches: Mapping[str, Any], rank: int,
+                spec: str | None = None) -> EnginePlan:
+    """Derive (or load and check) this worker's plan and its storage tensors."""
+    from kvlc.engines.vllm.derive import spec as derive
+
+    view = derive.engine_view(vllm_config, kv_cache_config, kv_caches)
+    if spec:
+        plan = compile_spec(Path(spec))
+        derive.check_spec(plan, view)
+    else:
+        plan = derive.exact_plan(view)
+    tensors = derive.storage_tensors(plan, view, kv_caches)
+    return EnginePlan(plan, tensors, derive.group_names(view), rank, int(vllm_config.cache_config.block_size))

@@ -1,0 +1,181 @@
+"""The connector's scheduler side: which requests load KV, which hold blocks, what workers do.
+
+Runs in vLLM's EngineCore process. Everything it decides reaches the workers as
+:class:`~kvlc.engines.vllm.connector.metadata.KvlcConnectorMetadata` (one per step); what
+workers finished comes back through vLLM's own outputs.
+
+Consumer (decode) side: a request given a kvlc prefill engine's ``kv_transfer_params``
+loads ``min(remote_num_tokens, prompt length)`` tokens asynchronously (vLLM parks it
+in WAITING_FOR_REMOTE_KVS until every worker reports it received). Tokens the local
+prefix cache already holds are skipped, at any token offset: the load is the token range
+``[cached, n)``, whichever block boundaries of the two engines the hit ends on.
+
+Producer (prefill) side: a request sent with ``{"do_remote_decode": True}`` keeps its
+blocks after it finishes (``request_finished`` returns True) until every worker reports
+that its consumer is done or the lease ends; the returned dict is
+:class:`~kvlc.engines.vllm.connector.params.RemotePrefill`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from kvlc.engines.vllm.connector.config import ConnectorSettings
+from kvlc.engines.vllm.connector.metadata import Hold, KvlcConnectorMetadata, KvlcHandshake, Load, Source
+from kvlc.engines.vllm.connector.params import RemotePrefill, wants_remote_decode, wants_remote_prefill
+from kvlc.errors import KvlcError
+
+log = logging.getLogger("vllm.kvlc")  # under vLLM's logger: its handlers and levels apply
+_DONE = "_kvlc_loaded"  # set in a request's params once its load is planned (loaded once)
+
+
+def _per_group(block_ids: Any) -> tuple[tuple[int, ...], ...]:
+    """vLLM hands block ids as one list or as one list per group; always per group."""
+    if block_ids and isinstance(block_ids[0], int):
+        return (tuple(block_ids),)
+    return tuple(tuple(int(b) for b in g) for g in block_ids)
+
+
+class SchedulerSide:
+    """Scheduler-side state (see the module docstring)."""
+
+    def __init__(self, vllm_config, settings: ConnectorSettings):
+        ktc = vllm_config.kv_transfer_config
+        self.engine_id = str(ktc.engine_id)
+        self.settings = settings
+        # tokens per scheduler block id: with decode context parallelism vLLM's scheduler block is
+        # block_size * dcp_size tokens (each DCP rank stores its share in the block of that id)
+        dcp = int(getattr(vllm_config.parallel_config, "decode_context_parallel_size", 1) or 1)
+        self.block_size = int(vllm_config.cache_config.block_size) * dcp
+        self.tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
+        self.ranks: dict[int, KvlcHandshake] = {}
+        self._producing: dict[str, Any] = {}  # prefill requests whose KV a consumer will take
+        self._loads: list[Load] = []
+        self._holds: list[Hold] = []
+        self._dropped: list[str] = []
+
+    def set_handshake(self, metadata: Mapping[int, Any]) -> None:
+        for rank, md in metadata.items():
+            if not isinstance(md, KvlcHandshake):
+                raise KvlcError(f"worker rank {rank} sent {type(md).__name__}, not kvlc's handshake")
+            self.ranks[int(rank)] = md
+
+    def _addresses(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        missing = [r for r in range(self.tp_size) if r not in self.ranks]
+        if missing:
+            raise KvlcError(f"no kvlc address from worker rank(s) {missing}: register_kv_caches did not run")
+        ranks = [self.ranks[r] for r in range(self.tp_size)]
+        return tuple(r.address for r in ranks), tuple(r.push_address for r in ranks)
+
+    # ------------------------------------------------------------------ consumer
+    def _remote(self, request) -> RemotePrefill | None:
+        params = request.kv_transfer_params
+        if not wants_remote_prefill(params) or params.get(_DONE):
+            return None
+        try:
+            return RemotePrefill.from_params(params)
+        except KvlcError as exc:
+            log.error("kvlc: request %s computes its prompt locally: %s", request.request_id, exc)
+            params[_DONE] = True
+            return None
+
+    def matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        remote = self._remote(request)
+        if remote is None:
+            return 0, False
+        if len(self.ranks) < self.tp_size:  # workers never reported their kvlc addresses
+            log.error("kvlc: request %s computes its prompt locally: this engine's workers have no kvlc "
+                      "agent (register_kv_caches did not run)", request.request_id)
+            return 0, False
+        n = min(remote.remote_num_tokens, request.num_prompt_tokens)
+        count = n - num_computed_tokens   # a hit may end anywhere in the producer's blocks: a token range
+        return (count, True) if count > 0 else (0, False)
+
+    def after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        params = request.kv_transfer_params
+        if wants_remote_decode(params):
+            self._producing[request.request_id] = request
+            return
+        remote = self._remote(request)
+        if remote is None:
+            return
+        params[_DONE] = True
+        if num_external_tokens <= 0:
+            return
+        n = min(remote.remote_num_tokens, request.num_prompt_tokens)
+        skip = n - num_external_tokens
+        local = _per_group(blocks.get_block_ids())
+        rb = remote.remote_block_size
+        self._loads.append(Load(
+            req_id=request.request_id,
+            remote=remote,
+            local_block_ids=tuple(g[skip // self.block_size: -(-n // self.block_size)] for g in local),
+            remote_block_ids=tuple(g[skip // rb: -(-n // rb)] for g in remote.remote_block_ids),
+            num_tokens=num_external_tokens,
+            mode=remote.effective_mode(self.settings.mode),
+            consumer_addresses=self._addresses()[0],
+            start_token=skip,
+        ))
+
+    # ------------------------------------------------------------------ producer
+    def _sources(self, scheduler_output, kv_cache_manager) -> list[Source]:
+        out = []
+        scheduled = scheduler_output.num_scheduled_tokens or {}
+        for req_id, req in list(self._producing.items()):
+            if req_id not in scheduled or kv_cache_manager is None:
+                continue
+            after = min(req.num_computed_tokens + scheduled[req_id], req.num_prompt_tokens)
+            complete = after >= req.num_prompt_tokens
+            ids = _per_group(kv_cache_manager.get_block_ids(req_id))
+            out.append(Source(req_id, ids, after, complete))
+            if complete:
+                del self._producing[req_id]
+        return out
+
+    def build_meta(self, scheduler_output, kv_cache_manager) -> KvlcConnectorMetadata:
+        meta = KvlcConnectorMetadata(
+            loads=self._loads,
+            sources=self._sources(scheduler_output, kv_cache_manager),
+            holds=self._holds,
+            dropped=self._dropped,
+        )
+        self._loads, self._holds, self._dropped = [], [], []
+        return meta
+
+    def finished(self, request, block_ids: Sequence) -> tuple[bool, dict[str, Any] | None]:
+        from vllm.v1.request import RequestStatus
+
+        self._producing.pop(request.request_id, None)
+        if not wants_remote_decode(request.kv_transfer_params):
+            return False, None
+        ok = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+        groups = _per_group(block_ids)
+        if not ok or not any(groups):
+            self._dropped.append(request.request_id)
+            return False, None
+        try:
+            addresses, pushes = self._addresses()
+        except KvlcError as exc:
+            log.error("kvlc: request %s: %s", request.request_id, exc)
+            self._dropped.append(request.request_id)
+            return False, None
+        n = int(request.num_computed_tokens)
+        nblocks = -(-n // self.block_size)
+        self._holds.append(Hold(request.request_id, self.settings.lease))
+        host, _, port = addresses[0].rpartition(":")
+        return True, RemotePrefill(
+            remote_engine_id=self.engine_id,
+            remote_request_id=request.request_id,
+            remote_block_ids=tuple(g[:nblocks] for g in groups),
+            remote_num_tokens=n,
+            remote_host=host,
+            remote_port=int(port),
+            tp_size=self.tp_size,
+            remote_block_size=self.block_size,
+            kvlc_addresses=addresses,
+            kvlc_push_addresses=pushes,
+            kvlc_plan_digest=self.ranks[0].plan_digest,
+            transfer_mode=self.settings.mode,
+        ).to_params()

@@ -1,0 +1,176 @@
+"""The connector's worker side: bind the KV cache, start loads, serve producers, report results.
+
+Runs in each vLLM worker process (one per TP rank). What it knows comes from the
+step's :class:`~kvlc.engines.vllm.connector.metadata.KvlcConnectorMetadata`; what it reports
+goes back through vLLM's outputs (``get_finished`` / ``get_block_ids_with_load_errors``).
+Loads are asynchronous: the request waits in the scheduler until every rank reports it
+received, so :meth:`WorkerSide.wait_for_layer_load` never has to block.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from kvlc.engines.vllm.connector.config import ConnectorSettings
+from kvlc.engines.vllm.connector.layout import engine_plan
+from kvlc.engines.vllm.connector.metadata import KvlcConnectorMetadata, KvlcHandshake, Load
+from kvlc.engines.vllm.connector.transport import Transport
+from kvlc.errors import KvlcError
+
+log = logging.getLogger("vllm.kvlc")  # under vLLM's logger: its handlers and levels apply
+_EARLY_TTL_S = 600.0  # how long a consumer's "done" is remembered before the hold is known
+_BACKSTOP_S = 5.0  # after the lease: free the blocks even if the agent said nothing
+
+
+class WorkerSide:
+    """Worker-side state of one TP rank (see the module docstring)."""
+
+    def __init__(self, vllm_config, kv_cache_config, settings: ConnectorSettings):
+        self.vllm_config = vllm_config
+        self.kv_cache_config = kv_cache_config
+        self.settings = settings
+        self.transport: Transport | None = None
+        self.kv_caches: dict[str, Any] = {}
+        self.rank = 0
+        self._loads: dict[str, Load] = {}  # kvlc id -> load in flight
+        self._failed: dict[str, str] = {}  # kvlc id -> why, found at start (reported next poll)
+        self._holds: dict[str, float] = {}  # prefill request -> lease deadline
+        self._early: dict[str, float] = {}  # freeable before its hold arrived -> when seen
+        self._ready_after_step: list[str] = []
+        self._load_errors: set[int] = set()
+        self._failed_recving: set[str] = set()
+        self._started: dict[str, float] = {}  # kvlc id -> when its load started
+        self.load_seconds: list[float] = []  # start to "received" of every finished load
+
+    # ------------------------------------------------------------------ set-up
+    def register(self, kv_caches: Mapping[str, Any]) -> None:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        self.rank = int(get_tensor_model_parallel_rank())
+        self.kv_caches = dict(kv_caches)
+        ep = engine_plan(self.vllm_config, self.kv_cache_config, kv_caches, self.rank, self.settings.spec)
+        engine_id = str(self.vllm_config.kv_transfer_config.engine_id)
+        self.transport = Transport(ep, self.settings, engine_id)
+        log.info("kvlc: rank %d bound plan %s (%s) at %s", self.rank, ep.plan.name,
+                 ep.plan.digest[:12], self.transport.address)
+
+    def handshake(self) -> KvlcHandshake | None:
+        t = self.transport
+        if t is None:
+            return None
+        return KvlcHandshake(self.rank, t.address, t.push_address, t.ep.plan.digest, t.ep.block_size)
+
+    def _t(self) -> Transport:
+        if self.transport is None:
+            raise KvlcError("kvlc connector used before register_kv_caches bound the KV cache")
+        return self.transport
+
+    # ------------------------------------------------------------------ per step
+    def bind(self, meta: KvlcConnectorMetadata) -> None:
+        t = self._t()
+        now = time.monotonic()
+        for src in meta.sources:
+            t.add_source(src.req_id, t.groups(src.block_ids))
+            if src.complete:
+                self._ready_after_step.append(src.req_id)
+        for req in meta.dropped:
+            t.drop_source(req)
+        for h in meta.holds:
+            # the agent reports the blocks freeable when the consumer is done or the lease ends;
+            # this deadline is only a backstop a little later
+            t.offer(h.req_id, h.lease)
+            self._holds[h.req_id] = now + h.lease + _BACKSTOP_S
+
+    def start_load(self, meta: KvlcConnectorMetadata) -> None:
+        t = self._t()
+        for load in meta.loads:
+            self._loads[load.kvlc_id] = load
+            self._started[load.kvlc_id] = time.perf_counter()
+            r = load.remote
+            log.info("kvlc: rank %d loads request %s (tokens [%d, %d), %s) from %s: local %s remote %s",
+                     self.rank, load.req_id, *load.tokens, load.mode.value, r.kvlc_addresses[0],
+                     load.local_block_ids, load.remote_block_ids)
+            try:
+                t.load(load.kvlc_id, load.mode, r.kvlc_addresses, r.kvlc_push_addresses,
+                       load.consumer_addresses, t.groups(load.local_block_ids),
+                       t.groups(load.remote_block_ids), load.tokens, ask=self.rank == 0)
+            except (KvlcError, OSError) as exc:
+                log.error("kvlc: load of request %s from engine %s failed: %s",
+                          load.req_id, r.remote_engine_id, exc)
+                t.forget_peer(r.kvlc_addresses)
+                self._failed[load.kvlc_id] = str(exc)
+
+    def after_forward(self) -> None:
+        """This step's forward ran: the KV of sources that completed in it is ready to push."""
+        ready, self._ready_after_step = self._ready_after_step, []
+        for req in ready:
+            self._t().source_ready(req)
+
+    def finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        if self.transport is None:
+            return set(), set()
+        c = self.transport.poll()  # c.held: failed, but bytes may still land: wait for c.failed
+        failed = dict(c.failed)
+        failed.update(self._failed)
+        self._failed = {}
+        recving = set()
+        for kid in c.finished:
+            load = self._loads.pop(kid, None)
+            if load is not None:
+                recving.add(load.req_id)
+                self.load_seconds.append(time.perf_counter() - self._started.pop(kid, 0.0))
+        for kid, why in failed.items():
+            load = self._loads.pop(kid, None)
+            self._started.pop(kid, None)
+            if load is not None:
+                log.error("kvlc: request %s: KV load failed (%s); reporting its blocks to vLLM",
+                          load.req_id, why)
+                self._report_failure(load)
+                recving.add(load.req_id)
+        return self._sending(c.freeable), recving
+
+    def _report_failure(self, load: Load) -> None:
+        if len(load.local_block_ids) > 1:
+            self._failed_recving.add(load.req_id)
+        else:
+            self._load_errors.update(load.local_block_ids[0])
+
+    def _sending(self, freeable) -> set[str]:
+        now = time.monotonic()
+        for req in freeable:
+            self._early[req] = now
+        done = set()
+        for req, deadline in list(self._holds.items()):
+            if req in self._early or now >= deadline:
+                if req not in self._early:
+                    log.warning("kvlc: lease of request %s ended before its consumer finished", req)
+                self._early.pop(req, None)
+                del self._holds[req]
+                self._t().drop_source(req)
+                done.add(req)
+        for req, seen in list(self._early.items()):
+            if now - seen > _EARLY_TTL_S:
+                del self._early[req]
+        return done
+
+    def load_errors(self) -> set[int]:
+        errs, self._load_errors = self._load_errors, set()
+        return errs
+
+    def failed_recving(self) -> set[str]:
+        out, self._failed_recving = self._failed_recving, set()
+        return out
+
+    def stats(self) -> dict:
+        """The agent's counters (requests, bytes, descriptors) and the seconds of each finished load."""
+        if self.transport is None:
+            return {}
+        return {**self.transport.stats, "load_seconds": list(self.load_seconds)}
+
+    def shutdown(self) -> None:
+        t, self.transport = self.transport, None
+        if t is not None:
+            t.close()

@@ -1,0 +1,1 @@
+"""The kvlc spec of a vLLM engine: read from a live engine, or computed offline from a model's config.json."""

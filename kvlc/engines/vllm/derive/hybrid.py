@@ -1,0 +1,265 @@
+"""vLLM 0.32's hybrid page pool, offline: attention and Mamba-2 / Gated-DeltaNet layers over one allocation.
+
+What vLLM 0.32 allocates for a hybrid model (restated from its ``kv_cache_utils``,
+``platforms.interface._align_hybrid_block_size``, ``MambaStateShapeCalculator`` and
+``MambaBase.bind_kv_cache``; not copied):
+
+* **State per layer and rank.** Mamba-2: a conv state of ``conv_kernel - 1`` taps over the
+  ``x | B | C`` channels (``mamba_num_heads * mamba_head_dim``, ``n_groups * ssm_state_size``
+  twice), taps outer ("SD" order), then an SSM state ``(mamba_num_heads, mamba_head_dim,
+  ssm_state_size)``; Gated DeltaNet: conv over ``q | k | v``, then a recurrent state
+  ``(linear_num_value_heads, linear_value_head_dim, linear_key_head_dim)``. Channels and
+  heads are split by TP; the two states are packed one after the other in a page. The conv
+  state has the model dtype. The SSM state has the engine's ``--mamba-ssm-cache-dtype``; when
+  that is ``auto``, the config's ``mamba_ssm_cache_dtype`` / ``mamba_ssm_dtype``, else float32
+  for Mamba-2 and the model dtype for Gated DeltaNet. vLLM's CPU platform then overrides it
+  on a CPU with AVX-512 BF16 (``platforms/cpu.py``): the state becomes float32 unless it is a
+  Gated-DeltaNet state kept in bf16 / fp16 by an explicit dtype (its accelerated kernel). A bf16
+  / fp16 Mamba-2 state there is refused: vLLM keeps it or not by how the engine's transformers
+  names Mamba layers, which the config does not say.
+* **One page size.** The attention block grows to ``B * ceil(state / (B * token bytes))``
+  tokens (``B`` = ``--block-size``) so one attention page holds a state; state pages are
+  padded to the attention page.
+* **Groups.** Layers are bucketed by kind in layer order; the group size is the smallest
+  bucket (the largest when it is under 1.5 times the smallest); a bucket of ``n`` layers
+  makes ``ceil(n / size)`` groups, group ``i`` taking every ``ceil(n / size)``-th layer from ``i``.
+* **Placement.** One allocation of ``group size * page * num_blocks`` bytes. Every group lays
+  its ``k``-th layer at ``k * page * num_blocks`` (layer-outer), so the ``k``-th layers of all
+  groups lie over the same pages: the spec declares them ``aliases``.
+
+>>> vllm_groups([(0, "mamba"), (1, "attention"), (2, "mamba"), (3, "mamba"), (4, "mamba"), (5, "attention")])
+[('mamba', (0, 3)), ('mamba', (2, 4)), ('attention', (1, 5))]
+>>> hybrid_block_size(16, token_bytes=1024, state_bytes=40000)
+48
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvlc.compiler.spec.models import DTYPE_SIZES
+from kvlc.engines.vllm.derive.view import ViewError, heads_per_rank
+
+TORCH_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "bf16": "bf16", "fp16": "fp16",
+                "fp32": "fp32"}
+GROUP_KIND = {"attention": "full_attention", "mamba": "mamba", "linear": "linear_attention"}
+GROUP_NAME = {"attention": "full", "mamba": "mamba", "linear": "linear"}
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """One state layer's fields (whole-model sizes; TP splits ``head`` dims and conv sections)."""
+
+    name: str
+    conv_taps: int
+    sections: tuple[tuple[str, int], ...]
+    conv_dtype: str
+    rec_field: str
+    rec_dims: tuple[tuple[str, int, bool], ...]   # (name, size, sharded by TP)
+    rec_dtype: str
+
+    def bytes_per_rank(self, tp: int) -> int:
+        conv = self.conv_taps * sum(size // tp for _, size in self.sections) * DTYPE_SIZES[self.conv_dtype]
+        rec = DTYPE_SIZES[self.rec_dtype]
+        for _, size, sharded in self.rec_dims:
+            rec *= size // tp if sharded else size
+        return conv + rec
+
+    def layout(self) -> dict:
+        conv = {"name": "conv", "kind": "sections", "dtype": self.conv_dtype, "dims": [
+            {"name": "conv_tap", "size": self.conv_taps},
+            {"name": "channel", "role": "head", "sections": dict(self.sections)}]}
+        rec = {"name": self.rec_field, "dtype": self.rec_dtype, "dims": [
+            {"name": n, "role": "head", "size": s} if sharded else {"name": n, "size": s}
+            for n, s, sharded in self.rec_dims]}
+        return {"fields": [conv, rec]}
+
+
+def _dtype(value: Any, where: str) -> str:
+    if str(value) not in TORCH_DTYPES:
+        raise ViewError(f"config.json: {where} {value!r} is not a dtype kvlc knows; expected one of "
+                        f"{sorted(set(TORCH_DTYPES))}")
+    return TORCH_DTYPES[str(value)]
+
+
+SSM_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")   # vLLM's --mamba-ssm-cache-dtype
+
+
+def ssm_dtype(c: Mapping[str, Any], kind: str, model: str, *, requested: str = "auto",
+              cpu_avx512_bf16: bool = False) -> str:
+    """The dtype vLLM 0.32 keeps a ``mamba`` / ``linear`` layer's SSM (recurrent) state in.
+
+    ``requested`` is the engine's ``--mamba-ssm-cache-dtype``; ``cpu_avx512_bf16`` says the
+    engine runs on vLLM's CPU platform on a CPU with AVX-512 BF16 (see the module docstring).
+    """
+    want = _configured_ssm_dtype(c, kind, requested)
+    if cpu_avx512_bf16:
+        want = _cpu_platform_ssm_dtype(kind, want)
+    return want or model
+
+
+def _configured_ssm_dtype(c: Mapping[str, Any], kind: str, requested: str) -> str | None:
+    """The flag, else the model's own default (vLLM's per-model config hooks); None: the model dtype."""
+    if requested not in SSM_CACHE_DTYPES:
+        raise ViewError(f"--mamba-ssm-cache-dtype {requested!r} is not one of vLLM's "
+                        f"{list(SSM_CACHE_DTYPES)}; fix: pass one of them")
+    if requested != "auto":
+        return TORCH_DTYPES[requested]
+    hf = c.get("mamba_ssm_cache_dtype") or c.get("mamba_ssm_dtype")
+    if hf:
+        return _dtype(hf, "mamba_ssm_cache_dtype")
+    return "fp32" if kind == "mamba" else None
+
+
+def _cpu_platform_ssm_dtype(kind: str, want: str | None) -> str:
+    """vLLM's CPU platform on an AVX-512 BF16 CPU: fp32, except a half Gated-DeltaNet state asked for."""
+    if want in ("bf16", "fp16") and kind == "linear":
+        return want
+    if want in ("bf16", "fp16"):
+        raise ViewError(f"a {want} Mamba-2 state on vLLM's CPU platform with AVX-512 BF16: vLLM 0.32 keeps it "
+                        "only when the engine's transformers names Mamba layers 'linear_attention' (transformers "
+                        "5 does, 4.x does not) and resets it to float32 otherwise, which config.json cannot tell; "
+                        "fix: --mamba-ssm-cache-dtype float32")
+    return "fp32"
+
+
+def state_layout(c: Mapping[str, Any], kind: str, *, requested: str = "auto",
+                 cpu_avx512_bf16: bool = False) -> StateLayout:
+    """The state of one ``mamba`` or ``linear`` layer of text config ``c`` as vLLM 0.32 keeps it
+    (``requested`` and ``cpu_avx512_bf16``: see :func:`ssm_dtype`)."""
+    model = _dtype(c.get("torch_dtype") or c.get("dtype") or "bfloat16", "torch_dtype")
+    ssm = ssm_dtype(c, kind, model, requested=requested, cpu_avx512_bf16=cpu_avx512_bf16)
+    if kind == "mamba":
+        bc = int(c["n_groups"]) * int(c["ssm_state_size"])
+        return StateLayout("mamba2_state", int(c["conv_kernel"]) - 1,
+                           (("x", int(c["mamba_num_heads"]) * int(c["mamba_head_dim"])), ("B", bc), ("C", bc)),
+                           model, "ssm", (("ssm_head", int(c["mamba_num_heads"]), True),
+                                          ("mamba_head_dim", int(c["mamba_head_dim"]), False),
+                                          ("ssm_state", int(c["ssm_state_size"]), False)), ssm)
+    kd = int(c["linear_num_key_heads"]) * int(c["linear_key_head_dim"])
+    return StateLayout("gdn_state", int(c["linear_conv_kernel_dim"]) - 1,
+                       (("q", kd), ("k", kd), ("v", int(c["linear_num_value_heads"]) * int(c["linear_value_head_dim"]))),
+                       model, "recurrent", (("v_head", int(c["linear_num_value_heads"]), True),
+                                            ("v_dim", int(c["linear_value_head_dim"]), False),
+                                            ("k_dim", int(c["linear_key_head_dim"]), False)), ssm)
+
+
+def check_state_split(state: StateLayout, c: Mapping[str, Any], tp: int) -> None:
+    """vLLM replicates Mamba-2 B/C groups when ``n_groups`` is not a multiple of TP; kvlc splits sections evenly."""
+    groups = c.get("n_groups")
+    if state.name == "mamba2_state" and int(groups) % tp:
+        raise ViewError(f"tp_size {tp} does not divide the model's n_groups {groups}: vLLM then replicates B/C "
+                        "groups across ranks (extra groups per shard), which kvlc's evenly split conv sections "
+                        f"cannot state; fix: a tp_size that divides {groups}")
+    for name, size in state.sections + tuple((n, s) for n, s, sharded in state.rec_dims if sharded):
+        if size % tp:
+            raise ViewError(f"tp_size {tp} does not divide the state's '{name}' ({size}); vLLM refuses it too; "
+                            "fix: a tp_size that divides every state section and head count")
+
+
+def vllm_groups(layers: Sequence[tuple[int, str]]) -> list[tuple[str, tuple[int, ...]]]:
+    """vLLM's KV-cache groups of ``(layer index, kind)`` pairs: ``[(kind, layer indices)]`` in group order."""
+    buckets: dict[str, list[int]] = {}
+    for index, kind in layers:
+        buckets.setdefault(kind, []).append(index)
+    sizes = [len(v) for v in buckets.values()]
+    size = max(sizes) if max(sizes) < min(sizes) * 1.5 else min(sizes)
+    out = []
+    for kind, members in buckets.items():
+        n = -(-len(members) // size)
+        out.extend((kind, tuple(members[i::n])) for i in range(n))
+    return out
+
+
+def hybrid_block_size(block_size: int, token_bytes: int, state_bytes: int) -> int:
+    """The attention block (tokens) vLLM picks so one page holds a state: a multiple of ``block_size``."""
+    return block_size * -(-state_bytes // (block_size * token_bytes))
+
+
+def attention_token_bytes(kv_heads: int, head_dim: int, tp: int, kv_dtype: str) -> int:
+    """K and V bytes of one token of one attention layer on one rank."""
+    heads = heads_per_rank(kv_heads, tp)
+    if heads is None:
+        raise ViewError(f"{kv_heads} KV heads cannot be split over tp_size {tp}")
+    return 2 * heads * head_dim * DTYPE_SIZES[kv_dtype]
+
+
+@dataclass(frozen=True)
+class PoolRegion:
+    """One layer's region in the pool: where, which group, and what it aliases."""
+
+    layer: int
+    kind: str
+    group: str
+    slot: int           # k: the layer's position in its group (its pages start at k * page * blocks)
+    aliases: tuple[str, ...]
+
+
+def pool_regions(groups: Sequence[tuple[str, tuple[int, ...]]]) -> list[PoolRegion]:
+    """Every layer's slot and group name; a slot's later layers alias its first (``layer.{i}`` names)."""
+    names: list[str] = []
+    for kind, _ in groups:
+        base = GROUP_NAME[kind]
+        n = sum(1 for x in names if x == base or x.startswith(base + "."))
+        names.append(base if n == 0 else f"{base}.{n}")
+    first: dict[int, int] = {}
+    out = []
+    for name, (kind, members) in zip(names, groups):
+        for slot, layer in enumerate(members):
+            owner = first.setdefault(slot, layer)
+            out.append(PoolRegion(layer, kind, name, slot, () if owner == layer else (f"layer.{owner}",)))
+    return out
+
+
+def _attention_part(c: Mapping[str, Any], name: str, *, backend: str, block: int, num_blocks: int, tp: int,
+                    kv_dtype: str, device: str) -> dict:
+    """The adapter's spec of one attention layer at the pool's block size (layout, page, group entry)."""
+    from kvlc.engines.vllm.derive.spec import derive_spec
+    from kvlc.engines.vllm.derive.offline import published_view
+    one = {"num_hidden_layers": 1, "num_attention_heads": c["num_attention_heads"],
+           "num_key_value_heads": c.get("num_key_value_heads") or c["num_attention_heads"],
+           "head_dim": c.get("attention_head_dim") or c.get("head_dim")}
+    return derive_spec(published_view(one, name, backend=backend, block_size=block, num_blocks=num_blocks,
+                                      tp_size=tp, kv_dtype=kv_dtype, device=device))
+
+
+def hybrid_spec(c: Mapping[str, Any], name: str, layers: Sequence[tuple[int, str]], *, state_kind: str,
+                backend: str, block_size: int, num_blocks: int, tp_size: int, kv_dtype: str, device: str,
+                num_layers: int, ssm_cache_dtype: str = "auto", cpu_avx512_bf16: bool = False) -> dict:
+    """The ``kvlc: 1`` spec of a hybrid vLLM 0.32 engine holding ``layers`` (``(index, kind)``, kinds
+    ``attention`` / ``mamba`` / ``linear``) of text config ``c`` whose state layers are ``state_kind``
+    (the model's, also on a pipeline stage that holds none; see the module docstring).
+    ``ssm_cache_dtype`` and ``cpu_avx512_bf16``: see :func:`ssm_dtype`."""
+    state = state_layout(c, state_kind, requested=ssm_cache_dtype, cpu_avx512_bf16=cpu_avx512_bf16)
+    check_state_split(state, c, tp_size)
+    head_dim = int(c.get("attention_head_dim") or c.get("head_dim"))
+    kv_heads = int(c.get("num_key_value_heads") or c["num_attention_heads"])
+    token = attention_token_bytes(kv_heads, head_dim, tp_size, kv_dtype)
+    block = hybrid_block_size(block_size, token, state.bytes_per_rank(tp_size))
+    attn = _attention_part(c, name, backend=backend, block=block, num_blocks=num_blocks, tp=tp_size,
+                           kv_dtype=kv_dtype, device=device)
+    (template,) = attn["regions"]
+    page = block * token
+    groups = vllm_groups(layers)
+    regions = pool_regions(groups)
+    size = max(len(m) for _, m in groups) * page * num_blocks
+    out = []
+    for r in sorted(regions, key=lambda r: (r.layer)):
+        entry = {"name": f"layer.{r.layer}", "storage": "kv",
+                 "layout": template["layout"] if r.kind == "attention" else state.name,
+                 "num_blocks": num_blocks, "offset": r.slot * page * num_blocks, "block_stride": page,
+                 "groups": [r.group]}
+        out.append({**entry, "aliases": list(r.aliases)} if r.aliases else entry)
+    seen: dict[str, str] = {}
+    for r in regions:
+        seen.setdefault(r.group, r.kind)
+    layouts = {**attn["layouts"], state.name: state.layout()}
+    used = {r["layout"] for r in out}
+    spec = {"kvlc": 1, "name": attn["name"], "model": {**attn["model"], "num_layers": num_layers},
+            "parallel": {"tp_size": tp_size}, "block_size": block,
+            "groups": [{"name": g, "kind": GROUP_KIND[k]} for g, k in seen.items()],
+            "storages": [{**attn["storages"][0], "size": size}],
+            "layouts": {n: lay for n, lay in layouts.items() if n in used}, "regions": out}
+    return spec

@@ -1,0 +1,164 @@
+"""An :class:`EngineView` from a model's ``config.json`` and engine options, without an engine.
+
+The geometry restates vLLM's published layouts. vLLM 0.32 gives every attention
+backend one logical ``[layers, blocks, heads, tokens, content]`` allocation whose
+physical order is a ``KVCacheLayout`` (``LBHNC`` = head-major blocks, ``LBNHC`` =
+token-major, ``BLHNC``/``BLNHC`` = layers interleaved inside each block); each
+layer is a ``[blocks, heads, tokens, content]`` view of it, ``content`` being
+``2 * head_dim`` K|V elements (MLA: one ``kv_lora_rank + rope`` latent, one head).
+Older vLLM (before the unified layout) allocated one tensor per layer:
+FLASH_ATTN ``[2, blocks, tokens, heads, head_dim]`` (``split-NHD``; ``split-HND``
+with heads before tokens) and FLASHINFER ``[blocks, 2, tokens, heads, head_dim]``
+(``blockkv-NHD`` / ``blockkv-HND``). Only the CPU backend was run here; the CUDA
+backends' views are marked ``Provenance.PUBLISHED`` (not run on a GPU).
+
+>>> cfg = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64}
+>>> v = published_view(cfg, "tiny", backend="FLASH_ATTN", block_size=16, num_blocks=4, tp_size=1, kv_dtype="bf16")
+>>> v.kv_cache_layout, v.layers[0].shape, v.layers[0].strides
+('LBNHC', (4, 2, 16, 128), (4096, 128, 256, 1))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from math import prod
+from typing import Any
+
+from kvlc.compiler.spec.models import DTYPE_SIZES
+from kvlc.engines.vllm.derive.read import packing_for
+from kvlc.engines.vllm.derive.view import (Axis, EngineView, GroupKind, GroupView, KvPacking, LayerTensor,
+                                           ModelIdentity, ParallelView, Provenance, ViewError, heads_per_rank)
+
+# Physical order of the logical [L, B, H, N, C] dims (vLLM's KVCacheLayout values).
+UNIFIED_LAYOUTS = {"LBHNC": (0, 1, 2, 3, 4), "LBNHC": (0, 1, 3, 2, 4), "BLHNC": (1, 0, 2, 3, 4),
+                   "BLNHC": (1, 0, 3, 2, 4), "LHBNC": (0, 2, 1, 3, 4), "BHLNC": (1, 2, 0, 3, 4)}
+# Older per-layer tensors: logical axes, physical order of them.
+_K, _B, _N, _H, _D = Axis.KV, Axis.BLOCK, Axis.TOKEN, Axis.HEAD, Axis.HEAD_DIM
+LEGACY_LAYOUTS = {"split-NHD": ((_K, _B, _N, _H, _D), (0, 1, 2, 3, 4)),
+                  "split-HND": ((_K, _B, _N, _H, _D), (0, 1, 3, 2, 4)),
+                  "blockkv-NHD": ((_B, _K, _N, _H, _D), (0, 1, 2, 3, 4)),
+                  "blockkv-HND": ((_B, _K, _N, _H, _D), (0, 1, 3, 2, 4))}
+MLA_BACKENDS = {"FLASHMLA", "FLASHINFER_MLA", "CUTLASS_MLA", "TRITON_MLA", "FLASH_ATTN_MLA", "CPU_MLA",
+                "ROCM_AITER_MLA", "FLASHMLA_SPARSE"}
+ATTENTION_BACKENDS = {"CPU_ATTN", "FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION"}
+DEFAULT_LAYOUT = {"CPU_ATTN": "LBHNC"}  # the CPU kernels read head-major blocks only; vLLM's default: LBNHC
+
+
+def _model(config: Mapping, name: str, kv_dtype: str) -> ModelIdentity:
+    text = config.get("text_config", config)
+    try:
+        layers = int(text["num_hidden_layers"])
+        heads = int(text["num_attention_heads"])
+    except KeyError as exc:
+        raise ViewError(f"config.json has no {exc.args[0]!r}; expected a HuggingFace model config") from None
+    kv_heads = int(text.get("num_key_value_heads") or heads)
+    head_dim = int(text.get("head_dim") or text["hidden_size"] // heads)
+    rank, rope = text.get("kv_lora_rank"), text.get("qk_rope_head_dim")
+    if rank:
+        return ModelIdentity(name, layers, 1, int(rank) + int(rope or 0), kv_dtype, int(rank), int(rope or 0))
+    return ModelIdentity(name, layers, kv_heads, head_dim, kv_dtype)
+
+
+def _groups(config: Mapping, block_size: int, names: list[str], mla: bool) -> tuple[GroupView, ...]:
+    """One full-attention (or MLA) group, or sliding and full ones from ``layer_types`` (Gemma-3, gpt-oss)."""
+    text = config.get("text_config", config)
+    if mla:
+        return (GroupView(GroupKind.MLA, block_size, tuple(names)),)
+    types = text.get("layer_types")
+    window = text.get("sliding_window")
+    if not types or not window:
+        return (GroupView(GroupKind.FULL_ATTENTION, block_size, tuple(names)),)
+    sliding = tuple(n for n, t in zip(names, types) if t == "sliding_attention")
+    full = tuple(n for n, t in zip(names, types) if t != "sliding_attention")
+    out = [GroupView(GroupKind.SLIDING_WINDOW, block_size, sliding, window=int(window))] if sliding else []
+    return tuple(out + ([GroupView(GroupKind.FULL_ATTENTION, block_size, full)] if full else []))
+
+
+def _strides(shape: tuple[int, ...], order: tuple[int, ...]) -> tuple[int, ...]:
+    """Dense strides for logical ``shape`` stored in physical ``order`` (outermost first)."""
+    strides = [0] * len(shape)
+    acc = 1
+    for dim in reversed(order):
+        strides[dim] = acc
+        acc *= shape[dim]
+    return tuple(strides)
+
+
+def _unified(m: ModelIdentity, layout: str, names: list[str], heads: int, kernel: int, blocks: int,
+             item: int, device: str, mla: bool) -> tuple[LayerTensor, ...]:
+    content = m.head_dim if mla else 2 * m.head_dim
+    logical = (len(names), blocks, 1 if mla else heads, kernel, content)  # C in elements
+    st = _strides(logical, UNIFIED_LAYOUTS[layout])
+    total = prod(logical) * item
+    axes = (Axis.BLOCK, Axis.HEAD, Axis.TOKEN, Axis.LATENT if mla else Axis.CONTENT)
+    return tuple(LayerTensor(name=n, axes=axes, shape=logical[1:], strides=st[1:], dtype=m.dtype, itemsize=item,
+                             data_ptr=i * st[0] * item, nbytes=prod(logical[1:]) * item, storage_ptr=0,
+                             storage_nbytes=total, device=device) for i, n in enumerate(names))
+
+
+def _legacy(m: ModelIdentity, layout: str, names: list[str], heads: int, kernel: int, blocks: int,
+            item: int, device: str) -> tuple[LayerTensor, ...]:
+    axes, order = LEGACY_LAYOUTS[layout]
+    size = {Axis.KV: 2, Axis.BLOCK: blocks, Axis.TOKEN: kernel, Axis.HEAD: heads, Axis.HEAD_DIM: m.head_dim}
+    shape = tuple(size[a] for a in axes)
+    nbytes = prod(shape) * item
+    # one allocation per layer, at made-up addresses 1 TiB apart
+    return tuple(LayerTensor(name=n, axes=axes, shape=shape, strides=_strides(shape, order), dtype=m.dtype,
+                             itemsize=item, data_ptr=(i + 1) << 40, nbytes=nbytes, storage_ptr=(i + 1) << 40,
+                             storage_nbytes=nbytes, device=device) for i, n in enumerate(names))
+
+
+def _pick_layout(backend: str, layout: str | None, mla: bool) -> str:
+    if backend not in ATTENTION_BACKENDS | MLA_BACKENDS:
+        from kvlc.errors import did_you_mean
+        raise ViewError(f"unknown backend '{backend}'; {did_you_mean(backend, ATTENTION_BACKENDS | MLA_BACKENDS)}")
+    if mla != (backend in MLA_BACKENDS):
+        raise ViewError(f"backend '{backend}' is {'an MLA' if backend in MLA_BACKENDS else 'not an MLA'} backend "
+                        f"but the model {'uses' if mla else 'does not use'} MLA (kv_lora_rank in config.json); "
+                        f"fix: pick one of {sorted(MLA_BACKENDS if mla else ATTENTION_BACKENDS)}")
+    layout = layout or DEFAULT_LAYOUT.get(backend, "LBNHC")
+    if layout not in UNIFIED_LAYOUTS and layout not in LEGACY_LAYOUTS:
+        from kvlc.errors import did_you_mean
+        hint = did_you_mean(layout, [*UNIFIED_LAYOUTS, *LEGACY_LAYOUTS])
+        raise ViewError(f"unknown KV-cache layout '{layout}'; {hint}")
+    if backend == "CPU_ATTN" and layout != "LBHNC":
+        raise ViewError(f"the CPU backend supports only layout LBHNC (head-major blocks), not '{layout}'")
+    if layout in LEGACY_LAYOUTS and (mla or not layout.startswith("split" if backend == "FLASH_ATTN" else "blockkv")):
+        raise ViewError(f"layout '{layout}' is not one backend '{backend}' used; split-* is FLASH_ATTN's, "
+                        "blockkv-* FLASHINFER's (older vLLM)")
+    return layout
+
+
+def published_view(config: Mapping[str, Any], name: str, *, backend: str, block_size: int, num_blocks: int,
+                   tp_size: int = 1, tp_rank: int = 0, kv_dtype: str = "bf16", layout: str | None = None,
+                   kernel_block_size: int | None = None, device: str | None = None,
+                   cpu_isa: str = "") -> EngineView:
+    """The view an engine with these options would give (see the module docstring)."""
+    if kv_dtype not in DTYPE_SIZES:
+        from kvlc.errors import did_you_mean
+        raise ViewError(f"unknown KV dtype '{kv_dtype}'; {did_you_mean(kv_dtype, DTYPE_SIZES)}")
+    m = _model(config, name, kv_dtype)
+    mla = m.kv_lora_rank is not None
+    layout = _pick_layout(backend, layout, mla)
+    kernel = kernel_block_size or block_size
+    if block_size % kernel:
+        raise ViewError(f"kernel block size {kernel} does not divide block size {block_size}")
+    heads = heads_per_rank(m.num_kv_heads, tp_size)
+    if heads is None:
+        raise ViewError(f"{m.num_kv_heads} KV heads cannot be split over tp_size {tp_size}")
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(m.num_layers)]
+    device = device or ("cpu" if backend == "CPU_ATTN" else "cuda:0")
+    item = DTYPE_SIZES[kv_dtype]
+    blocks = num_blocks * (block_size // kernel)
+    if layout in LEGACY_LAYOUTS:
+        layers = _legacy(m, layout, names, heads, kernel, blocks, item, device)
+        packing = KvPacking.NONE
+    else:
+        layers = _unified(m, layout, names, heads, kernel, blocks, item, device, mla)
+        packing = packing_for(backend, mla)
+    return EngineView(model=m, parallel=ParallelView(tp_size=tp_size, tp_rank=tp_rank), backend=backend,
+                      kv_cache_layout=layout, kv_packing=packing, block_size=block_size, kernel_block_size=kernel,
+                      num_blocks=num_blocks, groups=_groups(config, block_size, names, mla),
+                      layers=layers,
+                      provenance=Provenance.PUBLISHED_CPU if backend == "CPU_ATTN" else Provenance.PUBLISHED,
+                      cpu_isa=cpu_isa if backend == "CPU_ATTN" else "")

@@ -1,0 +1,268 @@
+"""The kvlc spec of a vLLM engine, derived from the engine itself.
+
+* :func:`engine_view` reads vLLM's config, its ``KVCacheConfig`` and the tensors
+  given to ``register_kv_caches`` into a frozen :class:`EngineView` (vLLM is
+  imported there, lazily; importing this module imports neither vLLM nor torch).
+* :func:`derive_spec` turns a view into a ``kvlc: 1`` spec mapping; :func:`spec_yaml`
+  renders it as commented YAML to check in and diff.
+* :func:`check_spec` checks a user's plan against the live tensors, every mismatch at once.
+* :func:`storage_tensors` gives the tensors to bind, one per plan storage: a uint8
+  tensor over each whole allocation (vLLM puts all layers in one).
+* :func:`exact_plan` is the plan to bind for CPU_ATTN when the other engine may have
+  another block size: the CPU kernels store K transposed inside each head's half of a
+  block, which the spec language cannot state, so the spec holds each half as one opaque
+  ``cell`` (exact bytes, pairs across TP, refuses other block sizes); ``exact_plan`` names
+  tokens with the real byte strides. For every other layout it is :func:`derive_plan`.
+
+Names are stable across engines: regions are ``layer.{i}`` (``i`` parsed from the
+vLLM layer name), groups are named by kind, so a prefill and a decode engine that
+differ in block size or TP pair.
+
+>>> from kvlc.engines.vllm.derive.view import EngineView, EXAMPLE
+>>> from kvlc.compiler import compile_spec
+>>> plan = compile_spec(spec_yaml(EngineView.from_dict(EXAMPLE)))
+>>> print(plan.regions[1].text())
+layer.1 kv+131072 DRAM:0 blocks=8 bytes=16384 stride=16384 tokens=32 groups=full | kv@0:bf16(head@H=2/2:8192,kv=2:4096,cell=2048:2)
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvlc.engines.vllm.derive.check import Mismatch, SpecMismatchError
+from kvlc.engines.vllm.derive.layout import LayerGeometry, layer_geometry
+from kvlc.engines.vllm.derive.view import (Axis, EngineView, GroupKind, GroupView, LayerTensor, ViewError,
+                                           heads_per_rank)
+
+__all__ = ["engine_view", "EngineView", "derive_spec", "spec_yaml", "check_spec", "storage_tensors",
+           "derive_plan",
+           "SpecMismatchError", "Mismatch", "ViewError", "allocations"]
+
+_KVLC_GROUP_KIND = {GroupKind.FULL_ATTENTION: "full_attention", GroupKind.SLIDING_WINDOW: "sliding_window",
+                    GroupKind.CHUNKED_LOCAL: "chunked_local", GroupKind.MLA: "full_attention"}
+
+
+def engine_view(vllm_config: Any, kv_cache_config: Any, kv_caches: Mapping[str, Any]) -> EngineView:
+    """Read a live vLLM engine's KV-cache facts (model, parallelism, groups, per layer tensors).
+
+    Call it where a connector's ``register_kv_caches(kv_caches)`` runs, with the
+    connector's ``vllm_config`` and ``kv_cache_config``.
+    """
+    from kvlc.engines.vllm.derive.read import read_engine_view
+    return read_engine_view(vllm_config, kv_cache_config, kv_caches)
+
+
+# ---------------------------------------------------------------- allocations
+@dataclass(frozen=True)
+class Allocation:
+    """One allocation the layer tensors are views of: one kvlc storage."""
+
+    name: str
+    ptr: int
+    nbytes: int
+    mem: str
+    device: int
+    layers: tuple[str, ...]
+
+
+def _mem(device: str) -> tuple[str, int]:
+    kind, _, index = device.partition(":")
+    if kind == "cpu":
+        return "DRAM", 0
+    if kind == "cuda":
+        return "VRAM", int(index or 0)
+    raise ViewError(f"tensor device '{device}': kvlc places storages in DRAM (cpu) or VRAM (cuda:N)")
+
+
+def allocations(view: EngineView) -> tuple[Allocation, ...]:
+    """The view's allocations in layer order: ``kv`` when there is one, else ``kv.{first layer}``."""
+    found: dict[tuple[str, int], list[LayerTensor]] = {}
+    for t in sorted(view.layers, key=lambda t: t.layer_index):
+        found.setdefault((t.device, t.storage_ptr), []).append(t)
+    out = []
+    for (device, ptr), members in found.items():
+        name = "kv" if len(found) == 1 else f"kv.{members[0].layer_index}"
+        mem, dev = _mem(device)
+        out.append(Allocation(name, ptr, members[0].storage_nbytes, mem, dev, tuple(t.name for t in members)))
+    return tuple(out)
+
+
+# ---------------------------------------------------------------- the spec
+def group_names(view: EngineView) -> tuple[str, ...]:
+    """Stable group names by kind: ``full``, ``sliding.{window}``, ``chunked.{chunk}``, ``mla`` (+ ``.N``)."""
+    out: list[str] = []
+    for g in view.groups:
+        base = {GroupKind.FULL_ATTENTION: "full", GroupKind.SLIDING_WINDOW: f"sliding.{g.window}",
+                GroupKind.CHUNKED_LOCAL: f"chunked.{g.chunk}", GroupKind.MLA: "mla"}.get(g.kind)
+        if base is None:
+            raise ViewError(f"KV-cache group of kind '{g.kind.value}' ({g.spec_type or 'unknown spec'}, layers "
+                            f"{', '.join(g.layer_names[:3])}...) cannot be derived yet from live tensors, and the "
+                            "connector cannot serve hybrid engines yet; the engine's spec (its hybrid page pool) "
+                            "comes offline from the model's config.json: `kvlc init CONFIG.json --engine vllm "
+                            "--backend B`")
+        n = sum(1 for x in out if x == base or x.startswith(base + "."))
+        out.append(base if n == 0 else f"{base}.{n}")
+    return tuple(out)
+
+
+def _group_entry(name: str, g: GroupView, view: EngineView) -> dict:
+    entry: dict[str, Any] = {"name": name, "kind": _KVLC_GROUP_KIND[g.kind]}
+    if g.kind == GroupKind.SLIDING_WINDOW:
+        entry["window"] = g.window
+    if g.kind == GroupKind.CHUNKED_LOCAL:
+        entry["chunk"] = g.chunk
+    if g.block_size != view.block_size:
+        entry["block_size"] = g.block_size
+    return entry
+
+
+def _field_dims(geo: LayerGeometry) -> list[dict]:
+    out = []
+    for d in geo.dims:
+        if d.axis == Axis.HEAD:
+            out.append({"name": "head", "role": "head"})
+        elif d.axis == Axis.TOKEN:
+            out.append({"name": "token", "role": "token"})
+        elif d.axis == Axis.KV:
+            out.append({"name": "kv", "size": 2})
+        elif d.axis == Axis.CELL:
+            out.append({"name": "cell", "size": d.size})
+        else:
+            out.append({"name": d.axis.value})
+    return out
+
+
+def _check_layer(t: LayerTensor, geo: LayerGeometry, view: EngineView) -> None:
+    problems = []
+    if t.dtype != view.model.dtype:
+        problems.append(f"dtype {t.dtype}, the model's KV dtype is {view.model.dtype}")
+    sizes = {d.axis: d.size for d in geo.dims}
+    heads = heads_per_rank(view.model.num_kv_heads, view.parallel.tp_size)
+    if Axis.HEAD in sizes and sizes[Axis.HEAD] != heads:
+        problems.append(f"{sizes[Axis.HEAD]} heads, expected {heads} ({view.model.num_kv_heads} KV heads "
+                        f"over tp_size {view.parallel.tp_size})")
+    if Axis.TOKEN in sizes and sizes[Axis.TOKEN] != view.kernel_block_size:
+        problems.append(f"{sizes[Axis.TOKEN]} tokens per block, expected kernel block size "
+                        f"{view.kernel_block_size}")
+    ratio = view.block_size // view.kernel_block_size
+    if geo.num_blocks != view.num_blocks * ratio:
+        problems.append(f"{geo.num_blocks} kernel blocks, expected {view.num_blocks} blocks x {ratio}")
+    if problems:
+        raise ViewError(f"tensor '{t.name}' disagrees with the engine config: " + "; ".join(problems))
+
+
+def _check_unshared(view: EngineView) -> None:
+    """Layers of different groups sharing one tensor (vLLM's hybrid allocator) cannot be kvlc regions."""
+    first: dict[tuple[str, int], str] = {}
+    for t in view.layers:
+        other = first.setdefault((t.device, t.data_ptr), t.name)
+        if other != t.name:
+            raise ViewError(f"layers '{other}' and '{t.name}' share one tensor at {t.data_ptr:#x} (vLLM's hybrid "
+                            "KV-cache manager lets layers of different groups share memory); kvlc regions of "
+                            "different layers cannot overlap unless declared as aliases; fix: start vLLM with "
+                            "--disable-hybrid-kv-cache-manager, or get the spec offline from "
+                            "`kvlc init CONFIG.json --engine vllm --backend B` (it declares the aliases)")
+
+
+def _model_entry(view: EngineView, latent: int | None) -> dict:
+    m = view.model
+    entry: dict[str, Any] = {"name": m.name, "num_layers": m.num_layers}
+    if latent is None:
+        entry.update(num_kv_heads=m.num_kv_heads, head_dim=m.head_dim)
+    else:
+        entry["sizes"] = {"latent": latent}
+    return entry
+
+
+def spec_name(view: EngineView) -> str:
+    """``{model}-{backend}-tp{N}-b{block}``, lower case, safe for a kvlc name."""
+    base = re.sub(r"[^A-Za-z0-9_.\-]+", "-", view.model.name.rstrip("/").rsplit("/", 1)[-1]).strip("-.")
+    p = view.parallel
+    pp = f"-pp{p.pp_rank}of{p.pp_size}" if p.pp_size > 1 else ""
+    return f"{base or 'model'}-{view.backend}-tp{p.tp_size}{pp}-b{view.block_size}".lower()
+
+
+def derive_spec(view: EngineView) -> dict:
+    """A ``kvlc: 1`` spec mapping for the engine in ``view`` (compiles with :mod:`kvlc.compiler`).
+
+    >>> from kvlc.engines.vllm.derive.view import EngineView, EXAMPLE
+    >>> spec = derive_spec(EngineView.from_dict(EXAMPLE))
+    >>> spec["storages"], [r["name"] for r in spec["regions"]]
+    ([{'name': 'kv', 'mem': 'DRAM', 'device': 0, 'size': 262144}], ['layer.0', 'layer.1'])
+    """
+    if not view.layers:
+        raise ViewError("the view has no layer tensors; derive after vLLM allocated the KV cache")
+    _check_unshared(view)
+    names = group_names(view)
+    allocs = allocations(view)
+    storage_of = {layer: a.name for a in allocs for layer in a.layers}
+    layouts: dict[str, dict] = {}
+    regions: list[dict] = []
+    latent = None
+    for t in sorted(view.layers, key=lambda t: t.layer_index):
+        geo = layer_geometry(t, view)
+        _check_layer(t, geo, view)
+        latent = next((d.size for d in geo.dims if d.axis == Axis.LATENT), latent)
+        for part in geo.parts:
+            lname = f"{part.field}_{geo.code}"
+            layouts.setdefault(lname, {"fields": [{"name": part.field, "dtype": t.dtype,
+                                                   "dims": _field_dims(geo)}]})
+            regions.append({"name": f"layer.{t.layer_index}{part.suffix}", "storage": storage_of[t.name],
+                            "layout": lname, "num_blocks": geo.num_blocks, "offset": t.offset + part.offset,
+                            "block_stride": geo.block_stride, "groups": [names[view.group_of(t.name)]]})
+    p = view.parallel
+    parallel: dict[str, Any] = {"tp_size": p.tp_size}
+    if p.dcp_size > 1:
+        parallel["dcp_size"] = p.dcp_size
+    if p.dcp_interleave > 1:
+        parallel["dcp_interleave"] = p.dcp_interleave
+    if p.layers is not None and p.pp_size > 1:
+        parallel["layers"] = list(p.layers)
+    spec: dict[str, Any] = {"kvlc": 1, "name": spec_name(view), "model": _model_entry(view, latent),
+                            "parallel": parallel, "block_size": view.block_size}
+    if view.kernel_block_size != view.block_size:
+        spec["kernel_block_size"] = view.kernel_block_size
+    spec["groups"] = [_group_entry(n, g, view) for n, g in zip(names, view.groups)]
+    spec["storages"] = [{"name": a.name, "mem": a.mem, "device": a.device, "size": a.nbytes} for a in allocs]
+    spec["layouts"] = layouts
+    spec["regions"] = regions
+    return spec
+
+
+def spec_yaml(view: EngineView) -> str:
+    """The derived spec as commented YAML (one line per region, group, storage and dim)."""
+    from kvlc.engines.vllm.derive.render import render_spec
+    return render_spec(derive_spec(view), view)
+
+
+def derive_plan(view: EngineView):
+    """The :class:`~kvlc.compiler.plan.model.Plan` of the derived spec (compiled from its YAML text)."""
+    from kvlc.compiler import compile_spec
+    return compile_spec(spec_yaml(view))
+
+
+def exact_plan(view: EngineView):
+    """:func:`derive_plan`, with CPU_ATTN's K and V halves given their real dim orders (tokens addressable).
+
+    The spec language lays out a field's dims row-major, which cannot say "per head, K[D][N]
+    then V[N][D]"; the derived spec therefore holds each half as one opaque ``cell`` and
+    engines of different block sizes do not pair. This plan names the tokens (as measured
+    for the ``vec`` ISA); it pairs across block sizes. Other layouts: the derived plan.
+    """
+    from kvlc.engines.vllm.derive.exact import cpu_exact_plan
+    return cpu_exact_plan(view, derive_plan(view))
+
+
+def check_spec(plan: Any, view: EngineView) -> None:
+    """Raise :class:`SpecMismatchError` listing every way ``plan`` disagrees with the live tensors."""
+    from kvlc.engines.vllm.derive.check import check_plan_against_view
+    check_plan_against_view(plan, view)
+
+
+def storage_tensors(plan: Any, view: EngineView, kv_caches: Mapping[str, Any]) -> dict:
+    """Storage name → uint8 tensor over the whole allocation, for :func:`kvlc.runtime.binding.bind`."""
+    from kvlc.engines.vllm.derive.check import tensors_for_storages
+    return tensors_for_storages(plan, view, kv_caches)

@@ -1,0 +1,370 @@
+"""The side channel: an authenticated TCP server per agent and its client, length-prefixed frames.
+
+A frame is a 4-byte big-endian length followed by that many bytes (at most
+``max_frame``). Every connection starts with the handshake of :mod:`kvlc.runtime.channel.auth`;
+before it completes the server keeps nothing but the connection's nonces, accepts only
+frames of the handshake's exact sizes, and ends the connection at ``handshake_timeout``.
+After it, every frame is sealed (sequence number + HMAC) and the server answers each
+request frame with one reply frame, on a thread per connection; what the bytes mean is
+the handler's business (:mod:`kvlc.runtime.channel.wire`).
+
+Bounds against a hostile or broken client: a whole frame must arrive within
+``frame_timeout`` of its first byte (a byte every few seconds does not keep a frame
+open), an idle connection ends after ``idle_timeout``, at most ``max_connections``
+connections in all, ``max_per_address`` authenticated ones and ``max_pending_per_address``
+unauthenticated ones per peer address. A connection over a cap is closed at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import socketserver
+import struct
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvlc.runtime.channel import auth
+from kvlc.runtime.errors import AuthError, ChannelError
+from kvlc.runtime.channel.wire import MAX_FRAME_BYTES
+
+log = logging.getLogger("kvlc.runtime.channel.tcp")
+_HEADER = struct.Struct(">I")
+
+Address = tuple[str, int]
+
+
+def parse_address(address: str | tuple[str, int]) -> Address:
+    """``"host:port"`` or ``(host, port)`` → ``(host, port)``.
+
+    >>> parse_address("127.0.0.1:5555"), parse_address(("localhost", 7))
+    (('127.0.0.1', 5555), ('localhost', 7))
+    """
+    if isinstance(address, str):
+        host, sep, port = address.rpartition(":")
+        if not sep or not port.isdigit():
+            raise ChannelError(f"address {address!r}: expected HOST:PORT")
+        return host.strip("[]") or "127.0.0.1", int(port)
+    host, port = address
+    return str(host), int(port)
+
+
+def _recv_exact(sock: socket.socket, n: int, deadline: float | None) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ChannelError(f"frame incomplete at its deadline ({len(buf)} of {n} bytes)")
+            sock.settimeout(left)
+        try:
+            chunk = sock.recv(min(n - len(buf), 1 << 20))
+        except TimeoutError:
+            raise ChannelError(f"frame incomplete at its deadline ({len(buf)} of {n} bytes)") from None
+        if not chunk:
+            raise ChannelError(f"connection closed after {len(buf)} of {n} bytes")
+        buf += chunk
+    return bytes(buf)
+
+
+def read_frame(
+    sock: socket.socket,
+    max_frame: int = MAX_FRAME_BYTES,
+    frame_timeout: float | None = None,
+    idle_timeout: float | None = None,
+) -> bytes:
+    """Read one frame; :class:`ChannelError` when oversize, truncated, too slow or the peer closed.
+
+    ``idle_timeout`` bounds the wait for the first byte, ``frame_timeout`` the rest of the frame.
+    """
+    sock.settimeout(idle_timeout)
+    try:
+        first = sock.recv(1)
+    except TimeoutError:
+        raise ChannelError("idle: no frame started in time") from None
+    if not first:
+        raise ChannelError("connection closed after 0 of 4 bytes")
+    deadline = None if frame_timeout is None else time.monotonic() + frame_timeout
+    (n,) = _HEADER.unpack(first + _recv_exact(sock, _HEADER.size - 1, deadline))
+    if n > max_frame:
+        raise ChannelError(f"frame of {n} bytes is over the {max_frame}-byte limit")
+    return _recv_exact(sock, n, deadline)
+
+
+def write_frame(sock: socket.socket, payload: bytes, max_frame: int = MAX_FRAME_BYTES) -> None:
+    if len(payload) > max_frame:
+        raise ChannelError(f"frame of {len(payload)} bytes is over the {max_frame}-byte limit")
+    sock.sendall(_HEADER.pack(len(payload)) + payload)
+
+
+@dataclass
+class Conn:
+    """One authenticated connection as the handler sees it: its id, keys, peer address, and a slot
+    where the handler keeps what this connection introduced (its session)."""
+
+    sealed: auth.Sealed
+    peer: Address
+    session: Any = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def id(self) -> str:
+        return self.sealed.id
+
+
+class _Server(socketserver.ThreadingTCPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+    block_on_close = False
+    request_queue_size = 128
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The side channel's bounds (seconds and counts); see the module docstring."""
+
+    max_frame: int = MAX_FRAME_BYTES
+    handshake_timeout: float = 5.0
+    frame_timeout: float = 10.0
+    idle_timeout: float | None = None  # authenticated connections are capped per address instead
+    max_connections: int = 256
+    max_per_address: int = 64
+    max_pending_per_address: int = 8
+
+
+class ChannelServer:
+    """Serve ``handler(conn, request bytes) -> reply bytes`` on ``host:port`` (port 0: any free port).
+
+    ``key``: the channel key (:func:`kvlc.runtime.channel.auth.resolve_secret`). ``on_error(text) -> bytes``
+    encodes an error reply for handler exceptions; ``on_close(conn)`` runs when an authenticated
+    connection ends.
+    """
+
+    def __init__(
+        self,
+        handler: Callable[[Conn, bytes], bytes],
+        on_error: Callable[[str], bytes],
+        key: bytes,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        limits: Limits = Limits(),
+        on_close: Callable[[Conn], None] | None = None,
+    ):
+        self.handler, self.on_error, self.on_close = handler, on_error, on_close
+        self.limits = limits
+        self._key = key
+        self._lock = threading.Lock()
+        self._pending: Counter = Counter()
+        self._authed: Counter = Counter()
+        self._open = 0
+        self.stats = Counter(connections=0, frames=0, refused=0, errors=0, auth_failed=0)
+        outer = self
+
+        class _Handler(socketserver.BaseRequestHandler):
+            def handle(self) -> None:
+                outer._serve(self.request, self.client_address)
+
+        try:
+            self._server = _Server((host, port), _Handler)
+        except OSError as exc:
+            raise ChannelError(f"cannot listen on {host}:{port}: {exc}") from None
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
+            name=f"kvlc-channel-{self.address[1]}", daemon=True,
+        )
+        self._thread.start()
+        self.closed = False
+
+    @property
+    def address(self) -> Address:
+        host, port = self._server.server_address[:2]
+        return str(host), int(port)
+
+    def _admit(self, ip: str) -> bool:
+        with self._lock:
+            lim = self.limits
+            if self._open >= lim.max_connections or self._pending[ip] >= lim.max_pending_per_address:
+                self.stats["refused"] += 1
+                return False
+            self._open += 1
+            self._pending[ip] += 1
+            return True
+
+    def _promote(self, ip: str) -> bool:
+        with self._lock:
+            self._pending[ip] -= 1
+            if self._authed[ip] >= self.limits.max_per_address:
+                self.stats["refused"] += 1
+                return False
+            self._authed[ip] += 1
+            return True
+
+    def _handshake(self, sock: socket.socket) -> auth.Sealed:
+        lim = self.limits
+        deadline = time.monotonic() + lim.handshake_timeout
+        left = lambda: max(0.001, deadline - time.monotonic())  # noqa: E731
+        nc = auth.parse_hello(read_frame(sock, auth.HELLO_BYTES, left(), left()))
+        ns = auth.new_nonce()
+        write_frame(sock, auth.server_challenge(self._key, nc, ns, time.monotonic()))
+        auth.check_proof(self._key, nc, ns, read_frame(sock, auth.TAG, left(), left()))
+        sealed = auth.Sealed(self._key, nc, ns, "server")
+        write_frame(sock, sealed.seal(b"ok"))
+        return sealed
+
+    def _serve(self, sock: socket.socket, peer: Address) -> None:
+        ip = peer[0]
+        if not self._admit(ip):
+            sock.close()
+            return
+        counted = "pending"
+        try:
+            try:
+                sealed = self._handshake(sock)
+            except (AuthError, ChannelError, OSError) as exc:
+                self.stats["auth_failed"] += 1
+                log.info("side channel: %s:%s not authenticated: %s", ip, peer[1], exc)
+                return
+            counted = "authed" if self._promote(ip) else None
+            if counted is None:
+                return
+            self.stats["connections"] += 1
+            conn = Conn(sealed, peer)
+            try:
+                self._loop(sock, conn)
+            finally:
+                if self.on_close is not None:
+                    self.on_close(conn)
+        finally:
+            with self._lock:
+                self._open -= 1
+                if counted == "authed":
+                    self._authed[ip] -= 1
+                elif counted == "pending":
+                    self._pending[ip] -= 1
+            try:
+                sock.close()
+            except OSError:
+                pass
+
+    def _loop(self, sock: socket.socket, conn: Conn) -> None:
+        lim = self.limits
+        while not self.closed:
+            try:
+                frame = conn.sealed.open(read_frame(sock, lim.max_frame, lim.frame_timeout, lim.idle_timeout))
+            except (ChannelError, OSError) as exc:
+                if "after 0 of 4" not in str(exc):
+                    self.stats["errors"] += 1
+                return
+            self.stats["frames"] += 1
+            try:
+                reply = self.handler(conn, frame)
+            except Exception as exc:  # a handler bug must not kill the server
+                self.stats["errors"] += 1
+                log.exception("side-channel handler failed")
+                reply = self.on_error(f"internal error: {type(exc).__name__}: {exc}")
+            try:
+                write_frame(sock, conn.sealed.seal(reply), lim.max_frame)
+            except (OSError, ChannelError):
+                return
+
+    def close(self) -> None:
+        """Stop serving (idempotent); open connections end at their next frame."""
+        if self.closed:
+            return
+        self.closed = True
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)
+
+
+class ChannelClient:
+    """A persistent authenticated connection to one server; :meth:`request` sends a frame, returns the reply.
+
+    A failed request closes the connection (a later request reconnects and authenticates again,
+    as a new connection: what the server kept for the old one is gone) and raises :class:`ChannelError` (:class:`AuthError` when the server does not prove the secret);
+    requests are not retried (they may not be idempotent).
+    """
+
+    def __init__(
+        self, address: str | tuple[str, int], key: bytes, *, timeout: float = 10.0,
+        max_frame: int = MAX_FRAME_BYTES,
+    ):
+        self.address = parse_address(address)
+        self.timeout = timeout
+        self.max_frame = max_frame
+        self._key = key
+        self._sock: socket.socket | None = None
+        self.sealed: auth.Sealed | None = None
+        self._lock = threading.Lock()
+
+    def _where(self) -> str:
+        return f"side channel {self.address[0]}:{self.address[1]}"
+
+    def _connect(self) -> socket.socket:
+        if self._sock is None:
+            try:
+                sock = socket.create_connection(self.address, timeout=self.timeout)
+            except OSError as exc:
+                raise ChannelError(f"cannot reach {self._where()}: {exc}") from None
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                self.sealed = self._authenticate(sock)
+            except BaseException:
+                sock.close()
+                raise
+            self._sock = sock
+        return self._sock
+
+    def _authenticate(self, sock: socket.socket) -> auth.Sealed:
+        nc = auth.new_nonce()
+        t0 = time.monotonic()
+        try:
+            write_frame(sock, auth.client_hello(nc))
+            ns, t_server = auth.check_challenge(self._key, nc, read_frame(sock, 1024, self.timeout, self.timeout))
+            t1 = time.monotonic()
+            write_frame(sock, auth.client_proof(self._key, nc, ns))
+            sealed = auth.Sealed(self._key, nc, ns, "client")
+            if sealed.open(read_frame(sock, 1024, self.timeout, self.timeout)) != b"ok":
+                raise AuthError("the server did not confirm the session")
+        except AuthError as exc:
+            raise AuthError(f"{self._where()}: {exc}") from None
+        except (OSError, ChannelError) as exc:
+            raise AuthError(
+                f"{self._where()}: authentication refused ({exc}); the peer may use another secret"
+            ) from None
+        sealed.clock_offset = t_server - (t0 + t1) / 2
+        sealed.clock_error = (t1 - t0) / 2
+        return sealed
+
+    def request(self, payload: bytes) -> bytes:
+        with self._lock:
+            sock = self._connect()
+            try:
+                write_frame(sock, self.sealed.seal(payload), self.max_frame)
+                return self.sealed.open(read_frame(sock, self.max_frame, self.timeout, self.timeout))
+            except (OSError, ChannelError) as exc:
+                self._close()
+                raise ChannelError(f"{self._where()}: {exc}") from None
+
+    def _close(self) -> None:
+        if self._sock is not None:
+            try:
+                self._sock.close()
+            except OSError:
+                pass
+            self._sock = None
+
+    def close(self) -> None:
+        with self._lock:
+            self._close()
+
+    def __enter__(self) -> ChannelClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
