@@ -39,7 +39,7 @@ class SizedDim:
 
 
 @dataclass(frozen=True)
-class Span:
+class FieldExtent:
     """Bytes ``[start, end)`` a field takes in its block; ``index`` is its position in the spec."""
 
     start: int
@@ -181,7 +181,7 @@ class LayoutResolver:
 
     def _layout(self, name: str, layout: BlockLayout, tokens: int, problems: list, per: int = 1):
         fields: list[PlanField] = []
-        spans: list[Span] = []
+        spans: list[FieldExtent] = []
         placed: list[Placed] = []
         cursor = 0
         for fi, f in enumerate(layout.fields):
@@ -195,7 +195,7 @@ class LayoutResolver:
             extent = made[0].extent if f.dims[0].stride is not None else \
                 row_major([s.local for s in sizes]).size * item
             cursor = start + extent
-            spans.append(Span(start, cursor, fi, f.name))
+            spans.append(FieldExtent(start, cursor, fi, f.name))
             placed.append(Placed(fi, f.name, tuple(made)))
             fields.extend(made)
         block_bytes = layout.size if layout.size is not None else max((s.end for s in spans), default=0)
@@ -206,10 +206,10 @@ class LayoutResolver:
         return tuple(fields), block_bytes
 
 
-def span_problems(layout: str, spans: list[Span], block_bytes: int, overlaps: bool = True) -> list[Problem]:
+def span_problems(layout: str, spans: list[FieldExtent], block_bytes: int, overlaps: bool = True) -> list[Problem]:
     """Fields that overlap one another (unless ``overlaps`` is False), or end outside their block.
 
-    >>> [p.what for p in span_problems("kv", [Span(0, 8, 0, "k"), Span(4, 12, 1, "v")], 10)]
+    >>> [p.what for p in span_problems("kv", [FieldExtent(0, 8, 0, "k"), FieldExtent(4, 12, 1, "v")], 10)]
     ["field 'v' overlaps field 'k'", "field 'v' ends outside its block"]
     """
     out = []

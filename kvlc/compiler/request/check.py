@@ -21,7 +21,7 @@ import numpy as np
 
 from kvlc.compiler.algebra.layout import kernel_ids
 from kvlc.compiler.request.rules import GroupRule, SideRule, request_rules
-from kvlc.compiler.request.tokens import Span, block_span, window_start
+from kvlc.compiler.request.tokens import TokenRange, block_span, window_start
 from kvlc.errors import TransferError, did_you_mean
 
 if TYPE_CHECKING:
@@ -31,14 +31,14 @@ ID_MAX = (1 << 63) - 1
 
 
 @dataclass(frozen=True)
-class GroupSpan:
+class GroupRange:
     """Tokens one token group moves, and the kernel block number of each side's first id.
 
     ``local_first`` / ``remote_first``: kernel block ``k`` of the sequence (tokens
     ``k * kernel block size ..``) is ``ids[k - first]`` of that side.
     """
 
-    span: Span
+    span: TokenRange
     local_first: int
     remote_first: int
 
@@ -49,7 +49,7 @@ class Request:
 
     local: Mapping[str, np.ndarray]
     remote: Mapping[str, np.ndarray]
-    spans: Mapping[str, GroupSpan]
+    spans: Mapping[str, GroupRange]
 
 
 def _type_name(t: type) -> str:
@@ -125,8 +125,8 @@ def _known_groups(ids, plan, side: str, names: frozenset) -> None:
                                 f"{did_you_mean(str(name), names)}")
 
 
-def _span_value(value, group: str) -> Span:
-    """``(start, stop)`` or ``range(start, stop)`` as a :class:`Span`, ``0 <= start < stop``."""
+def _span_value(value, group: str) -> TokenRange:
+    """``(start, stop)`` or ``range(start, stop)`` as a :class:`TokenRange`, ``0 <= start < stop``."""
     where = f"group '{group}': tokens"
     if isinstance(value, range):
         if value.step != 1:
@@ -143,7 +143,7 @@ def _span_value(value, group: str) -> Span:
     start, stop = int(pair[0]), int(pair[1])
     if not 0 <= start < stop:
         raise TransferError(f"{where} ({start}, {stop}) must have 0 <= start < stop")
-    return Span(start, stop)
+    return TokenRange(start, stop)
 
 
 def _per_group(value, group: str, prog, what: str):
@@ -155,18 +155,18 @@ def _per_group(value, group: str, prog, what: str):
     return value
 
 
-def _span_of(num_tokens, tokens, group: str, prog) -> Span:
+def _span_of(num_tokens, tokens, group: str, prog) -> TokenRange:
     if tokens is None and type(num_tokens) is int and num_tokens > 0:  # the common case: N tokens from 0
-        return Span(0, num_tokens)
+        return TokenRange(0, num_tokens)
     if tokens is not None:
         if num_tokens is not None:
             raise TransferError("give the tokens to move as num_tokens=N (tokens [0, N)) or tokens=(start, stop), "
                                 "not both")
         return _span_value(_per_group(tokens, group, prog, "tokens"), group)
-    return Span(0, token_count(_per_group(num_tokens, group, prog, "num_tokens"), group))
+    return TokenRange(0, token_count(_per_group(num_tokens, group, prog, "num_tokens"), group))
 
 
-def _count(arr: np.ndarray, side: str, group: str, span: Span, bs: int, dcp: int = 1) -> None:
+def _count(arr: np.ndarray, side: str, group: str, span: TokenRange, bs: int, dcp: int = 1) -> None:
     first, need = block_span(span, bs * dcp)  # DCP: one block id per block_size slots on each rank
     if len(arr) == need:
         return
@@ -206,14 +206,14 @@ def _repeats(arr: np.ndarray, small: list | None) -> bool:
     return bool(np.any(ordered[1:] == ordered[:-1]))
 
 
-def _moved(rule: GroupRule, span: Span) -> Span:
+def _moved(rule: GroupRule, span: TokenRange) -> TokenRange:
     """The part of ``span`` a group moves: all of it, or what a sliding window still needs."""
     if rule.window is None:
         return span
-    return Span(window_start(span, rule.window, rule.window_block), span.stop)
+    return TokenRange(window_start(span, rule.window, rule.window_block), span.stop)
 
 
-def _whole_blocks_only(rule: GroupRule, moved: Span, asked: Span) -> None:
+def _whole_blocks_only(rule: GroupRule, moved: TokenRange, asked: TokenRange) -> None:
     """A per-block field (no token dim) cannot be split: a range starting mid-block is refused there."""
     if moved.start == 0:
         return
@@ -225,16 +225,16 @@ def _whole_blocks_only(rule: GroupRule, moved: Span, asked: Span) -> None:
                                 f"multiple of {w.per}")
 
 
-def _token_group(prog, rule: GroupRule, ids: tuple, span: Span):
+def _token_group(prog, rule: GroupRule, ids: tuple, span: TokenRange):
     """Check one token group's ids on both sides; return kernel ids of the blocks read, and their span."""
     moved = _moved(rule, span)
     _whole_blocks_only(rule, moved, span)
     kl, fl = _side_ids(rule.local, ids[0], span, moved)
     kr, fr = _side_ids(rule.remote, ids[1], span, moved)
-    return kl, kr, GroupSpan(moved, fl, fr)
+    return kl, kr, GroupRange(moved, fl, fr)
 
 
-def _side_ids(rule: SideRule, raw, span: Span, moved: Span) -> tuple[np.ndarray, int]:
+def _side_ids(rule: SideRule, raw, span: TokenRange, moved: TokenRange) -> tuple[np.ndarray, int]:
     """One side's ids checked: kernel ids of the blocks read, and the kernel block number of the first."""
     arr = block_ids(raw, rule.where)
     _count(arr, rule.side, rule.group, span, rule.block_size, rule.dcp)
@@ -271,7 +271,7 @@ def check_request(prog: "TransferProgram", local_block_ids, remote_block_ids, nu
     _known_groups(remote_block_ids, prog.remote, "remote", rules.remote_names)
     kids_l: dict[str, np.ndarray] = {}
     kids_r: dict[str, np.ndarray] = {}
-    spans: dict[str, GroupSpan] = {}
+    spans: dict[str, GroupRange] = {}
     for rule in rules.groups:
         group = rule.name
         if group not in local_block_ids or group not in remote_block_ids:

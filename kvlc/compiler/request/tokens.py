@@ -20,7 +20,7 @@ from kvlc.compiler.algebra.layout import ceildiv
 
 
 @dataclass(frozen=True)
-class Span:
+class TokenRange:
     """Tokens ``[start, stop)`` of one group (``start < stop``, or equal: nothing to move)."""
 
     start: int
@@ -30,19 +30,19 @@ class Span:
         return self.stop - self.start
 
 
-def block_span(span: Span, block_size: int) -> tuple[int, int]:
+def block_span(span: TokenRange, block_size: int) -> tuple[int, int]:
     """First logical block and number of blocks of size ``block_size`` that ``span`` touches.
 
-    >>> block_span(Span(20, 40), 16)    # blocks 1 and 2: tokens 16..47
+    >>> block_span(TokenRange(20, 40), 16)    # blocks 1 and 2: tokens 16..47
     (1, 2)
-    >>> block_span(Span(0, 33), 16)
+    >>> block_span(TokenRange(0, 33), 16)
     (0, 3)
     """
     first = span.start // block_size
     return first, ceildiv(span.stop, block_size) - first
 
 
-def window_start(span: Span, window: int, block_size: int) -> int:
+def window_start(span: TokenRange, window: int, block_size: int) -> int:
     """First token a sliding-window group of ``window`` tokens still needs after ``span``, at the receiver.
 
     vLLM computes token ``stop`` next; it attends to ``[stop - window + 1, stop]``
@@ -54,9 +54,9 @@ def window_start(span: Span, window: int, block_size: int) -> int:
     by a later, shorter prefix), so the range starts at the first kept block of the receiver
     (logical blocks of ``block_size`` tokens), never before the request's own ``start``.
 
-    >>> window_start(Span(0, 100), 32, 16)    # skipped: 69 tokens -> blocks 0..3 go; block 4 (64..79) stays
+    >>> window_start(TokenRange(0, 100), 32, 16)    # skipped: 69 tokens -> blocks 0..3 go; block 4 (64..79) stays
     64
-    >>> window_start(Span(90, 100), 32, 16), window_start(Span(0, 20), 32, 16)
+    >>> window_start(TokenRange(90, 100), 32, 16), window_start(TokenRange(0, 20), 32, 16)
     (90, 0)
     """
     skipped = max(0, span.stop - window + 1)
@@ -101,7 +101,7 @@ def window_stats(group: str, window: int, receiver: str, recv_bs: int, send_bs: 
     best = (0, 0, 0)
     period = recv_bs // gcd(recv_bs, send_bs) * send_bs
     for stop in range(max(1, window - 1), window - 1 + period + 1):
-        moved = Span(window_start(Span(0, stop), window, recv_bs), stop)
+        moved = TokenRange(window_start(TokenRange(0, stop), window, recv_bs), stop)
         here = (block_span(moved, recv_bs)[1], block_span(moved, send_bs)[1], len(moved))
         best = tuple(max(x, y) for x, y in zip(best, here))
     return WindowStats(group, window, receiver, recv_bs, send_bs, *best)
@@ -125,14 +125,14 @@ class TileSpan:
     partial: tuple[PartialTile, ...]
 
 
-def tile_spans(span: Span, tile_tokens: int) -> TileSpan:
+def tile_spans(span: TokenRange, tile_tokens: int) -> TileSpan:
     """Whole and partial tiles of ``tile_tokens`` tokens that ``span`` covers (tile ``j``: tokens ``j*T ..``).
 
-    >>> tile_spans(Span(0, 40), 16)
+    >>> tile_spans(TokenRange(0, 40), 16)
     TileSpan(first=0, count=2, partial=(PartialTile(tile=2, lo=0, hi=8),))
-    >>> tile_spans(Span(20, 40), 16)
+    >>> tile_spans(TokenRange(20, 40), 16)
     TileSpan(first=2, count=0, partial=(PartialTile(tile=1, lo=4, hi=16), PartialTile(tile=2, lo=0, hi=8)))
-    >>> tile_spans(Span(18, 30), 16)
+    >>> tile_spans(TokenRange(18, 30), 16)
     TileSpan(first=1, count=0, partial=(PartialTile(tile=1, lo=2, hi=14),))
     """
     T = tile_tokens
