@@ -11,8 +11,8 @@ import radon.complexity as radon_complexity
 from radon.visitors import Class
 
 ROOT = Path(__file__).resolve().parents[1]
-MAX_COMPLEXITY = 12
-MAX_LINES = 50
+MAX_COMPLEXITY = 15
+MAX_LINES = 60
 
 # Functions over a limit today, as "path:Qualified.name". Each line is to be removed when its function is
 # split; the test fails on a line whose function is back within the limits, so this list only shrinks.
