@@ -260,6 +260,24 @@ def _close(child, h: _Hosted, aid, args) -> dict:
     return {"live_handles": h.agent.nixl.live_handles, "remotes": len(h.agent.nixl.remotes)}
 
 
+def _announce(child, h: _Hosted, aid, args) -> dict:
+    """Keep this agent's address in the registry at ``endpoints`` (one announcement per agent)."""
+    from kvlc.runtime.discovery import EngineAddress, Registry
+
+    endpoints, ttl = args
+    old = getattr(h, "announcement", None)
+    if old is not None:
+        old.withdraw()
+    h.announcement = Registry(endpoints, ttl=ttl).announce(EngineAddress.of(h.agent))
+    return {"epoch": h.agent.epoch, "address": h.announcement.address.address}
+
+
+def _announced(child, h: _Hosted, aid, args) -> dict:
+    """How this agent's announcement fares: its last error (None while the registry is reachable)."""
+    ann = getattr(h, "announcement", None)
+    return {"alive": ann is not None and ann.alive, "error": None if ann is None else ann.error}
+
+
 def _no_result(call):
     """A command that only acts: ``call(hosted agent, arguments)``, answered with None."""
     def command(child, h: _Hosted, aid, args) -> None:
@@ -270,6 +288,8 @@ def _no_result(call):
 # The commands addressed to one hosted agent: (child, hosted agent, its id, arguments) -> result.
 _AGENT_COMMANDS = {
     "connect": _connect,
+    "announce": _announce,
+    "announced": _announced,
     "submit": lambda child, h, aid, args: _submit(h, *args),
     "run": _Child.run,
     "expect": _no_result(lambda h, args: h.agent.expect(*args)),
