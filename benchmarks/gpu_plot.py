@@ -77,7 +77,7 @@ def _staged_verdicts(rows: list[dict], ceil: dict) -> list[dict]:
 
 def annotate(doc: dict) -> dict:
     """Give every timed row its ceiling (torch copy of the same kind) and the fraction of it; VRAM rows
-    also get ``torch_d2d_gbps_same_bytes`` (what ``kvlc bench`` summarizes). ``machine.gpu`` names the GPU."""
+    also get ``torch_d2d_gbps_same_bytes`` (what ``benchmarks/run.py`` summarizes). ``machine.gpu`` names the GPU."""
     ceil = doc["torch_copy_gbps"]
     doc["machine"].setdefault("gpu", (doc["machine"].get("gpus") or ["?"])[0])
     for r in doc["rows"]:

@@ -352,7 +352,7 @@ def main(argv=None) -> int:
     for v in doc["verdicts"]:
         print(f"{v['target']}: {v['verdict']} ({v['detail']})", flush=True)
     try:
-        plot(doc, path.with_name(path.stem + "_transfer.png"))  # gpu.png is kvlc bench's summary plot
+        plot(doc, path.with_name(path.stem + "_transfer.png"))  # gpu.png is run.py's summary plot
     except Exception as exc:  # the JSON is what counts
         print(f"plot failed: {exc}")
     print(f"wrote {path}")
