@@ -158,3 +158,26 @@ def test_run_help_and_errors(tmp_path, monkeypatch):
 def test_no_bench_command():
     """`kvlc bench` is gone (the scripts are not installed); the suite is `python3 benchmarks/run.py`."""
     assert "bench" not in main.commands
+
+
+IMPORT_ONE = """
+import importlib.util, pathlib, sys
+p = pathlib.Path(sys.argv[1])
+sys.path[0] = str(p.parent)                        # as when run as a script
+spec = importlib.util.spec_from_file_location("__bench__", p)
+mod = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = mod
+spec.loader.exec_module(mod)                       # module level only: main() is not called
+assert (mod.__doc__ or "").strip(), "no docstring saying what it measures"
+"""
+SCRIPTS = sorted(BENCHMARKS.glob("*.py")) + sorted(BENCHMARKS.glob("probes/*.py")) + \
+    sorted(BENCHMARKS.glob("checks/*.py"))
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: str(p.relative_to(BENCHMARKS)))
+def test_every_script_imports(script):
+    """Each script of the suite, probes/ and checks/ imports in a fresh interpreter from where it lies (its
+    sys.path set-up finds common.py, the other probes and testkit) and has a docstring."""
+    r = subprocess.run([sys.executable, "-c", IMPORT_ONE, str(script)], capture_output=True, text=True,
+                       cwd=BENCHMARKS.parent, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]

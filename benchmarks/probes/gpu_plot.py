@@ -65,7 +65,7 @@ def _staged_verdicts(rows: list[dict], ceil: dict) -> list[dict]:
             r = _find(rows, f"staged {name} {ids}")
             out.append(_ratio(f"mixed {name} {ids} >= 80% of pinned copy (staged)", _g(r), ceil.get(ceiling), 0.8,
                               f"staged vs torch {ceiling}"))
-    for mode in ("push", "pull_via_push"):  # staging through KvAgent (benchmarks/gpu_kvlc_staging.py)
+    for mode in ("push", "pull_via_push"):  # staging through KvAgent (benchmarks/probes/gpu_kvlc_staging.py)
         k = _find(rows, f"kvlc staging VRAM llama-3.1-8b {mode} 256 MiB random ids [")
         out.append(_ratio(f"KvAgent {mode} 4,086 x 64 KiB >= 0.3 of D2D (staged)", _g(k), ceil.get("d2d 256 MiB"),
                           0.3, "best staged KvAgent vs d2d"))
