@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 
 import pytest
 
@@ -181,3 +182,29 @@ def test_every_script_imports(script):
     r = subprocess.run([sys.executable, "-c", IMPORT_ONE, str(script)], capture_output=True, text=True,
                        cwd=BENCHMARKS.parent, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
+
+
+def _cited_result_files() -> dict[str, set[str]]:
+    """File names cited in the prose (outside code blocks) of every README under benchmarks/, by README:
+    each name in backticks, alone or after a folder (`results/pair.json`, `pair.log`)."""
+    out = {}
+    for readme in sorted(BENCHMARKS.rglob("README.md")):
+        prose = re.sub(r"```.*?```", "", readme.read_text(), flags=re.S)
+        names = set()
+        for quoted in re.findall(r"`([^`]+)`", prose):
+            names |= set(re.findall(r"(?:^|[\s/])([\w.-]+\.(?:json|log|png|txt))\b", quoted))
+        out[str(readme.relative_to(BENCHMARKS.parent))] = names
+    return out
+
+
+def test_every_result_file_is_cited_and_every_citation_exists():
+    """Each file under benchmarks/results/ is named in a README's prose (where its numbers are quoted), and
+    each result file a README names is there: no orphaned results, no dangling citations."""
+    results = BENCHMARKS / "results"
+    files = {p.name for p in results.iterdir() if p.is_file()}
+    cited = _cited_result_files()
+    assert files and cited
+    assert sorted(files - set().union(*cited.values())) == []
+    dangling = {readme: sorted(names - files) for readme, names in cited.items() if names - files}
+    assert dangling == {}
+    assert not [p for p in results.iterdir() if p.is_dir()]  # results/ is flat
