@@ -15,7 +15,7 @@ Verdicts: a quick run (``--quick``: smaller sizes, fewer repetitions) states no 
 target that depends on the size; push modes are compared with a single-descriptor WRITE, pull
 with a single-descriptor READ (the same operation).
 
-GPU hook: the H200 run (recorded by hand, not CI) writes ``benchmarks/results/gpu.json``
+GPU hook: the H200 run (``probes/gpu_transfer.py``, by hand, not CI) writes ``benchmarks/results/gpu.json``
 (and possibly more ``gpu*.json``); when present they get a table, a verdict and a plot.
 Two shapes are read (see :func:`gpu_rows`): per case and mode, ``throughput_<ids>`` entries::
 
