@@ -131,7 +131,7 @@ def _one_by_one(peer, items: list[BlockRequest], parts: list[dict], op: str, ver
     except BaseException as exc:
         for req in done:
             out = a.executor.cancel((verb, req), f"another request of its batch could not start: {exc}")
-            if out is not None:  # else a part is still being released: progress ends it
+            if out is not None:  # else a part is still in flight (held): progress ends it
                 a._outgoing_done(out)
         raise
 
