@@ -46,6 +46,7 @@ class _Hosted:
         from kvlc.compiler.plan.model import Plan
         from kvlc.runtime.agent import KvAgent
         from kvlc.runtime.binding import allocate
+        from kvlc.runtime.settings import AgentSettings
         from kvlc.runtime.staging.endpoint import StagingPolicy
 
         self.plan = Plan.from_json(cfg.plan_json)
@@ -55,15 +56,17 @@ class _Hosted:
             self.plan,
             cfg.rank,
             self.tensors,
-            name=cfg.name,
-            timeout=cfg.timeout,
-            telemetry=cfg.telemetry,
-            progress=cfg.progress,
-            secret=cfg.secret,
-            insecure=cfg.insecure,
-            engine_id=cfg.engine_id or f"harness-{self.plan.digest[:12]}-{cfg.fill}",
-            lease=cfg.lease,
-            staging=None if cfg.staging is None else StagingPolicy(**cfg.staging),
+            AgentSettings(
+                name=cfg.name,
+                timeout=cfg.timeout,
+                telemetry=cfg.telemetry,
+                progress=cfg.progress,
+                secret=cfg.secret,
+                insecure=cfg.insecure,
+                engine_id=cfg.engine_id or f"harness-{self.plan.digest[:12]}-{cfg.fill}",
+                lease=cfg.lease,
+                staging=None if cfg.staging is None else StagingPolicy(**cfg.staging),
+            ),
         )
         self.address = self.agent.serve(cfg.host)
         self.peers: dict[str, Any] = {}

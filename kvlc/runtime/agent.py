@@ -11,14 +11,15 @@ Roles (:func:`~kvlc.compiler.pairing.pair.pair`): the **consumer** receives byte
                           producer rank WRITEs (before the consumer's deadline) and notifies.
 
 :meth:`Peer.write_many` / :meth:`Peer.read_many` share NIXL requests among several (:mod:`kvlc.runtime.batch`).
+Options are one :class:`~kvlc.runtime.settings.AgentSettings` (explicit > ``KVLC_*`` > default).
 Staging (``staging=``, ``$KVLC_STAGING``) sends fragmented or mixed-memory WRITEs through bounce buffers.
 Every side calls :meth:`KvAgent.poll`; it never blocks and returns :class:`~kvlc.runtime.tracking.Completions`
 (finished, failed, held, freeable): a failed request's blocks are safe to reuse, a *held* one's
 not yet. Side-channel connections are authenticated with a shared secret (``secret=``,
 ``$KVLC_SECRET`` or ``$KVLC_SECRET_FILE``; :mod:`kvlc.runtime.channel.auth`). Example (``kvlc demo``)::
 
-    producer = KvAgent(plan_p, 0, tensors_p, secret=key); addr = producer.serve()
-    consumer = KvAgent(plan_c, 0, tensors_c, secret=key)
+    producer = KvAgent(plan_p, 0, tensors_p, AgentSettings(secret=key)); addr = producer.serve()
+    consumer = KvAgent(plan_c, 0, tensors_c, AgentSettings(secret=key))
     peer = consumer.connect(addr, direction="READ")          # CompatError here, not per request
     peer.read("req-1", {"full": [3, 4]}, {"full": [7, 9]}, num_tokens=20)
     while "req-1" not in consumer.poll().finished: ...
@@ -33,7 +34,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from kvlc.compiler.plan.model import Plan
@@ -41,87 +42,55 @@ from kvlc.errors import TransferError
 from kvlc.runtime import server as _server
 from kvlc.runtime.arguments import PROGRESS  # noqa: F401 - re-exported, callers import it from here
 from kvlc.runtime.arguments import check_agent_args, check_request_id, valid_name
-from kvlc.runtime.channel.auth import resolve_secret
 from kvlc.runtime.binding import Bound, bind
-from kvlc.runtime.channel.tcp import ChannelServer, Limits
+from kvlc.runtime.channel.tcp import ChannelServer
 from kvlc.runtime.errors import HandshakeError
 from kvlc.runtime.kinds import Event, Status
 from kvlc.runtime.nixl.core import Agent
 from kvlc.runtime.peer import Peer, connect
+from kvlc.runtime.settings import AgentSettings
 from kvlc.runtime.pump import Pump, Resources, Sender
 from kvlc.runtime import replies as _replies
 from kvlc.runtime.channel.sessions import RemoteEngine, Session, SessionTable
-from kvlc.runtime.staging.endpoint import StagingPolicy
 from kvlc.runtime.staging.agent import make_stager
 from kvlc.runtime.tracking import Completions, Events, Incoming, Tally
 from kvlc.runtime.channel.notifs import agents_of
 from kvlc.runtime.transfer import Executor, Outgoing, Target
-from kvlc.runtime.nixl.ucx import UcxOptions
 from kvlc.runtime.channel.wire import StorageBase, decode, make_record
 from kvlc.runtime.nixl.warmup import Warmer
 
 log = logging.getLogger("kvlc.runtime.agent")
-DEFAULT_TIMEOUT_S = 60.0
-DEFAULT_LEASE_S = 30.0
 
 
 class KvAgent:
     """One rank of one engine: bound tensors, one NIXL registration per storage, an authenticated side channel.
 
-    ``engine_id`` names the engine (every rank of it passes the same; default: a fresh id per
-    agent); each agent gets a fresh random epoch, so a restarted rank replaces only its own old
-    sessions. ``timeout``: default seconds per request. ``lease``: seconds after which a producer
-    reports a request's source blocks freeable when no consumer finished with them. ``progress``:
-    ``"thread"`` (a kvlc thread advances transfers every ``progress_interval`` s), ``"nixl"``
-    (NIXL's own progress thread) or ``"manual"`` (only :meth:`poll` advances anything).
-    ``ucx``: UCX backend parameters (default: :meth:`UcxOptions.for_agent`: ``$KVLC_UCX_*``, and UCX's
-    thread pool when the plan holds VRAM). ``staging``: which WRITE parts
-    use bounce buffers (default :meth:`StagingPolicy.from_env`: the automatic gate, or ``$KVLC_STAGING``).
-    ``agent_factory`` (tests only) builds the NIXL agent wrapper from a name.
+    ``settings`` (:class:`~kvlc.runtime.settings.AgentSettings`; default: from ``KVLC_*`` variables and
+    defaults) says how it runs. Each agent gets a fresh random epoch, so a restarted rank replaces
+    only its own old sessions.
     """
 
-    def __init__(
-        self,
-        plan: Plan,
-        rank: int,
-        tensors: Mapping[str, Any],
-        *,
-        engine_id: str | None = None,
-        secret: str | bytes | None = None,
-        insecure: bool = False,
-        lease: float = DEFAULT_LEASE_S,
-        timeout: float = DEFAULT_TIMEOUT_S,
-        progress: str = "thread",
-        name: str | None = None,
-        backends: Sequence[str] = ("UCX",),
-        telemetry: bool = False,
-        progress_interval: float = 0.001,
-        limits: Limits | None = None,
-        agent_factory: Callable[[str], Any] | None = None,
-        ucx: UcxOptions | None = None,
-        staging: StagingPolicy | None = None,
-    ):
-        check_agent_args(plan, rank, progress, timeout, lease)
-        self._key = resolve_secret(secret, insecure)
-        self.plan, self.rank, self.timeout, self.lease = plan, rank, float(timeout), float(lease)
-        self.limits = limits or Limits()
+    def __init__(self, plan: Plan, rank: int, tensors: Mapping[str, Any], settings: AgentSettings | None = None):
+        cfg = self.settings = settings if settings is not None else AgentSettings()
+        check_agent_args(plan, rank, cfg.progress, cfg.timeout, cfg.lease)
+        self._key = cfg.channel_key()
+        self.plan, self.rank, self.timeout, self.lease = plan, rank, float(cfg.timeout), float(cfg.lease)
+        self.limits = cfg.limits
         self.bindings: dict[str, Bound] = bind(plan, tensors)
         default = re.sub(r"[^A-Za-z0-9_.\-]", "_", plan.name)[:80]
-        self.engine_id = valid_name(engine_id or f"{default}-{uuid.uuid4().hex[:12]}", "engine_id")
+        self.engine_id = valid_name(cfg.engine_id or f"{default}-{uuid.uuid4().hex[:12]}", "engine_id")
         self.epoch = secrets.token_hex(8)
-        self.name = valid_name(name or f"kvlc-{default}-r{rank}-{uuid.uuid4().hex[:8]}")
+        self.name = valid_name(cfg.name or f"kvlc-{default}-r{rank}-{uuid.uuid4().hex[:8]}")
         self._lock = threading.RLock()
         self.closed = False
-        ucx = ucx or UcxOptions.for_agent(any(s.mem == "VRAM" for s in plan.storages))
-        self.nixl = (agent_factory or (lambda n: Agent(n, backends, telemetry=telemetry, ucx=ucx,
-                                                        progress_thread=progress == "nixl")))(self.name)
+        self.nixl = self._make_nixl(cfg, any(s.mem == "VRAM" for s in plan.storages))
         self._res = Resources(self.nixl, self.name)
         try:
             for b in self.bindings.values():
                 self.nixl.register(b.row(), b.mem, what=f"storage '{b.name}'")
             storages = [StorageBase(name=b.name, addr=b.addr, size=b.nbytes, mem=b.mem, device=b.device)
                         for b in self.bindings.values()]
-            self.staging = staging if staging is not None else StagingPolicy.from_env()
+            self.staging = cfg.staging_policy()
             self.stager = make_stager(self.nixl, self.bindings, self.staging)
             self.record = make_record(self.name, self.nixl.metadata(), plan, rank, storages,
                                       self.engine_id, self.epoch)
@@ -143,9 +112,16 @@ class KvAgent:
         self.stats = {"dropped_notifs": 0, "fenced_chunks": 0, "requests": 0, "bytes": 0, "descriptors": 0,
                       "nixl_requests": 0}
         self._finalizer = weakref.finalize(self, self._res.close)
-        if progress == "thread":
-            self._res.pump = Pump(self, "_pump_locked", progress_interval, self._res.stop,
+        if cfg.progress == "thread":
+            self._res.pump = Pump(self, "_pump_locked", cfg.progress_interval, self._res.stop,
                                   f"kvlc-progress-{self.name}", busy_interval=self.PUMP_BUSY_S)
+
+    def _make_nixl(self, cfg: AgentSettings, vram: bool):
+        """The NIXL agent wrapper (``cfg.agent_factory`` in tests)."""
+        if cfg.agent_factory is not None:
+            return cfg.agent_factory(self.name)
+        return Agent(self.name, cfg.backends, telemetry=cfg.telemetry, ucx=cfg.ucx_options(vram),
+                     progress_thread=cfg.progress == "nixl")
 
     # ------------------------------------------------------------------ side channel
     def serve(self, host: str = "127.0.0.1", port: int = 0) -> str:
@@ -257,7 +233,7 @@ class KvAgent:
                         self._outgoing_done(out)
                     elif not self.executor.active[key].held:
                         self.executor.active[key].held = True
-                        self.events.emit(Event.HELD, request_id, "cancelled; a part is still being released")
+                        self.events.emit(Event.HELD, request_id, "cancelled; a part is still in flight")
             inc = self.incoming.get(request_id)
             if inc is not None:
                 _replies.hold_and_cancel(self, inc, "cancelled by this engine")
@@ -317,7 +293,7 @@ class KvAgent:
         for out in self.executor.active.values():
             if out.deadline is not None and now >= out.deadline and not out.held:
                 out.held = True
-                self.events.emit(Event.HELD, out.req, "timed out; a part is still being released")
+                self.events.emit(Event.HELD, out.req, "timed out; a part is still in flight")
         for inc in list(self.incoming.values()):
             if inc.deadline is not None and now >= inc.deadline and not inc.held:
                 missing = inc.missing() if inc.engine is not None else "every producer rank"

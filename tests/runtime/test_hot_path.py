@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from kvlc.compiler.algebra.copies import coalesce_rows
 from kvlc.compiler.request.instantiate import _SMALL, _segments
 from kvlc.compiler.request.rows import coalesce
+from kvlc.runtime.settings import AgentSettings
 from kvlc.runtime.errors import NixlError
 from kvlc.runtime.nixl.core import Agent, Xfer, XferState
 
@@ -27,7 +28,7 @@ def kv_agent():
     from kvlc.demo.run import DEFAULT_LAYOUT, cpu_plan
 
     plan = cpu_plan(DEFAULT_LAYOUT, max_bytes=1 << 20)
-    agent = KvAgent(plan, 0, allocate(plan), insecure=True, progress="manual")
+    agent = KvAgent(plan, 0, allocate(plan), AgentSettings(insecure=True, progress="manual"))
     yield agent
     agent.close()
 

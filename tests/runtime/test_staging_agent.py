@@ -22,6 +22,7 @@ import pytest
 from runtime_engines import SECRET, TEST_LAYOUTS, check_bytes, config, flip, move, settle
 
 from kvlc import compile_spec
+from kvlc.runtime.settings import AgentSettings
 from kvlc.errors import KvlcError
 from kvlc.demo.procs import EngineProcess, stop_engines
 
@@ -134,11 +135,11 @@ def test_policy_comes_from_the_environment_and_is_checked(monkeypatch, plans):
     with pytest.raises(KvlcError, match="KVLC_STAGING_SLOTS"):
         StagingPolicy.from_env({"KVLC_STAGING_SLOTS": "many"})
     monkeypatch.setenv("KVLC_STAGING", "never")
-    with KvAgent(plans["x"], 0, allocate(plans["x"]), secret=SECRET) as a:
+    with KvAgent(plans["x"], 0, allocate(plans["x"]), AgentSettings(secret=SECRET)) as a:
         assert a.stager is None and a.staging.mode is StageMode.NEVER
-    with KvAgent(plans["x"], 0, allocate(plans["x"]), secret=SECRET, staging=StagingPolicy.always(slots=3)) as a:
+    with KvAgent(plans["x"], 0, allocate(plans["x"]), AgentSettings(secret=SECRET, staging=StagingPolicy.always(slots=3))) as a:
         assert a.stager is not None and a.stager.pool.slots == 3 * a.staging.peers
-    with KvAgent(plans["x"], 0, allocate(plans["x"]), secret=SECRET, staging=StagingPolicy(slots=3)) as a:
+    with KvAgent(plans["x"], 0, allocate(plans["x"]), AgentSettings(secret=SECRET, staging=StagingPolicy(slots=3))) as a:
         # auto on DRAM only: nothing can be staged (fragmented DRAM parts are not, by default), so no buffers
         import torch
         assert (a.stager is None) == (not torch.cuda.is_available())
@@ -208,9 +209,9 @@ def test_forged_replayed_and_foreign_chunks_are_dropped_unscattered(plans):
     tp = allocate(x)
     fill(x, 0, {n: t.numpy() for n, t in tp.items()})
     tc = allocate(z)
-    agents = [KvAgent(x, 0, tp, secret=SECRET, staging=pol, progress="manual", engine_id="forge-p"),
-              KvAgent(z, 0, tc, secret=SECRET, staging=pol, progress="manual", engine_id="forge-c"),
-              KvAgent(x, 0, allocate(x), secret=SECRET, staging=pol, progress="manual", engine_id="forge-q")]
+    agents = [KvAgent(x, 0, tp, AgentSettings(secret=SECRET, staging=pol, progress="manual", engine_id="forge-p")),
+              KvAgent(z, 0, tc, AgentSettings(secret=SECRET, staging=pol, progress="manual", engine_id="forge-c")),
+              KvAgent(x, 0, allocate(x), AgentSettings(secret=SECRET, staging=pol, progress="manual", engine_id="forge-q"))]
     prod, cons, other = agents
     try:
         addr = cons.serve()
@@ -267,8 +268,8 @@ def _manual_pair(plans, tag: str):
     pol = StagingPolicy(**ON)
     tp = allocate(x)
     fill(x, 0, {n: t.numpy() for n, t in tp.items()})
-    prod = KvAgent(x, 0, tp, secret=SECRET, staging=pol, progress="manual", engine_id=f"{tag}-p")
-    cons = KvAgent(z, 0, allocate(z), secret=SECRET, staging=pol, progress="manual", engine_id=f"{tag}-c")
+    prod = KvAgent(x, 0, tp, AgentSettings(secret=SECRET, staging=pol, progress="manual", engine_id=f"{tag}-p"))
+    cons = KvAgent(z, 0, allocate(z), AgentSettings(secret=SECRET, staging=pol, progress="manual", engine_id=f"{tag}-c"))
     return prod, cons
 
 

@@ -14,6 +14,7 @@ import pytest
 from runtime_engines import TEST_LAYOUTS, check_bytes, config, flip, move, tiny_plans
 
 from kvlc import compile_spec
+from kvlc.runtime.settings import AgentSettings
 from kvlc.demo.procs import EngineProcess, start_engines, stop_engines
 
 pytest.importorskip("torch")
@@ -87,8 +88,8 @@ def test_pull_via_push_range_is_checked_by_the_producer(plans):
     from kvlc.runtime.channel.wire import PullRequest, decode, encode
     from runtime_engines import SECRET
 
-    prod = KvAgent(plans["x"], 0, allocate(plans["x"]), secret=SECRET, engine_id="range-producer")
-    cons = KvAgent(plans["z"], 0, allocate(plans["z"]), secret=SECRET, engine_id="range-consumer")
+    prod = KvAgent(plans["x"], 0, allocate(plans["x"]), AgentSettings(secret=SECRET, engine_id="range-producer"))
+    cons = KvAgent(plans["z"], 0, allocate(plans["z"]), AgentSettings(secret=SECRET, engine_id="range-consumer"))
     with prod, cons:
         prod.serve()
         peer = cons.connect(prod.address, mode="pull_via_push")
