@@ -9,12 +9,9 @@ import os
 import time
 import traceback
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
-
-if TYPE_CHECKING:
-    from kvlc.demo.procs import EngineConfig
 
 
 def _fill(plan, rank: int, tensors: Mapping[str, Any], how: str, seed: int) -> None:
@@ -42,7 +39,7 @@ def _fill(plan, rank: int, tensors: Mapping[str, Any], how: str, seed: int) -> N
 class _Hosted:
     """One agent in the child, with the completions it has seen."""
 
-    def __init__(self, cfg: EngineConfig):
+    def __init__(self, cfg: Any):  # a kvlc.demo.procs.EngineConfig, sent over the pipe
         from kvlc.compiler.plan.model import Plan
         from kvlc.runtime.agent import KvAgent
         from kvlc.runtime.binding import allocate

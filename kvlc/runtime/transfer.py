@@ -162,16 +162,20 @@ class Executor:
 
     # ------------------------------------------------------------------ submit
     def submit(self, key: Hashable, req: str, op: str, parts: Mapping[Any, Any], agents: Mapping[int, str],
-               notify: Mapping[int, Target], timeout: float | None = None, tag: Any = None) -> Outgoing:
-        """Create and post one NIXL request per non-empty part. Raises :class:`NixlError` if a
-        request cannot be created (nothing is posted then); a failed post makes the request fail.
-        A ``timeout`` of zero or less is refused with :class:`TransferError` (nothing is created)."""
+               notify: Mapping[int, Target], timeout: float | None = None, tag: Any = None,
+               staged: Mapping[int, list] | None = None) -> Outgoing:
+        """Create and post one NIXL request per non-empty part; the parts ``staged`` names (peer rank →
+        keys, :meth:`~kvlc.runtime.staging.agent.Stager.pick`) go through bounce buffers instead.
+        Raises :class:`NixlError` if a request cannot be created (nothing is posted then); a failed
+        post makes the request fail. A ``timeout`` of zero or less is refused with
+        :class:`TransferError` (nothing is created)."""
         own = [p for p in parts.values() if len(p)]
         member = Member(key, req, sum(int(p.nbytes) for p in own), sum(len(p) for p in own), tag)
-        return self.submit_many([member], op, parts, agents, notify, timeout)[0]
+        return self.submit_many([member], op, parts, agents, notify, timeout, staged)[0]
 
     def submit_many(self, members: list[Member], op: str, parts: Mapping[Any, Any], agents: Mapping[int, str],
-                    notify: Mapping[int, Target], timeout: float | None = None) -> list[Outgoing]:
+                    notify: Mapping[int, Target], timeout: float | None = None,
+                    staged: Mapping[int, list] | None = None) -> list[Outgoing]:
         """:meth:`submit` for several requests whose ``parts`` were joined: one NIXL request per part
         carries all of them, so they end together (a failure, timeout or cancel of one fails every
         member; none is told ``done`` before all bytes landed). Staged parts take one member only."""
@@ -181,7 +185,7 @@ class Executor:
         req = members[0].req
         if timeout is not None and timeout <= 0:
             raise TransferError(f"request '{req}': its deadline has passed ({timeout:.3g}s left); nothing posted")
-        staged = self.stager.pick(op, parts, agents) if self.stager is not None else {}
+        staged = staged or {}
         if staged and len(members) > 1:
             raise TransferError(f"request '{req}': staged parts cannot be shared by {len(members)} requests")
         runs = self._create(req, op, parts, agents, staged, notify, timeout)

@@ -112,16 +112,17 @@ def _ask(agent, payload: bytes):
     "payload, why",
     [
         (b"\xc1garbage", "not msgpack"),
-        (msgpack.packb({"t": "hello", "version": 1}), "Field required"),
+        (msgpack.packb({"t": "hello", "version": 2}), "Field required"),
         (msgpack.packb({"t": "fetch", "version": 9}), "wire version 9"),
         (msgpack.packb({"t": "reply", "ok": True}), "unexpected 'reply' message"),
         (
             msgpack.packb(
                 {
                     "t": "pull",
-                    "version": 1,
+                    "version": 2,
                     "req": "r",
-                    "num_tokens": 16,
+                    "start": 0,
+                    "stop": 16,
                     "consumer_blocks": {"full": [1]},
                     "producer_blocks": {"full": [1]},
                     "until": 1e12,

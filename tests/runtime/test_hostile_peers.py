@@ -244,7 +244,7 @@ def test_state_from_many_connections_is_bounded_and_dies_with_them(plan, produce
 
 
 _FIELDS = st.dictionaries(st.sampled_from(["t", "version", "req", "record", "until", "budget_s", "conn", "tag",
-                                            "consumer_blocks", "producer_blocks", "num_tokens", "agent"]),
+                                            "consumer_blocks", "producer_blocks", "start", "stop", "agent"]),
                           st.one_of(st.integers(-(1 << 63), (1 << 64) - 1), st.text(max_size=20), st.binary(max_size=20),
                                     st.sampled_from(["fetch", "hello", "pull", "cancel", "record"])), max_size=8)
 

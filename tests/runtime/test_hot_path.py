@@ -44,10 +44,10 @@ def test_progress_turn_skips_right_after_poll_and_runs_later(kv_agent, monkeypat
     calls = _counting(kv_agent, monkeypatch)
     kv_agent.poll()
     assert len(calls) == 1
-    kv_agent._pump_locked()  # poll() just ran: the engine is progressing itself
+    kv_agent.progress_turn()  # poll() just ran: the engine is progressing itself
     assert len(calls) == 1
     time.sleep(kv_agent.PUMP_SKIP_S * 3)
-    kv_agent._pump_locked()
+    kv_agent.progress_turn()
     assert len(calls) == 2
 
 
@@ -65,12 +65,12 @@ def test_progress_turn_never_waits_for_the_lock(kv_agent, monkeypatch):
     t.start()
     held.wait(5)
     t0 = time.monotonic()
-    kv_agent._pump_locked()  # the engine's thread holds the lock (a write in progress): skip, at once
+    kv_agent.progress_turn()  # the engine's thread holds the lock (a write in progress): skip, at once
     waited = time.monotonic() - t0
     release.set()
     t.join()
     assert calls == [] and waited < 0.5
-    kv_agent._pump_locked()
+    kv_agent.progress_turn()
     assert calls == [1]
 
 

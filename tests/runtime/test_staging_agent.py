@@ -104,6 +104,21 @@ def test_staged_and_direct_write_the_same_bytes(eng, plans, mode, first):
     assert eng["c_off"].call("stats")["staging"] is None
 
 
+def test_prepped_staged_write_moves_exactly_its_token_range(eng, plans):
+    """A prepared connection whose WRITE parts are staged: ``Peer.write(..., tokens=(start, stop))`` moves
+    exactly tokens [start, stop) (the staged rows are built for that range), through bounce buffers,
+    and nothing else in the consumer changes."""
+    prod, cons = eng["p_on"], eng["c_on"]
+    reqs = [("tok-1", {"full": [200, 201]}, {"full": [20, 21]}, (20, 40)),   # starts mid-block
+            ("tok-2", {"full": [202, 203, 204]}, {"full": [22, 23, 24]}, (5, 47))]
+    before = cons.call("dump")
+    chunks0 = _chunks(cons)
+    prod.connect([cons.address], "WRITE", "prepped", "tok-prepped")
+    move(prod, "tok-prepped", "write", flip(reqs), waiters=[cons])
+    check_bytes(cons, plans["z"], plans["x"], before, reqs)
+    assert _chunks(cons) > chunks0  # they went through bounce buffers
+
+
 def test_a_batch_with_staged_parts_goes_request_by_request_and_moves_the_same_bytes(eng, plans):
     """write_many where the policy stages every WRITE: each request is its own staged send (bounce
     buffers are per request), every destination byte right; the unstaged pair gets one NIXL request."""

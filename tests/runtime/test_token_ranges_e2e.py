@@ -95,7 +95,7 @@ def test_pull_via_push_range_is_checked_by_the_producer(plans):
         peer = cons.connect(prod.address, mode="pull_via_push")
         client = next(iter(peer._clients.values()))
         msg = PullRequest(req="bad-range", consumer_blocks={"full": (1,)}, producer_blocks={"full": (2, 3)},
-                          num_tokens=30, start_token=20, until=time.monotonic() + 10, budget_s=10.0)
+                          start=20, stop=30, until=time.monotonic() + 10, budget_s=10.0)
         reply = decode(client.request(encode(msg)))
         assert not reply.ok and reply.error == (
             "group 'full': 2 local block ids for tokens [20, 30); expected 1, one per block the range touches "
