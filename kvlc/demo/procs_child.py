@@ -9,12 +9,9 @@ import os
 import time
 import traceback
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
-
-if TYPE_CHECKING:
-    from kvlc.demo.procs import EngineConfig
 
 
 def _fill(plan, rank: int, tensors: Mapping[str, Any], how: str, seed: int) -> None:
@@ -42,10 +39,11 @@ def _fill(plan, rank: int, tensors: Mapping[str, Any], how: str, seed: int) -> N
 class _Hosted:
     """One agent in the child, with the completions it has seen."""
 
-    def __init__(self, cfg: EngineConfig):
+    def __init__(self, cfg: Any):  # a kvlc.demo.procs.EngineConfig, sent over the pipe
         from kvlc.compiler.plan.model import Plan
         from kvlc.runtime.agent import KvAgent
         from kvlc.runtime.binding import allocate
+        from kvlc.runtime.settings import AgentSettings
         from kvlc.runtime.staging.endpoint import StagingPolicy
 
         self.plan = Plan.from_json(cfg.plan_json)
@@ -55,15 +53,17 @@ class _Hosted:
             self.plan,
             cfg.rank,
             self.tensors,
-            name=cfg.name,
-            timeout=cfg.timeout,
-            telemetry=cfg.telemetry,
-            progress=cfg.progress,
-            secret=cfg.secret,
-            insecure=cfg.insecure,
-            engine_id=cfg.engine_id or f"harness-{self.plan.digest[:12]}-{cfg.fill}",
-            lease=cfg.lease,
-            staging=None if cfg.staging is None else StagingPolicy(**cfg.staging),
+            AgentSettings(
+                name=cfg.name,
+                timeout=cfg.timeout,
+                telemetry=cfg.telemetry,
+                progress=cfg.progress,
+                secret=cfg.secret,
+                insecure=cfg.insecure,
+                engine_id=cfg.engine_id or f"harness-{self.plan.digest[:12]}-{cfg.fill}",
+                lease=cfg.lease,
+                staging=None if cfg.staging is None else StagingPolicy(**cfg.staging),
+            ),
         )
         self.address = self.agent.serve(cfg.host)
         self.peers: dict[str, Any] = {}
