@@ -76,6 +76,13 @@ def _session(conn: Conn, what: str) -> Session:
     return s
 
 
+def time_left(msg: PullRequest, now: float) -> float:
+    """Seconds a pull request may still run on this producer: until its deadline on our clock, and
+    never longer than the budget the consumer had when it sent the frame (a deadline far in the
+    future, 1e308 say, does not make a request that never times out)."""
+    return min(msg.until - now, msg.budget_s)
+
+
 def pull_request(agent, conn: Conn, msg: PullRequest) -> None:
     """Pull via push, producer side: WRITE this session's share of a request into its own blocks."""
     agent.check_open()
@@ -85,7 +92,7 @@ def pull_request(agent, conn: Conn, msg: PullRequest) -> None:
     key = ("pvp", s.conn_id, msg.req)
     if agent.is_moving(key):
         raise KvlcError(f"request '{msg.req}' from rank {s.rank} is already in flight")
-    left = msg.until - time.monotonic()
+    left = time_left(msg, time.monotonic())
     if left <= 0:
         raise KvlcError(
             f"request '{msg.req}' expired before it could start (its budget was {msg.budget_s:.3g}s "

@@ -10,8 +10,8 @@ from runtime_engines import TEST_LAYOUTS
 
 from kvlc import compile_spec
 from kvlc.runtime.errors import HandshakeError
+from kvlc.runtime.channel.notifs import MAX_NOTIF_BYTES, decode_notif, encode_notif
 from kvlc.runtime.channel.wire import (
-    MAX_NOTIF_BYTES,
     MAX_RECORD_BYTES,
     Fetch,
     Introduce,
@@ -21,10 +21,8 @@ from kvlc.runtime.channel.wire import (
     Reply,
     StorageBase,
     decode,
-    decode_notif,
     decode_record,
     encode,
-    encode_notif,
     make_record,
 )
 
@@ -63,6 +61,27 @@ def test_record_round_trips(record, plan):
     back = decode_record(encode(record))
     assert back == record and back.plan == plan
     assert back.bases()["kv.1"] == (2 << 30, 0)
+
+
+@pytest.mark.parametrize("until", [float("nan"), float("inf"), float("-inf")])
+def test_a_pull_request_without_a_finite_deadline_is_refused(until):
+    """Issue 27 F5: NaN or an infinite deadline never times out; refused when the frame is read."""
+    msg = PullRequest.model_construct(t="pull", version=2, req="r", consumer_blocks={"full": (1,)},
+                                      producer_blocks={"full": (1,)}, start=0, stop=16, until=until, budget_s=1.0)
+    raw = msgpack.packb(msg.model_dump())
+    with pytest.raises(HandshakeError, match="until"):
+        decode(raw)
+
+
+def test_a_pull_request_runs_no_longer_than_its_budget():
+    """A deadline far in the future (1e308) is cut to the budget the consumer had when it sent the frame."""
+    from kvlc.runtime.server import time_left
+
+    far = PullRequest(req="r", consumer_blocks={"full": (1,)}, producer_blocks={"full": (1,)}, start=0,
+                      stop=16, until=1e308, budget_s=2.0)
+    assert time_left(far, now=100.0) == 2.0
+    near = far.model_copy(update={"until": 101.0})
+    assert time_left(near, now=100.0) == 1.0
 
 
 def test_messages_round_trip(record):

@@ -158,7 +158,7 @@ class PullRequest(_Strict):
     producer_blocks: BlockIds
     start: Annotated[int, Field(ge=0, lt=1 << 40)]
     stop: Annotated[int, Field(ge=0, lt=1 << 40)]
-    until: float
+    until: Annotated[float, Field(allow_inf_nan=False)]
     budget_s: Annotated[float, Field(ge=0, le=86400)]
 
 
