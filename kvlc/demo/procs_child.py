@@ -65,7 +65,7 @@ class _Hosted:
                 staging=None if cfg.staging is None else StagingPolicy(**cfg.staging),
             ),
         )
-        self.address = self.agent.serve(cfg.host)
+        self.address = self.agent.serve(cfg.host, cfg.port)
         self.peers: dict[str, Any] = {}
         self.finished: dict[str, float] = {}
         self.failed: dict[str, str] = {}

@@ -164,7 +164,8 @@ class KvAgent:
     def keep_clients(self, clients: Iterable[ChannelClient]) -> None:
         """Connections this agent closes when it closes."""
         with self._lock:
-            self._res.clients.extend(clients)
+            live = [c for c in self._res.clients if c.connected or c.sealed is None]  # drop the ones closed for good
+            self._res.clients[:] = live + list(clients)
 
     def cancel_client(self, address: str) -> ChannelClient:
         """The one connection that carries this consumer's cancels to the producer at ``address``."""

@@ -10,8 +10,10 @@ background sender.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 import numpy as np
 
 from kvlc.compiler.pairing.pair import TransferProgram
@@ -27,6 +29,8 @@ from kvlc.runtime.tracking import Incoming
 from kvlc.runtime.channel.notifs import agents_of
 from kvlc.runtime.transfer import PreparedPart, Target
 from kvlc.runtime.channel.wire import Fetch, Introduce, PullRequest, Record, Reply, decode, encode
+
+log = logging.getLogger(__name__)
 
 
 def _ids(block_ids: Mapping[str, Sequence[int]]) -> dict[str, tuple[int, ...]]:
@@ -80,6 +84,7 @@ def connect(agent, addresses: Sequence[str], direction: str, mode: str, timeout:
         added = agent.admit([got[r][0] for r in eng.program.peer_ranks], eng, load)
         _introduce(agent, got, eng.program.peer_ranks, direction, mode, given)
         peer = _open(agent, got, eng, direction, mode)
+        peer.dialled = _Dialled(tuple(addresses), timeout, warm)
         if mode is ConnectionMode.PREPPED:  # prepare the strided lists now: NIXL problems surface at connect
             peer.prepare()
         if mode is not ConnectionMode.PULL_VIA_PUSH:  # this side moves the bytes (else the producer does both)
@@ -156,8 +161,24 @@ def _open(agent, got, eng: RemoteEngine, direction: Direction, mode: ConnectionM
     return Peer(agent, eng, sessions, {r: got[r][1] for r in peers}, direction, mode)
 
 
+@dataclass(frozen=True)
+class _Dialled:
+    """How a peer was connected: what reconnecting it takes."""
+
+    addresses: tuple[str, ...]
+    timeout: float
+    warm: bool
+
+
 class Peer:
-    """This agent's sessions with the ranks of one remote engine (see :func:`connect`)."""
+    """This agent's sessions with the ranks of one remote engine (see :func:`connect`).
+
+    A session lost underneath it (the remote engine restarted, on the same address or not; its
+    side-channel connection closed; a rank ended the session) is noticed at the next request,
+    reported once (a warning, :attr:`losses`, the agent's ``sessions_lost`` count) and repaired by
+    connecting again to the same addresses, under the remote engine's new epoch if it restarted;
+    the request then moves. Only when reconnecting fails is the request refused.
+    """
 
     def __init__(self, agent, engine: RemoteEngine, sessions: dict[int, Session],
                  clients: dict[int, ChannelClient], direction: Direction, mode: ConnectionMode):
@@ -170,6 +191,8 @@ class Peer:
         self._lists: dict | None = None  # mode "prepped": PartKey -> (local Prepped, remote Prepped)
         self._notify = {r: Target(s.agent, s.notif_key) for r, s in sessions.items()}  # fixed per connection
         self.closed = False
+        self.dialled: _Dialled | None = None  # set by connect(): how to connect again
+        self.losses: list[str] = []  # each session loss seen and repaired, once
 
     @property
     def peer_ranks(self) -> tuple[int, ...]:
@@ -183,13 +206,59 @@ class Peer:
         return self._notify
 
     def _live(self) -> None:
+        """Before a request: the sessions are there, or are connected again (see the class docstring)."""
         self.agent.check_open()
+        if self.closed:
+            raise TransferError(f"connection to engine '{self.engine.engine_id}' is closed")
+        why = self._lost()
+        if why is not None:
+            self._repair(why)
+
+    def _lost(self) -> str | None:
+        """Why these sessions cannot carry a request any more (None: they can)."""
         dead = [r for r, s in self.sessions.items() if not s.live]
-        if self.closed or dead:
-            raise TransferError(
-                f"connection to engine '{self.engine.engine_id}' is closed"
-                + (f" (rank(s) {dead} restarted or went away); connect again" if dead else "")
-            )
+        if dead:
+            return f"rank(s) {dead} ended the session (restarted or went away)"
+        gone = [r for r, c in self._clients.items()
+                if c.lost() or c.sealed is None or c.sealed.id != self.sessions[r].conn_id]
+        if gone:
+            return f"the side-channel connection to rank(s) {gone} closed"
+        return None
+
+    def _repair(self, why: str) -> None:
+        """End the lost sessions, connect again to the same addresses and take the new sessions over."""
+        eid = self.engine.engine_id
+        log.warning("engine '%s': %s; connecting again", eid, why)
+        self.losses.append(why)
+        self.agent.stats["sessions_lost"] = self.agent.stats.get("sessions_lost", 0) + 1
+        self._end(f"session lost: {why}")
+        if self.dialled is None:
+            self.closed = True
+            raise TransferError(f"connection to engine '{eid}' lost ({why}); connect again")
+        d = self.dialled
+        try:
+            fresh = connect(self.agent, d.addresses, self.direction.value, self.mode.value, d.timeout, d.warm)
+        except KvlcError as exc:
+            self.closed = True
+            raise TransferError(f"connection to engine '{eid}' lost ({why}) and connecting again failed: "
+                                f"{exc}") from exc
+        self.engine, self.program, self.sessions = fresh.engine, fresh.program, fresh.sessions
+        self._clients, self._lists, self._notify = fresh._clients, fresh._lists, fresh._notify
+        fresh.closed = True  # its sessions, clients and lists are this peer's now
+
+    def _end(self, why: str) -> None:
+        """Release prepared lists, end the sessions (their NIXL agents and waiting requests go), close
+        the connections."""
+        lists, self._lists = self._lists or {}, None
+        for handles in lists.values():
+            for h in handles:
+                if h is not None:
+                    h.release()
+        for s in self.sessions.values():
+            self.agent.drop_session(s, why)
+        for c in self._clients.values():
+            self.agent.sender.retire(c)
+            c.close()
 
     def parts(self, local_block_ids, remote_block_ids, num_tokens=None, tokens=None) -> tuple[dict, dict]:
         """One checked request's parts, and the staging decision made for it here, once: peer rank → the
@@ -317,11 +386,4 @@ class Peer:
         if self.closed:
             return
         self.closed = True
-        lists, self._lists = self._lists or {}, None
-        for handles in lists.values():
-            for h in handles:
-                h.release()
-        for s in self.sessions.values():
-            self.agent.drop_session(s, "the engine closed this connection")
-        for c in self._clients.values():
-            c.close()
+        self._end("the engine closed this connection")

@@ -20,6 +20,7 @@ host connects from, cannot lock that address out); an authenticated one over its
 from __future__ import annotations
 
 import logging
+import select
 import socket
 import socketserver
 import struct
@@ -375,6 +376,32 @@ class ChannelClient:
             except (OSError, ChannelError) as exc:
                 self._close()
                 raise ChannelError(f"{self._where()}: {exc}") from None
+
+    @property
+    def connected(self) -> bool:
+        """Whether this client holds an open connection now."""
+        return self._sock is not None
+
+    def lost(self) -> bool:
+        """Whether the connection this client authenticated is gone (the peer closed it, or a failed
+        request did); never blocks: a connection busy with a request counts as alive."""
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            if self._sock is None:
+                return self.sealed is not None
+            try:
+                if not select.select([self._sock], [], [], 0)[0]:
+                    return False  # nothing to read: open (a reply never comes unasked)
+                data = self._sock.recv(1, socket.MSG_PEEK)  # readable: b"" when the peer closed it
+            except OSError:
+                data = b""
+            if data == b"":  # orderly close or reset by the peer
+                self._close()
+                return True
+            return False
+        finally:
+            self._lock.release()
 
     def _close(self) -> None:
         if self._sock is not None:
