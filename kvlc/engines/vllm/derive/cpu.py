@@ -130,6 +130,6 @@ def isa_mismatch(local: str, remote: str) -> str | None:
         return None
     return (f"this engine's CPU attention ISA is '{local}' ({a.words}), the other engine's is '{remote}' "
             f"({b.words}): one block holds tokens in entries of {_tokens(a.tokens_per_entry)}, the other in "
-            f"entries of {_tokens(b.tokens_per_entry)}, so no byte range of one holds whole tokens of the other; fix: run both "
-            "engines on one ISA: vLLM picks amx only for bfloat16 on a CPU with AMX, so give both engines "
+            f"entries of {_tokens(b.tokens_per_entry)}, so no byte range of one holds whole tokens of the "
+            "other; fix: run both engines on one ISA: vLLM picks amx only for bfloat16 on a CPU with AMX, so give both engines "
             "--dtype float16 (or float32), or run both on hosts with AMX (or both without)")
