@@ -150,3 +150,38 @@ def test_a_load_is_one_token_range_and_one_block_ids_value_per_side():
     assert (load.num_tokens, load.tokens.start, dict(load.local_block_ids)) == (30, 40, {"full": (7, 8)})
     with pytest.raises(KvlcError, match="2 KV-cache groups of block ids, but the plan has 1"):
         plan_block_ids(("full",), [[1], [2]])
+
+
+def test_a_producer_of_another_cpu_isa_fails_the_load_with_the_reason():
+    """A vec decode worker given an amx producer's params never starts the transfer: the load fails with
+    why (entries of 16 tokens against 1) and the fix, and its blocks go to vLLM's failure policy."""
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace as NS
+
+    from kvlc.compiler.request.tokens import TokenRange
+    from kvlc.engines.vllm.connector.metadata import KvlcConnectorMetadata, Load, plan_block_ids
+    from kvlc.engines.vllm.connector.worker import WorkerSide
+    from kvlc.runtime import Completions
+
+    class Transport:
+        ep = NS(cpu_isa="vec", groups=("full",))
+        loads: list = []
+
+        def load(self, load, ask):
+            self.loads.append(load)
+
+        def forget_peer(self, addresses):
+            pass
+
+        def poll(self):
+            return Completions()
+
+    w = WorkerSide(None, None, ConnectorSettings())
+    w.transport = t = Transport()
+    remote = RemotePrefill.from_params({**GOOD, "kvlc_cpu_isa": "amx"})
+    w.start_load_kv(KvlcConnectorMetadata(loads=[Load("req-1", remote, plan_block_ids(("full",), [[7, 8]]),
+                                                      plan_block_ids(("full",), [[1, 2]]), TokenRange(0, 40),
+                                                      TransferMode.PULL, ("a:1",))]))
+    assert t.loads == []
+    results = w.get_transfer_results(set())
+    assert results.finished_recving == {"req-1"} and w.get_block_ids_with_load_errors() == {7, 8}

@@ -27,7 +27,6 @@ from kvlc.engines.vllm.connector.config import ConnectorSettings
 from kvlc.engines.vllm.connector.metadata import (Hold, KvlcConnectorMetadata, KvlcHandshake, Load, Source,
                                                   plan_block_ids)
 from kvlc.engines.vllm.connector.params import RemotePrefill, wants_remote_decode, wants_remote_prefill
-from kvlc.engines.vllm.derive.cpu import isa_mismatch
 from kvlc.errors import KvlcError
 
 log = logging.getLogger("vllm.kvlc")  # under vLLM's logger: its handlers and levels apply
@@ -97,11 +96,6 @@ class SchedulerSide:
         if len(self.ranks) < self.tp_size:  # workers never reported their kvlc addresses
             log.error("kvlc: request %s computes its prompt locally: this engine's workers have no kvlc "
                       "agent (register_kv_caches did not run)", request.request_id)
-            return 0, False
-        why = isa_mismatch(self.ranks[0].cpu_isa, remote.kvlc_cpu_isa)
-        if why is not None:  # the blocks of the two engines order their tokens differently
-            log.error("kvlc: request %s computes its prompt locally: %s", request.request_id, why)
-            request.kv_transfer_params[_DONE] = True
             return 0, False
         n = min(remote.remote_num_tokens, request.num_prompt_tokens)
         count = n - num_computed_tokens   # a hit may end anywhere in the producer's blocks: a token range

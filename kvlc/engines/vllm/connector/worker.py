@@ -21,11 +21,19 @@ from kvlc.engines.vllm.connector.config import ConnectorSettings
 from kvlc.engines.vllm.connector.layout import engine_plan
 from kvlc.engines.vllm.connector.metadata import KvlcConnectorMetadata, KvlcHandshake, Load, plan_block_ids
 from kvlc.engines.vllm.connector.transport import Transport
+from kvlc.engines.vllm.derive.cpu import isa_mismatch
 from kvlc.errors import KvlcError
 
 log = logging.getLogger("vllm.kvlc")  # under vLLM's logger: its handlers and levels apply
 _EARLY_TTL_S = 600.0  # how long a consumer's "done" is remembered before the hold is known
 _BACKSTOP_S = 5.0  # after the lease: free the blocks even if the agent said nothing
+
+
+def _check_isas(mine: str, theirs: str) -> None:
+    """Refuse a producer whose CPU attention ISA orders a block's tokens otherwise (before pairing, with why)."""
+    why = isa_mismatch(mine, theirs)
+    if why is not None:
+        raise KvlcError(why)
 
 
 class WorkerSide:
@@ -98,6 +106,7 @@ class WorkerSide:
                      self.rank, load.req_id, load.tokens.start, load.tokens.stop, load.mode.value,
                      r.kvlc_addresses[0], dict(load.local_block_ids), dict(load.remote_block_ids))
             try:
+                _check_isas(t.ep.cpu_isa, r.kvlc_cpu_isa)
                 t.load(load, ask=self.rank == 0)
             except (KvlcError, OSError) as exc:
                 log.error("kvlc: load of request %s from engine %s failed: %s",
