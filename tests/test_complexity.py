@@ -31,13 +31,8 @@ ALLOWED = {
     # kvlc/compiler/ request, instantiate and fields: another change is reworking these modules now.
     "kvlc/compiler/request/instantiate.py:_address",
     "kvlc/compiler/plan/fields.py:LayoutResolver._fields",
-    # kvlc/init/ and the vLLM spec derivation (derive*.py): another change is reworking these now.
+    # kvlc/init/: another change is reworking it now.
     "kvlc/init/model.py:read_model",
-    "kvlc/engines/vllm/derive/spec.py:derive_spec",
-    "kvlc/engines/vllm/derive/check.py:check_plan_against_view",
-    "kvlc/engines/vllm/derive/offline.py:_pick_layout",
-    "kvlc/engines/vllm/derive/read.py:read_engine_view",
-    "kvlc/engines/vllm/derive/view.py:_build",
 }
 
 
