@@ -33,10 +33,11 @@ def kvlc_transfer_config(role: str, policy: str = "recompute", **extra) -> str:
 
 def vllm_server_args(model: str, port: int, kv_transfer_config: str | None, block_size: int = 32,
                      dtype: str = "bfloat16") -> list[str]:
-    """The command line of one tiny-model vLLM OpenAI server on CPU (no tokenizer: prompts are token ids)."""
+    """The command line of one tiny-model vLLM OpenAI server on CPU (the model folder needs a tokenizer:
+    :func:`tiny_llama_with_words`)."""
     args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
             "--host", "127.0.0.1", "--port", str(port), "--load-format", "safetensors", "--enforce-eager",
-            "--skip-tokenizer-init", "--dtype", dtype, "--max-model-len", "512", "--seed", "0",
+            "--dtype", dtype, "--max-model-len", "512", "--seed", "0",
             "--max-num-seqs", "4", "--max-num-batched-tokens", "512",
             "--kv-cache-memory-bytes", str(64 << 20), "--block-size", str(block_size),
             "--no-enable-prefix-caching"]
@@ -93,3 +94,35 @@ def wait_all(servers, timeout: float | None = None) -> None:
     deadline = time.monotonic() + timeout
     for s in servers:
         s.wait_healthy(deadline)
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}{{ 'w3' if m['role'] == 'user' else 'w4' }} {{ m['content'] }} "
+                 "{% endfor %}{% if add_generation_prompt %}w4 {% endif %}")
+
+
+def tiny_llama_with_words(path: str | Path, seed: int = 0) -> Path:
+    """The tiny Llama of :func:`testkit.vllm_engines.tiny_llama` with a word-level tokenizer (token i is
+    the word ``w<i>``, 0-2 are ``<unk> <s> </s>``) and a chat template, so an OpenAI server serves it
+    with text prompts and chat messages, no hub needed."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from testkit.vllm_engines import TINY, tiny_llama
+
+    path = Path(path)
+    if (path / "tokenizer.json").exists():
+        return path
+    tiny_llama(path, seed=seed)
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, TINY["vocab_size"])}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+    return path
+
+
+def words(n: int, seed: int = 0) -> str:
+    """A deterministic text prompt of ``n`` tokens of the word-level tokenizer."""
+    return " ".join(f"w{(i * 37 + 11 + seed * 101) % 1000 + 3}" for i in range(n))

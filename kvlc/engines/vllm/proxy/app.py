@@ -107,7 +107,9 @@ class Proxy:
     async def _start(self, app) -> None:
         s = self.settings
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=s.connect_timeout, sock_read=s.timeout)
-        self._session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
+        # a fresh connection per backend request: a kept-alive one the server closes as the request
+        # is sent fails after sending, and a decode request that may have been sent is never resent
+        self._session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0, force_close=True))
         if s.health_interval > 0:
             self._health = asyncio.create_task(self._check_health_forever())
 
@@ -264,20 +266,32 @@ class Proxy:
                 "Content-Type": r.headers.get("Content-Type", "text/event-stream"), "Cache-Control": "no-cache"})
             await out.prepare(request)
             try:
-                async for chunk in r.content.iter_any():
+                while True:
+                    try:
+                        chunk = await r.content.readany()
+                    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                        await self._end_broken_stream(out, b, exc)
+                        return out
+                    if not chunk:
+                        break
                     await out.write(chunk)
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-                # the client already has a 200 and some events: end the stream with an error event
-                why = _why(exc, self.settings.timeout)
-                if isinstance(exc, aiohttp.ClientError):
-                    self.decode.mark_down(b, why)
-                self.counts["errors"] += 1
-                msg = f"decode server {b.url} failed mid-stream: {why}"
-                log.warning("kvlc proxy: %s", msg)
-                event = json.dumps(_error(msg, "backend_error", 502))
-                await out.write(f"data: {event}\n\ndata: [DONE]\n\n".encode())
-            await out.write_eof()
+                await out.write_eof()
+            except ConnectionResetError:  # the client went away: closing ``r`` makes vLLM abort the request
+                self.counts["client_disconnects"] += 1
             return out
+
+    async def _end_broken_stream(self, out: web.StreamResponse, b: Backend, exc: BaseException) -> None:
+        """The decode server broke a stream the client already has a 200 and some events of: end it
+        with an error event naming the server, then ``[DONE]``."""
+        why = _why(exc, self.settings.timeout)
+        if not isinstance(exc, asyncio.TimeoutError):
+            self.decode.mark_down(b, why)
+        self.counts["errors"] += 1
+        msg = f"decode server {b.url} failed mid-stream: {why}"
+        log.warning("kvlc proxy: %s", msg)
+        event = json.dumps(_error(msg, "backend_error", 502))
+        await out.write(f"data: {event}\n\ndata: [DONE]\n\n".encode())
+        await out.write_eof()
 
 
 async def _json_object(request: web.Request) -> dict[str, Any]:

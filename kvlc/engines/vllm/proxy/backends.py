@@ -2,7 +2,8 @@
 
 A pool picks the healthy backend with the fewest outstanding requests (ties go round-robin),
 takes a backend out when a connection to it fails or its ``/health`` fails, and puts it back
-when ``/health`` answers 200 again.
+when ``/health`` answers 200 again. When every backend of a role is out, requests still try
+them (one after another), so a stale health verdict costs a failed connection, never a refusal.
 
 >>> pool = Pool("prefill", ["http://a:1", "http://b:2/"])
 >>> [b.url for b in pool.backends]
@@ -11,10 +12,10 @@ when ``/health`` answers 200 again.
 'http://b:2'
 >>> pool.mark_down(pool.backends[1], "connection refused"); pool.pick().url
 'http://a:1'
->>> pool.mark_down(pool.backends[0], "connection refused"); pool.pick() is None
+>>> pool.mark_down(pool.backends[0], "connection refused"); pool.pick(exclude=pool.backends) is None
 True
 >>> pool.why_none()
-'no healthy prefill server: http://a:1 (connection refused), http://b:2 (connection refused)'
+'no prefill server could take the request: http://a:1 (connection refused), http://b:2 (connection refused)'
 """
 
 from __future__ import annotations
@@ -63,9 +64,12 @@ class Pool:
         self._turn = itertools.count()
 
     def pick(self, exclude: Iterable[Backend] = ()) -> Backend | None:
-        """The healthy backend with the fewest outstanding requests (round-robin among ties), or None."""
+        """The backend with the fewest outstanding requests (round-robin among ties) among the healthy
+        ones not in ``exclude``; when every one is out, among all not in ``exclude`` (a health check that
+        timed out on a busy server must not refuse every request); None when all are excluded."""
         skip = set(map(id, exclude))
-        ready = [b for b in self.backends if b.healthy and id(b) not in skip]
+        left = [b for b in self.backends if id(b) not in skip]
+        ready = [b for b in left if b.healthy] or left
         if not ready:
             return None
         least = min(b.outstanding for b in ready)
@@ -83,5 +87,5 @@ class Pool:
 
     def why_none(self) -> str:
         """Why no backend of this role can take a request, naming each one."""
-        parts = [f"{b.url} ({b.why_down or 'tried already'})" for b in self.backends]
-        return f"no healthy {self.role} server: " + ", ".join(parts)
+        parts = [f"{b.url} ({b.why_down or 'failed'})" for b in self.backends]
+        return f"no {self.role} server could take the request: " + ", ".join(parts)

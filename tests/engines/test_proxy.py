@@ -1,0 +1,124 @@
+"""`kvlc proxy` in front of real vLLM OpenAI servers (a prefill and a decode server with KvlcConnector),
+driven by the `openai` client: the answers equal one server's alone, and the KV came over kvlc."""
+
+from __future__ import annotations
+
+import os
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from tests.engines.conftest import ROOT
+from testkit.openai_servers import (Server, free_port, kvlc_transfer_config, tiny_llama_with_words, vllm_server_args,
+                                    wait_all, words)
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("aiohttp")
+
+pytestmark = pytest.mark.engine
+
+LOADED = "kvlc: rank 0 loads request"
+SAMPLING = dict(temperature=0, max_tokens=16, extra_body={"ignore_eos": True, "return_token_ids": True})
+
+
+@pytest.fixture(scope="module")
+def pd(tmp_path_factory):
+    """A prefill server (core 0), a decode server (core 1) and the proxy, started in parallel."""
+    tmp = tmp_path_factory.mktemp("proxy")
+    model = str(tiny_llama_with_words(tmp / "tiny-words"))
+    env = {"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "KVLC_SECRET": "proxy-test-secret-0123456789", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    servers = {}
+    try:
+        for name, role, core in (("prefill", "kv_producer", 0), ("decode", "kv_consumer", 1)):
+            port = free_port()
+            servers[name] = Server(name, vllm_server_args(model, port, kvlc_transfer_config(role)), port,
+                                   tmp / f"{name}.log", {**env, "VLLM_CPU_OMP_THREADS_BIND": str(core)})
+        port = free_port()
+        servers["proxy"] = Server("proxy", [sys.executable, "-m", "kvlc.cli", "proxy", "--prefill",
+                                            servers["prefill"].url, "--decode", servers["decode"].url,
+                                            "--port", str(port), "--timeout", "120"],
+                                  port, tmp / "proxy.log", env)
+        wait_all(servers.values())
+        servers["model"] = model
+        yield servers
+    finally:
+        for s in servers.values():
+            if isinstance(s, Server):
+                s.stop()
+
+
+def _client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def _tokens(choice) -> list[int]:
+    return list(choice.model_extra.get("token_ids") or choice.token_ids or [])
+
+
+def _completion(server, model, prompt, stream=False) -> tuple[str, list[int]]:
+    out = _client(server).completions.create(model=model, prompt=prompt, stream=stream, **SAMPLING)
+    if not stream:
+        return out.choices[0].text, _tokens(out.choices[0])
+    text, toks = "", []
+    for chunk in out:
+        if chunk.choices:
+            text += chunk.choices[0].text
+            toks += chunk.choices[0].model_extra.get("token_ids") or []
+    return text, toks
+
+
+def _chat(server, model, content, stream=False) -> str:
+    out = _client(server).chat.completions.create(model=model, messages=[{"role": "user", "content": content}],
+                                                  stream=stream, temperature=0, max_tokens=16,
+                                                  extra_body={"ignore_eos": True})
+    if not stream:
+        return out.choices[0].message.content
+    return "".join(c.choices[0].delta.content or "" for c in out if c.choices)
+
+
+def test_completions_through_proxy_equal_one_server_alone(pd):
+    """A 150-token prompt (5 blocks of 32), streamed and not, through the proxy: the decode server
+    loaded its KV through kvlc for each, and text and token ids equal the decode server's own answer
+    without P/D (greedy)."""
+    prompt = words(150, seed=4)
+    alone = _completion(pd["decode"], pd["model"], prompt)
+    assert len(alone[1]) == 16
+    before = pd["decode"].log().count(LOADED)
+    assert _completion(pd["proxy"], pd["model"], prompt) == alone
+    assert _completion(pd["proxy"], pd["model"], prompt, stream=True) == alone
+    assert pd["decode"].log().count(LOADED) == before + 2
+
+
+def test_chat_through_proxy_equal_one_server_alone(pd):
+    """A chat completion, streamed and not, through the proxy equals the decode server's own answer."""
+    content = words(120, seed=9)
+    alone = _chat(pd["decode"], pd["model"], content)
+    assert alone
+    before = pd["decode"].log().count(LOADED)
+    assert _chat(pd["proxy"], pd["model"], content) == alone
+    assert _chat(pd["proxy"], pd["model"], content, stream=True) == alone
+    assert pd["decode"].log().count(LOADED) == before + 2
+
+
+def test_concurrent_streams_each_equal_its_own_answer(pd):
+    """Four different prompts (40-230 tokens) streamed through the proxy at once: each answer equals
+    that prompt's answer from the decode server alone."""
+    prompts = [words(n, seed=s) for s, n in enumerate((40, 97, 161, 230))]
+    alone = [_completion(pd["decode"], pd["model"], p) for p in prompts]
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda p: _completion(pd["proxy"], pd["model"], p, stream=True), prompts))
+    assert got == alone
+
+
+def test_models_and_health_through_proxy(pd):
+    """/v1/models lists the decode server's model; /health reports both servers healthy."""
+    import json
+    import urllib.request
+
+    assert [m.id for m in _client(pd["proxy"]).models.list()] == [pd["model"]]
+    with urllib.request.urlopen(pd["proxy"].url + "/health", timeout=10) as r:
+        health = json.loads(r.read())
+    assert health["status"] == "ok" and health["errors"] == 0
+    assert [b["url"] for b in health["prefill"]] == [pd["prefill"].url]
