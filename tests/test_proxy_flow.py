@@ -237,9 +237,10 @@ def test_decode_that_got_the_request_is_never_tried_twice():
 
 
 @pytest.mark.parametrize("raw, why", [(b"{not json", "not JSON"), (b"[1, 2]", "must be a JSON object"),
-                                      (json.dumps({"prompt": ["a", "b"]}).encode(), "one prompt per request")])
+                                      (json.dumps({"prompt": ["a", "b"]}).encode(), "one prompt per request"),
+                                      (json.dumps({"prompt": "a", "n": 2}).encode(), '"n": 1 only')])
 def test_bad_request_is_400_and_reaches_no_backend(raw, why):
-    """Bad JSON, a non-object body, or a batch of prompts: 400 saying why; no backend sees anything."""
+    """Bad JSON, a non-object body, a batch of prompts or n > 1: 400 saying why; no backend sees anything."""
     async def go():
         p, d = StandIn("prefill"), StandIn("decode")
         async with Rig([p], [d]) as rig:

@@ -52,12 +52,14 @@ def decode_body(body: dict[str, Any], kv_transfer_params: dict[str, Any] | None)
 
 def one_prompt(body: dict[str, Any]) -> str | None:
     """Why the body cannot go through P/D (None when it can): the prefill server returns one set of
-    ``kv_transfer_params`` per request, so a completions batch of several prompts cannot be handed over."""
+    ``kv_transfer_params`` per request, for one consumer, so neither a completions batch of several
+    prompts nor ``n`` > 1 samples can be handed over."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) > 1 and not all(isinstance(t, int) for t in prompt):
         return (f'the P/D proxy takes one prompt per request; got {len(prompt)} in "prompt" '
                 "(send them as separate requests)")
     n = body.get("n", 1)
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        return f'"n" must be a positive integer, got {n!r}'
+    if n is not None and n != 1:
+        return (f'the P/D proxy takes "n": 1 only, got {n!r}: the prefill server hands over one copy of the '
+                "prompt's KV, which one decode request consumes (send n requests instead)")
     return None
