@@ -1,5 +1,6 @@
-"""`kvlc proxy` in front of real vLLM OpenAI servers (a prefill and a decode server with KvlcConnector),
-driven by the `openai` client: the answers equal one server's alone, and the KV came over kvlc."""
+"""`kvlc proxy` in front of real vLLM OpenAI servers with KvlcConnector (one prefill server, two decode
+servers; one proxy 1P:1D, one 1P:2D), driven by the `openai` client: the answers equal one server's
+alone, the KV came over kvlc, and a decode server that dies is taken out with no failed request."""
 
 from __future__ import annotations
 
@@ -24,22 +25,26 @@ SAMPLING = dict(temperature=0, max_tokens=16, extra_body={"ignore_eos": True, "r
 
 @pytest.fixture(scope="module")
 def pd(tmp_path_factory):
-    """A prefill server (core 0), a decode server (core 1) and the proxy, started in parallel."""
+    """A prefill server (core 0), decode servers A (core 1) and B (core 0), a 1P:1D proxy (A) and a
+    1P:2D proxy (A and B), all started in parallel."""
     tmp = tmp_path_factory.mktemp("proxy")
     model = str(tiny_llama_with_words(tmp / "tiny-words"))
     env = {"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "KVLC_SECRET": "proxy-test-secret-0123456789", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     servers = {}
     try:
-        for name, role, core in (("prefill", "kv_producer", 0), ("decode", "kv_consumer", 1)):
+        for name, role, core in (("prefill", "kv_producer", 0), ("decode", "kv_consumer", 1),
+                                 ("decode_b", "kv_consumer", 0)):
             port = free_port()
             servers[name] = Server(name, vllm_server_args(model, port, kvlc_transfer_config(role)), port,
                                    tmp / f"{name}.log", {**env, "VLLM_CPU_OMP_THREADS_BIND": str(core)})
-        port = free_port()
-        servers["proxy"] = Server("proxy", [sys.executable, "-m", "kvlc.cli", "proxy", "--prefill",
-                                            servers["prefill"].url, "--decode", servers["decode"].url,
-                                            "--port", str(port), "--timeout", "120"],
-                                  port, tmp / "proxy.log", env)
+        for name, decodes in (("proxy", ("decode",)), ("proxy_2d", ("decode", "decode_b"))):
+            port = free_port()
+            args = [sys.executable, "-m", "kvlc.cli", "proxy", "--prefill", servers["prefill"].url,
+                    "--port", str(port), "--timeout", "120", "--health-interval", "1"]
+            for d in decodes:
+                args += ["--decode", servers[d].url]
+            servers[name] = Server(name, args, port, tmp / f"{name}.log", env)
         wait_all(servers.values())
         servers["model"] = model
         yield servers
@@ -122,3 +127,44 @@ def test_models_and_health_through_proxy(pd):
         health = json.loads(r.read())
     assert health["status"] == "ok" and health["errors"] == 0
     assert [b["url"] for b in health["prefill"]] == [pd["prefill"].url]
+
+
+def _health(server) -> dict:
+    import json
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(server.url + "/health", timeout=10) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return json.loads(exc.read())
+
+
+def test_one_prefill_two_decode_servers(pd):
+    """1P:2D: six concurrent streams (30-250 tokens) through the proxy each equal the answer of one
+    server alone, and both decode servers loaded KV through kvlc."""
+    prompts = [words(n, seed=20 + s) for s, n in enumerate((30, 77, 128, 163, 200, 250))]
+    alone = [_completion(pd["decode"], pd["model"], p) for p in prompts]
+    before = [pd[d].log().count(LOADED) for d in ("decode", "decode_b")]
+    with ThreadPoolExecutor(6) as pool:
+        got = list(pool.map(lambda p: _completion(pd["proxy_2d"], pd["model"], p, stream=True), prompts))
+    assert got == alone
+    loads = [pd[d].log().count(LOADED) - b for d, b in zip(("decode", "decode_b"), before)]
+    assert sum(loads) == 6 and min(loads) >= 1, loads
+    assert [b["served"] >= 1 for b in _health(pd["proxy_2d"])["decode"]] == [True, True]
+
+
+def test_dead_decode_server_is_taken_out_and_requests_go_on(pd):
+    """Decode server B killed: every later request through the 1P:2D proxy is answered by A, equal to
+    the answer alone; the proxy's /health names B down."""
+    pd["decode_b"].proc.kill()
+    pd["decode_b"].proc.wait(30)
+    prompts = [words(n, seed=40 + n) for n in (50, 90, 130, 170)]
+    alone = [_completion(pd["decode"], pd["model"], p) for p in prompts]
+    got = [_completion(pd["proxy_2d"], pd["model"], p, stream=bool(i % 2)) for i, p in enumerate(prompts)]
+    assert got == alone
+    health = _health(pd["proxy_2d"])
+    b = health["decode"][1]
+    assert b["url"] == pd["decode_b"].url and not b["healthy"] and "cannot connect" in b["why_down"]
+    assert health["errors"] == 0
