@@ -222,6 +222,22 @@ def test_every_decode_down_is_502_naming_each():
     run(go())
 
 
+def test_every_prefill_down_is_502_or_recomputed_on_decode():
+    """No prefill server reachable: 502 naming it; with --recompute the decode server gets the client's
+    body without params (it computes the prompt) and the proxy counts it."""
+    async def go():
+        d = StandIn("decode")
+        async with Rig([], [d], dead_prefill=1) as rig:
+            status, data = await rig.post("/v1/completions", BODY)
+            assert status == 502 and rig.dead_urls[0] in json.loads(data)["error"]["message"]
+            assert d.seen == []
+        async with Rig([], [d], dead_prefill=1, recompute=True) as rig:
+            assert (await rig.post("/v1/completions", BODY))[0] == 200
+            assert rig.proxy.counts["recomputes"] == 1
+        assert d.seen == [("/v1/completions", BODY)]
+    run(go())
+
+
 def test_decode_that_got_the_request_is_never_tried_twice():
     """A decode server that drops the connection after reading the request: 502 naming it, and the
     other decode server never sees the request (its KV load may have begun)."""

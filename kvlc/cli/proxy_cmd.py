@@ -25,7 +25,11 @@ from kvlc.cli.base import main
               help="Seconds between GET /health checks of every backend (0: none).")
 @click.option("--max-outstanding", default=256, show_default=True, type=click.IntRange(min=1),
               help="Requests in flight in the proxy; more are answered 503 at once.")
-def proxy(prefill, decode, host, port, timeout, connect_timeout, health_interval, max_outstanding) -> None:
+@click.option("--recompute", is_flag=True,
+              help="When no prefill server can take a request, let a decode server compute the prompt "
+                   "(slower, same answer) instead of answering 502.")
+def proxy(prefill, decode, host, port, timeout, connect_timeout, health_interval, max_outstanding,
+          recompute) -> None:
     """OpenAI-compatible P/D proxy: prefill (max_tokens=1, do_remote_decode) then decode.
 
     \b
@@ -43,7 +47,7 @@ def proxy(prefill, decode, host, port, timeout, connect_timeout, health_interval
     try:
         serve(ProxySettings(prefill=prefill, decode=decode, host=host, port=port, timeout=timeout,
                             connect_timeout=connect_timeout, health_interval=health_interval,
-                            max_outstanding=max_outstanding))
+                            max_outstanding=max_outstanding, recompute=recompute))
     except OSError as exc:
         click.echo(f"kvlc proxy: cannot listen on {host}:{port}: {exc}", err=True)
         sys.exit(1)

@@ -11,7 +11,8 @@ Failures, as the client sees them (OpenAI's error shape, ``{"error": {"message",
 * more than ``max_outstanding`` requests in flight: 503 (bounded: nothing queues in the proxy);
 * a backend that answers 4xx: its status and body, unchanged (the client's request is wrong);
 * a backend that cannot be reached, breaks the connection or answers 5xx: 502 naming the backend
-  and why; ``timeout`` seconds without a byte from it: 504. A prefill server that fails is taken
+  and why (with ``recompute``, a request no prefill server can take goes to a decode server
+  without params instead, which computes the prompt); ``timeout`` seconds without a byte from it: 504. A prefill server that fails is taken
   out and the request goes to another prefill server; a decode server that cannot be *connected
   to* is taken out and the request goes to another decode server with the same params. A decode
   request that reached its server is never sent twice: its KV load may have begun, and a second
@@ -54,6 +55,7 @@ class ProxySettings:
     connect_timeout: float = 10.0   # connecting to a backend; longer: taken out, next one tried
     health_interval: float = 5.0    # GET /health on every backend this often (0: never)
     max_outstanding: int = 256      # requests in flight in the proxy; more: 503
+    recompute: bool = False         # no prefill server can take a request: the decode server computes it
 
 
 class ProxyError(Exception):
@@ -89,7 +91,7 @@ class Proxy:
         self.decode = Pool("decode", settings.decode)
         self.active = 0
         self.counts = {"requests": 0, "prefill_retries": 0, "decode_retries": 0, "no_params": 0,
-                       "errors": 0, "client_disconnects": 0}
+                       "recomputes": 0, "errors": 0, "client_disconnects": 0}
         self._session: aiohttp.ClientSession | None = None
         self._health: asyncio.Task | None = None
 
@@ -182,7 +184,7 @@ class Proxy:
             self.active += 1
             try:
                 headers = _headers(request)
-                params = await self._prefill(path, body, headers)
+                params = await self._prefill_or_recompute(path, body, headers)
                 return await self._decode(request, path, body, params, headers)
             finally:
                 self.active -= 1
@@ -193,6 +195,18 @@ class Proxy:
         except asyncio.CancelledError:
             self.counts["client_disconnects"] += 1
             raise
+
+    async def _prefill_or_recompute(self, path: str, body: dict, headers: dict) -> dict | None:
+        """The prefill server's params; with ``recompute``, None when no prefill server could take the
+        request (the decode server then computes the prompt: slower, same answer)."""
+        try:
+            return await self._prefill(path, body, headers)
+        except ProxyError as exc:
+            if not (self.settings.recompute and exc.kind == "backend_unavailable"):
+                raise
+            self.counts["recomputes"] += 1
+            log.warning("kvlc proxy: %s; the decode server computes the prompt (--recompute)", exc.message)
+            return None
 
     async def _prefill(self, path: str, body: dict, headers: dict) -> dict | None:
         """The prefill server's ``kv_transfer_params`` (another prefill server is tried if one fails)."""
