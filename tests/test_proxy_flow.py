@@ -208,6 +208,22 @@ def test_prefill_down_is_taken_out_and_request_goes_to_another():
     run(go())
 
 
+def test_prefill_answering_500_is_taken_out_and_request_goes_to_another():
+    """A prefill server that answers 500: taken out (its why quoted in /health), the request is
+    prefilled by the next one and succeeds."""
+    async def go():
+        bad, good, d = StandIn("prefill", "500"), StandIn("prefill"), StandIn("decode")
+        async with Rig([bad, good], [d]) as rig:
+            assert (await rig.post("/v1/completions", BODY))[0] == 200
+            assert (await rig.post("/v1/completions", BODY))[0] == 200
+            async with rig.client.get(rig.url + "/health") as r:
+                health = await r.json()
+        assert len(bad.seen) == 1 and len(good.seen) == 2
+        assert health["prefill"][0]["why_down"] == "answered 500: engine core died"
+        assert d.seen[0][1]["kv_transfer_params"]["remote_request_id"] == f"{good.url}#1"
+    run(go())
+
+
 def test_every_decode_down_is_502_naming_each():
     """No decode server reachable: 502 whose message names each decode server and why."""
     async def go():

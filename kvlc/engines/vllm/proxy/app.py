@@ -232,6 +232,10 @@ class Proxy:
                     continue
                 raise ProxyError(504, f"prefill server {b.url} sent nothing for {self.settings.timeout:g}s "
                                       "(raise --timeout)", "backend_timeout") from None
+            except ProxyError as exc:
+                if exc.body is not None:  # a 4xx: the request is wrong for any prefill server
+                    raise
+                self._take_out(self.prefill, b, exc)
             except (aiohttp.ClientError, ValueError) as exc:
                 self._take_out(self.prefill, b, exc)
             finally:
@@ -340,6 +344,8 @@ async def _raise_for(r: aiohttp.ClientResponse, b: Backend) -> None:
 
 
 def _why(exc: BaseException, timeout: float) -> str:
+    if isinstance(exc, ProxyError):
+        return exc.message.split(" ", 3)[-1]  # "answered 500: ..." without "<role> server <url>"
     if isinstance(exc, aiohttp.ConnectionTimeoutError):
         return f"cannot connect: no answer in {timeout:g}s"
     if isinstance(exc, asyncio.TimeoutError):

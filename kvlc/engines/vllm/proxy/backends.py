@@ -33,7 +33,7 @@ class Backend:
         self.outstanding = 0
         self.healthy = True
         self.why_down = ""
-        self.served = 0
+        self.requests = 0
 
     def started(self) -> None:
         """A request to this backend began."""
@@ -42,12 +42,12 @@ class Backend:
     def ended(self) -> None:
         """A request to this backend ended (answered, failed or cancelled)."""
         self.outstanding -= 1
-        self.served += 1
+        self.requests += 1
 
     def state(self) -> dict:
         """What ``/health`` reports about this backend."""
         return {"url": self.url, "healthy": self.healthy, "outstanding": self.outstanding,
-                "served": self.served, **({"why_down": self.why_down} if not self.healthy else {})}
+                "requests": self.requests, **({"why_down": self.why_down} if not self.healthy else {})}
 
     def __repr__(self) -> str:
         return f"Backend({self.role} {self.url})"
