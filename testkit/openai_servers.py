@@ -28,7 +28,8 @@ def kvlc_transfer_config(role: str, policy: str = "recompute", **extra) -> str:
     """The ``--kv-transfer-config`` JSON for KvlcConnector, as a user writes it."""
     return json.dumps({"kv_connector": "KvlcConnector", "kv_connector_module_path": "kvlc.engines.vllm",
                        "kv_role": role, "kv_load_failure_policy": policy,
-                       "kv_connector_extra_config": {"host": "127.0.0.1", "port": 0, "timeout": 20.0, **extra}})
+                       "kv_connector_extra_config": {"host": "127.0.0.1", "port": 0, "timeout": 20.0,
+                                                     **extra}})
 
 
 def vllm_server_args(model: str, port: int, kv_transfer_config: str | None, block_size: int = 32,
@@ -49,8 +50,10 @@ def vllm_server_args(model: str, port: int, kv_transfer_config: str | None, bloc
 class Server:
     """One child process serving HTTP on ``port``; its output goes to ``log`` (a file: vLLM logs a lot)."""
 
-    def __init__(self, name: str, args: list[str], port: int, log: Path, env: dict | None = None):
+    def __init__(self, name: str, args: list[str], port: int, log: Path, env: dict | None = None,
+                 ready_codes: tuple[int, ...] = (200,)):
         self.name, self.port, self.log_path = name, port, log
+        self.ready_codes = ready_codes  # the /health answers that count as up
         self.url = f"http://127.0.0.1:{port}"
         self._log = open(log, "w")
         self.proc = subprocess.Popen(args, env={**os.environ, **(env or {})}, stdout=self._log,
@@ -62,12 +65,15 @@ class Server:
     def healthy(self) -> bool:
         try:
             with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                return r.status == 200
+                return r.status in self.ready_codes
+        except urllib.error.HTTPError as exc:
+            return exc.code in self.ready_codes
         except (urllib.error.URLError, OSError):
             return False
 
     def wait_healthy(self, deadline: float) -> None:
-        """Block until ``/health`` answers 200; raise at once if the process died, or at the deadline."""
+        """Block until ``/health`` answers one of ``ready_codes``; raise at once if the process died,
+        or at the deadline."""
         while not self.healthy():
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with {self.proc.returncode} before it was healthy; "

@@ -49,7 +49,8 @@ class StandIn:
         if b == "slow":
             await asyncio.sleep(5)
         if self.role == "prefill":
-            params = None if b == "no_params" else {"do_remote_prefill": True, "remote_request_id": f"{self.url}#{n}",
+            params = None if b == "no_params" else {"do_remote_prefill": True,
+                                                    "remote_request_id": f"{self.url}#{n}",
                                                     "remote_block_ids": [[1, 2, 3]], "connector": "kvlc"}
             return web.json_response({"choices": [{"text": "P"}], "kv_transfer_params": params})
         if not body.get("stream"):
@@ -129,7 +130,8 @@ BODY = {"model": "m", "prompt": [5, 6, 7, 8], "max_tokens": 12, "temperature": 0
 
 def test_completion_each_backend_sees_exactly_its_request():
     """Prefill gets the client's body with max_tokens=1, stream=False, n=1 and {"do_remote_decode": true};
-    decode gets the client's body with the prefill's kv_transfer_params unchanged; the client gets decode's answer."""
+    decode gets the client's body with the prefill's kv_transfer_params unchanged; the client gets
+    decode's answer."""
     async def go():
         p, d = StandIn("prefill"), StandIn("decode")
         async with Rig([p], [d]) as rig:
@@ -137,8 +139,8 @@ def test_completion_each_backend_sees_exactly_its_request():
         assert status == 200
         assert p.seen == [("/v1/completions", {**BODY, "max_tokens": 1, "stream": False, "n": 1,
                                                 "kv_transfer_params": {"do_remote_decode": True}})]
-        params = {"do_remote_prefill": True, "remote_request_id": f"{p.url}#1", "remote_block_ids": [[1, 2, 3]],
-                  "connector": "kvlc"}
+        params = {"do_remote_prefill": True, "remote_request_id": f"{p.url}#1",
+                  "remote_block_ids": [[1, 2, 3]], "connector": "kvlc"}
         assert d.seen == [("/v1/completions", {**BODY, "kv_transfer_params": params})]
         assert json.loads(data) == {"choices": [{"text": f"decoded by {d.url}"}], "got": d.seen[0][1]}
         assert p.headers[0]["X-Request-Id"] == d.headers[0]["X-Request-Id"]
@@ -204,7 +206,8 @@ def test_prefill_down_is_taken_out_and_request_goes_to_another():
                 health = await r.json()
         assert len(p.seen) == 2 and health["prefill_retries"] == 1
         dead = health["prefill"][0]
-        assert dead["url"] == rig.dead_urls[0] and not dead["healthy"] and dead["why_down"].startswith("cannot connect: ConnectionRefusedError")
+        assert dead["url"] == rig.dead_urls[0] and not dead["healthy"]
+        assert dead["why_down"].startswith("cannot connect: ConnectionRefusedError")
     run(go())
 
 
@@ -318,7 +321,8 @@ def test_decode_dying_mid_stream_ends_stream_with_error_event():
         async with Rig([p], [d]) as rig:
             status, data = await rig.post("/v1/completions", {**BODY, "stream": True})
         events = [e for e in data.decode().split("\n\n") if e]
-        assert status == 200 and events[0] == 'data: {"choices": [{"text": "one"}]}' and events[-1] == "data: [DONE]"
+        assert status == 200 and events[0] == 'data: {"choices": [{"text": "one"}]}'
+        assert events[-1] == "data: [DONE]"
         err = json.loads(events[-2][len("data: "):])["error"]
         assert err["message"].startswith(f"decode server {d.url} failed mid-stream")
     run(go())
@@ -327,7 +331,8 @@ def test_decode_dying_mid_stream_ends_stream_with_error_event():
 @pytest.mark.parametrize("cancel_on_disconnect", [True, False])
 def test_client_disconnect_cancels_backend_request(cancel_on_disconnect):
     """A client that goes away mid-stream: the proxy notices (by cancellation, which cancels the decode
-    server's request so vLLM aborts it, or by its next failed write), counts it, and keeps the decode server in."""
+    server's request so vLLM aborts it, or by its next failed write), counts it, and keeps the decode
+    server in."""
     async def go():
         p, d = StandIn("prefill"), StandIn("decode")
         async with Rig([p], [d], cancel_on_disconnect=cancel_on_disconnect) as rig:
@@ -343,7 +348,8 @@ def test_client_disconnect_cancels_backend_request(cancel_on_disconnect):
                 await asyncio.sleep(0.01)
             backend = rig.proxy.decode.backends[0]
             assert backend.outstanding == 0 and backend.healthy, backend.state()
-            assert rig.proxy.counts["client_disconnects"] == 1 and rig.proxy.counts["errors"] == 0, rig.proxy.counts
+            counts = rig.proxy.counts
+            assert counts["client_disconnects"] == 1 and counts["errors"] == 0, counts
     run(go())
 
 

@@ -11,8 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from tests.engines.conftest import ROOT
-from testkit.openai_servers import (Server, free_port, kvlc_transfer_config, tiny_llama_with_words, vllm_server_args,
-                                    wait_all, words)
+from testkit.openai_servers import (Server, free_port, kvlc_transfer_config, tiny_llama_with_words,
+                                    vllm_server_args, wait_all, words)
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("aiohttp")
@@ -25,8 +25,9 @@ SAMPLING = dict(temperature=0, max_tokens=16, extra_body={"ignore_eos": True, "r
 
 @pytest.fixture(scope="module")
 def pd(tmp_path_factory):
-    """A prefill server (core 0), decode servers A (core 1) and B (core 0), a 1P:1D proxy (A) and a
-    1P:2D proxy (A and B), all started in parallel."""
+    """A prefill server (core 0), decode servers A (core 1) and B (core 0), a 1P:1D proxy (A), a
+    1P:2D proxy (A and B), and two proxies whose (first) prefill server is not there, one of them with
+    --recompute; all started in parallel."""
     tmp = tmp_path_factory.mktemp("proxy")
     model = str(tiny_llama_with_words(tmp / "tiny-words"))
     env = {"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
@@ -38,13 +39,18 @@ def pd(tmp_path_factory):
             port = free_port()
             servers[name] = Server(name, vllm_server_args(model, port, kvlc_transfer_config(role)), port,
                                    tmp / f"{name}.log", {**env, "VLLM_CPU_OMP_THREADS_BIND": str(core)})
-        for name, decodes in (("proxy", ("decode",)), ("proxy_2d", ("decode", "decode_b"))):
+        dead = f"http://127.0.0.1:{free_port()}"  # a prefill server that is not there
+        for name, prefills, decodes, more in (
+                ("proxy", ("prefill",), ("decode",), ()),
+                ("proxy_2d", ("prefill",), ("decode", "decode_b"), ()),
+                ("proxy_failover", (dead, "prefill"), ("decode",), ()),
+                ("proxy_recompute", (dead,), ("decode",), ("--recompute",))):
             port = free_port()
-            args = [sys.executable, "-m", "kvlc.cli", "proxy", "--prefill", servers["prefill"].url,
-                    "--port", str(port), "--timeout", "120", "--health-interval", "1"]
-            for d in decodes:
-                args += ["--decode", servers[d].url]
-            servers[name] = Server(name, args, port, tmp / f"{name}.log", env)
+            args = [sys.executable, "-m", "kvlc.cli", "proxy", "--port", str(port), "--timeout", "120",
+                    "--health-interval", "1", *more]
+            args += [a for p in prefills for a in ("--prefill", servers[p].url if p in servers else p)]
+            args += [a for d in decodes for a in ("--decode", servers[d].url)]
+            servers[name] = Server(name, args, port, tmp / f"{name}.log", env, ready_codes=(200, 503))
         wait_all(servers.values())
         servers["model"] = model
         yield servers
@@ -75,9 +81,9 @@ def _completion(server, model, prompt, stream=False) -> tuple[str, list[int]]:
 
 
 def _chat(server, model, content, stream=False) -> str:
-    out = _client(server).chat.completions.create(model=model, messages=[{"role": "user", "content": content}],
-                                                  stream=stream, temperature=0, max_tokens=16,
-                                                  extra_body={"ignore_eos": True})
+    out = _client(server).chat.completions.create(
+        model=model, messages=[{"role": "user", "content": content}], stream=stream, temperature=0,
+        max_tokens=16, extra_body={"ignore_eos": True})
     if not stream:
         return out.choices[0].message.content
     return "".join(c.choices[0].delta.content or "" for c in out if c.choices)
@@ -139,6 +145,21 @@ def _health(server) -> dict:
             return json.loads(r.read())
     except urllib.error.HTTPError as exc:
         return json.loads(exc.read())
+
+
+def test_prefill_server_not_there_fails_over_or_recomputes(pd):
+    """A prefill server that is not there: with a second prefill server the request is prefilled there
+    and the KV loaded; with --recompute as the only one, the decode server computes the prompt. Both
+    answers equal the answer alone."""
+    prompt = words(140, seed=31)
+    alone = _completion(pd["decode"], pd["model"], prompt)
+    before = pd["decode"].log().count(LOADED)
+    assert _completion(pd["proxy_failover"], pd["model"], prompt, stream=True) == alone
+    assert pd["decode"].log().count(LOADED) == before + 1
+    assert _completion(pd["proxy_recompute"], pd["model"], prompt) == alone
+    assert pd["decode"].log().count(LOADED) == before + 1
+    health = _health(pd["proxy_recompute"])
+    assert health["recomputes"] == 1 and health["errors"] == 0 and health["status"] == "unavailable"
 
 
 def test_one_prefill_two_decode_servers(pd):

@@ -12,7 +12,8 @@ Failures, as the client sees them (OpenAI's error shape, ``{"error": {"message",
 * a backend that answers 4xx: its status and body, unchanged (the client's request is wrong);
 * a backend that cannot be reached, breaks the connection or answers 5xx: 502 naming the backend
   and why (with ``recompute``, a request no prefill server can take goes to a decode server
-  without params instead, which computes the prompt); ``timeout`` seconds without a byte from it: 504. A prefill server that fails is taken
+  without params instead, which computes the prompt); ``timeout`` seconds without a byte from
+  it: 504. A prefill server that fails is taken
   out and the request goes to another prefill server; a decode server that cannot be *connected
   to* is taken out and the request goes to another decode server with the same params. A decode
   request that reached its server is never sent twice: its KV load may have begun, and a second
@@ -111,7 +112,8 @@ class Proxy:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=s.connect_timeout, sock_read=s.timeout)
         # a fresh connection per backend request: a kept-alive one the server closes as the request
         # is sent fails after sending, and a decode request that may have been sent is never resent
-        self._session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0, force_close=True))
+        self._session = aiohttp.ClientSession(
+            timeout=timeout, connector=aiohttp.TCPConnector(limit=0, force_close=True))
         if s.health_interval > 0:
             self._health = asyncio.create_task(self._check_health_forever())
 
@@ -130,10 +132,11 @@ class Proxy:
 
     async def check_health(self) -> None:
         """GET /health on every backend at once; 200 puts a backend (back) in, anything else takes it out."""
+        limit = aiohttp.ClientTimeout(total=self.settings.connect_timeout)
+
         async def one(pool: Pool, b: Backend) -> None:
             try:
-                async with self._session.get(b.url + "/health",
-                                             timeout=aiohttp.ClientTimeout(total=self.settings.connect_timeout)) as r:
+                async with self._session.get(b.url + "/health", timeout=limit) as r:
                     if r.status == 200:
                         if not b.healthy:
                             log.warning("kvlc proxy: %s server %s is healthy again", pool.role, b.url)
@@ -223,8 +226,8 @@ class Proxy:
                 if params is None:
                     self.counts["no_params"] += 1
                     log.warning("kvlc proxy: prefill server %s returned no kv_transfer_params (is it started "
-                                "with kvlc's connector as kv_producer?); the decode server computes the prompt",
-                                b.url)
+                                "with kvlc's connector as kv_producer?); the decode server computes the "
+                                "prompt", b.url)
                 return params
             except asyncio.TimeoutError as exc:
                 if isinstance(exc, aiohttp.ConnectionTimeoutError):  # never connected: try another
@@ -243,7 +246,8 @@ class Proxy:
         raise ProxyError(502, self.prefill.why_none(), "backend_unavailable")
 
     def _take_out(self, pool: Pool, b: Backend, exc: BaseException) -> None:
-        """``b`` failed before it answered: out of the pool until /health says 200; the caller tries another."""
+        """``b`` failed before it answered: out of the pool until /health says 200; the caller tries
+        another."""
         why = _why(exc, self.settings.connect_timeout)
         pool.mark_down(b, why)
         self.counts[f"{pool.role}_retries"] += 1
@@ -280,8 +284,8 @@ class Proxy:
                 await _raise_for(r, b)
             if not body.get("stream"):
                 return web.Response(status=200, body=await r.read(), content_type=r.content_type)
-            out = web.StreamResponse(status=200, headers={
-                "Content-Type": r.headers.get("Content-Type", "text/event-stream"), "Cache-Control": "no-cache"})
+            kind = r.headers.get("Content-Type", "text/event-stream")
+            out = web.StreamResponse(status=200, headers={"Content-Type": kind, "Cache-Control": "no-cache"})
             await out.prepare(request)
             try:
                 while True:
@@ -352,5 +356,6 @@ def _why(exc: BaseException, timeout: float) -> str:
         return f"no answer in {timeout:g}s"
     if isinstance(exc, aiohttp.ClientConnectorError):
         os_error = exc.os_error
-        return f"cannot connect: {type(os_error).__name__} ({getattr(os_error, 'strerror', None) or os_error})"
+        detail = getattr(os_error, "strerror", None) or os_error
+        return f"cannot connect: {type(os_error).__name__} ({detail})"
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

@@ -9,8 +9,9 @@ is the dict the prefill server returned, unchanged (vLLM's NixlConnector convent
 
 >>> body = {"model": "m", "prompt": "Hello", "max_tokens": 20, "stream": True,
 ...         "stream_options": {"include_usage": True}}
->>> prefill_body(body)
-{'model': 'm', 'prompt': 'Hello', 'max_tokens': 1, 'stream': False, 'n': 1, 'kv_transfer_params': {'do_remote_decode': True}}
+>>> sorted(prefill_body(body).items())  # doctest: +NORMALIZE_WHITESPACE
+[('kv_transfer_params', {'do_remote_decode': True}), ('max_tokens', 1), ('model', 'm'), ('n', 1),
+ ('prompt', 'Hello'), ('stream', False)]
 >>> decode_body(body, {"do_remote_prefill": True, "remote_request_id": "r1"})["kv_transfer_params"]
 {'do_remote_prefill': True, 'remote_request_id': 'r1'}
 >>> one_prompt({"prompt": ["a", "b"]})
