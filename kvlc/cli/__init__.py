@@ -1,8 +1,8 @@
-"""The ``kvlc`` command line: compile | check | explain | size | schema | render | init | pair | demo | bench |
+"""The ``kvlc`` command line: compile | check | explain | size | schema | render | init | pair | demo |
 from-vllm | proxy.
 
 Exit codes: 0 success, 2 a spec / pairing problem (every problem printed), 1 a
-failed run (transfer mismatch, benchmark failure). One module per kind of command; importing
+failed run (transfer mismatch). One module per kind of command; importing
 this package registers them all on :func:`main`.
 """
 

@@ -26,7 +26,7 @@ import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvlc.demo.procs_child import _main, resources  # noqa: F401  (resources: re-exported)
+from kvlc.demo.procs_child import _main
 
 
 # One random secret per parent process: every engine this harness starts trusts its siblings only.

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from kvlc.compiler.pairing.pair import TransferProgram, pair
 from kvlc.compiler.plan.model import Plan
 from kvlc.runtime.errors import HandshakeError
-from kvlc.runtime.kinds import Direction, Mode
+from kvlc.runtime.kinds import Direction, ConnectionMode
 from kvlc.runtime.channel.wire import Record
 
 
@@ -33,7 +33,7 @@ class Session:
     conn_id: str
     notif_key: bytes
     direction: Direction   # this side's direction towards the remote
-    mode: Mode             # the wire mode the connection was made with
+    mode: ConnectionMode             # the wire mode the connection was made with
     engine: RemoteEngine
     address: str = ""      # where the remote serves (push consumers cancel there)
     server_side: bool = False  # introduced to our server (else: we connected to it)

@@ -26,6 +26,7 @@ from kvlc.engines.vllm.connector.config import ConnectorSettings, Mode
 from kvlc.engines.vllm.connector.layout import EnginePlan
 from kvlc.errors import KvlcError
 from kvlc.runtime import Completions, KvAgent, Peer
+from kvlc.runtime.settings import AgentSettings
 from kvlc.runtime.channel.auth import resolve_secret
 from kvlc.runtime.channel.tcp import ChannelClient, ChannelServer
 
@@ -67,8 +68,8 @@ class Transport:
         self.ep = ep
         self.settings = settings
         self._key = resolve_secret(None)  # $KVLC_SECRET (or $KVLC_SECRET_FILE); refuses to run without
-        self.agent = KvAgent(ep.plan, ep.rank, ep.tensors, engine_id=engine_id, lease=settings.lease,
-                             timeout=settings.timeout, progress="thread")
+        self.agent = KvAgent(ep.plan, ep.rank, ep.tensors, AgentSettings(
+            engine_id=engine_id, lease=settings.lease, timeout=settings.timeout, progress="thread"))
         self.address = self.agent.serve(settings.host, settings.port_for(ep.rank))
         self._lock = threading.RLock()
         self._peers: dict[tuple, Peer] = {}

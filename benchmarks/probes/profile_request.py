@@ -14,7 +14,7 @@ spend before the transfer starts and what UCX spends moving the pieces. The move
 measured between two processes by ``bench_transfer.py`` (``nixl_sweep``); ``strace -c -f``
 on that sweep shows one ``process_vm_readv`` system call per descriptor (UCX's cma transport).
 
-Run:  python3 benchmarks/profile_request.py [--tokens 2048] [--repeat 31]
+Run:  python3 benchmarks/probes/profile_request.py [--tokens 2048] [--repeat 31]
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common, the suite
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # probes/
 from bench_transfer import fitted_spec  # noqa: E402
 from common import LAYOUTS, ms, timeit, write_results  # noqa: E402
 

@@ -2,10 +2,10 @@
 
 Llama-3.1-8B in VRAM on cuda:0 (two processes), 1 GiB pools, 16 push requests of 2048 tokens with
 random block ids (4,084 descriptors of 64 KiB: the automatic gate stages them), 4 in flight, no
-byte check (benchmarks/gpu_content_check.py checks bytes); ``KVLC_UCX_NUM_THREADS`` 0, 4, 0, 4.
+byte check (benchmarks/probes/gpu_content_check.py checks bytes); ``KVLC_UCX_NUM_THREADS`` 0, 4, 0, 4.
 Prints one JSON row per run (GB/s, each round's seconds); writes them to OUT if given.
 
-Run (from the repository root):  python3 benchmarks/gpu_staged_pool.py [gpu|cpu] [OUT.json]
+Run (from the repository root):  python3 benchmarks/probes/gpu_staged_pool.py [gpu|cpu] [OUT.json]
 """
 
 import json
@@ -14,8 +14,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common, the suite
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # probes/
 from gpu_transfer import LLAMA, on_device  # noqa: E402
 from kvlc.demo.run import run_demo  # noqa: E402
 

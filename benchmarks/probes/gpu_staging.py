@@ -11,7 +11,7 @@ producer's and the consumer's cuda device as given:
 * checks: the same modes on small regions with content-coded bytes, every destination byte
   compared and every other byte unchanged.
 
-    python3 benchmarks/gpu_staging.py [--producer-device 0] [--consumer-device 0]
+    python3 benchmarks/probes/gpu_staging.py [--producer-device 0] [--consumer-device 0]
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 MiB = 1 << 20

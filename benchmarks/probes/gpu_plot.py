@@ -65,7 +65,7 @@ def _staged_verdicts(rows: list[dict], ceil: dict) -> list[dict]:
             r = _find(rows, f"staged {name} {ids}")
             out.append(_ratio(f"mixed {name} {ids} >= 80% of pinned copy (staged)", _g(r), ceil.get(ceiling), 0.8,
                               f"staged vs torch {ceiling}"))
-    for mode in ("push", "pull_via_push"):  # staging through KvAgent (benchmarks/gpu_kvlc_staging.py)
+    for mode in ("push", "pull_via_push"):  # staging through KvAgent (benchmarks/probes/gpu_kvlc_staging.py)
         k = _find(rows, f"kvlc staging VRAM llama-3.1-8b {mode} 256 MiB random ids [")
         out.append(_ratio(f"KvAgent {mode} 4,086 x 64 KiB >= 0.3 of D2D (staged)", _g(k), ceil.get("d2d 256 MiB"),
                           0.3, "best staged KvAgent vs d2d"))
@@ -77,7 +77,7 @@ def _staged_verdicts(rows: list[dict], ceil: dict) -> list[dict]:
 
 def annotate(doc: dict) -> dict:
     """Give every timed row its ceiling (torch copy of the same kind) and the fraction of it; VRAM rows
-    also get ``torch_d2d_gbps_same_bytes`` (what ``kvlc bench`` summarizes). ``machine.gpu`` names the GPU."""
+    also get ``torch_d2d_gbps_same_bytes`` (what ``benchmarks/run.py`` summarizes). ``machine.gpu`` names the GPU."""
     ceil = doc["torch_copy_gbps"]
     doc["machine"].setdefault("gpu", (doc["machine"].get("gpus") or ["?"])[0])
     for r in doc["rows"]:

@@ -13,8 +13,8 @@ wait (from the last post to the last ``done``), plus a cProfile of the whole loo
 same bytes between two more processes, rounds alternated (results/push_vs_raw.json); ``--gpu`` puts
 both sides' caches in VRAM on cuda:0 (a GPU machine).
 
-Run:  python3 benchmarks/profile_push.py [--tokens 256] [--inflight 8] [--rounds 20] [--profile]
-      python3 benchmarks/profile_push.py --compare 16,256,2048 --rounds 5 --inflight 4 --pool-mib 1024
+Run:  python3 benchmarks/probes/profile_push.py [--tokens 256] [--inflight 8] [--rounds 20] [--profile]
+      python3 benchmarks/probes/profile_push.py --compare 16,256,2048 --rounds 5 --inflight 4 --pool-mib 1024
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common, the suite
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # probes/
 
 from kvlc.demo.run import DEFAULT_LAYOUT, make_workload  # noqa: E402
 

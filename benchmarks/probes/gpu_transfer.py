@@ -12,12 +12,12 @@ both 0 on a one-GPU machine):
 * raw NIXL (no kvlc) between the same kind of processes: one descriptor of the same bytes,
   WRITE and READ, and the same rows with UCX thread-pool settings side by side;
 * staging (``kvlc.runtime.staging.endpoint``): 4,086 x 64 KiB VRAM -> VRAM, 256 MiB DRAM -> VRAM and
-  VRAM -> DRAM, with content-coded checks in every memory pairing (benchmarks/gpu_staging.py).
+  VRAM -> DRAM, with content-coded checks in every memory pairing (benchmarks/probes/gpu_staging.py).
 
 Writes JSON (``--out``) and a plot next to it. Needs a CUDA GPU, torch and nixl (not part of CI).
 Run from the repository root:
 
-    python3 benchmarks/gpu_transfer.py --producer-device 0 --consumer-device 0 \\
+    python3 benchmarks/probes/gpu_transfer.py --producer-device 0 --consumer-device 0 \\
         --out benchmarks/results/gpu.json
 """
 
@@ -35,9 +35,10 @@ from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "benchmarks" / "probes"))
 
 MiB = 1 << 20
 LLAMA = "layouts/llama-3.1-8b.yaml"
@@ -283,7 +284,7 @@ def machine(args) -> dict:
 
     info = {"gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
             "torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
-            "command": " ".join(["python3", "benchmarks/gpu_transfer.py", *sys.argv[1:]]),
+            "command": " ".join(["python3", "benchmarks/probes/gpu_transfer.py", *sys.argv[1:]]),
             "when": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "producer_device": args.producer_device,
             "consumer_device": args.consumer_device,
             "ucx_env": {k: v for k, v in os.environ.items() if k.startswith("UCX_")}}
@@ -352,7 +353,7 @@ def main(argv=None) -> int:
     for v in doc["verdicts"]:
         print(f"{v['target']}: {v['verdict']} ({v['detail']})", flush=True)
     try:
-        plot(doc, path.with_name(path.stem + "_transfer.png"))  # gpu.png is kvlc bench's summary plot
+        plot(doc, path.with_name(path.stem + "_transfer.png"))  # gpu.png is run.py's summary plot
     except Exception as exc:  # the JSON is what counts
         print(f"plot failed: {exc}")
     print(f"wrote {path}")

@@ -10,7 +10,7 @@ Rows (``kvlc staging ...``), two processes, ``kvlc.demo.run.run_demo``:
   bounce slots of 32 / 128 / 256 MiB (``KVLC_STAGING_SLOT_BYTES``) and 8 slots of 64 MiB.
 
 Pull (READ) is never staged (docs/runtime.md); its rows show the direct path for comparison.
-Called by benchmarks/gpu_transfer.py (``--only kvlc-staging``).
+Called by benchmarks/probes/gpu_transfer.py (``--only kvlc-staging``).
 """
 
 from __future__ import annotations

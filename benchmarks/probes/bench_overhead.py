@@ -17,7 +17,7 @@ uses the same UCX worker). ``--inflight`` requests per round, ``--rounds`` round
 alternated (raw, kvlc, raw, ...) after two warm-up rounds; medians of µs per request. ``--gpu``
 puts both caches in VRAM on cuda:0 (a GPU machine). Writes ``results/overhead.json``.
 
-Run:  python3 benchmarks/bench_overhead.py [--tokens 16] [--inflight 32] [--rounds 40] [--progress manual] [--gpu]
+Run:  python3 benchmarks/probes/bench_overhead.py [--tokens 16] [--inflight 32] [--rounds 40] [--progress manual] [--gpu]
 """
 
 from __future__ import annotations
@@ -33,8 +33,9 @@ from pathlib import Path
 
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common, the suite
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # probes/
 
 from common import write_results  # noqa: E402
 from profile_push import one_round  # noqa: E402

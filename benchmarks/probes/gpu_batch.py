@@ -11,7 +11,7 @@ before the clock or in flight, with kvlc's default UCX pool; ``gpu_submit.raw_ro
 Per row: median GB/s over the rounds, and the engine thread's time per request to hand the
 round over (submit µs). ``--device cpu`` is a small dry run on DRAM (correctness of the script).
 
-Run (from the repository root):  python3 benchmarks/gpu_batch.py [--device cpu] [--rounds 8] [--out OUT.json]
+Run (from the repository root):  python3 benchmarks/probes/gpu_batch.py [--device cpu] [--rounds 8] [--out OUT.json]
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common, the suite
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # probes/
 
 from profile_push import wait_finished  # noqa: E402
 
@@ -133,7 +134,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     gpu = args.device == "gpu"
     only = set(filter(None, args.only.split(",")))
-    doc = {"benchmark": "gpu_batch", "command": " ".join(["python3", "benchmarks/gpu_batch.py", *sys.argv[1:]]),
+    doc = {"benchmark": "gpu_batch", "command": " ".join(["python3", "benchmarks/probes/gpu_batch.py", *sys.argv[1:]]),
            "when": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "rows": []}
     # (MiB per request, tokens, in flight, pool per side): 2048 tokens of Llama-3.1-8B are 256 MiB
     # (the largest pool scaled_plan makes is the spec's own: four 2 GiB requests at once)

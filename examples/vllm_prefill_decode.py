@@ -1,11 +1,11 @@
 """Prefill and decode vLLM engines with kvlc, in two commands.
 
     # terminal 1: a prefill engine; its HTTP endpoint turns a prompt into kv_transfer_params
-    KVLC_SECRET=... python3 -m kvlc.engines.vllm.serve prefill --model DIR --api-port 8100 --kv-port 7100
+    KVLC_SECRET=... python3 examples/vllm_prefill_decode.py prefill --model DIR --api-port 8100 --kv-port 7100
 
     # terminal 2: a decode engine that sends each prompt to the prefill engine and decodes it
-    KVLC_SECRET=... python3 -m kvlc.engines.vllm.serve decode --model DIR --prefill http://127.0.0.1:8100 \\
-        --prompt 1,2,3,4,5 --max-tokens 16 --check
+    KVLC_SECRET=... python3 examples/vllm_prefill_decode.py decode --model DIR \\
+        --prefill http://127.0.0.1:8100 --prompt 1,2,3,4,5 --max-tokens 16 --check
 
 The prefill endpoint (``POST /prefill`` with ``{"prompt_token_ids": [...]}``) runs the prompt with
 ``max_tokens=1`` and ``kv_transfer_params={"do_remote_decode": true}`` and answers with the
@@ -104,7 +104,8 @@ def run_decode(args) -> int:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python3 -m kvlc.engines.vllm.serve", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python3 examples/vllm_prefill_decode.py",
+                                 description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="role", required=True)
     for name in ("prefill", "decode"):
         p = sub.add_parser(name)

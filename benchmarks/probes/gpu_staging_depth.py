@@ -10,9 +10,9 @@ not the GPU's. Then mixed DRAM/VRAM with one rank per side: DeepSeek-V3.2 -> HiS
 (the TP8 layouts with ``tp_size: 1``, as with data-parallel attention: MLA's latent is the same on
 every rank), push and pull via push, beside the pinned host<->device copy ceiling.
 
-Run (from the repository root):  python3 benchmarks/gpu_staging_depth.py [--device cpu] [--out OUT.json]
-                                 python3 benchmarks/gpu_staging_depth.py --mixed 4x32,8x32,16x16 (mixed rows only)
-                                 python3 benchmarks/gpu_staging_depth.py --direct-ab (direct chunks on / off)
+Run (from the repository root):  python3 benchmarks/probes/gpu_staging_depth.py [--device cpu] [--out OUT.json]
+                                 python3 benchmarks/probes/gpu_staging_depth.py --mixed 4x32,8x32,16x16 (mixed rows only)
+                                 python3 benchmarks/probes/gpu_staging_depth.py --direct-ab (direct chunks on / off)
 """
 
 from __future__ import annotations
@@ -26,9 +26,10 @@ from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common, the suite
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # probes/
 
 MiB = 1 << 20
 GEOMETRIES = ((4, 32 * MiB), (1, 256 * MiB), (2, 128 * MiB), (8, 32 * MiB))
@@ -163,7 +164,7 @@ def main(argv=None) -> int:
     gpu = args.device == "gpu"
     scale = 1 if gpu else 16
     doc: dict = {"benchmark": "gpu_staging_depth", "when": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-                 "command": " ".join(["python3", "benchmarks/gpu_staging_depth.py", *sys.argv[1:]]), "rows": []}
+                 "command": " ".join(["python3", "benchmarks/probes/gpu_staging_depth.py", *sys.argv[1:]]), "rows": []}
     if gpu:
         from gpu_transfer import ceilings
 

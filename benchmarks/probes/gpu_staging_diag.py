@@ -1,6 +1,6 @@
 """GPU: why staging through KvAgent is slower than the staging pair — timelines, profiles, a latency probe.
 
-    python3 benchmarks/gpu_staging_diag.py --out <folder> [--spy <py-spy binary>]
+    python3 benchmarks/probes/gpu_staging_diag.py --out <folder> [--spy <py-spy binary>]
 
 1. **Latency probe** (two processes on one GPU): how long a tiny kernel + synchronize and a
    64 KiB device-to-host copy take in process B while process A is idle, and while A keeps the
@@ -25,8 +25,9 @@ import tarfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common, the suite
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # probes/
 
 MiB = 1 << 20
 

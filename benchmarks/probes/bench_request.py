@@ -13,7 +13,7 @@ Times, for a program of ``--layout`` paired with itself (``--direction``, defaul
 to a temporary folder, run in a subprocess with that tree first on ``sys.path``), rounds alternated,
 so before / after medians come from one run under one machine load.
 
-Run:  python3 benchmarks/bench_request.py [--tokens 256] [--repeat 2000] [--against main --rounds 5]
+Run:  python3 benchmarks/probes/bench_request.py [--tokens 256] [--repeat 2000] [--against main --rounds 5]
 Each number is the fastest of 5 batches; with --against, the fastest and the median of those over the rounds
 (one process runs at up to twice the speed of the next on a shared machine: use many rounds).
 """
@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _ids(plan, tokens: int, kind: str, seed: int = 0) -> dict[str, list[int]]:

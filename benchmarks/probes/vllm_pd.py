@@ -7,7 +7,7 @@ process); for kvlc also the transfer time (load start to received), bytes and de
 agent's counters). Every decode is checked against the decode engine's own tokens. Then the
 block-size pairs 128/32 and 32/64 are tried with both connectors (tokens compared, refusals kept).
 
-    PYTHONPATH=. python3 benchmarks/vllm_pd.py --out benchmarks/results/vllm_pd.json
+    PYTHONPATH=. python3 benchmarks/probes/vllm_pd.py --out benchmarks/results/vllm_pd.json
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from testkit.vllm_engines import EngineProcess, EngineSpec, tiny_llama  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SECRET = "vllm-pd-benchmark-secret-0123456789"
 
 

@@ -2,11 +2,11 @@
 
 Two KvAgent processes on cuda:0, default staging geometry, automatic gate: Llama-3.1-8B push of 16
 requests of 256 MiB with random block ids (4,084 descriptors of 64 KiB, 4 in flight per round),
-then DeepSeek-V3.2 -> HiSparse at TP1 (see benchmarks/gpu_staging_depth.py), 8 requests. Prints one
+then DeepSeek-V3.2 -> HiSparse at TP1 (see benchmarks/probes/gpu_staging_depth.py), 8 requests. Prints one
 JSON row per case with every round's seconds, the first round's GB/s and the later rounds'.
 Used to A/B a change meant to shorten the first round (run from two trees, alternated: benchmarks/README.md).
 
-Run (from the repository root):  python3 benchmarks/gpu_staged_first_round.py [gpu|cpu] [OUT.json]
+Run (from the repository root):  python3 benchmarks/probes/gpu_staged_first_round.py [gpu|cpu] [OUT.json]
 """
 
 import json
@@ -14,9 +14,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common, the suite
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # probes/
 
 
 def main():

@@ -8,7 +8,7 @@ first and the last round are checked byte by byte (every destination byte, nothi
 Open fds, threads, RSS and live NIXL handles of every engine process are reported after the warm-up
 round and at the end: a leak shows as growth.
 
-    PYTHONPATH=. python3 benchmarks/soak_sessions.py --requests 10000 [--out soak.json]
+    PYTHONPATH=. python3 benchmarks/checks/soak_sessions.py --requests 10000 [--out soak.json]
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from kvlc import compile_spec  # noqa: E402
@@ -157,7 +157,7 @@ def main(argv=None) -> int:
         stop_engines([h for hs in eng.values() for h in hs])
     result = {"requests": done, "failed": len(failed), "mismatches": len(problems), "bytes_checked": checked,
               "seconds": round(seconds, 1), "start": res0, "end": res1, "total_s": round(time.time() - t0, 1),
-              "command": " ".join(["benchmarks/soak_sessions.py"] + (argv or sys.argv[1:]))}
+              "command": " ".join(["benchmarks/checks/soak_sessions.py"] + (argv or sys.argv[1:]))}
     print(f"{done} requests in {seconds:.1f} s over 2x3 engines, {len(failed)} failed, {len(problems)} "
           f"mismatches, {checked:,} bytes checked (first and last rounds)")
     print(f"{'process':10} {'fds':>9} {'threads':>9} {'RSS MiB':>15} {'NIXL handles':>13} {'sessions':>9}")

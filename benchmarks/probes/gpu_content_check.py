@@ -5,7 +5,7 @@ Llama-3.1-8B scaled to a 64 MiB pool per rank on cuda:0 (both engines, two proce
 oracle says and every other byte must be unchanged (``run_demo(check="all")``). The staged row sets
 ``KVLC_STAGING=always`` for the engine processes. ``--device cpu`` runs the same on DRAM.
 
-Run (from the repository root):  python3 benchmarks/gpu_content_check.py [--device cpu]
+Run (from the repository root):  python3 benchmarks/probes/gpu_content_check.py [--device cpu]
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common, the suite
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # probes/
 
 from gpu_transfer import LLAMA, on_device  # noqa: E402
 

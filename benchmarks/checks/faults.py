@@ -9,7 +9,7 @@ that changed since the snapshot is a byte that landed in a reused block. The con
 Requests reported *held* (failed, but bytes could still land) are not reused until they are terminal.
 A killed consumer has no memory left to count (reported as n/a).
 
-    PYTHONPATH=. python3 benchmarks/faults.py [--out faults.json]
+    PYTHONPATH=. python3 benchmarks/checks/faults.py [--out faults.json]
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from kvlc import compile_spec  # noqa: E402

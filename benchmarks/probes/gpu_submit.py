@@ -14,7 +14,7 @@ each without UCX's thread pool and with kvlc's default for VRAM agents (``UcxOpt
 Raw and kvlc rows alternate twice (A B A B), so drift on the machine shows as spread, not as a
 difference. Prints one JSON row per case; writes the document to OUT.
 
-Run (from the repository root):  python3 benchmarks/gpu_submit.py [--device cpu] [--out OUT.json]
+Run (from the repository root):  python3 benchmarks/probes/gpu_submit.py [--device cpu] [--out OUT.json]
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common, the suite
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # probes/
 
 MiB = 1 << 20
 
@@ -103,7 +104,7 @@ def main(argv=None) -> int:
     from gpu_transfer import LLAMA, on_device
 
     gpu = args.device == "gpu"
-    doc: dict = {"benchmark": "gpu_submit", "command": " ".join(["python3", "benchmarks/gpu_submit.py", *sys.argv[1:]]),
+    doc: dict = {"benchmark": "gpu_submit", "command": " ".join(["python3", "benchmarks/probes/gpu_submit.py", *sys.argv[1:]]),
                  "when": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "rows": []}
     if gpu:
         from gpu_transfer import ceilings

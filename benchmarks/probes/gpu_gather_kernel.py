@@ -13,7 +13,7 @@ bounce span. Times, with CUDA events (median of 20, after 3 untimed):
 * optionally the same with another process holding an idle CUDA context (``--idle-peer``);
   ``--profile`` instead prints a cProfile of 50 Copier gathers and scatters (host time).
 
-Run (from the repository root):  python3 benchmarks/gpu_gather_kernel.py [--idle-peer] [--profile] [--out OUT.json]
+Run (from the repository root):  python3 benchmarks/probes/gpu_gather_kernel.py [--idle-peer] [--profile] [--out OUT.json]
 (``--device cpu``: a dry run on DRAM)
 """
 
@@ -28,9 +28,10 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common, the suite
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # probes/
 
 MiB = 1 << 20
 ROW = 64 << 10
