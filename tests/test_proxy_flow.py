@@ -48,10 +48,14 @@ class StandIn:
             await asyncio.sleep(5)
         if b == "slow":
             await asyncio.sleep(5)
+        if b == "jitter":  # answers out of order
+            await asyncio.sleep((n * 7919 % 13) / 400)
         if self.role == "prefill":
             params = None if b == "no_params" else {"do_remote_prefill": True,
                                                     "remote_request_id": f"{self.url}#{n}",
                                                     "remote_block_ids": [[1, 2, 3]], "connector": "kvlc"}
+            if b == "jitter":
+                params["prompt_seen"] = body["prompt"]
             return web.json_response({"choices": [{"text": "P"}], "kv_transfer_params": params})
         if not body.get("stream"):
             return web.json_response({"choices": [{"text": f"decoded by {self.url}"}], "got": body})
@@ -192,6 +196,24 @@ def test_servers_taken_in_turn_and_least_outstanding_first():
             assert len(held.seen) == 3  # both went to the idle one
             held.release.set()
             assert (await busy)[0] == 200
+    run(go())
+
+
+def test_concurrent_requests_each_decode_with_their_own_params():
+    """Sixty concurrent requests over two prefill and two decode servers that answer out of order:
+    each decode request carries the params its own prompt's prefill returned, and each client gets
+    its own answer."""
+    async def go():
+        ps = [StandIn("prefill", "jitter"), StandIn("prefill", "jitter")]
+        ds = [StandIn("decode", "jitter"), StandIn("decode", "jitter")]
+        async with Rig(ps, ds) as rig:
+            bodies = [{**BODY, "prompt": [i, i + 1, i + 2]} for i in range(60)]
+            answers = await asyncio.gather(*(rig.post("/v1/completions", b) for b in bodies))
+        for body, (status, data) in zip(bodies, answers):
+            got = json.loads(data)["got"]
+            assert status == 200 and got["prompt"] == body["prompt"]
+            assert got["kv_transfer_params"]["prompt_seen"] == body["prompt"]
+        assert sum(len(s.seen) for s in ds) == 60 and min(len(s.seen) for s in ps + ds) >= 15  # both used
     run(go())
 
 
