@@ -435,3 +435,23 @@ def test_models_from_decode_and_health_checks():
             async with rig.client.get(rig.url + "/health") as r:
                 assert r.status == 200
     run(go())
+
+
+def test_cli_on_a_busy_port_says_so_in_one_line():
+    """`kvlc proxy` on a port in use exits 1 with one line naming the address, no traceback."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "kvlc.cli", "proxy", "--prefill", "http://127.0.0.1:1",
+                            "--decode", "http://127.0.0.1:2", "--port", str(port)], capture_output=True,
+                           text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(root)})
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr.startswith(f"kvlc proxy: cannot listen on 127.0.0.1:{port}: ") and r.stderr.count("\n") == 1

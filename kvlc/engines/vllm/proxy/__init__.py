@@ -34,11 +34,10 @@ async def _serve(settings: ProxySettings) -> None:
 
     runner = web.AppRunner(Proxy(settings).app(), handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, settings.host, settings.port)
-    await site.start()
-    print(f"kvlc proxy ready: http://{settings.host}:{settings.port} "
-          f"(prefill {', '.join(settings.prefill)}; decode {', '.join(settings.decode)})", flush=True)
     try:
+        await web.TCPSite(runner, settings.host, settings.port).start()
+        print(f"kvlc proxy ready: http://{settings.host}:{settings.port} "
+              f"(prefill {', '.join(settings.prefill)}; decode {', '.join(settings.decode)})", flush=True)
         await asyncio.Event().wait()
     finally:
         await runner.cleanup()
