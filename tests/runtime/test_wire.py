@@ -10,8 +10,8 @@ from runtime_engines import TEST_LAYOUTS
 
 from kvlc import compile_spec
 from kvlc.runtime.errors import HandshakeError
+from kvlc.runtime.channel.notifs import MAX_NOTIF_BYTES, decode_notif, encode_notif
 from kvlc.runtime.channel.wire import (
-    MAX_NOTIF_BYTES,
     MAX_RECORD_BYTES,
     Fetch,
     Introduce,
@@ -21,10 +21,8 @@ from kvlc.runtime.channel.wire import (
     Reply,
     StorageBase,
     decode,
-    decode_notif,
     decode_record,
     encode,
-    encode_notif,
     make_record,
 )
 
