@@ -520,25 +520,26 @@ class KvAgent:
                 self.events.emit(Event.FREEABLE, req)
 
     def advance(self) -> None:
-        """Advance the transfers this side moves; report those that ended (caller holds the lock)."""
-        for out in self.executor.progress():
-            self.report(out)
+        """Advance the transfers this side moves; report those that ended."""
+        with self._lock:
+            for out in self.executor.progress():
+                self.report(out)
 
     def report(self, out: Outgoing) -> None:
         """A request this side moved ended (done or failed): tell poll(), and a tally its consumer's share."""
         status = Status.DONE if out.status == "done" else Status.FAILED
-        if out.key[0] == "pvp":  # producer share of a pull-via-push request
-            s = out.tag[1]
+        with self._lock:
             self.events.end(out.key, status)
-            if (s.engine.key, out.req) in self.tallies:
-                self.consumer_answered(s.engine, out.req, s.rank, status, out.reason)
-            return
-        self.events.end(out.key, status)
-        self.events.emit(Event.FINISHED if status is Status.DONE and not out.held else Event.FAILED,
-                         out.req, out.reason or ("" if not out.held else "timed out"))
-        if out.op == "WRITE":
-            self.offers.pop(out.req, None)
-            self.events.emit(Event.FREEABLE, out.req)
+            if out.key[0] == "pvp":  # producer share of a pull-via-push request
+                s = out.tag[1]
+                if (s.engine.key, out.req) in self.tallies:
+                    self.consumer_answered(s.engine, out.req, s.rank, status, out.reason)
+                return
+            self.events.emit(Event.FINISHED if status is Status.DONE and not out.held else Event.FAILED,
+                             out.req, out.reason or ("" if not out.held else "timed out"))
+            if out.op == "WRITE":
+                self.offers.pop(out.req, None)
+                self.events.emit(Event.FREEABLE, out.req)
 
     def wait(self, request_ids: Iterable[str], timeout: float | None = None, interval: float = 0.0005
              ) -> Completions:
