@@ -1,24 +1,21 @@
 """kvlc's runtime: move KV blocks between engines with NIXL, as a transfer program says.
 
-One module per concern, in the order a transfer meets them:
+A package per concern, the layers in the order a transfer meets them (the import contract in
+pyproject.toml states them; lower layers never import higher ones):
 
-    kinds     str enums: Direction, ConnectionMode, Status, Event
-    binding   tensors ↔ plan storages (present, contiguous, memory type, device, size, no overlap)
-    nixl      the one choke point for NIXL: typed errors, XferState, idempotent handles
-    auth      the shared secret, HMAC handshake, sealed frames, notification tags
-    wire      handshake record, side-channel messages, notifications (msgpack/JSON + pydantic)
-    channel   the per-agent authenticated side-channel server and its client, bounded
-    sessions  remote engines and their rank sessions (engine id, connection, epoch)
-    transfer  split a request into NIXL requests, barrier, notify, fail cleanly
-    staging*  bounce buffers for fragmented / mixed-memory WRITEs (policy, chunks, gather/scatter,
-              wire, the receiving half, and staging_agent: what a KvAgent asks of it)
-    tracking  completions: finished, failed, held, freeable; leases
-    server    the side-channel request server (records, introductions, pull requests, cancels)
-    replies   notifications and replies coming back to a consumer
-    pump      the progress thread and background sender (weak references), owned resources
-    peer      connect() and Peer: read / write
-    batch     Peer.write_many / read_many: several requests as one NIXL request per part
-    agent     KvAgent: register, serve, connect, expect, cancel, offer, poll, close
+    nixl/      the one door to NIXL: typed errors, XferState, idempotent handles, UCX options, warm-up
+    channel/   the authenticated side channel: secret and HMAC (auth), frames, wire, notifications,
+               the server and client (tcp), sessions of remote engines
+    staging/   bounce buffers for fragmented / mixed-memory WRITEs (policy, copies, wire, endpoint,
+               and the Stager a KvAgent asks)
+    kinds, errors, arguments, binding, tracking, pump
+               str enums (Direction, ConnectionMode, Status, Event), checks, tensors ↔ storages,
+               completions (finished, failed, held, freeable), the progress thread and sender
+    transfer   split a request into NIXL requests, barrier, notify; the fence (held until NIXL ends a part)
+    replies, batch   what comes back from remote ranks; several requests as one NIXL request per part
+    peer, server, settings   connect() and Peer (read / write); the side-channel request server;
+               AgentSettings (explicit > KVLC_* > default)
+    agent      KvAgent: owns its state; the others ask it through its public methods
 
 No layout arithmetic lives here: descriptors come from
 :meth:`kvlc.compiler.pairing.pair.TransferProgram.instantiate`. nixl and torch are

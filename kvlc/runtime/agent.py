@@ -47,7 +47,7 @@ from kvlc.runtime.errors import HandshakeError, NixlError
 from kvlc.runtime.kinds import ConnectionMode, Direction, Event, Status
 from kvlc.runtime.nixl.core import Agent
 from kvlc.runtime.peer import Peer, connect
-from kvlc.runtime.settings import AgentSettings
+from kvlc.runtime.settings import AgentSettings, check_advertised
 from kvlc.runtime.pump import Pump, Resources, Sender
 from kvlc.runtime import replies as _replies
 from kvlc.runtime.channel.sessions import RemoteEngine, Session, SessionTable
@@ -123,32 +123,46 @@ class KvAgent:
                      progress_thread=cfg.progress == "nixl")
 
     # ------------------------------------------------------------------ side channel
-    def serve(self, host: str = "127.0.0.1", port: int = 0) -> str:
-        """Start this agent's authenticated side-channel server; returns its ``host:port``."""
+    def serve(self, host: str | None = None, port: int | None = None, advertise: str | None = None) -> str:
+        """Start this agent's authenticated side-channel server on ``host:port`` (default: the settings'
+        ``host`` and ``port``); returns the address peers are given, ``advertise`` (default: the settings'
+        ``advertise``, else the bound host) with the bound port. A wildcard advertised address (0.0.0.0, ::)
+        is refused with the fix named, before anything is bound."""
+        cfg = self.settings
+        bind_host = cfg.host if host is None else host
+        shown = check_advertised(advertise or cfg.advertise or bind_host)
         with self._lock:
             self.check_open()
             if self._res.server is None:
-                ref = weakref.ref(self)
-
-                def handler(conn, frame, ref=ref):
-                    agent = ref()
-                    return _server.error_reply("agent closed") if agent is None else _server.handle(agent, conn, frame)
-
-                def closed(conn, ref=ref):
-                    agent = ref()
-                    if agent is not None and conn.session is not None:
-                        agent.drop_session(conn.session, "its side-channel connection closed")
-
-                self._res.server = ChannelServer(handler, _server.error_reply, self._key, host, port,
-                                                 limits=self.limits, on_close=closed)
+                self._res.server = self._channel_server(bind_host, cfg.port if port is None else port)
+                self._advertised = shown
             return self.address
+
+    def _channel_server(self, host: str, port: int) -> ChannelServer:
+        """The side-channel server; its handlers hold this agent weakly (a dropped agent is collected)."""
+        ref = weakref.ref(self)
+
+        def handler(conn, frame, ref=ref):
+            agent = ref()
+            return _server.error_reply("agent closed") if agent is None else _server.handle(agent, conn, frame)
+
+        def closed(conn, ref=ref):
+            agent = ref()
+            if agent is not None and conn.session is not None:
+                agent.drop_session(conn.session, "its side-channel connection closed")
+
+        return ChannelServer(handler, _server.error_reply, self._key, host, port, limits=self.limits, on_close=closed)
+
+    _advertised = ""
 
     @property
     def address(self) -> str | None:
+        """``host:port`` peers reach this agent's side channel at (None: not serving)."""
         if self._res.server is None or self._res.server.closed:
             return None
-        h, p = self._res.server.address
-        return f"{h}:{p}"
+        _, p = self._res.server.address
+        host = self._advertised
+        return f"[{host}]:{p}" if ":" in host and not host.startswith("[") else f"{host}:{p}"
 
     def connect(self, *addresses: str, direction: str = "READ", mode: str = "direct",
                 timeout: float = 10.0, warm: bool = True) -> Peer:
@@ -507,25 +521,26 @@ class KvAgent:
                 self.events.emit(Event.FREEABLE, req)
 
     def advance(self) -> None:
-        """Advance the transfers this side moves; report those that ended (caller holds the lock)."""
-        for out in self.executor.progress():
-            self.report(out)
+        """Advance the transfers this side moves; report those that ended."""
+        with self._lock:
+            for out in self.executor.progress():
+                self.report(out)
 
     def report(self, out: Outgoing) -> None:
         """A request this side moved ended (done or failed): tell poll(), and a tally its consumer's share."""
         status = Status.DONE if out.status == "done" else Status.FAILED
-        if out.key[0] == "pvp":  # producer share of a pull-via-push request
-            s = out.tag[1]
+        with self._lock:
             self.events.end(out.key, status)
-            if (s.engine.key, out.req) in self.tallies:
-                self.consumer_answered(s.engine, out.req, s.rank, status, out.reason)
-            return
-        self.events.end(out.key, status)
-        self.events.emit(Event.FINISHED if status is Status.DONE and not out.held else Event.FAILED,
-                         out.req, out.reason or ("" if not out.held else "timed out"))
-        if out.op == "WRITE":
-            self.offers.pop(out.req, None)
-            self.events.emit(Event.FREEABLE, out.req)
+            if out.key[0] == "pvp":  # producer share of a pull-via-push request
+                s = out.tag[1]
+                if (s.engine.key, out.req) in self.tallies:
+                    self.consumer_answered(s.engine, out.req, s.rank, status, out.reason)
+                return
+            self.events.emit(Event.FINISHED if status is Status.DONE and not out.held else Event.FAILED,
+                             out.req, out.reason or ("" if not out.held else "timed out"))
+            if out.op == "WRITE":
+                self.offers.pop(out.req, None)
+                self.events.emit(Event.FREEABLE, out.req)
 
     def wait(self, request_ids: Iterable[str], timeout: float | None = None, interval: float = 0.0005
              ) -> Completions:

@@ -94,12 +94,23 @@ def submit(peer, requests: Iterable[BlockRequest], direction: Direction, timeout
     shareable = peer.mode is ConnectionMode.DIRECT and not any(staged for _, staged in checked)
     if len(items) == 1 or not shareable:
         _one_by_one(peer, items, checked, op, verb, timeout)
-        return
-    parts = [p for p, _ in checked]
+    else:
+        _shared(peer, items, [p for p, _ in checked], op, verb, timeout)
+
+
+def _refusals(peer, items: list[BlockRequest], op: str) -> dict | None:
+    """A WRITE is refused where a consumer rank cancelled one of its requests (see :meth:`Peer.cancelled`)."""
+    if op != "WRITE":
+        return None
+    return {k: why for it in items for k, why in peer.cancelled(it.request_id).items()}
+
+
+def _shared(peer, items: list[BlockRequest], parts: list[dict], op: str, verb: str, timeout: float) -> None:
+    """The checked requests' rows joined part by part: one NIXL request per part for all of them."""
     members = [Member((verb, it.request_id), it.request_id, sum(int(x.nbytes) for x in p.values()),
                       sum(len(x) for x in p.values())) for it, p in zip(items, parts)]
-    refuse = {k: why for it in items for k, why in peer.cancelled(it.request_id).items()} if op == "WRITE" else None
-    a.submit_many(members, op, join_parts(parts), peer._targets(), timeout, refuse=refuse)
+    peer.agent.submit_many(members, op, join_parts(parts), peer._targets(), timeout,
+                           refuse=_refusals(peer, items, op))
 
 
 def _one_by_one(peer, items: list[BlockRequest], checked: list[tuple[dict, dict]], op: str, verb: str,
@@ -110,9 +121,8 @@ def _one_by_one(peer, items: list[BlockRequest], checked: list[tuple[dict, dict]
     done: list[str] = []
     try:
         for it, (p, staged) in zip(items, checked):
-            refuse = peer.cancelled(it.request_id) if op == "WRITE" else None
             a.submit((verb, it.request_id), it.request_id, op, p, peer._targets(), timeout, staged=staged,
-                     refuse=refuse)
+                     refuse=_refusals(peer, [it], op))
             done.append(it.request_id)
     except BaseException as exc:
         for req in done:

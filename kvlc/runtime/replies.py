@@ -166,53 +166,73 @@ def drain(agent, replies) -> None:
         inc = agent.incoming.get(req)
         if inc is None:
             continue
-        ok = isinstance(result, Reply) and result.ok
-        if kind == "pull":
-            if ok:
-                continue
-            if isinstance(result, Reply):  # refused: the producer posted nothing for this share
-                inc.answer(rank, Status.CANCELLED, f"refused the pull request: {result.error}")
-            else:  # the frame may have arrived or not: the deadline holds and cancels
-                log.warning("pull request %s to rank %d: %s", req, rank, result)
-                continue
-        else:
-            status = Status(result.status) if ok and result.status else None
-            if status not in _TERMINAL:
-                if not ok:
-                    log.warning("cancel of %s at rank %d: %s", req, rank, getattr(result, "error", result))
-                continue  # pending: its notification follows; errors: stay held
-            s = inc.cancel_wait.pop(conn_id, None)
-            if s is not None and (inc.engine is None or inc.engine is s.engine):
-                if inc.engine is not None:
-                    inc.answer(s.rank, status, "answered a cancel")
-        if _settle(agent, inc):
+        answered = _pull_reply(inc, rank, result) if kind == "pull" else _cancel_reply(inc, conn_id, result)
+        if answered and _settle(agent, inc):
             del agent.incoming[req]
+
+
+def _pull_reply(inc: Incoming, rank: int, result) -> bool:
+    """A producer rank's reply to a pull request: True where it refused (its share ends cancelled)."""
+    if isinstance(result, Reply) and result.ok:
+        return False
+    if isinstance(result, Reply):  # refused: the producer posted nothing for this share
+        inc.answer(rank, Status.CANCELLED, f"refused the pull request: {result.error}")
+        return True
+    log.warning("pull request %s to rank %d: %s", inc.req, rank, result)  # it may have arrived: the deadline
+    return False                                                          # holds and cancels
+
+
+def _cancel_reply(inc: Incoming, conn_id: str, result) -> bool:
+    """A producer rank's reply to a cancel: True where it is terminal (pending: its notification follows;
+    errors: the request stays held)."""
+    ok = isinstance(result, Reply) and result.ok
+    status = Status(result.status) if ok and result.status else None
+    if status not in _TERMINAL:
+        if not ok:
+            log.warning("cancel of %s: %s", inc.req, getattr(result, "error", result))
+        return False
+    s = inc.cancel_wait.pop(conn_id, None)
+    if s is not None and inc.engine is not None and inc.engine is s.engine:
+        inc.answer(s.rank, status, "answered a cancel")
+    return True
 
 
 def hold_and_cancel(agent, inc: Incoming, why: str) -> None:
     """Report ``inc`` held and ask every rank that may still write to cancel (caller holds the lock)."""
     hold(inc, agent.events, why)
     missing = set(inc.missing())
-    req = inc.req
     if inc.via:  # pull via push: cancel over the connection the request went on
         for rank, (s, client) in inc.via.items():
             if rank in missing and s.conn_id not in inc.cancel_wait:
                 inc.cancel_wait[s.conn_id] = s
-                agent.sender.send(client, lambda: encode(Cancel(req=req)), ("cancel", req, rank, s.conn_id))
-    else:  # push: every live producer session that may write this request
-        for s in agent.sessions.all():
-            if not (s.live and s.server_side and s.direction is Direction.READ and s.mode is ConnectionMode.DIRECT):
-                continue
-            if inc.engine is not None and (s.engine is not inc.engine or s.rank not in missing):
-                continue
-            if s.conn_id in inc.cancel_wait:
-                continue
-            inc.cancel_wait[s.conn_id] = s
-            if s.address:  # else: wait for its notification or for its session to end
-                msg = encode(Cancel(req=req, conn=s.conn_id, tag=notif_tag(s.notif_key, "cancel", req)))
-                agent.sender.send(agent.cancel_client(s.address), lambda m=msg: m, ("cancel", req, s.rank, s.conn_id))
+                agent.sender.send(client, lambda req=inc.req: encode(Cancel(req=req)),
+                                  ("cancel", inc.req, rank, s.conn_id))
+    else:
+        for s in _pushers(agent, inc, missing):
+            _cancel_push(agent, inc, s)
     if _settle(agent, inc):
-        agent.incoming.pop(req, None)
+        agent.incoming.pop(inc.req, None)
+
+
+def _pushers(agent, inc: Incoming, missing: set[int]) -> list:
+    """Push: the live producer sessions that may still write ``inc`` and were not asked to cancel yet."""
+    out = []
+    for s in agent.sessions.all():
+        if not (s.live and s.server_side and s.direction is Direction.READ and s.mode is ConnectionMode.DIRECT):
+            continue
+        if inc.engine is not None and (s.engine is not inc.engine or s.rank not in missing):
+            continue
+        if s.conn_id not in inc.cancel_wait:
+            out.append(s)
+    return out
+
+
+def _cancel_push(agent, inc: Incoming, s) -> None:
+    """Ask producer session ``s`` to cancel ``inc`` over this side's own connection to it (tagged)."""
+    inc.cancel_wait[s.conn_id] = s
+    if s.address:  # else: wait for its notification or for its session to end
+        msg = encode(Cancel(req=inc.req, conn=s.conn_id, tag=notif_tag(s.notif_key, "cancel", inc.req)))
+        agent.sender.send(agent.cancel_client(s.address), lambda m=msg: m, ("cancel", inc.req, s.rank, s.conn_id))
 
 
 def end_session(agent, s, why: str) -> None:
@@ -221,19 +241,35 @@ def end_session(agent, s, why: str) -> None:
         return
     for key, out in list(agent.executor.active.items()):
         if any(t.key == s.notif_key for t in out.notify.values()):
-            done = agent.executor.cancel(key, f"session of rank {s.rank} ended: {why}")
-            if done is not None:
-                agent.report(done)
+            agent.cancel_own(key, f"session of rank {s.rank} ended: {why}")
     unused = agent.sessions.drop(s)
     busy = any(t.agent == s.agent for out in agent.executor.active.values() for t in out.notify.values())
-    if unused and not busy and agent.stager is not None:
-        agent.stager.drop_peer(s.agent)
-    if unused and s.agent in agent.nixl.remotes and not busy:
-        try:
-            agent.nixl.remove_remote(s.agent)  # revoke: no transfer with it can be made any more
-        except NixlError as exc:
-            log.warning("remove remote %s: %s", s.agent, exc)
+    if unused and not busy:
+        _revoke(agent, s.agent)
     still = any(x.engine is s.engine and x.rank == s.rank for x in agent.sessions.all())
+    _end_incoming(agent, s, why, still)
+    if still:
+        return
+    for t in list(agent.tallies.values()):
+        if t.engine is s.engine and s.rank not in t.seen:
+            agent.consumer_answered(t.engine, t.req, s.rank, Status.FAILED, f"consumer session ended: {why}")
+
+
+def _revoke(agent, name: str) -> None:
+    """No session and no transfer uses NIXL agent ``name`` any more: its staging and its metadata go
+    (no transfer with it can be made any more)."""
+    if agent.stager is not None:
+        agent.stager.drop_peer(name)
+    if name in agent.nixl.remotes:
+        try:
+            agent.nixl.remove_remote(name)
+        except NixlError as exc:
+            log.warning("remove remote %s: %s", name, exc)
+
+
+def _end_incoming(agent, s, why: str, still: bool) -> None:
+    """Requests that session ``s`` could write here: its rank's share ends cancelled (``still``: another
+    session of that engine rank is live, so only requests asked over ``s`` end)."""
     for req, inc in list(agent.incoming.items()):
         inc.cancel_wait.pop(s.conn_id, None)
         hit = inc.via[s.rank][0] is s if s.rank in inc.via else (inc.engine is s.engine and not still)
@@ -241,8 +277,3 @@ def end_session(agent, s, why: str) -> None:
             inc.answer(s.rank, Status.CANCELLED, f"session ended ({why}); it can no longer write here")
         if _settle(agent, inc):
             del agent.incoming[req]
-    if still:
-        return
-    for t in list(agent.tallies.values()):
-        if t.engine is s.engine and s.rank not in t.seen:
-            agent.consumer_answered(t.engine, t.req, s.rank, Status.FAILED, f"consumer session ended: {why}")

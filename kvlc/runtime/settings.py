@@ -4,7 +4,9 @@
 5.0
 
 Every plain field reads ``KVLC_<FIELD>`` (``KVLC_TIMEOUT``, ``KVLC_LEASE``, ``KVLC_PROGRESS``,
-``KVLC_ENGINE_ID``, ``KVLC_SECRET``, ``KVLC_SECRET_FILE``, ``KVLC_INSECURE`` …) where it is not given.
+``KVLC_ENGINE_ID``, ``KVLC_SECRET``, ``KVLC_SECRET_FILE``, ``KVLC_INSECURE``, ``KVLC_HOST``, ``KVLC_PORT``,
+``KVLC_ADVERTISE`` …) where it is not given. ``host``/``port`` are where the side channel binds,
+``advertise`` the host peers are told (by default the bound host; never a wildcard address).
 The objects (``limits``, ``ucx``, ``staging``, ``agent_factory``) are given explicitly or left
 ``None``: then ``ucx`` comes from ``KVLC_UCX_*`` (:meth:`UcxOptions.for_agent`) and ``staging`` from
 ``KVLC_STAGING*`` (:meth:`StagingPolicy.from_env`), read when the agent is made.
@@ -12,6 +14,7 @@ The objects (``limits``, ``ucx``, ``staging``, ``agent_factory``) are given expl
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
@@ -19,6 +22,7 @@ from typing import Any, Literal
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, EnvSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
 
+from kvlc.errors import KvlcError
 from kvlc.runtime.channel.auth import read_secret_file, resolve_secret
 from kvlc.runtime.channel.tcp import Limits
 from kvlc.runtime.nixl.ucx import UcxOptions
@@ -27,6 +31,22 @@ from kvlc.runtime.staging.buffers import StagingPolicy
 DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_LEASE_S = 30.0
 _OBJECTS = frozenset({"limits", "ucx", "staging", "agent_factory"})  # given explicitly, never parsed from text
+
+
+def check_advertised(host: str) -> str:
+    """``host`` where peers can reach it: not empty and not a wildcard (0.0.0.0, ::), which means "every
+    interface" when binding but nothing a peer can connect to."""
+    bare = host.strip().strip("[]")
+    try:
+        wildcard = not bare or ipaddress.ip_address(bare).is_unspecified
+    except ValueError:  # a host name: resolved by the peer
+        wildcard = False
+    if wildcard:
+        raise KvlcError(
+            f"advertised side-channel address {host!r} is a wildcard: peers cannot connect to it. Bind with "
+            "host='0.0.0.0' if you like, but set advertise= (or $KVLC_ADVERTISE) to this host's address on "
+            "the network the peers use, e.g. AgentSettings(host='0.0.0.0', advertise='10.0.0.7')")
+    return host
 
 
 class _PlainEnv(EnvSettingsSource):
@@ -55,6 +75,9 @@ class AgentSettings(BaseSettings):
 
     engine_id: str | None = None
     name: str | None = None
+    host: str = "127.0.0.1"       # where serve() binds the side channel (0.0.0.0 / :: for every interface)
+    port: int = Field(0, ge=0, lt=1 << 16)  # 0: any free port
+    advertise: str | None = None  # the host peers are told to reach (default: host, never a wildcard)
     secret: SecretStr | None = None
     secret_file: Path | None = None
     insecure: bool = False
@@ -82,6 +105,15 @@ class AgentSettings(BaseSettings):
         if self.secret_file is not None:
             return resolve_secret(read_secret_file(self.secret_file))
         return resolve_secret(None, self.insecure)
+
+    def advertised_host(self, bound: str | None = None) -> str:
+        """The host peers are given to reach the side channel bound at ``bound`` (default :attr:`host`):
+        :attr:`advertise`, else the bound host; KvlcError where that is a wildcard address.
+
+        >>> AgentSettings(host="0.0.0.0", advertise="10.0.0.7").advertised_host()
+        '10.0.0.7'
+        """
+        return check_advertised(self.advertise or (self.host if bound is None else bound))
 
     def ucx_options(self, vram: bool) -> UcxOptions:
         return self.ucx if self.ucx is not None else UcxOptions.for_agent(vram)

@@ -253,3 +253,22 @@ def test_same_request_id_twice_in_flight_is_refused(producer, plans):
     assert _finish(consumer, producer, "dup").finished == ("dup",)
     assert consumer.nixl.live(Xfer) == []
     consumer.close()
+
+
+def test_bind_and_advertise_are_separate_and_a_wildcard_is_never_advertised(plans):
+    """serve() binds where it is told and gives peers the advertised host: binding 0.0.0.0 alone is refused
+    (peers cannot reach a wildcard) before anything is bound; with advertise= a peer connects through it."""
+    from kvlc.errors import KvlcError
+
+    plan = plans["dense-tp1"]
+    with KvAgent(plan, 0, allocate(plan), AgentSettings(secret=SECRET, host="0.0.0.0")) as prod:
+        for wildcard in (None, "0.0.0.0", "::", "[::]"):
+            with pytest.raises(KvlcError, match="wildcard: peers cannot connect to it.*advertise="):
+                prod.serve(advertise=wildcard)
+        assert prod.address is None
+        address = prod.serve(advertise="127.0.0.1")
+        assert address.startswith("127.0.0.1:") and address == prod.address
+        with KvAgent(plan, 0, allocate(plan), AgentSettings(secret=SECRET)) as cons:
+            peer = cons.connect(address)
+            peer.read("adv-1", {"full": [1]}, {"full": [2]}, 16)
+            assert cons.wait(["adv-1"], 20).finished == ("adv-1",)

@@ -41,11 +41,10 @@ def test_public_names_are_the_product():
     assert not {"run_demo", "cpu_plan", "scaled_plan", "DemoResult", "EngineProcess"} & set(rt.__all__)
 
 
-def test_modules_are_small_and_do_no_layout_arithmetic():
-    """No runtime module over ~400 lines (the NIXL choke point may reach 440); no block arithmetic."""
-    for path in RUNTIME.glob("*.py"):
-        lines = path.read_text().count("\n")
-        assert lines <= (440 if path.name == "nixl.py" else 400), f"{path.name}: {lines} lines"
+def test_modules_do_no_layout_arithmetic():
+    """No runtime module computes block addresses (that is the compiler's); modules are split by concern,
+    not by a line cap (tests/test_import_contract.py and tests/test_complexity.py state the shape)."""
+    for path in RUNTIME.rglob("*.py"):
         text = path.read_text()
         assert not re.search(r"block_bytes\s*\*|\* *block_bytes|kernel_block_size\s*\*", text), path.name
 

@@ -14,7 +14,8 @@ pytestmark = pytest.mark.runtime
 
 @pytest.fixture(autouse=True)
 def _clean(monkeypatch):
-    for var in ("KVLC_TIMEOUT", "KVLC_LEASE", "KVLC_PROGRESS", "KVLC_SECRET", "KVLC_SECRET_FILE",
+    for var in ("KVLC_TIMEOUT", "KVLC_LEASE", "KVLC_PROGRESS", "KVLC_SECRET", "KVLC_SECRET_FILE", "KVLC_HOST",
+                "KVLC_ADVERTISE", "KVLC_PORT",
                 "KVLC_ENGINE_ID", "KVLC_STAGING", "KVLC_INSECURE"):
         monkeypatch.delenv(var, raising=False)
 
@@ -56,3 +57,20 @@ def test_unknown_options_are_refused():
     """A misspelt option is an error, not silently ignored."""
     with pytest.raises(ValidationError, match="timout"):
         AgentSettings(timout=3)
+
+
+def test_advertised_address_is_checked(monkeypatch):
+    """The advertised host defaults to the bound one, $KVLC_ADVERTISE or advertise= replaces it, and a
+    wildcard (0.0.0.0, ::) is refused with the fix named."""
+    from kvlc.errors import KvlcError
+
+    assert AgentSettings().advertised_host() == "127.0.0.1"
+    monkeypatch.setenv("KVLC_HOST", "0.0.0.0")
+    with pytest.raises(KvlcError, match="wildcard.*set advertise="):
+        AgentSettings().advertised_host()
+    monkeypatch.setenv("KVLC_ADVERTISE", "10.1.2.3")
+    assert AgentSettings().host == "0.0.0.0" and AgentSettings().advertised_host() == "10.1.2.3"
+    assert AgentSettings(advertise="node-7.cluster").advertised_host() == "node-7.cluster"
+    monkeypatch.delenv("KVLC_ADVERTISE")
+    with pytest.raises(KvlcError, match="wildcard"):
+        AgentSettings(host="::").advertised_host()
