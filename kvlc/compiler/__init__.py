@@ -8,7 +8,7 @@ Stages, in the order data flows (one module each; every pass and check is a pure
     PASSES       expand → resolve (fields) → check (CHECKS) → build: the :class:`Plan` (plan)
     compat       two plans → a compatibility report (CHECKS, REGION_CHECKS, FIELD_CHECKS)
     pair         tp (head mapping) → runs (tile templates) → program (:class:`TransferProgram`)
-    per request  request (typed ids) → instantiate (bound (N, 3) rows) / prepared (strided lists)
+    per request  check (typed ids) → bind → instantiate ((N, 3) rows) / prepared (strided lists)
 
 Shared algebra: :mod:`~kvlc.compiler.algebra.layout` (``shape:stride``, shard, tile) and
 :mod:`~kvlc.compiler.algebra.copies` (runs). Nothing here imports nixl or torch.
@@ -19,6 +19,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Mapping
 
+from pydantic import ValidationError
+
 from kvlc.compiler.plan.build import build_plan
 from kvlc.compiler.plan.check import check
 from kvlc.compiler.plan.expand import expand
@@ -27,7 +29,7 @@ from kvlc.compiler.plan.resolve import resolve
 from kvlc.compiler.spec.source import read_source
 from kvlc.compiler.spec.models import LayoutSpec
 from kvlc.compiler.spec.validate import validate
-from kvlc.errors import CompileError, Problem, SpecError
+from kvlc.errors import CompileError, Mark, Problem, SpecError
 
 PASSES = (expand, resolve, check, build_plan)
 
@@ -86,9 +88,6 @@ def load_plan(path: str | Path, config: Mapping | None = None, overrides: Mappin
     p = Path(path)
     if p.suffix != ".json":
         return compile_spec(p, config, overrides)
-    from pydantic import ValidationError
-
-    from kvlc.errors import Mark
     try:
         return Plan.from_json(p.read_bytes())
     except OSError as exc:

@@ -16,7 +16,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvlc.compiler.pairing.pair import TransferProgram
+from kvlc.compiler.pairing.program import TransferProgram
+from kvlc.compiler.request.check import check_request
+from kvlc.compiler.request.instantiate import instantiate
+from kvlc.compiler.request.prepared import prepared_indices, prepared_rows
 from kvlc.errors import KvlcError, TransferError
 from kvlc.runtime import batch as _batch
 from kvlc.runtime.arguments import check_request_id
@@ -244,8 +247,8 @@ class Peer:
     def _instantiate(self, local_block_ids, remote_block_ids, num_tokens, tokens=None):
         bound = self.engine.bound(self.agent.bases)
         if self.mode is not Mode.PREPPED:
-            return bound.instantiate(local_block_ids, remote_block_ids, num_tokens, tokens=tokens)
-        req = bound.prepared_indices(local_block_ids, remote_block_ids, num_tokens, tokens=tokens)
+            return instantiate(bound, local_block_ids, remote_block_ids, num_tokens, tokens=tokens)
+        req = prepared_indices(bound, local_block_ids, remote_block_ids, num_tokens, tokens=tokens)
         lists = self._prepared(bound)
         parts: dict = dict(req.tail)
         staged = []
@@ -257,7 +260,7 @@ class Peer:
                     "WRITE", key, len(li), int(req.nbytes[key]), self.sessions[key.peer_rank].agent):
                 staged.append(key)
         if staged:  # staged parts travel as rows (the bounce buffer gathers them), the rest stay prepared
-            rows = bound.instantiate(local_block_ids, remote_block_ids, num_tokens)
+            rows = instantiate(bound, local_block_ids, remote_block_ids, num_tokens)
             for key in staged:
                 del parts[("prepped", key)]
                 parts[key] = rows[key]
@@ -268,7 +271,7 @@ class Peer:
         if self._lists is None:
             lists = {}
             try:
-                for key, pl in bound.prepared_rows().items():
+                for key, pl in prepared_rows(bound).items():
                     local = self.agent.nixl.prep(None, pl.local, key.local_mem)
                     lists[key] = (local, None)
                     remote = self.agent.nixl.prep(self.sessions[key.peer_rank].agent, pl.remote, key.remote_mem)
@@ -308,7 +311,7 @@ class Peer:
                 a._submit(("read", request_id), request_id, "READ", parts, self._targets(), timeout)
                 a._polled = time.monotonic()  # the engine is at work and polls soon: the progress thread waits
                 return
-            self.program.check_request(local_block_ids, remote_block_ids, num_tokens, tokens=tokens)
+            check_request(self.program, local_block_ids, remote_block_ids, num_tokens, tokens=tokens)
             start, n = _wire_range(num_tokens, tokens)
             deadline = time.monotonic() + timeout
             inc = Incoming(request_id, deadline, self.engine,

@@ -13,6 +13,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+from kvlc.compiler.request.instantiate import instantiate
 from kvlc.errors import KvlcError
 from kvlc.runtime.channel.auth import tag_ok
 from kvlc.runtime.channel.tcp import Conn
@@ -124,7 +125,7 @@ def pull_request(agent: KvAgent, conn: Conn, msg: PullRequest) -> None:
                 "when sent); nothing was written"
             )
         span = {"tokens": (msg.start_token, msg.num_tokens)} if msg.start_token else {"num_tokens": msg.num_tokens}
-        parts = s.engine.bound(agent.bases).instantiate(msg.producer_blocks, msg.consumer_blocks, **span)
+        parts = instantiate(s.engine.bound(agent.bases), msg.producer_blocks, msg.consumer_blocks, **span)
         parts = {k: p for k, p in parts.items() if k.peer_rank == s.rank}  # this session's share only
         agent._submit(key, msg.req, "WRITE", parts, {s.rank: Target(s.agent, s.notif_key)}, left, ("pvp", s))
         agent._tally(s.engine, msg.req)
