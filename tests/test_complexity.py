@@ -28,11 +28,7 @@ ALLOWED = {
     "kvlc/runtime/binding.py:bind",
     "kvlc/runtime/staging/wire.py:decode",
     "kvlc/runtime/channel/wire.py:check_record",
-    # kvlc/compiler/ request, instantiate and fields: another change is reworking these modules now.
-    "kvlc/compiler/request/instantiate.py:_address",
-    "kvlc/compiler/plan/fields.py:LayoutResolver._fields",
-    # kvlc/init/ and the vLLM spec derivation (derive*.py): another change is reworking these now.
-    "kvlc/init/model.py:read_model",
+    # the vLLM spec derivation (derive/): another change is reworking these now.
     "kvlc/engines/vllm/derive/spec.py:derive_spec",
     "kvlc/engines/vllm/derive/check.py:check_plan_against_view",
     "kvlc/engines/vllm/derive/offline.py:_pick_layout",
