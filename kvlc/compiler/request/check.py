@@ -202,8 +202,15 @@ def check_request(prog: TransferProgram, local_block_ids, remote_block_ids, num_
                   tokens=None) -> Request:
     """Validate a request's ids (types, counts, bounds, duplicates) and expand them to kernel block ids.
 
-    ``num_tokens=N`` moves tokens ``[0, N)``; ``tokens=(start, stop)`` (or a ``range``, or a
-    mapping group -> either) moves ``[start, stop)``. Give exactly one.
+    ``num_tokens=N`` (a count) moves tokens ``[0, N)``; ``tokens=(start, stop)`` (or a ``range``,
+    or a mapping group -> either) moves ``[start, stop)`` (:meth:`TokenRange.of`). Give exactly one.
+    Raises only :class:`~kvlc.errors.TransferError`.
+
+    >>> from kvlc import compile_spec, pair
+    >>> p = compile_spec("layouts/llama-3.1-8b.yaml")
+    >>> req = check_request(pair(p, p, local_rank=0), {"full": [3, 4]}, {"full": [7, 8]}, tokens=(16, 40))
+    >>> req.spans["full"].span, req.local["full"].tolist()    # ids of blocks 1..2 (16 tokens each)
+    (TokenRange(start=16, stop=40), [3, 4])
     """
     rules = request_rules(prog)
     _known_groups(local_block_ids, prog.local, "local", rules.local_names)

@@ -17,7 +17,7 @@ from kvlc.compiler.pairing.program import Part, PartKey
 from kvlc.compiler.pairing.runs import Runs
 from kvlc.compiler.request.bind import BoundProgram
 from kvlc.compiler.request.check import Request, check_request
-from kvlc.compiler.request.index import Block, program_index
+from kvlc.compiler.request.index import Block, ProgramIndex, program_index
 from kvlc.compiler.request.rows import Geometry, RowPiece, coalesce, write_rows
 from kvlc.compiler.request.tokens import TileSpan, tile_spans
 
@@ -56,8 +56,9 @@ def emit(bound: BoundProgram, req: Request, coalesce: str = "order") -> dict[Par
     # every piece straight into one (N, 3) array per side and part: no intermediate arrays,
     # no concatenation (fresh memory is what costs most here).
     jobs, sizes, segments = [], {}, {}
-    for b, geometry in zip(program_index(bound.program).blocks, bound.geometries()):
-        pieces = _block_pieces(bound, b, req, segments, geometry)
+    index = program_index(bound.program)
+    for b, geometry in zip(index.blocks, bound.geometries()):
+        pieces = _block_pieces(index, b, req, segments, geometry)
         if pieces:
             rows = len(b.entries) * sum(len(p) for p in pieces)
             jobs.append(_Job(b.key, len(b.entries), pieces, rows))
@@ -80,11 +81,11 @@ def tile_rows(runs: Runs, first: int, count: int, b: Block, kl, kr, geometry: Ge
     return RowPiece(geometry, np.stack((il, ir)), offset, np.tile(runs.length, count))
 
 
-def _block_pieces(bound: BoundProgram, b: Block, req: Request, segments: dict, geometry: Geometry
+def _block_pieces(index: ProgramIndex, b: Block, req: Request, segments: dict, geometry: Geometry
                   ) -> list[RowPiece]:
+    """Row pieces of one block of a request in token order: partial first tile, whole tiles, partial last."""
     kl, kr = req.local[b.group], req.remote[b.group]
     ts, shift = block_tiles(b, req)
-    index = program_index(bound.program)
     partial = [tile_rows(index.tail_runs(b, p.hi, p.lo), p.tile, 1, b, kl, kr, geometry, shift)
                for p in ts.partial]
     head = 1 if ts.partial and ts.partial[0].tile < ts.first else 0

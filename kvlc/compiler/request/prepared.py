@@ -242,7 +242,8 @@ def prepared_request(bound: BoundProgram, req: Request) -> PreparedRequest:
     jobs: dict[PartKey, list] = {}
     tails: dict[PartKey, tuple[list, list]] = {}
     moved: dict[PartKey, int] = {}
-    for b, starts, geometry in zip(program_index(prog).blocks, lay.blocks, bound.geometries()):
+    index = program_index(prog)
+    for b, starts, geometry in zip(index.blocks, lay.blocks, bound.geometries()):
         kl, kr = req.local[b.group], req.remote[b.group]
         ts, shift = block_tiles(b, req)
         if ts.count and len(b.runs):
@@ -252,7 +253,7 @@ def prepared_request(bound: BoundProgram, req: Request) -> PreparedRequest:
             jobs.setdefault(b.key, []).append((starts, il, ir))
             moved[b.key] = moved.get(b.key, 0) + b.runs.nbytes * ts.count * len(b.entries)
         for p in ts.partial:
-            runs = program_index(prog).tail_runs(b, p.hi, p.lo)
+            runs = index.tail_runs(b, p.hi, p.lo)
             piece = tile_rows(runs, p.tile, 1, b, kl, kr, geometry, shift)
             if piece is not None and len(piece):
                 lrows, rrows = write_rows(piece)
