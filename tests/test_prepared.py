@@ -1,4 +1,4 @@
-"""Prepared strided lists (``BoundProgram.prepared_rows`` / ``prepared_indices``) move exactly the
+"""Prepared strided lists (``prepared_rows(bound)`` / ``prepared_indices(bound, ...)``) move exactly the
 bytes of ``instantiate``.
 
 * For every checked-in layout pair (hetero TP both ways, HND/NHD, block-size ratio, Mamba state,

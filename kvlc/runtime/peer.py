@@ -293,7 +293,7 @@ class Peer:
         ``num_tokens=N`` moves tokens ``[0, N)``; ``tokens=(start, stop)`` (or ``range``) moves
         ``[start, stop)`` (a prefix-cache hit of ``start`` tokens here: those stay untouched).
         Block ids are logical, per KV-cache group: each side's blocks the range touches
-        (:meth:`kvlc.compiler.pairing.program.TransferProgram.check_request`); every id is checked
+        (:func:`kvlc.compiler.request.check.check_request`); every id is checked
         against every region's capacity before anything moves (:class:`TransferError`).
         In pull_via_push mode the range travels to the producer, which checks it again.
         """

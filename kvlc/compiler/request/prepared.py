@@ -92,7 +92,7 @@ class PreparedLayout:
 
     parts: FrozenMap          # PartKey -> entry indices of that part, in order
     starts: EntryStarts
-    blocks: tuple[BlockStarts, ...]   # aligned with program.index.blocks
+    blocks: tuple[BlockStarts, ...]   # aligned with program_index(program).blocks
 
 
 def _check_limit(key: PartKey, side: str, n: int) -> None:
