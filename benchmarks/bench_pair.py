@@ -146,7 +146,7 @@ def bench_requests(quick: bool, regions: int = 128, blocks: int = 512) -> list[d
             rids = block_ids(kind, blocks, 4096, 2)
             req = ({"full": lids}, {"full": rids}, blocks * 16)
             t = interleaved({"bound": lambda b=bound, q=req: instantiate(b, *q),
-                             "unbound": lambda p=prog, lb=lb, rb=rb, q=req: p.instantiate(lb, rb, *q),
+                             "unbound": lambda p=prog, lb=lb, rb=rb, q=req: instantiate(bind(p, lb, rb), *q),
                              "per_block": lambda c=cons, p=prod, lb=lb, rb=rb, li=lids, ri=rids:
                                  per_block_baseline(c, p, 0, lb, rb, li, ri)},
                             repeat=7 if quick else 31)

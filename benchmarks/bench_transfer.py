@@ -19,7 +19,7 @@ first layers, via ``kvlc.demo.run.run_demo``), and the result says so.
 
 Why fragmented requests are slower is measured in the same run: NIXL alone (no kvlc) between
 this process and a spawned one moves 256 MiB as descriptors of one size, 4 KiB ... 256 MiB
-(``nixl_sweep`` in the results); ``kvlc bench`` also derives the cost of one more descriptor
+(``nixl_sweep`` in the results); ``benchmarks/run.py`` also derives the cost of one more descriptor
 from the random-id and contiguous-id runs of each case.
 
 Run:  python3 benchmarks/bench_transfer.py [--quick] [--rounds N] [--case NAME]

@@ -1,6 +1,6 @@
 """Benchmark report: run the benchmark scripts, then summarize and plot what they recorded.
 
-Entry point: ``python3 benchmarks/run.py`` (``kvlc bench`` in a checkout runs it). This module
+Entry point: ``python3 benchmarks/run.py``. This module
 runs the selected scripts as subprocesses (rich progress; each script's output goes to
 ``<out>/<name>.log``), each writing ``<out>/<name>.json``; then it loads every result file,
 prints one table per benchmark with its targets and whether they are met, and draws PNG
@@ -15,7 +15,7 @@ Verdicts: a quick run (``--quick``: smaller sizes, fewer repetitions) states no 
 target that depends on the size; push modes are compared with a single-descriptor WRITE, pull
 with a single-descriptor READ (the same operation).
 
-GPU hook: the H200 run (recorded by hand, not CI) writes ``benchmarks/results/gpu.json``
+GPU hook: the H200 run (``probes/gpu_transfer.py``, by hand, not CI) writes ``benchmarks/results/gpu.json``
 (and possibly more ``gpu*.json``); when present they get a table, a verdict and a plot.
 Two shapes are read (see :func:`gpu_rows`): per case and mode, ``throughput_<ids>`` entries::
 
@@ -79,10 +79,10 @@ def find_benchmarks(start: Path | None = None) -> Path:
         if (folder / "common.py").is_file() and all((folder / s).is_file() for s, _ in SCRIPTS.values()):
             return folder
     raise BenchError(
-        "kvlc bench: no benchmarks/ folder with the benchmark scripts "
+        "benchmarks/run.py: no benchmarks/ folder with the benchmark scripts "
         f"({', '.join(s for s, _ in SCRIPTS.values())}) next to the kvlc package ({here}) or in "
-        f"{cwd} or above it. The scripts are not installed with the package: run kvlc bench from "
-        "a kvlc source checkout (pip install -e . in it)."
+        f"{cwd} or above it. The scripts are not installed with the package: run "
+        "python3 benchmarks/run.py in a kvlc source checkout."
     )
 
 
@@ -499,7 +499,7 @@ def fresh_folder(bench_dir: Path) -> Path:
 def _run_selected(bench_dir: Path, names: list[str], quick: bool, console, out: Path) -> list[RunResult]:
     """Run the selected scripts into ``out``; those that failed."""
     console.print(
-        f"kvlc bench: {', '.join(names)}{' (quick)' if quick else ''} from {bench_dir} into {out}",
+        f"benchmarks/run.py: {', '.join(names)}{' (quick)' if quick else ''} from {bench_dir} into {out}",
         highlight=False)
     return [r for r in run_scripts(bench_dir, names, quick, console, out) if r.returncode]
 

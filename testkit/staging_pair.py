@@ -10,7 +10,7 @@ or the request's own rows) between the same two processes: the baseline staging 
 beat or match. Requests are given as :class:`Ranges` (region index, offset, length per
 row) and turned into addresses inside each process.
 
-This is a test and benchmark harness (CI runs it on DRAM; benchmarks/gpu_transfer.py
+This is a test and benchmark harness (CI runs it on DRAM; benchmarks/probes/gpu_transfer.py
 on a GPU); engines use :class:`~kvlc.runtime.staging.endpoint.StagingEndpoint` directly.
 """
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import io
 import json
+import re
 
 import pytest
-from click.testing import CliRunner
 
 pytest.importorskip("matplotlib")
 pytest.importorskip("rich")
@@ -143,9 +143,8 @@ def test_quick_runs_state_no_size_dependent_verdicts(results_dir):
     assert v and all(x.met is None and "quick run" in x.value for x in v)
 
 
-def test_bench_help_and_errors(tmp_path, monkeypatch):
-    r = CliRunner().invoke(main, ["bench", "--help"])
-    assert r.exit_code == 0 and "--only" in r.output and "--quick" in r.output
+def test_run_help_and_errors(tmp_path, monkeypatch):
+    """`benchmarks/run.py --help` works; unknown names and a missing benchmarks folder raise clear errors."""
     r = subprocess.run([sys.executable, str(BENCHMARKS / "run.py"), "--help"], capture_output=True, text=True)
     assert r.returncode == 0 and "--only" in r.stdout and "--record" in r.stdout
     with pytest.raises(bench.BenchError, match="unknown benchmark"):
@@ -155,6 +154,57 @@ def test_bench_help_and_errors(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "__file__", str(tmp_path / "site" / "kvlc" / "bench.py"))
     with pytest.raises(bench.BenchError, match="no benchmarks/ folder"):
         bench.find_benchmarks(tmp_path)
-    monkeypatch.chdir(tmp_path)
-    r = CliRunner().invoke(main, ["bench", "--no-run"])
-    assert r.exit_code == 1 and "no benchmarks/ folder" in r.output
+
+
+def test_no_bench_command():
+    """`kvlc bench` is gone (the scripts are not installed); the suite is `python3 benchmarks/run.py`."""
+    assert "bench" not in main.commands
+
+
+IMPORT_ONE = """
+import importlib.util, pathlib, sys
+p = pathlib.Path(sys.argv[1])
+sys.path[0] = str(p.parent)                        # as when run as a script
+spec = importlib.util.spec_from_file_location("__bench__", p)
+mod = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = mod
+spec.loader.exec_module(mod)                       # module level only: main() is not called
+assert (mod.__doc__ or "").strip(), "no docstring saying what it measures"
+"""
+SCRIPTS = sorted(BENCHMARKS.glob("*.py")) + sorted(BENCHMARKS.glob("probes/*.py")) + \
+    sorted(BENCHMARKS.glob("checks/*.py"))
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: str(p.relative_to(BENCHMARKS)))
+def test_every_script_imports(script):
+    """Each script of the suite, probes/ and checks/ imports in a fresh interpreter from where it lies (its
+    sys.path set-up finds common.py, the other probes and testkit) and has a docstring."""
+    r = subprocess.run([sys.executable, "-c", IMPORT_ONE, str(script)], capture_output=True, text=True,
+                       cwd=BENCHMARKS.parent, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+def _cited_result_files() -> dict[str, set[str]]:
+    """File names cited in the prose (outside code blocks) of every README under benchmarks/, by README:
+    each name in backticks, alone or after a folder (`results/pair.json`, `pair.log`)."""
+    out = {}
+    for readme in sorted(BENCHMARKS.rglob("README.md")):
+        prose = re.sub(r"```.*?```", "", readme.read_text(), flags=re.S)
+        names = set()
+        for quoted in re.findall(r"`([^`]+)`", prose):
+            names |= set(re.findall(r"(?:^|[\s/])([\w.-]+\.(?:json|log|png|txt))\b", quoted))
+        out[str(readme.relative_to(BENCHMARKS.parent))] = names
+    return out
+
+
+def test_every_result_file_is_cited_and_every_citation_exists():
+    """Each file under benchmarks/results/ is named in a README's prose (where its numbers are quoted), and
+    each result file a README names is there: no orphaned results, no dangling citations."""
+    results = BENCHMARKS / "results"
+    files = {p.name for p in results.iterdir() if p.is_file()}
+    cited = _cited_result_files()
+    assert files and cited
+    assert sorted(files - set().union(*cited.values())) == []
+    dangling = {readme: sorted(names - files) for readme, names in cited.items() if names - files}
+    assert dangling == {}
+    assert not [p for p in results.iterdir() if p.is_dir()]  # results/ is flat

@@ -28,12 +28,6 @@ ALLOWED = {
     "kvlc/runtime/binding.py:bind",
     "kvlc/runtime/staging/wire.py:decode",
     "kvlc/runtime/channel/wire.py:check_record",
-    # the vLLM spec derivation (derive/): another change is reworking these now.
-    "kvlc/engines/vllm/derive/spec.py:derive_spec",
-    "kvlc/engines/vllm/derive/check.py:check_plan_against_view",
-    "kvlc/engines/vllm/derive/offline.py:_pick_layout",
-    "kvlc/engines/vllm/derive/read.py:read_engine_view",
-    "kvlc/engines/vllm/derive/view.py:_build",
 }
 
 

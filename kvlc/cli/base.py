@@ -1,7 +1,7 @@
 """The ``kvlc`` command group and what every command shares: loading, failing, atomic writes.
 
 Exit codes: 0 success, 2 a spec / pairing problem (every problem printed), 1 a
-failed run (transfer mismatch, benchmark failure).
+failed run (transfer mismatch).
 """
 
 from __future__ import annotations

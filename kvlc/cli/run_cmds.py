@@ -1,4 +1,4 @@
-"""``kvlc demo | bench | from-vllm``: commands that start processes or engines."""
+"""``kvlc demo | from-vllm``: commands that start processes or engines."""
 
 from __future__ import annotations
 
@@ -208,29 +208,3 @@ def _run_demo(run_demo, layout: str, consumer: str | None, args: dict) -> None:
                       f"({result.checked_bytes:,} bytes); the rest moved unchecked[/yellow]")
     else:
         console.print("done: nothing verified (--check none)")
-
-
-@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
-@click.option("--only", metavar="NAMES", help="Comma-separated benchmarks: compile, pair, prep, transfer.")
-@click.option("--quick", is_flag=True, help="Smoke run: fewer repetitions, smaller sizes (no size-dependent verdicts).")
-@click.option("--no-run", is_flag=True, help="Run nothing: summarize and plot the recorded results.")
-@click.pass_context
-def bench(ctx: click.Context, only: str | None, quick: bool, no_run: bool) -> None:
-    """Run the benchmark suite of a source checkout (``python3 benchmarks/run.py``).
-
-    Looks for ``benchmarks/run.py`` in the current directory and its parents. Results go to a
-    fresh folder (``benchmarks/runs/<date-time>/``); the recorded results change only with
-    ``--record``. Other options (``--out``, ``--record``) pass through to run.py.
-    """
-    import subprocess
-
-    here = Path.cwd().resolve()
-    script = next((d / "benchmarks" / "run.py" for d in (here, *here.parents)
-                   if (d / "benchmarks" / "run.py").is_file()), None)
-    if script is None:
-        click.echo(f"kvlc bench: no benchmarks/ folder with run.py in {here} or above it; the benchmarks "
-                   "are not installed with the package: run kvlc bench in a kvlc source checkout", err=True)
-        sys.exit(1)
-    args = ([f"--only={only}"] if only else []) + (["--quick"] if quick else []) + \
-        (["--no-run"] if no_run else []) + list(ctx.args)
-    sys.exit(subprocess.call([sys.executable, str(script), *args]))

@@ -26,7 +26,7 @@ import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvlc.demo.procs_child import _main, resources  # noqa: F401  (resources: re-exported)
+from kvlc.demo.procs_child import _main
 
 
 # One random secret per parent process: every engine this harness starts trusts its siblings only.
@@ -47,6 +47,7 @@ class EngineConfig:
     telemetry: bool = False
     progress: str = "thread"  # KvAgent progress: "thread" | "nixl" | "manual"
     host: str = "127.0.0.1"
+    port: int = 0  # the side channel's port (0: any free one); a restarted engine may take its old one
     secret: str | None = field(default_factory=lambda: HARNESS_SECRET)  # None: $KVLC_SECRET...
     insecure: bool = False
     engine_id: str | None = None  # ranks of one engine share it (default: one per plan and fill)

@@ -9,12 +9,9 @@ import os
 import time
 import traceback
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
-
-if TYPE_CHECKING:
-    from kvlc.demo.procs import EngineConfig
 
 
 def _fill(plan, rank: int, tensors: Mapping[str, Any], how: str, seed: int) -> None:
@@ -42,10 +39,11 @@ def _fill(plan, rank: int, tensors: Mapping[str, Any], how: str, seed: int) -> N
 class _Hosted:
     """One agent in the child, with the completions it has seen."""
 
-    def __init__(self, cfg: EngineConfig):
+    def __init__(self, cfg: Any):  # a kvlc.demo.procs.EngineConfig, sent over the pipe
         from kvlc.compiler.plan.model import Plan
         from kvlc.runtime.agent import KvAgent
         from kvlc.runtime.binding import allocate
+        from kvlc.runtime.settings import AgentSettings
         from kvlc.runtime.staging.endpoint import StagingPolicy
 
         self.plan = Plan.from_json(cfg.plan_json)
@@ -55,17 +53,19 @@ class _Hosted:
             self.plan,
             cfg.rank,
             self.tensors,
-            name=cfg.name,
-            timeout=cfg.timeout,
-            telemetry=cfg.telemetry,
-            progress=cfg.progress,
-            secret=cfg.secret,
-            insecure=cfg.insecure,
-            engine_id=cfg.engine_id or f"harness-{self.plan.digest[:12]}-{cfg.fill}",
-            lease=cfg.lease,
-            staging=None if cfg.staging is None else StagingPolicy(**cfg.staging),
+            AgentSettings(
+                name=cfg.name,
+                timeout=cfg.timeout,
+                telemetry=cfg.telemetry,
+                progress=cfg.progress,
+                secret=cfg.secret,
+                insecure=cfg.insecure,
+                engine_id=cfg.engine_id or f"harness-{self.plan.digest[:12]}-{cfg.fill}",
+                lease=cfg.lease,
+                staging=None if cfg.staging is None else StagingPolicy(**cfg.staging),
+            ),
         )
-        self.address = self.agent.serve(cfg.host)
+        self.address = self.agent.serve(cfg.host, cfg.port)
         self.peers: dict[str, Any] = {}
         self.finished: dict[str, float] = {}
         self.failed: dict[str, str] = {}
@@ -260,6 +260,24 @@ def _close(child, h: _Hosted, aid, args) -> dict:
     return {"live_handles": h.agent.nixl.live_handles, "remotes": len(h.agent.nixl.remotes)}
 
 
+def _announce(child, h: _Hosted, aid, args) -> dict:
+    """Keep this agent's address in the registry at ``endpoints`` (one announcement per agent)."""
+    from kvlc.runtime.discovery import EngineAddress, Registry
+
+    endpoints, ttl = args
+    old = getattr(h, "announcement", None)
+    if old is not None:
+        old.withdraw()
+    h.announcement = Registry(endpoints, ttl=ttl).announce(EngineAddress.of(h.agent))
+    return {"epoch": h.agent.epoch, "address": h.announcement.address.address}
+
+
+def _announced(child, h: _Hosted, aid, args) -> dict:
+    """How this agent's announcement fares: its last error (None while the registry is reachable)."""
+    ann = getattr(h, "announcement", None)
+    return {"alive": ann is not None and ann.alive, "error": None if ann is None else ann.error}
+
+
 def _no_result(call):
     """A command that only acts: ``call(hosted agent, arguments)``, answered with None."""
     def command(child, h: _Hosted, aid, args) -> None:
@@ -270,6 +288,8 @@ def _no_result(call):
 # The commands addressed to one hosted agent: (child, hosted agent, its id, arguments) -> result.
 _AGENT_COMMANDS = {
     "connect": _connect,
+    "announce": _announce,
+    "announced": _announced,
     "submit": lambda child, h, aid, args: _submit(h, *args),
     "run": _Child.run,
     "expect": _no_result(lambda h, args: h.agent.expect(*args)),

@@ -2,7 +2,7 @@
 
 One module per concern, in the order a transfer meets them:
 
-    kinds     str enums: Direction, Mode, Status, Event
+    kinds     str enums: Direction, ConnectionMode, Status, Event
     binding   tensors ↔ plan storages (present, contiguous, memory type, device, size, no overlap)
     nixl      the one choke point for NIXL: typed errors, XferState, idempotent handles
     auth      the shared secret, HMAC handshake, sealed frames, notification tags
@@ -31,7 +31,7 @@ from kvlc.runtime.batch import BlockRequest
 from kvlc.runtime.binding import Bound, allocate, bind
 from kvlc.runtime.channel.tcp import Limits
 from kvlc.runtime.errors import AuthError, BindingError, ChannelError, HandshakeError, NixlError
-from kvlc.runtime.kinds import Direction, Event, Mode, Status
+from kvlc.runtime.kinds import Direction, Event, ConnectionMode, Status
 from kvlc.runtime.nixl.core import XferState
 from kvlc.runtime.peer import Peer
 from kvlc.runtime.staging.endpoint import StagingPolicy
@@ -46,7 +46,7 @@ __all__ = [
     "StagingPolicy",
     "Completions",
     "Direction",
-    "Mode",
+    "ConnectionMode",
     "Status",
     "Event",
     "Limits",

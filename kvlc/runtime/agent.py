@@ -11,14 +11,15 @@ Roles (:func:`~kvlc.compiler.pairing.pair.pair`): the **consumer** receives byte
                           producer rank WRITEs (before the consumer's deadline) and notifies.
 
 :meth:`Peer.write_many` / :meth:`Peer.read_many` share NIXL requests among several (:mod:`kvlc.runtime.batch`).
+Options are one :class:`~kvlc.runtime.settings.AgentSettings` (explicit > ``KVLC_*`` > default).
 Staging (``staging=``, ``$KVLC_STAGING``) sends fragmented or mixed-memory WRITEs through bounce buffers.
 Every side calls :meth:`KvAgent.poll`; it never blocks and returns :class:`~kvlc.runtime.tracking.Completions`
 (finished, failed, held, freeable): a failed request's blocks are safe to reuse, a *held* one's
 not yet. Side-channel connections are authenticated with a shared secret (``secret=``,
 ``$KVLC_SECRET`` or ``$KVLC_SECRET_FILE``; :mod:`kvlc.runtime.channel.auth`). Example (``kvlc demo``)::
 
-    producer = KvAgent(plan_p, 0, tensors_p, secret=key); addr = producer.serve()
-    consumer = KvAgent(plan_c, 0, tensors_c, secret=key)
+    producer = KvAgent(plan_p, 0, tensors_p, AgentSettings(secret=key)); addr = producer.serve()
+    consumer = KvAgent(plan_c, 0, tensors_c, AgentSettings(secret=key))
     peer = consumer.connect(addr, direction="READ")          # CompatError here, not per request
     peer.read("req-1", {"full": [3, 4]}, {"full": [7, 9]}, num_tokens=20)
     while "req-1" not in consumer.poll().finished: ...
@@ -33,95 +34,62 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from kvlc.compiler.plan.model import Plan
 from kvlc.errors import TransferError
 from kvlc.runtime import server as _server
-from kvlc.runtime.arguments import PROGRESS  # noqa: F401 - re-exported, callers import it from here
 from kvlc.runtime.arguments import check_agent_args, check_request_id, valid_name
-from kvlc.runtime.channel.auth import resolve_secret
 from kvlc.runtime.binding import Bound, bind
-from kvlc.runtime.channel.tcp import ChannelServer, Limits
-from kvlc.runtime.errors import HandshakeError
-from kvlc.runtime.kinds import Event, Status
+from kvlc.runtime.channel.tcp import ChannelClient, ChannelServer
+from kvlc.runtime.errors import HandshakeError, NixlError
+from kvlc.runtime.kinds import ConnectionMode, Direction, Event, Status
 from kvlc.runtime.nixl.core import Agent
 from kvlc.runtime.peer import Peer, connect
+from kvlc.runtime.settings import AgentSettings
 from kvlc.runtime.pump import Pump, Resources, Sender
 from kvlc.runtime import replies as _replies
 from kvlc.runtime.channel.sessions import RemoteEngine, Session, SessionTable
-from kvlc.runtime.staging.endpoint import StagingPolicy
 from kvlc.runtime.staging.agent import make_stager
 from kvlc.runtime.tracking import Completions, Events, Incoming, Tally
 from kvlc.runtime.channel.notifs import agents_of
 from kvlc.runtime.transfer import Executor, Outgoing, Target
-from kvlc.runtime.nixl.ucx import UcxOptions
-from kvlc.runtime.channel.wire import StorageBase, decode, make_record
-from kvlc.runtime.nixl.warmup import Warmer
+from kvlc.runtime.channel.wire import Record, StorageBase, decode, make_record
+from kvlc.runtime.nixl.warmup import Warmer, warm_peers
 
 log = logging.getLogger("kvlc.runtime.agent")
-DEFAULT_TIMEOUT_S = 60.0
-DEFAULT_LEASE_S = 30.0
 
 
 class KvAgent:
     """One rank of one engine: bound tensors, one NIXL registration per storage, an authenticated side channel.
 
-    ``engine_id`` names the engine (every rank of it passes the same; default: a fresh id per
-    agent); each agent gets a fresh random epoch, so a restarted rank replaces only its own old
-    sessions. ``timeout``: default seconds per request. ``lease``: seconds after which a producer
-    reports a request's source blocks freeable when no consumer finished with them. ``progress``:
-    ``"thread"`` (a kvlc thread advances transfers every ``progress_interval`` s), ``"nixl"``
-    (NIXL's own progress thread) or ``"manual"`` (only :meth:`poll` advances anything).
-    ``ucx``: UCX backend parameters (default: :meth:`UcxOptions.for_agent`: ``$KVLC_UCX_*``, and UCX's
-    thread pool when the plan holds VRAM). ``staging``: which WRITE parts
-    use bounce buffers (default :meth:`StagingPolicy.from_env`: the automatic gate, or ``$KVLC_STAGING``).
-    ``agent_factory`` (tests only) builds the NIXL agent wrapper from a name.
+    ``settings`` (:class:`~kvlc.runtime.settings.AgentSettings`; default: from ``KVLC_*`` variables and
+    defaults) says how it runs. Each agent gets a fresh random epoch, so a restarted rank replaces
+    only its own old sessions.
     """
 
-    def __init__(
-        self,
-        plan: Plan,
-        rank: int,
-        tensors: Mapping[str, Any],
-        *,
-        engine_id: str | None = None,
-        secret: str | bytes | None = None,
-        insecure: bool = False,
-        lease: float = DEFAULT_LEASE_S,
-        timeout: float = DEFAULT_TIMEOUT_S,
-        progress: str = "thread",
-        name: str | None = None,
-        backends: Sequence[str] = ("UCX",),
-        telemetry: bool = False,
-        progress_interval: float = 0.001,
-        limits: Limits | None = None,
-        agent_factory: Callable[[str], Any] | None = None,
-        ucx: UcxOptions | None = None,
-        staging: StagingPolicy | None = None,
-    ):
-        check_agent_args(plan, rank, progress, timeout, lease)
-        self._key = resolve_secret(secret, insecure)
-        self.plan, self.rank, self.timeout, self.lease = plan, rank, float(timeout), float(lease)
-        self.limits = limits or Limits()
+    def __init__(self, plan: Plan, rank: int, tensors: Mapping[str, Any], settings: AgentSettings | None = None):
+        cfg = self.settings = settings if settings is not None else AgentSettings()
+        check_agent_args(plan, rank, cfg.progress, cfg.timeout, cfg.lease)
+        self._key = cfg.channel_key()
+        self.plan, self.rank, self.timeout, self.lease = plan, rank, float(cfg.timeout), float(cfg.lease)
+        self.limits = cfg.limits
         self.bindings: dict[str, Bound] = bind(plan, tensors)
         default = re.sub(r"[^A-Za-z0-9_.\-]", "_", plan.name)[:80]
-        self.engine_id = valid_name(engine_id or f"{default}-{uuid.uuid4().hex[:12]}", "engine_id")
+        self.engine_id = valid_name(cfg.engine_id or f"{default}-{uuid.uuid4().hex[:12]}", "engine_id")
         self.epoch = secrets.token_hex(8)
-        self.name = valid_name(name or f"kvlc-{default}-r{rank}-{uuid.uuid4().hex[:8]}")
+        self.name = valid_name(cfg.name or f"kvlc-{default}-r{rank}-{uuid.uuid4().hex[:8]}")
         self._lock = threading.RLock()
         self.closed = False
-        ucx = ucx or UcxOptions.for_agent(any(s.mem == "VRAM" for s in plan.storages))
-        self.nixl = (agent_factory or (lambda n: Agent(n, backends, telemetry=telemetry, ucx=ucx,
-                                                        progress_thread=progress == "nixl")))(self.name)
+        self.nixl = self._make_nixl(cfg, any(s.mem == "VRAM" for s in plan.storages))
         self._res = Resources(self.nixl, self.name)
         try:
             for b in self.bindings.values():
                 self.nixl.register(b.row(), b.mem, what=f"storage '{b.name}'")
             storages = [StorageBase(name=b.name, addr=b.addr, size=b.nbytes, mem=b.mem, device=b.device)
                         for b in self.bindings.values()]
-            self.staging = staging if staging is not None else StagingPolicy.from_env()
+            self.staging = cfg.staging_policy()
             self.stager = make_stager(self.nixl, self.bindings, self.staging)
             self.record = make_record(self.name, self.nixl.metadata(), plan, rank, storages,
                                       self.engine_id, self.epoch)
@@ -132,7 +100,7 @@ class KvAgent:
         self.executor = self._res.executor = Executor(self.nixl, rank, stager=self.stager)
         self._res.stager = self.stager
         self.warmer = Warmer(self.nixl, self.bindings)  # connect's warm-up READs (kvlc.runtime.nixl.warmup)
-        self._unsettled: set[str] = set()            # consumer: complete, but a staged scatter still copies
+        self.unsettled: set[str] = set()            # consumer: complete, but a staged scatter still copies
         self.sessions = SessionTable(plan, rank, self.name)
         self.events = Events()
         self.incoming: dict[str, Incoming] = {}      # consumer: requests remote ranks move here
@@ -143,15 +111,22 @@ class KvAgent:
         self.stats = {"dropped_notifs": 0, "fenced_chunks": 0, "requests": 0, "bytes": 0, "descriptors": 0,
                       "nixl_requests": 0}
         self._finalizer = weakref.finalize(self, self._res.close)
-        if progress == "thread":
-            self._res.pump = Pump(self, "_pump_locked", progress_interval, self._res.stop,
+        if cfg.progress == "thread":
+            self._res.pump = Pump(self, "progress_turn", cfg.progress_interval, self._res.stop,
                                   f"kvlc-progress-{self.name}", busy_interval=self.PUMP_BUSY_S)
+
+    def _make_nixl(self, cfg: AgentSettings, vram: bool):
+        """The NIXL agent wrapper (``cfg.agent_factory`` in tests)."""
+        if cfg.agent_factory is not None:
+            return cfg.agent_factory(self.name)
+        return Agent(self.name, cfg.backends, telemetry=cfg.telemetry, ucx=cfg.ucx_options(vram),
+                     progress_thread=cfg.progress == "nixl")
 
     # ------------------------------------------------------------------ side channel
     def serve(self, host: str = "127.0.0.1", port: int = 0) -> str:
         """Start this agent's authenticated side-channel server; returns its ``host:port``."""
         with self._lock:
-            self._check_open()
+            self.check_open()
             if self._res.server is None:
                 ref = weakref.ref(self)
 
@@ -162,8 +137,7 @@ class KvAgent:
                 def closed(conn, ref=ref):
                     agent = ref()
                     if agent is not None and conn.session is not None:
-                        with agent._lock:
-                            agent._drop_session(conn.session, "its side-channel connection closed")
+                        agent.drop_session(conn.session, "its side-channel connection closed")
 
                 self._res.server = ChannelServer(handler, _server.error_reply, self._key, host, port,
                                                  limits=self.limits, on_close=closed)
@@ -183,26 +157,206 @@ class KvAgent:
         (:mod:`kvlc.runtime.nixl.warmup`)."""
         return connect(self, addresses, direction, mode, timeout, warm)
 
-    # ------------------------------------------------------------------ sessions (caller holds the lock)
-    def _load_remote(self, rec) -> None:
-        if rec.agent in self.nixl.remotes:
-            return
-        name = self.nixl.add_remote(rec.nixl_md)
-        if name != rec.agent:
-            self.nixl.remove_remote(name)
-            raise HandshakeError(f"record says agent '{rec.agent}' but its NIXL metadata is agent '{name}'")
+    def client(self, address: str, timeout: float = 10.0) -> ChannelClient:
+        """An authenticated side-channel connection to ``address`` with this agent's key."""
+        return ChannelClient(address, self._key, timeout=timeout)
 
-    def _drop_session(self, s: Session, why: str) -> None:
+    def keep_clients(self, clients: Iterable[ChannelClient]) -> None:
+        """Connections this agent closes when it closes."""
+        with self._lock:
+            live = [c for c in self._res.clients if c.connected or c.sealed is None]  # drop the ones closed for good
+            self._res.clients[:] = live + list(clients)
+
+    def cancel_client(self, address: str) -> ChannelClient:
+        """The one connection that carries this consumer's cancels to the producer at ``address``."""
+        with self._lock:
+            c = self._cancel_clients.get(address)
+            if c is None:
+                c = self._cancel_clients[address] = self.client(address)
+                self._res.clients.append(c)
+            return c
+
+    # ------------------------------------------------------------------ sessions
+    def pair_engine(self, rec: Record, direction: Direction) -> RemoteEngine:
+        """The remote engine of ``rec`` as this side sees it in ``direction`` (paired once; CompatError)."""
+        with self._lock:
+            return self.sessions.engine(rec, direction)
+
+    def admit(self, records: Iterable[Record], eng: RemoteEngine, load: bool) -> list[str]:
+        """Refuse records that would hijack a name, end the sessions they replace (a restart) and, with
+        ``load``, load their NIXL agents; returns the names of the NIXL agents loaded now."""
+        records = list(records)
+        with self._lock:
+            self.check_open()
+            for rec in records:
+                for old in self.sessions.check(rec, eng):
+                    self.drop_session(old, f"engine '{rec.engine_id}' rank {rec.rank} restarted "
+                                           f"(epoch {rec.epoch[:8]})")
+            added = []
+            for rec in records if load else ():
+                if rec.agent not in self.nixl.remotes:
+                    self.load_remote(rec)
+                    added.append(rec.agent)
+            return added
+
+    def admit_served(self, session: Session, load: bool, inbox) -> Any:
+        """A peer introduced itself on a connection of this agent's server: admit its record, exchange
+        staging inboxes (the inbox it gets, or None), open its ``session``; pull via push (``load``):
+        this side WRITEs, so the program is bound now."""
+        with self._lock:
+            self.admit([session.record], session.engine, load)
+            mine = self._staging_inbox_served(session, inbox)
+            self.sessions.add(session)
+            if load:
+                session.engine.bound(self.bases)
+            return mine
+
+    def _staging_inbox_served(self, s: Session, inbox):
+        """Staging on: a producer that will push here gets an inbox (its chunks' slots go back to it in
+        FREE notifications); a pull-via-push consumer's ``inbox`` is where this side stages its WRITEs."""
+        if self.stager is None:
+            return None
+        if s.direction is Direction.READ:  # the peer WRITEs here
+            mine = self.stager.inbox_for(s.agent)
+            if mine is not None:
+                self.load_remote(s.record)
+            return mine
+        if s.mode is ConnectionMode.PULL_VIA_PUSH and inbox is not None:
+            self.stager.add_peer(s.record, inbox)
+        return None
+
+    def staging_inbox(self, peer_agent: str):
+        """The staging inbox this side lends ``peer_agent`` (None: staging is off here)."""
+        with self._lock:
+            return None if self.stager is None else self.stager.inbox_for(peer_agent)
+
+    def add_staging_peer(self, rec: Record, inbox) -> None:
+        """Stage this side's WRITEs to ``rec``'s agent into its ``inbox`` (staging on)."""
+        with self._lock:
+            if self.stager is not None and inbox is not None:
+                self.stager.add_peer(rec, inbox)
+
+    def forget_peers(self, loaded: Iterable[str], given: Iterable[str]) -> None:
+        """Undo a connect that failed: the staging inboxes ``given`` and the NIXL agents ``loaded``."""
+        with self._lock:
+            for name in given:
+                if not self.sessions.live(name) and self.stager is not None:
+                    self.stager.drop_peer(name)
+            for name in loaded:
+                try:
+                    self.nixl.remove_remote(name)
+                except NixlError:
+                    pass
+
+    def open_sessions(self, sessions: Iterable[Session]) -> None:
+        """Open these sessions (the connection is made); TransferError if this agent closed meanwhile."""
+        with self._lock:
+            self.check_open()
+            for s in sessions:
+                self.sessions.add(s)
+
+    def bound_program(self, eng: RemoteEngine):
+        """``eng``'s program bound to both sides' storage bases (bound once, then shared)."""
+        with self._lock:
+            return eng.bound(self.bases)
+
+    def load_remote(self, rec: Record) -> None:
+        """Load ``rec``'s NIXL agent (once); HandshakeError when its metadata names another agent."""
+        with self._lock:
+            if rec.agent in self.nixl.remotes:
+                return
+            name = self.nixl.add_remote(rec.nixl_md)
+            if name != rec.agent:
+                self.nixl.remove_remote(name)
+                raise HandshakeError(f"record says agent '{rec.agent}' but its NIXL metadata is agent '{name}'")
+
+    def drop_session(self, s: Session, why: str) -> None:
         """End a session: its in-flight transfers stop, what waited on it ends, its NIXL agent goes."""
-        _replies.end_session(self, s, why)
+        with self._lock:
+            _replies.end_session(self, s, why)
+
+    def warm(self, records: list[Record], mems=None) -> dict[str, str]:
+        """Touch these peers' memory once (:mod:`kvlc.runtime.nixl.warmup`); problems per agent name."""
+        return warm_peers(self, records, mems)
+
+    def keep_stuck(self, handles: list) -> None:
+        """NIXL handles that would not release yet: retried on every progress turn and at close."""
+        with self._lock:
+            self.executor.stuck.extend(handles)
 
     # ------------------------------------------------------------------ requests
-    def _submit(self, key, req: str, op: str, parts, notify: Mapping[int, Target], timeout, tag=None) -> Outgoing:
-        return self._counted([self.executor.submit(key, req, op, parts, agents_of(notify), notify, timeout, tag)])[0]
+    def submit(self, key, req: str, op: str, parts, notify: Mapping[int, Target], timeout, tag=None, *,
+               staged: Mapping[int, list] | None = None, refuse: Mapping[Any, str] | None = None,
+               engine: bool = True) -> Outgoing:
+        """Move one request's ``parts`` (:meth:`Executor.submit`). Refused with TransferError while a request
+        of this key is in flight, and with TransferError (its text) where a key of ``refuse`` ended here (a
+        consumer's cancel, a lease). ``staged``: the parts to stage (peer rank → keys), where the caller
+        decided already; else :meth:`staged_parts` decides now. ``engine``: the engine's own thread asks
+        (it polls soon: the progress thread waits a turn)."""
+        with self._lock:
+            self._refuse(key, req, op, refuse)
+            agents = agents_of(notify)
+            staged = self.staged_parts(op, parts, agents) if staged is None else staged
+            outs = self._counted([self.executor.submit(key, req, op, parts, agents, notify, timeout, tag, staged)])
+            self._polled = time.monotonic() if engine else self._polled
+            return outs[0]
 
-    def _submit_many(self, members, op: str, parts, notify: Mapping[int, Target], timeout) -> list[Outgoing]:
-        """Several requests sharing their NIXL requests (:mod:`kvlc.runtime.batch`)."""
-        return self._counted(self.executor.submit_many(members, op, parts, agents_of(notify), notify, timeout))
+    def submit_many(self, members, op: str, parts, notify: Mapping[int, Target], timeout,
+                    refuse: Mapping[Any, str] | None = None) -> list[Outgoing]:
+        """Several requests sharing their NIXL requests (:mod:`kvlc.runtime.batch`); refusals as in :meth:`submit`."""
+        with self._lock:
+            for m in members:
+                self._refuse(m.key, m.req, op, refuse)
+            outs = self._counted(self.executor.submit_many(members, op, parts, agents_of(notify), notify, timeout))
+            self._polled = time.monotonic()
+            return outs
+
+    def staged_parts(self, op: str, parts, agents: Mapping[int, str]) -> dict[int, list]:
+        """The one staging decision of a request: peer rank → keys of ``parts`` that go through bounce
+        buffers (:meth:`~kvlc.runtime.staging.agent.Stager.pick`); empty where staging is off."""
+        with self._lock:
+            return {} if self.stager is None else self.stager.pick(op, parts, agents)
+
+    def _refuse(self, key, req: str, op: str, refuse: Mapping[Any, str] | None) -> None:
+        self.check_open()
+        if key in self.executor.active or (op == "READ" and req in self.incoming):
+            raise TransferError(f"request '{req}' is already in flight")
+        for k, why in (refuse or {}).items():
+            if k in self.events.ended:
+                raise TransferError(why)
+        self.events.ended.pop(key, None)
+
+    def serve_pull(self, s: Session, req: str, parts, timeout: float, refuse: Mapping[Any, str]) -> Outgoing:
+        """Pull via push, producer side: WRITE session ``s``'s share of ``req`` (``parts``) and tally its
+        consumer's answer (refusals as in :meth:`submit`)."""
+        with self._lock:
+            out = self.submit(("pvp", s.conn_id, req), req, "WRITE", parts, {s.rank: Target(s.agent, s.notif_key)},
+                              timeout, ("pvp", s), refuse=refuse, engine=False)
+            self.tally(s.engine, req)
+            return out
+
+    def session_on(self, conn_id: str) -> Session | None:
+        """The session introduced on side-channel connection ``conn_id`` (None: none, or it ended)."""
+        with self._lock:
+            return self.sessions.by_conn.get(conn_id)
+
+    def await_pull(self, inc: Incoming) -> None:
+        """Pull via push: producers move ``inc`` into this rank (the asks follow on the sender)."""
+        with self._lock:
+            self._refuse(("read", inc.req), inc.req, "READ", None)
+            self.events.ended.pop(inc.req, None)
+            self.incoming[inc.req] = inc
+            self.stats["requests"] += 1
+
+    def is_moving(self, key) -> bool:
+        """Whether a request of this key is in flight here."""
+        with self._lock:
+            return key in self.executor.active
+
+    def ended(self, key) -> Status | None:
+        """How the request of ``key`` ended here (None: not ended, or long forgotten)."""
+        with self._lock:
+            return self.events.ended.get(key)
 
     def _counted(self, outs: list[Outgoing]) -> list[Outgoing]:
         self.stats["requests"] += len(outs)
@@ -211,21 +365,30 @@ class KvAgent:
         self.stats["nixl_requests"] += sum(r.xfer is not None for r in outs[0].parts)  # a batch shares its parts
         return outs
 
-    def _tally(self, engine: RemoteEngine, req: str) -> Tally:
-        key = (engine.key, req)
-        t = self.tallies.get(key)
-        if t is None:
-            until = self.offers.pop(req, time.monotonic() + self.lease)
-            t = self.tallies[key] = Tally(req, engine, until)
-        return t
+    def tally(self, engine: RemoteEngine, req: str) -> Tally:
+        """Producer: which consumer ranks of ``engine`` are done with ``req`` (started with its lease)."""
+        with self._lock:
+            key = (engine.key, req)
+            t = self.tallies.get(key)
+            if t is None:
+                until = self.offers.pop(req, time.monotonic() + self.lease)
+                t = self.tallies[key] = Tally(req, engine, until)
+            return t
 
-    def _tally_check(self, key, t: Tally) -> None:
-        if t.complete:
-            del self.tallies[key]
-            why = t.reason()
-            self.events.emit(Event.FAILED if why else Event.FINISHED, t.req, why)
-            self.events.emit(Event.FREEABLE, t.req)
-            self.events.end(key, Status.FAILED if why else Status.DONE)
+    def consumer_answered(self, engine: RemoteEngine, req: str, rank: int, status: Status, why: str = "") -> None:
+        """Producer: consumer ``rank`` of ``engine`` ended ``req`` (``status``); report it once all did."""
+        with self._lock:
+            key = (engine.key, req)
+            if key in self.events.ended:
+                return
+            t = self.tally(engine, req)
+            t.add(rank, status, why)
+            if t.complete:
+                del self.tallies[key]
+                why = t.reason()
+                self.events.emit(Event.FAILED if why else Event.FINISHED, t.req, why)
+                self.events.emit(Event.FREEABLE, t.req)
+                self.events.end(key, Status.FAILED if why else Status.DONE)
 
     def expect(self, request_id: str, timeout: float | None = None) -> None:
         """Consumer in push mode: the request must land within ``timeout``; else it is held, the producers
@@ -247,34 +410,46 @@ class KvAgent:
             self.offers[request_id] = time.monotonic() + (self.lease if lease is None else lease)
 
     def cancel(self, request_id: str) -> None:
-        """Stop a request: what this side moves is released; what remote ranks move is cancelled there.
+        """Stop a request: what this side moves is given up; what remote ranks move is cancelled there.
         The request is reported held, then failed once no byte can land (or finished if it already had)."""
         with self._lock:
             for key in (("read", request_id), ("write", request_id)):
-                if key in self.executor.active:
-                    out = self.executor.cancel(key, "cancelled by this engine")
-                    if out is not None:
-                        self._outgoing_done(out)
-                    elif not self.executor.active[key].held:
-                        self.executor.active[key].held = True
-                        self.events.emit(Event.HELD, request_id, "cancelled; a part is still being released")
+                held = key in self.executor.active and not self.cancel_own(key, "cancelled by this engine")
+                if held and not self.executor.active[key].held:
+                    self.executor.active[key].held = True
+                    self.events.emit(Event.HELD, request_id, "cancelled; a part is still in flight")
             inc = self.incoming.get(request_id)
             if inc is not None:
                 _replies.hold_and_cancel(self, inc, "cancelled by this engine")
 
-    def _cancel_served(self, key, s: Session, req: str) -> Status:
-        """Answer a remote cancel of a request this agent serves (see :mod:`kvlc.runtime.server`)."""
-        if key is not None and key in self.executor.active:
-            out = self.executor.cancel(key, f"cancelled by consumer rank {s.rank}")
-            if out is None:
-                return Status.PENDING
-            self._outgoing_done(out)
-            return Status.CANCELLED
-        ended = self.events.ended.get(key) if key is not None else None
-        if ended is not None:
-            return ended
-        self.events.end(("tomb", s.conn_id, req), Status.CANCELLED)
-        return Status.UNKNOWN
+    def cancel_own(self, key, why: str) -> bool:
+        """Stop a request this side moves: True when it ended now, False while it is held (a part in
+        flight until NIXL ends it; a later progress turn reports it) or unknown."""
+        with self._lock:
+            out = self.executor.cancel(key, why)
+            if out is not None:
+                self.report(out)
+            return out is not None
+
+    def cancel_served(self, key, s: Session, req: str, push: bool = False) -> Status:
+        """Answer session ``s``'s cancel of ``req``, served here under ``key`` (see :mod:`kvlc.runtime.server`);
+        ``push``: only if ``s`` receives that request. Unknown requests are refused for good (a tombstone)."""
+        with self._lock:
+            self.check_open()
+            out = self.executor.active.get(key)
+            if push and out is not None and not any(t.key == s.notif_key for t in out.notify.values()):
+                key = out = None  # a request of that id, but not one this session receives
+            if out is not None:
+                out = self.executor.cancel(key, f"cancelled by consumer rank {s.rank}")
+                if out is None:
+                    return Status.PENDING
+                self.report(out)
+                return Status.CANCELLED
+            ended = self.events.ended.get(key) if key is not None else None
+            if ended is not None:
+                return ended
+            self.events.end(("tomb", s.conn_id, req), Status.CANCELLED)
+            return Status.UNKNOWN
 
     # ------------------------------------------------------------------ completion
     def poll(self) -> Completions:
@@ -289,7 +464,7 @@ class KvAgent:
     PUMP_SKIP_S = 0.001  # the progress thread skips a turn when the engine was this recently active
     PUMP_BUSY_S = 0.00005  # its interval while staged chunks are in flight (each waits on a turn here)
 
-    def _pump_locked(self) -> bool:
+    def progress_turn(self) -> bool:
         """The progress thread's turn: fills gaps between the engine's polls, never waits for the engine's lock.
 
         Returns whether staged chunks are in flight: the thread then comes back every
@@ -307,8 +482,7 @@ class KvAgent:
         return self.stager is not None and self.stager.endpoint.hot
 
     def _pump(self) -> None:
-        for out in self.executor.progress():
-            self._outgoing_done(out)
+        self.advance()
         _replies.notifs(self, self.nixl.notifs())
         _replies.drain(self, self.sender.replies)
         self._deadlines(time.monotonic())
@@ -317,7 +491,7 @@ class KvAgent:
         for out in self.executor.active.values():
             if out.deadline is not None and now >= out.deadline and not out.held:
                 out.held = True
-                self.events.emit(Event.HELD, out.req, "timed out; a part is still being released")
+                self.events.emit(Event.HELD, out.req, "timed out; a part is still in flight")
         for inc in list(self.incoming.values()):
             if inc.deadline is not None and now >= inc.deadline and not inc.held:
                 missing = inc.missing() if inc.engine is not None else "every producer rank"
@@ -332,17 +506,19 @@ class KvAgent:
                 del self.offers[req]
                 self.events.emit(Event.FREEABLE, req)
 
-    def _outgoing_done(self, out: Outgoing) -> None:
-        kind = out.key[0]
+    def advance(self) -> None:
+        """Advance the transfers this side moves; report those that ended (caller holds the lock)."""
+        for out in self.executor.progress():
+            self.report(out)
+
+    def report(self, out: Outgoing) -> None:
+        """A request this side moved ended (done or failed): tell poll(), and a tally its consumer's share."""
         status = Status.DONE if out.status == "done" else Status.FAILED
-        if kind == "pvp":  # producer share of a pull-via-push request
+        if out.key[0] == "pvp":  # producer share of a pull-via-push request
             s = out.tag[1]
             self.events.end(out.key, status)
-            key = (s.engine.key, out.req)
-            t = self.tallies.get(key)
-            if t is not None:
-                t.add(s.rank, status, out.reason)
-                self._tally_check(key, t)
+            if (s.engine.key, out.req) in self.tallies:
+                self.consumer_answered(s.engine, out.req, s.rank, status, out.reason)
             return
         self.events.end(out.key, status)
         self.events.emit(Event.FINISHED if status is Status.DONE and not out.held else Event.FAILED,
@@ -375,7 +551,7 @@ class KvAgent:
         return len(self.executor.active)
 
     # ------------------------------------------------------------------ lifetime
-    def _check_open(self) -> None:
+    def check_open(self) -> None:
         if self.closed:
             raise TransferError(f"agent '{self.name}' is closed")
 
@@ -390,7 +566,7 @@ class KvAgent:
             self._res.server.close()
         with self._lock:
             for out in self.executor.cancel_all(f"agent '{self.name}' closed"):
-                self._outgoing_done(out)
+                self.report(out)
         self._finalizer()
 
     def __enter__(self) -> KvAgent:

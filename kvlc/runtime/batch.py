@@ -16,7 +16,6 @@ sends through bounce buffers), the checked requests are submitted one by one ins
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,8 +24,7 @@ from kvlc.compiler.pairing.program import join_parts
 from kvlc.compiler.request.check import check_request
 from kvlc.errors import TransferError
 from kvlc.runtime.arguments import check_request_id
-from kvlc.runtime.kinds import Direction, Mode
-from kvlc.runtime.channel.notifs import agents_of
+from kvlc.runtime.kinds import Direction, ConnectionMode
 from kvlc.runtime.transfer import Member
 
 
@@ -60,36 +58,22 @@ def _items(requests: Iterable[BlockRequest]) -> list[BlockRequest]:
     return items
 
 
-def _checked(peer, items: list[BlockRequest], op: str, verb: str) -> list[dict]:
-    """Each request's parts (as :meth:`Peer._instantiate` gives them), or a refusal naming the
-    request; the caller holds the lock."""
+def _checked(peer, items: list[BlockRequest], op: str, verb: str) -> list[tuple[dict, dict]]:
+    """Each request's parts and staging decision (:meth:`Peer.parts`), or a refusal naming the request."""
     a = peer.agent
     out = []
     for i, it in enumerate(items):
-        key = (verb, it.request_id)
-        if key in a.executor.active or (op == "READ" and it.request_id in a.incoming):
+        if a.is_moving((verb, it.request_id)) or (op == "READ" and it.request_id in a.incoming):
             raise TransferError(f"batch item {i}: request '{it.request_id}' is already in flight; nothing moved")
         if op == "WRITE":
-            for r, s in peer.sessions.items():
-                if ("tomb", s.conn_id, it.request_id) in a.events.ended:
-                    raise TransferError(f"batch item {i}: request '{it.request_id}' was cancelled by consumer "
-                                        f"rank {r}; nothing written")
+            for key, why in peer.cancelled(it.request_id).items():
+                if a.ended(key) is not None:
+                    raise TransferError(f"batch item {i}: {why}")
         try:
-            out.append(peer._instantiate(it.local_block_ids, it.remote_block_ids, it.num_tokens, it.tokens))
+            out.append(peer.parts(it.local_block_ids, it.remote_block_ids, it.num_tokens, it.tokens))
         except TransferError as exc:
             raise TransferError(f"batch item {i} (request '{it.request_id}'): {exc}; nothing moved") from None
     return out
-
-
-def _shareable(peer, op: str, parts: list[dict]) -> bool:
-    """Whether every part is rows that go direct (no prepared indices, nothing the stager takes)."""
-    if peer.mode is not Mode.DIRECT:
-        return False
-    st = peer.agent.stager
-    if st is None:
-        return True
-    agents = agents_of(peer._targets())
-    return not any(st.pick(op, p, agents) for p in parts)
 
 
 def submit(peer, requests: Iterable[BlockRequest], direction: Direction, timeout: float | None) -> None:
@@ -102,38 +86,38 @@ def submit(peer, requests: Iterable[BlockRequest], direction: Direction, timeout
         return
     a = peer.agent
     timeout = a.timeout if timeout is None else float(timeout)
-    if peer.mode is Mode.PULL_VIA_PUSH:
+    if peer.mode is ConnectionMode.PULL_VIA_PUSH:
         _ask_each(peer, items, timeout)
         return
     op = direction.value
-    with a._lock:
-        peer._live()
-        parts = _checked(peer, items, op, verb)
-        for it in items:
-            a.events.ended.pop((verb, it.request_id), None)
-        if len(items) == 1 or not _shareable(peer, op, parts):
-            _one_by_one(peer, items, parts, op, verb, timeout)
-        else:
-            members = [Member((verb, it.request_id), it.request_id, sum(int(x.nbytes) for x in p.values()),
-                              sum(len(x) for x in p.values())) for it, p in zip(items, parts)]
-            a._submit_many(members, op, join_parts(parts), peer._targets(), timeout)
-        a._polled = time.monotonic()  # the engine is at work and polls soon: the progress thread waits
+    peer._live()
+    checked = _checked(peer, items, op, verb)
+    shareable = peer.mode is ConnectionMode.DIRECT and not any(staged for _, staged in checked)
+    if len(items) == 1 or not shareable:
+        _one_by_one(peer, items, checked, op, verb, timeout)
+        return
+    parts = [p for p, _ in checked]
+    members = [Member((verb, it.request_id), it.request_id, sum(int(x.nbytes) for x in p.values()),
+                      sum(len(x) for x in p.values())) for it, p in zip(items, parts)]
+    refuse = {k: why for it in items for k, why in peer.cancelled(it.request_id).items()} if op == "WRITE" else None
+    a.submit_many(members, op, join_parts(parts), peer._targets(), timeout, refuse=refuse)
 
 
-def _one_by_one(peer, items: list[BlockRequest], parts: list[dict], op: str, verb: str, timeout: float) -> None:
-    """Submit each checked request on its own; if NIXL cannot create one, the ones before it are
-    cancelled (their consumers hear ``failed``) and the error is raised."""
+def _one_by_one(peer, items: list[BlockRequest], checked: list[tuple[dict, dict]], op: str, verb: str,
+                timeout: float) -> None:
+    """Submit each checked request on its own; if one cannot start, the ones before it are cancelled
+    (their consumers hear ``failed``) and the error is raised."""
     a = peer.agent
     done: list[str] = []
     try:
-        for it, p in zip(items, parts):
-            a._submit((verb, it.request_id), it.request_id, op, p, peer._targets(), timeout)
+        for it, (p, staged) in zip(items, checked):
+            refuse = peer.cancelled(it.request_id) if op == "WRITE" else None
+            a.submit((verb, it.request_id), it.request_id, op, p, peer._targets(), timeout, staged=staged,
+                     refuse=refuse)
             done.append(it.request_id)
     except BaseException as exc:
         for req in done:
-            out = a.executor.cancel((verb, req), f"another request of its batch could not start: {exc}")
-            if out is not None:  # else a part is still being released: progress ends it
-                a._outgoing_done(out)
+            a.cancel_own((verb, req), f"another request of its batch could not start: {exc}")
         raise
 
 

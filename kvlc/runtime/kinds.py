@@ -1,6 +1,6 @@
-"""Closed sets of the runtime as str enums: plain strings still compare equal (``Mode.DIRECT == "direct"``).
+"""Closed sets of the runtime as str enums: plain strings still compare equal (``ConnectionMode.DIRECT == "direct"``).
 
->>> Direction("READ") is Direction.READ, Mode.PULL_VIA_PUSH == "pull_via_push"
+>>> Direction("READ") is Direction.READ, ConnectionMode.PULL_VIA_PUSH == "pull_via_push"
 (True, True)
 """
 
@@ -37,7 +37,7 @@ class Direction(_Choice):
         return Direction.WRITE if self is Direction.READ else Direction.READ
 
 
-class Mode(_Choice):
+class ConnectionMode(_Choice):
     """How a connection moves requests: this side READs/WRITEs rows, prepared lists, or asks the producer."""
 
     DIRECT = "direct"

@@ -10,10 +10,10 @@ background sender.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING
-
+from dataclasses import dataclass
 import numpy as np
 
 from kvlc.compiler.pairing.program import TransferProgram
@@ -25,16 +25,15 @@ from kvlc.runtime import batch as _batch
 from kvlc.runtime.arguments import check_request_id
 from kvlc.runtime.batch import BlockRequest
 from kvlc.runtime.channel.tcp import ChannelClient
-from kvlc.runtime.errors import HandshakeError, NixlError
-from kvlc.runtime.kinds import Direction, Mode
+from kvlc.runtime.errors import HandshakeError
+from kvlc.runtime.kinds import Direction, ConnectionMode
 from kvlc.runtime.channel.sessions import RemoteEngine, Session
 from kvlc.runtime.tracking import Incoming
+from kvlc.runtime.channel.notifs import agents_of
 from kvlc.runtime.transfer import PreparedPart, Target
-from kvlc.runtime.nixl.warmup import warm_peers
 from kvlc.runtime.channel.wire import Fetch, Introduce, PullRequest, Record, Reply, decode, encode
 
-if TYPE_CHECKING:
-    from kvlc.runtime.agent import KvAgent
+log = logging.getLogger(__name__)
 
 
 def _ids(block_ids: Mapping[str, Sequence[int]]) -> dict[str, tuple[int, ...]]:
@@ -73,74 +72,51 @@ def _fetch(clients: list[ChannelClient]) -> dict[int, tuple[Record, ChannelClien
     return out
 
 
-def connect(agent: KvAgent, addresses: Sequence[str], direction: str, mode: str, timeout: float,
-            warm: bool = True) -> Peer:
-    """Connect ``agent`` to the ranks of one remote engine (see the module docstring)."""
+def connect(agent, addresses: Sequence[str], direction: str, mode: str, timeout: float, warm: bool = True) -> Peer:
+    """Connect ``agent`` (a :class:`~kvlc.runtime.agent.KvAgent`) to the ranks of one remote engine
+    (see the module docstring)."""
     direction, mode = _check_connect(addresses, direction, mode)
-    agent._check_open()
-    clients = [ChannelClient(a, agent._key, timeout=timeout) for a in addresses]
+    agent.check_open()
+    clients = [agent.client(a, timeout) for a in addresses]
     added: list[str] = []
     given: list[str] = []  # agents this side gave a staging inbox to
     try:
         got = _fetch(clients)
         eng = _pair(agent, got, direction)
-        added = _admit(agent, got, eng, mode)
+        load = mode is not ConnectionMode.PULL_VIA_PUSH or agent.stager is not None  # (staging: FREEs go back)
+        added = agent.admit([got[r][0] for r in eng.program.peer_ranks], eng, load)
         _introduce(agent, got, eng.program.peer_ranks, direction, mode, given)
         peer = _open(agent, got, eng, direction, mode)
-        if mode is Mode.PREPPED:  # prepare the strided lists now: NIXL problems surface at connect
-            _prepare_now(agent, peer, eng)
-        if mode is not Mode.PULL_VIA_PUSH:  # this side moves the bytes (else the producer does both)
-            with agent._lock:
-                eng.bound(agent.bases)  # the program bound to both sides' bases, before the first request
+        peer.dialled = _Dialled(tuple(addresses), timeout, warm)
+        if mode is ConnectionMode.PREPPED:  # prepare the strided lists now: NIXL problems surface at connect
+            peer.prepare()
+        if mode is not ConnectionMode.PULL_VIA_PUSH:  # this side moves the bytes (else the producer does both)
+            agent.bound_program(eng)  # bound to both sides' bases, before the first request
             if warm:
-                warm_peers(agent, [got[r][0] for r in eng.program.peer_ranks])
+                agent.warm([got[r][0] for r in eng.program.peer_ranks])
         return peer
     except BaseException:
-        _undo_connect(agent, clients, added, given)
+        agent.forget_peers(added, given)
+        for c in clients:
+            c.close()
         raise
 
 
-def _check_connect(addresses: Sequence[str], direction: str, mode: str) -> tuple[Direction, Mode]:
+def _check_connect(addresses: Sequence[str], direction: str, mode: str) -> tuple[Direction, ConnectionMode]:
     """The parsed direction and mode of a connect call, after checking they go together."""
     direction = Direction.parse(direction, "direction")
-    mode = Mode.parse(mode, "mode")
-    if mode is Mode.PULL_VIA_PUSH and direction is not Direction.READ:
+    mode = ConnectionMode.parse(mode, "mode")
+    if mode is ConnectionMode.PULL_VIA_PUSH and direction is not Direction.READ:
         raise KvlcError("mode 'pull_via_push' is for a consumer: use direction='READ'")
     if not addresses:
         raise KvlcError("connect needs the side-channel address of every remote rank to pair with")
     return direction, mode
 
 
-def _prepare_now(agent: KvAgent, peer: Peer, eng: RemoteEngine) -> None:
-    """Prepare the peer's strided lists (mode 'prepped'); on failure close the peer and raise."""
-    with agent._lock:
-        try:
-            peer._prepared(eng.bound(agent.bases))
-        except BaseException:
-            peer.close()
-            raise
-
-
-def _undo_connect(agent: KvAgent, clients: list[ChannelClient], added: list[str], given: list[str]) -> None:
-    """Undo a connect that failed: staging inboxes given, remote agents added, side channels opened."""
-    with agent._lock:
-        for name in given:
-            if not agent.sessions.live(name):
-                agent.stager.drop_peer(name)
-        for name in added:
-            try:
-                agent.nixl.remove_remote(name)
-            except NixlError:
-                pass
-    for c in clients:
-        c.close()
-
-
-def _pair(agent: KvAgent, got, direction: Direction) -> RemoteEngine:
+def _pair(agent, got, direction: Direction) -> RemoteEngine:
     """Pair with the remote engine (CompatError here) and check every rank it needs is served."""
     rec0 = next(iter(got.values()))[0]
-    with agent._lock:
-        eng = agent.sessions.engine(rec0, direction)
+    eng = agent.pair_engine(rec0, direction)
     missing = sorted(set(eng.program.peer_ranks) - set(got))
     if missing:
         raise HandshakeError(
@@ -150,38 +126,19 @@ def _pair(agent: KvAgent, got, direction: Direction) -> RemoteEngine:
     return eng
 
 
-def _admit(agent: KvAgent, got, eng: RemoteEngine, mode: Mode) -> list[str]:
-    """Refuse hijacks, end the sessions a restart replaces, load the NIXL agents this side initiates to."""
-    added = []
-    with agent._lock:
-        peers = eng.program.peer_ranks
-        replaced = [old for r in peers for old in agent.sessions.check(got[r][0], eng)]
-        for old in replaced:
-            agent._drop_session(old, f"engine '{old.engine_id}' rank {old.rank} restarted")
-        if mode is not Mode.PULL_VIA_PUSH or agent.stager is not None:  # (staging: FREEs go to the producer)
-            for r in peers:
-                if got[r][0].agent not in agent.nixl.remotes:
-                    agent._load_remote(got[r][0])
-                    added.append(got[r][0].agent)
-    return added
-
-
-def _introduce(agent: KvAgent, got, peers, direction: Direction, mode: Mode, given: list[str]) -> None:
+def _introduce(agent, got, peers, direction: Direction, mode: ConnectionMode, given: list[str]) -> None:
     """Introduce this agent to every peer rank; staging inboxes travel here (see :mod:`kvlc.runtime.server`)."""
-    wire_mode = "pull_via_push" if mode is Mode.PULL_VIA_PUSH else "direct"  # "prepped" is direct on the wire
-    st = agent.stager
+    wire_mode = "pull_via_push" if mode is ConnectionMode.PULL_VIA_PUSH else "direct"  # prepped: direct on the wire
     for r in peers:
         rec = got[r][0]
-        with agent._lock:
-            inbox = st.inbox_for(rec.agent) if st is not None and mode is Mode.PULL_VIA_PUSH else None
+        inbox = agent.staging_inbox(rec.agent) if mode is ConnectionMode.PULL_VIA_PUSH else None
         if inbox is not None:
             given.append(rec.agent)
         hello = encode(Introduce(record=agent.record, direction=direction.value, mode=wire_mode,
                                  address=agent.address or "", inbox=inbox))
         reply = _accepted(r, rec, decode(got[r][1].request(hello)))
-        if st is not None and direction is Direction.WRITE and reply.inbox is not None:
-            with agent._lock:
-                st.add_peer(rec, reply.inbox)
+        if direction is Direction.WRITE:
+            agent.add_staging_peer(rec, reply.inbox)
 
 
 def _accepted(r: int, rec: Record, reply) -> Reply:
@@ -192,28 +149,42 @@ def _accepted(r: int, rec: Record, reply) -> Reply:
     return reply
 
 
-def _open(agent: KvAgent, got, eng: RemoteEngine, direction: Direction, mode: Mode) -> Peer:
+def _open(agent, got, eng: RemoteEngine, direction: Direction, mode: ConnectionMode) -> Peer:
     """One session per remote rank, on the connection it was introduced on."""
     peers = eng.program.peer_ranks
-    with agent._lock:
-        agent._check_open()
-        sessions = {}
-        for r in peers:
-            rec, client = got[r]
-            sessions[r] = Session(rec, client.sealed.id, client.sealed.notif_key, direction, mode, eng)
-            agent.sessions.add(sessions[r])
-        for r, (_, c) in got.items():
-            if r not in peers:
-                c.close()
-        agent._res.clients.extend(got[r][1] for r in peers)
-        return Peer(agent, eng, sessions, {r: got[r][1] for r in peers}, direction, mode)
+    sessions = {}
+    for r in peers:
+        rec, client = got[r]
+        sessions[r] = Session(rec, client.sealed.id, client.sealed.notif_key, direction, mode, eng)
+    agent.open_sessions(sessions.values())
+    for r, (_, c) in got.items():
+        if r not in peers:
+            c.close()
+    agent.keep_clients(got[r][1] for r in peers)
+    return Peer(agent, eng, sessions, {r: got[r][1] for r in peers}, direction, mode)
+
+
+@dataclass(frozen=True)
+class _Dialled:
+    """How a peer was connected: what reconnecting it takes."""
+
+    addresses: tuple[str, ...]
+    timeout: float
+    warm: bool
 
 
 class Peer:
-    """This agent's sessions with the ranks of one remote engine (see :func:`connect`)."""
+    """This agent's sessions with the ranks of one remote engine (see :func:`connect`).
 
-    def __init__(self, agent: KvAgent, engine: RemoteEngine, sessions: dict[int, Session],
-                 clients: dict[int, ChannelClient], direction: Direction, mode: Mode):
+    A session lost underneath it (the remote engine restarted, on the same address or not; its
+    side-channel connection closed; a rank ended the session) is noticed at the next request,
+    reported once (a warning, :attr:`losses`, the agent's ``sessions_lost`` count) and repaired by
+    connecting again to the same addresses, under the remote engine's new epoch if it restarted;
+    the request then moves. Only when reconnecting fails is the request refused.
+    """
+
+    def __init__(self, agent, engine: RemoteEngine, sessions: dict[int, Session],
+                 clients: dict[int, ChannelClient], direction: Direction, mode: ConnectionMode):
         self.agent = agent
         self.engine = engine
         self.program: TransferProgram = engine.program
@@ -223,6 +194,8 @@ class Peer:
         self._lists: dict | None = None  # mode "prepped": PartKey -> (local Prepped, remote Prepped)
         self._notify = {r: Target(s.agent, s.notif_key) for r, s in sessions.items()}  # fixed per connection
         self.closed = False
+        self.dialled: _Dialled | None = None  # set by connect(): how to connect again
+        self.losses: list[str] = []  # each session loss seen and repaired, once
 
     @property
     def peer_ranks(self) -> tuple[int, ...]:
@@ -236,38 +209,94 @@ class Peer:
         return self._notify
 
     def _live(self) -> None:
-        self.agent._check_open()
-        dead = [r for r, s in self.sessions.items() if not s.live]
-        if self.closed or dead:
-            raise TransferError(
-                f"connection to engine '{self.engine.engine_id}' is closed"
-                + (f" (rank(s) {dead} restarted or went away); connect again" if dead else "")
-            )
+        """Before a request: the sessions are there, or are connected again (see the class docstring)."""
+        self.agent.check_open()
+        if self.closed:
+            raise TransferError(f"connection to engine '{self.engine.engine_id}' is closed")
+        why = self._lost()
+        if why is not None:
+            self._repair(why)
 
-    def _instantiate(self, local_block_ids, remote_block_ids, num_tokens, tokens=None):
-        bound = self.engine.bound(self.agent.bases)
-        if self.mode is not Mode.PREPPED:
-            return instantiate(bound, local_block_ids, remote_block_ids, num_tokens, tokens=tokens)
+    def _lost(self) -> str | None:
+        """Why these sessions cannot carry a request any more (None: they can)."""
+        dead = [r for r, s in self.sessions.items() if not s.live]
+        if dead:
+            return f"rank(s) {dead} ended the session (restarted or went away)"
+        gone = [r for r, c in self._clients.items()
+                if c.lost() or c.sealed is None or c.sealed.id != self.sessions[r].conn_id]
+        if gone:
+            return f"the side-channel connection to rank(s) {gone} closed"
+        return None
+
+    def _repair(self, why: str) -> None:
+        """End the lost sessions, connect again to the same addresses and take the new sessions over."""
+        eid = self.engine.engine_id
+        log.warning("engine '%s': %s; connecting again", eid, why)
+        self.losses.append(why)
+        self.agent.stats["sessions_lost"] = self.agent.stats.get("sessions_lost", 0) + 1
+        self._end(f"session lost: {why}")
+        if self.dialled is None:
+            self.closed = True
+            raise TransferError(f"connection to engine '{eid}' lost ({why}); connect again")
+        d = self.dialled
+        try:
+            fresh = connect(self.agent, d.addresses, self.direction.value, self.mode.value, d.timeout, d.warm)
+        except KvlcError as exc:
+            self.closed = True
+            raise TransferError(f"connection to engine '{eid}' lost ({why}) and connecting again failed: "
+                                f"{exc}") from exc
+        self.engine, self.program, self.sessions = fresh.engine, fresh.program, fresh.sessions
+        self._clients, self._lists, self._notify = fresh._clients, fresh._lists, fresh._notify
+        fresh.closed = True  # its sessions, clients and lists are this peer's now
+
+    def _end(self, why: str) -> None:
+        """Release prepared lists, end the sessions (their NIXL agents and waiting requests go), close
+        the connections."""
+        lists, self._lists = self._lists or {}, None
+        for handles in lists.values():
+            for h in handles:
+                if h is not None:
+                    h.release()
+        for s in self.sessions.values():
+            self.agent.drop_session(s, why)
+        for c in self._clients.values():
+            self.agent.sender.retire(c)
+            c.close()
+
+    def parts(self, local_block_ids, remote_block_ids, num_tokens=None, tokens=None) -> tuple[dict, dict]:
+        """One checked request's parts, and the staging decision made for it here, once: peer rank → the
+        keys of the parts staged (a prepared part the policy stages travels as rows of its token range)."""
+        op = "READ" if self.direction is Direction.READ else "WRITE"
+        bound = self.agent.bound_program(self.engine)
+        if self.mode is not ConnectionMode.PREPPED:
+            parts = instantiate(bound, local_block_ids, remote_block_ids, num_tokens, tokens=tokens)
+            return parts, self.agent.staged_parts(op, parts, agents_of(self._notify))
         req = prepared_indices(bound, local_block_ids, remote_block_ids, num_tokens, tokens=tokens)
         lists = self._prepared(bound)
         parts: dict = dict(req.tail)
-        staged = []
         for key, (li, ri) in req.indices.items():
             local, remote = lists[key]
             parts[("prepped", key)] = PreparedPart(key, local, li, remote, ri, req.nbytes[key])
-            st = self.agent.stager
-            if self.direction is Direction.WRITE and st is not None and st.decide(
-                    "WRITE", key, len(li), int(req.nbytes[key]), self.sessions[key.peer_rank].agent):
-                staged.append(key)
+        staged = self.agent.staged_parts(op, parts, agents_of(self._notify))
         if staged:  # staged parts travel as rows (the bounce buffer gathers them), the rest stay prepared
-            rows = instantiate(bound, local_block_ids, remote_block_ids, num_tokens)
-            for key in staged:
-                del parts[("prepped", key)]
-                parts[key] = rows[key]
-        return parts
+            rows = instantiate(bound, local_block_ids, remote_block_ids, num_tokens, tokens=tokens)
+            for rank, keys in staged.items():
+                keys[:] = list(dict.fromkeys(getattr(parts.get(k), "key", k) for k in keys))
+                for key in keys:
+                    parts.pop(("prepped", key), None)
+                    parts[key] = rows[key]  # (its tail too: the rows cover the whole range)
+        return parts, staged
+
+    def prepare(self) -> None:
+        """Prepare the strided lists now (mode 'prepped', at connect); on failure close and raise."""
+        try:
+            self._prepared(self.agent.bound_program(self.engine))
+        except BaseException:
+            self.close()
+            raise
 
     def _prepared(self, bound):
-        """Prepare the strided lists of every part once (called under the agent's lock)."""
+        """Prepare the strided lists of every part once."""
         if self._lists is None:
             lists = {}
             try:
@@ -302,23 +331,16 @@ class Peer:
         check_request_id(request_id)
         a = self.agent
         timeout = a.timeout if timeout is None else float(timeout)
-        with a._lock:
-            self._live()
-            if ("read", request_id) in a.executor.active or request_id in a.incoming:
-                raise TransferError(f"request '{request_id}' is already in flight")
-            if self.mode is not Mode.PULL_VIA_PUSH:
-                parts = self._instantiate(local_block_ids, remote_block_ids, num_tokens, tokens)
-                a._submit(("read", request_id), request_id, "READ", parts, self._targets(), timeout)
-                a._polled = time.monotonic()  # the engine is at work and polls soon: the progress thread waits
-                return
-            check_request(self.program, local_block_ids, remote_block_ids, num_tokens, tokens=tokens)
-            start, n = _wire_range(num_tokens, tokens)
-            deadline = time.monotonic() + timeout
-            inc = Incoming(request_id, deadline, self.engine,
-                           via={r: (s, self._clients[r]) for r, s in self.sessions.items()})
-            a.events.ended.pop(request_id, None)
-            a.incoming[request_id] = inc
-            a.stats["requests"] += 1
+        self._live()
+        if self.mode is not ConnectionMode.PULL_VIA_PUSH:
+            parts, staged = self.parts(local_block_ids, remote_block_ids, num_tokens, tokens)
+            a.submit(("read", request_id), request_id, "READ", parts, self._targets(), timeout, staged=staged)
+            return
+        check_request(self.program, local_block_ids, remote_block_ids, num_tokens, tokens=tokens)
+        start, stop = _wire_range(num_tokens, tokens)
+        deadline = time.monotonic() + timeout
+        a.await_pull(Incoming(request_id, deadline, self.engine,
+                              via={r: (s, self._clients[r]) for r, s in self.sessions.items()}))
         cblocks, pblocks = _ids(local_block_ids), _ids(remote_block_ids)
         for r, client in self._clients.items():
             def payload(client=client):  # built at send time: the budget left then, on the producer's clock
@@ -326,8 +348,7 @@ class Peer:
                 off, err = (sealed.clock_offset, sealed.clock_error) if sealed else (0.0, 0.0)
                 budget = max(0.0, deadline - time.monotonic())
                 return encode(PullRequest(req=request_id, consumer_blocks=cblocks, producer_blocks=pblocks,
-                                          num_tokens=n, start_token=start, until=deadline + off - err,
-                                          budget_s=budget))
+                                          start=start, stop=stop, until=deadline + off - err, budget_s=budget))
             a.sender.send(client, payload, ("pull", request_id, r, self.sessions[r].conn_id))
 
     def write(self, request_id: str, local_block_ids: Mapping[str, Sequence[int]],
@@ -341,18 +362,16 @@ class Peer:
             raise TransferError("write() needs a connection made with direction='WRITE' (this side produces)")
         check_request_id(request_id)
         a = self.agent
-        with a._lock:
-            self._live()
-            if ("write", request_id) in a.executor.active:
-                raise TransferError(f"request '{request_id}' is already in flight")
-            for r, s in self.sessions.items():
-                if ("tomb", s.conn_id, request_id) in a.events.ended:
-                    raise TransferError(f"request '{request_id}' was cancelled by consumer rank {r}; nothing written")
-            parts = self._instantiate(local_block_ids, remote_block_ids, num_tokens, tokens)
-            a.events.ended.pop(("write", request_id), None)
-            a._submit(("write", request_id), request_id, "WRITE", parts, self._targets(),
-                      a.timeout if timeout is None else timeout)
-            a._polled = time.monotonic()  # the engine is at work and polls soon: the progress thread waits
+        self._live()
+        parts, staged = self.parts(local_block_ids, remote_block_ids, num_tokens, tokens)
+        a.submit(("write", request_id), request_id, "WRITE", parts, self._targets(),
+                 a.timeout if timeout is None else timeout, staged=staged, refuse=self.cancelled(request_id))
+
+    def cancelled(self, request_id: str) -> dict:
+        """The tombstones that refuse a write of ``request_id`` (a consumer rank cancelled it), each with why."""
+        return {("tomb", s.conn_id, request_id):
+                f"request '{request_id}' was cancelled by consumer rank {r}; nothing written"
+                for r, s in self.sessions.items()}
 
     def write_many(self, requests: Iterable[BlockRequest], timeout: float | None = None) -> None:
         """Push several requests (:class:`~kvlc.runtime.batch.BlockRequest`) as one NIXL request per
@@ -367,16 +386,7 @@ class Peer:
     def close(self) -> None:
         """End these sessions: close the connections, release prepared lists, revoke the NIXL agents
         (no transfer with them can be made any more); requests waiting on them end (idempotent)."""
-        a = self.agent
-        with a._lock:
-            if self.closed:
-                return
-            self.closed = True
-            lists, self._lists = self._lists or {}, None
-            for handles in lists.values():
-                for h in handles:
-                    h.release()
-            for s in self.sessions.values():
-                a._drop_session(s, "the engine closed this connection")
-        for c in self._clients.values():
-            c.close()
+        if self.closed:
+            return
+        self.closed = True
+        self._end("the engine closed this connection")

@@ -83,6 +83,13 @@ class Sender:
                 t.start()
         lane[0].put((make_payload, context))
 
+    def retire(self, client) -> None:
+        """``client``'s connection is done: its lane sends what it has queued, then its thread ends."""
+        with self._lock:
+            lane = self._lanes.pop(id(client), None)
+        if lane is not None:
+            lane[0].put(None)
+
     @property
     def pending(self) -> int:
         return sum(q.qsize() for q, _ in self._lanes.values())

@@ -1,7 +1,8 @@
 """What comes back from remote ranks (notifications, pull-request and cancel replies) and what happens
 when a session ends.
 
-Applied under the agent's lock by its pump (:meth:`KvAgent._pump`). A notification counts only
+Applied under the agent's lock by its pump (``KvAgent.poll``, ``KvAgent.progress_turn``), to the
+:class:`~kvlc.runtime.agent.KvAgent` given, through its public methods. A notification counts only
 when its tag proves it comes from a live session of the sender (:mod:`kvlc.runtime.channel.auth`);
 everything else is dropped and counted (``stats["dropped_notifs"]``). Staging notifications
 (:mod:`kvlc.runtime.staging.wire`) are tagged the same way; a staged chunk is scattered only
@@ -15,40 +16,34 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
-
 from kvlc.runtime.channel.auth import notif_tag, tag_ok
-from kvlc.runtime.channel.tcp import ChannelClient
 from kvlc.runtime.errors import ChannelError, HandshakeError, NixlError
-from kvlc.runtime.kinds import Direction, Mode, Status
+from kvlc.runtime.kinds import Direction, ConnectionMode, Status
 from kvlc.runtime.staging.copy import StagingError
 from kvlc.runtime.staging.wire import Kind, decode as decode_staging, is_staging, verify
 from kvlc.runtime.tracking import Incoming, hold, settle
 from kvlc.runtime.channel.notifs import NotifBatch, decode_notif
 from kvlc.runtime.channel.wire import Cancel, Reply, encode
 
-if TYPE_CHECKING:
-    from kvlc.runtime.agent import KvAgent
-
 log = logging.getLogger("kvlc.runtime.replies")
 _TERMINAL = {Status.DONE, Status.FAILED, Status.CANCELLED, Status.UNKNOWN}
 
 
-def _drop(agent: KvAgent, why: str, *args) -> None:
+def _drop(agent, why: str, *args) -> None:
     agent.stats["dropped_notifs"] += 1
     log.warning("notification dropped: " + why, *args)
 
 
-def _settle(agent: KvAgent, inc: Incoming) -> bool:
+def _settle(agent, inc: Incoming) -> bool:
     """:func:`settle`, unless a staged scatter of the request may still write (then retried by the pump)."""
     st = agent.stager
     if st is not None and inc.complete and st.endpoint.scattering(inc.req):
-        agent._unsettled.add(inc.req)
+        agent.unsettled.add(inc.req)
         return False
     return settle(inc, agent.events)
 
 
-def notifs(agent: KvAgent, batch) -> None:
+def notifs(agent, batch) -> None:
     """Every notification NIXL delivered (sender → messages), staging ones included."""
     staged = False
     for sender, msgs in batch.items():
@@ -59,18 +54,17 @@ def notifs(agent: KvAgent, batch) -> None:
             else:
                 notif(agent, sender, m)
     if staged:  # a FREE may have completed a staged part: finish its request in this pump
-        for out in agent.executor.progress():
-            agent._outgoing_done(out)
-    for req in list(agent._unsettled):
+        agent.advance()
+    for req in list(agent.unsettled):
         inc = agent.incoming.get(req)
         if inc is None or not inc.complete:
-            agent._unsettled.discard(req)
+            agent.unsettled.discard(req)
         elif _settle(agent, inc):
-            agent._unsettled.discard(req)
+            agent.unsettled.discard(req)
             del agent.incoming[req]
 
 
-def _fenced(agent: KvAgent, s, req: str) -> str:
+def _fenced(agent, s, req: str) -> str:
     """Why a chunk of ``req`` from session ``s`` must not be scattered here ("" if it may)."""
     inc = agent.incoming.get(req)
     if inc is None:
@@ -90,7 +84,7 @@ def _fenced(agent: KvAgent, s, req: str) -> str:
     return ""
 
 
-def staging(agent: KvAgent, sender: str, raw: bytes) -> None:
+def staging(agent, sender: str, raw: bytes) -> None:
     """One staging notification (LANDED, FREE, FAIL), authenticated like :func:`notif`."""
     st = agent.stager
     if st is None:
@@ -117,7 +111,7 @@ def staging(agent: KvAgent, sender: str, raw: bytes) -> None:
     st.endpoint.take(sender, m, s.notif_key)
 
 
-def notif(agent: KvAgent, sender: str, message: bytes) -> None:
+def notif(agent, sender: str, message: bytes) -> None:
     """One NIXL notification: one request's end, or several requests' ``done`` (caller holds the lock)."""
     try:
         n = decode_notif(message)
@@ -134,16 +128,10 @@ def notif(agent: KvAgent, sender: str, message: bytes) -> None:
     for req in reqs:
         _ended(agent, s, req, Status.DONE if batch else Status(n.status), "" if batch else n.why)
 
-def _ended(agent: KvAgent, s, req: str, status: Status, why: str) -> None:
+def _ended(agent, s, req: str, status: Status, why: str) -> None:
     """Session ``s``'s rank says request ``req`` ended ``status`` on its side."""
     if s.direction is Direction.WRITE:  # we produce: a consumer rank is done reading
-        key = (s.engine.key, req)
-        if key in agent.events.ended:
-            return
-        t = agent._tally(s.engine, req)
-        t.add(s.rank, status, why)
-        agent._tally_check(key, t)
-        return
+        return agent.consumer_answered(s.engine, req, s.rank, status, why)
     inc = agent.incoming.get(req)
     if inc is None:
         if req in agent.events.ended:
@@ -167,14 +155,14 @@ def _gone(result) -> bool:
     return isinstance(result, ChannelError) and "cannot reach" in str(result) and "refused" in str(result)
 
 
-def drain(agent: KvAgent, replies) -> None:
+def drain(agent, replies) -> None:
     """Apply the background sender's replies (pull requests and cancels)."""
     while replies:
         (kind, req, rank, conn_id), result = replies.popleft()
         if _gone(result):
-            s = agent.sessions.by_conn.get(conn_id)
+            s = agent.session_on(conn_id)
             if s is not None:
-                agent._drop_session(s, "its side channel refuses connections: the agent is gone")
+                agent.drop_session(s, "its side channel refuses connections: the agent is gone")
         inc = agent.incoming.get(req)
         if inc is None:
             continue
@@ -201,15 +189,7 @@ def drain(agent: KvAgent, replies) -> None:
             del agent.incoming[req]
 
 
-def _client(agent: KvAgent, address: str) -> ChannelClient:
-    c = agent._cancel_clients.get(address)
-    if c is None:
-        c = agent._cancel_clients[address] = ChannelClient(address, agent._key, timeout=10.0)
-        agent._res.clients.append(c)
-    return c
-
-
-def hold_and_cancel(agent: KvAgent, inc: Incoming, why: str) -> None:
+def hold_and_cancel(agent, inc: Incoming, why: str) -> None:
     """Report ``inc`` held and ask every rank that may still write to cancel (caller holds the lock)."""
     hold(inc, agent.events, why)
     missing = set(inc.missing())
@@ -221,7 +201,7 @@ def hold_and_cancel(agent: KvAgent, inc: Incoming, why: str) -> None:
                 agent.sender.send(client, lambda: encode(Cancel(req=req)), ("cancel", req, rank, s.conn_id))
     else:  # push: every live producer session that may write this request
         for s in agent.sessions.all():
-            if not (s.live and s.server_side and s.direction is Direction.READ and s.mode is Mode.DIRECT):
+            if not (s.live and s.server_side and s.direction is Direction.READ and s.mode is ConnectionMode.DIRECT):
                 continue
             if inc.engine is not None and (s.engine is not inc.engine or s.rank not in missing):
                 continue
@@ -230,12 +210,12 @@ def hold_and_cancel(agent: KvAgent, inc: Incoming, why: str) -> None:
             inc.cancel_wait[s.conn_id] = s
             if s.address:  # else: wait for its notification or for its session to end
                 msg = encode(Cancel(req=req, conn=s.conn_id, tag=notif_tag(s.notif_key, "cancel", req)))
-                agent.sender.send(_client(agent, s.address), lambda m=msg: m, ("cancel", req, s.rank, s.conn_id))
+                agent.sender.send(agent.cancel_client(s.address), lambda m=msg: m, ("cancel", req, s.rank, s.conn_id))
     if _settle(agent, inc):
         agent.incoming.pop(req, None)
 
 
-def end_session(agent: KvAgent, s, why: str) -> None:
+def end_session(agent, s, why: str) -> None:
     """End a session: its in-flight transfers stop, what waited on it ends, its NIXL agent goes."""
     if not s.live:
         return
@@ -243,7 +223,7 @@ def end_session(agent: KvAgent, s, why: str) -> None:
         if any(t.key == s.notif_key for t in out.notify.values()):
             done = agent.executor.cancel(key, f"session of rank {s.rank} ended: {why}")
             if done is not None:
-                agent._outgoing_done(done)
+                agent.report(done)
     unused = agent.sessions.drop(s)
     busy = any(t.agent == s.agent for out in agent.executor.active.values() for t in out.notify.values())
     if unused and not busy and agent.stager is not None:
@@ -263,7 +243,6 @@ def end_session(agent: KvAgent, s, why: str) -> None:
             del agent.incoming[req]
     if still:
         return
-    for key, t in list(agent.tallies.items()):
+    for t in list(agent.tallies.values()):
         if t.engine is s.engine and s.rank not in t.seen:
-            t.add(s.rank, Status.FAILED, f"consumer session ended: {why}")
-            agent._tally_check(key, t)
+            agent.consumer_answered(t.engine, t.req, s.rank, Status.FAILED, f"consumer session ended: {why}")

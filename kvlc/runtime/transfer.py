@@ -13,8 +13,11 @@ memory types, row-aligned (N, 3) descriptors). :class:`Executor`
    same :meth:`Executor.progress` and go to one session share one batch notification);
    otherwise fails the request with the first reason and sends ``failed`` (never ``done``),
    only after all parts are terminal, so no byte moves after the peer hears of its end;
-4. on a deadline, cancels (releases) parts still in flight; a part NIXL cannot cancel yet is
-   retried on later polls, and the request is reported failed only once no handle is left.
+4. on a deadline (or a cancel), fails the request but *holds* it while a posted part is in
+   flight: a released NIXL request does not recall bytes the transport queued (UCX over TCP
+   lands them after the release), so parts are polled until NIXL says DONE or ERR; then every
+   handle is released (one NIXL refuses is retried on later polls) and the request is reported
+   failed. Only :meth:`Executor.cancel_all` (the agent closing) releases parts in flight.
 
 Parts the agent's :class:`~kvlc.runtime.staging.agent.Stager` picks (fragmented WRITEs or ones
 across memory types) go through bounce buffers instead: one staged send per peer rank, whose
@@ -29,6 +32,7 @@ only through the :class:`~kvlc.runtime.nixl.core.Agent` interface, so a fake age
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from collections.abc import Callable, Hashable, Mapping
@@ -42,6 +46,15 @@ from kvlc.runtime.nixl.core import XferState
 from kvlc.runtime.channel.notifs import Target, tell_done
 
 log = logging.getLogger("kvlc.runtime.transfer")
+
+
+class Step(enum.Enum):
+    """Where a request stands after a turn of :meth:`Executor._advance`, in the order it passes them."""
+
+    IN_FLIGHT = "in flight"  # before its deadline, a part still moves bytes
+    HELD = "held"            # past its deadline (or cancelled): a posted part is in flight until NIXL ends it
+    RELEASING = "releasing"  # every part ended; NIXL would not release a handle yet
+    ENDED = "ended"          # every handle released: failed now, or done at the end of the turn
 
 
 @dataclass(frozen=True)
@@ -72,6 +85,7 @@ class PartRun:
     posted: bool = False
     staged: str = ""  # staged through bounce buffers to this NIXL agent (no handle of its own)
     peer: str = ""  # the NIXL agent its bytes go to or come from
+    stopped: bool = False  # given up in flight (deadline or cancel): it ends ERR "cancelled", even if DONE
 
 
 @dataclass(frozen=True)
@@ -148,16 +162,20 @@ class Executor:
 
     # ------------------------------------------------------------------ submit
     def submit(self, key: Hashable, req: str, op: str, parts: Mapping[Any, Any], agents: Mapping[int, str],
-               notify: Mapping[int, Target], timeout: float | None = None, tag: Any = None) -> Outgoing:
-        """Create and post one NIXL request per non-empty part. Raises :class:`NixlError` if a
-        request cannot be created (nothing is posted then); a failed post makes the request fail.
-        A ``timeout`` of zero or less is refused with :class:`TransferError` (nothing is created)."""
+               notify: Mapping[int, Target], timeout: float | None = None, tag: Any = None,
+               staged: Mapping[int, list] | None = None) -> Outgoing:
+        """Create and post one NIXL request per non-empty part; the parts ``staged`` names (peer rank →
+        keys, :meth:`~kvlc.runtime.staging.agent.Stager.pick`) go through bounce buffers instead.
+        Raises :class:`NixlError` if a request cannot be created (nothing is posted then); a failed
+        post makes the request fail. A ``timeout`` of zero or less is refused with
+        :class:`TransferError` (nothing is created)."""
         own = [p for p in parts.values() if len(p)]
         member = Member(key, req, sum(int(p.nbytes) for p in own), sum(len(p) for p in own), tag)
-        return self.submit_many([member], op, parts, agents, notify, timeout)[0]
+        return self.submit_many([member], op, parts, agents, notify, timeout, staged)[0]
 
     def submit_many(self, members: list[Member], op: str, parts: Mapping[Any, Any], agents: Mapping[int, str],
-                    notify: Mapping[int, Target], timeout: float | None = None) -> list[Outgoing]:
+                    notify: Mapping[int, Target], timeout: float | None = None,
+                    staged: Mapping[int, list] | None = None) -> list[Outgoing]:
         """:meth:`submit` for several requests whose ``parts`` were joined: one NIXL request per part
         carries all of them, so they end together (a failure, timeout or cancel of one fails every
         member; none is told ``done`` before all bytes landed). Staged parts take one member only."""
@@ -167,7 +185,7 @@ class Executor:
         req = members[0].req
         if timeout is not None and timeout <= 0:
             raise TransferError(f"request '{req}': its deadline has passed ({timeout:.3g}s left); nothing posted")
-        staged = self.stager.pick(op, parts, agents) if self.stager is not None else {}
+        staged = staged or {}
         if staged and len(members) > 1:
             raise TransferError(f"request '{req}': staged parts cannot be shared by {len(members)} requests")
         runs = self._create(req, op, parts, agents, staged, notify, timeout)
@@ -268,43 +286,61 @@ class Executor:
             out.reason = out.reason or f"part {r.key}: {r.error}"
 
     def _advance(self, out: Outgoing, now: float, busy: set[str] | None = None) -> bool:
-        """Check ``out``'s parts; ``busy``: peers with a part in flight seen this turn, whose later
-        parts are not asked (None: ask every part)."""
-        if busy is not None and out.deadline is not None and now >= out.deadline:
-            busy = None
-        for r in out.parts:
-            if r.state is XferState.PROC and r.xfer is not None and not r.xfer.released:
-                if busy is not None and r.peer in busy:
-                    continue
-                r.state = self.agent.state(r.xfer)
-                if r.state is XferState.ERR:
-                    r.error = r.xfer.error or "transfer failed"
-                    out.reason = out.reason or f"part {r.key}: {r.error}"
-                elif busy is not None and r.state is XferState.PROC:
-                    busy.add(r.peer)
-        pending = [r for r in out.parts if r.state is XferState.PROC]
-        if pending and out.deadline is not None and now >= out.deadline:
-            out.reason = out.reason or (
-                f"timed out after {out.deadline - out.started:.3g}s with "
-                f"{len(pending)} of {len(out.parts)} parts in flight"
-            )
-            for r in pending:
-                if r.staged:  # ends once none of its WRITEs is in flight (a staging event)
-                    self.stager.abort(out.req, r.staged, out.reason)
-                elif self._release(r):
-                    r.state, r.error = XferState.ERR, "cancelled"
-            pending = [r for r in out.parts if r.state is XferState.PROC]
-        if pending:
-            return False
-        for r in out.parts:
-            self._release(r)
-        if any(r.xfer is not None and not r.xfer.released for r in out.parts):
-            return False  # a handle NIXL would not release yet: try again later
+        """One turn of ``out``'s state machine (:class:`Step`); True once it ended (reported)."""
+        return self._step(out, now, busy) is Step.ENDED
+
+    def _step(self, out: Outgoing, now: float, busy: set[str] | None) -> Step:
+        """Poll parts → deadline → held until terminal → release → finish.
+
+        ``busy``: peers with a part in flight seen this turn, whose later parts are not asked
+        (None: ask every part; a request past its deadline asks every part)."""
+        late = out.deadline is not None and now >= out.deadline
+        self._poll(out, None if late else busy)
+        if late and not out.settled:
+            self._stop(out)
+        if not out.settled:
+            return Step.HELD if late else Step.IN_FLIGHT
+        if not all([self._release(r) for r in out.parts]):
+            return Step.RELEASING  # a handle NIXL would not release yet: try again later
         failed = next((r for r in out.parts if r.state is XferState.ERR), None)
         if failed is not None and not out.reason:  # a part shared with a batch failed through another member
             out.reason = f"part {failed.key}: {failed.error or 'transfer failed'}"
         self._finish(out, now)
-        return True
+        return Step.ENDED
+
+    def _poll(self, out: Outgoing, busy: set[str] | None) -> None:
+        """Ask NIXL for the state of ``out``'s posted parts in flight (see :meth:`progress` for ``busy``)."""
+        for r in out.parts:
+            if r.state is not XferState.PROC or r.xfer is None or r.xfer.released:
+                continue
+            if busy is not None and r.peer in busy:
+                continue
+            r.state = self.agent.state(r.xfer)
+            if r.stopped and r.state is not XferState.PROC:
+                r.state, r.error = XferState.ERR, "cancelled"
+            elif r.state is XferState.ERR:
+                r.error = r.xfer.error or "transfer failed"
+                out.reason = out.reason or f"part {r.key}: {r.error}"
+            elif busy is not None and r.state is XferState.PROC:
+                busy.add(r.peer)
+
+    def _stop(self, out: Outgoing) -> None:
+        """Past the deadline (or cancelled) with parts in flight: the request fails, but it is held.
+
+        A staged send is given up (it ends with a staging event once none of its WRITEs is in
+        flight). A posted NIXL request is *not* released: releasing does not recall what the
+        transport already queued (UCX over TCP lands megabytes after it), so the request waits
+        until NIXL says every posted part ended (DONE or ERR); only then are handles released."""
+        pending = [r for r in out.parts if r.state is XferState.PROC]
+        out.reason = out.reason or (
+            f"timed out after {out.deadline - out.started:.3g}s with "
+            f"{len(pending)} of {len(out.parts)} parts in flight"
+        )
+        for r in pending:
+            if r.staged:
+                self.stager.abort(out.req, r.staged, out.reason)
+            else:  # the members of a batch that share it fail with it
+                r.stopped = True
 
     def _finish(self, out: Outgoing, now: float) -> None:
         """Every handle of ``out`` is released: a failed request notifies now; a successful one
@@ -360,7 +396,8 @@ class Executor:
 
     def cancel(self, key: Hashable, reason: str) -> Outgoing | None:
         """Stop one active request now: the deadline becomes now. Returns it once terminal (every
-        handle released), else None (a part NIXL cannot release yet; later progress ends it)."""
+        handle released), else None: it is held (a posted part in flight until NIXL ends it, or a
+        handle NIXL cannot release yet); a later :meth:`progress` ends it."""
         out = self.active.get(key)
         if out is None:
             return None

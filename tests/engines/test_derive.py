@@ -18,8 +18,10 @@ from click.testing import CliRunner
 import kvlc
 from kvlc.cli import main
 from kvlc.compiler import compile_spec
-from kvlc.engines.vllm.derive.spec import (EngineView, SpecMismatchError, check_spec, derive_plan, derive_spec,
-                                      exact_plan, spec_yaml, storage_tensors)
+from kvlc.engines.vllm.derive.check import SpecMismatchError
+from kvlc.engines.vllm.derive.spec import check_spec, derive_plan, derive_spec, exact_plan, spec_yaml
+from kvlc.engines.vllm.derive.storages import storage_tensors
+from kvlc.engines.vllm.derive.view import EngineView
 from kvlc.engines.vllm.derive.offline import published_view
 from kvlc.engines.vllm.derive.read import layer_tensor
 from kvlc.engines.vllm.derive.view import EXAMPLE, GroupKind, GroupView, ViewError
@@ -146,14 +148,15 @@ def _request(cons, prod, rng, tokens):
     return ids[cons.name], ids[prod.name]
 
 
-@pytest.mark.parametrize("backend", ["CPU_ATTN", "FLASH_ATTN"])
+@pytest.mark.parametrize("backend", ["CPU_ATTN", "CPU_ATTN-amx", "FLASH_ATTN"])
 @pytest.mark.parametrize("p,d", PAIRS, ids=[f"b{p['block']}tp{p['tp']}-b{d['block']}tp{d['tp']}" for p, d in PAIRS])
 def test_prefill_and_decode_specs_pair_and_move_every_byte(backend, p, d):
     """Derived specs of engines with other block sizes and TP pair both ways; pulls by every decode rank
     and pushes by every prefill rank land every requested byte with its content code, nothing else."""
+    backend, _, isa = backend.partition("-")
     derive = exact_plan if backend == "CPU_ATTN" else derive_plan  # CPU: tokens addressable in exact_plan only
-    prod = derive(view(backend, blocks=24, cpu_isa="vec", **p))
-    cons = derive(view(backend, blocks=24, cpu_isa="vec", **d))
+    prod = derive(view(backend, blocks=24, cpu_isa=isa or "vec", **p))
+    cons = derive(view(backend, blocks=24, cpu_isa=isa or "vec", **d))
     rng = np.random.default_rng(p["block"] * 7 + d["block"])
     P = Engine(prod, 1, True)
     tokens = 300  # not a multiple of any block size here
@@ -177,14 +180,14 @@ def test_prefill_and_decode_specs_pair_and_move_every_byte(backend, p, d):
 
 def test_cpu_spec_pairs_across_tp_and_refuses_other_block_sizes():
     """The CPU spec (opaque K/V halves) pairs engines of one block size at any TP, and refuses other
-    block sizes at pairing with the token-tiling finding; exact_plan needs a measured ISA."""
+    block sizes at pairing with the token-tiling finding; exact_plan needs an ISA whose order kvlc knows."""
     tp1, tp2 = derive_plan(view("CPU_ATTN", block=32)), derive_plan(view("CPU_ATTN", block=32, tp=2))
     for rank in (0, 1):
         assert kvlc.check_pair(tp2, tp1, local_rank=rank, direction="READ").ok
     report = kvlc.check_pair(tp1, derive_plan(view("CPU_ATTN", block=128)), local_rank=0, direction="READ")
     assert "token-tiling" in report.codes() and not report.ok
-    with pytest.raises(ViewError, match="ISA 'amx' was not measured"):
-        exact_plan(view("CPU_ATTN", cpu_isa="amx"))
+    with pytest.raises(ViewError, match="ISA 'neon' .*Arm.*has not established.*fix: "):
+        exact_plan(view("CPU_ATTN", cpu_isa="neon"))
 
 
 def test_different_kv_heads_or_dtype_do_not_pair():
@@ -330,7 +333,8 @@ def test_from_vllm_without_config_json(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["kvlc.engines.vllm.derive.spec", "kvlc.engines.vllm.derive.view",
-                                  "kvlc.engines.vllm.derive.layout", "kvlc.engines.vllm.derive.offline"])
+                                  "kvlc.engines.vllm.derive.layout", "kvlc.engines.vllm.derive.offline",
+                                  "kvlc.engines.vllm.derive.storages"])
 def test_docstring_examples(name):
     """The runnable examples in the derive modules' docstrings hold."""
     result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)

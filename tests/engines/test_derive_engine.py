@@ -26,8 +26,9 @@ import pytest
 
 import kvlc
 from kvlc.compiler import compile_spec
-from kvlc.engines.vllm.derive.spec import EngineView, exact_plan, spec_yaml
-from kvlc.engines.vllm.derive.exact import MEASURED_ISAS
+from kvlc.engines.vllm.derive.cpu import ISA_LAYOUTS
+from kvlc.engines.vllm.derive.spec import exact_plan, spec_yaml
+from kvlc.engines.vllm.derive.view import EngineView
 from kvlc.engines.vllm.derive.view import ViewError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -73,9 +74,9 @@ WORKER_CHECK = textwrap.dedent('''
 
     def check(worker):
         import numpy as np, torch
-        from kvlc.engines.vllm.derive.spec import (check_spec, derive_plan, engine_view, exact_plan,
-                                              storage_tensors)
-        from kvlc.engines.vllm.derive.exact import MEASURED_ISAS
+        from kvlc.engines.vllm.derive.cpu import ISA_LAYOUTS
+        from kvlc.engines.vllm.derive.spec import check_spec, derive_plan, engine_view, exact_plan
+        from kvlc.engines.vllm.derive.storages import storage_tensors
         from kvlc.engines.vllm.derive.engine import worker_kv_caches
         from kvlc.runtime.binding import bind
         config, kv_cache_config, kv = worker_kv_caches(worker)
@@ -87,7 +88,7 @@ WORKER_CHECK = textwrap.dedent('''
         flat = tensors["kv"].numpy()
         result = {"view": view.to_dict(), "nbytes": bound["kv"].nbytes, "layers": len(kv),
                   "same_allocation": len({t.untyped_storage().data_ptr() for t in kv.values()})}
-        if view.cpu_isa in MEASURED_ISAS:
+        if view.cpu_isa in ISA_LAYOUTS:
             result["exact"] = real_content(exact_plan(view), flat, MODEL)
             # negative control: the K half read in the view's own [token][head_dim] order is not the K
             naive = _as_view_order(exact_plan(view))
@@ -180,7 +181,7 @@ def test_live_engine_spec_is_derived_checked_bound_and_pairs(tiny_llama, tmp_pat
 
     live = json.loads(result.read_text())
     tp1 = EngineView.from_dict(live["view"])
-    if tp1.cpu_isa in MEASURED_ISAS:  # the real prefill's K and V are where exact_plan says, each chunk once
+    if tp1.cpu_isa in ISA_LAYOUTS:  # the real prefill's K and V are where exact_plan says, each chunk once
         blocks = {}
         for layer, field, chunk, block, err, second, scale in live["exact"]:
             tol = 0.02 if layer == 0 else 0.1  # layer 1's inputs already differ by bf16 rounding
@@ -211,7 +212,7 @@ def test_live_engine_spec_is_derived_checked_bound_and_pairs(tiny_llama, tmp_pat
     # cells), the exact plans pair both ways, from every rank
     a, b = compile_spec(tp2_yaml.read_text()), compile_spec(spec_yaml(tp1))
     assert "token-tiling" in kvlc.check_pair(a, b, local_rank=0, direction="READ").codes()
-    if tp1.cpu_isa in MEASURED_ISAS:
+    if tp1.cpu_isa in ISA_LAYOUTS:
         a, b = exact_plan(tp2), exact_plan(tp1)
         for local, remote in ((a, b), (b, a)):
             for rank in range(local.parallel.tp_size):

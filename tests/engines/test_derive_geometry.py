@@ -103,7 +103,7 @@ def _fill(view, kernel_views):
 
 def _read_back(plan, view, raws):
     """Every element of every region, read at the plan's addresses, compared with its code."""
-    from kvlc.engines.vllm.derive.spec import allocations
+    from kvlc.engines.vllm.derive.storages import allocations
     by_ptr = {raw.data_ptr(): raw for raw in raws}
     storage_raw = {a.name: by_ptr[a.ptr] for a in allocations(view)}
     checked = 0

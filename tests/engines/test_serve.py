@@ -1,4 +1,5 @@
-"""The two commands of docs/vllm.md, run as a user runs them: a prefill engine, then a decode engine."""
+"""The two commands of docs/vllm.md (examples/vllm_prefill_decode.py), run as a user runs them: a prefill
+engine, then a decode engine."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 from tests.engines.conftest import ROOT, prompt
 
 pytestmark = pytest.mark.engine
+EXAMPLE = str(ROOT / "examples" / "vllm_prefill_decode.py")
 
 
 def _free_port() -> int:
@@ -23,15 +25,16 @@ def _free_port() -> int:
 
 
 def test_two_commands_prefill_then_decode(model_dir, tmp_path):
-    """`serve prefill` answers with kv_transfer_params; `serve decode --check` decodes through kvlc and
+    """`prefill` answers with kv_transfer_params; `decode --check` decodes through kvlc and
     its tokens equal its own tokens without a transfer (exit 0, match true, KV loaded)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "KVLC_SECRET": "serve-test-secret-0123456789"}
     api = _free_port()
     out_path = tmp_path / "prefill.log"
     log = open(out_path, "w")  # a file, not a pipe: vLLM logs to stdout and would block a full pipe
-    pre = subprocess.Popen([sys.executable, "-m", "kvlc.engines.vllm.serve", "prefill", "--model", model_dir,
+    pre = subprocess.Popen([sys.executable, EXAMPLE, "prefill", "--model", model_dir,
                             "--api-port", str(api), "--block-size", "64"],
-                           env={**env, "VLLM_CPU_OMP_THREADS_BIND": "0"}, stdout=log, stderr=subprocess.STDOUT)
+                           env={**env, "VLLM_CPU_OMP_THREADS_BIND": "0"},
+                           stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 300
         while "kvlc prefill engine ready:" not in out_path.read_text(errors="replace"):
@@ -39,7 +42,7 @@ def test_two_commands_prefill_then_decode(model_dir, tmp_path):
             assert time.monotonic() < deadline, "prefill engine did not start"
             time.sleep(0.5)
         ids = ",".join(map(str, prompt(77, seed=21)))
-        dec = subprocess.run([sys.executable, "-m", "kvlc.engines.vllm.serve", "decode", "--model", model_dir,
+        dec = subprocess.run([sys.executable, EXAMPLE, "decode", "--model", model_dir,
                               "--prefill", f"http://127.0.0.1:{api}", "--prompt", ids, "--max-tokens", "10",
                               "--check"], env={**env, "VLLM_CPU_OMP_THREADS_BIND": "1"},
                              capture_output=True, text=True, timeout=400)

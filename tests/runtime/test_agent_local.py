@@ -12,6 +12,7 @@ from runtime_engines import KEY, LAYOUTS, SECRET, TEST_LAYOUTS
 
 from kvlc import compile_spec
 from kvlc.errors import CompatError, TransferError
+from kvlc.runtime.settings import AgentSettings
 from kvlc.runtime import BindingError, HandshakeError, KvAgent, allocate
 from kvlc.runtime.channel.tcp import ChannelClient, ChannelServer
 from kvlc.runtime.errors import ChannelError
@@ -33,14 +34,14 @@ def plans():
 
 @pytest.fixture(scope="module")
 def producer(plans):
-    with KvAgent(plans["dense-tp1"], 0, allocate(plans["dense-tp1"]), name="local-producer", secret=SECRET) as a:
+    with KvAgent(plans["dense-tp1"], 0, allocate(plans["dense-tp1"]), AgentSettings(name="local-producer", secret=SECRET)) as a:
         a.serve()
         yield a
 
 
 @pytest.fixture
 def consumer(plans):
-    with KvAgent(plans["dense-tp1"], 0, allocate(plans["dense-tp1"]), secret=SECRET) as a:
+    with KvAgent(plans["dense-tp1"], 0, allocate(plans["dense-tp1"]), AgentSettings(secret=SECRET)) as a:
         yield a
 
 
@@ -55,7 +56,7 @@ def test_binding_names_every_problem(plans):
     plan = plans["dense-tp1"]
     tensors = {"kv.0": torch.zeros(100, dtype=torch.uint8), "extra": torch.zeros(4)}
     with pytest.raises(BindingError) as err:
-        KvAgent(plan, 0, tensors, secret=SECRET)
+        KvAgent(plan, 0, tensors, AgentSettings(secret=SECRET))
     text = str(err.value)
     assert "storage 'kv.1': no tensor given" in text
     assert "storage 'kv.0': plan needs 262144 bytes; tensor has 100" in text
@@ -65,7 +66,7 @@ def test_binding_names_every_problem(plans):
         "kv.1": torch.zeros(262144, dtype=torch.uint8),
     }
     with pytest.raises(BindingError, match="storage 'kv.0': tensor must be contiguous"):
-        KvAgent(plan, 0, bad, secret=SECRET)
+        KvAgent(plan, 0, bad, AgentSettings(secret=SECRET))
 
 
 def test_vram_storage_needs_a_cuda_tensor():
@@ -75,22 +76,22 @@ def test_vram_storage_needs_a_cuda_tensor():
     with pytest.raises(
         BindingError, match=r"storage 'kv.0': plan says VRAM on device 0, so a cuda:0 tensor; got"
     ):
-        KvAgent(plan, 0, fake, secret=SECRET)
+        KvAgent(plan, 0, fake, AgentSettings(secret=SECRET))
 
 
 def test_rank_outside_plan_is_refused(plans):
     """A rank outside the plan's TP size is refused before anything is registered."""
     with pytest.raises(Exception, match="rank 2 outside plan"):
-        KvAgent(plans["dense-tp2-hnd-b32"], 2, allocate(plans["dense-tp2-hnd-b32"]), secret=SECRET)
+        KvAgent(plans["dense-tp2-hnd-b32"], 2, allocate(plans["dense-tp2-hnd-b32"]), AgentSettings(secret=SECRET))
 
 
 def test_one_registration_per_storage_released_on_close(plans):
     """Each storage is registered once (plus, with staging on, one pool of staging inboxes); close()
     deregisters everything and is idempotent."""
     plan = plans["dense-tp1"]
-    a = KvAgent(plan, 0, allocate(plan), secret=SECRET, staging=StagingPolicy.always())
+    a = KvAgent(plan, 0, allocate(plan), AgentSettings(secret=SECRET, staging=StagingPolicy.always()))
     assert len(a.nixl.live(Registration)) == len(plan.storages) + 1 and a.stager is not None
-    off = KvAgent(plan, 0, allocate(plan), secret=SECRET, staging=StagingPolicy.never())
+    off = KvAgent(plan, 0, allocate(plan), AgentSettings(secret=SECRET, staging=StagingPolicy.never()))
     assert len(off.nixl.live(Registration)) == len(plan.storages) and off.stager is None
     off.close()
     a.serve()
@@ -111,16 +112,17 @@ def _ask(agent, payload: bytes):
     "payload, why",
     [
         (b"\xc1garbage", "not msgpack"),
-        (msgpack.packb({"t": "hello", "version": 1}), "Field required"),
+        (msgpack.packb({"t": "hello", "version": 2}), "Field required"),
         (msgpack.packb({"t": "fetch", "version": 9}), "wire version 9"),
         (msgpack.packb({"t": "reply", "ok": True}), "unexpected 'reply' message"),
         (
             msgpack.packb(
                 {
                     "t": "pull",
-                    "version": 1,
+                    "version": 2,
                     "req": "r",
-                    "num_tokens": 16,
+                    "start": 0,
+                    "stop": 16,
                     "consumer_blocks": {"full": [1]},
                     "producer_blocks": {"full": [1]},
                     "until": 1e12,
@@ -141,7 +143,7 @@ def test_served_agent_refuses_hostile_frames(producer, payload, why):
 
 def test_introduction_with_foreign_metadata_is_refused(producer, plans):
     """A record whose NIXL metadata belongs to another agent name is refused; the agent is removed again."""
-    with KvAgent(plans["dense-tp1"], 0, allocate(plans["dense-tp1"]), name="real-name", secret=SECRET) as other:
+    with KvAgent(plans["dense-tp1"], 0, allocate(plans["dense-tp1"]), AgentSettings(name="real-name", secret=SECRET)) as other:
         impostor = other.record.model_copy(update={"agent": "impostor"})
         reply = _ask(producer, encode(Introduce(record=impostor, direction="READ", mode="pull_via_push")))
     assert not reply.ok and "NIXL metadata is agent 'real-name'" in reply.error
@@ -150,7 +152,7 @@ def test_introduction_with_foreign_metadata_is_refused(producer, plans):
 
 def test_introduction_from_incompatible_plan_is_refused(producer, plans):
     """An introduction whose plan does not pair reports the compatibility errors; nothing is added."""
-    with KvAgent(plans["hybrid-tp1"], 0, allocate(plans["hybrid-tp1"]), secret=SECRET) as other:
+    with KvAgent(plans["hybrid-tp1"], 0, allocate(plans["hybrid-tp1"]), AgentSettings(secret=SECRET)) as other:
         reply = _ask(producer, encode(Introduce(record=other.record, direction="READ", mode="pull_via_push")))
     assert not reply.ok and "error [" in reply.error
     _nothing_added(producer)
@@ -189,7 +191,7 @@ def test_connect_refuses_hostile_records(consumer, producer, hostile):
 
 def test_incompatible_plans_fail_at_connect(plans, producer):
     """Pairing errors surface at connect time as CompatError, with nothing added to NIXL."""
-    with KvAgent(plans["hybrid-tp1"], 0, allocate(plans["hybrid-tp1"]), secret=SECRET) as other:
+    with KvAgent(plans["hybrid-tp1"], 0, allocate(plans["hybrid-tp1"]), AgentSettings(secret=SECRET)) as other:
         with pytest.raises(CompatError):
             other.connect(producer.address)
         _nothing_added(other)
@@ -199,8 +201,8 @@ def test_missing_remote_rank_fails_at_connect(plans):
     """A TP1 consumer reading from a TP2 engine needs both producer ranks' addresses."""
     tp2 = plans["dense-tp2-hnd-b32"]
     with (
-        KvAgent(tp2, 0, allocate(tp2), secret=SECRET) as r0,
-        KvAgent(plans["dense-tp1"], 0, allocate(plans["dense-tp1"]), secret=SECRET) as c,
+        KvAgent(tp2, 0, allocate(tp2), AgentSettings(secret=SECRET)) as r0,
+        KvAgent(plans["dense-tp1"], 0, allocate(plans["dense-tp1"]), AgentSettings(secret=SECRET)) as c,
     ):
         with pytest.raises(HandshakeError, match=r"no address serves rank\(s\) \[1\]"):
             c.connect(r0.serve())
@@ -241,7 +243,7 @@ def _finish(consumer, producer, req, timeout=10.0):
 
 def test_same_request_id_twice_in_flight_is_refused(producer, plans):
     """A request id already in flight is refused; once it finished, the id may be used again."""
-    consumer = KvAgent(plans["dense-tp1"], 0, allocate(plans["dense-tp1"]), secret=SECRET, progress="manual")
+    consumer = KvAgent(plans["dense-tp1"], 0, allocate(plans["dense-tp1"]), AgentSettings(secret=SECRET, progress="manual"))
     peer = consumer.connect(producer.address)
     peer.read("dup", {"full": [1]}, {"full": [2]}, 16)
     with pytest.raises(TransferError, match="already in flight"):

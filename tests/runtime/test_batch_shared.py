@@ -7,6 +7,7 @@ test_transfer_split.py; real NIXL agents move batches in test_batch_e2e.py.
 from __future__ import annotations
 
 import json
+from collections import deque
 
 import numpy as np
 import pytest
@@ -102,22 +103,26 @@ def test_a_failed_part_fails_every_request_of_the_batch(batch):
 
 
 def test_cancelling_one_request_cancels_the_batch_and_no_one_hears_done(batch):
-    """A cancel of one member releases the shared NIXL requests: the others fail too (their bytes
-    can no longer all land), each after every handle is gone."""
+    """A cancel of one member gives the shared NIXL requests up: it is held while they are in flight
+    (releasing them would not recall queued bytes), and once NIXL ends them every member fails (even
+    where they ended DONE), each after every handle is gone."""
     agent = FakeAgent()
     agent.states = {k: [PROC] for k in [("peer3", "DRAM", "VRAM"), ("peer3", "VRAM", "VRAM")]}
     ex = Executor(agent, rank=3)
     outs = _submit(ex, batch)
-    first = ex.cancel(("read", "r1"), "cancelled by this engine")
-    assert first is outs[1] and first.status == "failed" and agent.live_handles == 0
+    assert ex.cancel(("read", "r1"), "cancelled by this engine") is None
+    assert ex.progress() == [] and agent.live_handles == 2 and outs[1].status == "active"
+    for x in agent.created:
+        x.script = deque([XferState.DONE])
     rest = ex.progress()
-    assert sorted(o.req for o in rest) == ["r0", "r2"]
+    assert sorted(o.req for o in rest) == ["r0", "r1", "r2"] and agent.live_handles == 0
     assert all(o.status == "failed" and "cancelled" in o.reason for o in rest)
     assert all(s["status"] == "failed" for s in _statuses(agent)) and not ex.active
 
 
 def test_a_batch_shares_one_deadline(batch):
-    """Past the batch's deadline every member fails with the timeout; the handles are released once."""
+    """Past the batch's deadline every member fails with the timeout, once NIXL ended the shared parts;
+    the handles are released once."""
     agent = FakeAgent()
     agent.states = {k: [PROC] for k in [("peer3", "DRAM", "VRAM"), ("peer3", "VRAM", "VRAM")]}
     clock = Clock()
@@ -126,6 +131,9 @@ def test_a_batch_shares_one_deadline(batch):
     clock.t = 1.9
     assert ex.progress() == []
     clock.t = 2.0
+    assert ex.progress() == [] and agent.live_handles == 2  # held: the shared parts are in flight
+    for x in agent.created:
+        x.script = deque([XferState.ERR])
     assert sorted(o.req for o in ex.progress()) == ["r0", "r1", "r2"]
     assert all(o.status == "failed" for o in outs) and "timed out after 2s" in outs[0].reason
     assert agent.live_handles == 0 and sum(e[0] == "release" for e in agent.log) == 2

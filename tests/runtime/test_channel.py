@@ -135,16 +135,23 @@ def test_slow_frames_are_cut_at_the_frame_deadline(echo):
     c.close()
 
 
-def test_idle_unauthenticated_sockets_are_capped_and_cut(echo):
-    """50 silent sockets from one address: at most 3 wait for a handshake, each for at most the
-    handshake timeout; an authenticated client is served as soon as they are cut."""
+def test_idle_sockets_from_one_address_cannot_lock_it_out(echo):
+    """50 silent sockets from one address (every engine of a host connects from it): at most 3 wait
+    for a handshake at a time, the oldest cut for each new one; an authenticated client from the
+    same address is served at once, while the silent sockets are still held open, and again after
+    the attacker opens more."""
     socks = [_raw(echo) for _ in range(50)]
-    assert _wait(lambda: echo.stats["refused"] >= 47)
-    time.sleep(LIMITS.handshake_timeout + 0.5)
+    assert _wait(lambda: echo.stats["evicted"] >= 47)
     with ChannelClient(echo.address, KEY, timeout=5) as c:
         assert c.request(b"still") == b"echo:still"
+    socks += [_raw(echo) for _ in range(LIMITS.max_pending_per_address)]
+    with ChannelClient(echo.address, KEY, timeout=5) as c:
+        assert c.request(b"again") == b"echo:again"
+    assert echo.stats["refused"] == 0
+    assert _wait(lambda: echo._pending["127.0.0.1"] <= LIMITS.max_pending_per_address)
     for s in socks:
         s.close()
+    assert _wait(lambda: echo._pending["127.0.0.1"] == 0 and not echo._waiting)
 
 
 def test_authenticated_connections_are_capped_per_address(echo):

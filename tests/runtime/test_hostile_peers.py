@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvlc import compile_spec
+from kvlc.runtime.settings import AgentSettings
 from kvlc.runtime import AuthError, HandshakeError, KvAgent, allocate
 from kvlc.runtime.channel.auth import resolve_secret
 from kvlc.runtime.channel.tcp import ChannelClient, Limits, write_frame
@@ -41,7 +42,7 @@ def _agent(plan, engine, fill=None, **kw):
     if fill is not None:
         for i, x in enumerate(t.values()):
             x[:] = torch.from_numpy(np.random.default_rng(fill + i).integers(0, 256, x.numel(), dtype=np.uint8))
-    return KvAgent(plan, 0, t, secret=SECRET, engine_id=engine, limits=Limits(max_per_address=8), **kw), t
+    return KvAgent(plan, 0, t, AgentSettings(secret=SECRET, engine_id=engine, limits=Limits(max_per_address=8), **kw)), t
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +132,7 @@ def test_identity_hijack_by_another_engine_is_refused(plan, producer, victim):
     vic, _ = victim
     vic.connect(prod.address, mode="pull_via_push")
     t = allocate(plan)
-    impostor = KvAgent(plan, 0, t, secret=SECRET, engine_id="impostor", name=vic.name)
+    impostor = KvAgent(plan, 0, t, AgentSettings(secret=SECRET, engine_id="impostor", name=vic.name))
     try:
         with pytest.raises(HandshakeError, match="already belongs to rank 0 of engine 'victim'"):
             impostor.connect(prod.address, mode="pull_via_push")
@@ -243,7 +244,7 @@ def test_state_from_many_connections_is_bounded_and_dies_with_them(plan, produce
 
 
 _FIELDS = st.dictionaries(st.sampled_from(["t", "version", "req", "record", "until", "budget_s", "conn", "tag",
-                                            "consumer_blocks", "producer_blocks", "num_tokens", "agent"]),
+                                            "consumer_blocks", "producer_blocks", "start", "stop", "agent"]),
                           st.one_of(st.integers(-(1 << 63), (1 << 64) - 1), st.text(max_size=20), st.binary(max_size=20),
                                     st.sampled_from(["fetch", "hello", "pull", "cancel", "record"])), max_size=8)
 
@@ -285,7 +286,7 @@ def test_agent_without_a_secret_refuses_to_start_unless_insecure(plan, monkeypat
     with pytest.raises(AuthError, match="no side-channel secret: pass secret="):
         KvAgent(plan, 0, allocate(plan))
     with caplog.at_level("WARNING"):
-        open_agent = KvAgent(plan, 0, allocate(plan), insecure=True)
+        open_agent = KvAgent(plan, 0, allocate(plan), AgentSettings(insecure=True))
     try:
         assert "INSECURE" in caplog.text
         with pytest.raises(AuthError):

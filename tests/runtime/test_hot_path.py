@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from kvlc.compiler.algebra.copies import coalesce_rows
 from kvlc.compiler.request.instantiate import _SMALL, _segments
 from kvlc.compiler.request.rows import coalesce
+from kvlc.runtime.settings import AgentSettings
 from kvlc.runtime.errors import NixlError
 from kvlc.runtime.nixl.core import Agent, Xfer, XferState
 
@@ -27,7 +28,7 @@ def kv_agent():
     from kvlc.demo.run import DEFAULT_LAYOUT, cpu_plan
 
     plan = cpu_plan(DEFAULT_LAYOUT, max_bytes=1 << 20)
-    agent = KvAgent(plan, 0, allocate(plan), insecure=True, progress="manual")
+    agent = KvAgent(plan, 0, allocate(plan), AgentSettings(insecure=True, progress="manual"))
     yield agent
     agent.close()
 
@@ -43,10 +44,10 @@ def test_progress_turn_skips_right_after_poll_and_runs_later(kv_agent, monkeypat
     calls = _counting(kv_agent, monkeypatch)
     kv_agent.poll()
     assert len(calls) == 1
-    kv_agent._pump_locked()  # poll() just ran: the engine is progressing itself
+    kv_agent.progress_turn()  # poll() just ran: the engine is progressing itself
     assert len(calls) == 1
     time.sleep(kv_agent.PUMP_SKIP_S * 3)
-    kv_agent._pump_locked()
+    kv_agent.progress_turn()
     assert len(calls) == 2
 
 
@@ -64,12 +65,12 @@ def test_progress_turn_never_waits_for_the_lock(kv_agent, monkeypatch):
     t.start()
     held.wait(5)
     t0 = time.monotonic()
-    kv_agent._pump_locked()  # the engine's thread holds the lock (a write in progress): skip, at once
+    kv_agent.progress_turn()  # the engine's thread holds the lock (a write in progress): skip, at once
     waited = time.monotonic() - t0
     release.set()
     t.join()
     assert calls == [] and waited < 0.5
-    kv_agent._pump_locked()
+    kv_agent.progress_turn()
     assert calls == [1]
 
 

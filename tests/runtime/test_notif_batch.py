@@ -11,6 +11,7 @@ import pytest
 from runtime_engines import SECRET, TEST_LAYOUTS
 
 from kvlc import compile_spec
+from kvlc.runtime.settings import AgentSettings
 from kvlc.runtime.channel.notifs import NotifBatch, decode_notif
 
 torch = pytest.importorskip("torch")
@@ -30,8 +31,8 @@ def test_pushes_ending_in_one_turn_arrive_as_one_batch_with_their_bytes():
     fill(plan, 0, {n: t.numpy() for n, t in tp.items()})
     for t in tc.values():
         t.fill_(0x5A)
-    prod = KvAgent(plan, 0, tp, secret=SECRET, progress="manual", engine_id="batch-p")
-    cons = KvAgent(plan, 0, tc, secret=SECRET, progress="manual", engine_id="batch-c")
+    prod = KvAgent(plan, 0, tp, AgentSettings(secret=SECRET, progress="manual", engine_id="batch-p"))
+    cons = KvAgent(plan, 0, tc, AgentSettings(secret=SECRET, progress="manual", engine_id="batch-c"))
     try:
         peer = prod.connect(cons.serve(), direction="WRITE")
         sent = []

@@ -92,6 +92,20 @@ def test_ranges_outside_regions_are_refused():
     assert int(t.sum()) == 0
 
 
+def test_ranges_that_wrap_past_2_64_are_refused():
+    """A range whose end wraps past 2**64 (so that addr + len looks small) is outside, not inside;
+    nothing is copied (issue 27, F1)."""
+    t = torch.zeros(100, dtype=torch.uint8)
+    regs = Regions.of_tensors([t])
+    base = t.data_ptr()
+    for addr, n in ((base + 10, (1 << 64) - 5), (base, (1 << 64) - base + 20), (base + 99, (1 << 64) - 1)):
+        with pytest.raises(StagingError, match="lies outside every registered region"):
+            Copier(regs).scatter(torch.ones(64, dtype=torch.uint8), np.array([[addr, n]], dtype=np.uint64))
+    assert int(t.sum()) == 0
+    Copier(regs).scatter(torch.ones(100, dtype=torch.uint8), np.array([[base, 100]], dtype=np.uint64))
+    assert int(t.sum()) == 100  # the whole region is still inside
+
+
 @pytest.mark.parametrize("raw, words", [
     (b"KVS", "truncated"),
     (b"KVSX" + bytes(25), "not a staging message"),

@@ -22,6 +22,7 @@ import pytest
 from runtime_engines import SECRET, TEST_LAYOUTS, check_bytes, config, flip, move, settle
 
 from kvlc import compile_spec
+from kvlc.runtime.settings import AgentSettings
 from kvlc.errors import KvlcError
 from kvlc.demo.procs import EngineProcess, stop_engines
 
@@ -103,6 +104,21 @@ def test_staged_and_direct_write_the_same_bytes(eng, plans, mode, first):
     assert eng["c_off"].call("stats")["staging"] is None
 
 
+def test_prepped_staged_write_moves_exactly_its_token_range(eng, plans):
+    """A prepared connection whose WRITE parts are staged: ``Peer.write(..., tokens=(start, stop))`` moves
+    exactly tokens [start, stop) (the staged rows are built for that range), through bounce buffers,
+    and nothing else in the consumer changes."""
+    prod, cons = eng["p_on"], eng["c_on"]
+    reqs = [("tok-1", {"full": [200, 201]}, {"full": [20, 21]}, (20, 40)),   # starts mid-block
+            ("tok-2", {"full": [202, 203, 204]}, {"full": [22, 23, 24]}, (5, 47))]
+    before = cons.call("dump")
+    chunks0 = _chunks(cons)
+    prod.connect([cons.address], "WRITE", "prepped", "tok-prepped")
+    move(prod, "tok-prepped", "write", flip(reqs), waiters=[cons])
+    check_bytes(cons, plans["z"], plans["x"], before, reqs)
+    assert _chunks(cons) > chunks0  # they went through bounce buffers
+
+
 def test_a_batch_with_staged_parts_goes_request_by_request_and_moves_the_same_bytes(eng, plans):
     """write_many where the policy stages every WRITE: each request is its own staged send (bounce
     buffers are per request), every destination byte right; the unstaged pair gets one NIXL request."""
@@ -134,11 +150,11 @@ def test_policy_comes_from_the_environment_and_is_checked(monkeypatch, plans):
     with pytest.raises(KvlcError, match="KVLC_STAGING_SLOTS"):
         StagingPolicy.from_env({"KVLC_STAGING_SLOTS": "many"})
     monkeypatch.setenv("KVLC_STAGING", "never")
-    with KvAgent(plans["x"], 0, allocate(plans["x"]), secret=SECRET) as a:
+    with KvAgent(plans["x"], 0, allocate(plans["x"]), AgentSettings(secret=SECRET)) as a:
         assert a.stager is None and a.staging.mode is StageMode.NEVER
-    with KvAgent(plans["x"], 0, allocate(plans["x"]), secret=SECRET, staging=StagingPolicy.always(slots=3)) as a:
+    with KvAgent(plans["x"], 0, allocate(plans["x"]), AgentSettings(secret=SECRET, staging=StagingPolicy.always(slots=3))) as a:
         assert a.stager is not None and a.stager.pool.slots == 3 * a.staging.peers
-    with KvAgent(plans["x"], 0, allocate(plans["x"]), secret=SECRET, staging=StagingPolicy(slots=3)) as a:
+    with KvAgent(plans["x"], 0, allocate(plans["x"]), AgentSettings(secret=SECRET, staging=StagingPolicy(slots=3))) as a:
         # auto on DRAM only: nothing can be staged (fragmented DRAM parts are not, by default), so no buffers
         import torch
         assert (a.stager is None) == (not torch.cuda.is_available())
@@ -208,9 +224,9 @@ def test_forged_replayed_and_foreign_chunks_are_dropped_unscattered(plans):
     tp = allocate(x)
     fill(x, 0, {n: t.numpy() for n, t in tp.items()})
     tc = allocate(z)
-    agents = [KvAgent(x, 0, tp, secret=SECRET, staging=pol, progress="manual", engine_id="forge-p"),
-              KvAgent(z, 0, tc, secret=SECRET, staging=pol, progress="manual", engine_id="forge-c"),
-              KvAgent(x, 0, allocate(x), secret=SECRET, staging=pol, progress="manual", engine_id="forge-q")]
+    agents = [KvAgent(x, 0, tp, AgentSettings(secret=SECRET, staging=pol, progress="manual", engine_id="forge-p")),
+              KvAgent(z, 0, tc, AgentSettings(secret=SECRET, staging=pol, progress="manual", engine_id="forge-c")),
+              KvAgent(x, 0, allocate(x), AgentSettings(secret=SECRET, staging=pol, progress="manual", engine_id="forge-q"))]
     prod, cons, other = agents
     try:
         addr = cons.serve()
@@ -267,8 +283,8 @@ def _manual_pair(plans, tag: str):
     pol = StagingPolicy(**ON)
     tp = allocate(x)
     fill(x, 0, {n: t.numpy() for n, t in tp.items()})
-    prod = KvAgent(x, 0, tp, secret=SECRET, staging=pol, progress="manual", engine_id=f"{tag}-p")
-    cons = KvAgent(z, 0, allocate(z), secret=SECRET, staging=pol, progress="manual", engine_id=f"{tag}-c")
+    prod = KvAgent(x, 0, tp, AgentSettings(secret=SECRET, staging=pol, progress="manual", engine_id=f"{tag}-p"))
+    cons = KvAgent(z, 0, allocate(z), AgentSettings(secret=SECRET, staging=pol, progress="manual", engine_id=f"{tag}-c"))
     return prod, cons
 
 

@@ -14,6 +14,7 @@ import pytest
 from runtime_engines import TEST_LAYOUTS, check_bytes, config, flip, move, tiny_plans
 
 from kvlc import compile_spec
+from kvlc.runtime.settings import AgentSettings
 from kvlc.demo.procs import EngineProcess, start_engines, stop_engines
 
 pytest.importorskip("torch")
@@ -87,14 +88,14 @@ def test_pull_via_push_range_is_checked_by_the_producer(plans):
     from kvlc.runtime.channel.wire import PullRequest, decode, encode
     from runtime_engines import SECRET
 
-    prod = KvAgent(plans["x"], 0, allocate(plans["x"]), secret=SECRET, engine_id="range-producer")
-    cons = KvAgent(plans["z"], 0, allocate(plans["z"]), secret=SECRET, engine_id="range-consumer")
+    prod = KvAgent(plans["x"], 0, allocate(plans["x"]), AgentSettings(secret=SECRET, engine_id="range-producer"))
+    cons = KvAgent(plans["z"], 0, allocate(plans["z"]), AgentSettings(secret=SECRET, engine_id="range-consumer"))
     with prod, cons:
         prod.serve()
         peer = cons.connect(prod.address, mode="pull_via_push")
         client = next(iter(peer._clients.values()))
         msg = PullRequest(req="bad-range", consumer_blocks={"full": (1,)}, producer_blocks={"full": (2, 3)},
-                          num_tokens=30, start_token=20, until=time.monotonic() + 10, budget_s=10.0)
+                          start=20, stop=30, until=time.monotonic() + 10, budget_s=10.0)
         reply = decode(client.request(encode(msg)))
         assert not reply.ok and reply.error == (
             "group 'full': 2 local block ids for tokens [20, 30); expected 1, one per block the range touches "

@@ -7,6 +7,7 @@ runs against real NIXL agents in the multi-process tests.
 from __future__ import annotations
 
 import json
+from collections import deque
 
 import pytest
 from runtime_engines import LAYOUTS
@@ -80,7 +81,7 @@ def test_notification_only_after_every_part_is_done(mixed):
     assert ex.progress() == [] and agent.sent == []
     assert ex.progress() == [out]
     tag = notif_tag(KEY, "r1", "3", "done")
-    assert _notifs(agent) == [("peer3", {"v": 1, "req": "r1", "rank": 3, "status": "done", "why": "", "tag": tag})]
+    assert _notifs(agent) == [("peer3", {"v": 2, "req": "r1", "rank": 3, "status": "done", "why": "", "tag": tag})]
     kinds = [e[0] for e in agent.log]
     assert kinds.index("notif") > max(i for i, k in enumerate(kinds) if k == "release")
     assert agent.live_handles == 0
@@ -128,8 +129,10 @@ def test_create_failure_releases_what_was_created_and_posts_nothing(mixed):
     assert agent.live_handles == 0 and not any(x.posted for x in agent.created) and not ex.active
 
 
-def test_timeout_cancels_parts_in_flight(mixed):
-    """Past its deadline a request's in-flight parts are cancelled (released) and it fails."""
+def test_timeout_holds_parts_in_flight_until_nixl_ends_them(mixed):
+    """Past its deadline a request fails, but a posted part in flight is not released (that would not
+    recall bytes the transport queued): it is held until NIXL says the part ended, then released and
+    reported failed, with one 'failed' notification and no 'done'."""
     _, parts = mixed
     agent = FakeAgent()
     agent.states = {k: [PROC] for k in [("peer3", "DRAM", "VRAM"), ("peer3", "VRAM", "VRAM")]}
@@ -139,16 +142,22 @@ def test_timeout_cancels_parts_in_flight(mixed):
     clock.t = 4.9
     assert ex.progress() == []
     clock.t = 5.0
+    for _ in range(3):
+        assert ex.progress() == [] and agent.live_handles == 2 and out.status == "active"
+    assert "timed out after 5s" in out.reason and not agent.sent
+    agent.created[0].script = deque([DONE])
+    agent.created[1].script = deque([ERR])
     assert ex.progress() == [out]
     assert out.status == "failed" and "timed out after 5s" in out.reason
     assert agent.live_handles == 0 and [n["status"] for _, n in _notifs(agent)] == ["failed"]
 
 
 def test_cancel_that_nixl_refuses_is_retried_before_reporting(mixed):
-    """A part NIXL cannot cancel yet keeps the request open; it is reported only once no handle is left."""
+    """A part NIXL cannot release yet (after it ended) keeps the request open; it is reported only once
+    no handle is left."""
     _, parts = mixed
     agent = FakeAgent()
-    agent.states = {k: [PROC] for k in [("peer3", "DRAM", "VRAM"), ("peer3", "VRAM", "VRAM")]}
+    agent.states = {k: [PROC, ERR] for k in [("peer3", "DRAM", "VRAM"), ("peer3", "VRAM", "VRAM")]}
     clock = Clock()
     ex = Executor(agent, rank=3, clock=clock)
     out = _submit(ex, parts, timeout=1.0)
@@ -202,7 +211,7 @@ def test_hetero_tp_one_notification_per_peer_rank():
     assert ex.progress() == [out]
     assert sorted(name for name, _ in agent.sent) == ["peer2", "peer3"]
     tag = notif_tag(KEY, "r1", "1", "done")
-    assert all(n == {"v": 1, "req": "r1", "rank": 1, "status": "done", "why": "", "tag": tag}
+    assert all(n == {"v": 2, "req": "r1", "rank": 1, "status": "done", "why": "", "tag": tag}
                for _, n in _notifs(agent))
 
 
@@ -233,8 +242,8 @@ def test_requests_ending_together_share_one_notification_per_peer():
     tag = notif_tag(KEY, "done*", "1", json.dumps(reqs, separators=(",", ":")))
     batches = [(name, n) for name, n in _notifs(agent) if "done" in n]
     assert sorted(batches, key=lambda b: b[0]) == [
-        ("peer2", {"v": 1, "done": reqs, "rank": 1, "tag": tag}),
-        ("peer3", {"v": 1, "done": reqs, "rank": 1, "tag": tag}),
+        ("peer2", {"v": 2, "done": reqs, "rank": 1, "tag": tag}),
+        ("peer3", {"v": 2, "done": reqs, "rank": 1, "tag": tag}),
     ]
     failed = [(name, n["req"], n["status"]) for name, n in _notifs(agent) if "done" not in n]
     assert sorted(failed) == [("peer2", "bad", "failed"), ("peer3", "bad", "failed")]
@@ -276,7 +285,7 @@ def test_parts_are_asked_oldest_first_and_per_peer_until_one_is_in_flight():
     """Four requests to two peers: within a turn, once a part to a peer is still in flight, later
     requests' parts to that peer are not asked (NIXL checks cost microseconds each); a request that
     finished out of order is seen at the next sweep (SWEEP_S), and one past its deadline is always
-    asked (and cancelled) at once."""
+    asked (and held until its parts end)."""
     parts = _hetero()
     agent = FakeAgent()
     clock = Clock()
@@ -302,5 +311,8 @@ def test_parts_are_asked_oldest_first_and_per_peer_until_one_is_in_flight():
     assert all(o.status == "done" for o in later) and first.status == timed.status == "active"
     checks.clear()
     clock.t = 1.0 + ex.SWEEP_S / 4  # past timed's deadline (not a sweep turn): it is asked regardless
-    assert ex.progress() == [timed] and checks == ["first", "first", "timed", "timed"]
-    assert timed.status == "failed" and "timed out" in timed.reason
+    assert ex.progress() == [] and checks == ["first", "first", "timed", "timed"]
+    assert timed.status == "active" and "timed out" in timed.reason  # held: its parts are in flight
+    for x in agent.created[-2:]:
+        x.script = deque([ERR])
+    assert ex.progress() == [timed] and timed.status == "failed" and "timed out" in timed.reason

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from kvlc.errors import KvlcError
+from kvlc.runtime.settings import AgentSettings
 from kvlc.runtime.nixl import ucx
 from kvlc.runtime.nixl.ucx import GET_ZCOPY_ENV, ErrorHandling, UcxOptionError, UcxOptions, apply_env
 
@@ -116,6 +117,6 @@ def test_dram_kv_agent_keeps_nixls_default(monkeypatch):
 
     monkeypatch.delenv("KVLC_UCX_NUM_THREADS", raising=False)
     plan = cpu_plan(DEFAULT_LAYOUT, max_bytes=1 << 20)
-    with KvAgent(plan, 0, allocate(plan), insecure=True, progress="manual") as agent:
+    with KvAgent(plan, 0, allocate(plan), AgentSettings(insecure=True, progress="manual")) as agent:
         assert "num_threads" not in agent.nixl.backend_params["UCX"]
         assert agent.nixl.ucx == UcxOptions.for_agent(False, {})

@@ -9,6 +9,7 @@ import pytest
 from runtime_engines import SECRET, TEST_LAYOUTS
 
 from kvlc import compile_spec
+from kvlc.runtime.settings import AgentSettings
 from kvlc.runtime.nixl.core import Registration, Xfer
 from kvlc.runtime.nixl.warmup import TOUCH, warm_peers
 
@@ -26,8 +27,8 @@ def pair():
     tp, tc = allocate(plan), allocate(plan)
     for i, t in enumerate(list(tp.values()) + list(tc.values())):
         t.copy_(torch.randint(0, 256, (t.numel(),), dtype=torch.uint8, generator=torch.Generator().manual_seed(i)))
-    prod = KvAgent(plan, 0, tp, secret=SECRET, engine_id="warm-p")
-    cons = KvAgent(plan, 0, tc, secret=SECRET, engine_id="warm-c")
+    prod = KvAgent(plan, 0, tp, AgentSettings(secret=SECRET, engine_id="warm-p"))
+    cons = KvAgent(plan, 0, tc, AgentSettings(secret=SECRET, engine_id="warm-c"))
     prod.serve()
     yield plan, prod, cons, tp, tc
     cons.close()

@@ -10,8 +10,8 @@ from runtime_engines import TEST_LAYOUTS
 
 from kvlc import compile_spec
 from kvlc.runtime.errors import HandshakeError
+from kvlc.runtime.channel.notifs import MAX_NOTIF_BYTES, decode_notif, encode_notif
 from kvlc.runtime.channel.wire import (
-    MAX_NOTIF_BYTES,
     MAX_RECORD_BYTES,
     Fetch,
     Introduce,
@@ -21,10 +21,8 @@ from kvlc.runtime.channel.wire import (
     Reply,
     StorageBase,
     decode,
-    decode_notif,
     decode_record,
     encode,
-    encode_notif,
     make_record,
 )
 
@@ -65,6 +63,27 @@ def test_record_round_trips(record, plan):
     assert back.bases()["kv.1"] == (2 << 30, 0)
 
 
+@pytest.mark.parametrize("until", [float("nan"), float("inf"), float("-inf")])
+def test_a_pull_request_without_a_finite_deadline_is_refused(until):
+    """Issue 27 F5: NaN or an infinite deadline never times out; refused when the frame is read."""
+    msg = PullRequest.model_construct(t="pull", version=2, req="r", consumer_blocks={"full": (1,)},
+                                      producer_blocks={"full": (1,)}, start=0, stop=16, until=until, budget_s=1.0)
+    raw = msgpack.packb(msg.model_dump())
+    with pytest.raises(HandshakeError, match="until"):
+        decode(raw)
+
+
+def test_a_pull_request_runs_no_longer_than_its_budget():
+    """A deadline far in the future (1e308) is cut to the budget the consumer had when it sent the frame."""
+    from kvlc.runtime.server import time_left
+
+    far = PullRequest(req="r", consumer_blocks={"full": (1,)}, producer_blocks={"full": (1,)}, start=0,
+                      stop=16, until=1e308, budget_s=2.0)
+    assert time_left(far, now=100.0) == 2.0
+    near = far.model_copy(update={"until": 101.0})
+    assert time_left(near, now=100.0) == 1.0
+
+
 def test_messages_round_trip(record):
     """Every side-channel message type decodes to what was encoded."""
     msgs = [
@@ -75,12 +94,13 @@ def test_messages_round_trip(record):
             req="r-1",
             consumer_blocks={"full": (1, 2)},
             producer_blocks={"full": (3, 4)},
-            num_tokens=40,
+            start=0,
+            stop=40,
             until=1234.5,
             budget_s=2.5,
         ),
-        PullRequest(req="r-2", consumer_blocks={"full": (2,)}, producer_blocks={"full": (1,)}, num_tokens=40,
-                    start_token=20, until=1.0, budget_s=1.0),
+        PullRequest(req="r-2", consumer_blocks={"full": (2,)}, producer_blocks={"full": (1,)}, start=20,
+                    stop=40, until=1.0, budget_s=1.0),
         Cancel(req="r-1"),
         Cancel(req="r-1", conn="a" * 32, tag="b" * 24),
         Reply(ok=True, status="cancelled"),
@@ -92,7 +112,7 @@ def test_messages_round_trip(record):
 @pytest.mark.parametrize(
     "change, message",
     [
-        (dict(version=2), "wire version 2"),
+        (dict(version=1), "wire version 1"),
         (dict(version=True), "wire version True"),
         (dict(plan_digest="0" * 64), "does not match the sha256"),
         (dict(rank=2), "rank 2 outside plan"),
@@ -139,20 +159,20 @@ def test_storage_smaller_than_plan_is_refused(record):
         (b"", "empty"),
         (b"\xc1", "not msgpack"),
         (msgpack.packb([1, 2, 3]), "expected a msgpack map"),
-        (msgpack.packb({"t": "fetch", "version": 1}) + b"\x00", "trailing bytes"),
+        (msgpack.packb({"t": "fetch", "version": 2}) + b"\x00", "trailing bytes"),
         (b"\x91" * 100000, "not msgpack"),
-        (msgpack.packb({"t": "launch", "version": 1}), "does not match any of the expected tags"),
-        (msgpack.packb({"t": "fetch", "version": 1, "x": 1}), "Extra inputs"),
+        (msgpack.packb({"t": "launch", "version": 2}), "does not match any of the expected tags"),
+        (msgpack.packb({"t": "fetch", "version": 2, "x": 1}), "Extra inputs"),
         (msgpack.packb({1: 2}), "not msgpack"),
         (
             msgpack.packb(
                 {
                     "t": "pull",
-                    "version": 1,
+                    "version": 2,
                     "req": "r",
                     "agent": "a",
                     "rank": 0,
-                    "num_tokens": 1.5,
+                    "stop": 1.5,
                     "consumer_blocks": {},
                     "producer_blocks": {},
                 }
@@ -163,11 +183,11 @@ def test_storage_smaller_than_plan_is_refused(record):
             msgpack.packb(
                 {
                     "t": "pull",
-                    "version": 1,
+                    "version": 2,
                     "req": "r",
                     "agent": "a",
                     "rank": 0,
-                    "num_tokens": 1,
+                    "stop": 1,
                     "consumer_blocks": {"g": [-1]},
                     "producer_blocks": {},
                 }
@@ -197,7 +217,7 @@ def test_decoding_never_unpickles():
     import pickle
 
     with pytest.raises(HandshakeError):
-        decode(pickle.dumps({"t": "fetch", "version": 1}))
+        decode(pickle.dumps({"t": "fetch", "version": 2}))
 
 
 T = "0" * 24
@@ -206,7 +226,7 @@ T = "0" * 24
 def test_notification_format():
     """Notifications are compact JSON with v, req, rank, status, why and the session tag; always
     within MAX_NOTIF_BYTES, however long the reason."""
-    done = b'{"v":1,"req":"req-7","rank":3,"status":"done","why":"","tag":"' + T.encode() + b'"}'
+    done = b'{"v":2,"req":"req-7","rank":3,"status":"done","why":"","tag":"' + T.encode() + b'"}'
     assert encode_notif("req-7", 3, "done", T) == done
     failed = json.loads(encode_notif("req-7", 3, "failed", T, "x" * 500))
     assert failed["status"] == "failed" and len(failed["why"]) == 200
@@ -222,7 +242,7 @@ def test_batch_notification_format():
     from kvlc.runtime.channel.notifs import MAX_BATCH_NOTIF_BYTES, NotifBatch, batch_fields, batches, encode_notif_batch
 
     data = encode_notif_batch(["a", 'b"c', "d|e"], 7, T)
-    assert data == b'{"v":1,"done":["a","b\\"c","d|e"],"rank":7,"tag":"' + T.encode() + b'"}'
+    assert data == b'{"v":2,"done":["a","b\\"c","d|e"],"rank":7,"tag":"' + T.encode() + b'"}'
     n = decode_notif(data)
     assert isinstance(n, NotifBatch) and n.done == ["a", 'b"c', "d|e"] and n.rank == 7
     # joined ids would make ["a|b", "c"] and ["a", "b|c"] sign alike; the JSON list does not
@@ -238,17 +258,17 @@ def test_batch_notification_format():
 @pytest.mark.parametrize(
     "data",
     [
-        b'{"v":1,"done":[],"rank":0,"tag":"000000000000000000000000"}',
-        b'{"v":1,"done":["a","a"],"rank":0,"tag":"000000000000000000000000"}',
-        b'{"v":1,"done":"a","rank":0,"tag":"000000000000000000000000"}',
-        b'{"v":1,"done":["a",1],"rank":0,"tag":"000000000000000000000000"}',
-        b'{"v":1,"done":["has space"],"rank":0,"tag":"000000000000000000000000"}',
-        b'{"v":1,"done":["a"],"rank":0,"status":"done","tag":"000000000000000000000000"}',
-        b'{"v":1,"done":["a"],"rank":0}',
-        b'{"v":2,"done":["a"],"rank":0,"tag":"000000000000000000000000"}',
-        b'{"v":1,"done":["a"],"rank":-1,"tag":"000000000000000000000000"}',
-        b'{"v":1,"done":[' + b",".join(b'"%d"' % i for i in range(257)) + b'],"rank":0,"tag":"000000000000000000000000"}',
-        b'{"v":1,"done":["' + b"r" * 9000 + b'"],"rank":0,"tag":"000000000000000000000000"}',
+        b'{"v":2,"done":[],"rank":0,"tag":"000000000000000000000000"}',
+        b'{"v":2,"done":["a","a"],"rank":0,"tag":"000000000000000000000000"}',
+        b'{"v":2,"done":"a","rank":0,"tag":"000000000000000000000000"}',
+        b'{"v":2,"done":["a",1],"rank":0,"tag":"000000000000000000000000"}',
+        b'{"v":2,"done":["has space"],"rank":0,"tag":"000000000000000000000000"}',
+        b'{"v":2,"done":["a"],"rank":0,"status":"done","tag":"000000000000000000000000"}',
+        b'{"v":2,"done":["a"],"rank":0}',
+        b'{"v":1,"done":["a"],"rank":0,"tag":"000000000000000000000000"}',
+        b'{"v":2,"done":["a"],"rank":-1,"tag":"000000000000000000000000"}',
+        b'{"v":2,"done":[' + b",".join(b'"%d"' % i for i in range(257)) + b'],"rank":0,"tag":"000000000000000000000000"}',
+        b'{"v":2,"done":["' + b"r" * 9000 + b'"],"rank":0,"tag":"000000000000000000000000"}',
     ],
 )
 def test_bad_batch_notifications_are_refused(data):
@@ -263,13 +283,13 @@ def test_bad_batch_notifications_are_refused(data):
         b"",
         b"not json",
         b"[1]",
-        b'{"v":2,"req":"r","rank":0,"status":"done","tag":"000000000000000000000000"}',
-        b'{"v":1,"req":"r","rank":0,"status":"ok","tag":"000000000000000000000000"}',
-        b'{"v":1,"req":"r","rank":"0","status":"done","tag":"000000000000000000000000"}',
-        b'{"v":1,"req":"r","rank":0,"status":"done","tag":"000000000000000000000000","x":1}',
-        b'{"v":1,"req":"has space","rank":0,"status":"done","tag":"000000000000000000000000"}',
-        b'{"v":1,"req":"r","rank":0,"status":"done"}',
-        b'{"v":1,"req":"r","rank":0,"status":"done","tag":"zz"}',
+        b'{"v":1,"req":"r","rank":0,"status":"done","tag":"000000000000000000000000"}',
+        b'{"v":2,"req":"r","rank":0,"status":"ok","tag":"000000000000000000000000"}',
+        b'{"v":2,"req":"r","rank":"0","status":"done","tag":"000000000000000000000000"}',
+        b'{"v":2,"req":"r","rank":0,"status":"done","tag":"000000000000000000000000","x":1}',
+        b'{"v":2,"req":"has space","rank":0,"status":"done","tag":"000000000000000000000000"}',
+        b'{"v":2,"req":"r","rank":0,"status":"done"}',
+        b'{"v":2,"req":"r","rank":0,"status":"done","tag":"zz"}',
         b"x" * (MAX_NOTIF_BYTES + 1),
         b"\xff\xfe",
     ],

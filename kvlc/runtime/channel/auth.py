@@ -75,10 +75,7 @@ def resolve_secret(secret: str | bytes | None = None, insecure: bool = False) ->
     if secret is None and os.environ.get(SECRET_FILE_ENV):
         path = Path(os.environ[SECRET_FILE_ENV])
         where = f"file {path} (${SECRET_FILE_ENV})"
-        try:
-            secret = path.read_bytes().strip()
-        except OSError as exc:
-            raise AuthError(f"{where}: cannot read the secret: {exc.strerror or exc}") from None
+        secret = read_secret_file(path, where)
     if secret is None:
         if not insecure:
             raise AuthError(
@@ -95,6 +92,14 @@ def resolve_secret(secret: str | bytes | None = None, insecure: bool = False) ->
             "(e.g. `python -c 'import secrets; print(secrets.token_hex(32))'`)"
         )
     return derive_key(raw)
+
+
+def read_secret_file(path: Path, where: str = "") -> bytes:
+    """The secret stored in ``path`` (surrounding whitespace stripped); AuthError naming the file."""
+    try:
+        return Path(path).read_bytes().strip()
+    except OSError as exc:
+        raise AuthError(f"{where or f'file {path}'}: cannot read the secret: {exc.strerror or exc}") from None
 
 
 def new_nonce() -> bytes:

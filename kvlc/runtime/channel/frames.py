@@ -12,7 +12,7 @@ from pydantic import ValidationError
 
 from kvlc.runtime.errors import HandshakeError
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2  # 2: a pull request carries its token range as start, stop
 
 
 def explain(exc: ValidationError, limit: int = 5) -> str:

@@ -24,7 +24,7 @@ from kvlc.compiler.request.bind import bind
 from kvlc.compiler.request.rules import prepare
 from kvlc.compiler.plan.model import Plan
 from kvlc.runtime.errors import HandshakeError
-from kvlc.runtime.kinds import Direction, Mode
+from kvlc.runtime.kinds import Direction, ConnectionMode
 from kvlc.runtime.channel.wire import Record
 
 
@@ -36,7 +36,7 @@ class Session:
     conn_id: str
     notif_key: bytes
     direction: Direction   # this side's direction towards the remote
-    mode: Mode             # the wire mode the connection was made with
+    mode: ConnectionMode             # the wire mode the connection was made with
     engine: RemoteEngine
     address: str = ""      # where the remote serves (push consumers cancel there)
     server_side: bool = False  # introduced to our server (else: we connected to it)

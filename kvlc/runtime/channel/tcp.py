@@ -12,12 +12,15 @@ Bounds against a hostile or broken client: a whole frame must arrive within
 ``frame_timeout`` of its first byte (a byte every few seconds does not keep a frame
 open), an idle connection ends after ``idle_timeout``, at most ``max_connections``
 connections in all, ``max_per_address`` authenticated ones and ``max_pending_per_address``
-unauthenticated ones per peer address. A connection over a cap is closed at once.
+unauthenticated ones per peer address. A new connection over a pending cap cuts the oldest
+connection still in its handshake (idle connections from one address, where every engine of a
+host connects from, cannot lock that address out); an authenticated one over its cap is closed.
 """
 
 from __future__ import annotations
 
 import logging
+import select
 import socket
 import socketserver
 import struct
@@ -162,7 +165,8 @@ class ChannelServer:
         self._pending: Counter = Counter()
         self._authed: Counter = Counter()
         self._open = 0
-        self.stats = Counter(connections=0, frames=0, refused=0, errors=0, auth_failed=0)
+        self._waiting: dict[int, tuple[str, socket.socket]] = {}  # connections in their handshake, oldest first
+        self.stats = Counter(connections=0, frames=0, refused=0, errors=0, auth_failed=0, evicted=0)
         outer = self
 
         class _Handler(socketserver.BaseRequestHandler):
@@ -185,19 +189,40 @@ class ChannelServer:
         host, port = self._server.server_address[:2]
         return str(host), int(port)
 
-    def _admit(self, ip: str) -> bool:
+    def _admit(self, ip: str, sock: socket.socket) -> bool:
+        """Count a new connection as pending. At a cap, the oldest connection still in its handshake
+        (of this address; of any, at the total cap) is cut to make room: idle connections cannot
+        lock an address out, and a client that authenticates in time is never the one cut."""
         with self._lock:
             lim = self.limits
-            if self._open >= lim.max_connections or self._pending[ip] >= lim.max_pending_per_address:
+            if self._pending[ip] >= lim.max_pending_per_address:
+                self._evict(ip)
+            elif self._open >= lim.max_connections and not self._evict(None):
                 self.stats["refused"] += 1
                 return False
             self._open += 1
             self._pending[ip] += 1
+            self._waiting[id(sock)] = (ip, sock)
             return True
 
-    def _promote(self, ip: str) -> bool:
+    def _evict(self, ip: str | None) -> bool:
+        """Cut the oldest connection still in its handshake (from ``ip``; None: from anywhere); the
+        lock is held. Its handler ends on the closed socket and uncounts it."""
+        for key, (who, sock) in self._waiting.items():
+            if ip is None or who == ip:
+                del self._waiting[key]
+                self.stats["evicted"] += 1
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                return True
+        return False
+
+    def _promote(self, ip: str, sock: socket.socket) -> bool:
         with self._lock:
             self._pending[ip] -= 1
+            self._waiting.pop(id(sock), None)
             if self._authed[ip] >= self.limits.max_per_address:
                 self.stats["refused"] += 1
                 return False
@@ -218,7 +243,7 @@ class ChannelServer:
 
     def _serve(self, sock: socket.socket, peer: Address) -> None:
         ip = peer[0]
-        if not self._admit(ip):
+        if not self._admit(ip, sock):
             sock.close()
             return
         counted = "pending"
@@ -229,7 +254,7 @@ class ChannelServer:
                 self.stats["auth_failed"] += 1
                 log.info("side channel: %s:%s not authenticated: %s", ip, peer[1], exc)
                 return
-            counted = "authed" if self._promote(ip) else None
+            counted = "authed" if self._promote(ip, sock) else None
             if counted is None:
                 return
             self.stats["connections"] += 1
@@ -246,6 +271,7 @@ class ChannelServer:
                     self._authed[ip] -= 1
                 elif counted == "pending":
                     self._pending[ip] -= 1
+                    self._waiting.pop(id(sock), None)
             try:
                 sock.close()
             except OSError:
@@ -350,6 +376,32 @@ class ChannelClient:
             except (OSError, ChannelError) as exc:
                 self._close()
                 raise ChannelError(f"{self._where()}: {exc}") from None
+
+    @property
+    def connected(self) -> bool:
+        """Whether this client holds an open connection now."""
+        return self._sock is not None
+
+    def lost(self) -> bool:
+        """Whether the connection this client authenticated is gone (the peer closed it, or a failed
+        request did); never blocks: a connection busy with a request counts as alive."""
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            if self._sock is None:
+                return self.sealed is not None
+            try:
+                if not select.select([self._sock], [], [], 0)[0]:
+                    return False  # nothing to read: open (a reply never comes unasked)
+                data = self._sock.recv(1, socket.MSG_PEEK)  # readable: b"" when the peer closed it
+            except OSError:
+                data = b""
+            if data == b"":  # orderly close or reset by the peer
+                self._close()
+                return True
+            return False
+        finally:
+            self._lock.release()
 
     def _close(self) -> None:
         if self._sock is not None:

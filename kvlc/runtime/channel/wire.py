@@ -20,8 +20,7 @@ Every frame travels inside an authenticated connection (:mod:`kvlc.runtime.chann
 sent a ``pull`` or ``cancel`` is the session introduced on that connection, never a name
 inside the frame.
 
-Notifications (NIXL ``send_notif``) are compact JSON: :mod:`kvlc.runtime.channel.notifs` (their names are
-still reachable here).
+Notifications (NIXL ``send_notif``) are compact JSON: :mod:`kvlc.runtime.channel.notifs`.
 
 Decoding refuses, with a :class:`~kvlc.runtime.errors.HandshakeError` that says
 why: oversize or truncated input, not msgpack / JSON, wrong version, wrong
@@ -87,7 +86,7 @@ class Record(_Strict):
     """A handshake record: everything a peer needs to pair with and reach one agent (one rank)."""
 
     t: Literal["record"] = "record"
-    version: Literal[1] = WIRE_VERSION
+    version: Literal[2] = WIRE_VERSION
     agent: AgentName
     nixl_md: Annotated[bytes, Field(min_length=1, max_length=MAX_METADATA_BYTES)]
     plan_json: Annotated[str, Field(min_length=2, max_length=MAX_PLAN_BYTES)]
@@ -123,7 +122,7 @@ class Inbox(_Strict):
 
 class Fetch(_Strict):
     t: Literal["fetch"] = "fetch"
-    version: Literal[1] = WIRE_VERSION
+    version: Literal[2] = WIRE_VERSION
 
 
 class Introduce(_Strict):
@@ -135,7 +134,7 @@ class Introduce(_Strict):
     """
 
     t: Literal["hello"] = "hello"
-    version: Literal[1] = WIRE_VERSION
+    version: Literal[2] = WIRE_VERSION
     record: Record
     direction: Literal["READ", "WRITE"]
     mode: Literal["direct", "pull_via_push"]
@@ -149,17 +148,17 @@ class PullRequest(_Strict):
     ``until`` is the consumer's deadline on the *producer's* clock (estimated at the handshake,
     less its uncertainty): the producer never posts a WRITE at or after it, however long the
     frame was queued. ``budget_s`` is what was left when the frame was sent (for messages).
-    The request moves tokens ``[start_token, num_tokens)``; the producer checks it again.
+    The request moves tokens ``[start, stop)``; the producer checks it again.
     """
 
     t: Literal["pull"] = "pull"
-    version: Literal[1] = WIRE_VERSION
+    version: Literal[2] = WIRE_VERSION
     req: RequestId
     consumer_blocks: BlockIds
     producer_blocks: BlockIds
-    num_tokens: Annotated[int, Field(ge=0, lt=1 << 40)]
-    start_token: Annotated[int, Field(ge=0, lt=1 << 40)] = 0   # the request moves [start_token, num_tokens)
-    until: float
+    start: Annotated[int, Field(ge=0, lt=1 << 40)]
+    stop: Annotated[int, Field(ge=0, lt=1 << 40)]
+    until: Annotated[float, Field(allow_inf_nan=False)]
     budget_s: Annotated[float, Field(ge=0, le=86400)]
 
 
@@ -169,7 +168,7 @@ class Cancel(_Strict):
     producer's connection ``conn`` with ``tag`` = the notification tag of ("cancel", req)."""
 
     t: Literal["cancel"] = "cancel"
-    version: Literal[1] = WIRE_VERSION
+    version: Literal[2] = WIRE_VERSION
     req: RequestId
     conn: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{32}$")] | None = None
     tag: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{24}$")] | None = None
@@ -300,16 +299,3 @@ def decode_record(data: bytes) -> Record:
         raise HandshakeError(f"handshake record refused: {explain(exc)}") from None
     check_record(rec)
     return rec
-
-
-_MOVED = frozenset({"Notif", "NotifBatch", "encode_notif", "decode_notif", "encode_notif_batch", "batch_fields",
-                    "batches", "MAX_NOTIF_BYTES", "MAX_BATCH_NOTIF_BYTES", "MAX_BATCH"})
-
-
-def __getattr__(name: str):
-    """The notification names that moved to :mod:`kvlc.runtime.channel.notifs` (PEP 562)."""
-    if name in _MOVED:
-        from kvlc.runtime.channel import notifs
-
-        return getattr(notifs, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -131,6 +131,5 @@ def warm_peers(agent: Any, records: list, mems: frozenset[str] | None = None) ->
         log.warning("warm-up skipped: %s: %s", type(exc).__name__, exc)
         problems = {rec.agent: f"{type(exc).__name__}: {exc}" for rec in records}
     if stuck:
-        with agent._lock:
-            agent.executor.stuck.extend(stuck)
+        agent.keep_stuck(stuck)
     return problems

@@ -6,9 +6,9 @@
   **inbox** when a peer that will WRITE here introduces itself (push: in the reply to the
   producer's hello; pull via push: inside the consumer's hello), and hands it the inbox a
   receiver described (:meth:`Stager.add_peer`), checked before it is used;
-* the :class:`~kvlc.runtime.transfer.Executor` asks, per part, whether to stage it
-  (:meth:`Stager.decide`: a WRITE, to a peer with an inbox, that the policy picks) and sends
-  staged parts through the endpoint, one staged send per (request, peer rank);
+* the agent asks once per request which parts to stage (:meth:`Stager.pick`: a WRITE, to a peer
+  with an inbox, that the policy picks), and the :class:`~kvlc.runtime.transfer.Executor` sends
+  those through the endpoint, one staged send per (request, peer rank);
 * the pump hands it every staging notification that verified under a session key.
 
 Only WRITEs are staged: a bounce buffer gathers on the side that holds the source ranges, so
@@ -146,15 +146,16 @@ class Stager:
         return peer in self.endpoint.peers
 
     def pick(self, op: str, parts, agents) -> dict[int, list]:
-        """Peer rank → the keys of the row parts (not prepared ones) to stage to it; the rest stay direct.
+        """Peer rank → the keys in ``parts`` of the parts to stage to it; the rest stay direct. The one
+        staging decision of a request (the executor stages what this says).
 
-        ``parts``: PartKey → part of one request; ``agents``: peer rank → its NIXL agent name."""
+        ``parts``: key → part of one request (rows, or a prepared part whose ``key`` is its PartKey);
+        ``agents``: peer rank → its NIXL agent name."""
         staged: dict[int, list] = {}
-        for pk, part in parts.items():
-            if not isinstance(part.local, np.ndarray) or not len(part.local):
-                continue
-            if self.decide(op, pk, len(part.local), int(part.nbytes), agents[pk.peer_rank]):
-                staged.setdefault(pk.peer_rank, []).append(pk)
+        for k, part in parts.items():
+            pk = getattr(part, "key", k)  # a prepared part is keyed ("prepped", PartKey)
+            if len(part) and self.decide(op, pk, len(part), int(part.nbytes), agents[pk.peer_rank]):
+                staged.setdefault(pk.peer_rank, []).append(k)
         return staged
 
     def send(self, req: str, peer: str, parts: list, key: bytes, timeout: float | None) -> int:

@@ -90,11 +90,17 @@ class Regions:
     def locate(self, pieces: np.ndarray, what: str = "range") -> np.ndarray:
         """Index of the region holding each (addr, len) row; :class:`StagingError` if any lies outside."""
         addr = pieces[:, 0].astype(np.uint64, copy=False)
-        end = addr + pieces[:, 1].astype(np.uint64, copy=False)
+        length = pieces[:, 1].astype(np.uint64, copy=False)
         idx = np.searchsorted(self._bases, addr, side="right").astype(np.int64) - 1
         ok = idx >= 0
         safe = np.where(ok, idx, 0)
-        ok &= (pieces[:, 1] > 0) & (end <= self._ends[safe]) if len(self.regions) else np.zeros_like(ok)
+        if len(self.regions):
+            end = self._ends[safe]
+            # room = end - addr only where addr < end: no uint64 sum that could wrap past 2**64
+            room = np.where(addr < end, end - np.minimum(addr, end), np.uint64(0))
+            ok &= (length > 0) & (length <= room)
+        else:
+            ok = np.zeros_like(ok)
         if not ok.all():
             bad = int(np.flatnonzero(~ok)[0])
             raise StagingError(

@@ -89,13 +89,18 @@ class Receiver:
                         m.req[:40], sender[:64])
             return
         rows = inbox.ranges(m.slot, m.nbytes, m.nrows).cpu().numpy().copy().view("<u8").reshape(-1, 2)
-        if int(rows[:, 1].sum()) != m.nbytes:
-            raise StagingError(f"chunk {m.seq}: its ranges add up to {int(rows[:, 1].sum())} bytes, "
-                               f"the message says {m.nbytes}")
+        total = sum(int(n) for n in rows[:, 1])  # Python ints: a sum that wraps in uint64 does not pass
+        if total != m.nbytes:
+            raise StagingError(f"chunk {m.seq}: its ranges add up to {total} bytes, the message says {m.nbytes}")
         if self.trace:
             self.trace("ranges", m.req, m.seq, m.slot, m.nbytes, sender)
             self._scatter_started[(sender, m.req, m.seq)] = self._record(timing=True)
-        self.copier.scatter(inbox.slot(m.slot, m.nbytes), rows)
+        try:
+            self.copier.scatter(inbox.slot(m.slot, m.nbytes), rows)
+        except StagingError:
+            raise
+        except Exception as exc:  # whatever a peer's ranges make the copy raise is a refusal, not a crash
+            raise StagingError(f"chunk {m.seq}: the scatter failed: {type(exc).__name__}: {exc}") from exc
         if self.trace:
             self.trace("scatter", m.req, m.seq, m.slot, m.nbytes, sender)
         self._scattering.append((sender, m, self._record(timing=bool(self.trace)), key))

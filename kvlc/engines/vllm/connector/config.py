@@ -2,7 +2,7 @@
 
 >>> c = ConnectorSettings.from_extra({"host": "127.0.0.1", "port": 7100, "mode": "pull"})
 >>> c.mode, c.port_for(1)
-(<Mode.PULL: 'pull'>, 7101)
+(<TransferMode.PULL: 'pull'>, 7101)
 >>> ConnectorSettings.from_extra({"mode": "pul"})
 Traceback (most recent call last):
 ...
@@ -23,7 +23,7 @@ from kvlc.errors import KvlcError, did_you_mean
 SECRET_ENV = "KVLC_SECRET"
 
 
-class Mode(str, enum.Enum):
+class TransferMode(str, enum.Enum):
     """How a request's KV moves from the prefill engine to the decode engine."""
 
     PULL = "pull"  # the decode worker READs from the prefill engine's agent
@@ -54,7 +54,7 @@ class ConnectorSettings(BaseModel):
 
     host: str = "127.0.0.1"
     port: int = 0
-    mode: Mode = Mode.PULL
+    mode: TransferMode = TransferMode.PULL
     spec: str | None = None
     lease: float = 30.0
     timeout: float = 30.0
@@ -79,10 +79,10 @@ class ConnectorSettings(BaseModel):
     def _check_keys(cls, data: dict) -> None:
         """Refuse an unknown mode or key, with the nearest known one."""
         mode = data.get("mode")
-        if mode is not None and mode not in {m.value for m in Mode}:
+        if mode is not None and mode not in {m.value for m in TransferMode}:
             raise KvlcError(
                 f"kv_connector_extra_config.mode: {mode!r} is not a transfer mode; "
-                f"{did_you_mean(str(mode), [m.value for m in Mode])}"
+                f"{did_you_mean(str(mode), [m.value for m in TransferMode])}"
             )
         unknown = [k for k in data if k not in cls.model_fields]
         if unknown:

@@ -3,8 +3,14 @@
 vLLM creates it twice: with role SCHEDULER in the EngineCore process and with role
 WORKER in each worker process (one process in single-process mode). Each role
 delegates to :class:`~kvlc.engines.vllm.connector.scheduler.SchedulerSide` or
-:class:`~kvlc.engines.vllm.connector.worker.WorkerSide`; nothing is shared between them but
-vLLM's metadata and outputs.
+:class:`~kvlc.engines.vllm.connector.worker.WorkerSide`, under vLLM's own hook names (a
+maintainer who greps ``start_load_kv`` finds all three); nothing is shared between them
+but vLLM's metadata and outputs. Each hook checks the role it belongs to: a worker hook
+called on the scheduler-role connector (or the other way round) raises a
+:class:`~kvlc.errors.KvlcError` naming the hook and both roles.
+
+One hook owns the NIXL poll: ``get_transfer_results`` (what vLLM 0.32's model runner calls
+each step); ``get_finished`` is that same result in vLLM's older two-set form.
 """
 
 from __future__ import annotations
@@ -22,10 +28,17 @@ from kvlc.engines.vllm.connector.config import ConnectorSettings
 from kvlc.engines.vllm.connector.metadata import KvlcConnectorMetadata
 from kvlc.engines.vllm.connector.scheduler import SchedulerSide
 from kvlc.engines.vllm.connector.worker import WorkerSide
+from kvlc.errors import KvlcError
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
+
+WORKER_HOOKS = ("register_kv_caches", "get_handshake_metadata", "bind_connector_metadata", "start_load_kv",
+                "wait_for_layer_load", "save_kv_layer", "wait_for_save", "get_finished", "get_transfer_results",
+                "get_block_ids_with_load_errors")
+SCHEDULER_HOOKS = ("set_xfer_handshake_metadata", "get_num_new_matched_tokens", "update_state_after_alloc",
+                   "build_connector_meta", "request_finished")
 
 
 class KvlcConnector(KVConnectorBase_V1):
@@ -47,45 +60,59 @@ class KvlcConnector(KVConnectorBase_V1):
         else:
             self.worker = WorkerSide(vllm_config, kv_cache_config, self.settings)
 
+    def _role_error(self, hook: str, wants: str) -> KvlcError:
+        return KvlcError(f"KvlcConnector.{hook} is a {wants} hook, but this connector has role "
+                         f"{self.role.name}; vLLM calls it on the {wants.upper()}-role connector only")
+
+    def _worker_side(self, hook: str) -> WorkerSide:
+        if self.worker is None:
+            raise self._role_error(hook, "worker")
+        return self.worker
+
+    def _scheduler_side(self, hook: str) -> SchedulerSide:
+        if self.scheduler is None:
+            raise self._role_error(hook, "scheduler")
+        return self.scheduler
+
     # ------------------------------------------------------------------ worker
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        self.worker.register(kv_caches)
+        self._worker_side("register_kv_caches").register_kv_caches(kv_caches)
 
     def get_handshake_metadata(self):
-        return self.worker.handshake() if self.worker is not None else None
+        return self._worker_side("get_handshake_metadata").get_handshake_metadata()
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        worker = self._worker_side("bind_connector_metadata")
         super().bind_connector_metadata(connector_metadata)
-        if self.worker is not None and isinstance(connector_metadata, KvlcConnectorMetadata):
-            self.worker.bind(connector_metadata)
+        if isinstance(connector_metadata, KvlcConnectorMetadata):
+            worker.bind_connector_metadata(connector_metadata)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        worker = self._worker_side("start_load_kv")
         meta = self._get_connector_metadata()
         if isinstance(meta, KvlcConnectorMetadata):
-            self.worker.start_load(meta)
+            worker.start_load_kv(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Loads are asynchronous: a request reaches the forward only once its KV has landed."""
-        return None
+        self._worker_side("wait_for_layer_load").wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
-        """Nothing to save: consumers take the blocks where they are."""
-        return None
+        self._worker_side("save_kv_layer").save_kv_layer(layer_name, kv_layer, attn_metadata)
 
     def wait_for_save(self) -> None:
-        self.worker.after_forward()
-
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        sending, recving = self.worker.finished(finished_req_ids)
-        return sending or None, recving or None
+        self._worker_side("wait_for_save").wait_for_save()
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        sending, recving = self.worker.finished(finished_req_ids)
-        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
-                                          failed_recving=self.worker.failed_recving())
+        """This step's finished sends and receives and failed receives (the one hook that polls NIXL)."""
+        return self._worker_side("get_transfer_results").get_transfer_results(finished_req_ids)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """:meth:`get_transfer_results` as (sending, recving); failed receives count as received."""
+        r = self._worker_side("get_finished").get_transfer_results(finished_req_ids)
+        return r.finished_sending or None, r.finished_recving or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self.worker.load_errors() if self.worker is not None else set()
+        return self._worker_side("get_block_ids_with_load_errors").get_block_ids_with_load_errors()
 
     def shutdown(self) -> None:
         if self.worker is not None:
@@ -93,19 +120,22 @@ class KvlcConnector(KVConnectorBase_V1):
 
     # ------------------------------------------------------------------ scheduler
     def set_xfer_handshake_metadata(self, metadata) -> None:
-        self.scheduler.set_handshake(metadata)
+        self._scheduler_side("set_xfer_handshake_metadata").set_xfer_handshake_metadata(metadata)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        return self.scheduler.matched_tokens(request, num_computed_tokens)
+        return self._scheduler_side("get_num_new_matched_tokens").get_num_new_matched_tokens(
+            request, num_computed_tokens)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        self.scheduler.after_alloc(request, blocks, num_external_tokens)
+        self._scheduler_side("update_state_after_alloc").update_state_after_alloc(
+            request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
-        return self.scheduler.build_meta(scheduler_output, self._kv_cache_manager)
+        return self._scheduler_side("build_connector_meta").build_connector_meta(
+            scheduler_output, self._kv_cache_manager)
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
-        return self.scheduler.finished(request, block_ids)
+        return self._scheduler_side("request_finished").request_finished(request, block_ids)
 
     def get_loaded_kv_cache_group_ids(self, request) -> tuple[int, ...]:
         return tuple(range(len(self._kv_cache_config.kv_cache_groups)))

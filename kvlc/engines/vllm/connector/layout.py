@@ -1,10 +1,10 @@
 """The engine's KV cache as a kvlc plan: derived from vLLM, or a given spec checked against it.
 
 :func:`engine_plan` is the connector's only door to the derivation
-(:mod:`kvlc.engines.vllm.derive.spec`): it reads the engine view, takes the derived plan
-(``exact_plan``: for the CPU backend the plan with K and V in their real dim orders, so
-engines of different block sizes pair) or compiles ``spec`` and checks it against the live
-tensors, and picks the tensors to bind, one per storage.
+(:mod:`kvlc.engines.vllm.derive`): it reads the engine view, takes the derived plan
+(``exact_plan``: for the CPU backend the plan with K and V in the real dim orders of the
+engine's attention ISA, so engines of different block sizes pair) or compiles ``spec`` and
+checks it against the live tensors, and picks the tensors to bind, one per storage.
 """
 
 from __future__ import annotations
@@ -28,12 +28,14 @@ class EnginePlan:
     groups: tuple[str, ...]
     rank: int
     block_size: int
+    cpu_isa: str = ""  # CPU_ATTN: the attention ISA whose in-block order the plan states
 
 
 def engine_plan(vllm_config, kv_cache_config, kv_caches: Mapping[str, Any], rank: int,
                 spec: str | None = None) -> EnginePlan:
     """Derive (or load and check) this worker's plan and its storage tensors."""
     from kvlc.engines.vllm.derive import spec as derive
+    from kvlc.engines.vllm.derive.storages import storage_tensors
 
     view = derive.engine_view(vllm_config, kv_cache_config, kv_caches)
     if spec:
@@ -41,5 +43,5 @@ def engine_plan(vllm_config, kv_cache_config, kv_caches: Mapping[str, Any], rank
         derive.check_spec(plan, view)
     else:
         plan = derive.exact_plan(view)
-    tensors = derive.storage_tensors(plan, view, kv_caches)
-    return EnginePlan(plan, tensors, derive.group_names(view), rank, int(vllm_config.cache_config.block_size))
+    return EnginePlan(plan, storage_tensors(plan, view, kv_caches), derive.group_names(view), rank,
+                      int(vllm_config.cache_config.block_size), view.cpu_isa)

@@ -22,7 +22,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from kvlc.engines.vllm.connector.config import Mode
+from kvlc.engines.vllm.connector.config import TransferMode
 from kvlc.errors import KvlcError
 
 CONNECTOR_TAG = "kvlc"
@@ -34,7 +34,8 @@ class RemotePrefill(BaseModel):
     ``remote_block_ids``: the prefill engine's block ids per KV-cache group, in token order.
     ``remote_num_tokens``: tokens whose KV those blocks hold. ``kvlc_addresses``: the kvlc
     side channel of each prefill TP rank (``kvlc_push_addresses``: where a consumer asks
-    that rank to push). ``transfer_mode``: the producer's configured mode (informational;
+    that rank to push). ``kvlc_cpu_isa``: the producer's CPU attention ISA, so a consumer
+    whose ISA orders a block differently refuses with the reason. ``transfer_mode``: the producer's configured mode (informational;
     the consumer's own ``mode`` decides, unless the params carry ``"mode"``).
     """
 
@@ -53,8 +54,9 @@ class RemotePrefill(BaseModel):
     kvlc_addresses: tuple[str, ...]
     kvlc_push_addresses: tuple[str, ...]
     kvlc_plan_digest: str = ""
-    transfer_mode: Mode = Mode.PULL
-    mode: Mode | None = None
+    kvlc_cpu_isa: str = ""  # CPU_ATTN: the producer's attention ISA (its in-block order)
+    transfer_mode: TransferMode = TransferMode.PULL
+    mode: TransferMode | None = None
     connector: str = CONNECTOR_TAG
 
     def to_params(self) -> dict[str, Any]:
@@ -86,7 +88,7 @@ class RemotePrefill(BaseModel):
             )
         return p
 
-    def effective_mode(self, default: Mode) -> Mode:
+    def effective_mode(self, default: TransferMode) -> TransferMode:
         """The consumer's mode unless the request overrides it."""
         return self.mode or default
 

@@ -22,8 +22,10 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from kvlc.compiler.request.tokens import TokenRange
 from kvlc.engines.vllm.connector.config import ConnectorSettings
-from kvlc.engines.vllm.connector.metadata import Hold, KvlcConnectorMetadata, KvlcHandshake, Load, Source
+from kvlc.engines.vllm.connector.metadata import (Hold, KvlcConnectorMetadata, KvlcHandshake, Load, Source,
+                                                  plan_block_ids)
 from kvlc.engines.vllm.connector.params import RemotePrefill, wants_remote_decode, wants_remote_prefill
 from kvlc.errors import KvlcError
 
@@ -38,8 +40,14 @@ def _per_group(block_ids: Any) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(int(b) for b in g) for g in block_ids)
 
 
+def _touched(per_group: Any, tokens: TokenRange, block_size: int) -> tuple[tuple[int, ...], ...]:
+    """Each group's blocks (of ``block_size`` tokens) that ``tokens`` touches."""
+    first, end = tokens.start // block_size, -(-tokens.stop // block_size)
+    return tuple(g[first:end] for g in _per_group(per_group))
+
+
 class SchedulerSide:
-    """Scheduler-side state (see the module docstring)."""
+    """Scheduler-side state (see the module docstring); its hooks keep vLLM's names."""
 
     def __init__(self, vllm_config, settings: ConnectorSettings):
         ktc = vllm_config.kv_transfer_config
@@ -56,7 +64,7 @@ class SchedulerSide:
         self._holds: list[Hold] = []
         self._dropped: list[str] = []
 
-    def set_handshake(self, metadata: Mapping[int, Any]) -> None:
+    def set_xfer_handshake_metadata(self, metadata: Mapping[int, Any]) -> None:
         for rank, md in metadata.items():
             if not isinstance(md, KvlcHandshake):
                 raise KvlcError(f"worker rank {rank} sent {type(md).__name__}, not kvlc's handshake")
@@ -81,7 +89,7 @@ class SchedulerSide:
             params[_DONE] = True
             return None
 
-    def matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         remote = self._remote(request)
         if remote is None:
             return 0, False
@@ -93,7 +101,7 @@ class SchedulerSide:
         count = n - num_computed_tokens   # a hit may end anywhere in the producer's blocks: a token range
         return (count, True) if count > 0 else (0, False)
 
-    def after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         params = request.kv_transfer_params
         if wants_remote_decode(params):
             self._producing[request.request_id] = request
@@ -105,18 +113,18 @@ class SchedulerSide:
         if num_external_tokens <= 0:
             return
         n = min(remote.remote_num_tokens, request.num_prompt_tokens)
-        skip = n - num_external_tokens
-        local = _per_group(blocks.get_block_ids())
-        rb = remote.remote_block_size
+        tokens = TokenRange(n - num_external_tokens, n)
+        groups = self.ranks[0].groups
+        local = _touched(blocks.get_block_ids(), tokens, self.block_size)
+        theirs = _touched(remote.remote_block_ids, tokens, remote.remote_block_size)
         self._loads.append(Load(
             req_id=request.request_id,
             remote=remote,
-            local_block_ids=tuple(g[skip // self.block_size: -(-n // self.block_size)] for g in local),
-            remote_block_ids=tuple(g[skip // rb: -(-n // rb)] for g in remote.remote_block_ids),
-            num_tokens=num_external_tokens,
+            local_block_ids=plan_block_ids(groups, local),
+            remote_block_ids=plan_block_ids(groups, theirs),
+            tokens=tokens,
             mode=remote.effective_mode(self.settings.mode),
             consumer_addresses=self._addresses()[0],
-            start_token=skip,
         ))
 
     # ------------------------------------------------------------------ producer
@@ -134,7 +142,7 @@ class SchedulerSide:
                 del self._producing[req_id]
         return out
 
-    def build_meta(self, scheduler_output, kv_cache_manager) -> KvlcConnectorMetadata:
+    def build_connector_meta(self, scheduler_output, kv_cache_manager) -> KvlcConnectorMetadata:
         meta = KvlcConnectorMetadata(
             loads=self._loads,
             sources=self._sources(scheduler_output, kv_cache_manager),
@@ -144,7 +152,7 @@ class SchedulerSide:
         self._loads, self._holds, self._dropped = [], [], []
         return meta
 
-    def finished(self, request, block_ids: Sequence) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request, block_ids: Sequence) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
 
         self._producing.pop(request.request_id, None)
@@ -177,5 +185,6 @@ class SchedulerSide:
             kvlc_addresses=addresses,
             kvlc_push_addresses=pushes,
             kvlc_plan_digest=self.ranks[0].plan_digest,
+            kvlc_cpu_isa=self.ranks[0].cpu_isa,
             transfer_mode=self.settings.mode,
         ).to_params()

@@ -22,10 +22,13 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from kvlc.engines.vllm.connector.config import ConnectorSettings, Mode
+from kvlc.compiler.request.tokens import TokenRange
+from kvlc.engines.vllm.connector.config import ConnectorSettings, TransferMode
 from kvlc.engines.vllm.connector.layout import EnginePlan
+from kvlc.engines.vllm.connector.metadata import Load
 from kvlc.errors import KvlcError
 from kvlc.runtime import Completions, KvAgent, Peer
+from kvlc.runtime.settings import AgentSettings
 from kvlc.runtime.channel.auth import resolve_secret
 from kvlc.runtime.channel.tcp import ChannelClient, ChannelServer
 
@@ -41,13 +44,12 @@ class PushAsk(BaseModel):
     consumer_addresses: tuple[str, ...]
     producer_blocks: dict[str, tuple[int, ...]]
     consumer_blocks: dict[str, tuple[int, ...]]
-    num_tokens: int
-    start_token: int = 0      # the push moves tokens [start_token, num_tokens)
+    start: int               # the push moves tokens [start, stop)
+    stop: int
 
     @property
-    def span(self) -> dict:
-        """The request's tokens as keywords for ``Peer.write``."""
-        return {"tokens": (self.start_token, self.num_tokens)} if self.start_token else {"num_tokens": self.num_tokens}
+    def tokens(self) -> TokenRange:
+        return TokenRange(self.start, self.stop)
 
 
 @dataclass
@@ -67,8 +69,8 @@ class Transport:
         self.ep = ep
         self.settings = settings
         self._key = resolve_secret(None)  # $KVLC_SECRET (or $KVLC_SECRET_FILE); refuses to run without
-        self.agent = KvAgent(ep.plan, ep.rank, ep.tensors, engine_id=engine_id, lease=settings.lease,
-                             timeout=settings.timeout, progress="thread")
+        self.agent = KvAgent(ep.plan, ep.rank, ep.tensors, AgentSettings(
+            engine_id=engine_id, lease=settings.lease, timeout=settings.timeout, progress="thread"))
         self.address = self.agent.serve(settings.host, settings.port_for(ep.rank))
         self._lock = threading.RLock()
         self._peers: dict[tuple, Peer] = {}
@@ -81,15 +83,6 @@ class Transport:
         self.push_address = f"{host}:{port}"
 
     # ------------------------------------------------------------------ consumer side
-    def groups(self, per_group: Sequence[Sequence[int]]) -> dict[str, tuple[int, ...]]:
-        """vLLM's per-group block lists → the plan's ``{group name: ids}``."""
-        if len(per_group) > len(self.ep.groups):
-            raise KvlcError(
-                f"{len(per_group)} KV-cache groups of block ids, but plan '{self.ep.plan.name}' "
-                f"has {len(self.ep.groups)} group(s): {list(self.ep.groups)}"
-            )
-        return {self.ep.groups[i]: tuple(int(b) for b in ids) for i, ids in enumerate(per_group)}
-
     def peer(self, addresses: Sequence[str], direction: str, mode: str = "direct") -> Peer:
         """The connection to the engine at ``addresses`` (made, and paired, on first use)."""
         key = (tuple(addresses), direction, mode)
@@ -110,27 +103,23 @@ class Transport:
                 except KvlcError:
                     pass
 
-    def load(self, req: str, mode: Mode, producer: Sequence[str], producer_push: Sequence[str],
-             consumers: Sequence[str], local: Mapping[str, Sequence[int]],
-             remote: Mapping[str, Sequence[int]], tokens: tuple[int, int], ask: bool) -> None:
-        """Start moving tokens ``[start, stop)`` of request ``req`` into this rank's ``local`` blocks
-        (ids: each side's blocks the range touches). Non-blocking; raises :class:`KvlcError` when
-        the producer cannot be reached or refuses (pairing)."""
-        start, stop = int(tokens[0]), int(tokens[1])
-        span = {"tokens": (start, stop)} if start else {"num_tokens": stop}
-        if mode is Mode.PULL:
-            self.peer(producer, "READ").read(req, local, remote, **span)
-        elif mode is Mode.PULL_VIA_PUSH:
-            self.peer(producer, "READ", "pull_via_push").read(req, local, remote, **span)
-        else:
+    def load(self, load: Load, ask: bool) -> None:
+        """Start moving ``load.tokens`` of the request into this rank's blocks (``load``'s block ids:
+        each side's blocks the range touches). Non-blocking; raises :class:`KvlcError` when the
+        producer cannot be reached or refuses (pairing). ``ask``: this rank asks a push producer."""
+        req, producer, tokens = load.kvlc_id, load.remote.kvlc_addresses, load.tokens
+        if load.mode is TransferMode.PUSH:
             self.agent.expect(req, self.settings.timeout)
             if ask:
-                msg = PushAsk(req=req, consumer_addresses=tuple(consumers),
-                              producer_blocks={g: tuple(v) for g, v in remote.items()},
-                              consumer_blocks={g: tuple(v) for g, v in local.items()},
-                              num_tokens=stop, start_token=start)
-                for addr in producer_push:
+                msg = PushAsk(req=req, consumer_addresses=tuple(load.consumer_addresses),
+                              producer_blocks=dict(load.remote_block_ids), consumer_blocks=dict(load.local_block_ids),
+                              start=tokens.start, stop=tokens.stop)
+                for addr in load.remote.kvlc_push_addresses:
                     self._ask(addr, msg)
+            return
+        mode = "pull_via_push" if load.mode is TransferMode.PULL_VIA_PUSH else "direct"
+        self.peer(producer, "READ", mode).read(req, load.local_block_ids, load.remote_block_ids,
+                                                tokens=(tokens.start, tokens.stop))
 
     def _ask(self, address: str, msg: PushAsk) -> None:
         client = ChannelClient(address, self._key, timeout=self.settings.timeout)
@@ -177,7 +166,7 @@ class Transport:
             if src is None:
                 return _reply(False, f"request '{ask.req}' is not held by this engine (finished or unknown)")
             for g, ids in ask.producer_blocks.items():
-                first = ask.start_token // self.ep.plan.group(g).block_size if g in self.ep.groups else 0
+                first = ask.start // self.ep.plan.group(g).block_size if g in self.ep.groups else 0
                 mine = src.blocks.get(g, ())[first:]   # the request's own blocks from the range's first
                 if tuple(mine[: len(ids)]) != tuple(ids):
                     return _reply(False, f"request '{ask.req}' group '{g}': blocks {list(ids)[:8]} are "
@@ -190,7 +179,7 @@ class Transport:
     def _push(self, ask: PushAsk) -> bytes:
         try:
             self.peer(ask.consumer_addresses, "WRITE").write(
-                ask.req, ask.producer_blocks, ask.consumer_blocks, **ask.span)
+                ask.req, ask.producer_blocks, ask.consumer_blocks, tokens=(ask.start, ask.stop))
         except KvlcError as exc:
             log.error("kvlc: push of '%s' refused: %s", ask.req, exc)
             with self._lock:

@@ -2,9 +2,10 @@
 
 Runs in each vLLM worker process (one per TP rank). What it knows comes from the
 step's :class:`~kvlc.engines.vllm.connector.metadata.KvlcConnectorMetadata`; what it reports
-goes back through vLLM's outputs (``get_finished`` / ``get_block_ids_with_load_errors``).
-Loads are asynchronous: the request waits in the scheduler until every rank reports it
-received, so :meth:`WorkerSide.wait_for_layer_load` never has to block.
+goes back through vLLM's outputs (``get_transfer_results`` / ``get_block_ids_with_load_errors``).
+Its hooks keep vLLM's names. Loads are asynchronous: the request waits in the scheduler until
+every rank reports it received, so :meth:`WorkerSide.wait_for_layer_load` never has to block.
+:meth:`WorkerSide.get_transfer_results` is the one method that polls the agent (NIXL).
 """
 
 from __future__ import annotations
@@ -14,15 +15,25 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
 from kvlc.engines.vllm.connector.config import ConnectorSettings
 from kvlc.engines.vllm.connector.layout import engine_plan
-from kvlc.engines.vllm.connector.metadata import KvlcConnectorMetadata, KvlcHandshake, Load
+from kvlc.engines.vllm.connector.metadata import KvlcConnectorMetadata, KvlcHandshake, Load, plan_block_ids
 from kvlc.engines.vllm.connector.transport import Transport
+from kvlc.engines.vllm.derive.cpu import isa_mismatch
 from kvlc.errors import KvlcError
 
 log = logging.getLogger("vllm.kvlc")  # under vLLM's logger: its handlers and levels apply
 _EARLY_TTL_S = 600.0  # how long a consumer's "done" is remembered before the hold is known
 _BACKSTOP_S = 5.0  # after the lease: free the blocks even if the agent said nothing
+
+
+def _check_isas(mine: str, theirs: str) -> None:
+    """Refuse a producer whose CPU attention ISA orders a block's tokens otherwise (before pairing, with why)."""
+    why = isa_mismatch(mine, theirs)
+    if why is not None:
+        raise KvlcError(why)
 
 
 class WorkerSide:
@@ -46,7 +57,7 @@ class WorkerSide:
         self.load_seconds: list[float] = []  # start to "received" of every finished load
 
     # ------------------------------------------------------------------ set-up
-    def register(self, kv_caches: Mapping[str, Any]) -> None:
+    def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         self.rank = int(get_tensor_model_parallel_rank())
@@ -57,11 +68,12 @@ class WorkerSide:
         log.info("kvlc: rank %d bound plan %s (%s) at %s", self.rank, ep.plan.name,
                  ep.plan.digest[:12], self.transport.address)
 
-    def handshake(self) -> KvlcHandshake | None:
+    def get_handshake_metadata(self) -> KvlcHandshake | None:
         t = self.transport
         if t is None:
             return None
-        return KvlcHandshake(self.rank, t.address, t.push_address, t.ep.plan.digest, t.ep.block_size)
+        return KvlcHandshake(self.rank, t.address, t.push_address, t.ep.plan.digest, t.ep.block_size,
+                             t.ep.groups, t.ep.cpu_isa)
 
     def _t(self) -> Transport:
         if self.transport is None:
@@ -69,11 +81,11 @@ class WorkerSide:
         return self.transport
 
     # ------------------------------------------------------------------ per step
-    def bind(self, meta: KvlcConnectorMetadata) -> None:
+    def bind_connector_metadata(self, meta: KvlcConnectorMetadata) -> None:
         t = self._t()
         now = time.monotonic()
         for src in meta.sources:
-            t.add_source(src.req_id, t.groups(src.block_ids))
+            t.add_source(src.req_id, plan_block_ids(t.ep.groups, src.block_ids))
             if src.complete:
                 self._ready_after_step.append(src.req_id)
         for req in meta.dropped:
@@ -84,34 +96,43 @@ class WorkerSide:
             t.offer(h.req_id, h.lease)
             self._holds[h.req_id] = now + h.lease + _BACKSTOP_S
 
-    def start_load(self, meta: KvlcConnectorMetadata) -> None:
+    def start_load_kv(self, meta: KvlcConnectorMetadata) -> None:
         t = self._t()
         for load in meta.loads:
             self._loads[load.kvlc_id] = load
             self._started[load.kvlc_id] = time.perf_counter()
             r = load.remote
             log.info("kvlc: rank %d loads request %s (tokens [%d, %d), %s) from %s: local %s remote %s",
-                     self.rank, load.req_id, *load.tokens, load.mode.value, r.kvlc_addresses[0],
-                     load.local_block_ids, load.remote_block_ids)
+                     self.rank, load.req_id, load.tokens.start, load.tokens.stop, load.mode.value,
+                     r.kvlc_addresses[0], dict(load.local_block_ids), dict(load.remote_block_ids))
             try:
-                t.load(load.kvlc_id, load.mode, r.kvlc_addresses, r.kvlc_push_addresses,
-                       load.consumer_addresses, t.groups(load.local_block_ids),
-                       t.groups(load.remote_block_ids), load.tokens, ask=self.rank == 0)
+                _check_isas(t.ep.cpu_isa, r.kvlc_cpu_isa)
+                t.load(load, ask=self.rank == 0)
             except (KvlcError, OSError) as exc:
                 log.error("kvlc: load of request %s from engine %s failed: %s",
                           load.req_id, r.remote_engine_id, exc)
                 t.forget_peer(r.kvlc_addresses)
                 self._failed[load.kvlc_id] = str(exc)
 
-    def after_forward(self) -> None:
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Loads are asynchronous: a request reaches the forward only once its KV has landed."""
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any) -> None:
+        """Nothing to save: consumers take the blocks where they are."""
+        return None
+
+    def wait_for_save(self) -> None:
         """This step's forward ran: the KV of sources that completed in it is ready to push."""
         ready, self._ready_after_step = self._ready_after_step, []
         for req in ready:
             self._t().source_ready(req)
 
-    def finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Poll the agent once: requests whose blocks the producer may free, loads received (or failed:
+        reported received, their blocks in :meth:`get_block_ids_with_load_errors` or failed_recving)."""
         if self.transport is None:
-            return set(), set()
+            return KVConnectorTransferResults()
         c = self.transport.poll()  # c.held: failed, but bytes may still land: wait for c.failed
         failed = dict(c.failed)
         failed.update(self._failed)
@@ -130,13 +151,15 @@ class WorkerSide:
                           load.req_id, why)
                 self._report_failure(load)
                 recving.add(load.req_id)
-        return self._sending(c.freeable), recving
+        failed_recving, self._failed_recving = self._failed_recving, set()
+        return KVConnectorTransferResults(finished_sending=self._sending(c.freeable), finished_recving=recving,
+                                          failed_recving=failed_recving)
 
     def _report_failure(self, load: Load) -> None:
         if len(load.local_block_ids) > 1:
             self._failed_recving.add(load.req_id)
         else:
-            self._load_errors.update(load.local_block_ids[0])
+            self._load_errors.update(*load.local_block_ids.values())
 
     def _sending(self, freeable) -> set[str]:
         now = time.monotonic()
@@ -156,13 +179,9 @@ class WorkerSide:
                 del self._early[req]
         return done
 
-    def load_errors(self) -> set[int]:
+    def get_block_ids_with_load_errors(self) -> set[int]:
         errs, self._load_errors = self._load_errors, set()
         return errs
-
-    def failed_recving(self) -> set[str]:
-        out, self._failed_recving = self._failed_recving, set()
-        return out
 
     def stats(self) -> dict:
         """The agent's counters (requests, bytes, descriptors) and the seconds of each finished load."""

@@ -1,4 +1,4 @@
-"""A user's spec against a live engine: every mismatch at once; the tensors to bind.
+"""A user's spec against a live engine: every mismatch at once.
 
 The plan compiled from the user's spec is compared with the plan derived from
 the engine (:func:`~kvlc.engines.vllm.derive.spec.derive_spec`), region by region and
@@ -8,7 +8,6 @@ and the engine's.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,11 +40,6 @@ class SpecMismatchError(BindingError):
         super().__init__("\n".join(lines))
 
 
-def _derived_plan(view):
-    from kvlc.engines.vllm.derive.spec import derive_plan
-    return derive_plan(view)
-
-
 def _cmp(out: list, tensor: str, field: str, spec: Any, engine: Any) -> None:
     if spec != engine:
         out.append(Mismatch(tensor, field, str(spec), str(engine)))
@@ -76,25 +70,28 @@ def _compare_region(out: list, tensor: str, mine, theirs) -> None:
                             "fields " + ", ".join(map(repr, sorted(fields)))))
 
 
-def check_plan_against_view(plan, view) -> None:
-    """Raise :class:`SpecMismatchError` unless ``plan`` has the engine's geometry exactly."""
-    derived = _derived_plan(view)
-    out: list[Mismatch] = []
+def _compare_model(out: list, plan, derived) -> None:
     _cmp(out, "model", "num_layers", plan.model.num_layers, derived.model.num_layers)
     for key, value in derived.model.sizes.items():
         _cmp(out, "model", f"sizes.{key}", plan.model.sizes.get(key, "nothing"), value)
     for attr in ("tp_size", "dcp_size", "dcp_interleave", "layers"):
         _cmp(out, "parallel", attr, getattr(plan.parallel, attr), getattr(derived.parallel, attr))
-    theirs_st = {s.name: s for s in derived.storages}
+
+
+def _compare_storages(out: list, plan, derived) -> None:
+    theirs = {s.name: s for s in derived.storages}
     for s in plan.storages:
-        t = theirs_st.get(s.name)
+        t = theirs.get(s.name)
         if t is None:
             out.append(Mismatch(f"storage '{s.name}'", "name", repr(s.name),
-                                f"allocations {sorted(theirs_st)} ({did_you_mean(s.name, theirs_st)})"))
+                                f"allocations {sorted(theirs)} ({did_you_mean(s.name, theirs)})"))
             continue
         _cmp(out, f"storage '{s.name}'", "mem:device", f"{s.mem}:{s.device}", f"{t.mem}:{t.device}")
         if s.size > t.size:
             out.append(Mismatch(f"storage '{s.name}'", "size", f"{s.size} bytes", f"{t.size} bytes allocated"))
+
+
+def _compare_regions(out: list, plan, derived, view) -> None:
     tensor_of = {f"layer.{t.layer_index}": t.name for t in view.layers}
 
     def tensor(region: str) -> str:  # 'layer.3' and 'layer.3.k' name tensor model.layers.3...
@@ -103,46 +100,23 @@ def check_plan_against_view(plan, view) -> None:
     theirs = {r.name: r for r in derived.regions}
     for r in plan.regions:
         t = theirs.get(r.name)
-        if t is None:
-            if not r.optional:
-                out.append(Mismatch(tensor(r.name), "region", f"region '{r.name}'",
-                                    f"no such layer tensor ({did_you_mean(r.name, theirs)})"))
-            continue
-        _compare_region(out, tensor(r.name), r, t)
+        if t is not None:
+            _compare_region(out, tensor(r.name), r, t)
+        elif not r.optional:
+            out.append(Mismatch(tensor(r.name), "region", f"region '{r.name}'",
+                                f"no such layer tensor ({did_you_mean(r.name, theirs)})"))
     mine = {r.name for r in plan.regions}
     for name, t in theirs.items():
         if name not in mine:
             out.append(Mismatch(tensor(name), "region", "nothing", f"region '{name}' ({t.num_blocks} blocks)"))
+
+
+def check_plan_against_view(plan, derived, view) -> None:
+    """Raise :class:`SpecMismatchError` unless ``plan`` has the geometry of ``derived``, the plan derived
+    from the engine in ``view`` (:func:`~kvlc.engines.vllm.derive.spec.derive_plan`)."""
+    out: list[Mismatch] = []
+    _compare_model(out, plan, derived)
+    _compare_storages(out, plan, derived)
+    _compare_regions(out, plan, derived, view)
     if out:
         raise SpecMismatchError(plan.name, tuple(out))
-
-
-def tensors_for_storages(plan, view, kv_caches: Mapping[str, Any]) -> dict:
-    """Storage name → a uint8 tensor over the whole allocation backing it (from its untyped storage)."""
-    import torch
-
-    from kvlc.engines.vllm.derive.spec import allocations
-    allocs = {a.name: a for a in allocations(view)}
-    out, problems = {}, []
-    for s in plan.storages:
-        a = allocs.get(s.name)
-        if a is None:
-            problems.append(f"storage '{s.name}': the engine has no such allocation "
-                            f"({did_you_mean(s.name, allocs)})")
-            continue
-        t = next((kv_caches[n] for n in a.layers if n in kv_caches), None)
-        if t is None or not hasattr(t, "untyped_storage"):
-            problems.append(f"storage '{s.name}': none of its layer tensors ({', '.join(a.layers[:3])}...) is "
-                            "in kv_caches; pass the dict given to register_kv_caches")
-            continue
-        st = t.untyped_storage()
-        if st.data_ptr() != a.ptr or st.nbytes() != a.nbytes:
-            problems.append(f"storage '{s.name}': tensor '{a.layers[0]}' lies in an allocation at "
-                            f"{st.data_ptr():#x} of {st.nbytes()} bytes; the view says {a.ptr:#x}, {a.nbytes} "
-                            "bytes; fix: build the view from these kv_caches")
-            continue
-        out[s.name] = torch.empty(0, dtype=torch.uint8, device=t.device).set_(st, 0, (st.nbytes(),), (1,))
-    if problems:
-        raise BindingError("\n".join([f"cannot bind plan '{plan.name}' to the engine's tensors:"]
-                                     + ["  " + p for p in problems]))
-    return out

@@ -28,6 +28,7 @@ from kvlc.compiler.spec.dtypes import DTYPE_SIZES
 from kvlc.engines.vllm.derive.read import packing_for
 from kvlc.engines.vllm.derive.view import (Axis, EngineView, GroupKind, GroupView, KvPacking, LayerTensor,
                                            ModelIdentity, ParallelView, Provenance, ViewError, heads_per_rank)
+from kvlc.errors import did_you_mean
 
 # Physical order of the logical [L, B, H, N, C] dims (vLLM's KVCacheLayout values).
 UNIFIED_LAYOUTS = {"LBHNC": (0, 1, 2, 3, 4), "LBNHC": (0, 1, 3, 2, 4), "BLHNC": (1, 0, 2, 3, 4),
@@ -108,17 +109,19 @@ def _legacy(m: ModelIdentity, layout: str, names: list[str], heads: int, kernel:
                              storage_nbytes=nbytes, device=device) for i, n in enumerate(names))
 
 
-def _pick_layout(backend: str, layout: str | None, mla: bool) -> str:
+def _check_backend(backend: str, mla: bool) -> None:
     if backend not in ATTENTION_BACKENDS | MLA_BACKENDS:
-        from kvlc.errors import did_you_mean
         raise ViewError(f"unknown backend '{backend}'; {did_you_mean(backend, ATTENTION_BACKENDS | MLA_BACKENDS)}")
     if mla != (backend in MLA_BACKENDS):
         raise ViewError(f"backend '{backend}' is {'an MLA' if backend in MLA_BACKENDS else 'not an MLA'} backend "
                         f"but the model {'uses' if mla else 'does not use'} MLA (kv_lora_rank in config.json); "
                         f"fix: pick one of {sorted(MLA_BACKENDS if mla else ATTENTION_BACKENDS)}")
+
+
+def _pick_layout(backend: str, layout: str | None, mla: bool) -> str:
+    _check_backend(backend, mla)
     layout = layout or DEFAULT_LAYOUT.get(backend, "LBNHC")
     if layout not in UNIFIED_LAYOUTS and layout not in LEGACY_LAYOUTS:
-        from kvlc.errors import did_you_mean
         hint = did_you_mean(layout, [*UNIFIED_LAYOUTS, *LEGACY_LAYOUTS])
         raise ViewError(f"unknown KV-cache layout '{layout}'; {hint}")
     if backend == "CPU_ATTN" and layout != "LBHNC":
@@ -135,7 +138,6 @@ def published_view(config: Mapping[str, Any], name: str, *, backend: str, block_
                    cpu_isa: str = "") -> EngineView:
     """The view an engine with these options would give (see the module docstring)."""
     if kv_dtype not in DTYPE_SIZES:
-        from kvlc.errors import did_you_mean
         raise ViewError(f"unknown KV dtype '{kv_dtype}'; {did_you_mean(kv_dtype, DTYPE_SIZES)}")
     m = _model(config, name, kv_dtype)
     mla = m.kv_lora_rank is not None

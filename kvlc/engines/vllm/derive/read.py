@@ -124,35 +124,47 @@ def layer_tensor(name: str, t: Any, mla: bool = False, cache_dtype: str | None =
                        storage_ptr=int(st.data_ptr()), storage_nbytes=int(st.nbytes()), device=str(t.device))
 
 
+def _backend(vllm_config: Any, layers: tuple[LayerTensor, ...]) -> str:
+    """The one attention backend of the layers (CPU_ATTN for CPU tensors when the layers do not say)."""
+    backends = _backends(vllm_config, [t.name for t in layers])
+    if len(backends) > 1:
+        raise ViewError(f"layers use several attention backends {sorted(backends)}; kvlc derives one layout "
+                        "per engine; fix: pin one with --attention-backend")
+    return backends.pop() if backends else ("CPU_ATTN" if layers[0].device == "cpu" else "unknown")
+
+
+def _model_identity(mc: Any, layers: tuple[LayerTensor, ...], mla: bool) -> ModelIdentity:
+    text = mc.hf_text_config
+    return ModelIdentity(name=str(mc.model), num_layers=int(mc.get_total_num_hidden_layers()),
+                         num_kv_heads=1 if mla else int(mc.get_total_num_kv_heads()),
+                         head_dim=int(mc.get_head_size()), dtype=layers[0].dtype,
+                         kv_lora_rank=getattr(text, "kv_lora_rank", None) if mla else None,
+                         qk_rope_head_dim=getattr(text, "qk_rope_head_dim", None) if mla else None)
+
+
+def _parallel(pc: Any, layers: tuple[LayerTensor, ...]) -> ParallelView:
+    idx = sorted(layer_index(t.name) for t in layers)
+    pp = int(pc.pipeline_parallel_size)
+    dcp = int(getattr(pc, "decode_context_parallel_size", 1) or 1)
+    interleave = int(getattr(pc, "cp_kv_cache_interleave_size", 1) or 1) if dcp > 1 else 1
+    return ParallelView(tp_size=int(pc.tensor_parallel_size), pp_size=pp, dcp_size=dcp, dcp_interleave=interleave,
+                        layers=(idx[0], idx[-1] + 1) if pp > 1 else None, **_ranks(pc))
+
+
 def read_engine_view(vllm_config: Any, kv_cache_config: Any, kv_caches: Mapping[str, Any]) -> EngineView:
     """See :func:`kvlc.engines.vllm.derive.spec.engine_view`."""
-    mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
-    groups = tuple(_group(g) for g in kv_cache_config.kv_cache_groups)
+    mc, cc = vllm_config.model_config, vllm_config.cache_config
     mla = bool(getattr(mc, "use_mla", False))
     cache_dtype = getattr(cc, "cache_dtype", None)
     layers = tuple(layer_tensor(n, t, mla, cache_dtype) for n, t in kv_caches.items())
     if not layers:
         raise ViewError("kv_caches is empty; call engine_view from register_kv_caches")
-    backends = _backends(vllm_config, [t.name for t in layers])
-    if len(backends) > 1:
-        raise ViewError(f"layers use several attention backends {sorted(backends)}; kvlc derives one layout "
-                        "per engine; fix: pin one with --attention-backend")
-    backend = backends.pop() if backends else ("CPU_ATTN" if layers[0].device == "cpu" else "unknown")
-    text = mc.hf_text_config
-    model = ModelIdentity(name=str(mc.model), num_layers=int(mc.get_total_num_hidden_layers()),
-                          num_kv_heads=1 if mla else int(mc.get_total_num_kv_heads()),
-                          head_dim=int(mc.get_head_size()), dtype=layers[0].dtype,
-                          kv_lora_rank=getattr(text, "kv_lora_rank", None) if mla else None,
-                          qk_rope_head_dim=getattr(text, "qk_rope_head_dim", None) if mla else None)
-    idx = sorted(layer_index(t.name) for t in layers)
-    pp = int(pc.pipeline_parallel_size)
-    dcp = int(getattr(pc, "decode_context_parallel_size", 1) or 1)
-    parallel = ParallelView(tp_size=int(pc.tensor_parallel_size), pp_size=pp, dcp_size=dcp,
-                            dcp_interleave=int(getattr(pc, "cp_kv_cache_interleave_size", 1) or 1) if dcp > 1 else 1,
-                            layers=(idx[0], idx[-1] + 1) if pp > 1 else None, **_ranks(pc))
+    backend = _backend(vllm_config, layers)
     kernel = layers[0].shape[layers[0].axes.index(Axis.TOKEN)]
-    return EngineView(model=model, parallel=parallel, backend=backend, kv_cache_layout=_layout(vllm_config,
-                      kv_cache_config), kv_packing=packing_for(backend, mla), block_size=int(cc.block_size),
+    return EngineView(model=_model_identity(mc, layers, mla), parallel=_parallel(vllm_config.parallel_config, layers),
+                      backend=backend, kv_cache_layout=_layout(vllm_config, kv_cache_config),
+                      kv_packing=packing_for(backend, mla), block_size=int(cc.block_size),
                       kernel_block_size=kernel, num_blocks=int(kv_cache_config.num_blocks),
-                      groups=groups, layers=layers, provenance=Provenance.LIVE,
+                      groups=tuple(_group(g) for g in kv_cache_config.kv_cache_groups), layers=layers,
+                      provenance=Provenance.LIVE,
                       cpu_isa=_cpu_isa(vllm_config, [t.name for t in layers]) if backend == "CPU_ATTN" else "")

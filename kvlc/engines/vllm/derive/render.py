@@ -10,6 +10,7 @@ from typing import Any
 
 import yaml
 
+from kvlc.engines.vllm.derive.cpu import ISA_LAYOUTS
 from kvlc.engines.vllm.derive.view import EngineView, KvPacking, Provenance
 
 
@@ -29,10 +30,12 @@ _Dumper.add_representer(dict, lambda d, data: d.represent_mapping("tag:yaml.org,
 
 def _packing_words(view: EngineView) -> list[str]:
     if view.kv_packing == KvPacking.PER_HEAD_BLOCK:
+        isa = ISA_LAYOUTS.get(view.cpu_isa)
+        order = (f"{isa.name}: {isa.words}" if isa else
+                 "; ".join(f"{name}: {layout.words}" for name, layout in ISA_LAYOUTS.items()))
         return [f"# Block contents: per KV head a K half, then a V half, each one 'cell' of token x head_dim "
                 f"elements in the kernel's order (ISA {view.cpu_isa or 'unknown'};",
-                "#   vec: K[head_dim][token], V[token][head_dim]). kvlc's spec language cannot give K and V "
-                "different dim orders yet, so",
+                f"#   {order}). kvlc's spec language cannot give K and V different dim orders yet, so",
                 "#   tokens are not addressable here: engines of other TP pair, engines of other block sizes do "
                 "not (kvlc.engines.vllm.derive.spec.exact_plan does)."]
     if view.kv_packing == KvPacking.PER_TOKEN:

@@ -6,13 +6,14 @@
 * :func:`derive_spec` turns a view into a ``kvlc: 1`` spec mapping; :func:`spec_yaml`
   renders it as commented YAML to check in and diff.
 * :func:`check_spec` checks a user's plan against the live tensors, every mismatch at once.
-* :func:`storage_tensors` gives the tensors to bind, one per plan storage: a uint8
-  tensor over each whole allocation (vLLM puts all layers in one).
+* :func:`~kvlc.engines.vllm.derive.storages.storage_tensors` gives the tensors to bind, one
+  per plan storage: a uint8 tensor over each whole allocation (vLLM puts all layers in one).
 * :func:`exact_plan` is the plan to bind for CPU_ATTN when the other engine may have
   another block size: the CPU kernels store K transposed inside each head's half of a
   block, which the spec language cannot state, so the spec holds each half as one opaque
   ``cell`` (exact bytes, pairs across TP, refuses other block sizes); ``exact_plan`` names
-  tokens with the real byte strides. For every other layout it is :func:`derive_plan`.
+  tokens with the real byte strides of the engine's CPU attention ISA
+  (:mod:`kvlc.engines.vllm.derive.cpu`). For every other layout it is :func:`derive_plan`.
 
 Names are stable across engines: regions are ``layer.{i}`` (``i`` parsed from the
 vLLM layer name), groups are named by kind, so a prefill and a decode engine that
@@ -29,17 +30,19 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
-from kvlc.engines.vllm.derive.check import Mismatch, SpecMismatchError
+from kvlc.compiler import compile_spec
+from kvlc.engines.vllm.derive.check import check_plan_against_view
+from kvlc.engines.vllm.derive.cpu import cpu_exact_plan, tokens_per_entry
 from kvlc.engines.vllm.derive.layout import LayerGeometry, layer_geometry
+from kvlc.engines.vllm.derive.read import read_engine_view
+from kvlc.engines.vllm.derive.render import render_spec
+from kvlc.engines.vllm.derive.storages import allocations
 from kvlc.engines.vllm.derive.view import (Axis, EngineView, GroupKind, GroupView, LayerTensor, ViewError,
                                            heads_per_rank)
 
-__all__ = ["engine_view", "EngineView", "derive_spec", "spec_yaml", "check_spec", "storage_tensors",
-           "derive_plan",
-           "SpecMismatchError", "Mismatch", "ViewError", "allocations"]
+__all__ = ["engine_view", "derive_spec", "spec_yaml", "check_spec", "derive_plan", "exact_plan", "group_names"]
 
 _KVLC_GROUP_KIND = {GroupKind.FULL_ATTENTION: "full_attention", GroupKind.SLIDING_WINDOW: "sliding_window",
                     GroupKind.CHUNKED_LOCAL: "chunked_local", GroupKind.MLA: "full_attention"}
@@ -51,43 +54,7 @@ def engine_view(vllm_config: Any, kv_cache_config: Any, kv_caches: Mapping[str, 
     Call it where a connector's ``register_kv_caches(kv_caches)`` runs, with the
     connector's ``vllm_config`` and ``kv_cache_config``.
     """
-    from kvlc.engines.vllm.derive.read import read_engine_view
     return read_engine_view(vllm_config, kv_cache_config, kv_caches)
-
-
-# ---------------------------------------------------------------- allocations
-@dataclass(frozen=True)
-class Allocation:
-    """One allocation the layer tensors are views of: one kvlc storage."""
-
-    name: str
-    ptr: int
-    nbytes: int
-    mem: str
-    device: int
-    layers: tuple[str, ...]
-
-
-def _mem(device: str) -> tuple[str, int]:
-    kind, _, index = device.partition(":")
-    if kind == "cpu":
-        return "DRAM", 0
-    if kind == "cuda":
-        return "VRAM", int(index or 0)
-    raise ViewError(f"tensor device '{device}': kvlc places storages in DRAM (cpu) or VRAM (cuda:N)")
-
-
-def allocations(view: EngineView) -> tuple[Allocation, ...]:
-    """The view's allocations in layer order: ``kv`` when there is one, else ``kv.{first layer}``."""
-    found: dict[tuple[str, int], list[LayerTensor]] = {}
-    for t in sorted(view.layers, key=lambda t: t.layer_index):
-        found.setdefault((t.device, t.storage_ptr), []).append(t)
-    out = []
-    for (device, ptr), members in found.items():
-        name = "kv" if len(found) == 1 else f"kv.{members[0].layer_index}"
-        mem, dev = _mem(device)
-        out.append(Allocation(name, ptr, members[0].storage_nbytes, mem, dev, tuple(t.name for t in members)))
-    return tuple(out)
 
 
 # ---------------------------------------------------------------- the spec
@@ -116,6 +83,8 @@ def _group_entry(name: str, g: GroupView, view: EngineView) -> dict:
         entry["chunk"] = g.chunk
     if g.block_size != view.block_size:
         entry["block_size"] = g.block_size
+    if tokens_per_entry(view) > 1:  # CPU_ATTN with ISA amx: tokens move in entries of 16 (derive.cpu)
+        entry["tokens_per_entry"] = tokens_per_entry(view)
     return entry
 
 
@@ -185,20 +154,10 @@ def spec_name(view: EngineView) -> str:
     return f"{base or 'model'}-{view.backend}-tp{p.tp_size}{pp}-b{view.block_size}".lower()
 
 
-def derive_spec(view: EngineView) -> dict:
-    """A ``kvlc: 1`` spec mapping for the engine in ``view`` (compiles with :mod:`kvlc.compiler`).
-
-    >>> from kvlc.engines.vllm.derive.view import EngineView, EXAMPLE
-    >>> spec = derive_spec(EngineView.from_dict(EXAMPLE))
-    >>> spec["storages"], [r["name"] for r in spec["regions"]]
-    ([{'name': 'kv', 'mem': 'DRAM', 'device': 0, 'size': 262144}], ['layer.0', 'layer.1'])
-    """
-    if not view.layers:
-        raise ViewError("the view has no layer tensors; derive after vLLM allocated the KV cache")
-    _check_unshared(view)
+def _regions(view: EngineView) -> tuple[dict, list[dict], int | None]:
+    """The spec's layouts and regions (one per layer, or per K/V part), and the MLA latent size if any."""
     names = group_names(view)
-    allocs = allocations(view)
-    storage_of = {layer: a.name for a in allocs for layer in a.layers}
+    storage_of = {layer: a.name for a in allocations(view) for layer in a.layers}
     layouts: dict[str, dict] = {}
     regions: list[dict] = []
     latent = None
@@ -213,6 +172,10 @@ def derive_spec(view: EngineView) -> dict:
             regions.append({"name": f"layer.{t.layer_index}{part.suffix}", "storage": storage_of[t.name],
                             "layout": lname, "num_blocks": geo.num_blocks, "offset": t.offset + part.offset,
                             "block_stride": geo.block_stride, "groups": [names[view.group_of(t.name)]]})
+    return layouts, regions, latent
+
+
+def _parallel_entry(view: EngineView) -> dict:
     p = view.parallel
     parallel: dict[str, Any] = {"tp_size": p.tp_size}
     if p.dcp_size > 1:
@@ -221,12 +184,28 @@ def derive_spec(view: EngineView) -> dict:
         parallel["dcp_interleave"] = p.dcp_interleave
     if p.layers is not None and p.pp_size > 1:
         parallel["layers"] = list(p.layers)
+    return parallel
+
+
+def derive_spec(view: EngineView) -> dict:
+    """A ``kvlc: 1`` spec mapping for the engine in ``view`` (compiles with :mod:`kvlc.compiler`).
+
+    >>> from kvlc.engines.vllm.derive.view import EngineView, EXAMPLE
+    >>> spec = derive_spec(EngineView.from_dict(EXAMPLE))
+    >>> spec["storages"], [r["name"] for r in spec["regions"]]
+    ([{'name': 'kv', 'mem': 'DRAM', 'device': 0, 'size': 262144}], ['layer.0', 'layer.1'])
+    """
+    if not view.layers:
+        raise ViewError("the view has no layer tensors; derive after vLLM allocated the KV cache")
+    _check_unshared(view)
+    layouts, regions, latent = _regions(view)
     spec: dict[str, Any] = {"kvlc": 1, "name": spec_name(view), "model": _model_entry(view, latent),
-                            "parallel": parallel, "block_size": view.block_size}
+                            "parallel": _parallel_entry(view), "block_size": view.block_size}
     if view.kernel_block_size != view.block_size:
         spec["kernel_block_size"] = view.kernel_block_size
-    spec["groups"] = [_group_entry(n, g, view) for n, g in zip(names, view.groups)]
-    spec["storages"] = [{"name": a.name, "mem": a.mem, "device": a.device, "size": a.nbytes} for a in allocs]
+    spec["groups"] = [_group_entry(n, g, view) for n, g in zip(group_names(view), view.groups)]
+    spec["storages"] = [{"name": a.name, "mem": a.mem, "device": a.device, "size": a.nbytes}
+                        for a in allocations(view)]
     spec["layouts"] = layouts
     spec["regions"] = regions
     return spec
@@ -234,13 +213,11 @@ def derive_spec(view: EngineView) -> dict:
 
 def spec_yaml(view: EngineView) -> str:
     """The derived spec as commented YAML (one line per region, group, storage and dim)."""
-    from kvlc.engines.vllm.derive.render import render_spec
     return render_spec(derive_spec(view), view)
 
 
 def derive_plan(view: EngineView):
     """The :class:`~kvlc.compiler.plan.model.Plan` of the derived spec (compiled from its YAML text)."""
-    from kvlc.compiler import compile_spec
     return compile_spec(spec_yaml(view))
 
 
@@ -249,20 +226,13 @@ def exact_plan(view: EngineView):
 
     The spec language lays out a field's dims row-major, which cannot say "per head, K[D][N]
     then V[N][D]"; the derived spec therefore holds each half as one opaque ``cell`` and
-    engines of different block sizes do not pair. This plan names the tokens (as measured
-    for the ``vec`` ISA); it pairs across block sizes. Other layouts: the derived plan.
+    engines of different block sizes do not pair. This plan names the tokens in the order of
+    the view's CPU attention ISA (:mod:`kvlc.engines.vllm.derive.cpu`); it pairs across block
+    sizes. Other layouts: the derived plan.
     """
-    from kvlc.engines.vllm.derive.exact import cpu_exact_plan
     return cpu_exact_plan(view, derive_plan(view))
 
 
 def check_spec(plan: Any, view: EngineView) -> None:
     """Raise :class:`SpecMismatchError` listing every way ``plan`` disagrees with the live tensors."""
-    from kvlc.engines.vllm.derive.check import check_plan_against_view
-    check_plan_against_view(plan, view)
-
-
-def storage_tensors(plan: Any, view: EngineView, kv_caches: Mapping[str, Any]) -> dict:
-    """Storage name → uint8 tensor over the whole allocation, for :func:`kvlc.runtime.binding.bind`."""
-    from kvlc.engines.vllm.derive.check import tensors_for_storages
-    return tensors_for_storages(plan, view, kv_caches)
+    check_plan_against_view(plan, derive_plan(view), view)

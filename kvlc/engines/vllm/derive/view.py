@@ -21,7 +21,7 @@ import re
 from enum import Enum
 from typing import Any, Mapping, get_args, get_origin, get_type_hints
 
-from kvlc.errors import KvlcError
+from kvlc.errors import KvlcError, did_you_mean
 
 
 class ViewError(KvlcError):
@@ -221,24 +221,12 @@ def _build(tp: Any, data: Any, where: str) -> Any:
     """Convert plain ``data`` to type ``tp`` (dataclass, enum, tuple, int, str, optional)."""
     origin = get_origin(tp)
     if origin is tuple:
-        args = get_args(tp)
-        if not isinstance(data, (list, tuple)):
-            raise ViewError(f"{where}: expected a list, found {type(data).__name__}")
-        if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_build(args[0], v, f"{where}[{i}]") for i, v in enumerate(data))
-        if len(args) != len(data):
-            raise ViewError(f"{where}: expected {len(args)} items, found {len(data)}")
-        return tuple(_build(a, v, f"{where}[{i}]") for i, (a, v) in enumerate(zip(args, data)))
+        return _build_tuple(get_args(tp), data, where)
     if origin is not None:  # X | None
         args = [a for a in get_args(tp) if a is not type(None)]
         return None if data is None else _build(args[0], data, where)
     if isinstance(tp, type) and issubclass(tp, Enum):
-        try:
-            return tp(data)
-        except ValueError:
-            from kvlc.errors import did_you_mean
-            raise ViewError(f"{where}: unknown {tp.__name__} {data!r}; "
-                            f"{did_you_mean(str(data), [m.value for m in tp])}") from None
+        return _build_enum(tp, data, where)
     if dataclasses.is_dataclass(tp):
         return _build_dataclass(tp, data, where)
     if tp is int and (not isinstance(data, int) or isinstance(data, bool)):
@@ -248,6 +236,24 @@ def _build(tp: Any, data: Any, where: str) -> Any:
     return data
 
 
+def _build_tuple(args: tuple, data: Any, where: str) -> tuple:
+    if not isinstance(data, (list, tuple)):
+        raise ViewError(f"{where}: expected a list, found {type(data).__name__}")
+    if len(args) == 2 and args[1] is Ellipsis:
+        return tuple(_build(args[0], v, f"{where}[{i}]") for i, v in enumerate(data))
+    if len(args) != len(data):
+        raise ViewError(f"{where}: expected {len(args)} items, found {len(data)}")
+    return tuple(_build(a, v, f"{where}[{i}]") for i, (a, v) in enumerate(zip(args, data)))
+
+
+def _build_enum(tp: type, data: Any, where: str) -> Enum:
+    try:
+        return tp(data)
+    except ValueError:
+        raise ViewError(f"{where}: unknown {tp.__name__} {data!r}; "
+                        f"{did_you_mean(str(data), [m.value for m in tp])}") from None
+
+
 def _build_dataclass(tp: type, data: Any, where: str) -> Any:
     if not isinstance(data, Mapping):
         raise ViewError(f"{where}: expected a mapping for {tp.__name__}, found {type(data).__name__}")
@@ -255,7 +261,6 @@ def _build_dataclass(tp: type, data: Any, where: str) -> Any:
     fields = {f.name: f for f in dataclasses.fields(tp)}
     unknown = [k for k in data if k not in fields]
     if unknown:
-        from kvlc.errors import did_you_mean
         raise ViewError(f"{where}: unknown key {unknown[0]!r} for {tp.__name__}; "
                         f"{did_you_mean(unknown[0], fields)}")
     kwargs = {}

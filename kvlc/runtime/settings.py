@@ -1,0 +1,90 @@
+"""An agent's options as one settings object: explicit values beat ``KVLC_*`` variables beat defaults.
+
+>>> AgentSettings(timeout=5, progress="manual").timeout
+5.0
+
+Every plain field reads ``KVLC_<FIELD>`` (``KVLC_TIMEOUT``, ``KVLC_LEASE``, ``KVLC_PROGRESS``,
+``KVLC_ENGINE_ID``, ``KVLC_SECRET``, ``KVLC_SECRET_FILE``, ``KVLC_INSECURE`` …) where it is not given.
+The objects (``limits``, ``ucx``, ``staging``, ``agent_factory``) are given explicitly or left
+``None``: then ``ucx`` comes from ``KVLC_UCX_*`` (:meth:`UcxOptions.for_agent`) and ``staging`` from
+``KVLC_STAGING*`` (:meth:`StagingPolicy.from_env`), read when the agent is made.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, EnvSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
+
+from kvlc.runtime.channel.auth import read_secret_file, resolve_secret
+from kvlc.runtime.channel.tcp import Limits
+from kvlc.runtime.nixl.ucx import UcxOptions
+from kvlc.runtime.staging.buffers import StagingPolicy
+
+DEFAULT_TIMEOUT_S = 60.0
+DEFAULT_LEASE_S = 30.0
+_OBJECTS = frozenset({"limits", "ucx", "staging", "agent_factory"})  # given explicitly, never parsed from text
+
+
+class _PlainEnv(EnvSettingsSource):
+    """``KVLC_<FIELD>`` for the plain fields only (``KVLC_STAGING`` belongs to :class:`StagingPolicy`)."""
+
+    def get_field_value(self, field, field_name: str):
+        if field_name in _OBJECTS:
+            return None, field_name, False
+        return super().get_field_value(field, field_name)
+
+
+class AgentSettings(BaseSettings):
+    """How a :class:`~kvlc.runtime.agent.KvAgent` runs (see the module docstring for the sources).
+
+    ``engine_id`` names the engine (every rank of it passes the same; default: a fresh id per
+    agent). ``timeout``: default seconds per request. ``lease``: seconds after which a producer
+    reports a request's source blocks freeable when no consumer finished with them. ``progress``:
+    ``"thread"`` (a kvlc thread advances transfers every ``progress_interval`` s), ``"nixl"``
+    (NIXL's own progress thread) or ``"manual"`` (only ``poll()`` advances anything). ``secret``
+    (else ``secret_file``) keys the side channel; ``insecure=True`` runs without one.
+    ``agent_factory`` (tests only) builds the NIXL agent wrapper from a name.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="KVLC_", env_ignore_empty=True, frozen=True, extra="forbid",
+                                      arbitrary_types_allowed=True)
+
+    engine_id: str | None = None
+    name: str | None = None
+    secret: SecretStr | None = None
+    secret_file: Path | None = None
+    insecure: bool = False
+    timeout: float = DEFAULT_TIMEOUT_S
+    lease: float = DEFAULT_LEASE_S
+    progress: Literal["thread", "nixl", "manual"] | str = "thread"  # checked by the agent, with the fix named
+    progress_interval: float = Field(0.001, gt=0)
+    backends: tuple[str, ...] = ("UCX",)
+    telemetry: bool = False
+    limits: Limits = Field(default_factory=Limits)
+    ucx: UcxOptions | None = None
+    staging: StagingPolicy | None = None
+    agent_factory: Callable[[str], Any] | None = None
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls, init_settings: PydanticBaseSettingsSource,
+                                   env_settings, dotenv_settings, file_secret_settings):
+        return init_settings, _PlainEnv(settings_cls)
+
+    def channel_key(self) -> bytes:
+        """The side channel's key: ``secret``, else ``secret_file``'s content (AuthError where neither is
+        set and ``insecure`` is false, or the secret is too short)."""
+        if self.secret is not None:
+            return resolve_secret(self.secret.get_secret_value())
+        if self.secret_file is not None:
+            return resolve_secret(read_secret_file(self.secret_file))
+        return resolve_secret(None, self.insecure)
+
+    def ucx_options(self, vram: bool) -> UcxOptions:
+        return self.ucx if self.ucx is not None else UcxOptions.for_agent(vram)
+
+    def staging_policy(self) -> StagingPolicy:
+        return self.staging if self.staging is not None else StagingPolicy.from_env()
