@@ -29,6 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ms, write_results  # noqa: E402
 
 from kvlc.compiler.algebra.layout import ceildiv  # noqa: E402
+from kvlc import bind, instantiate
+from kvlc.compiler.request.prepared import prepared_indices, prepared_rows
 
 BLOCK = 16          # bytes per descriptor (small, so 10M descriptors fit a 160 MB buffer)
 REGIONS = 8         # strided rows (one per region)
@@ -162,7 +164,7 @@ def program_lists(nixl_agent, nixl_agent_config, quick: bool) -> list[dict]:
         rname = rname.decode() if isinstance(rname, bytes) else rname
         try:
             # the runtime registers DRAM here: prepare every list as DRAM whatever the plan says
-            bound = prog.bind(lbases, rbases)
+            bound = bind(prog, lbases, rbases)
             row = {"pair": name, **_list_numbers(bound, local, rname, reps), "request_tokens": REQUEST_TOKENS,
                    **_request_numbers(bound, cons, prod)}
             out.append(row)
@@ -178,7 +180,7 @@ def program_lists(nixl_agent, nixl_agent_config, quick: bool) -> list[dict]:
 def _list_numbers(bound, local, rname: str, reps: int) -> dict:
     """The prepared lists of ``bound``: strided rows, descriptors, build and prep time of both forms."""
     t0 = time.perf_counter()
-    lists = bound.prepared_rows()
+    lists = prepared_rows(bound)
     build5 = time.perf_counter() - t0
     srows = sum(2 * len(pl) for pl in lists.values())
     expanded = sum(pl.local_size + pl.remote_size for pl in lists.values())
@@ -215,10 +217,10 @@ def _request_numbers(bound, cons, prod) -> dict:
         g = plan.groups[0]
         cap = min(r.capacity for r in plan.regions if g.name in r.groups)
         ids[side] = {g.name: rng.choice(cap, ceildiv(REQUEST_TOKENS, g.block_size), replace=False)}
-    req = bound.prepared_indices(ids["local"], ids["remote"], REQUEST_TOKENS)
-    parts = bound.instantiate(ids["local"], ids["remote"], REQUEST_TOKENS)
-    t_idx = timeit(lambda: bound.prepared_indices(ids["local"], ids["remote"], REQUEST_TOKENS), repeat=7)
-    t_inst = timeit(lambda: bound.instantiate(ids["local"], ids["remote"], REQUEST_TOKENS), repeat=7)
+    req = prepared_indices(bound, ids["local"], ids["remote"], REQUEST_TOKENS)
+    parts = instantiate(bound, ids["local"], ids["remote"], REQUEST_TOKENS)
+    t_idx = timeit(lambda: prepared_indices(bound, ids["local"], ids["remote"], REQUEST_TOKENS), repeat=7)
+    t_inst = timeit(lambda: instantiate(bound, ids["local"], ids["remote"], REQUEST_TOKENS), repeat=7)
     return {"request_indices": sum(len(i[0]) for i in req.indices.values()),
             "request_tail_rows": sum(len(p) for p in req.tail.values()),
             "instantiate_rows": sum(len(p) for p in parts.values()),

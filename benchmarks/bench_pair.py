@@ -33,6 +33,7 @@ from common import LAYOUTS, ms, timeit, write_results  # noqa: E402
 import kvlc  # noqa: E402
 from kvlc.compiler.algebra.layout import ceildiv  # noqa: E402
 from kvlc.compiler.pairing.pair import pair  # noqa: E402
+from kvlc import bind, instantiate
 
 QWEN = (LAYOUTS / "qwen3-32b-tp2.yaml").read_text()
 
@@ -139,21 +140,21 @@ def bench_requests(quick: bool, regions: int = 128, blocks: int = 512) -> list[d
         prog = pair(cons, prod, local_rank=0, direction="READ")
         lb = fake_bases(cons, 1)
         rb = {r: fake_bases(prod, 2 + r) for r in range(ptp)}
-        bound = prog.bind(lb, rb)
+        bound = bind(prog, lb, rb)
         for kind in ("contiguous", "fragmented", "random"):
             lids = block_ids(kind, blocks, 4096, 1)
             rids = block_ids(kind, blocks, 4096, 2)
             req = ({"full": lids}, {"full": rids}, blocks * 16)
-            t = interleaved({"bound": lambda b=bound, q=req: b.instantiate(*q),
-                             "unbound": lambda p=prog, lb=lb, rb=rb, q=req: p.instantiate(lb, rb, *q),
+            t = interleaved({"bound": lambda b=bound, q=req: instantiate(b, *q),
+                             "unbound": lambda p=prog, lb=lb, rb=rb, q=req: instantiate(bind(p, lb, rb), *q),
                              "per_block": lambda c=cons, p=prod, lb=lb, rb=rb, li=lids, ri=rids:
                                  per_block_baseline(c, p, 0, lb, rb, li, ri)},
                             repeat=7 if quick else 31)
             t_kvlc, t_full, t_base = t["bound"], t["unbound"], t["per_block"]
-            parts = bound.instantiate(*req)
+            parts = instantiate(bound, *req)
             n_kvlc = sum(len(p) for p in parts.values())
             # the coalesced minimum: every part sorted by address, then merged (O(N log N))
-            n_min = sum(len(p) for p in bound.instantiate(*req, coalesce="sort").values())
+            n_min = sum(len(p) for p in instantiate(bound, *req, coalesce="sort").values())
             n_base = per_block_baseline(cons, prod, 0, lb, rb, lids, rids)
             row = {"case": name, "ids": kind, "regions": regions, "blocks": blocks,
                    "instantiate_bound_s": t_kvlc["median"], "instantiate_bound_min_s": t_kvlc["min"],

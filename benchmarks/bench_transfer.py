@@ -47,6 +47,7 @@ from kvlc.compiler import compile_spec  # noqa: E402
 from kvlc.compiler.algebra.layout import ceildiv  # noqa: E402
 from kvlc.compiler.pairing.pair import pair  # noqa: E402
 from kvlc.demo.run import MODES, cpu_plan, make_workload, run_demo, verify  # noqa: E402
+from kvlc import bind, instantiate
 
 TARGET_RATIO = 0.9  # kvlc GB/s >= 90% of one single-descriptor transfer of the same bytes
 TIMEOUT = 120.0
@@ -141,7 +142,7 @@ def request_bytes(cons, prod, batch) -> list[int]:
         prog = pair(cons, prod, local_rank=rank, direction="READ")
         lb = {s.name: (0, s.device) for s in cons.storages}
         rb = {r: {s.name: (0, s.device) for s in prod.storages} for r in prog.peer_ranks}
-        parts = prog.instantiate(lb, rb, cids, pids, tokens)
+        parts = instantiate(bind(prog, lb, rb), cids, pids, tokens)
         out.append(int(sum(p.nbytes for p in parts.values())))
     return out
 

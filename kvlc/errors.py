@@ -40,6 +40,15 @@ def format_path(path: Sequence[object]) -> str:
     return out or "<root>"
 
 
+def type_name(t: type) -> str:
+    """A type's name as an error message says it (``None`` for NoneType).
+
+    >>> type_name(float), type_name(type(None))
+    ('float', 'None')
+    """
+    return "None" if t is type(None) else t.__name__
+
+
 def did_you_mean(name: str, choices: Iterable[str], limit: int = 3) -> str:
     """A hint naming the closest valid names, or listing them all when none is close.
 

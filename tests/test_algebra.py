@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 
 import kvlc
 from kvlc.compiler.algebra.copies import SUB_SHIFT, coalesce_dims, coalesce_rows, merge_runs, strided_runs
-from kvlc.compiler.pairing.pair import assign, heads_of, pair
+from kvlc.compiler.pairing.pair import pair
+from kvlc.compiler.pairing.tp import assign, heads_of
 
 PROPS = settings(deadline=None, max_examples=150, suppress_health_check=list(HealthCheck))
 

@@ -26,6 +26,7 @@ from kvlc.demo.content import fill
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from memory_model import Engine, verify  # noqa: E402
 from test_pair_properties import PROPS, check_parts, execute_counting, reference  # noqa: E402
+from kvlc import bind, instantiate
 
 HEADS, DIM = 4, 4
 
@@ -103,7 +104,8 @@ def test_aliased_pools_move_exact_bytes(case):
     for c in range(tps[0]):
         prog = pair(cons, prod, local_rank=c, direction="READ")
         before = {k: v.copy() for k, v in C.buffers[c].items()}
-        parts = prog.instantiate(C.rank_bases(c), {p: P.rank_bases(p) for p in prog.peer_ranks}, cids, pids, tokens)
+        parts = instantiate(bind(prog, C.rank_bases(c), {p: P.rank_bases(p) for p in prog.peer_ranks}),
+                            cids, pids, tokens)
         check_parts(parts, reference(cons, c, prod, C, P, cids, pids, {"full": tokens}), "arbitrary", C, c, P)
         writes: dict = {}
         execute_counting(parts, C, c, P, "READ", writes)
@@ -114,7 +116,8 @@ def test_aliased_pools_move_exact_bytes(case):
     writes = {}
     for p in range(tps[1]):
         prog = pair(prod, cons, local_rank=p, direction="WRITE")
-        parts = prog.instantiate(P.rank_bases(p), {c: C2.rank_bases(c) for c in prog.peer_ranks}, pids, cids, tokens)
+        parts = instantiate(bind(prog, P.rank_bases(p), {c: C2.rank_bases(c) for c in prog.peer_ranks}),
+                            pids, cids, tokens)
         execute_counting(parts, P, p, C2, "WRITE", writes)
     assert all(w.max(initial=0) <= 1 for w in writes.values()), "a destination byte written twice"
     for c in range(tps[0]):
@@ -126,8 +129,8 @@ def test_two_groups_on_one_page_are_refused():
     prog = pair(plan, plan, local_rank=0, direction="READ")
     ids = {"full": [0, 1], "ssm_a": [1], "ssm_b": [2]}
     with pytest.raises(TransferError, match="page 1 .* groups 'full' and 'ssm_a'"):
-        prog.instantiate({s.name: (0, 0) for s in plan.storages}, {0: {s.name: (1 << 40, 0) for s in plan.storages}},
-                         ids, {"full": [2, 3], "ssm_a": [4], "ssm_b": [5]}, 8)
+        instantiate(bind(prog, {s.name: (0, 0) for s in plan.storages}, {0: {s.name: (1 << 40, 0) for s in plan.storages}}),
+                    ids, {"full": [2, 3], "ssm_a": [4], "ssm_b": [5]}, 8)
 
 
 def test_aliases_keep_old_plans_identical():

@@ -30,7 +30,7 @@ def test_compiler_and_pairing_run_without_torch_or_nixl():
                "prog = kvlc.pair(b, a, local_rank=0, direction='READ')\n"
                "lb = {s.name: 1 << 40 for s in b.storages}\n"
                "rb = {r: {s.name: 2 << 40 for s in a.storages} for r in prog.peer_ranks}\n"
-               "parts = prog.instantiate(lb, rb, {'full': [1, 2]}, {'full': [3, 4]}, 20)\n"
+               "parts = kvlc.instantiate(kvlc.bind(prog, lb, rb), {'full': [1, 2]}, {'full': [3, 4]}, 20)\n"
                "print(sum(len(p) for p in parts.values()))\n")
     assert out.returncode == 0, out.stderr
     assert int(out.stdout.strip()) > 0

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 import kvlc
 from kvlc.cli import main
-from kvlc.explain import summarize
+from kvlc.explain.summary import summarize
 from kvlc.explain.size import request_size
 
 ROOT = Path(__file__).resolve().parents[1]

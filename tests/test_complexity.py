@@ -2,7 +2,8 @@
 
 radon (a maintained complexity library) measures each function and method, closures included:
 cyclomatic complexity at most MAX_COMPLEXITY, at most MAX_LINES lines from ``def`` to its last
-line (docstring included). The only exceptions are named in ALLOWED, each with why it is there.
+line (docstring included). ALLOWED names exceptions, each with why it is there; it is empty, and
+a test keeps it from holding a function that fits.
 """
 
 from pathlib import Path
@@ -16,13 +17,7 @@ MAX_LINES = 60
 
 # Functions over a limit today, as "path:Qualified.name". Each line is to be removed when its function is
 # split; the test fails on a line whose function is back within the limits, so this list only shrinks.
-ALLOWED = {
-    # kvlc/compiler/ request, instantiate and fields: another change is reworking these modules now.
-    "kvlc/compiler/request/instantiate.py:_address",
-    "kvlc/compiler/plan/fields.py:LayoutResolver._fields",
-    # kvlc/init/: another change is reworking it now.
-    "kvlc/init/model.py:read_model",
-}
+ALLOWED: set[str] = set()
 
 
 def _functions(blocks, prefix=""):
@@ -55,7 +50,7 @@ def _over(measure: tuple[int, int]) -> bool:
 
 
 def test_functions_stay_within_complexity_and_length():
-    """No function under kvlc/ is above complexity 12 or 50 lines, except those named in ALLOWED."""
+    """No function under kvlc/ is above complexity 15 or 60 lines, except those named in ALLOWED."""
     over = {k: v for k, v in _measured().items() if _over(v) and k not in ALLOWED}
     assert not over, "split these functions (complexity, lines) into smaller ones: " + "; ".join(
         f"{k} {v}" for k, v in sorted(over.items()))
@@ -71,7 +66,7 @@ def test_allow_list_names_only_functions_still_over_a_limit():
 
 def test_the_measure_sees_a_long_branchy_function():
     """The radon measure counts branches and lines as this test expects (a check on the checker)."""
-    branches = "".join(f"    if x == {i}:\n        return {i}\n" for i in range(13))
+    branches = "".join(f"    if x == {i}:\n        return {i}\n" for i in range(16))
     f = next(iter(radon_complexity.cc_visit(f"def f(x):\n{branches}    return -1\n")))
-    assert (f.complexity, f.endline - f.lineno + 1) == (14, 28)
-    assert _over((f.complexity, 1)) and _over((1, 51)) and not _over((12, 50))
+    assert (f.complexity, f.endline - f.lineno + 1) == (17, 34)
+    assert _over((f.complexity, 1)) and _over((1, 61)) and not _over((15, 60))

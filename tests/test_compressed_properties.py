@@ -28,6 +28,7 @@ from kvlc.errors import SpecError
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from memory_model import Engine, execute, verify  # noqa: E402
 from test_pair_properties import PROPS, Case, Model, Side, run_case, shard_ok  # noqa: E402
+from kvlc import bind, instantiate
 
 ROOT = Path(__file__).resolve().parents[1]
 ITEM = {"fp8_e4m3": 1, "bf16": 2, "fp32": 4, "uint8": 1}
@@ -179,7 +180,7 @@ def test_request_moves_ceil_tokens_over_k_entries(tokens):
     rids = {g: list(range(3, 3 + n)) for g, n in nb.items()}
     lids = {g: list(range(n))[::-1] for g, n in ns.items()}
     before = {k: v.copy() for k, v in dst.buffers[1].items()}
-    parts = prog.instantiate(dst.rank_bases(1), {0: src.rank_bases(0)}, lids, rids, tokens)
+    parts = instantiate(bind(prog, dst.rank_bases(1), {0: src.rank_bases(0)}), lids, rids, tokens)
     moved = sum(p.nbytes for p in parts.values())
     c4, c128 = -(-tokens // 4), -(-tokens // 128)
     assert moved == 2 * c4 * 584 + 2 * c4 * 132 + 2 * c128 * 584   # two c4a layers, two c128a layers
@@ -292,14 +293,16 @@ def test_token_ranges_move_the_entries_they_touch(start, length, direction, big_
     moved = 0
     if direction == "READ":
         prog = pair(recv, send, local_rank=rrank, direction="READ")
-        parts = prog.instantiate(R.rank_bases(rrank), {p: S.rank_bases(p) for p in prog.peer_ranks}, rids, sids,
+        parts = instantiate(bind(prog, R.rank_bases(rrank), {p: S.rank_bases(p) for p in prog.peer_ranks}),
+                            rids, sids,
                                  tokens=(start, stop))
         execute(parts, R, rrank, S, "READ")
         moved = sum(p.nbytes for p in parts.values())
     else:
         for p in range(send.parallel.tp_size):
             prog = pair(send, recv, local_rank=p, direction="WRITE")
-            parts = prog.instantiate(S.rank_bases(p), {c: R.rank_bases(c) for c in prog.peer_ranks}, sids, rids,
+            parts = instantiate(bind(prog, S.rank_bases(p), {c: R.rank_bases(c) for c in prog.peer_ranks}),
+                                sids, rids,
                                      tokens=(start, stop))
             execute(parts, S, p, R, "WRITE")
             moved += sum(part.nbytes for key, part in parts.items() if key.peer_rank == rrank)

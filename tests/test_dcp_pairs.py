@@ -20,6 +20,8 @@ from kvlc.compiler.pairing.pair import check_pair, pair
 from kvlc.compiler.plan.model import Plan
 from kvlc.errors import TransferError
 from kvlc.init import EngineOptions, InitError, init_yaml
+from kvlc import check_request
+from kvlc.explain.docs import program_summary
 
 ROOT = Path(__file__).resolve().parents[1]
 DS = ROOT / "layouts" / "deepseek-v3-tp8.yaml"
@@ -64,10 +66,10 @@ def test_request_gives_one_id_per_virtual_block():
     cons, prod = variant(DS, "ds-dcp8", dcp_size=8), kvlc.compile_spec(DS)
     prog = pair(cons, prod, local_rank=0, direction="READ")
     assert cons.blocks_for("mla", 1000) == 2 and prod.blocks_for("mla", 1000) == 16
-    prog.check_request({"mla": [4, 9]}, {"mla": list(range(16))}, 1000)
+    check_request(prog, {"mla": [4, 9]}, {"mla": list(range(16))}, 1000)
     with pytest.raises(TransferError, match=r"16 local block ids for 1000 tokens; expected 2 \(block size 64 x "
                                             r"dcp_size 8\)"):
-        prog.check_request({"mla": list(range(16))}, {"mla": list(range(16))}, 1000)
+        check_request(prog, {"mla": list(range(16))}, {"mla": list(range(16))}, 1000)
 
 
 # ---------------------------------------------------------------- descriptor cost
@@ -88,7 +90,7 @@ def test_prefill_dcp_to_tp1_reads_every_rank():
     prog = pair(kvlc.compile_spec(ROOT / "layouts" / "deepseek-v3-tp1.yaml"), variant(DS, "ds-dcp8", dcp_size=8),
                 local_rank=0, direction="READ")
     assert prog.peer_ranks == tuple(range(8))
-    assert "peer 7: tokens t with t % 8 == 7" in prog.dcp_text() and "dcp" in prog.summary()
+    assert "peer 7: tokens t with t % 8 == 7" in prog.dcp_text() and "dcp" in program_summary(prog)
 
 
 # ---------------------------------------------------------------- kvlc init and kvlc pair

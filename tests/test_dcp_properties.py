@@ -34,6 +34,7 @@ from kvlc.compiler.pairing.pair import check_pair, pair
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from memory_model import Engine, verify  # noqa: E402
 from test_pair_properties import PROPS, check_parts, execute_counting, minimum_from_bytes  # noqa: E402
+from kvlc import bind, instantiate
 
 
 # ============================================================================ the case
@@ -268,11 +269,11 @@ def run_case(case: DcpCase) -> int:
         prog = pair(cons, prod, local_rank=c, direction="READ")
         before = {k: v.copy() for k, v in C.buffers[c].items()}
         bases = {p: P.rank_bases(p) for p in prog.peer_ranks}
-        parts = prog.instantiate(C.rank_bases(c), bases, case.cids, case.pids, **case.kw())
+        parts = instantiate(bind(prog, C.rank_bases(c), bases), case.cids, case.pids, **case.kw())
         refs[c] = set(prog.peer_ranks)
         ref = reference(cons, c, prod, C, P, case.cids, case.pids, case.start, case.tokens)
         assert {k[0] for k in ref} <= set(prog.peer_ranks), "peer ranks"  # the program serves any request
-        for key, part in prog.instantiate(C.rank_bases(c), bases, case.cids, case.pids, **case.kw(),
+        for key, part in instantiate(bind(prog, C.rank_bases(c), bases), case.cids, case.pids, **case.kw(),
                                           coalesce="sort").items():
             wl, wr, _ = ref[(key.peer_rank, key.local_mem, key.remote_mem)]
             assert len(part) == minimum_from_bytes(wl, wr), f"part {key}: coalesce='sort' above the minimum"
@@ -288,8 +289,8 @@ def run_case(case: DcpCase) -> int:
     writes = {}
     for p in range(ptp):
         prog = pair(prod, cons, local_rank=p, direction="WRITE")
-        parts = prog.instantiate(P.rank_bases(p), {c: C2.rank_bases(c) for c in prog.peer_ranks},
-                                 case.pids, case.cids, **case.kw())
+        parts = instantiate(bind(prog, P.rank_bases(p), {c: C2.rank_bases(c) for c in prog.peer_ranks}),
+                            case.pids, case.cids, **case.kw())
         want = {(c, pm, cm): (pb, cb, e) for c in range(ctp) for (q, cm, pm), (cb, pb, e) in refs2[c].items()
                 if q == p}
         check_parts(parts, want, case.id_mode, P, p, C2)

@@ -13,7 +13,9 @@ MODULES = ["kvlc.compiler", "kvlc.compiler.spec.source", "kvlc.compiler.algebra.
            "kvlc.compiler.plan.check", "kvlc.compiler.plan.build", "kvlc.compiler.pairing.compat", "kvlc.compiler.pairing.tp",
            "kvlc.compiler.pairing.runs", "kvlc.compiler.pairing.program", "kvlc.compiler.request.check", "kvlc.compiler.request.rows",
            "kvlc.compiler.frozen", "kvlc.compiler.plan.expand", "kvlc.compiler.request.index",
-           "kvlc.compiler.request.instantiate", "kvlc.compiler.request.prepared", "kvlc.explain"]
+           "kvlc.compiler.request.instantiate", "kvlc.compiler.request.prepared", "kvlc.compiler.request.bind",
+           "kvlc.compiler.request.rules", "kvlc.compiler.request.tokens", "kvlc.compiler.request.windows",
+           "kvlc.explain", "kvlc.explain.docs", "kvlc.errors"]
 
 
 @pytest.mark.parametrize("name", MODULES)

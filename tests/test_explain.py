@@ -20,8 +20,11 @@ from rich.console import Console
 
 import kvlc
 from kvlc.cli import main
-from kvlc.explain import (MIN_REGION_PX, collapse, compact_ints, exact, human, render_html, render_table,
-                          summarize)
+from kvlc.collapse import compact_ints
+from kvlc.explain.numbers import exact, human
+from kvlc.explain.page import MIN_REGION_PX, render_html
+from kvlc.explain.summary import collapse, summarize
+from kvlc.explain.tables import render_table
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA = ROOT / "layouts" / "llama-3.1-8b.yaml"
@@ -486,7 +489,7 @@ def _cells(t):
 @pytest.mark.parametrize("spec", SPECS)
 def test_tables_never_cut_a_number(spec, columns):
     """At $COLUMNS 110 and 60 every line fits and every number (and unbreakable piece of text) shows whole."""
-    from kvlc.explain import tables
+    from kvlc.explain.tables import tables
     plan = kvlc.compile_spec(ROOT / "layouts" / spec)
     res = CliRunner().invoke(main, ["explain", str(ROOT / "layouts" / spec)], env={"COLUMNS": str(columns)})
     assert res.exit_code == 0, res.output
@@ -517,7 +520,7 @@ def test_narrow_terminal_splits_columns_repeating_the_key():
 
 def test_vertical_when_even_two_columns_do_not_fit():
     """A width where the key and one more column cannot stand side by side prints one block per row."""
-    from kvlc.explain.tables import TableData
+    from kvlc.explain.terminal import TableData
     from kvlc.explain.terminal import console, print_table
     con = console(30)
     con.file = StringIO()
@@ -567,7 +570,7 @@ _num = st.integers(min_value=0, max_value=10**15).map(lambda n: f"{n:,}")
 
 @st.composite
 def _tables(draw):
-    from kvlc.explain.tables import TableData
+    from kvlc.explain.terminal import TableData
     ncols = draw(st.integers(2, 9))
     numeric = (False,) + tuple(draw(st.booleans()) for _ in range(ncols - 1))
     headers = tuple(draw(st.text(alphabet="abc /", min_size=1, max_size=14)).strip() or "h" for _ in range(ncols))

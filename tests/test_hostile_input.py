@@ -20,7 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvlc
-from kvlc.compiler.spec.source import load_config, parse_set, parse_yaml, render_template
+from kvlc.compiler.spec.source import load_config, parse_set, parse_yaml
+from kvlc.compiler.spec.template import render_template
 from kvlc.compiler.spec.validate import validate
 from kvlc.errors import SpecError
 

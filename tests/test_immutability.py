@@ -14,6 +14,7 @@ from pydantic import BaseModel
 import kvlc
 from kvlc.compiler.frozen import FrozenMap
 from test_compiler_properties import specs  # noqa: E402  (the random valid spec strategy)
+from kvlc import bind, instantiate
 
 FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 LAYOUTS = ["layouts/llama-3.1-8b.yaml", "layouts/nemotron-h-8b-tp2.yaml", "layouts/deepseek-v3.2-tp8.yaml"]
@@ -88,8 +89,8 @@ def test_program_is_frozen(path):
     with pytest.raises(Exception):
         prog.entries[0].region = "x"
     digest = prog.digest
-    prog.instantiate({s.name: 1 << 40 for s in plan.storages}, {0: {s.name: 2 << 40 for s in plan.storages}},
-                     {g.name: [0] for g in plan.groups}, {g.name: [0] for g in plan.groups},
+    instantiate(bind(prog, {s.name: 1 << 40 for s in plan.storages}, {0: {s.name: 2 << 40 for s in plan.storages}}),
+                {g.name: [0] for g in plan.groups}, {g.name: [0] for g in plan.groups},
                      {g.name: 1 for g in plan.groups})
     assert prog.digest == digest
 

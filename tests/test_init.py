@@ -78,7 +78,7 @@ def test_qwen3_32b_head_dim_comes_from_config():
     assert plan.model.sizes["head_dim"] == 128
     k = plan.region("layer.0").field("k")
     assert [(d.name, d.size) for d in k.dims] == [("token", 16), ("head", 4), ("head_dim", 128)]
-    from kvlc.compiler.spec.source import render_template
+    from kvlc.compiler.spec.template import render_template
     wrong = compile_spec(render_template(LAYOUTS / "templates/llama-3.1-70b.yaml.j2", cfg,
                                          {"tp_size": 2, "order": "nhd"}))
     assert wrong.model.sizes["head_dim"] == 80  # the template's hidden/heads, silently wrong

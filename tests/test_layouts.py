@@ -12,7 +12,8 @@ from click.testing import CliRunner
 import kvlc
 from kvlc.cli import main as cli
 from kvlc.compiler.plan.model import Plan
-from kvlc.compiler.spec.source import load_config, parse_set, render_template
+from kvlc.compiler.spec.source import load_config, parse_set
+from kvlc.compiler.spec.template import render_template
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYOUTS = ROOT / "layouts"

@@ -14,9 +14,10 @@ import pytest
 import yaml
 
 import kvlc
-from kvlc.compiler.pairing.compat import CompatReport
+from kvlc.compiler.pairing.findings import CompatReport
 from kvlc.compiler.pairing.pair import check_pair, pair
 from kvlc.errors import CompatError, TransferError
+from kvlc import bind, instantiate
 
 
 def kv_field(name="k", dtype="bf16", order=("token", "head", "head_dim")):
@@ -354,14 +355,14 @@ def no_descriptors(monkeypatch):
         raise AssertionError("descriptors built before the request was refused")
     monkeypatch.setattr(rows_mod, "coalesce_rows", boom)
     monkeypatch.setattr(index_mod.ProgramIndex, "tail_runs", boom)
-    monkeypatch.setattr(inst_mod.BoundProgram, "emit", boom)
+    monkeypatch.setattr(inst_mod, "emit", boom)
     return boom
 
 
 def test_instantiate_accepts_valid_request():
     """The request used below is valid: it instantiates (a sanity check of the refusal tests)."""
     prog, a, b = program(host_spec())
-    parts = prog.instantiate(bases(a), {0: bases(b)}, {"full": [2, 0]}, {"full": [1, 2]}, 7)
+    parts = instantiate(bind(prog, bases(a), {0: bases(b)}), {"full": [2, 0]}, {"full": [1, 2]}, 7)
     assert sum(len(p) for p in parts.values()) > 0
 
 
@@ -373,7 +374,7 @@ def test_out_of_range_ids_name_smallest_region(bad, no_descriptors):
         ids_l, ids_r = {"full": [0, 1]}, {"full": [0, 1]}
         (ids_l if side == "local" else ids_r)["full"] = [1, bad]
         with pytest.raises(TransferError) as info:
-            prog.instantiate(bases(a), {0: bases(b)}, ids_l, ids_r, 8)
+            instantiate(bind(prog, bases(a), {0: bases(b)}), ids_l, ids_r, 8)
         msg = str(info.value)
         assert side in msg and str(bad) in msg and "'attn.1'" in msg and "capacity 3" in msg
 
@@ -383,20 +384,20 @@ def test_capacity_counts_logical_blocks(no_descriptors):
     spec = base(block_size=8, kernel_block_size=4)
     prog, a, b = program(spec)
     with pytest.raises(TransferError, match="capacity 4"):
-        prog.instantiate(bases(a), {0: bases(b)}, {"full": [4]}, {"full": [0]}, 8)
+        instantiate(bind(prog, bases(a), {0: bases(b)}), {"full": [4]}, {"full": [0]}, 8)
 
 
 def test_kernel_block_ids_in_range_are_accepted():
     """The largest logical id of a kernel-block spec instantiates (no off-by-one at capacity)."""
     prog, a, b = program(base(block_size=8, kernel_block_size=4))
-    assert prog.instantiate(bases(a), {0: bases(b)}, {"full": [3]}, {"full": [3]}, 8)
+    assert instantiate(bind(prog, bases(a), {0: bases(b)}), {"full": [3]}, {"full": [3]}, 8)
 
 
 def test_remote_capacity_checked_on_remote_plan(no_descriptors):
     """Remote ids are checked against the remote plan's capacities (here smaller than the local ones)."""
     prog, a, b = program(base(), host_spec(2))
     with pytest.raises(TransferError) as info:
-        prog.instantiate(bases(a), {0: bases(b)}, {"full": [5]}, {"full": [2]}, 4)
+        instantiate(bind(prog, bases(a), {0: bases(b)}), {"full": [5]}, {"full": [2]}, 4)
     assert "remote" in str(info.value) and "capacity 2" in str(info.value)
 
 
@@ -405,7 +406,7 @@ def test_num_tokens_must_be_positive(tokens, no_descriptors):
     """A token group with num_tokens <= 0 is refused, naming the group."""
     prog, a, b = program(base())
     with pytest.raises(TransferError, match="'full'"):
-        prog.instantiate(bases(a), {0: bases(b)}, {"full": []}, {"full": []}, tokens)
+        instantiate(bind(prog, bases(a), {0: bases(b)}), {"full": []}, {"full": []}, tokens)
 
 
 @pytest.mark.parametrize("n_ids,tokens", [(1, 5), (3, 5), (0, 1), (2, 4)])
@@ -416,16 +417,16 @@ def test_wrong_id_count_for_tokens(n_ids, tokens, no_descriptors):
     need = {"full": list(range(-(-tokens // 4)))}
     for l, r in ((ids, need), (need, ids)):
         with pytest.raises(TransferError, match="block ids for"):
-            prog.instantiate(bases(a), {0: bases(b)}, l, r, tokens)
+            instantiate(bind(prog, bases(a), {0: bases(b)}), l, r, tokens)
 
 
 def test_missing_group_ids(no_descriptors):
     """Block ids missing for a group the program copies are refused, naming the group."""
     prog, a, b = program(with_swa(base()))
     with pytest.raises(TransferError, match="'swa'"):
-        prog.instantiate(bases(a), {0: bases(b)}, {"full": [0]}, {"full": [0], "swa": [0]}, 4)
+        instantiate(bind(prog, bases(a), {0: bases(b)}), {"full": [0]}, {"full": [0], "swa": [0]}, 4)
     with pytest.raises(TransferError, match="'swa'"):
-        prog.instantiate(bases(a), {0: bases(b)}, {"full": [0], "swa": [0]}, {"full": [0]}, 4)
+        instantiate(bind(prog, bases(a), {0: bases(b)}), {"full": [0], "swa": [0]}, {"full": [0]}, 4)
 
 
 def test_missing_bases(no_descriptors):
@@ -434,12 +435,12 @@ def test_missing_bases(no_descriptors):
     ids = {"full": [0]}
     local = bases(a)
     with pytest.raises(TransferError, match="'host'"):
-        prog.instantiate({k: v for k, v in local.items() if k != "host"}, {0: bases(b)}, ids, ids, 4)
+        instantiate(bind(prog, {k: v for k, v in local.items() if k != "host"}, {0: bases(b)}), ids, ids, 4)
     with pytest.raises(TransferError, match="'gpu'"):
-        prog.instantiate(local, {0: {"host": 1}}, ids, ids, 4)
+        instantiate(bind(prog, local, {0: {"host": 1}}), ids, ids, 4)
     prog1 = pair(a, plan(base()), local_rank=0, direction="READ")   # TP2 -> TP1: needs peer 0
     with pytest.raises(TransferError, match="peer rank 0"):
-        prog1.instantiate(local, {1: bases(b)}, ids, ids, 4)
+        instantiate(bind(prog1, local, {1: bases(b)}), ids, ids, 4)
 
 
 def test_state_group_needs_one_block_per_side(no_descriptors):
@@ -451,7 +452,8 @@ def test_state_group_needs_one_block_per_side(no_descriptors):
                              "groups": ["mamba"]})
     prog, a, b = program(edit(base(), state))
     with pytest.raises(TransferError, match="state blocks"):
-        prog.instantiate(bases(a), {0: bases(b)}, {"full": [0], "mamba": [0]},
+        instantiate(bind(prog, bases(a), {0: bases(b)}), {"full": [0], "mamba": [0]},
                          {"full": [0], "mamba": [0, 1]}, 4)
     with pytest.raises(TransferError, match="capacity 2"):
-        prog.instantiate(bases(a), {0: bases(b)}, {"full": [0], "mamba": [2]}, {"full": [0], "mamba": [0]}, 4)
+        instantiate(bind(prog, bases(a), {0: bases(b)}),
+                    {"full": [0], "mamba": [2]}, {"full": [0], "mamba": [0]}, 4)

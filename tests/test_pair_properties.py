@@ -36,6 +36,7 @@ from kvlc.compiler.pairing.pair import check_pair, pair
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from memory_model import Engine, verify  # noqa: E402
+from kvlc import bind, instantiate
 
 ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8_e4m3": 1, "int8": 1, "uint8": 1}
 TP_SIZES = (1, 2, 3, 4, 8)
@@ -610,11 +611,11 @@ def run_case(case: Case) -> dict:
         assert rep.ok, rep.render()
         prog = pair(cons, prod, local_rank=c, direction="READ")
         before = {k: v.copy() for k, v in C.buffers[c].items()}
-        parts = prog.instantiate(C.rank_bases(c), {p: P.rank_bases(p) for p in prog.peer_ranks},
-                                 case.cids, case.pids, case.tokens_arg)
+        parts = instantiate(bind(prog, C.rank_bases(c), {p: P.rank_bases(p) for p in prog.peer_ranks}),
+                            case.cids, case.pids, case.tokens_arg)
         ref = reference(cons, c, prod, C, P, case.cids, case.pids, case.tokens)
-        exact = prog.instantiate(C.rank_bases(c), {p: P.rank_bases(p) for p in prog.peer_ranks},
-                                 case.cids, case.pids, case.tokens_arg, coalesce="sort")
+        exact = instantiate(bind(prog, C.rank_bases(c), {p: P.rank_bases(p) for p in prog.peer_ranks}),
+                            case.cids, case.pids, case.tokens_arg, coalesce="sort")
         for key, part in exact.items():
             wl, wr, _ = ref[(key.peer_rank, key.local_mem, key.remote_mem)]
             assert len(part) == minimum_from_bytes(wl, wr), f"part {key}: coalesce='sort' above the minimum"
@@ -633,8 +634,8 @@ def run_case(case: Case) -> dict:
     writes = {}
     for p in range(ptp):
         prog = pair(prod, cons, local_rank=p, direction="WRITE")
-        parts = prog.instantiate(P.rank_bases(p), {c: C2.rank_bases(c) for c in prog.peer_ranks},
-                                 case.pids, case.cids, case.tokens_arg)
+        parts = instantiate(bind(prog, P.rank_bases(p), {c: C2.rank_bases(c) for c in prog.peer_ranks}),
+                            case.pids, case.cids, case.tokens_arg)
         want = {(c, pm, cm): (pb, cb, e) for c in range(ctp) for (q, cm, pm), (cb, pb, e) in refs[c].items()
                 if q == p}
         check_parts(parts, want, case.id_mode, P, p, C2)
@@ -712,7 +713,7 @@ def test_partial_tile_follows_each_regions_layout(direction):
     before = {k: v.copy() for k, v in dst.buffers[0].items()}
     local, other = (dst, src) if direction == "READ" else (src, dst)
     prog = pair(plan, plan, local_rank=0, direction=direction)
-    parts = prog.instantiate(local.rank_bases(0), {0: other.rank_bases(0)}, ids, ids, tokens)
+    parts = instantiate(bind(prog, local.rank_bases(0), {0: other.rank_bases(0)}), ids, ids, tokens)
     writes: dict = {}
     execute_counting(parts, local, 0, other, direction, writes)
     verify(dst, 0, src, ids, ids, tokens, before)
@@ -738,10 +739,10 @@ def test_runs_continuing_across_groups_merge():
     plan = kvlc.compile_spec(SHARED)
     prog = pair(plan, plan, local_rank=0, direction="READ")
     ids = {"full": [0], "swa": [1]}
-    parts = prog.instantiate({"s": 0}, {0: {"s": 1 << 20}}, ids, ids, 4, coalesce="sort")
+    parts = instantiate(bind(prog, {"s": 0}, {0: {"s": 1 << 20}}), ids, ids, 4, coalesce="sort")
     (part,) = parts.values()
     # S block 0 (full), S block 1 (swa), R block 0 (full) are bytes [0, 12) on both sides
     assert sorted(expand_rows(part.local).tolist()) == list(range(12))
     assert len(part) == 1, f"{len(part)} rows: {part.local.tolist()}"
-    (fast,) = prog.instantiate({"s": 0}, {0: {"s": 1 << 20}}, ids, ids, 4).values()
+    (fast,) = instantiate(bind(prog, {"s": 0}, {0: {"s": 1 << 20}}), ids, ids, 4).values()
     assert len(fast) <= 3 and sorted(expand_rows(fast.local).tolist()) == list(range(12))

@@ -24,6 +24,8 @@ from kvlc.demo.content import expected_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from memory_model import Engine, execute  # noqa: E402
+from kvlc import bind, instantiate
+from kvlc.explain.docs import program_summary
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYOUTS = ROOT / "layouts"
@@ -60,7 +62,7 @@ def test_stage_pulls_from_whole_model_engine():
         "warning", "pairs layers [40, 80) only, the layers both engines hold", "layers [40, 80)", "layers [0, 80)")
     prog = pair(stage, full, local_rank=0, direction="READ")
     assert {region_layer(e.region) for e in prog.entries} == set(range(40, 80))
-    assert prog.layers == (40, 80) and prog.summary()["layers"] == [40, 80]
+    assert prog.layers == (40, 80) and program_summary(prog)["layers"] == [40, 80]
 
 
 def test_whole_model_consumer_told_what_other_stages_give():
@@ -168,13 +170,13 @@ def prove(cons, prods, direction: str, seed: int) -> int:
         for rank in range(cons.parallel.tp_size if direction == "READ" else prod.parallel.tp_size):
             if direction == "READ":
                 prog = pair(cons, prod, local_rank=rank, direction="READ")
-                parts = prog.instantiate(C.rank_bases(rank), {p: eng.rank_bases(p) for p in prog.peer_ranks},
-                                         cids, pids[k], tokens)
+                parts = instantiate(bind(prog, C.rank_bases(rank), {p: eng.rank_bases(p) for p in prog.peer_ranks}),
+                                    cids, pids[k], tokens)
                 execute(parts, C, rank, eng, "READ")
             else:
                 prog = pair(prod, cons, local_rank=rank, direction="WRITE")
-                parts = prog.instantiate(eng.rank_bases(rank), {c: C.rank_bases(c) for c in prog.peer_ranks},
-                                         pids[k], cids, tokens)
+                parts = instantiate(bind(prog, eng.rank_bases(rank), {c: C.rank_bases(c) for c in prog.peer_ranks}),
+                                    pids[k], cids, tokens)
                 execute(parts, eng, rank, C, "WRITE")
     checked = 0
     for c in range(cons.parallel.tp_size):

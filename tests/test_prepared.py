@@ -1,4 +1,4 @@
-"""Prepared strided lists (``BoundProgram.prepared_rows`` / ``prepared_indices``) move exactly the
+"""Prepared strided lists (``prepared_rows(bound)`` / ``prepared_indices(bound, ...)``) move exactly the
 bytes of ``instantiate``.
 
 * For every checked-in layout pair (hetero TP both ways, HND/NHD, block-size ratio, Mamba state,
@@ -25,11 +25,14 @@ import yaml
 
 import kvlc
 import kvlc.compiler.request.prepared as pairmod
-from kvlc.compiler.pairing.pair import Part, pair
+from kvlc.compiler.pairing.pair import pair
+from kvlc.compiler.pairing.program import Part
 from kvlc.errors import TransferError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from memory_model import Engine, execute, verify  # noqa: E402
+from kvlc import bind, instantiate
+from kvlc.compiler.request.prepared import prepared_indices, prepared_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 PAIRS = yaml.safe_load((ROOT / "layouts" / "pairs" / "pairs.yaml").read_text())["pairs"]
@@ -91,7 +94,7 @@ def expand(rows5: np.ndarray, idx: np.ndarray) -> np.ndarray:
 
 def as_parts(bound, req) -> dict:
     """Prepared request → ordinary parts (expanded whole tiles, then the tail), for comparison."""
-    lists = bound.prepared_rows()
+    lists = prepared_rows(bound)
     out = {}
     for key in set(req.indices) | set(req.tail):
         ls, rs = [], []
@@ -140,8 +143,8 @@ def check_lists(lists) -> None:
 
 
 def compare(bound, lids, rids, tokens) -> tuple[int, int]:
-    want = bound.instantiate(lids, rids, tokens)
-    req = bound.prepared_indices(lids, rids, tokens)
+    want = instantiate(bound, lids, rids, tokens)
+    req = prepared_indices(bound, lids, rids, tokens)
     got = as_parts(bound, req)
     wm, gm = byte_map(want), byte_map(got)
     assert wm.keys() == gm.keys()
@@ -159,8 +162,8 @@ def test_checked_in_pairs_same_byte_map_as_instantiate(entry, direction):
     rng = np.random.default_rng(zlib.crc32(f"{entry['name']}/{direction}".encode()))
     for rank in sorted({0, local.parallel.tp_size - 1}):
         prog = pair(local, remote, local_rank=rank, direction=direction)
-        bound = prog.bind(fake_bases(local, 0, rank), {p: fake_bases(remote, 1, p) for p in prog.peer_ranks})
-        lists = bound.prepared_rows()
+        bound = bind(prog, fake_bases(local, 0, rank), {p: fake_bases(remote, 1, p) for p in prog.peer_ranks})
+        lists = prepared_rows(bound)
         check_lists(lists)
         assert set(lists) == set(prog.part_keys)
         for _ in range(3):
@@ -178,7 +181,7 @@ def test_checked_in_pairs_same_byte_map_as_instantiate(entry, direction):
             lids[g] = [i for i in range(tile // lbs + len(lused)) if i not in lused][:tile // lbs]
             rids[g] = [i for i in range(tile // rbs + len(rused)) if i not in rused][:tile // rbs]
         compare(bound, lids, rids, tokens)
-        assert not bound.prepared_indices(lids, rids, tokens).tail
+        assert not prepared_indices(bound, lids, rids, tokens).tail
 
 
 SMALL_PAIRS = [("dense-tp1.yaml", "dense-tp2-hnd-b32.yaml"), ("dense-tp2-hnd-b32.yaml", "dense-tp1.yaml"),
@@ -197,16 +200,16 @@ def test_memory_model_content(producer, consumer):
         C = Engine(cons, 10 + trial, False)
         for c in range(cons.parallel.tp_size):
             prog = pair(cons, prod, local_rank=c, direction="READ")
-            bound = prog.bind(C.rank_bases(c), {p: P.rank_bases(p) for p in prog.peer_ranks})
+            bound = bind(prog, C.rank_bases(c), {p: P.rank_bases(p) for p in prog.peer_ranks})
             before = {k: v.copy() for k, v in C.buffers[c].items()}
-            execute(as_parts(bound, bound.prepared_indices(cids, pids, tokens)), C, c, P, "READ")
+            execute(as_parts(bound, prepared_indices(bound, cids, pids, tokens)), C, c, P, "READ")
             assert verify(C, c, P, cids, pids, tokens, before) > 0
         C2 = Engine(cons, 20 + trial, False)
         befores = {c: {k: v.copy() for k, v in C2.buffers[c].items()} for c in range(cons.parallel.tp_size)}
         for p in range(prod.parallel.tp_size):
             prog = pair(prod, cons, local_rank=p, direction="WRITE")
-            bound = prog.bind(P.rank_bases(p), {c: C2.rank_bases(c) for c in prog.peer_ranks})
-            execute(as_parts(bound, bound.prepared_indices(pids, cids, tokens)), P, p, C2, "WRITE")
+            bound = bind(prog, P.rank_bases(p), {c: C2.rank_bases(c) for c in prog.peer_ranks})
+            execute(as_parts(bound, prepared_indices(bound, pids, cids, tokens)), P, p, C2, "WRITE")
         for c in range(cons.parallel.tp_size):
             assert verify(C2, c, P, cids, pids, tokens, befores[c]) > 0
 
@@ -214,30 +217,30 @@ def test_memory_model_content(producer, consumer):
 def test_bad_ids_refused_like_instantiate():
     prod, cons = plan(SMALL / "dense-tp1.yaml"), plan(SMALL / "dense-tp2-hnd-b32.yaml")
     prog = pair(cons, prod, local_rank=0, direction="READ")
-    bound = prog.bind(fake_bases(cons, 0, 0), {0: fake_bases(prod, 1, 0)})
+    bound = bind(prog, fake_bases(cons, 0, 0), {0: fake_bases(prod, 1, 0)})
     for lids, rids, tokens, msg in (({"full": [40]}, {"full": [0, 1]}, 32, "out of range"),
                                     ({"full": [0]}, {"full": [0, 1, 2]}, 32, "expected 2"),
                                     ({"full": [0]}, {"full": [0, 1]}, 0, "positive"),
                                     ({}, {"full": [0, 1]}, 32, "no block ids")):
         with pytest.raises(TransferError, match=msg):
-            bound.instantiate(lids, rids, tokens)
+            instantiate(bound, lids, rids, tokens)
         with pytest.raises(TransferError, match=msg):
-            bound.prepared_indices(lids, rids, tokens)
+            prepared_indices(bound, lids, rids, tokens)
 
 
 def test_lists_past_int32_indices_refused(monkeypatch):
     """A part whose expanded list needs indices past int32 is refused with the sizes named."""
     p = plan(ROOT / "layouts" / "llama-3.1-70b-tp4.yaml")
     prog = pair(p, p, local_rank=0, direction="READ")
-    bound = prog.bind(fake_bases(p, 0, 0), {0: fake_bases(p, 1, 0)})
-    need = max(pl.local_size for pl in bound.prepared_rows().values())
+    bound = bind(prog, fake_bases(p, 0, 0), {0: fake_bases(p, 1, 0)})
+    need = max(pl.local_size for pl in prepared_rows(bound).values())
     prog2 = pair(p, p, local_rank=0, direction="READ")
-    bound2 = prog2.bind(fake_bases(p, 0, 0), {0: fake_bases(p, 1, 0)})
+    bound2 = bind(prog2, fake_bases(p, 0, 0), {0: fake_bases(p, 1, 0)})
     monkeypatch.setattr(pairmod, "INDEX_LIMIT", need - 1)
     with pytest.raises(TransferError, match=r"expands to .* descriptors, more than make_prepped_xfer's int32"):
-        bound2.prepared_rows()
+        prepared_rows(bound2)
     with pytest.raises(TransferError, match="int32"):
-        bound2.prepared_indices({"full": [0]}, {"full": [0]}, 16)
+        prepared_indices(bound2, {"full": [0]}, {"full": [0]}, 16)
 
 
 # ----------------------------------------------------------------------------- real NIXL
@@ -270,8 +273,8 @@ def test_nixl_loopback_prepared_read(producer, consumer):
     before = {k: v.copy() for k, v in C.buffers[c].items()}
 
     prog = pair(cons, prod, local_rank=c, direction="READ")
-    bound = prog.bind(real(C, c), {0: real(P, 0)})
-    req = bound.prepared_indices(cids, pids, tokens)
+    bound = bind(prog, real(C, c), {0: real(P, 0)})
+    req = prepared_indices(bound, cids, pids, tokens)
     assert req.indices and req.tail
 
     agents = [Agent(f"kvlc-prep-cons-{c}"), Agent("kvlc-prep-prod")]
@@ -282,7 +285,7 @@ def test_nixl_loopback_prepared_read(producer, consumer):
                 agent.register(np.array([[buf.ctypes.data, buf.nbytes, 0]], dtype=np.uint64), "DRAM", name)
         remote = cons_agent.add_remote(prod_agent.metadata())
         xfers = []
-        for key, pl in bound.prepared_rows().items():
+        for key, pl in prepared_rows(bound).items():
             lh = cons_agent.prep(None, pl.local, key.local_mem)          # "NIXL_INIT_AGENT"
             rh = cons_agent.prep(remote, pl.remote, key.remote_mem)
             assert lh.count == pl.local_size and rh.count == pl.remote_size
@@ -301,7 +304,7 @@ def test_nixl_loopback_prepared_read(producer, consumer):
             time.sleep(0.001)
         assert all(x.state is XferState.DONE for x in xfers), [x.error for x in xfers]
         checked = verify(C, c, P, cids, pids, tokens, before)
-        assert checked == sum(p.nbytes for p in bound.instantiate(cids, pids, tokens).values())
+        assert checked == sum(p.nbytes for p in instantiate(bound, cids, pids, tokens).values())
     finally:
         for agent in agents:
             assert agent.close() == []

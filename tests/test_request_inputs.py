@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 import kvlc
 from kvlc.errors import TransferError
+from kvlc import bind, check_request, instantiate
 
 PLAN = kvlc.compile_spec("layouts/llama-3.1-8b.yaml")           # one group 'full', block 16 tokens
 PULL = kvlc.pair(PLAN, PLAN, local_rank=0, direction="READ")    # local side receives
@@ -18,7 +19,7 @@ RB = {0: {s.name: (i + 64) << 36 for i, s in enumerate(PLAN.storages)}}
 
 
 def request(prog, local, remote, tokens=32):
-    return prog.instantiate(LB, RB, {"full": local}, {"full": remote}, tokens)
+    return instantiate(bind(prog, LB, RB), {"full": local}, {"full": remote}, tokens)
 
 
 def test_integer_lists_and_arrays_are_accepted():
@@ -42,7 +43,7 @@ def test_non_integer_ids_are_refused(ids, found):
         with pytest.raises(TransferError, match=f"{side} block ids of group 'full'.*{found}"):
             request(PULL, local, remote)
         with pytest.raises(TransferError):
-            PULL.check_request({"full": local}, {"full": remote}, 32)
+            check_request(PULL, {"full": local}, {"full": remote}, 32)
 
 
 @pytest.mark.parametrize("tokens", [2.5, 32.0, float("nan"), "32", None, True, [32]])
@@ -74,18 +75,18 @@ def test_duplicate_ids_refused_on_the_receiving_side_only():
 def test_unknown_groups_are_refused_with_a_hint():
     """A group name neither plan has is refused with did-you-mean (ids and token maps alike)."""
     with pytest.raises(TransferError, match="unknown group 'ful'.*did you mean 'full'"):
-        PULL.instantiate(LB, RB, {"ful": [0, 1], "full": [0, 1]}, {"full": [0, 1]}, 32)
+        instantiate(bind(PULL, LB, RB), {"ful": [0, 1], "full": [0, 1]}, {"full": [0, 1]}, 32)
     with pytest.raises(TransferError, match="remote block ids name unknown group 'swa'"):
-        PULL.instantiate(LB, RB, {"full": [0, 1]}, {"full": [0, 1], "swa": [0]}, 32)
+        instantiate(bind(PULL, LB, RB), {"full": [0, 1]}, {"full": [0, 1], "swa": [0]}, 32)
     with pytest.raises(TransferError, match="must map group name"):
-        PULL.instantiate(LB, RB, [0, 1], {"full": [0, 1]}, 32)
+        instantiate(bind(PULL, LB, RB), [0, 1], {"full": [0, 1]}, 32)
 
 
 def test_bases_that_would_wrap_are_refused():
     """A base address that puts a storage past 2**63 (or is negative, or not an integer) is refused at bind."""
     for bad in (1 << 63, (1 << 63) - 10, -1, 1.5, "0x10"):
         with pytest.raises(TransferError, match="storage 'kv.0'"):
-            PULL.bind({**LB, "kv.0": bad}, RB)
+            bind(PULL, {**LB, "kv.0": bad}, RB)
 
 
 @settings(max_examples=150, deadline=None)
@@ -109,14 +110,14 @@ def test_few_and_many_ids_get_the_same_refusals(n):
     cap = PLAN.group_capacity("full")
     region = min((r for r in PLAN.regions if "full" in r.groups), key=lambda r: r.capacity).name
     ids = list(range(cap - n, cap))                      # n distinct ids, the last one at the capacity limit
-    assert PULL.check_request({"full": ids}, {"full": ids}, 16 * n)
+    assert check_request(PULL, {"full": ids}, {"full": ids}, 16 * n)
     for bad in (-1, cap):
         with pytest.raises(TransferError) as e:
-            PULL.check_request({"full": ids[:-1] + [bad]}, {"full": ids}, 16 * n)
+            check_request(PULL, {"full": ids[:-1] + [bad]}, {"full": ids}, 16 * n)
         assert str(e.value) == (f"local block id {bad} out of range for region '{region}' "
                                 f"(group 'full', capacity {cap} blocks)")
     dup = ids[:-3] + [ids[1], ids[0], ids[0]]            # ids[0] three times, ids[1] twice: smallest id, most times
     with pytest.raises(TransferError) as e:
-        PUSH.check_request({"full": ids}, {"full": dup}, 16 * n)
+        check_request(PUSH, {"full": ids}, {"full": dup}, 16 * n)
     assert str(e.value) == (f"remote block ids of group 'full': block id {ids[0]} appears 3 times; "
                             "the receiving side writes each block once, so give distinct ids")

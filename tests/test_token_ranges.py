@@ -31,6 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from memory_model import Engine, verify  # noqa: E402
 from test_pair_properties import (PROPS, check_parts, execute_counting, minimum_from_bytes,  # noqa: E402
                                   pair_case, reference)
+from kvlc import bind, instantiate
+from kvlc.compiler.request.prepared import prepared_indices, prepared_rows
+from kvlc.explain.docs import program_summary
+from kvlc.compiler.request.windows import window_stats
 
 LAYOUTS = Path(__file__).resolve().parents[1] / "layouts"
 
@@ -102,9 +106,9 @@ def run_range(case, cons, prod, spans, as_range: bool) -> int:
         ref = range_reference(cons, c, prod, C, P, case, spans, needs)
         before = {k: v.copy() for k, v in C.buffers[c].items()}
         bases = (C.rank_bases(c), {p: P.rank_bases(p) for p in prog.peer_ranks})
-        parts = prog.instantiate(*bases, cids, pids, tokens=arg)
+        parts = instantiate(bind(prog, *bases), cids, pids, tokens=arg)
         check_parts(parts, ref, case.id_mode, C, c, P)
-        for key, part in prog.instantiate(*bases, cids, pids, tokens=arg, coalesce="sort").items():
+        for key, part in instantiate(bind(prog, *bases), cids, pids, tokens=arg, coalesce="sort").items():
             wl, wr, _ = ref[(key.peer_rank, key.local_mem, key.remote_mem)]
             assert len(part) == minimum_from_bytes(wl, wr), f"part {key}: coalesce='sort' above the minimum"
         writes: dict = {}
@@ -118,8 +122,8 @@ def run_range(case, cons, prod, spans, as_range: bool) -> int:
     writes = {}
     for p in range(prod.parallel.tp_size):
         prog = pair(prod, cons, local_rank=p, direction="WRITE")
-        parts = prog.instantiate(P.rank_bases(p), {c: C2.rank_bases(c) for c in prog.peer_ranks},
-                                 pids, cids, tokens=arg)
+        parts = instantiate(bind(prog, P.rank_bases(p), {c: C2.rank_bases(c) for c in prog.peer_ranks}),
+                            pids, cids, tokens=arg)
         execute_counting(parts, P, p, C2, "WRITE", writes)
     assert all(w.max(initial=0) <= 1 for w in writes.values()), "a destination byte written twice"
     for c in range(cons.parallel.tp_size):
@@ -129,9 +133,9 @@ def run_range(case, cons, prod, spans, as_range: bool) -> int:
 
 def _prepared_agrees(prog, bases, cids, pids, arg, parts) -> None:
     """Prepared indices plus their tail move exactly the bytes of instantiate."""
-    bound = prog.bind(*bases)
-    lists = bound.prepared_rows()
-    req = bound.prepared_indices(cids, pids, tokens=arg)
+    bound = bind(prog, *bases)
+    lists = prepared_rows(bound)
+    req = prepared_indices(bound, cids, pids, tokens=arg)
     for key, part in parts.items():
         got = []
         if key in req.indices:
@@ -197,9 +201,9 @@ def test_num_tokens_is_the_range_from_zero(gemma):
     prog, bases = gemma
     for n in (1, 16, 40, 1500):
         lids, rids = _ids(-(-n // 16), -(-n // 32))
-        a = prog.instantiate(*bases, lids, rids, n)
-        b = prog.instantiate(*bases, lids, rids, tokens=(0, n))
-        c = prog.instantiate(*bases, lids, rids, tokens=range(0, n))
+        a = instantiate(bind(prog, *bases), lids, rids, n)
+        b = instantiate(bind(prog, *bases), lids, rids, tokens=(0, n))
+        c = instantiate(bind(prog, *bases), lids, rids, tokens=range(0, n))
         for key in a:
             assert np.array_equal(a[key].local, b[key].local) and np.array_equal(a[key].remote, c[key].remote)
 
@@ -211,15 +215,15 @@ def test_window_group_moves_what_the_window_keeps(gemma):
     one = {"local": [0], "global": [0]}
 
     def moved(n):
-        return sum(p.nbytes for p in prog.instantiate(*bases, one, one, n).values())
+        return sum(p.nbytes for p in instantiate(bind(prog, *bases), one, one, n).values())
 
     per_local = moved({"local": 2, "global": 1}) - moved({"local": 1, "global": 1})
     per_global = moved({"local": 1, "global": 2}) - moved({"local": 1, "global": 1})
-    full = sum(p.nbytes for p in prog.instantiate(*bases, lids, rids, 3000).values())
+    full = sum(p.nbytes for p in instantiate(bind(prog, *bases), lids, rids, 3000).values())
     assert full == per_local * 1032 + per_global * 3000
-    w, = prog.window_stats()
+    w, = window_stats(prog)
     assert (w.group, w.max_receiver_blocks, w.max_sender_blocks, w.max_tokens) == ("local", 65, 33, 1038)
-    assert prog.summary()["windows"][0]["max_receiver_blocks"] == 65
+    assert program_summary(prog)["windows"][0]["max_receiver_blocks"] == 65
 
 
 def test_window_placeholders_are_never_read(gemma):
@@ -228,10 +232,10 @@ def test_window_placeholders_are_never_read(gemma):
     lids, rids = _ids(188, 94)
     lids["local"] = [0] * 122 + [10 ** 6] + list(range(100, 165))
     rids["local"] = [0] * 60 + [5] + list(range(200, 233))
-    prog.instantiate(*bases, lids, rids, 3000)
+    instantiate(bind(prog, *bases), lids, rids, 3000)
     lids["local"][-1] = 100
     with pytest.raises(TransferError) as e:
-        prog.instantiate(*bases, lids, rids, 3000)
+        instantiate(bind(prog, *bases), lids, rids, 3000)
     assert str(e.value) == ("local block ids of group 'local': block id 100 appears 2 times; the receiving side "
                             "writes each block once, so give distinct ids")
 
@@ -258,7 +262,8 @@ BAD_RANGES = [
 def test_bad_ranges_are_refused(gemma, kw, message):
     prog, bases = gemma
     with pytest.raises(TransferError) as e:
-        prog.instantiate(*bases, {"local": [5, 6], "global": [7, 8]}, {"local": [1, 2], "global": [3, 4]}, **kw)
+        instantiate(bind(prog, *bases),
+                    {"local": [5, 6], "global": [7, 8]}, {"local": [1, 2], "global": [3, 4]}, **kw)
     assert str(e.value) == message
 
 
@@ -274,7 +279,7 @@ def test_id_counts_follow_the_range(gemma, lids, rids, message):
     """Each side lists its own blocks the range touches: [20, 40) is blocks 1..2 of 16 and 0..1 of 32."""
     prog, bases = gemma
     with pytest.raises(TransferError) as e:
-        prog.instantiate(*bases, {"local": lids, "global": [7, 8]}, {"local": rids, "global": [3, 4]},
+        instantiate(bind(prog, *bases), {"local": lids, "global": [7, 8]}, {"local": rids, "global": [3, 4]},
                          tokens=(20, 40))
     assert str(e.value) == message
 
@@ -285,11 +290,11 @@ def test_per_block_field_needs_a_block_aligned_start():
     prog = pair(plan, plan, local_rank=0, direction="READ")
     bases = ({s.name: 1 << 40 for s in plan.storages}, {0: {s.name: 2 << 40 for s in plan.storages}})
     with pytest.raises(TransferError) as e:
-        prog.instantiate(*bases, {"full": [1, 2]}, {"full": [3, 4]}, tokens=(20, 40))
+        instantiate(bind(prog, *bases), {"full": [1, 2]}, {"full": [3, 4]}, tokens=(20, 40))
     assert str(e.value) == ("group 'full': tokens [20, 40) start inside a block of region 'layer.0' (16 tokens per "
                             "block), whose field 'k_scale' has no token dim (one value per block); start the range "
                             "on a multiple of 16")
-    assert prog.instantiate(*bases, {"full": [1, 2]}, {"full": [3, 4]}, tokens=(16, 40))
+    assert instantiate(bind(prog, *bases), {"full": [1, 2]}, {"full": [3, 4]}, tokens=(16, 40))
 
 
 # ============================================================================ golden requests
@@ -307,8 +312,8 @@ def request_text(prog, bases, lids, rids, span) -> str:
     """Descriptor rows of one request, addresses relative to the bases: one line per row (a part of
     more than 400 rows: its row and byte counts only)."""
     lbase, rbase = 1 << 40, 2 << 40
-    lines = [f"request tokens [{span[0]}, {span[1]}) windows {[w.text() for w in prog.window_stats()]}"]
-    for key, part in prog.instantiate(*bases, lids, rids, tokens=span).items():
+    lines = [f"request tokens [{span[0]}, {span[1]}) windows {[w.text() for w in window_stats(prog)]}"]
+    for key, part in instantiate(bind(prog, *bases), lids, rids, tokens=span).items():
         lines.append(f"part {key} rows={len(part)} bytes={part.nbytes}")
         lines.extend(f"{int(la) - lbase:#x} <- {int(ra) - rbase:#x} x{int(n)}"
                      for (la, n, _), (ra, _, _) in zip(part.local.tolist(), part.remote.tolist()) if len(part) <= 400)

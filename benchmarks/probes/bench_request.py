@@ -29,6 +29,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from kvlc import bind, check_request, instantiate
+from kvlc.compiler.request.instantiate import emit
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -65,16 +67,16 @@ def measure(layout: str, tokens: int, direction: str, repeat: int) -> dict[str, 
 
     plan = compile_spec(str(ROOT / "layouts" / layout))
     prog = pair(plan, plan, local_rank=0, direction=direction)
-    bound = prog.bind({s.name: (1 + i) << 40 for i, s in enumerate(plan.storages)},
+    bound = bind(prog, {s.name: (1 + i) << 40 for i, s in enumerate(plan.storages)},
                       {0: {s.name: (9 + i) << 40 for i, s in enumerate(plan.storages)}})
     target = Target("consumer-agent", b"k" * 32)
     out = {}
     for kind in ("contiguous", "random"):
         lids, rids = _ids(plan, tokens, kind, 1), _ids(plan, tokens, kind, 2)
-        req = prog.check_request(lids, rids, tokens)
-        steps = {"check": lambda: prog.check_request(lids, rids, tokens),
-                 "emit": lambda: bound.emit(req),
-                 "instantiate": lambda: bound.instantiate(lids, rids, tokens)}
+        req = check_request(prog, lids, rids, tokens)
+        steps = {"check": lambda: check_request(prog, lids, rids, tokens),
+                 "emit": lambda: emit(bound, req),
+                 "instantiate": lambda: instantiate(bound, lids, rids, tokens)}
         for step, fn in steps.items():
             out[f"{kind} {step}"] = _per_call(fn, repeat) * 1e6
     out["notif"] = _per_call(lambda: target.notif("req-123456", 0, "done"), repeat) * 1e6

@@ -34,6 +34,7 @@ from common import LAYOUTS, ms, timeit, write_results  # noqa: E402
 
 from kvlc.compiler.pairing.pair import pair  # noqa: E402
 from kvlc.demo.run import cpu_plan, make_workload  # noqa: E402
+from kvlc import bind, instantiate
 
 
 def main(argv=None) -> int:
@@ -50,7 +51,7 @@ def main(argv=None) -> int:
         plan = cpu_plan(fitted_spec(LAYOUTS / args.layout, args.tokens, Path(tmp)), max_bytes=1 << 62)
     prog = pair(plan, plan, local_rank=0, direction="READ")
     pair_ = _Loopback(sum(s.size for s in plan.storages))
-    bound = prog.bind(_bases(plan, pair_.bufs[0]), {0: _bases(plan, pair_.bufs[1])})
+    bound = bind(prog, _bases(plan, pair_.bufs[0]), {0: _bases(plan, pair_.bufs[1])})
     rows = []
     for ids in ("random", "contiguous"):
         row = _profile(pair_, bound, plan, ids, args.tokens, args.repeat)
@@ -100,12 +101,12 @@ def _profile(pair_: _Loopback, bound, plan, ids: str, tokens: int, repeat: int) 
     if ids == "contiguous":  # storages lie back to back here: the whole request is one run
         pids = {g: sorted(v) for g, v in pids.items()}
     req = (cids, pids, tokens)
-    parts = bound.instantiate(*req)
+    parts = instantiate(bound, *req)
     (part,) = parts.values()
     n, nbytes = len(part), part.nbytes
     one_l = np.array([[pair_.bufs[0].ctypes.data, nbytes, 0]], dtype=np.uint64)
     one_r = np.array([[pair_.bufs[1].ctypes.data, nbytes, 0]], dtype=np.uint64)
-    t_inst = timeit(lambda q=req: bound.instantiate(*q), repeat=repeat)
+    t_inst = timeit(lambda q=req: instantiate(bound, *q), repeat=repeat)
     t_create = timeit(lambda p=part: pair_.create(p.local, p.remote), repeat=repeat)
     t_one = timeit(lambda a=one_l, b=one_r: pair_.create(a, b), repeat=repeat)
     return {"ids": ids, "descriptors": n, "bytes": nbytes, "instantiate_s": t_inst["median"],

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import click
 
+from kvlc.compiler import load_plan
+from kvlc.compiler.spec.source import load_config, parse_set
 from kvlc.errors import KvlcError
 
 EXIT_SPEC = 2
@@ -46,13 +48,11 @@ def _fail(exc: KvlcError) -> None:
 
 
 def _overrides(sets: tuple[str, ...], config: str | None):
-    from kvlc.compiler.spec.source import load_config, parse_set
     return (load_config(config) if config else None), parse_set(sets)
 
 
 def _load_plan(path: str, config: str | None = None, sets: tuple[str, ...] = ()):
     """A compiled plan from a spec (``.yaml``/``.yaml.j2``) or a plan (``.json``)."""
-    from kvlc.compiler import load_plan
     if path.endswith(".json"):
         return load_plan(path)
     cfg, ovr = _overrides(sets, config)

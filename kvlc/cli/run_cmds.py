@@ -8,6 +8,9 @@ from pathlib import Path
 import click
 
 from kvlc.cli.base import EXIT_SPEC, _fail, emit, main, write_atomic
+from kvlc.compiler import compile_spec
+from kvlc.engines.vllm.derive.offline import published_view
+from kvlc.engines.vllm.derive.spec import derive_spec, spec_yaml
 from kvlc.errors import KvlcError
 
 
@@ -41,8 +44,6 @@ def from_vllm(model_dir: str, backend: str, block_size: int | None, kernel_block
     """
     import json
 
-    from kvlc.compiler import compile_spec
-    from kvlc.engines.vllm.derive.spec import derive_spec, spec_yaml
     block_size = block_size or (128 if backend == "CPU_ATTN" else 16)
     try:
         if from_engine:
@@ -56,7 +57,6 @@ def from_vllm(model_dir: str, backend: str, block_size: int | None, kernel_block
                                attention_backend=None if backend == "CPU_ATTN" else backend)
             view = views[min(tp_rank, len(views) - 1)]
         else:
-            from kvlc.engines.vllm.derive.offline import published_view
             config_path = Path(model_dir) / "config.json"
             try:
                 config = json.loads(config_path.read_text())

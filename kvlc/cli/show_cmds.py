@@ -7,7 +7,16 @@ import sys
 import click
 
 from kvlc.cli.base import EXIT_SPEC, _config_opt, _echo_json, _fail, _load_plan, _set_opt, main, write_atomic
+from kvlc.compiler.pairing.pair import pair_and_check
+from kvlc.compiler.request.windows import window_stats
 from kvlc.errors import KvlcError
+from kvlc.explain.docs import explain_doc, pair_doc, size_doc
+from kvlc.explain.page import render_html
+from kvlc.explain.pairing import render_pair_html
+from kvlc.explain.size import request_size
+from kvlc.explain.sizetext import render_size
+from kvlc.explain.tables import program_table, render_table
+from kvlc.explain.terminal import console, print_line, print_table
 
 
 @main.command()
@@ -24,8 +33,6 @@ def explain(spec: str, full: bool, html_out: str | None, as_json: bool, config: 
 
     Byte counts are per rank; the engine totals multiply them by tp_size.
     """
-    from kvlc.explain import render_html, render_table
-    from kvlc.explain.terminal import console
     try:
         plan = _load_plan(spec, config, sets)
     except KvlcError as exc:
@@ -34,7 +41,6 @@ def explain(spec: str, full: bool, html_out: str | None, as_json: bool, config: 
         write_atomic(html_out, render_html(plan))
         click.echo(f"{html_out}: written ({len(plan.regions)} regions, digest {plan.digest[:16]})", err=True)
     if as_json:
-        from kvlc.explain.docs import explain_doc
         _echo_json(explain_doc(plan))
     else:
         render_table(plan, console(), full=full)
@@ -56,7 +62,6 @@ def pair_cmd(producer: str, consumer: str, rank: int, direction: str, as_json: b
     """Pair PRODUCER and CONSUMER (specs or plan .json): compatibility report and program summary."""
     import json as _json
 
-    from kvlc.compiler.pairing.pair import pair_and_check
     try:
         prod, cons = _load_plan(producer), _load_plan(consumer)
     except KvlcError as exc:
@@ -67,26 +72,29 @@ def pair_cmd(producer: str, consumer: str, rank: int, direction: str, as_json: b
     if html_out:
         _pair_html(html_out, prod, cons, rank, op, program is not None)
     if as_json:
-        from kvlc.explain.docs import pair_doc
         click.echo(_json.dumps(pair_doc(report, program, rank), indent=2))
     else:
-        from kvlc.explain.terminal import console as _console
-        console = _console()
-        console.print(report.render(), markup=False, highlight=False)
-        if program is not None:
-            from kvlc.explain.tables import program_table
-            from kvlc.explain.terminal import print_line, print_table
-            print_table(program_table(program, op, rank), console)
-            counts = ", ".join(f"rank {k}: {v}" for k, v in sorted(program.consumer_counts.items()))
-            print_line(console, f"consumer ranks reading from each producer rank: {counts}")
-            if program.dcp_text():
-                print_line(console, program.dcp_text())
-            for w in program.window_stats():
-                print_line(console, w.text())
-            if show_program:
-                click.echo(program.text(), nl=False)
+        _print_pair(report, program, op, rank, show_program)
     if not report.ok:
         sys.exit(EXIT_SPEC)
+
+
+def _print_pair(report, program, op: str, rank: int, show_program: bool) -> None:
+    """``kvlc pair`` on a terminal: the report, then (compatible) the program's parts, consumer counts,
+    decode context parallelism and sliding windows (and, with --program, every entry)."""
+    con = console()
+    con.print(report.render(), markup=False, highlight=False)
+    if program is None:
+        return
+    print_table(program_table(program, op, rank), con)
+    counts = ", ".join(f"rank {k}: {v}" for k, v in sorted(program.consumer_counts.items()))
+    print_line(con, f"consumer ranks reading from each producer rank: {counts}")
+    if program.dcp_text():
+        print_line(con, program.dcp_text())
+    for w in window_stats(program):
+        print_line(con, w.text())
+    if show_program:
+        click.echo(program.text(), nl=False)
 
 
 def _pair_html(path: str, producer, consumer, rank: int, op: str, compatible: bool) -> None:
@@ -94,7 +102,6 @@ def _pair_html(path: str, producer, consumer, rank: int, op: str, compatible: bo
     if not compatible:
         click.echo(f"{path}: not written (the engines do not pair; the report says why)", err=True)
         return
-    from kvlc.explain.pairing import render_pair_html
     write_atomic(path, render_pair_html(producer, consumer, rank=rank, direction=op))
     click.echo(f"{path}: written", err=True)
 
@@ -114,7 +121,6 @@ def size(spec: str, tokens: int, peer: str | None, ranks: tuple[int, ...], direc
     Each rank's program is paired and instantiated for the request; descriptors are counted
     for scattered block ids (none adjacent: the worst case) and contiguous ones (the best).
     """
-    from kvlc.explain.size import request_size
     try:
         plan = _load_plan(spec)
         other = _load_plan(peer) if peer else None
@@ -123,9 +129,6 @@ def size(spec: str, tokens: int, peer: str | None, ranks: tuple[int, ...], direc
     except KvlcError as exc:
         _fail(exc)
     if as_json:
-        from kvlc.explain.docs import size_doc
         _echo_json(size_doc(result))
     else:
-        from kvlc.explain.sizetext import render_size
-        from kvlc.explain.terminal import console
         render_size(result, console())

@@ -8,8 +8,15 @@ import click
 
 from kvlc.cli.base import (EXIT_SPEC, _config_opt, _echo_json, _fail, _load_plan, _overrides, _set_opt,
                            emit, main, write_atomic)
+from kvlc.compiler import compile_spec
+from kvlc.compiler.spec.schema import schema_json
+from kvlc.compiler.spec.source import load_config, parse_yaml, rendered_name
+from kvlc.compiler.spec.template import render_template
+from kvlc.compiler.spec.validate import validate
 from kvlc.engines.vllm.derive.hybrid import SSM_CACHE_DTYPES   # vLLM's choices, one list
 from kvlc.errors import KvlcError
+from kvlc.explain.docs import check_doc, problem_doc
+from kvlc.init import EngineOptions, InitError, init_spec, init_yaml
 
 
 @main.command()
@@ -59,7 +66,6 @@ def check(specs: tuple[str, ...], config: str | None, sets: tuple[str, ...], as_
 
 def _check_json(specs: tuple[str, ...], config: str | None, sets: tuple[str, ...]) -> None:
     """``kvlc check --json``: the same checks, as one document on stdout (exit 2 if any failed)."""
-    from kvlc.explain.docs import check_doc, problem_doc
     results = []
     for spec in specs:
         try:
@@ -84,9 +90,6 @@ def _check_json(specs: tuple[str, ...], config: str | None, sets: tuple[str, ...
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write the YAML here.")
 def render(template: str, config: str | None, sets: tuple[str, ...], output: str | None) -> None:
     """Render a .yaml.j2 TEMPLATE with a model config into concrete YAML (validated first)."""
-    from kvlc.compiler import compile_spec
-    from kvlc.compiler.spec.source import parse_yaml, render_template, rendered_name
-    from kvlc.compiler.spec.validate import validate
     try:
         cfg, ovr = _overrides(sets, config)
         text = render_template(template, cfg, ovr)
@@ -103,7 +106,6 @@ def _layer_window(text: str | None) -> tuple[int, int] | None:
         return None
     start, sep, stop = text.partition(":")
     if not sep or not start.strip().isdigit() or not stop.strip().isdigit():
-        from kvlc.init import InitError
         raise InitError(f"--layers {text!r}: expected START:STOP, e.g. --layers 0:40 (layers [0, 40))")
     return int(start), int(stop)
 
@@ -145,9 +147,6 @@ def init_cmd(config: str, engine: str, backend: str, tp_size: int, pp_size: int,
     """Write the spec of a HuggingFace CONFIG (config.json) on the engine the options describe."""
     import json as _json
 
-    from kvlc.compiler import compile_spec
-    from kvlc.compiler.spec.source import load_config
-    from kvlc.init import EngineOptions, init_spec, init_yaml
     try:
         opts = EngineOptions(engine=engine, backend=backend, tp_size=tp_size, pp_size=pp_size, pp_rank=pp_rank,
                              layers=_layer_window(layers), dcp_size=dcp_size, dcp_interleave=dcp_interleave,
@@ -172,6 +171,5 @@ def schema(output: str | None) -> None:
 
     Put `# yaml-language-server: $schema=kvlc.compiler.spec.schema.json` on a spec's first line.
     """
-    from kvlc.compiler.spec.schema import schema_json
     text = schema_json()
     emit(text, output)

@@ -1,14 +1,14 @@
 """kvlc's compiler: spec text → frozen, content-hashed :class:`Plan` → transfer program → descriptors.
 
-Stages, in the order data flows (one module each; every pass and check is a pure function):
+Stages as folders, in the order data flows (every pass and check is a pure function):
 
-    source       YAML / jinja2 template → plain data with file:line:col marks
-    spec         the typed, frozen models of the spec language
-    validate     plain data → :class:`LayoutSpec` (pydantic), problems located in the file
-    PASSES       expand → resolve (fields) → check (CHECKS) → build: the :class:`Plan` (plan)
-    compat       two plans → a compatibility report (CHECKS, REGION_CHECKS, FIELD_CHECKS)
-    pair         tp (head mapping) → runs (tile templates) → program (:class:`TransferProgram`)
-    per request  request (typed ids) → instantiate (bound (N, 3) rows) / prepared (strided lists)
+    spec/        source (YAML / jinja2 template → plain data with file:line:col marks), the typed,
+                 frozen models of the spec language, validate → :class:`LayoutSpec`
+    plan/        PASSES: expand → resolve (fields) → check (CHECKS) → build: the :class:`Plan`
+    pairing/     compat (CHECKS, REGION_CHECKS, FIELD_CHECKS) → tp (head mapping) → runs (tile
+                 templates) → program (:class:`TransferProgram`, pure data); pair puts them together
+    request/     free functions over a program, per request: check_request → bind → instantiate
+                 ((N, 3) rows) or prepared (strided lists + indices); window_stats
 
 Shared algebra: :mod:`~kvlc.compiler.algebra.layout` (``shape:stride``, shard, tile) and
 :mod:`~kvlc.compiler.algebra.copies` (runs). Nothing here imports nixl or torch.
@@ -19,6 +19,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Mapping
 
+from pydantic import ValidationError
+
 from kvlc.compiler.plan.build import build_plan
 from kvlc.compiler.plan.check import check
 from kvlc.compiler.plan.expand import expand
@@ -27,7 +29,7 @@ from kvlc.compiler.plan.resolve import resolve
 from kvlc.compiler.spec.source import read_source
 from kvlc.compiler.spec.models import LayoutSpec
 from kvlc.compiler.spec.validate import validate
-from kvlc.errors import CompileError, Problem, SpecError
+from kvlc.errors import Mark, Problem, SpecError
 
 PASSES = (expand, resolve, check, build_plan)
 
@@ -86,9 +88,6 @@ def load_plan(path: str | Path, config: Mapping | None = None, overrides: Mappin
     p = Path(path)
     if p.suffix != ".json":
         return compile_spec(p, config, overrides)
-    from pydantic import ValidationError
-
-    from kvlc.errors import Mark
     try:
         return Plan.from_json(p.read_bytes())
     except OSError as exc:
@@ -103,4 +102,4 @@ def load_plan(path: str | Path, config: Mapping | None = None, overrides: Mappin
                                  mark=Mark(str(p), 1, 1))]) from None
 
 
-__all__ = ["PASSES", "Plan", "LayoutSpec", "load_spec", "compile_spec", "load_plan", "CompileError", "SpecError"]
+__all__ = ["PASSES", "load_spec", "compile_spec", "load_plan"]

@@ -19,7 +19,7 @@ TypeError: 'FrozenMap' object does not support item assignment
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import Any, Generic, TypeVar, get_args
+from typing import Any, Callable, Generic, Hashable, TypeVar, get_args
 
 from pydantic_core import core_schema
 
@@ -76,3 +76,28 @@ class FrozenMap(Mapping, Generic[K, V]):
             cls, as_dict,
             serialization=core_schema.plain_serializer_function_ser_schema(
                 lambda m: dict(m._pairs), return_schema=as_dict))
+
+
+class Memo:
+    """An explicit cache of values derived from a frozen object: made on first use, then reused.
+
+    Not part of the owner's value (never compared, printed or serialized).
+
+    >>> m = Memo()
+    >>> m.get("x", lambda: 41 + 1), m.get("x", lambda: 0)
+    (42, 42)
+    """
+
+    __slots__ = ("_values",)
+
+    def __init__(self) -> None:
+        self._values: dict = {}
+
+    def get(self, key: Hashable, make: Callable[[], Any]) -> Any:
+        try:
+            return self._values[key]
+        except KeyError:
+            return self._values.setdefault(key, make())
+
+    def __repr__(self) -> str:
+        return f"Memo({len(self._values)} values)"

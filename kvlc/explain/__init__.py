@@ -3,24 +3,15 @@
 Pure: reads :class:`~kvlc.compiler.plan.model.Plan` values (and pairs them through the public
 compiler API), returns values and text. No nixl, no torch. One module per concern:
 
-    numbers   exact bytes, binary units, compact integer sets
+    numbers   exact bytes, binary units (compact integer sets: :mod:`kvlc.collapse`)
     summary   per region / storage / memory type / group, per rank and per engine
-    tables    text cells of every table; terminal rendering that never cuts a number
+    tables    text cells of every table (terminal: rendering them, never cutting a number)
     blocks    the byte map of one block of each layout (fields, dim order, replication)
     page      ``kvlc explain --html``: storages to scale per memory type, block maps
     pairing   ``kvlc pair --html``: which consumer rank reads which producer heads and tokens
     size      bytes and descriptors of one request of N tokens (sizetext: its tables)
     program_view  a program's pieces and runs as plain tuples
     docs      the JSON documents of ``--json``
+
+Import from the module that defines a name; this package re-exports nothing.
 """
-
-from kvlc.explain.numbers import both, compact_ints, exact, field_short, human
-from kvlc.explain.page import MIN_REGION_PX, region_title, render_html, svg_model
-from kvlc.explain.summary import (GroupTotal, MemTotal, RegionRow, RegionRun, StorageTotal, Summary, collapse,
-                                  collapse_storages, region_row, summarize)
-from kvlc.explain.tables import TableData, header_lines, render_table, tables
-
-__all__ = ["both", "compact_ints", "exact", "field_short", "human", "MIN_REGION_PX", "region_title",
-           "render_html", "svg_model", "GroupTotal", "MemTotal", "RegionRow", "RegionRun", "StorageTotal",
-           "Summary", "collapse", "collapse_storages", "region_row", "summarize", "TableData", "header_lines",
-           "render_table", "tables"]

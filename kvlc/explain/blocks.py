@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from itertools import product
 
 from kvlc.compiler.plan.model import Plan, PlanField, PlanRegion
-from kvlc.explain.summary import _vary_label, replicas
+from kvlc.collapse import vary_label
+from kvlc.explain.summary import replicas
 
 MAX_RUNS = 512     # runs of a slice drawn at most (a longer list is cut, and says so)
 
@@ -105,6 +106,6 @@ def block_maps(plan: Plan) -> tuple[BlockMap, ...]:
     out = []
     for regs in by_key.values():
         r = regs[0]
-        out.append(BlockMap(_vary_label([x.name for x in regs]), len(regs), r.block_bytes, r.block_stride,
+        out.append(BlockMap(vary_label([x.name for x in regs]), len(regs), r.block_bytes, r.block_stride,
                             r.block_tokens, tuple(field_map(f, plan.parallel.tp_size) for f in r.fields)))
     return tuple(out)

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
+from kvlc.compiler.pairing.program import TransferProgram
 from kvlc.compiler.plan.model import Plan
+from kvlc.compiler.request.windows import window_stats
+from kvlc.errors import format_path
 from kvlc.explain.program_view import piece
 from kvlc.explain.size import RequestSize
 from kvlc.explain.summary import Summary, summarize
@@ -57,12 +60,34 @@ def pair_doc(report, program, rank: int) -> dict:
         doc["consumer_counts"] = {str(k): v for k, v in sorted(program.consumer_counts.items())}
         doc["parts"] = [{"peer_rank": k.peer_rank, "local_mem": k.local_mem, "remote_mem": k.remote_mem, **v}
                         for k, v in program.stats().items()]
-        doc["windows"] = program.summary()["windows"]
+        doc["windows"] = _windows(program)
         doc["digest"] = program.digest
         doc["heads"] = _heads(program)
         if program.dcp_text():
             doc["dcp"] = program.dcp_text()
     return doc
+
+
+def _windows(program: TransferProgram) -> list[dict]:
+    return [{**asdict(w), "vllm_blocks": w.vllm_blocks} for w in window_stats(program)]
+
+
+def program_summary(program: TransferProgram) -> dict:
+    """A program as JSON-ready data: peers, consumer counts, layers covered, parts, windows and digest.
+
+    >>> from kvlc import compile_spec, pair
+    >>> p = compile_spec("layouts/llama-3.1-8b.yaml")
+    >>> s = program_summary(pair(p, p, local_rank=0))
+    >>> s["peer_ranks"], s["layers"], s["parts"][0]["entries"], s["windows"]
+    ([0], [0, 32], 32, [])
+    """
+    return {"peer_ranks": list(program.peer_ranks), "layers": list(program.layers),
+            "consumer_counts": {str(k): v for k, v in sorted(program.consumer_counts.items())},
+            "parts": [{"peer_rank": k.peer_rank, "local_mem": k.local_mem, "remote_mem": k.remote_mem,
+                       "entries": s.entries, "runs_per_tile": s.runs_per_tile,
+                       "bytes_per_tile": s.bytes_per_tile} for k, s in program.part_stats().items()],
+            "windows": _windows(program), "digest": program.digest,
+            **({"dcp": program.dcp_text()} if program.dcp_text() else {})}
 
 
 def _heads(program) -> list[dict]:
@@ -99,7 +124,6 @@ def check_doc(results: list[dict]) -> dict:
 
 def problem_doc(p) -> dict:
     """One spec problem (:class:`~kvlc.errors.Problem`) as a dict: what, where (file, line, col, path), fix."""
-    from kvlc.errors import format_path
     mark = getattr(p, "mark", None)
     return {"what": p.what, "path": format_path(p.path), "expected": p.expected, "found": p.found, "fix": p.fix,
             "file": mark.file if mark else None, "line": mark.line if mark else None,

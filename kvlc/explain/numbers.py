@@ -1,8 +1,7 @@
-"""Number formats of ``kvlc explain``: exact bytes, binary units, compact integer sets."""
+"""Number formats of ``kvlc explain``: exact bytes and binary units."""
 
 from __future__ import annotations
 
-from kvlc.collapse import compact_ints  # noqa: F401  (re-exported: one rule for all output)
 from kvlc.compiler.plan.model import PlanField
 
 

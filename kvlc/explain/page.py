@@ -5,9 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
+from kvlc.collapse import vary_label
 from kvlc.compiler.plan.model import Plan, PlanRegion
+from kvlc.explain.blocks import block_maps
 from kvlc.explain.numbers import exact, human
-from kvlc.explain.summary import region_row, summarize
+from kvlc.explain.summary import collapse, name_runs, region_row, summarize
 from kvlc.explain.tables import tables
 
 
@@ -77,8 +79,7 @@ def storage_runs(plan: Plan) -> list[list]:
     >>> [len(run) for run in storage_runs(compile_spec("layouts/llama-3.1-8b.yaml"))]
     [32]
     """
-    from kvlc.explain.summary import _runs
-    return _runs(list(plan.storages), lambda s: s.name, lambda s: _storage_key(plan, s.name))
+    return name_runs(list(plan.storages), lambda s: s.name, lambda s: _storage_key(plan, s.name))
 
 
 def _region_item(r: PlanRegion, label_name: str, y: float, lane: int, px: float, x0: float, bar_w: float,
@@ -109,7 +110,6 @@ def _storage_title(run: list, regs: list, label: str, enlarged: bool) -> str:
 
 def _storage_row(plan: Plan, run: list, y: float, scale: float, colors: dict, region_labels: dict) -> dict:
     """One storage bar at height ``y`` with its regions in lanes (``run``: alike storages drawn once)."""
-    from kvlc.explain.summary import _vary_label
     s = run[0]
     regs = [r for r in plan.regions if r.storage == s.name]
     lanes = _lanes(regs)
@@ -117,7 +117,7 @@ def _storage_row(plan: Plan, run: list, y: float, scale: float, colors: dict, re
     true_w = s.size * scale
     bar_w = max(MIN_STORAGE_PX, true_w)
     px = bar_w / s.size
-    label = _vary_label([x.name for x in run])
+    label = vary_label([x.name for x in run])
     title = _storage_title(run, regs, label, bar_w > true_w)
     items = [_region_item(r, region_labels.get(r.name, r.name), y, lane, px, LABEL_W, bar_w, colors,
                           plan.parallel.tp_size, len(run))
@@ -152,7 +152,6 @@ def svg_model(plan: Plan) -> dict:
     Storages that draw alike (same size, regions at the same offsets) collapse into one bar
     labelled with their name run (``kv.{0..31}``, x32); regions are drawn to scale inside.
     """
-    from kvlc.explain.summary import collapse
     colors = {g.name: PALETTE[i % len(PALETTE)] for i, g in enumerate(plan.groups)}
     summary = summarize(plan)
     region_labels = {r.name: run.label for run in collapse(summary.regions) for r in run.rows}
@@ -216,7 +215,6 @@ def _stack_notes(fields: list[dict]) -> int:
 
 def block_model(plan: Plan) -> list[dict]:
     """Pixel geometry of one block per layout: fields to scale, the first slice's runs darker."""
-    from kvlc.explain.blocks import block_maps
     out = []
     for m in block_maps(plan):
         px = BAR_W / m.block_bytes
@@ -252,7 +250,8 @@ def _fieldwrap(cell: str):
                            + Markup("</span>") for f in cell.split(" "))
 
 
-def _environment():
+def environment():
+    """The jinja2 environment of explain's HTML pages: kvlc/templates/, autoescaped, strict, its filters."""
     import jinja2
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(Path(__file__).parent.parent / "templates")),
                              autoescape=True, undefined=jinja2.StrictUndefined,
@@ -275,6 +274,6 @@ def render_html(plan: Plan) -> str:
     s = summarize(plan)
     short, full = tables(s), tables(s, full=True)
     longer = tuple(f for c, f in zip(short, full) if len(f.rows) != len(c.rows))
-    return _environment().get_template("explain.html.j2").render(
+    return environment().get_template("explain.html.j2").render(
         s=s, svg=svg_model(plan), blocks=block_model(plan), tables=short, full_tables=longer)
 

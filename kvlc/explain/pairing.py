@@ -16,8 +16,10 @@ from __future__ import annotations
 
 from math import gcd
 
+from kvlc.compiler.pairing.pair import pair
 from kvlc.compiler.plan.model import Plan, PlanField
 from kvlc.explain.numbers import exact, human
+from kvlc.explain.page import environment
 from kvlc.explain.program_view import piece, runs
 
 W = 1100             # drawing width in pixels
@@ -60,7 +62,6 @@ def _x_of(box: dict, head: int) -> float:
 
 def mapping_model(producer: Plan, consumer: Plan) -> dict:
     """Ranks, their heads, and a band per (consumer rank, producer rank, head slice) of the first region."""
-    from kvlc import pair
     region = next(r.name for r in consumer.regions if r.name in {x.name for x in producer.regions})
     pf, cf = _head_field(producer, region), _head_field(consumer, region)
     ptp, ctp = producer.parallel.tp_size, consumer.parallel.tp_size
@@ -120,7 +121,6 @@ def tokens_model(producer: Plan, consumer: Plan, region: str) -> dict | None:
 
 def descriptors_model(local: Plan, remote: Plan, rank: int, direction: str) -> dict:
     """The runs of one tile of the first region for ``rank``: where each lies on both sides."""
-    from kvlc import pair
     prog = pair(local, remote, local_rank=rank, direction=direction)
     first = prog.entries[0]
     entries = [e for e in prog.entries if e.region == first.region and e.group == first.group]
@@ -169,10 +169,9 @@ def render_pair_html(producer: Plan, consumer: Plan, *, rank: int = 0, direction
     >>> page.count('class="band"'), 'data-peer="1"' in page
     (8, True)
     """
-    from kvlc.explain.page import _environment
     mapping = mapping_model(producer, consumer)
     local, remote = (consumer, producer) if direction == "READ" else (producer, consumer)
-    return _environment().get_template("pair.html.j2").render(
+    return environment().get_template("pair.html.j2").render(
         producer=producer, consumer=consumer, mapping=mapping, width=W, left=LEFT,
         tokens=tokens_model(producer, consumer, mapping["region"]),
         desc=descriptors_model(local, remote, rank, direction), human=human)

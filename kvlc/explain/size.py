@@ -16,7 +16,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvlc.compiler.pairing.pair import pair
 from kvlc.compiler.plan.model import Plan
+from kvlc.compiler.request.bind import bind
+from kvlc.compiler.request.instantiate import instantiate
 from kvlc.errors import KvlcError
 
 _BASE = 1 << 40   # storage i of a side is placed at (i + 1) * _BASE: storages never touch
@@ -150,14 +153,13 @@ def _bases(plan: Plan) -> dict[str, tuple[int, int]]:
 
 
 def _rank(local: Plan, remote: Plan, rank: int, direction: str, tokens: int) -> RankSize:
-    from kvlc import pair
     prog = pair(local, remote, local_rank=rank, direction=direction)
     groups = sorted({e.group for e in prog.entries})
-    lb, rb = _bases(local), {p: _bases(remote) for p in prog.peer_ranks}
+    bound = bind(prog, _bases(local), {p: _bases(remote) for p in prog.peer_ranks})
     counts = {}
     for scattered in (True, False):
-        parts = prog.instantiate(lb, rb, _ids(local, tokens, groups, scattered),
-                                 _ids(remote, tokens, groups, scattered), tokens)
+        parts = instantiate(bound, _ids(local, tokens, groups, scattered),
+                            _ids(remote, tokens, groups, scattered), tokens)
         counts[scattered] = parts
     parts = tuple(PartSize(k.peer_rank, k.local_mem, k.remote_mem, part.nbytes, len(part),
                            len(counts[False][k])) for k, part in counts[True].items())

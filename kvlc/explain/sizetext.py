@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from kvlc.explain.numbers import both, exact
 from kvlc.explain.size import RequestSize
-from kvlc.explain.tables import TableData
+from kvlc.explain.terminal import TableData, print_line, print_table
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -45,7 +45,6 @@ def size_tables(s: RequestSize) -> tuple[TableData, ...]:
 
 def render_size(s: RequestSize, con: "Console") -> None:
     """Print :func:`size_tables` without cutting a number."""
-    from kvlc.explain.terminal import print_line, print_table
     for t in size_tables(s):
         print_table(t, con)
     print_line(con, "scattered: no two block ids adjacent (the worst case); contiguous: ids 0, 1, 2, ... on "

@@ -20,10 +20,11 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Sequence
 
-from kvlc.compiler.plan.model import Plan, PlanField, PlanRegion
+from kvlc.collapse import compact_ints
 from kvlc.collapse import split_name as _split
 from kvlc.collapse import vary_label
-from kvlc.explain.numbers import compact_ints, exact, field_short, human  # noqa: F401  (doctests)
+from kvlc.compiler.plan.model import Plan, PlanField, PlanRegion
+from kvlc.explain.numbers import exact, field_short, human
 
 
 @dataclass(frozen=True)
@@ -263,7 +264,6 @@ def summarize(plan: Plan) -> Summary:
 
 # ---------------------------------------------------------------- collapsing per-layer runs
 # The name-collapsing rules are shared with error rendering (kvlc.collapse).
-_vary_label = vary_label
 
 
 def _offset_label(offsets: Sequence[int]) -> str:
@@ -285,11 +285,11 @@ def collapse(rows: Sequence[RegionRow]) -> tuple[RegionRun, ...]:
     >>> [(r.label, r.storage, r.offset, r.count) for r in collapse(rows)]
     [('layer.{0..31}', 'kv.{0..31}', '0', 32)]
     """
-    parts = _runs(rows, lambda r: r.name, lambda r: (
+    parts = name_runs(rows, lambda r: r.name, lambda r: (
         _split(r.storage)[0], r.mem, r.num_blocks, r.block_bytes, r.block_stride, r.tokens, r.groups,
         r.fields, r.optional))
-    return tuple(RegionRun(label=_vary_label([r.name for r in part]), rows=tuple(part),
-                           storage=_vary_label([r.storage for r in part]),
+    return tuple(RegionRun(label=vary_label([r.name for r in part]), rows=tuple(part),
+                           storage=vary_label([r.storage for r in part]),
                            offset=_offset_label([r.offset for r in part])) for part in parts)
 
 
@@ -300,11 +300,11 @@ def collapse_storages(storages: Sequence[StorageTotal]) -> tuple[tuple[str, tupl
     >>> [(label, len(part)) for label, part in collapse_storages(st)]
     [('kv.{0..31}', 32)]
     """
-    parts = _runs(storages, lambda s: s.name, lambda s: (s.mem, s.size, s.regions, s.bytes))
-    return tuple((_vary_label([s.name for s in part]), tuple(part)) for part in parts)
+    parts = name_runs(storages, lambda s: s.name, lambda s: (s.mem, s.size, s.regions, s.bytes))
+    return tuple((vary_label([s.name for s in part]), tuple(part)) for part in parts)
 
 
-def _runs(items: Sequence, name_of, key_of) -> list[list]:
+def name_runs(items: Sequence, name_of, key_of) -> list[list]:
     """Partition ``items`` into runs whose names differ by one number and whose ``key_of`` is equal.
 
     Runs are ordered by their first item; items keep their order inside a run.

@@ -1,27 +1,16 @@
-"""The tables of ``kvlc explain`` as text cells, and their terminal rendering."""
+"""The tables of ``kvlc explain`` as text cells (:class:`~kvlc.explain.terminal.TableData`), and printing them."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvlc.compiler.plan.model import Plan
 from kvlc.explain.numbers import both, exact
 from kvlc.explain.summary import GroupTotal, Summary, collapse_storages, summarize
+from kvlc.explain.terminal import TableData, print_line, print_table
 
 if TYPE_CHECKING:
     from rich.console import Console
-
-
-@dataclass(frozen=True)
-class TableData:
-    """A table as text cells; ``numeric[i]`` right-aligns column i."""
-
-    title: str
-    columns: tuple[str, ...]
-    numeric: tuple[bool, ...]
-    rows: tuple[tuple[str, ...], ...]
-    footer: tuple[str, ...] | None = None
 
 
 def _rows_note(what: str, total: int, shown: int, how: str) -> str:
@@ -133,8 +122,6 @@ def render_table(plan: Plan, console: Console, full: bool = False) -> None:
     >>> "layer.{0..31}" in con.file.getvalue()
     True
     """
-    from kvlc.explain.terminal import print_line, print_table
-
     s = summarize(plan)
     for line in header_lines(s):
         print_line(console, line, style="bold")

@@ -24,7 +24,17 @@ from typing import TYPE_CHECKING, Sequence
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from kvlc.explain.tables import TableData
+
+@dataclass(frozen=True)
+class TableData:
+    """A table as text cells; ``numeric[i]`` right-aligns column i."""
+
+    title: str
+    columns: tuple[str, ...]
+    numeric: tuple[bool, ...]
+    rows: tuple[tuple[str, ...], ...]
+    footer: tuple[str, ...] | None = None
+
 
 _BREAK = re.compile(r"(?<=[ ,])")
 _HEAD_BREAK = re.compile(r"(?<=[ /])")
@@ -90,7 +100,7 @@ class _Col:
     natural: int    # the longest cell or header
 
 
-def _columns(t: "TableData") -> list[_Col]:
+def _columns(t: TableData) -> list[_Col]:
     cells = list(t.rows) + ([t.footer] if t.footer else [])
     out = []
     for i, (h, num) in enumerate(zip(t.columns, t.numeric)):
@@ -106,10 +116,9 @@ def _overhead(n: int) -> int:
     return 3 * n + 1     # rich's default box: a border between columns and one space of padding each side
 
 
-def fit(t: "TableData", width: int | None) -> list[list[tuple[int, int]]] | None:
+def fit(t: TableData, width: int | None) -> list[list[tuple[int, int]]] | None:
     """Column chunks ``[(column index, width), ...]`` that fit ``width``, or None (go vertical).
 
-    >>> from kvlc.explain.tables import TableData
     >>> t = TableData("t", ("name", "bytes", "more"), (False, True, True), (("a", "1,024", "2,048"),))
     >>> fit(t, None), fit(t, 19)
     ([[(0, 4), (1, 5), (2, 5)]], [[(0, 4), (1, 5)], [(0, 4), (2, 5)]])
@@ -158,7 +167,7 @@ def print_line(con: "Console", text: str, style: str = "") -> None:
         con.print(Text(line, style=style), overflow="ignore", crop=False)
 
 
-def print_table(t: "TableData", con: "Console", width: int | None = None) -> None:
+def print_table(t: TableData, con: "Console", width: int | None = None) -> None:
     """Print ``t`` on ``con`` so that every number shows whole: see :func:`fit`."""
     from rich.text import Text
     w = width if width is not None else (None if con.width >= UNLIMITED else con.width)
@@ -173,7 +182,7 @@ def print_table(t: "TableData", con: "Console", width: int | None = None) -> Non
         con.print(Text(t.title, style="bold"))
 
 
-def _rich_table(t: "TableData", chunk: Sequence[tuple[int, int]], title: str):
+def _rich_table(t: TableData, chunk: Sequence[tuple[int, int]], title: str):
     from rich.table import Table
     from rich.text import Text
     table = Table(title=title, title_justify="left", title_style="bold", show_footer=t.footer is not None,
@@ -191,7 +200,7 @@ def _rich_table(t: "TableData", chunk: Sequence[tuple[int, int]], title: str):
     return table
 
 
-def _print_vertical(t: "TableData", con: "Console", width: int) -> None:
+def _print_vertical(t: TableData, con: "Console", width: int) -> None:
     """One block per row: the key cell on a line, then ``column  value`` lines, values wrapped."""
     from rich.text import Text
     def out(text: str, style: str = "") -> None:     # lines are wrapped here: rich must not cut them

@@ -21,11 +21,12 @@ from typing import Any
 
 import yaml
 
-from kvlc.compiler.spec.models import DTYPE_SIZES
+from kvlc.compiler.spec.dtypes import DTYPE_SIZES
 from kvlc.errors import did_you_mean
 from kvlc.init.ds_mla import DS_MLA, ds_mla_record
-from kvlc.init.engines import ENGINES, MEMS, EngineOptions, backend_of, stage_layers
+from kvlc.init.engines import ENGINES, MEMS, EngineOptions, backend_of, dcp_parallel, stage_layers
 from kvlc.init.model import Family, InitError, LayerKind, Model, read_model
+from kvlc.init.vllm import vllm_spec
 from kvlc.init.write import GroupNames, Layer, groups, layouts, regions, storages
 
 def _check(opts: EngineOptions, m: Model) -> None:
@@ -82,7 +83,6 @@ def init_spec(config: Mapping[str, Any], opts: EngineOptions = EngineOptions(),
     m = read_model(config)
     if opts.engine == "vllm":
         _check(opts, m)
-        from kvlc.init.vllm import vllm_spec
         return vllm_spec(config, m, opts)
     b = backend_of(opts)
     _check(opts, m)
@@ -95,12 +95,6 @@ def init_spec(config: Mapping[str, Any], opts: EngineOptions = EngineOptions(),
             "parallel": parallel, "block_size": opts.block_size, "groups": groups(m, opts, names),
             "storages": storages(held, b, opts, bool(m.index_head_dim)), "layouts": lays,
             "regions": regions(m, held, b, opts, names, lays)}
-
-
-def dcp_parallel(opts: EngineOptions) -> dict:
-    """The ``parallel`` keys of decode context parallelism (none without it)."""
-    out = {"dcp_size": opts.dcp_size} if opts.dcp_size != 1 else {}
-    return {**out, "dcp_interleave": opts.dcp_interleave} if opts.dcp_interleave != 1 else out
 
 
 def default_name(m: Model, opts: EngineOptions, window: tuple[int, int] | None) -> str:

@@ -130,3 +130,9 @@ def stage_layers(opts: EngineOptions, num_layers: int) -> tuple[int, int] | None
     base, extra = divmod(num_layers, pp)
     start = rank * base + min(rank, extra)
     return start, start + base + (1 if rank < extra else 0)
+
+
+def dcp_parallel(opts: EngineOptions) -> dict:
+    """The ``parallel`` keys of decode context parallelism (none without it)."""
+    out = {"dcp_size": opts.dcp_size} if opts.dcp_size != 1 else {}
+    return {**out, "dcp_interleave": opts.dcp_interleave} if opts.dcp_interleave != 1 else out

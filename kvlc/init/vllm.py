@@ -22,9 +22,13 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from kvlc.engines.vllm.derive.hybrid import hybrid_spec
+from kvlc.engines.vllm.derive.offline import ATTENTION_BACKENDS, MLA_BACKENDS, published_view
+from kvlc.engines.vllm.derive.spec import derive_spec
+from kvlc.engines.vllm.derive.view import ViewError
 from kvlc.errors import did_you_mean
 from kvlc.init.ds_mla import DS_MLA
-from kvlc.init.engines import EngineOptions, stage_layers
+from kvlc.init.engines import EngineOptions, dcp_parallel, stage_layers
 from kvlc.init.model import Family, InitError, LayerKind, Model
 
 _LAYER = re.compile(r"^layer\.(\d+)")
@@ -69,8 +73,6 @@ def _renumber(name: str, start: int) -> str:
 
 def vllm_spec(config: Mapping[str, Any], m: Model, opts: EngineOptions) -> dict:
     """The spec of ``config`` on a vLLM engine with backend ``opts.backend`` (see the module docstring)."""
-    from kvlc.engines.vllm.derive.spec import derive_spec
-    from kvlc.engines.vllm.derive.offline import ATTENTION_BACKENDS, MLA_BACKENDS, published_view
     if opts.backend not in ATTENTION_BACKENDS | MLA_BACKENDS:
         raise InitError(f"engine 'vllm' has no backend '{opts.backend}'; "
                         f"{did_you_mean(opts.backend, ATTENTION_BACKENDS | MLA_BACKENDS)}")
@@ -91,8 +93,6 @@ def vllm_spec(config: Mapping[str, Any], m: Model, opts: EngineOptions) -> dict:
 
 def _hybrid(config: Mapping[str, Any], m: Model, opts: EngineOptions, window: tuple[int, int],
             device: str) -> dict:
-    from kvlc.engines.vllm.derive.hybrid import hybrid_spec
-    from kvlc.engines.vllm.derive.view import ViewError
     layers = [(i, HYBRID[m.kinds[i]]) for i in range(*window) if m.kinds[i] in HYBRID]
     cpu_avx512_bf16 = opts.backend == "CPU_ATTN" and _avx512_bf16(opts)   # vLLM's CPU platform only
     try:
@@ -120,7 +120,6 @@ def _finish(spec: dict, opts: EngineOptions, window: tuple[int, int] | None, ren
     """Name, DCP and pipeline window on a derived spec (regions renumbered when the adapter numbered from 0)."""
     if opts.name:
         spec["name"] = opts.name
-    from kvlc.init import dcp_parallel
     spec["parallel"].update(dcp_parallel(opts))
     if window is not None:
         start, stop = window

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvlc.compiler.pairing.program import join_parts
+from kvlc.compiler.request.check import check_request
 from kvlc.errors import TransferError
 from kvlc.runtime.arguments import check_request_id
 from kvlc.runtime.kinds import Direction, ConnectionMode
@@ -134,7 +135,8 @@ def _ask_each(peer, items: list[BlockRequest], timeout: float) -> None:
     """pull_via_push: every request checked here first, then the producer is asked for each."""
     for i, it in enumerate(items):
         try:
-            peer.program.check_request(it.local_block_ids, it.remote_block_ids, it.num_tokens, tokens=it.tokens)
+            check_request(peer.program, it.local_block_ids, it.remote_block_ids, it.num_tokens,
+                          tokens=it.tokens)
         except TransferError as exc:
             raise TransferError(f"batch item {i} (request '{it.request_id}'): {exc}; nothing moved") from None
     for it in items:

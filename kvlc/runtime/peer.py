@@ -16,7 +16,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 import numpy as np
 
-from kvlc.compiler.pairing.pair import TransferProgram
+from kvlc.compiler.pairing.program import TransferProgram
+from kvlc.compiler.request.check import check_request
+from kvlc.compiler.request.instantiate import instantiate
+from kvlc.compiler.request.prepared import prepared_indices, prepared_rows
 from kvlc.errors import KvlcError, TransferError
 from kvlc.runtime import batch as _batch
 from kvlc.runtime.arguments import check_request_id
@@ -266,9 +269,9 @@ class Peer:
         op = "READ" if self.direction is Direction.READ else "WRITE"
         bound = self.agent.bound_program(self.engine)
         if self.mode is not ConnectionMode.PREPPED:
-            parts = bound.instantiate(local_block_ids, remote_block_ids, num_tokens, tokens=tokens)
+            parts = instantiate(bound, local_block_ids, remote_block_ids, num_tokens, tokens=tokens)
             return parts, self.agent.staged_parts(op, parts, agents_of(self._notify))
-        req = bound.prepared_indices(local_block_ids, remote_block_ids, num_tokens, tokens=tokens)
+        req = prepared_indices(bound, local_block_ids, remote_block_ids, num_tokens, tokens=tokens)
         lists = self._prepared(bound)
         parts: dict = dict(req.tail)
         for key, (li, ri) in req.indices.items():
@@ -276,7 +279,7 @@ class Peer:
             parts[("prepped", key)] = PreparedPart(key, local, li, remote, ri, req.nbytes[key])
         staged = self.agent.staged_parts(op, parts, agents_of(self._notify))
         if staged:  # staged parts travel as rows (the bounce buffer gathers them), the rest stay prepared
-            rows = bound.instantiate(local_block_ids, remote_block_ids, num_tokens, tokens=tokens)
+            rows = instantiate(bound, local_block_ids, remote_block_ids, num_tokens, tokens=tokens)
             for rank, keys in staged.items():
                 keys[:] = list(dict.fromkeys(getattr(parts.get(k), "key", k) for k in keys))
                 for key in keys:
@@ -297,7 +300,7 @@ class Peer:
         if self._lists is None:
             lists = {}
             try:
-                for key, pl in bound.prepared_rows().items():
+                for key, pl in prepared_rows(bound).items():
                     local = self.agent.nixl.prep(None, pl.local, key.local_mem)
                     lists[key] = (local, None)
                     remote = self.agent.nixl.prep(self.sessions[key.peer_rank].agent, pl.remote, key.remote_mem)
@@ -319,7 +322,7 @@ class Peer:
         ``num_tokens=N`` moves tokens ``[0, N)``; ``tokens=(start, stop)`` (or ``range``) moves
         ``[start, stop)`` (a prefix-cache hit of ``start`` tokens here: those stay untouched).
         Block ids are logical, per KV-cache group: each side's blocks the range touches
-        (:meth:`kvlc.compiler.pairing.program.TransferProgram.check_request`); every id is checked
+        (:func:`kvlc.compiler.request.check.check_request`); every id is checked
         against every region's capacity before anything moves (:class:`TransferError`).
         In pull_via_push mode the range travels to the producer, which checks it again.
         """
@@ -333,7 +336,7 @@ class Peer:
             parts, staged = self.parts(local_block_ids, remote_block_ids, num_tokens, tokens)
             a.submit(("read", request_id), request_id, "READ", parts, self._targets(), timeout, staged=staged)
             return
-        self.program.check_request(local_block_ids, remote_block_ids, num_tokens, tokens=tokens)
+        check_request(self.program, local_block_ids, remote_block_ids, num_tokens, tokens=tokens)
         start, stop = _wire_range(num_tokens, tokens)
         deadline = time.monotonic() + timeout
         a.await_pull(Incoming(request_id, deadline, self.engine,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from kvlc.compiler.request.instantiate import instantiate
 from kvlc.errors import KvlcError
 from kvlc.runtime.channel.auth import tag_ok
 from kvlc.runtime.channel.tcp import Conn
@@ -98,8 +99,8 @@ def pull_request(agent, conn: Conn, msg: PullRequest) -> None:
             f"request '{msg.req}' expired before it could start (its budget was {msg.budget_s:.3g}s "
             "when sent); nothing was written"
         )
-    parts = agent.bound_program(s.engine).instantiate(msg.producer_blocks, msg.consumer_blocks,
-                                                      tokens=(msg.start, msg.stop))
+    parts = instantiate(agent.bound_program(s.engine), msg.producer_blocks, msg.consumer_blocks,
+                        tokens=(msg.start, msg.stop))
     parts = {k: p for k, p in parts.items() if k.peer_rank == s.rank}  # this session's share only
     refuse = {("tomb", s.conn_id, msg.req): f"request '{msg.req}' was cancelled by this consumer; "
                                             "use a new request id",

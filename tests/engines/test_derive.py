@@ -165,15 +165,15 @@ def test_prefill_and_decode_specs_pair_and_move_every_byte(backend, p, d):
     for c in range(cons.parallel.tp_size):
         prog = kvlc.pair(cons, prod, local_rank=c, direction="READ")
         before = {k: v.copy() for k, v in C.buffers[c].items()}
-        execute(prog.instantiate(C.rank_bases(c), {r: P.rank_bases(r) for r in prog.peer_ranks}, cids, pids,
-                                 tokens), C, c, P, "READ")
+        bound = kvlc.bind(prog, C.rank_bases(c), {r: P.rank_bases(r) for r in prog.peer_ranks})
+        execute(kvlc.instantiate(bound, cids, pids, tokens), C, c, P, "READ")
         assert verify(C, c, P, cids, pids, tokens, before) > 0
     C2 = Engine(cons, 3, False)
     befores = {c: {k: v.copy() for k, v in C2.buffers[c].items()} for c in range(cons.parallel.tp_size)}
     for r in range(prod.parallel.tp_size):
         prog = kvlc.pair(prod, cons, local_rank=r, direction="WRITE")
-        execute(prog.instantiate(P.rank_bases(r), {c: C2.rank_bases(c) for c in prog.peer_ranks}, pids, cids,
-                                 tokens), P, r, C2, "WRITE")
+        bound = kvlc.bind(prog, P.rank_bases(r), {c: C2.rank_bases(c) for c in prog.peer_ranks})
+        execute(kvlc.instantiate(bound, pids, cids, tokens), P, r, C2, "WRITE")
     for c in range(cons.parallel.tp_size):
         assert verify(C2, c, P, cids, pids, tokens, befores[c]) > 0
 

@@ -19,6 +19,7 @@ from kvlc.compiler.pairing.pair import pair
 from kvlc.compiler.pairing.program import join_parts
 from kvlc.runtime.nixl.core import XferState
 from kvlc.runtime.transfer import Executor, Member, Target
+from kvlc import bind, instantiate
 
 pytestmark = pytest.mark.runtime
 
@@ -33,13 +34,13 @@ def batch():
     cons = compile_spec(LAYOUTS / "deepseek-v3.2-hisparse-tp8.yaml")
     prod = compile_spec(LAYOUTS / "deepseek-v3.2-tp8.yaml")
     prog = pair(cons, prod, local_rank=3, direction="READ")
-    bound = prog.bind({s.name: ((1 << 40) + (i << 32), s.device) for i, s in enumerate(cons.storages)},
+    bound = bind(prog, {s.name: ((1 << 40) + (i << 32), s.device) for i, s in enumerate(cons.storages)},
                       {3: {s.name: ((2 << 40) + (i << 32), s.device) for i, s in enumerate(prod.storages)}})
     reqs = []
     for i in range(3):
         ids_c = {"mla": [10 * i + 1, 10 * i + 2], "indexer": [10 * i + k for k in range(4)]}
         ids_p = {"mla": [10 * i + k for k in range(4)], "indexer": [20 + 10 * i + k for k in range(4)]}
-        reqs.append(bound.instantiate(ids_c, ids_p, 200 + 20 * i))
+        reqs.append(instantiate(bound, ids_c, ids_p, 200 + 20 * i))
     return reqs
 
 

@@ -19,6 +19,7 @@ from kvlc.runtime.errors import NixlError
 from kvlc.runtime.nixl.core import XferState
 from kvlc.runtime.channel.auth import notif_tag
 from kvlc.runtime.transfer import Executor, Target
+from kvlc import bind, instantiate
 
 pytestmark = pytest.mark.runtime
 
@@ -39,7 +40,7 @@ def mixed():
     prog = pair(cons, prod, local_rank=3, direction="READ")
     ids_c = {"mla": [1, 2], "indexer": [5, 6, 7, 8]}
     ids_p = {"mla": [9, 10, 11, 12], "indexer": [3, 4, 5, 6]}
-    parts = prog.instantiate(_bases(cons, 1), {3: _bases(prod, 2)}, ids_c, ids_p, 250)
+    parts = instantiate(bind(prog, _bases(cons, 1), {3: _bases(prod, 2)}), ids_c, ids_p, 250)
     return prog, parts
 
 
@@ -198,8 +199,8 @@ def test_hetero_tp_one_notification_per_peer_rank():
     prod = compile_spec(LAYOUTS / "llama-3.1-70b-hnd-tp8.yaml")
     prog = pair(cons, prod, local_rank=1, direction="READ")
     assert prog.peer_ranks == (2, 3)
-    parts = prog.instantiate(
-        _bases(cons, 1), {2: _bases(prod, 2), 3: _bases(prod, 3)}, {"full": [4, 5]}, {"full": [7, 8]}, 20
+    parts = instantiate(bind(prog, _bases(cons, 1), {2: _bases(prod, 2), 3: _bases(prod, 3)}),
+                        {"full": [4, 5]}, {"full": [7, 8]}, 20
     )
     agent = FakeAgent()
     agent.states = {("peer2", "VRAM", "VRAM"): [PROC, DONE], ("peer3", "VRAM", "VRAM"): [PROC, PROC, DONE]}
@@ -218,8 +219,8 @@ def _hetero():
     cons = compile_spec(LAYOUTS / "llama-3.1-70b-hnd-tp4.yaml")
     prod = compile_spec(LAYOUTS / "llama-3.1-70b-hnd-tp8.yaml")
     prog = pair(cons, prod, local_rank=1, direction="READ")
-    return prog.instantiate(
-        _bases(cons, 1), {2: _bases(prod, 2), 3: _bases(prod, 3)}, {"full": [4, 5]}, {"full": [7, 8]}, 20
+    return instantiate(bind(prog, _bases(cons, 1), {2: _bases(prod, 2), 3: _bases(prod, 3)}),
+                       {"full": [4, 5]}, {"full": [7, 8]}, 20
     )
 
 

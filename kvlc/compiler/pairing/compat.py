@@ -6,10 +6,8 @@ do not. Checked once, at pairing (start-up), never per request.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from kvlc.compiler.pairing.compat_dcp import check_dcp
-from kvlc.compiler.pairing.findings import CompatReport, Finding, Severity
+from kvlc.compiler.pairing.findings import CompatReport, Finding, Pairing, Severity
 from kvlc.compiler.algebra.layout import tile
 from kvlc.compiler.plan.model import Plan, PlanField, PlanRegion
 from kvlc.compiler.pairing.pp import holds_region, layers_text, overlap
@@ -24,16 +22,6 @@ def head_major_order(f: PlanField) -> str:
     head = [d.name for d in f.dims if d.role == "head"]
     tok = [d.name for d in f.dims if d.role == "token"]
     return "(" + ", ".join(head + tok + rest) + ")"
-
-
-@dataclass(frozen=True)
-class Pairing:
-    """What a compatibility check looks at: both plans, the local rank and the direction."""
-
-    local: Plan
-    remote: Plan
-    local_rank: int
-    direction: str
 
 
 def _finding(code: str, message: str, region: str = "", field: str = "", local: str = "", remote: str = "",

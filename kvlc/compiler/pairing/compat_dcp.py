@@ -14,15 +14,10 @@ by every DCP rank and pairs by TP alone), except where the bytes have no single 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from kvlc.compiler.algebra.sharding import dcp_chunks
-from kvlc.compiler.pairing.findings import Finding
+from kvlc.compiler.pairing.findings import Finding, Pairing
 from kvlc.compiler.plan.model import Plan, PlanRegion
 from kvlc.compiler.pairing.tp import dcp_holders
-
-if TYPE_CHECKING:
-    from kvlc.compiler.pairing.compat import Pairing
 
 
 def _geometry(plan: Plan, block_tokens: int) -> str:
@@ -46,7 +41,7 @@ def _uncovered(plan: Plan) -> tuple[int, int, int] | None:
     return None
 
 
-def check_dcp_heads(p: "Pairing") -> list[Finding]:
+def check_dcp_heads(p: Pairing) -> list[Finding]:
     """Every DCP rank's tokens of every head are held by some TP rank, on both engines."""
     out = []
     for side, plan in (("local", p.local), ("remote", p.remote)):
@@ -64,7 +59,7 @@ def check_dcp_heads(p: "Pairing") -> list[Finding]:
     return out
 
 
-def check_dcp_regions(p: "Pairing") -> list[Finding]:
+def check_dcp_regions(p: Pairing) -> list[Finding]:
     """Fields without a token dim under DCP: one value per block, so both engines must shard alike."""
     if p.local.parallel.dcp_size == 1 and p.remote.parallel.dcp_size == 1:
         return []
@@ -79,7 +74,7 @@ def check_dcp_regions(p: "Pairing") -> list[Finding]:
     return out
 
 
-def _dcp_region(p: "Pairing", a: PlanRegion, b: PlanRegion) -> list[Finding]:
+def _dcp_region(p: Pairing, a: PlanRegion, b: PlanRegion) -> list[Finding]:
     """The DCP findings of one token region present on both engines (``a`` local, ``b`` remote)."""
     if a.tokens_per_entry > 1 or b.tokens_per_entry > 1:
         return [Finding("dcp-compressed", "error", "a compressed cache (one entry per "
@@ -98,11 +93,11 @@ def _dcp_region(p: "Pairing", a: PlanRegion, b: PlanRegion) -> list[Finding]:
     return []
 
 
-def check_dcp(p: "Pairing") -> list[Finding]:
+def check_dcp(p: Pairing) -> list[Finding]:
     """Decode context parallelism pairs on any sizes except where bytes have no single right place.
 
     >>> from kvlc import compile_spec
-    >>> from kvlc.compiler.pairing.compat import Pairing
+    >>> from kvlc.compiler.pairing.findings import Pairing
     >>> plan = compile_spec("layouts/llama-3.1-8b.yaml")
     >>> check_dcp(Pairing(plan, plan, 0, "READ"))
     []

@@ -1,4 +1,5 @@
-"""Compatibility findings: one :class:`Finding` per mismatch, all of a pairing in a :class:`CompatReport`."""
+"""Compatibility findings: what a check looks at (:class:`Pairing`), one :class:`Finding` per mismatch,
+all of a pairing in a :class:`CompatReport`."""
 
 from __future__ import annotations
 
@@ -6,8 +7,19 @@ from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 from kvlc.collapse import collapse_lines
+from kvlc.compiler.plan.model import Plan
 
 Severity = Literal["error", "warning"]
+
+
+@dataclass(frozen=True)
+class Pairing:
+    """What a compatibility check looks at: both plans, the local rank and the direction."""
+
+    local: Plan
+    remote: Plan
+    local_rank: int
+    direction: str
 
 
 @dataclass(frozen=True)

@@ -9,28 +9,22 @@ of lcm(tokens) tokens), kernel blocks, Mamba sections and state, and dim orders:
 * :mod:`~kvlc.compiler.pairing.compat` checks the two plans (``CHECKS``);
 * :mod:`~kvlc.compiler.pairing.tp` maps each consumer rank's heads to producer ranks;
 * :mod:`~kvlc.compiler.pairing.runs` turns one tile of each region pair into minimal runs;
-* :mod:`~kvlc.compiler.pairing.program` holds the result; :mod:`~kvlc.compiler.request.check`,
-  :mod:`~kvlc.compiler.request.instantiate` and :mod:`~kvlc.compiler.request.prepared` serve requests.
-
-The names the runtime has always imported from here are re-exported.
+* :mod:`~kvlc.compiler.pairing.program` holds the result; :mod:`kvlc.compiler.request` serves requests.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from kvlc.compiler.pairing.compat import CompatReport, Finding, check_plans, head_major_order
-from kvlc.compiler.pairing.compat_dcp import fragmented
-from kvlc.compiler.algebra.sharding import ShardPair, dcp_tile, shard_of
-from kvlc.compiler.request.index import Block, ProgramIndex
-from kvlc.compiler.request.instantiate import BoundProgram, bind
 from kvlc.compiler.algebra.layout import head_range, tile
+from kvlc.compiler.algebra.sharding import ShardPair, dcp_tile, shard_of
+from kvlc.compiler.pairing.compat import check_plans, head_major_order
+from kvlc.compiler.pairing.findings import CompatReport, Finding
+from kvlc.compiler.pairing.compat_dcp import fragmented
+from kvlc.compiler.pairing.program import Entry, TransferProgram
+from kvlc.compiler.pairing.runs import Piece, tile_runs
+from kvlc.compiler.pairing.tp import consumer_counts, dcp_sources, shards_meet, sources
 from kvlc.compiler.plan.model import Plan, PlanField, PlanRegion
-from kvlc.compiler.request.prepared import INDEX_LIMIT, PreparedLists, PreparedRequest, prepared_indices, prepared_rows
-from kvlc.compiler.pairing.program import Entry, Part, PartKey, TransferProgram
-from kvlc.compiler.request.check import Request, check_request
-from kvlc.compiler.pairing.runs import Piece, Runs, tile_runs
-from kvlc.compiler.pairing.tp import assign, consumer_counts, dcp_sources, heads_of, holders, shards_meet, sources
 from kvlc.errors import CompatError
 
 
@@ -185,9 +179,3 @@ def pair(local_plan: Plan, remote_plan: Plan, *, local_rank: int, direction: str
     if prog is None:
         raise CompatError(report)
     return prog
-
-
-__all__ = ["pair", "check_pair", "pair_and_check", "build_program", "explosions", "TransferProgram",
-           "BoundProgram", "Entry", "Part", "PartKey", "Piece", "Runs", "Request", "Block", "ProgramIndex",
-           "PreparedLists", "PreparedRequest", "INDEX_LIMIT", "assign", "sources", "heads_of", "holders",
-           "tile_runs", "bind", "check_request", "prepared_rows", "prepared_indices"]

@@ -2,51 +2,27 @@
 
 A :class:`TransferProgram` is a frozen value: the two plans, the local rank, the
 direction, one :class:`Entry` (region × group × peer rank, with the run templates of
-one tile) per copy, and the consumer counts that notifications need. Per request it is
-bound to storage addresses and instantiated (:mod:`kvlc.compiler.request.instantiate`), or
-turned into prepared lists (:mod:`kvlc.compiler.request.prepared`).
+one tile) per copy, and the consumer counts that notifications need. It has no per-request
+methods: the free functions of :mod:`kvlc.compiler.request` check requests against it, bind it
+to storage addresses and instantiate descriptors (:mod:`kvlc.compiler.request.instantiate`) or
+prepared lists (:mod:`kvlc.compiler.request.prepared`).
 """
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Callable, Hashable, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
-from kvlc.compiler.pairing.compat import CompatReport
 from kvlc.compiler.algebra.sharding import ShardPair
-from kvlc.compiler.frozen import FrozenMap
-from kvlc.compiler.request.index import ProgramIndex
-from kvlc.compiler.plan.model import Plan
+from kvlc.compiler.frozen import FrozenMap, Memo
+from kvlc.compiler.pairing.findings import CompatReport
+from kvlc.compiler.pairing.pp import overlap
 from kvlc.compiler.pairing.runs import Piece, Runs
-
-
-class Memo:
-    """An explicit cache of values derived from a frozen object: made on first use, then reused.
-
-    Not part of the owner's value (never compared, printed or serialized).
-
-    >>> m = Memo()
-    >>> m.get("x", lambda: 41 + 1), m.get("x", lambda: 0)
-    (42, 42)
-    """
-
-    __slots__ = ("_values",)
-
-    def __init__(self) -> None:
-        self._values: dict = {}
-
-    def get(self, key: Hashable, make: Callable[[], Any]) -> Any:
-        try:
-            return self._values[key]
-        except KeyError:
-            return self._values.setdefault(key, make())
-
-    def __repr__(self) -> str:
-        return f"Memo({len(self._values)} values)"
+from kvlc.compiler.plan.model import Plan
 
 
 @dataclass(frozen=True)
@@ -142,7 +118,7 @@ class PartStats:
 
 @dataclass(frozen=True)
 class TransferProgram:
-    """A checked pairing from one local rank's view; instantiate it per request.
+    """A checked pairing from one local rank's view (pure data; per request see :mod:`kvlc.compiler.request`).
 
     >>> from kvlc import compile_spec
     >>> from kvlc.compiler.pairing.pair import pair
@@ -207,7 +183,6 @@ class TransferProgram:
     @property
     def layers(self) -> tuple[int, int]:
         """The layers this program moves: those both engines hold (pipeline stages pair their overlap)."""
-        from kvlc.compiler.pairing.pp import overlap
         both = overlap(self.local, self.remote)
         return both if both is not None else (0, 0)
 
@@ -220,72 +195,3 @@ class TransferProgram:
         peers = "; ".join(f"peer {p}: {s.remote.describe()}" for p, s in sorted(shards.items()))
         return (f"decode context parallelism: local rank {self.local_rank} (DCP {mine.size}) holds "
                 f"{mine.describe()}; remote DCP {self.remote.parallel.dcp_size}: {peers}")
-
-    def window_stats(self) -> tuple:
-        """Per sliding-window group: the most blocks and tokens one request moves
-        (:class:`kvlc.compiler.request.tokens.WindowStats`; only the blocks the window still needs move)."""
-        from kvlc.compiler.request.tokens import window_stats
-        recv, send = (self.local, self.remote) if self.direction == "READ" else (self.remote, self.local)
-        side = "local" if self.direction == "READ" else "remote"
-        groups = {e.group for e in self.entries}
-        per_id = lambda plan, name: plan.group(name).block_size * plan.parallel.dcp_size  # noqa: E731 (DCP)
-        return tuple(window_stats(g.name, g.window, side, per_id(recv, g.name), per_id(send, g.name))
-                     for g in recv.groups if g.kind == "sliding_window" and g.name in groups)
-
-    def summary(self) -> dict:
-        """The program as JSON-ready data: peers, consumer counts, layers covered, parts, windows and digest."""
-        return {"peer_ranks": list(self.peer_ranks), "layers": list(self.layers),
-                "consumer_counts": {str(k): v for k, v in sorted(self.consumer_counts.items())},
-                "parts": [{"peer_rank": k.peer_rank, "local_mem": k.local_mem, "remote_mem": k.remote_mem,
-                           "entries": s.entries, "runs_per_tile": s.runs_per_tile,
-                           "bytes_per_tile": s.bytes_per_tile} for k, s in self.part_stats().items()],
-                "windows": [{**asdict(w), "vllm_blocks": w.vllm_blocks} for w in self.window_stats()],
-                "digest": self.digest, **({"dcp": self.dcp_text()} if self.dcp_text() else {})}
-
-    # ------------------------------------------------------------------ per request
-    def prepare(self) -> TransferProgram:
-        """Derive the per-request lookup structures now (:attr:`index` and the request rules of
-        :mod:`kvlc.compiler.request.rules`), not in the first request; returns the program. A
-        runtime calls it when it pairs."""
-        from kvlc.compiler.request.rules import request_rules
-        request_rules(self)  # builds the index on the way
-        return self
-
-    @property
-    def index(self):
-        """Derived lookup structures of the hot path (:class:`kvlc.compiler.request.index.ProgramIndex`)."""
-        return self.memo.get("index", lambda: ProgramIndex.build(self))
-
-    def check_request(self, local_block_ids: Mapping[str, Sequence[int]],
-                      remote_block_ids: Mapping[str, Sequence[int]],
-                      num_tokens: int | Mapping[str, int] | None = None, *, tokens=None):
-        """Validate a request's ids (types, counts, bounds, duplicates) and expand them to kernel block ids.
-
-        ``num_tokens=N`` moves tokens ``[0, N)``; ``tokens=(start, stop)`` or ``range(start, stop)``
-        (or a mapping group -> either) moves ``[start, stop)``. Each side's ids list that side's
-        logical blocks the range touches, in order: ``start // bs .. ceil(stop / bs) - 1``.
-        Returns a :class:`kvlc.compiler.request.check.Request`; raises only :class:`~kvlc.errors.TransferError`.
-        """
-        from kvlc.compiler.request.check import check_request
-        return check_request(self, local_block_ids, remote_block_ids, num_tokens, tokens=tokens)
-
-    def bind(self, local_bases: Mapping[str, object], remote_bases: Mapping[int, Mapping[str, object]]):
-        """Fix storage base addresses once (per connection); then instantiate per request.
-
-        Bases map storage name → address or (address, device); remote bases are per peer rank.
-        """
-        from kvlc.compiler.request.instantiate import bind
-        return bind(self, local_bases, remote_bases)
-
-    def instantiate(self, local_bases: Mapping[str, object], remote_bases: Mapping[int, Mapping[str, object]],
-                    local_block_ids: Mapping[str, Sequence[int]], remote_block_ids: Mapping[str, Sequence[int]],
-                    num_tokens: int | Mapping[str, int] | None = None, *, tokens=None, coalesce: str = "order"):
-        """Descriptors of one request, per part: ``bind(...)`` then ``instantiate(...)``.
-
-        Block ids are logical, per group name (see :meth:`check_request` for ``num_tokens`` /
-        ``tokens`` and which blocks the ids list). Every id is checked against every
-        region's capacity before any descriptor is built. See
-        :meth:`kvlc.compiler.request.instantiate.BoundProgram.instantiate` for ``coalesce``.
-        """
-        req = self.check_request(local_block_ids, remote_block_ids, num_tokens, tokens=tokens)
-        return self.bind(local_bases, remote_bases).emit(req, coalesce=coalesce)

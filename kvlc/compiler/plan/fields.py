@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from kvlc.compiler.algebra.layout import row_major, shard, valid_tp_sizes
 from kvlc.compiler.plan.model import PlanDim, PlanField
 from kvlc.compiler.plan.records import Placed, alignment_problems, record_overlaps
-from kvlc.compiler.spec.models import DTYPE_SIZES, BlockLayout, Dim, LayoutSpec
+from kvlc.compiler.spec.dtypes import DTYPE_SIZES
+from kvlc.compiler.spec.models import BlockLayout, Dim, LayoutSpec
 from kvlc.errors import Problem, did_you_mean, format_path
 
 
@@ -159,13 +160,19 @@ class LayoutResolver:
 
     # ------------------------------------------------------------------ fields
     def _fields(self, f, sizes: list[SizedDim], start: int) -> list[PlanField]:
+        """The plan field(s) of one spec field at byte ``start``: one, or one per section of a sectioned dim."""
         item = DTYPE_SIZES[f.dtype]
         strides = (tuple(s.dim.stride for s in sizes) if f.dims[0].stride is not None
                    else row_major([s.local for s in sizes], item).stride)
-        if f.kind != "sections":
-            dims = tuple(PlanDim(name=s.dim.name, role=s.dim.role or "", size=s.local, global_size=s.global_size,
-                                 stride=st) for s, st in zip(sizes, strides))
-            return [PlanField(name=f.name, dtype=f.dtype, itemsize=item, offset=start, dims=dims)]
+        if f.kind == "sections":
+            return self._sections(f, sizes, start, strides, item)
+        dims = tuple(PlanDim(name=s.dim.name, role=s.dim.role or "", size=s.local, global_size=s.global_size,
+                             stride=st) for s, st in zip(sizes, strides))
+        return [PlanField(name=f.name, dtype=f.dtype, itemsize=item, offset=start, dims=dims)]
+
+    def _sections(self, f, sizes: list[SizedDim], start: int, strides: tuple, item: int) -> list[PlanField]:
+        """A sectioned field (Mamba conv x|B|C) as one plan field ``name.section`` per section, in order,
+        each at the offset where the previous section ends along the split dim."""
         split = next(i for i, s in enumerate(sizes) if s.dim.sections)
         d_split = sizes[split].dim
         out, at = [], 0

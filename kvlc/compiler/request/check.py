@@ -15,17 +15,16 @@ Every refusal is a :class:`~kvlc.errors.TransferError` that says which side, gro
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Mapping
+from typing import Mapping
 
 import numpy as np
 
 from kvlc.compiler.algebra.layout import kernel_ids
+from kvlc.compiler.pairing.program import TransferProgram
+from kvlc.compiler.plan.aliases import pools
 from kvlc.compiler.request.rules import GroupRule, SideRule, request_rules
 from kvlc.compiler.request.tokens import TokenRange, block_span, window_start
-from kvlc.errors import TransferError, did_you_mean
-
-if TYPE_CHECKING:
-    from kvlc.compiler.pairing.program import TransferProgram
+from kvlc.errors import TransferError, did_you_mean, type_name
 
 ID_MAX = (1 << 63) - 1
 
@@ -52,10 +51,6 @@ class Request:
     spans: Mapping[str, GroupRange]
 
 
-def _type_name(t: type) -> str:
-    return "None" if t is type(None) else t.__name__
-
-
 def block_ids(ids, where: str) -> np.ndarray:
     """Block ids as a 1-D int64 array, or a :class:`TransferError` saying what was wrong.
 
@@ -69,7 +64,7 @@ def block_ids(ids, where: str) -> np.ndarray:
         return _array_ids(ids, where)
     if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple, range)):
         raise TransferError(f"{where}: block ids must be a list of int or an integer numpy array; "
-                            f"found {_type_name(type(ids))}")
+                            f"found {type_name(type(ids))}")
     if not set(map(type, ids)) <= _PLAIN_INT:  # the common case, plain ints only, needs no further look
         _integers_only(ids, where)
     try:
@@ -91,79 +86,23 @@ def _array_ids(ids: np.ndarray, where: str) -> np.ndarray:
 
 
 def _integers_only(ids, where: str) -> None:
-    bad = sorted({_type_name(t) for t in set(map(type, ids))
+    bad = sorted({type_name(t) for t in set(map(type, ids))
                   if t is bool or t is np.bool_ or not issubclass(t, (int, np.integer))})
     if bad:
         raise TransferError(f"{where}: block ids must be integers (a list of int or an integer numpy array); "
                             f"found {', '.join(bad)}")
 
 
-def token_count(value, group: str) -> int:
-    """A positive integer token count (bool, float, str, NaN refused).
-
-    >>> token_count(7, "full")
-    7
-    """
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TransferError(f"group '{group}': num_tokens must be a positive integer; found {value!r} "
-                            f"({_type_name(type(value))})")
-    tok = int(value)
-    if tok <= 0:
-        raise TransferError(f"group '{group}': num_tokens must be positive, got {tok}")
-    return tok
-
-
 def _known_groups(ids, plan, side: str, names: frozenset) -> None:
     if type(ids) is dict and ids.keys() <= names:  # the common case: a dict of known groups
         return
     if not isinstance(ids, Mapping):
-        raise TransferError(f"{side} block ids must map group name -> ids; found {_type_name(type(ids))}")
+        raise TransferError(f"{side} block ids must map group name -> ids; found {type_name(type(ids))}")
     names = [g.name for g in plan.groups]
     for name in ids:
         if name not in names:
             raise TransferError(f"{side} block ids name unknown group {name!r} of plan '{plan.name}'; "
                                 f"{did_you_mean(str(name), names)}")
-
-
-def _span_value(value, group: str) -> TokenRange:
-    """``(start, stop)`` or ``range(start, stop)`` as a :class:`TokenRange`, ``0 <= start < stop``."""
-    where = f"group '{group}': tokens"
-    if isinstance(value, range):
-        if value.step != 1:
-            raise TransferError(f"{where} {value!r} must have step 1 (a token range moves every token in it)")
-        pair = (value.start, value.stop)
-    elif isinstance(value, (tuple, list)) and len(value) == 2:
-        pair = tuple(value)
-    else:
-        raise TransferError(f"{where} must be (start, stop) or range(start, stop); found {value!r} "
-                            f"({_type_name(type(value))})")
-    for x in pair:
-        if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)):
-            raise TransferError(f"{where} (start, stop) must be integers; found {x!r} ({_type_name(type(x))})")
-    start, stop = int(pair[0]), int(pair[1])
-    if not 0 <= start < stop:
-        raise TransferError(f"{where} ({start}, {stop}) must have 0 <= start < stop")
-    return TokenRange(start, stop)
-
-
-def _per_group(value, group: str, prog, what: str):
-    if isinstance(value, Mapping):
-        if group not in value:
-            raise TransferError(f"{what} has no entry for group '{group}' "
-                                f"(give one per token group: {sorted(prog.index.groups)})")
-        return value[group]
-    return value
-
-
-def _span_of(num_tokens, tokens, group: str, prog) -> TokenRange:
-    if tokens is None and type(num_tokens) is int and num_tokens > 0:  # the common case: N tokens from 0
-        return TokenRange(0, num_tokens)
-    if tokens is not None:
-        if num_tokens is not None:
-            raise TransferError("give the tokens to move as num_tokens=N (tokens [0, N)) or tokens=(start, stop), "
-                                "not both")
-        return _span_value(_per_group(tokens, group, prog, "tokens"), group)
-    return TokenRange(0, token_count(_per_group(num_tokens, group, prog, "num_tokens"), group))
 
 
 def _count(arr: np.ndarray, side: str, group: str, span: TokenRange, bs: int, dcp: int = 1) -> None:
@@ -225,7 +164,7 @@ def _whole_blocks_only(rule: GroupRule, moved: TokenRange, asked: TokenRange) ->
                                 f"multiple of {w.per}")
 
 
-def _token_group(prog, rule: GroupRule, ids: tuple, span: TokenRange):
+def _token_group(rule: GroupRule, ids: tuple, span: TokenRange):
     """Check one token group's ids on both sides; return kernel ids of the blocks read, and their span."""
     moved = _moved(rule, span)
     _whole_blocks_only(rule, moved, span)
@@ -259,12 +198,19 @@ def _state_group(rule: GroupRule, ids: tuple):
     return out[0], out[1]
 
 
-def check_request(prog: "TransferProgram", local_block_ids, remote_block_ids, num_tokens=None, *,
+def check_request(prog: TransferProgram, local_block_ids, remote_block_ids, num_tokens=None, *,
                   tokens=None) -> Request:
     """Validate a request's ids (types, counts, bounds, duplicates) and expand them to kernel block ids.
 
-    ``num_tokens=N`` moves tokens ``[0, N)``; ``tokens=(start, stop)`` (or a ``range``, or a
-    mapping group -> either) moves ``[start, stop)``. Give exactly one.
+    ``num_tokens=N`` (a count) moves tokens ``[0, N)``; ``tokens=(start, stop)`` (or a ``range``,
+    or a mapping group -> either) moves ``[start, stop)`` (:meth:`TokenRange.of`). Give exactly one.
+    Raises only :class:`~kvlc.errors.TransferError`.
+
+    >>> from kvlc import compile_spec, pair
+    >>> p = compile_spec("layouts/llama-3.1-8b.yaml")
+    >>> req = check_request(pair(p, p, local_rank=0), {"full": [3, 4]}, {"full": [7, 8]}, tokens=(16, 40))
+    >>> req.spans["full"].span, req.local["full"].tolist()    # ids of blocks 1..2 (16 tokens each)
+    (TokenRange(start=16, stop=40), [3, 4])
     """
     rules = request_rules(prog)
     _known_groups(local_block_ids, prog.local, "local", rules.local_names)
@@ -281,8 +227,8 @@ def check_request(prog: "TransferProgram", local_block_ids, remote_block_ids, nu
         if rule.state:
             kids_l[group], kids_r[group] = _state_group(rule, ids)
             continue
-        span = _span_of(num_tokens, tokens, group, prog)
-        kids_l[group], kids_r[group], spans[group] = _token_group(prog, rule, ids, span)
+        span = TokenRange.of(num_tokens, tokens, group=group, groups=rules.names)
+        kids_l[group], kids_r[group], spans[group] = _token_group(rule, ids, span)
     if rules.aliased:
         local_receives = prog.direction == "READ"
         _pool_conflicts(prog.local if local_receives else prog.remote, kids_l if local_receives else kids_r,
@@ -292,7 +238,6 @@ def check_request(prog: "TransferProgram", local_block_ids, remote_block_ids, nu
 
 def _pool_conflicts(plan, kids: Mapping[str, np.ndarray], side: str) -> None:
     """Groups whose regions share one page pool (declared aliases) must not receive into one page."""
-    from kvlc.compiler.plan.aliases import pools
     members: dict[str, list] = {}
     pool = pools(plan.regions)
     for r in plan.regions:

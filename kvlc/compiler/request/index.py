@@ -9,16 +9,13 @@ a cache of clipped last-tile runs. Nothing here depends on storage addresses.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvlc.compiler.frozen import FrozenMap
-from kvlc.compiler.plan.model import Plan, PlanRegion
+from kvlc.compiler.pairing.program import PartKey, TransferProgram
 from kvlc.compiler.pairing.runs import Runs, tile_runs
-
-if TYPE_CHECKING:
-    from kvlc.compiler.pairing.program import PartKey, TransferProgram
+from kvlc.compiler.plan.model import Plan, PlanRegion
 
 
 def _ro(values) -> np.ndarray:
@@ -57,7 +54,7 @@ class Block:
     consecutive blocks then merge into one descriptor).
     """
 
-    key: "PartKey"
+    key: PartKey
     group: str
     entries: tuple[int, ...]          # indices into program.entries
     runs: Runs
@@ -104,7 +101,7 @@ def _is_whole(runs: Runs, local_sub: int, remote_sub: int, local: SideGeometry, 
     return bool(np.all(local.stride == n) and np.all(remote.stride == n))
 
 
-def _blocks(prog: "TransferProgram", local: SideGeometry, remote: SideGeometry) -> tuple[Block, ...]:
+def _blocks(prog: TransferProgram, local: SideGeometry, remote: SideGeometry) -> tuple[Block, ...]:
     groups: dict[tuple, list[int]] = {}
     for i, e in enumerate(prog.entries):
         # the geometry (fields, pieces) is part of the key: a partial last tile clips each
@@ -124,7 +121,7 @@ def _blocks(prog: "TransferProgram", local: SideGeometry, remote: SideGeometry) 
     return tuple(out)
 
 
-def _group_regions(prog: "TransferProgram") -> FrozenMap:
+def _group_regions(prog: TransferProgram) -> FrozenMap:
     out: dict[str, tuple[list, list]] = {}
     for e in prog.entries:
         lregs, rregs = out.setdefault(e.group, ([], []))
@@ -135,10 +132,15 @@ def _group_regions(prog: "TransferProgram") -> FrozenMap:
     return FrozenMap((g, GroupRegions.of(tuple(a), tuple(b))) for g, (a, b) in out.items())
 
 
-class ProgramIndex:
-    """The hot path's view of one program (see the module docstring). Build with :meth:`build`."""
+def program_index(prog: TransferProgram) -> "ProgramIndex":
+    """The program's :class:`ProgramIndex`, built on first use and kept in its memo."""
+    return prog.memo.get("index", lambda: ProgramIndex(prog))
 
-    def __init__(self, prog: "TransferProgram"):
+
+class ProgramIndex:
+    """The hot path's view of one program (see the module docstring); get it with :func:`program_index`."""
+
+    def __init__(self, prog: TransferProgram):
         self.program = prog
         lregs = [prog.local.region(e.region) for e in prog.entries]
         rregs = [prog.remote.region(e.region) for e in prog.entries]
@@ -147,10 +149,6 @@ class ProgramIndex:
         self.blocks = _blocks(prog, self.local, self.remote)
         self.groups = _group_regions(prog)
         self._tails: dict[tuple[int, int, int], Runs] = {}
-
-    @classmethod
-    def build(cls, prog: "TransferProgram") -> "ProgramIndex":
-        return cls(prog)
 
     def tail_runs(self, block: Block, tokens: int, start: int = 0) -> Runs:
         """Runs of tokens ``[start, tokens)`` of a partial tile (cached per block and token range)."""

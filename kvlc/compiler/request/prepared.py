@@ -9,13 +9,16 @@ and ordinary rows for a clipped last tile.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Mapping, Sequence
 
 import numpy as np
 
 from kvlc.compiler.frozen import FrozenMap
-from kvlc.compiler.request.instantiate import block_tiles
 from kvlc.compiler.pairing.program import Part, PartKey, TransferProgram
-from kvlc.compiler.request.check import Request
+from kvlc.compiler.request.bind import BoundProgram
+from kvlc.compiler.request.check import Request, check_request
+from kvlc.compiler.request.index import program_index
+from kvlc.compiler.request.instantiate import block_tiles, tile_rows
 from kvlc.compiler.request.rows import coalesce, write_rows
 from kvlc.errors import TransferError
 
@@ -89,7 +92,7 @@ class PreparedLayout:
 
     parts: FrozenMap          # PartKey -> entry indices of that part, in order
     starts: EntryStarts
-    blocks: tuple[BlockStarts, ...]   # aligned with program.index.blocks
+    blocks: tuple[BlockStarts, ...]   # aligned with program_index(program).blocks
 
 
 def _check_limit(key: PartKey, side: str, n: int) -> None:
@@ -121,7 +124,7 @@ def _layout(prog: TransferProgram) -> PreparedLayout:
         _check_limit(key, side, int(total))
     starts = EntryStarts(ls, rs, lb, rb)
     blocks = []
-    for b in prog.index.blocks:
+    for b in program_index(prog).blocks:
         ents = np.array(b.entries, dtype=np.int64)
         j = np.arange(len(b.runs), dtype=np.int64)[None, :]
         blocks.append(BlockStarts(ls[ents][:, None] + j * lb[ents][:, None],
@@ -143,8 +146,8 @@ def _cat(xs, shape) -> np.ndarray:
     return np.concatenate(xs) if xs else np.zeros(shape, dtype=np.int64)
 
 
-def _part_lists(bound, key: PartKey, ents, lay: PreparedLayout) -> PreparedLists:
-    prog, idx, st = bound.program, bound.program.index, lay.starts
+def _part_lists(bound: BoundProgram, key: PartKey, ents, lay: PreparedLayout) -> PreparedLists:
+    prog, idx, st = bound.program, program_index(bound.program), lay.starts
     rb = bound.remote[key.peer_rank]
     lrows, rrows, ent, run, lstart, rstart = [], [], [], [], [], []
     for i in ents:
@@ -163,8 +166,8 @@ def _part_lists(bound, key: PartKey, ents, lay: PreparedLayout) -> PreparedLists
                          _cat(ent, 0), _cat(run, 0), _cat(lstart, 0), _cat(rstart, 0))
 
 
-def prepared_rows(bound) -> dict[PartKey, PreparedLists]:
-    """Strided (R, 5) descriptor lists per part, to prepare once per connection.
+def prepared_rows(bound: BoundProgram) -> dict[PartKey, PreparedLists]:
+    """Strided (R, 5) descriptor lists per part, to prepare once per connection (made once per binding).
 
     One row pair per (entry, run of the entry's whole-tile template), local and remote
     aligned: ``(base + region offset + run offset, run length, device, block stride,
@@ -174,16 +177,20 @@ def prepared_rows(bound) -> dict[PartKey, PreparedLists]:
 
     Raises :class:`TransferError` when a part's expanded list has more than 2**31
     descriptors (``make_prepped_xfer`` takes int32 indices); such a part needs the
-    (N, 3) rows of :meth:`~kvlc.compiler.request.instantiate.BoundProgram.instantiate`.
+    (N, 3) rows of :func:`~kvlc.compiler.request.instantiate.instantiate`.
 
-    >>> from kvlc import compile_spec, pair
+    >>> from kvlc import bind, compile_spec, pair
     >>> plan = compile_spec("layouts/llama-3.1-8b.yaml")
     >>> prog = pair(plan, plan, local_rank=0, direction="READ")
-    >>> bound = prog.bind({s.name: 1 << 40 for s in plan.storages}, {0: {s.name: 2 << 40 for s in plan.storages}})
+    >>> bound = bind(prog, {s.name: 1 << 40 for s in plan.storages}, {0: {s.name: 2 << 40 for s in plan.storages}})
     >>> lists = prepared_rows(bound)
     >>> [(str(k), len(pl), pl.local_size) for k, pl in lists.items()]   # one strided row per region
     [('peer0:VRAM->VRAM', 32, 131072)]
     """
+    return bound.memo.get("prepared_rows", lambda: _lists(bound))
+
+
+def _lists(bound: BoundProgram) -> dict[PartKey, PreparedLists]:
     lay = layout_of(bound.program)
     return {key: _part_lists(bound, key, ents, lay) for key, ents in lay.parts.items()}
 
@@ -203,8 +210,13 @@ def _indices(jobs) -> tuple[np.ndarray, np.ndarray]:
     return buf[0], buf[1]
 
 
-def prepared_indices(bound, req: Request) -> PreparedRequest:
-    """One checked request against the lists of :func:`prepared_rows`: indices plus a direct tail.
+def prepared_indices(bound: BoundProgram, local_block_ids: Mapping[str, Sequence[int]],
+                     remote_block_ids: Mapping[str, Sequence[int]],
+                     num_tokens: int | Mapping[str, int] | None = None, *, tokens=None) -> PreparedRequest:
+    """One request against the lists of :func:`prepared_rows`: indices plus a direct tail.
+
+    The ids, ``num_tokens`` (a count) and ``tokens`` are checked as by
+    :func:`~kvlc.compiler.request.check.check_request`.
 
     * ``indices[key] = (local_idx, remote_idx)``, int32 arrays of equal length that address
       the *expanded* descriptors of ``prepared_rows()[key]``: pass them to
@@ -219,12 +231,19 @@ def prepared_indices(bound, req: Request) -> PreparedRequest:
     Together they move exactly the bytes of ``instantiate`` (more descriptors: runs of
     consecutive blocks are not merged).
     """
+    req = check_request(bound.program, local_block_ids, remote_block_ids, num_tokens, tokens=tokens)
+    return prepared_request(bound, req)
+
+
+def prepared_request(bound: BoundProgram, req: Request) -> PreparedRequest:
+    """:func:`prepared_indices` of a checked request."""
     prog = bound.program
     lay = layout_of(prog)
     jobs: dict[PartKey, list] = {}
     tails: dict[PartKey, tuple[list, list]] = {}
     moved: dict[PartKey, int] = {}
-    for b, starts, geometry in zip(prog.index.blocks, lay.blocks, bound.geometries()):
+    index = program_index(prog)
+    for b, starts, geometry in zip(index.blocks, lay.blocks, bound.geometries()):
         kl, kr = req.local[b.group], req.remote[b.group]
         ts, shift = block_tiles(b, req)
         if ts.count and len(b.runs):
@@ -234,7 +253,8 @@ def prepared_indices(bound, req: Request) -> PreparedRequest:
             jobs.setdefault(b.key, []).append((starts, il, ir))
             moved[b.key] = moved.get(b.key, 0) + b.runs.nbytes * ts.count * len(b.entries)
         for p in ts.partial:
-            piece = bound.tiles(prog.index.tail_runs(b, p.hi, p.lo), p.tile, 1, b, kl, kr, geometry, shift)
+            runs = index.tail_runs(b, p.hi, p.lo)
+            piece = tile_rows(runs, p.tile, 1, b, kl, kr, geometry, shift)
             if piece is not None and len(piece):
                 lrows, rrows = write_rows(piece)
                 lt, rt = tails.setdefault(b.key, ([], []))

@@ -10,11 +10,10 @@ not split) and keeps them in the program's memo, so that
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from kvlc.compiler.plan.model import PlanRegion
-    from kvlc.compiler.pairing.program import TransferProgram
+from kvlc.compiler.pairing.program import TransferProgram
+from kvlc.compiler.plan.model import PlanRegion
+from kvlc.compiler.request.index import program_index
 
 
 @dataclass(frozen=True)
@@ -31,7 +30,7 @@ class SideRule:
     block_size: int
     dcp: int
     kernel_blocks: int
-    bound: "PlanRegion"
+    bound: PlanRegion
     receiving: bool
 
 
@@ -69,16 +68,30 @@ class RequestRules:
     aliased: bool
 
 
-def request_rules(prog: "TransferProgram") -> RequestRules:
+def request_rules(prog: TransferProgram) -> RequestRules:
     """The program's :class:`RequestRules`, derived on first use and kept in its memo."""
     return prog.memo.get("request_rules", lambda: _rules_of(prog))
 
 
-def _rules_of(prog: "TransferProgram") -> RequestRules:
+def prepare(prog: TransferProgram) -> TransferProgram:
+    """Derive the per-request lookup structures now (the program's index and request rules), not in
+    the first request; returns the program. A runtime calls it when it pairs.
+
+    >>> from kvlc import compile_spec, pair
+    >>> p = compile_spec("layouts/llama-3.1-8b.yaml")
+    >>> prog = prepare(pair(p, p, local_rank=0))
+    >>> prog.memo.get("request_rules", lambda: None).names
+    ('full',)
+    """
+    request_rules(prog)  # builds the index on the way
+    return prog
+
+
+def _rules_of(prog: TransferProgram) -> RequestRules:
     local_receives = prog.direction == "READ"
     recv = prog.local if local_receives else prog.remote
     groups = []
-    for name, regions in prog.index.groups.items():
+    for name, regions in program_index(prog).groups.items():
         sides = [SideRule(name, side, f"{side} block ids of group '{name}'", plan.group(name).block_size,
                           plan.parallel.dcp_size, plan.group(name).kernel_blocks_per_block, regions.smallest(side),
                           receiving)
@@ -88,7 +101,8 @@ def _rules_of(prog: "TransferProgram") -> RequestRules:
         window = g.window if g.kind == "sliding_window" else None
         groups.append(GroupRule(name, regions.is_state, window, recv.group(name).block_size * recv.parallel.dcp_size,
                                 *sides, () if regions.is_state else _whole_blocks(prog, regions.local)))
-    return RequestRules(tuple(groups), tuple(prog.index.groups), frozenset(g.name for g in prog.local.groups),
+    return RequestRules(tuple(groups), tuple(program_index(prog).groups),
+                        frozenset(g.name for g in prog.local.groups),
                         frozenset(g.name for g in prog.remote.groups), any(r.aliases for r in recv.regions))
 
 

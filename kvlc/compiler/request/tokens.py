@@ -6,28 +6,106 @@ logical blocks ``start // bs .. ceil(stop / bs) - 1`` of that side's block size 
 (:func:`block_span`). Bytes of tokens outside the range are never written, also in a
 block the range covers only partly (a prefix-cache hit that ends mid-block).
 
-A sliding-window group moves only what its window still needs (:func:`window_start`).
-Pure integer rules; :mod:`kvlc.compiler.request.check` applies them, :mod:`kvlc.compiler.request.instantiate`
+A sliding-window group moves only what its window still needs (:func:`window_start`;
+the most that is per request: :mod:`kvlc.compiler.request.windows`). Pure integer rules;
+:mod:`kvlc.compiler.request.check` applies them, :mod:`kvlc.compiler.request.instantiate`
 and :mod:`kvlc.compiler.request.prepared` walk the tiles of :func:`tile_spans`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from math import gcd
+
+import numpy as np
 
 from kvlc.compiler.algebra.layout import ceildiv
+from kvlc.errors import TransferError, type_name
 
 
 @dataclass(frozen=True)
 class TokenRange:
-    """Tokens ``[start, stop)`` of one group (``start < stop``, or equal: nothing to move)."""
+    """Tokens ``[start, stop)`` of one group (``start < stop``, or equal: nothing to move).
+
+    The one token-range type of kvlc: a request's ``num_tokens=N`` (always a count) is
+    ``TokenRange(0, N)``; see :meth:`of`.
+    """
 
     start: int
     stop: int
 
     def __len__(self) -> int:
         return self.stop - self.start
+
+    @classmethod
+    def of(cls, num_tokens=None, tokens=None, *, group: str, groups: Sequence[str] = ()) -> "TokenRange":
+        """The range a request gives for ``group``: ``num_tokens=N`` (a count: ``[0, N)``) or
+        ``tokens=(start, stop)`` / ``range(start, stop)``, either one value or a mapping group -> value
+        (``groups``: the token groups, named when a mapping lacks one). Refusals are :class:`TransferError`.
+
+        >>> TokenRange.of(32, group="full"), TokenRange.of(tokens=range(16, 40), group="full")
+        (TokenRange(start=0, stop=32), TokenRange(start=16, stop=40))
+        >>> TokenRange.of(0, group="full")
+        Traceback (most recent call last):
+        kvlc.errors.TransferError: group 'full': num_tokens must be positive, got 0
+        """
+        if tokens is None and type(num_tokens) is int and num_tokens > 0:  # the common case: N tokens from 0
+            return cls(0, num_tokens)
+        if tokens is not None:
+            if num_tokens is not None:
+                raise TransferError("give the tokens to move as num_tokens=N (tokens [0, N)) or "
+                                    "tokens=(start, stop), not both")
+            return _bounds(_per_group(tokens, group, groups, "tokens"), group)
+        return cls(0, token_count(_per_group(num_tokens, group, groups, "num_tokens"), group))
+
+
+def _is_int(x) -> bool:
+    return not isinstance(x, (bool, np.bool_)) and isinstance(x, (int, np.integer))
+
+
+def token_count(value, group: str) -> int:
+    """A positive integer token count (bool, float, str, NaN refused).
+
+    >>> token_count(7, "full")
+    7
+    """
+    if not _is_int(value):
+        raise TransferError(f"group '{group}': num_tokens must be a positive integer; found {value!r} "
+                            f"({type_name(type(value))})")
+    tok = int(value)
+    if tok <= 0:
+        raise TransferError(f"group '{group}': num_tokens must be positive, got {tok}")
+    return tok
+
+
+def _per_group(value, group: str, groups: Sequence[str], what: str):
+    if isinstance(value, Mapping):
+        if group not in value:
+            raise TransferError(f"{what} has no entry for group '{group}' "
+                                f"(give one per token group: {sorted(groups)})")
+        return value[group]
+    return value
+
+
+def _bounds(value, group: str) -> TokenRange:
+    """``(start, stop)`` or ``range(start, stop)`` as a :class:`TokenRange`, ``0 <= start < stop``."""
+    where = f"group '{group}': tokens"
+    if isinstance(value, range):
+        if value.step != 1:
+            raise TransferError(f"{where} {value!r} must have step 1 (a token range moves every token in it)")
+        pair = (value.start, value.stop)
+    elif isinstance(value, (tuple, list)) and len(value) == 2:
+        pair = tuple(value)
+    else:
+        raise TransferError(f"{where} must be (start, stop) or range(start, stop); found {value!r} "
+                            f"({type_name(type(value))})")
+    for x in pair:
+        if not _is_int(x):
+            raise TransferError(f"{where} (start, stop) must be integers; found {x!r} ({type_name(type(x))})")
+    start, stop = int(pair[0]), int(pair[1])
+    if not 0 <= start < stop:
+        raise TransferError(f"{where} ({start}, {stop}) must have 0 <= start < stop")
+    return TokenRange(start, stop)
 
 
 def block_span(span: TokenRange, block_size: int) -> tuple[int, int]:
@@ -61,50 +139,6 @@ def window_start(span: TokenRange, window: int, block_size: int) -> int:
     """
     skipped = max(0, span.stop - window + 1)
     return max(span.start, skipped // block_size * block_size)
-
-
-@dataclass(frozen=True)
-class WindowStats:
-    """What a sliding-window group moves per request, at most: blocks on each side, tokens.
-
-    ``receiver`` / ``sender``: ``"local"`` or ``"remote"``; block sizes are each side's
-    logical block size. ``vllm_blocks``: vLLM's own clip, ``cdiv(window, block) + 1`` receiver blocks.
-    """
-
-    group: str
-    window: int
-    receiver: str
-    receiver_block_size: int
-    sender_block_size: int
-    max_receiver_blocks: int
-    max_sender_blocks: int
-    max_tokens: int
-
-    @property
-    def vllm_blocks(self) -> int:
-        return ceildiv(self.window, self.receiver_block_size) + 1
-
-    def text(self) -> str:
-        return (f"sliding-window group '{self.group}' (window {self.window}): a request moves at most "
-                f"{self.max_receiver_blocks} blocks of {self.receiver_block_size} tokens on the receiving "
-                f"({self.receiver}) side, {self.max_sender_blocks} of {self.sender_block_size} on the sending "
-                f"side, {self.max_tokens} tokens (vLLM keeps {self.vllm_blocks} blocks)")
-
-
-def window_stats(group: str, window: int, receiver: str, recv_bs: int, send_bs: int) -> WindowStats:
-    """The most a window group moves per request, over every ``stop`` (exact: one period of both block sizes).
-
-    >>> w = window_stats("local", 1024, "local", 16, 32)
-    >>> w.max_receiver_blocks, w.max_sender_blocks, w.max_tokens, w.vllm_blocks
-    (65, 33, 1038, 65)
-    """
-    best = (0, 0, 0)
-    period = recv_bs // gcd(recv_bs, send_bs) * send_bs
-    for stop in range(max(1, window - 1), window - 1 + period + 1):
-        moved = TokenRange(window_start(TokenRange(0, stop), window, recv_bs), stop)
-        here = (block_span(moved, recv_bs)[1], block_span(moved, send_bs)[1], len(moved))
-        best = tuple(max(x, y) for x, y in zip(best, here))
-    return WindowStats(group, window, receiver, recv_bs, send_bs, *best)
 
 
 @dataclass(frozen=True)

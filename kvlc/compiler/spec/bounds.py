@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from math import prod
 
+from kvlc.compiler.spec.dtypes import DTYPE_SIZES
+
 MAX_EXPANDED = 1 << 16
 ADDRESS_LIMIT = 1 << 63
 
@@ -44,7 +46,6 @@ def _dim_bound(dim, known: dict, tokens: int) -> int:
 
 def block_bound(layout, spec, tokens: int) -> int:
     """At most how many bytes one block of ``layout`` spans."""
-    from kvlc.compiler.spec.models import DTYPE_SIZES
     known = spec.model.known_sizes()
     ends = [(f.offset or 0) + DTYPE_SIZES[f.dtype] * prod(_dim_bound(d, known, tokens) for d in f.dims)
             for f in layout.fields]

@@ -14,13 +14,12 @@ from pydantic import (BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, 
                       field_validator, model_validator)
 from pydantic_core import PydanticCustomError
 
-from kvlc.compiler.frozen import FrozenMap
 from kvlc.compiler.algebra.layout import STATE_KINDS
+from kvlc.compiler.algebra.sharding import check_interleave, check_parallel
+from kvlc.compiler.frozen import FrozenMap
+from kvlc.compiler.spec.bounds import check_spec_bounds
+from kvlc.compiler.spec.dtypes import DTYPE_SIZES, DType
 
-DTYPE_SIZES: Mapping[str, int] = {
-    "bf16": 2, "fp16": 2, "fp32": 4, "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1, "uint8": 1,
-}
-DType = Literal["bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2", "int8", "uint8"]
 MemType = Literal["DRAM", "VRAM"]
 Name = Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z_][A-Za-z0-9_.\-{}]*$")]
 # Every integer a spec takes is bounded: byte values stay below 2**63 (addresses are int64 at
@@ -110,7 +109,6 @@ class Parallel(Frozen):
 
     @model_validator(mode="after")
     def _dcp(self):
-        from kvlc.compiler.algebra.sharding import check_parallel
         check_parallel(self, spec_error)
         return self
 
@@ -381,8 +379,6 @@ class LayoutSpec(Frozen):
 
     @model_validator(mode="after")
     def _bounded(self):
-        from kvlc.compiler.spec.bounds import check_spec_bounds
         check_spec_bounds(self, spec_error)
-        from kvlc.compiler.algebra.sharding import check_interleave
         check_interleave(self, spec_error)
         return self

@@ -15,6 +15,7 @@ from typing import Any, Mapping
 import yaml
 
 from kvlc.compiler.spec.syntax import reader_problem, syntax_problem
+from kvlc.compiler.spec.template import render_template
 from kvlc.errors import Mark, Problem, SpecError, did_you_mean
 
 # libyaml's parser when PyYAML has it (several times faster on long specs); its nodes carry the
@@ -258,19 +259,6 @@ def parse_set(pairs: list[str] | tuple[str, ...]) -> dict:
                                      found=repr(value), fix=p.fix or "quote the value or close its brackets",
                                      mark=p.mark) for p in exc.problems[:1]]) from None
     return out
-
-
-def render_template(path: str | Path, config: Mapping | None = None,
-                    overrides: Mapping | None = None) -> str:
-    """Render a ``*.yaml.j2`` template (sandboxed; see :mod:`kvlc.compiler.spec.template`).
-
-    >>> config = load_config("layouts/templates/llama-3.1-70b.config.json")
-    >>> "kvlc: 1" in render_template("layouts/templates/llama-3.1-70b.yaml.j2", config,
-    ...                              {"tp_size": 8, "order": "nhd"})
-    True
-    """
-    from kvlc.compiler.spec.template import render_template as render
-    return render(path, config, overrides)
 
 
 def rendered_name(path: str | Path) -> str:

@@ -18,7 +18,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from kvlc.compiler.pairing.pair import TransferProgram, pair
+from kvlc.compiler.pairing.pair import pair
+from kvlc.compiler.pairing.program import TransferProgram
+from kvlc.compiler.request.bind import bind
+from kvlc.compiler.request.rules import prepare
 from kvlc.compiler.plan.model import Plan
 from kvlc.runtime.errors import HandshakeError
 from kvlc.runtime.kinds import Direction, ConnectionMode
@@ -84,7 +87,7 @@ class RemoteEngine:
         if self._bound is None:
             placeholder = {s.name: (0, s.device) for s in self.plan.storages}
             remote = {r: (self.current[r].bases() if r in self.current else placeholder) for r in self.expected}
-            self._bound = self.program.bind(local_bases, remote)
+            self._bound = bind(self.program, local_bases, remote)
         return self._bound
 
 
@@ -102,7 +105,7 @@ class SessionTable:
         key = (rec.engine_id, rec.plan_digest, direction.value)
         eng = self.engines.get(key)
         if eng is None:
-            program = pair(self.plan, rec.plan, local_rank=self.rank, direction=direction.value).prepare()
+            program = prepare(pair(self.plan, rec.plan, local_rank=self.rank, direction=direction.value))
             eng = RemoteEngine(rec.engine_id, rec.plan, program, direction)
             self.engines[key] = eng
         return eng

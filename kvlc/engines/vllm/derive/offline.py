@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from math import prod
 from typing import Any
 
-from kvlc.compiler.spec.models import DTYPE_SIZES
+from kvlc.compiler.spec.dtypes import DTYPE_SIZES
 from kvlc.engines.vllm.derive.read import packing_for
 from kvlc.engines.vllm.derive.view import (Axis, EngineView, GroupKind, GroupView, KvPacking, LayerTensor,
                                            ModelIdentity, ParallelView, Provenance, ViewError, heads_per_rank)
