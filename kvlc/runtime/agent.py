@@ -39,7 +39,7 @@ from typing import Any
 
 from kvlc.compiler.plan.model import Plan
 from kvlc.errors import TransferError
-from kvlc.runtime import server as _server
+import kvlc.runtime.server as _server
 from kvlc.runtime.arguments import check_agent_args, check_request_id, valid_name
 from kvlc.runtime.binding import Bound, bind
 from kvlc.runtime.channel.tcp import ChannelClient, ChannelServer
@@ -49,7 +49,7 @@ from kvlc.runtime.nixl.core import Agent
 from kvlc.runtime.peer import Peer, connect
 from kvlc.runtime.settings import AgentSettings, check_advertised
 from kvlc.runtime.pump import Pump, Resources, Sender
-from kvlc.runtime import replies as _replies
+import kvlc.runtime.replies as _replies
 from kvlc.runtime.channel.sessions import RemoteEngine, Session, SessionTable
 from kvlc.runtime.staging.agent import make_stager
 from kvlc.runtime.tracking import Completions, Events, Incoming, Tally

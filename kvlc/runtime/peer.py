@@ -21,7 +21,7 @@ from kvlc.compiler.request.check import check_request
 from kvlc.compiler.request.instantiate import instantiate
 from kvlc.compiler.request.prepared import prepared_indices, prepared_rows
 from kvlc.errors import KvlcError, TransferError
-from kvlc.runtime import batch as _batch
+import kvlc.runtime.batch as _batch
 from kvlc.runtime.arguments import check_request_id
 from kvlc.runtime.batch import BlockRequest
 from kvlc.runtime.channel.tcp import ChannelClient
