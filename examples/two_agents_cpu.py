@@ -17,7 +17,7 @@ import sys
 import torch
 
 import kvlc
-from kvlc.runtime import KvAgent, allocate
+from kvlc.runtime import AgentSettings, KvAgent, allocate
 
 SPEC = """
 kvlc: 1
@@ -53,8 +53,8 @@ def main() -> int:
     for t in prefill_tensors.values():
         t.random_(0, 256)
     ok = True
-    with KvAgent(plan, 0, prefill_tensors, engine_id="prefill", secret=SECRET) as prefill, \
-         KvAgent(plan, 0, decode_tensors, engine_id="decode", secret=SECRET) as decode:
+    with KvAgent(plan, 0, prefill_tensors, AgentSettings(engine_id="prefill", secret=SECRET)) as prefill, \
+         KvAgent(plan, 0, decode_tensors, AgentSettings(engine_id="decode", secret=SECRET)) as decode:
         # pull: the decode engine connects to the prefill engine's side channel and READs
         peer = decode.connect(prefill.serve("127.0.0.1"), direction="READ")
         peer.read("pull-1", {"full": [0, 1]}, {"full": [5, 6]}, num_tokens=32)

@@ -30,7 +30,9 @@ from kvlc.runtime.channel.tcp import Limits
 from kvlc.runtime.errors import AuthError, BindingError, ChannelError, HandshakeError, NixlError
 from kvlc.runtime.kinds import Direction, Event, ConnectionMode, Status
 from kvlc.runtime.nixl.core import XferState
+from kvlc.runtime.discovery import EngineAddress, Registry, RegistryError
 from kvlc.runtime.peer import Peer
+from kvlc.runtime.settings import AgentSettings
 from kvlc.runtime.staging.endpoint import StagingPolicy
 from kvlc.runtime.tracking import Completions
 from kvlc.runtime.channel.notifs import Notif, NotifBatch, decode_notif, encode_notif
@@ -38,6 +40,10 @@ from kvlc.runtime.channel.wire import Record
 
 __all__ = [
     "KvAgent",
+    "AgentSettings",
+    "Registry",
+    "EngineAddress",
+    "RegistryError",
     "Peer",
     "BlockRequest",
     "StagingPolicy",
