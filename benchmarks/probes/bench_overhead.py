@@ -43,6 +43,11 @@ from profile_push import one_round  # noqa: E402
 from kvlc.demo.run import DEFAULT_LAYOUT, make_workload, scaled_plan  # noqa: E402
 
 
+
+def _parts(peer, local_ids, remote_ids, num_tokens):
+    """The NIXL parts one request posts (the peer's own decision on staging left out)."""
+    return peer.parts(local_ids, remote_ids, num_tokens)[0]
+
 def tiny_plan(spec: str, head_dim: int, pool_mib: int, gpu: bool):
     """``spec`` with one KV head of ``head_dim`` (the same descriptors, tiny bytes), pools scaled."""
     data = yaml.safe_load(Path(spec).read_text())
@@ -105,6 +110,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     from kvlc.runtime.agent import KvAgent
+    from kvlc.runtime.settings import AgentSettings
     from kvlc.runtime.binding import allocate
     from kvlc.runtime.channel.notifs import agents_of
     from kvlc.demo.procs import EngineConfig, EngineProcess
@@ -115,11 +121,11 @@ def main(argv=None) -> int:
     try:
         cons = proc.add(EngineConfig(plan.to_json(), 0, fill="zeros", secret=secret, engine_id="overhead-consumer",
                                      pin=args.gpu))
-        prod = KvAgent(plan, 0, allocate(plan, pin=args.gpu), secret=secret, engine_id="overhead-producer",
-                       progress=args.progress)
+        prod = KvAgent(plan, 0, allocate(plan, pin=args.gpu),
+                       AgentSettings(secret=secret, engine_id="overhead-producer", progress=args.progress))
         peer = prod.connect(cons.address, direction="WRITE")
         batch = make_workload(plan, plan, args.inflight, args.tokens, ids="contiguous")[0]
-        parts = [peer._instantiate(p, c, n) for _, c, p, n in batch]
+        parts = [_parts(peer, p, c, n) for _, c, p, n in batch]
         remote = agents_of(peer._targets())[0]
         rows = sum(len(p) for p in parts[0].values())
         nbytes = sum(int(p.nbytes) for p in parts[0].values())
@@ -131,7 +137,7 @@ def main(argv=None) -> int:
                 times["raw"].append(raw)
                 times["kvlc"].append((k["submit_s"], k["total_s"]))
         _, c0, p0, n0 = batch[0]
-        inst = per_call(lambda: peer._instantiate(p0, c0, n0))
+        inst = per_call(lambda: _parts(peer, p0, c0, n0))
         peer.close()
         prod.close()
     finally:

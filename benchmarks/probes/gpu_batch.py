@@ -35,9 +35,15 @@ MiB = 1 << 20
 LLAMA = "layouts/llama-3.1-8b.yaml"
 
 
+
+def _parts(peer, local_ids, remote_ids, num_tokens):
+    """The NIXL parts one request posts (the peer's own decision on staging left out)."""
+    return peer.parts(local_ids, remote_ids, num_tokens)[0]
+
 def _pair(direction: str, pool: int, gpu: bool):
     """(plan, engine process, local agent, peer): the local agent initiates ``direction``."""
     from kvlc.runtime.agent import KvAgent
+    from kvlc.runtime.settings import AgentSettings
     from kvlc.runtime.binding import allocate
     from kvlc.demo.run import scaled_plan
     from kvlc.demo.procs import EngineConfig, EngineProcess
@@ -47,7 +53,7 @@ def _pair(direction: str, pool: int, gpu: bool):
     proc = EngineProcess()
     other = proc.add(EngineConfig(plan.to_json(), 0, fill="zeros", secret=secret, pin=gpu,
                                   engine_id=f"batch-{direction}-remote"))
-    local = KvAgent(plan, 0, allocate(plan, pin=gpu), secret=secret, engine_id=f"batch-{direction}-local")
+    local = KvAgent(plan, 0, allocate(plan, pin=gpu), AgentSettings(secret=secret, engine_id=f"batch-{direction}-local"))
     peer = local.connect(other.address, direction=direction)
     return plan, proc, local, peer
 
@@ -83,7 +89,7 @@ def kvlc_rows(direction: str, pool: int, tokens: int, inflight: int, rounds: int
         def reqs(tag):
             return [BlockRequest(f"{tag}-{k}", p if flip else c, c if flip else p, n)
                     for k, (_, c, p, n) in enumerate(work)]
-        nbytes = sum(int(x.nbytes) for x in peer._instantiate(*[getattr(reqs("probe")[0], f) for f in (
+        nbytes = sum(int(x.nbytes) for x in _parts(peer, *[getattr(reqs("probe")[0], f) for f in (
             "local_block_ids", "remote_block_ids", "num_tokens")]).values()) * inflight
         sizes = sorted({1, 4, 8, inflight})
         for b in sizes:  # warm: first use of the peer's memory, and of each path

@@ -38,8 +38,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # probes/
 from kvlc.demo.run import DEFAULT_LAYOUT, make_workload  # noqa: E402
 
 
+
+def _parts(peer, local_ids, remote_ids, num_tokens):
+    """The NIXL parts one request posts (the peer's own decision on staging left out)."""
+    return peer.parts(local_ids, remote_ids, num_tokens)[0]
+
 def setup(pool_mib: int, progress: str, interval: float, gpu: bool = False):
     from kvlc.runtime.agent import KvAgent
+    from kvlc.runtime.settings import AgentSettings
     from kvlc.runtime.binding import allocate
     from kvlc.demo.run import scaled_plan
     from kvlc.demo.procs import EngineConfig, EngineProcess
@@ -50,8 +56,8 @@ def setup(pool_mib: int, progress: str, interval: float, gpu: bool = False):
     cons = proc.add(EngineConfig(plan.to_json(), 0, fill="zeros", secret=secret, engine_id="profile-consumer",
                                  pin=gpu))
     tensors = allocate(plan, pin=gpu)
-    prod = KvAgent(plan, 0, tensors, secret=secret, engine_id="profile-producer", progress=progress,
-                   progress_interval=interval)
+    prod = KvAgent(plan, 0, tensors, AgentSettings(secret=secret, engine_id="profile-producer", progress=progress,
+                                                   progress_interval=interval))
     peer = prod.connect(cons.address, direction="WRITE")
     return plan, proc, prod, peer
 
@@ -81,7 +87,7 @@ def wait_finished(agent, want: set, timeout: float, nap: float = 0.0002) -> None
 
 def _kvlc_gbps(prod, peer, plan, tokens: int, inflight: int, rounds: int, tag: str) -> tuple[float, int, int]:
     batch = make_workload(plan, plan, inflight, tokens, ids="contiguous")[0]
-    parts = peer._instantiate(batch[0][2], batch[0][1], batch[0][3])
+    parts = _parts(peer, batch[0][2], batch[0][1], batch[0][3])
     nbytes = sum(int(p.nbytes) for p in parts.values())
     desc = sum(len(getattr(p, "local", p)) for p in parts.values())
     times = [one_round(prod, peer, [(f"{tag}-{i}-{k}", c, p, n) for k, (_, c, p, n) in enumerate(batch)])["total_s"]
@@ -98,7 +104,7 @@ def compare(args) -> list[dict]:
     try:
         sizes = [int(t) for t in args.compare.split(",")]
         _, cids, pids, n = make_workload(plan, plan, 1, max(sizes), ids="contiguous")[0][0]
-        parts = peer._instantiate(pids, cids, n)
+        parts = _parts(peer, pids, cids, n)
         biggest = sum(int(p.nbytes) for p in parts.values())
         pair = Pair(Side((biggest,), fill=False, pin=False), Side((biggest,), fill=False, pin=False))
         try:
@@ -164,12 +170,12 @@ def main(argv=None) -> int:
             with self._lock:
                 if not self.closed:
                     self._pump()
-        KvAgent._pump_locked = legacy
+        KvAgent.progress_turn = legacy
     plan, proc, prod, peer = setup(args.pool_mib, args.progress, args.interval, args.gpu)
     try:
         rounds = make_workload(plan, plan, args.inflight, args.tokens, ids="contiguous")
         batch = [(f"{r}-{k}", c, p, n) for k, (r, c, p, n) in enumerate(rounds[0])]
-        parts = peer._instantiate(batch[0][2], batch[0][1], batch[0][3])
+        parts = _parts(peer, batch[0][2], batch[0][1], batch[0][3])
         rows = sum(len(getattr(p, "local", p)) for p in parts.values())
         nbytes = sum(int(p.nbytes) for p in parts.values())
         one_round(prod, peer, [(f"warm-{i}", c, p, n) for i, (_, c, p, n) in enumerate(batch)])
@@ -183,7 +189,7 @@ def main(argv=None) -> int:
             prof.disable()
         t_inst = time.perf_counter()
         for _ in range(50):
-            peer._instantiate(batch[0][2], batch[0][1], batch[0][3])
+            _parts(peer, batch[0][2], batch[0][1], batch[0][3])
         inst = (time.perf_counter() - t_inst) / 50
         n = args.inflight
         sub = sorted(r["submit_s"] for r in results)[len(results) // 2] / n
