@@ -85,7 +85,7 @@ FIELD_DOCS: dict[tuple[str, str], str] = {
                          "parts, each sharded by TP on its own (Mamba conv x|B|C).",
     ("ArrayField", "kind"): "`array` (the default; may be omitted).",
     ("ArrayField", "name"): "The field's name (`k`, `v`, `latent`, ...); matched by name across engines.",
-    ("ArrayField", "dtype"): "Element type: `bf16 fp16 fp32 fp8_e4m3 fp8_e5m2 int8 uint8`.",
+    ("ArrayField", "dtype"): "Element type: `bf16 fp16 fp32 fp8_e4m3 fp8_e5m2 ue8m0 int8 uint8 fp4_e2m1` (`fp4_e2m1`: two values per byte along the innermost dim, which must be a plain dim of even size).",
     ("ArrayField", "offset"): "Byte offset in the block; default right after the previous field.",
     ("ArrayField", "dims"): "Dims outermost first; strides are row-major over the per-rank sizes.",
     ("SectionsField", "kind"): "`sections`: one dim is split into named sections, each its own field "
