@@ -119,6 +119,7 @@ class _GroupBase(Frozen):
     block_size: Tokens | None = None
     kernel_block_size: Tokens | None = None
     tokens_per_entry: Tokens = 1  # one token-dim entry covers this many tokens (a compressed cache)
+    dcp: Literal["sharded", "replicated"] = "sharded"  # replicated: DCP does not shard this group's tokens
 
 
 class FullAttention(_GroupBase):

@@ -61,6 +61,10 @@ FIELD_DOCS: dict[tuple[str, str], str] = {
     ("_GroupBase", "block_size"): "This group's tokens per logical block; default the spec's `block_size`.",
     ("_GroupBase", "kernel_block_size"): "This group's tokens per kernel block; default the group's block size "
                                           "if it sets one, else the spec's `kernel_block_size`.",
+    ("_GroupBase", "dcp"): "`sharded` (default) or `replicated`: under decode context parallelism "
+                           "(`dcp_size` > 1), a `replicated` group is not token-sharded: every rank holds all "
+                           "of its tokens and one block id covers `block_size` tokens, not `block_size * "
+                           "dcp_size` (a draft/MTP cache vLLM keeps whole under DCP). Default `sharded`.",
     ("_GroupBase", "tokens_per_entry"): "Tokens one entry of the `token` dims covers: 1, or k for a compressed "
                                          "cache (one entry per k tokens). Block sizes stay in tokens and must be "
                                          "multiples of k; N tokens are `ceil(N / k)` entries. Default 1.",
