@@ -106,7 +106,8 @@ def _global_tokens(p, rank: int, local: np.ndarray) -> np.ndarray:
 
 
 def _source_slot(p, t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Where the source engine (region parallelism ``p``) stores sequence position ``t``: local position and DCP key."""
+    """Where the source engine (region parallelism ``p``) stores sequence position ``t``: local position
+    and DCP key."""
     period = p.dcp_interleave * p.dcp_size
     return (t // period) * p.dcp_interleave + t % p.dcp_interleave, ((t // p.dcp_interleave) % p.dcp_size) * DCP_KEY
 
@@ -118,7 +119,8 @@ def fill(plan: Plan, rank: int, buffers: Mapping[str, np.ndarray]) -> None:
         blocks = np.arange(r.num_blocks, dtype=np.int64)
         for f in r.fields:
             el = field_elements(f, _head_start(plan, rank, f))
-            key = 0 if r.is_state else _dcp_key(plan.region_parallel(r), rank)  # every DCP rank holds the whole state
+            # every DCP rank holds the whole state (and a replicated group's every token)
+            key = 0 if r.is_state else _dcp_key(plan.region_parallel(r), rank)
             vals = code(r.name, f.name, el.head[None, :], blocks[:, None], el.token[None, :] + key,
                         el.other[None, :], el.itemsize)
             addr = (r.offset + blocks[:, None] * r.block_stride + el.offset[None, :]).ravel()

@@ -33,8 +33,8 @@ def both(n: int) -> str:
 
 
 def dim_short(f: PlanField, i: int) -> str:
-    """Dim ``i`` of a field: ``head=8/8`` (head: local/global); the innermost dim of a packed dtype counts bytes
-    of several values each: ``head_dim=64x2`` (fp4_e2m1: 64 bytes of 2 values)."""
+    """Dim ``i`` of a field: ``head=8/8`` (head: local/global); the innermost dim of a packed dtype
+    counts bytes of several values each: ``head_dim=64x2`` (fp4_e2m1: 64 bytes of 2 values)."""
     d = f.dims[i]
     packed = PACKED.get(f.dtype, 1) if i == len(f.dims) - 1 else 1
     return f"{d.name}={d.size}" + (f"/{d.global_size}" if d.role == "head" else "") + \

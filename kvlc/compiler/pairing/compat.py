@@ -310,8 +310,8 @@ def check_dim_values(a: PlanRegion, b: PlanRegion, lf: PlanField, rf: PlanField)
 
 
 def check_packed_dim(a: PlanRegion, b: PlanRegion, lf: PlanField, rf: PlanField) -> list[Finding]:
-    """A packed dtype (``fp4_e2m1``, two values per byte) packs the same innermost dim on both engines: a byte
-    holds two values of that dim, so a byte of one side is a byte of the other only if both pair the same values.
+    """A packed dtype (``fp4_e2m1``, two values per byte) packs the same innermost dim on both engines: a
+    byte holds two values of that dim, so a byte of one side is one of the other only if both pair alike.
 
     >>> from kvlc import compile_spec
     >>> r = compile_spec("layouts/llama-3.1-8b-nvfp4-tp2.yaml").region("layer.0")

@@ -1,8 +1,9 @@
 """Compatibility of decode context parallelism: what a DCP pairing cannot move correctly.
 
 Any DCP size and interleave on either side pairs (tokens are mapped through their global
-positions, :mod:`kvlc.compiler.algebra.sharding`; per-request state, which has no token axis, and the regions
-of a ``dcp: replicated`` group are held whole by every DCP rank and pair by TP alone on that side), except where the bytes have no single right place:
+positions, :mod:`kvlc.compiler.algebra.sharding`; per-request state, which has no token axis, and the
+regions of a ``dcp: replicated`` group are held whole by every DCP rank and pair by TP alone on that
+side), except where the bytes have no single right place:
 
 * ``dcp-heads``: an engine whose DCP group spans ranks that hold different heads (more DCP
   ranks than replicas of a head) stores some tokens of a head on no rank at all;
@@ -37,7 +38,7 @@ def _uncovered(plan: Plan) -> tuple[int, int, int] | None:
     """A (global heads, head, DCP rank) whose tokens no TP rank stores, if any."""
     seen = set()
     for r in plan.regions:
-        for f in () if r.is_state or r.dcp_replicated else r.fields:  # state and replicated groups: not sharded
+        for f in () if r.is_state or r.dcp_replicated else r.fields:  # state, replicated: not sharded
             hd = f.dim("head")
             if hd is None or hd.global_size in seen:
                 continue

@@ -53,8 +53,8 @@ def _pieces(cons_rank: int, cons: Plan, prod: Plan, region: PlanRegion, local_is
 def _dcp(cons: Plan, prod: Plan, name: str):
     """Both sides' parallelism of region ``name`` where either shards its tokens by DCP, else None.
 
-    Every DCP rank holds a request's whole state, and all tokens of a region whose group is ``dcp: replicated``:
-    such a side pairs by TP alone (:meth:`~kvlc.compiler.plan.model.Plan.region_parallel`).
+    Every DCP rank holds a request's whole state, and all tokens of a region whose group is
+    ``dcp: replicated``: such a side pairs by TP alone (``Plan.region_parallel``).
     """
     cr, pr = cons.region(name), prod.region(name)
     if cr.is_state:

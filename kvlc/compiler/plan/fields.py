@@ -222,14 +222,15 @@ def packed_sizes(f, sizes: list[SizedDim], fpath: tuple, problems: list) -> list
     >>> from kvlc.compiler.spec.models import ArrayField
     >>> f = ArrayField(name="k", dtype="fp4_e2m1", dims=({"name": "head_dim", "size": 7},))
     >>> problems = []
-    >>> packed_sizes(f, [SizedDim(f.dims[0], 7, 7)], ("layouts", "kv", "fields", 0), problems), problems[0].what
+    >>> packed_sizes(f, [SizedDim(f.dims[0], 7, 7)], ("layouts", "kv"), problems), problems[0].what
     (None, "fp4_e2m1 field 'k' packs 2 values per byte, but its innermost dim 'head_dim' has 7")
     """
     per, last = PACKED[f.dtype], sizes[-1]
     if last.local % per == 0:
         return sizes[:-1] + [SizedDim(last.dim, last.local // per, last.global_size // per)]
-    problems.append(Problem(fpath + ("dims", len(sizes) - 1), f"{f.dtype} field '{f.name}' packs {per} values "
-                            f"per byte, but its innermost dim '{last.dim.name}' has {last.local}",
+    problems.append(Problem(fpath + ("dims", len(sizes) - 1),
+                            f"{f.dtype} field '{f.name}' packs {per} values per byte, but its innermost "
+                            f"dim '{last.dim.name}' has {last.local}",
                             expected=f"a multiple of {per} (whole bytes)", found=str(last.local),
                             fix=f"use an even size ({last.local - last.local % per} or "
                                 f"{last.local + per - last.local % per}), put a dim of even size innermost, "

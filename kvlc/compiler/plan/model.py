@@ -312,8 +312,8 @@ class Plan(_Frozen):
         return 1 if g.is_state else ceildiv(tokens, g.block_size * self.group_dcp(group))
 
     def group_dcp(self, group: str) -> int:
-        """DCP ranks a block id of ``group`` spreads its tokens over: ``dcp_size``, or 1 for a group that DCP does
-        not shard (``dcp: replicated``; per-request state needs one block whatever this says).
+        """DCP ranks a block id of ``group`` spreads its tokens over: ``dcp_size``, or 1 for a group that
+        DCP does not shard (``dcp: replicated``; per-request state needs one block whatever this says).
 
         >>> from kvlc import compile_spec
         >>> compile_spec("layouts/deepseek-v3-tp8-dcp8-mtp.yaml").group_dcp("mtp")

@@ -49,7 +49,8 @@ def block_bound(layout, spec, tokens: int) -> int:
     known = spec.model.known_sizes()
     ends = [(f.offset or 0) + field_bytes(f.dtype, prod(_dim_bound(d, known, tokens) for d in f.dims))
             for f in layout.fields]
-    packed = sum(field_bytes(f.dtype, prod(_dim_bound(d, known, tokens) for d in f.dims)) for f in layout.fields)
+    packed = sum(field_bytes(f.dtype, prod(_dim_bound(d, known, tokens) for d in f.dims))
+                 for f in layout.fields)
     return max([layout.size or 0, packed, *ends])
 
 

@@ -254,8 +254,7 @@ def _check_strides(dims) -> None:
 
 
 def _check_packed(name: str, dtype: str, dims) -> None:
-    """A packed dtype (``fp4_e2m1``: two values per byte) packs its innermost dim, which must be a plain one:
-    a byte holding two tokens or two heads could not be split between blocks or ranks."""
+    """A packed dtype (``fp4_e2m1``) packs its innermost dim: a plain one (a byte can't split heads)."""
     last = dims[-1]
     if dtype not in PACKED or not (last.role or last.sections):
         return
