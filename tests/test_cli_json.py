@@ -48,7 +48,7 @@ def test_explain_json_agrees_with_summary(spec):
     for g, pg in zip(doc["groups"], plan.groups):
         cap = plan.group_capacity(pg.name) if any(pg.name in r.groups for r in plan.regions) else 0
         assert g["capacity"] == cap
-        expected = None if pg.is_state else cap * pg.block_size * plan.parallel.dcp_size
+        expected = None if pg.is_state else cap * pg.block_size * plan.group_dcp(pg.name)
         assert g["engine_tokens"] == expected
     assert sum(run["count"] for run in doc["runs"]) == len(plan.regions)
 

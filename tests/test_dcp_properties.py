@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import dataclass
+from types import SimpleNamespace
 from pathlib import Path
 
 import numpy as np
@@ -47,6 +48,12 @@ class SideT:
     kernel: int
     mem: str
     text: str = ""
+    draft: int = 0               # 0: no draft group; 1: a draft (MTP) group DCP shards; 2: one it leaves whole
+
+    @property
+    def draft_dcp(self) -> int:
+        """DCP ranks the draft group's tokens are spread over (1: `dcp: replicated`, every rank holds them all)."""
+        return 1 if self.draft == 2 else self.dcp
 
 
 @dataclass
@@ -88,7 +95,7 @@ def _dims(draw, kind: str, lat_size: int) -> dict:
     return {n: [dict(d) for d in draw(st.permutations([tok, head, hd]))] for n in ("k", "v")}
 
 
-def _spec(s: SideT, label: str, heads, fields: dict, per_block: bool, mamba: int, cap: int) -> str:
+def _spec(s: SideT, label: str, heads, fields: dict, per_block: bool, mamba: int, cap: int, draft_cap: int) -> str:
     ys = [{"name": n, "dtype": "bf16" if n != "latent" else "fp16", "dims": list(d)} for n, d in fields.items()]
     if per_block:
         ys.append({"name": "scale", "dtype": "fp32", "dims": [{"name": "head", "role": "head"} if heads
@@ -100,6 +107,11 @@ def _spec(s: SideT, label: str, heads, fields: dict, per_block: bool, mamba: int
             "storages": [{"name": "s", "mem": s.mem}], "layouts": {"kv": {"fields": ys}},
             "regions": [{"name": f"attn.{i}", "storage": "s", "layout": "kv", "groups": ["full"],
                          "num_blocks": cap * (s.block // s.kernel)} for i in range(2)]}
+    if s.draft:   # a draft (MTP) cache in a group of its own, replicated under DCP where s.draft == 2
+        spec["groups"].append({"name": "mtp", "kind": "full_attention", **({"dcp": "replicated"} if s.draft == 2
+                                                                          else {})})
+        spec["regions"].append({"name": "draft.0", "storage": "s", "layout": "kv", "groups": ["mtp"],
+                                "num_blocks": draft_cap * (s.block // s.kernel)})
     if mamba:
         spec["groups"].append({"name": "mamba", "kind": "mamba"})
         spec["layouts"]["st"] = {"fields": [{"name": "ssm", "dtype": "bf16", "dims": [
@@ -110,7 +122,7 @@ def _spec(s: SideT, label: str, heads, fields: dict, per_block: bool, mamba: int
 
 
 @st.composite
-def dcp_case(draw, kind=None, heads=None, sides=None, max_tokens=70) -> DcpCase:
+def dcp_case(draw, kind=None, heads=None, sides=None, max_tokens=70, draft=None) -> DcpCase:
     kind = kind or draw(st.sampled_from(("mla", "gqa")))
     heads = None if kind == "mla" else heads or draw(st.sampled_from((1, 2, 4)))
     cons, prod = sides or (draw(side_t(heads)), draw(side_t(heads)))
@@ -123,19 +135,28 @@ def dcp_case(draw, kind=None, heads=None, sides=None, max_tokens=70) -> DcpCase:
     start = draw(st.sampled_from((0, 0, draw(st.integers(0, tokens - 1)) // step * step)))
     lat_size = draw(st.integers(1, 5))
     id_mode = draw(st.sampled_from(("contiguous", "ascending", "arbitrary")))
+    if draft if draft is not None else draw(st.booleans()):   # a per-block field needs equal sharding of it
+        cons.draft = draw(st.sampled_from((1, 2)))
+        prod.draft = cons.draft if per_block else draw(st.sampled_from((1, 2)))
     ids = []
     for s, label in ((cons, "c"), (prod, "p")):
-        need = -(-tokens // (s.block * s.dcp)) - start // (s.block * s.dcp)   # ids of the blocks touched
-        cap = need + draw(st.sampled_from((0, 1, 3)))
-        s.text = _spec(s, label, heads, _dims(draw, kind, lat_size), per_block, mamba, cap)
-        if id_mode == "contiguous":
-            at = draw(st.integers(0, cap - need))
-            chosen = list(range(at, at + need))
-        else:
-            chosen = draw(st.permutations(range(cap)))[:need]
-            chosen = sorted(chosen) if id_mode == "ascending" else chosen
-        ids.append({"full": chosen, **({"mamba": [draw(st.integers(0, 2))]} if mamba else {})})
+        chosen, cap = _ids(draw, id_mode, tokens, start, s.block * s.dcp)
+        drafted, draft_cap = _ids(draw, id_mode, tokens, start, s.block * s.draft_dcp) if s.draft else ((), 0)
+        s.text = _spec(s, label, heads, _dims(draw, kind, lat_size), per_block, mamba, cap, draft_cap)
+        ids.append({"full": chosen, **({"mamba": [draw(st.integers(0, 2))]} if mamba else {}),
+                    **({"mtp": drafted} if s.draft else {})})
     return DcpCase(cons, prod, tokens, ids[0], ids[1], id_mode, start)
+
+
+def _ids(draw, id_mode: str, tokens: int, start: int, per_id: int) -> tuple[list[int], int]:
+    """Block ids of the blocks ``[start, tokens)`` touches (``per_id`` tokens each) and a capacity that holds them."""
+    need = -(-tokens // per_id) - start // per_id
+    cap = need + draw(st.sampled_from((0, 1, 3)))
+    if id_mode == "contiguous":
+        at = draw(st.integers(0, cap - need))
+        return list(range(at, at + need)), cap
+    chosen = draw(st.permutations(range(cap)))[:need]
+    return (sorted(chosen) if id_mode == "ascending" else chosen), cap
 
 
 # ============================================================================ reference map
@@ -167,6 +188,15 @@ def source_rank(c: int, head: int | None, heads: int, prod, dp: int | None) -> i
     return cands[c % len(cands)]
 
 
+def _sharding(plan, region):
+    """The token sharding of ``region``: the engine's DCP, or none where its group is `dcp: replicated` (every
+    rank holds every token of it, as vLLM keeps a draft model's cache whole)."""
+    p = plan.parallel
+    if plan.group(region.groups[0]).dcp_replicated:
+        return SimpleNamespace(tp_size=p.tp_size, dcp_size=1, dcp_interleave=1)
+    return p
+
+
 def _kpb(plan, group: str) -> int:
     g = plan.group(group)
     return g.block_size // g.kernel_block_size
@@ -184,7 +214,7 @@ def _field_ref(cp, c: int, pp, rc, rp, fc, ck, pk, start: int, tokens: int):
     grid = np.indices([d.size for d in fc.dims], dtype=np.int64).reshape(len(fc.dims), -1)
     idx = {d.name: grid[i] for i, d in enumerate(fc.dims)}
     coff = fc.offset + sum(grid[i] * d.stride for i, d in enumerate(fc.dims))
-    cpar, ppar = cp.parallel, pp.parallel
+    cpar, ppar = _sharding(cp, rc), _sharding(pp, rp)
     state = rc.is_state
     if state:
         j = np.arange(len(ck))[:, None]
@@ -306,6 +336,18 @@ def run_case(case: DcpCase) -> int:
 
 
 # ============================================================================ the properties
+@pytest.mark.parametrize("c,p", [((8, 8), (8, 1)), ((8, 1), (8, 8)), ((8, 8), (8, 8)), ((4, 2), (8, 4)),
+                                 ((8, 8), (1, 1)), ((2, 2), (4, 4))])
+@settings(PROPS, max_examples=10)
+@given(data=st.data())
+def test_replicated_draft_group_under_dcp(c, p, data):
+    """A draft (MTP) group that DCP leaves whole (`dcp: replicated`) beside a DCP-sharded one, on either side or
+    both, against a peer that shards it or not: every byte once, read from one rank, never written twice."""
+    sides = tuple(data.draw(side_t(None, tps=(tp,), dcp=d)) for tp, d in (c, p))
+    run_case(data.draw(dcp_case(kind="mla", sides=sides, draft=True)))
+
+
+
 @settings(PROPS, max_examples=60)
 @given(dcp_case())
 def test_random_dcp_pairs_move_exact_bytes(case):

@@ -38,7 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from memory_model import Engine, verify  # noqa: E402
 from kvlc import bind, instantiate
 
-ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8_e4m3": 1, "int8": 1, "uint8": 1}
+ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8_e4m3": 1, "ue8m0": 1, "int8": 1, "uint8": 1, "fp4_e2m1": 1}
+PACKED = {"fp4_e2m1": 2}   # values per byte, along the innermost (plain) dim
 TP_SIZES = (1, 2, 3, 4, 8)
 BLOCKS = ((4, 4), (6, 6), (8, 8), (8, 4), (12, 12), (12, 6), (12, 4), (16, 16), (16, 8), (24, 24),
           (24, 12), (24, 8), (32, 16))
@@ -155,9 +156,12 @@ def side_layouts(draw, model: Model, side: Side) -> tuple[dict, dict]:
         explicit = draw(st.booleans())
         cursor, fields_y, geo = 0, [], {}
         for f in order:
-            dims = tuple(draw(st.permutations(f.dims)))
+            per = PACKED.get(f.dtype, 1)   # fp4: the innermost dim stays innermost and counts bytes
+            dims = tuple(draw(st.permutations(f.dims[:-1]))) + f.dims[-1:] if per > 1 else \
+                tuple(draw(st.permutations(f.dims)))
             item = ITEMSIZE[f.dtype]
             local = [dim_local(d, model, side.tp, tokens) for d in dims]
+            local[-1] //= per
             strides, acc = [], item
             for n in reversed(local):
                 strides.append(acc)
@@ -285,9 +289,17 @@ class Case:
     tokens_arg: object           # int or mapping, as given to instantiate
 
 
+def fp4_fields(draw, T: DimT, Hd: DimT) -> tuple[FieldT, ...]:
+    """fp4 values (two per byte along ``q4_dim``, an even size) and one block scale per group of them."""
+    groups = draw(st.integers(1, 3))
+    vals = FieldT("q4", "fp4_e2m1", (T, Hd, DimT("q4_dim", size=2 * groups * draw(st.integers(1, 2)))))
+    scales = FieldT("q4_scale", draw(st.sampled_from(("fp8_e4m3", "ue8m0"))), (T, Hd, DimT("q4_group", size=groups)))
+    return (vals, scales)
+
+
 @st.composite
 def pair_case(draw, tps=None, heads=None, blocks=None, kv=None, swa=None, mla=None, mamba=None,
-              scale=None, id_mode=None, max_tokens=40) -> Case:
+              scale=None, id_mode=None, max_tokens=40, fp4=None) -> Case:
     """A random model, two engines for it (consumer, producer), and one request."""
     tp_c, tp_p = tps or (draw(st.sampled_from(TP_SIZES)), draw(st.sampled_from(TP_SIZES)))
     lcm_tp = math.lcm(tp_c, tp_p)
@@ -307,11 +319,15 @@ def pair_case(draw, tps=None, heads=None, blocks=None, kv=None, swa=None, mla=No
         kv_fields = (FieldT("kv", dt(), (DimT("kv", size=2), T, Hd, HD)),)
     attn = kv_fields + ((FieldT("scale", "fp32", (Hd, DimT("sc", size=draw(st.integers(1, 2))))),)
                         if scale else ())
+    if fp4 if fp4 is not None else draw(st.booleans()):   # NVFP4/MXFP4 values + their block scales
+        attn += fp4_fields(draw, T, Hd)
     groups = [("full", "full_attention")]
     layouts = [LayoutT("kv", "full", attn)]
     regions = [RegionT(f"attn.{i}", "kv", ("full",)) for i in range(draw(st.integers(1, 2)))]
     if mla:
         lat = (FieldT("latent", dt(), (T, DimT("lat", size=draw(st.integers(1, 6))))),)
+        if fp4:
+            lat += (FieldT("latent4", "fp4_e2m1", (T, DimT("lat4", size=2 * draw(st.integers(1, 3))))),)
         if draw(st.booleans()):
             lat += (FieldT("pe", "bf16", (DimT("pe", size=2), T)),)
         layouts.append(LayoutT("mla", "full", lat))
@@ -685,6 +701,14 @@ def test_hybrid_mamba_mla_swa(data):
 def test_ascending_ids_hit_minimum(data):
     """Ascending (allocator-order) block ids: the program's own descriptor count is the coalesced minimum."""
     run_case(data.draw(pair_case(id_mode=data.draw(st.sampled_from(("contiguous", "ascending"))))))
+
+
+@settings(PROPS, max_examples=60)
+@given(data=st.data())
+def test_fp4_pairs_move_exact_bytes(data):
+    """fp4_e2m1 fields (two values per byte, any TP, block sizes, dim orders) and their ue8m0/fp8 block scales:
+    every requested byte moves once; a byte holds the same two values on both sides (check_geometry)."""
+    run_case(data.draw(pair_case(fp4=True, mla=data.draw(st.booleans()))))
 
 
 # ============================================================================ reproducers

@@ -171,8 +171,8 @@ def test_checked_in_pairs_same_byte_map_as_instantiate(entry, direction):
         # tokens filling whole tiles exactly: no tail at all
         lids, rids, tokens = random_request(local, remote, rng)
         for g in tokens:
-            lbs = local.group(g).block_size * local.parallel.dcp_size      # tokens per block id
-            rbs = remote.group(g).block_size * remote.parallel.dcp_size
+            lbs = local.group(g).block_size * local.group_dcp(g)      # tokens per block id
+            rbs = remote.group(g).block_size * remote.group_dcp(g)
             tile = lbs * rbs // np.gcd(lbs, rbs)
             tokens[g] = tile
             # ids of other groups stay out of the way (pooled groups never share a page)

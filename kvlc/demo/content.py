@@ -93,21 +93,21 @@ def _head_start(plan: Plan, rank: int, f: PlanField) -> int:
 DCP_KEY = 1 << 20  # above every token-in-block: a DCP rank's slots hold other tokens than its peers'
 
 
-def _dcp_key(plan: Plan, rank: int) -> int:
-    """Part of the token coordinate that names the DCP rank (0 without DCP: codes as before)."""
-    return (rank % plan.parallel.dcp_size) * DCP_KEY
+def _dcp_key(p, rank: int) -> int:
+    """Part of the token coordinate that names the DCP rank (0 without DCP: codes as before); ``p``: the
+    region's parallelism (``Plan.region_parallel``: no DCP where its group is replicated)."""
+    return (rank % p.dcp_size) * DCP_KEY
 
 
-def _global_tokens(plan: Plan, rank: int, local: np.ndarray) -> np.ndarray:
+def _global_tokens(p, rank: int, local: np.ndarray) -> np.ndarray:
     """Sequence positions of a rank's local token positions (vLLM's DCP slot mapping, inverted)."""
-    p = plan.parallel
     return (local // p.dcp_interleave) * p.dcp_interleave * p.dcp_size \
         + (rank % p.dcp_size) * p.dcp_interleave + local % p.dcp_interleave
 
 
-def _source_slot(plan: Plan, t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Where the source engine stores sequence position ``t``: local position and DCP key."""
-    p = plan.parallel
+def _source_slot(p, t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Where the source engine (region parallelism ``p``) stores sequence position ``t``: local position
+    and DCP key."""
     period = p.dcp_interleave * p.dcp_size
     return (t // period) * p.dcp_interleave + t % p.dcp_interleave, ((t // p.dcp_interleave) % p.dcp_size) * DCP_KEY
 
@@ -119,7 +119,8 @@ def fill(plan: Plan, rank: int, buffers: Mapping[str, np.ndarray]) -> None:
         blocks = np.arange(r.num_blocks, dtype=np.int64)
         for f in r.fields:
             el = field_elements(f, _head_start(plan, rank, f))
-            key = 0 if r.is_state else _dcp_key(plan, rank)  # every DCP rank holds the whole state
+            # every DCP rank holds the whole state (and a replicated group's every token)
+            key = 0 if r.is_state else _dcp_key(plan.region_parallel(r), rank)
             vals = code(r.name, f.name, el.head[None, :], blocks[:, None], el.token[None, :] + key,
                         el.other[None, :], el.itemsize)
             addr = (r.offset + blocks[:, None] * r.block_stride + el.offset[None, :]).ravel()
@@ -155,7 +156,7 @@ def _needed(dst: Plan, group: str, start: int, stop: int) -> int:
     g = dst.group(group)
     if g.kind != "sliding_window":
         return start
-    per = g.block_size * dst.parallel.dcp_size  # tokens per block id
+    per = g.block_size * dst.group_dcp(group)  # tokens per block id
     first_kept_block = max(0, stop - g.window + 1) // per
     return max(start, first_kept_block * per)
 
@@ -218,14 +219,14 @@ def _token_cells(p: _Pair, f: PlanField, el: FieldElements, dk: np.ndarray, sk: 
     """The cells of a field of a token region for tokens ``[start, stop)``."""
     dst, src, r = p.dst, p.src, p.r
     need = _needed(dst, p.group, start, stop)
-    dd, ds = dst.parallel.dcp_size, src.parallel.dcp_size   # DCP: a block id covers bs * dcp
+    dd, ds = dst.region_parallel(r).dcp_size, src.region_parallel(p.sr).dcp_size  # a block id covers bs * dcp
     d0 = start // (dst.group(p.group).block_size * dd) * (dst.group(p.group).block_size // r.block_tokens)
     s0 = start // (src.group(p.group).block_size * ds) * (src.group(p.group).block_size // p.sr.block_tokens)
     span = r.block_tokens * dd                              # tokens of one kernel block id
     j = np.arange(need // span, ceildiv(stop, span), dtype=np.int64)[:, None]
     blk_d = dk[j - d0]
     if f.dim("token") is None:  # per-block field: same block sizes and sharding (checked at pairing)
-        return _Cells(blk_d, sk[j - s0], el.token[None, :] + _dcp_key(dst, p.dst_rank),
+        return _Cells(blk_d, sk[j - s0], el.token[None, :] + _dcp_key(dst.region_parallel(r), p.dst_rank),
                       np.ones((len(j), el.offset.size), bool))
     if r.tokens_per_entry > 1:  # entries of tokens_per_entry tokens (DCP refused at pairing)
         return _entry_cells(p, el, blk_d, sk, j, need, stop, s0)
@@ -248,10 +249,10 @@ def _sequence_cells(p: _Pair, el: FieldElements, blk_d: np.ndarray, sk: np.ndarr
                     need: int, stop: int, s0: int) -> _Cells:
     """One token per entry: each receiver token at its sequence position, from the sender's slot of it."""
     r, sr = p.r, p.sr
-    t = _global_tokens(p.dst, p.dst_rank, j * r.block_tokens + el.token[None, :])  # sequence position
+    t = _global_tokens(p.dst.region_parallel(r), p.dst_rank, j * r.block_tokens + el.token[None, :])
     keep = (t >= need) & (t < stop)
     t = np.clip(t, need, stop - 1)
-    js, key = _source_slot(p.src, t)
+    js, key = _source_slot(p.src.region_parallel(sr), t)
     return _Cells(blk_d, sk[js // sr.block_tokens - s0], js % sr.block_tokens + key, keep)
 
 

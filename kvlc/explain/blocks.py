@@ -14,6 +14,7 @@ from itertools import product
 
 from kvlc.compiler.plan.model import Plan, PlanField, PlanRegion
 from kvlc.collapse import vary_label
+from kvlc.explain.numbers import dim_short
 from kvlc.explain.summary import replicas
 
 MAX_RUNS = 512     # runs of a slice drawn at most (a longer list is cut, and says so)
@@ -87,7 +88,7 @@ def field_map(f: PlanField, tp_size: int) -> FieldMap:
         what = f"{role} 0" + (" of this rank" if role == "head" else "")
     else:
         runs, what = [(f.offset, f.extent)], "all"
-    shape = " ".join(f"{d.name}={d.size}" + (f"/{d.global_size}" if d.role == "head" else "") for d in f.dims)
+    shape = " ".join(dim_short(f, i) for i in range(len(f.dims)))
     return FieldMap(f.name, f.dtype, f.offset, f.extent, " x ".join(d.name for d in f.dims), shape,
                     replicas(f, tp_size), what, tuple(runs[:MAX_RUNS]), len(runs))
 

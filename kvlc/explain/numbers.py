@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from kvlc.compiler.plan.model import PlanField
+from kvlc.compiler.spec.dtypes import PACKED
 
 
 def human(n: int) -> str:
@@ -31,9 +32,17 @@ def both(n: int) -> str:
     return h if h.endswith(" B") else f"{h} ({exact(n)})"
 
 
+def dim_short(f: PlanField, i: int) -> str:
+    """Dim ``i`` of a field: ``head=8/8`` (head: local/global); the innermost dim of a packed dtype
+    counts bytes of several values each: ``head_dim=64x2`` (fp4_e2m1: 64 bytes of 2 values)."""
+    d = f.dims[i]
+    packed = PACKED.get(f.dtype, 1) if i == len(f.dims) - 1 else 1
+    return f"{d.name}={d.size}" + (f"/{d.global_size}" if d.role == "head" else "") + \
+        (f"x{packed}" if packed > 1 else "")
+
+
 def field_short(f: PlanField) -> str:
     """A field in short form: ``k@0:bf16[token=16,head=8/8,head_dim=128]`` (head: local/global)."""
-    dims = ",".join(f"{d.name}={d.size}" + (f"/{d.global_size}" if d.role == "head" else "")
-                    for d in f.dims)
+    dims = ",".join(dim_short(f, i) for i in range(len(f.dims)))
     return f"{f.name}@{f.offset}:{f.dtype}[{dims}]"
 

@@ -247,7 +247,7 @@ def _group_total(plan: Plan, g) -> GroupTotal:
         bytes=sum(r.num_blocks * r.block_bytes for r in regs),
         block_bytes=sum(r.block_bytes * r.kernel_blocks_per_block for r in regs),
         capacity=min((r.capacity for r in regs), default=0),
-        dcp_size=plan.parallel.dcp_size)
+        dcp_size=plan.group_dcp(g.name))  # a replicated group: every rank holds all of its tokens
 
 
 def summarize(plan: Plan) -> Summary:

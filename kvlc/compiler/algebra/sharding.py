@@ -68,17 +68,6 @@ class Shard:
         return f"tokens t with {t} % {self.size} == {self.rank}"
 
 
-def shard_of(plan, tp_rank: int) -> Shard:
-    """The shard of TP rank ``tp_rank`` of ``plan`` (DCP rank ``tp_rank % dcp_size``).
-
-    >>> from kvlc import compile_spec
-    >>> shard_of(compile_spec("layouts/llama-3.1-8b.yaml"), 0)
-    Shard(size=1, interleave=1, rank=0)
-    """
-    p = plan.parallel
-    return Shard(p.dcp_size, p.dcp_interleave, tp_rank % p.dcp_size)
-
-
 @dataclass(frozen=True)
 class ShardPair:
     """The two shards one entry copies between: the local rank's and the peer rank's."""

@@ -11,6 +11,7 @@ from kvlc.compiler.pairing.findings import CompatReport, Finding, Pairing, Sever
 from kvlc.compiler.algebra.layout import tile
 from kvlc.compiler.plan.model import Plan, PlanField, PlanRegion
 from kvlc.compiler.pairing.pp import holds_region, layers_text, overlap
+from kvlc.compiler.spec.dtypes import PACKED
 
 def _dims_text(f: PlanField) -> str:
     return "(" + ",".join(f"{d.name}={d.global_size if d.role == 'head' else d.size}" for d in f.dims) + ")"
@@ -308,6 +309,22 @@ def check_dim_values(a: PlanRegion, b: PlanRegion, lf: PlanField, rf: PlanField)
     return out
 
 
+def check_packed_dim(a: PlanRegion, b: PlanRegion, lf: PlanField, rf: PlanField) -> list[Finding]:
+    """A packed dtype (``fp4_e2m1``, two values per byte) packs the same innermost dim on both engines: a
+    byte holds two values of that dim, so a byte of one side is one of the other only if both pair alike.
+
+    >>> from kvlc import compile_spec
+    >>> r = compile_spec("layouts/llama-3.1-8b-nvfp4-tp2.yaml").region("layer.0")
+    >>> check_packed_dim(r, r, r.field("k"), r.field("k"))
+    []
+    """
+    if lf.dtype not in PACKED or lf.dims[-1].name == rf.dims[-1].name:
+        return []
+    return [_finding("packed-dim", f"{lf.dtype} packs two values per byte along different innermost dims",
+                     a.name, lf.name, lf.dims[-1].name, rf.dims[-1].name,
+                     fix="put the same plain dim (e.g. head_dim) innermost on both engines")]
+
+
 def check_token_tiling(a: PlanRegion, b: PlanRegion, lf: PlanField, rf: PlanField) -> list[Finding]:
     """A per-block field (no token dim) cannot be re-tiled across block sizes.
 
@@ -323,8 +340,9 @@ def check_token_tiling(a: PlanRegion, b: PlanRegion, lf: PlanField, rf: PlanFiel
                      fix="use one kernel block size on both engines or give the field a token dim")]
 
 
-FIELD_CHECKS = (check_field_dtype, check_field_dims, check_dim_values, check_token_tiling)
-_FIELD_GATES = (check_field_dtype, check_field_dims)  # a finding here makes later field checks meaningless
+FIELD_CHECKS = (check_field_dtype, check_field_dims, check_packed_dim, check_dim_values, check_token_tiling)
+# a finding of a gate makes the later field checks meaningless
+_FIELD_GATES = (check_field_dtype, check_field_dims, check_packed_dim)
 REGION_CHECKS = (check_region_groups, check_region_state, check_region_fields, check_tile_size)
 
 

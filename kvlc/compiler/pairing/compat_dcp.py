@@ -1,8 +1,9 @@
 """Compatibility of decode context parallelism: what a DCP pairing cannot move correctly.
 
 Any DCP size and interleave on either side pairs (tokens are mapped through their global
-positions, :mod:`kvlc.compiler.algebra.sharding`; per-request state, which has no token axis, is held whole
-by every DCP rank and pairs by TP alone), except where the bytes have no single right place:
+positions, :mod:`kvlc.compiler.algebra.sharding`; per-request state, which has no token axis, and the
+regions of a ``dcp: replicated`` group are held whole by every DCP rank and pair by TP alone on that
+side), except where the bytes have no single right place:
 
 * ``dcp-heads``: an engine whose DCP group spans ranks that hold different heads (more DCP
   ranks than replicas of a head) stores some tokens of a head on no rank at all;
@@ -20,16 +21,24 @@ from kvlc.compiler.plan.model import Plan, PlanRegion
 from kvlc.compiler.pairing.tp import dcp_holders
 
 
-def _geometry(plan: Plan, block_tokens: int) -> str:
-    p = plan.parallel
-    return f"dcp_size {p.dcp_size}, dcp_interleave {p.dcp_interleave}, {block_tokens} tokens/kernel block"
+def _sharding(plan: Plan, r: PlanRegion) -> tuple[int, int, int]:
+    """How region ``r`` shards tokens: (DCP size, interleave, tokens per kernel block); a group replicated
+    under DCP shards like an engine without DCP."""
+    p = plan.region_parallel(r)
+    return p.dcp_size, p.dcp_interleave, r.block_tokens
+
+
+def _geometry(plan: Plan, r: PlanRegion) -> str:
+    dcp, inter, block_tokens = _sharding(plan, r)
+    rep = f" (replicated under dcp_size {plan.parallel.dcp_size})" if r.dcp_replicated else ""
+    return f"dcp_size {dcp}{rep}, dcp_interleave {inter}, {block_tokens} tokens/kernel block"
 
 
 def _uncovered(plan: Plan) -> tuple[int, int, int] | None:
     """A (global heads, head, DCP rank) whose tokens no TP rank stores, if any."""
     seen = set()
     for r in plan.regions:
-        for f in () if r.is_state else r.fields:  # state is not token-sharded
+        for f in () if r.is_state or r.dcp_replicated else r.fields:  # state, replicated: not sharded
             hd = f.dim("head")
             if hd is None or hd.global_size in seen:
                 continue
@@ -69,7 +78,8 @@ def check_dcp_regions(p: Pairing) -> list[Finding]:
         if a.name not in rnames:
             continue
         b = p.remote.region(a.name)
-        if not (a.is_state or b.is_state):
+        sharded = p.local.region_parallel(a).dcp_size > 1 or p.remote.region_parallel(b).dcp_size > 1
+        if sharded and not (a.is_state or b.is_state):
             out.extend(_dcp_region(p, a, b))
     return out
 
@@ -83,9 +93,9 @@ def _dcp_region(p: Pairing, a: PlanRegion, b: PlanRegion) -> list[Finding]:
                         a.name, local=f"dcp_size {p.local.parallel.dcp_size}",
                         remote=f"dcp_size {p.remote.parallel.dcp_size}",
                         fix="pair compressed groups between engines without DCP")]
-    ga, gb = _geometry(p.local, a.block_tokens), _geometry(p.remote, b.block_tokens)
+    ga, gb = _geometry(p.local, a), _geometry(p.remote, b)
     per_block = [f.name for f in a.fields if f.dim("token") is None]
-    if per_block and ga != gb:
+    if per_block and _sharding(p.local, a) != _sharding(p.remote, b):
         return [Finding("dcp-per-block", "error", "a field without a token dim holds one value per "
                         "block, and the blocks of the two engines cover different tokens", a.name,
                         per_block[0], ga, gb, fix="shard tokens identically on both engines (same "

@@ -17,13 +17,13 @@ from __future__ import annotations
 from dataclasses import replace
 
 from kvlc.compiler.algebra.layout import head_range, tile
-from kvlc.compiler.algebra.sharding import ShardPair, dcp_tile, shard_of
+from kvlc.compiler.algebra.sharding import Shard, ShardPair, dcp_tile
 from kvlc.compiler.pairing.compat import check_plans, head_major_order
 from kvlc.compiler.pairing.findings import CompatReport, Finding
 from kvlc.compiler.pairing.compat_dcp import fragmented
 from kvlc.compiler.pairing.program import Entry, TransferProgram
 from kvlc.compiler.pairing.runs import Piece, tile_runs
-from kvlc.compiler.pairing.tp import consumer_counts, dcp_sources, shards_meet, sources
+from kvlc.compiler.pairing.tp import dcp_sources, reader_counts, shards_meet, sources
 from kvlc.compiler.plan.model import Plan, PlanField, PlanRegion
 from kvlc.errors import CompatError
 
@@ -32,7 +32,7 @@ def _pieces(cons_rank: int, cons: Plan, prod: Plan, region: PlanRegion, local_is
             ) -> dict[int, list[Piece]]:
     """Per producer rank: the pieces of ``region`` that one consumer rank reads from it."""
     ctp, ptp = cons.parallel.tp_size, prod.parallel.tp_size
-    dcp = None if region.is_state else _dcp(cons, prod)  # every DCP rank holds a request's whole state
+    dcp = _dcp(cons, prod, region.name)
     out: dict[int, list[Piece]] = {}
     for f in region.fields:
         hd = f.dim("head")
@@ -50,9 +50,24 @@ def _pieces(cons_rank: int, cons: Plan, prod: Plan, region: PlanRegion, local_is
     return out
 
 
-def _dcp(cons: Plan, prod: Plan):
-    """Both parallels where either side has decode context parallelism, else None."""
-    return (cons.parallel, prod.parallel) if cons.parallel.dcp_size > 1 or prod.parallel.dcp_size > 1 else None
+def _dcp(cons: Plan, prod: Plan, name: str):
+    """Both sides' parallelism of region ``name`` where either shards its tokens by DCP, else None.
+
+    Every DCP rank holds a request's whole state, and all tokens of a region whose group is
+    ``dcp: replicated``: such a side pairs by TP alone (``Plan.region_parallel``).
+    """
+    cr, pr = cons.region(name), prod.region(name)
+    if cr.is_state:
+        return None
+    cp, pp = cons.region_parallel(cr), prod.region_parallel(pr)
+    return (cp, pp) if cp.dcp_size > 1 or pp.dcp_size > 1 else None
+
+
+def _shards(local: Plan, rank: int, remote: Plan, peer: int, name: str) -> ShardPair:
+    """The token shards of region ``name`` on the local rank and the peer rank."""
+    lp, rp = local.region_parallel(local.region(name)), remote.region_parallel(remote.region(name))
+    return ShardPair(Shard(lp.dcp_size, lp.dcp_interleave, rank % lp.dcp_size),
+                     Shard(rp.dcp_size, rp.dcp_interleave, peer % rp.dcp_size))
 
 
 def _by_peer(name: str, local: Plan, remote: Plan, rank: int, local_is_consumer: bool) -> dict[int, list[Piece]]:
@@ -70,11 +85,11 @@ def _by_peer(name: str, local: Plan, remote: Plan, rank: int, local_is_consumer:
 
 def _entries(name: str, local: Plan, remote: Plan, rank: int, local_is_consumer: bool, cache: dict) -> list[Entry]:
     lr, rr = local.region(name), remote.region(name)
-    dcp = _dcp(local, remote) is not None and not lr.is_state
+    dcp = _dcp(local, remote, name) is not None
     out = []
     for peer, pieces in sorted(_by_peer(name, local, remote, rank, local_is_consumer).items()):
         pieces = tuple(pieces)
-        shards = ShardPair(shard_of(local, rank), shard_of(remote, peer)) if dcp else None
+        shards = _shards(local, rank, remote, peer, name) if dcp else None
         t = (dcp_tile(lr.block_tokens, shards.local, rr.block_tokens, shards.remote) if shards
              else tile(lr.block_tokens, rr.block_tokens))
         key = (lr.fields, rr.fields, lr.block_tokens, rr.block_tokens, pieces, shards)
@@ -97,12 +112,12 @@ def build_program(local: Plan, remote: Plan, rank: int, direction: str, report: 
 
 
 def _counts(cons: Plan, prod: Plan, names: list[str]) -> dict[int, int]:
-    """Per producer rank: how many consumer ranks read from it, over the fields of the regions ``names``."""
-    tokens = [f for n in names if not cons.region(n).is_state for f in cons.region(n).fields]
-    state = [f for n in names if cons.region(n).is_state for f in cons.region(n).fields]
-    dcp = _dcp(cons, prod)
-    return consumer_counts(tokens if dcp else tokens + state, cons.parallel.tp_size, prod.parallel.tp_size,
-                           dcp, state if dcp else ())
+    """Per producer rank: how many consumer ranks read from it, over the fields of the regions ``names``
+    (grouped by how each region is sharded: DCP on either side, or TP alone)."""
+    by_sharding: dict = {}
+    for n in names:
+        by_sharding.setdefault(_dcp(cons, prod, n), []).extend(cons.region(n).fields)
+    return reader_counts(by_sharding, cons.parallel.tp_size, prod.parallel.tp_size)
 
 
 # ----------------------------------------------------------------------------- warnings of a built program

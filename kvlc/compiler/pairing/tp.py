@@ -116,21 +116,18 @@ def dcp_sources(consumer_rank: int, f: PlanField, cons, prod) -> tuple[Source, .
     return tuple(out)
 
 
-def consumer_counts(cons_fields, consumer_tp: int, producer_tp: int, dcp=None, state_fields=()) -> dict[int, int]:
-    """Per producer rank: how many consumer ranks read from it, over the given fields.
-
-    ``dcp``: ``(consumer parallel, producer parallel)`` where either side has DCP; a consumer
-    rank then reads from a producer rank only where both hold a token in common.
-    ``state_fields``: fields of per-request state, which every DCP rank holds whole (read by TP alone).
+def reader_counts(by_sharding: dict, consumer_tp: int, producer_tp: int) -> dict[int, int]:
+    """Per producer rank: how many consumer ranks read from it; ``by_sharding`` maps a DCP pair of parallels
+    (``(consumer, producer)``, or None: TP alone) to the consumer fields sharded that way.
 
     >>> from kvlc import compile_spec
     >>> fields = compile_spec("layouts/llama-3.1-8b.yaml").regions[0].fields
-    >>> consumer_counts(fields, 2, 4)
+    >>> reader_counts({None: fields}, 2, 4)
     {0: 1, 1: 1, 2: 1, 3: 1}
     """
     readers: dict[int, set] = {p: set() for p in range(producer_tp)}
-    _add_readers(readers, cons_fields, consumer_tp, producer_tp, dcp)
-    _add_readers(readers, state_fields, consumer_tp, producer_tp, None)
+    for dcp, fields in by_sharding.items():
+        _add_readers(readers, fields, consumer_tp, producer_tp, dcp)
     return {p: len(c) for p, c in readers.items()}
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from kvlc.compiler.algebra.layout import row_major, shard, valid_tp_sizes
 from kvlc.compiler.plan.model import PlanDim, PlanField
 from kvlc.compiler.plan.records import Placed, alignment_problems, record_overlaps
-from kvlc.compiler.spec.dtypes import DTYPE_SIZES
+from kvlc.compiler.spec.dtypes import DTYPE_SIZES, PACKED
 from kvlc.compiler.spec.models import BlockLayout, Dim, LayoutSpec
 from kvlc.errors import Problem, did_you_mean, format_path
 
@@ -193,6 +193,8 @@ class LayoutResolver:
         cursor = 0
         for fi, f in enumerate(layout.fields):
             sizes = self._sized(f, ("layouts", name, "fields", fi), tokens, problems, per)
+            if sizes is not None and f.dtype in PACKED:
+                sizes = packed_sizes(f, sizes, ("layouts", name, "fields", fi), problems)
             if sizes is None:
                 continue
             item = DTYPE_SIZES[f.dtype]
@@ -211,6 +213,29 @@ class LayoutResolver:
             problems.extend(record_overlaps(name, placed))
         problems.extend(span_problems(name, spans, block_bytes, overlaps=not strided))
         return tuple(fields), block_bytes
+
+
+def packed_sizes(f, sizes: list[SizedDim], fpath: tuple, problems: list) -> list[SizedDim] | None:
+    """The dims of a packed-dtype field (``fp4_e2m1``) in storage items: the innermost dim counts bytes, each
+    holding ``PACKED[dtype]`` consecutive values; a size that fills a byte only partly is a problem there.
+
+    >>> from kvlc.compiler.spec.models import ArrayField
+    >>> f = ArrayField(name="k", dtype="fp4_e2m1", dims=({"name": "head_dim", "size": 7},))
+    >>> problems = []
+    >>> packed_sizes(f, [SizedDim(f.dims[0], 7, 7)], ("layouts", "kv"), problems), problems[0].what
+    (None, "fp4_e2m1 field 'k' packs 2 values per byte, but its innermost dim 'head_dim' has 7")
+    """
+    per, last = PACKED[f.dtype], sizes[-1]
+    if last.local % per == 0:
+        return sizes[:-1] + [SizedDim(last.dim, last.local // per, last.global_size // per)]
+    problems.append(Problem(fpath + ("dims", len(sizes) - 1),
+                            f"{f.dtype} field '{f.name}' packs {per} values per byte, but its innermost "
+                            f"dim '{last.dim.name}' has {last.local}",
+                            expected=f"a multiple of {per} (whole bytes)", found=str(last.local),
+                            fix=f"use an even size ({last.local - last.local % per} or "
+                                f"{last.local + per - last.local % per}), put a dim of even size innermost, "
+                                "or store the values as uint8"))
+    return None
 
 
 def span_problems(layout: str, spans: list[FieldExtent], block_bytes: int, overlaps: bool = True) -> list[Problem]:

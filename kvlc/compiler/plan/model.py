@@ -108,10 +108,12 @@ class PlanGroup(_Frozen):
     block_size: int
     kernel_block_size: int
     tokens_per_entry: int = 1  # tokens one token-dim entry covers (> 1: a compressed cache)
+    dcp_replicated: bool = False  # under DCP: every rank holds all tokens (a block id covers block_size)
 
     @model_serializer(mode="wrap")
     def _dump(self, handler):
-        return _drop_default(handler(self), "tokens_per_entry", self.tokens_per_entry, 1)
+        out = _drop_default(handler(self), "tokens_per_entry", self.tokens_per_entry, 1)
+        return _drop_default(out, "dcp_replicated", self.dcp_replicated, False)
 
     @property
     def is_state(self) -> bool:
@@ -156,12 +158,14 @@ class PlanRegion(_Frozen):
     fields: tuple[PlanField, ...]
     aliases: tuple[str, ...] = ()  # regions lying over the same pages (a shared page pool)
     tokens_per_entry: int = 1  # tokens one entry of the token dims covers (the group's; > 1: compressed)
+    dcp_replicated: bool = False  # its groups are not token-sharded by DCP: every rank holds every token
 
     @model_serializer(mode="wrap")
     def _dump(self, handler):
         out = handler(self)
         if not self.aliases:  # plans without aliasing serialize (and hash) as before
             out.pop("aliases", None)
+        out = _drop_default(out, "dcp_replicated", self.dcp_replicated, False)
         return _drop_default(out, "tokens_per_entry", self.tokens_per_entry, 1)
 
     @property
@@ -192,7 +196,7 @@ class PlanRegion(_Frozen):
         toks = "state" if self.is_state else f"tokens={self.block_tokens}{kb}"
         if self.tokens_per_entry > 1:
             toks += f" entries={self.block_entries}"
-        opt = " optional" if self.optional else ""
+        opt = (" optional" if self.optional else "") + (" dcp=replicated" if self.dcp_replicated else "")
         return (f"{self.name} {self.storage}+{self.offset} {self.mem}:{self.device} "
                 f"blocks={self.num_blocks} bytes={self.block_bytes} stride={self.block_stride} "
                 f"{toks} groups={','.join(self.groups)}{opt}"
@@ -305,7 +309,25 @@ class Plan(_Frozen):
         3
         """
         g = self.group(group)
-        return 1 if g.is_state else ceildiv(tokens, g.block_size * self.parallel.dcp_size)
+        return 1 if g.is_state else ceildiv(tokens, g.block_size * self.group_dcp(group))
+
+    def group_dcp(self, group: str) -> int:
+        """DCP ranks a block id of ``group`` spreads its tokens over: ``dcp_size``, or 1 for a group that
+        DCP does not shard (``dcp: replicated``; per-request state needs one block whatever this says).
+
+        >>> from kvlc import compile_spec
+        >>> compile_spec("layouts/deepseek-v3-tp8-dcp8-mtp.yaml").group_dcp("mtp")
+        1
+        """
+        g = self.group(group)
+        return 1 if g.dcp_replicated else self.parallel.dcp_size
+
+    def region_parallel(self, region: PlanRegion) -> PlanParallel:
+        """The parallelism ``region`` is laid out under: the plan's, without DCP where its groups are not
+        token-sharded (``dcp: replicated``); pairing maps such a region by TP alone on this side."""
+        if not region.dcp_replicated:
+            return self.parallel
+        return self.parallel.model_copy(update={"dcp_size": 1, "dcp_interleave": 1})
 
     @property
     def mem_types(self) -> tuple[str, ...]:
@@ -322,6 +344,7 @@ class Plan(_Frozen):
         for g in self.groups:
             win = f" window={g.window}" if g.window else ""
             per = f" tokens_per_entry={g.tokens_per_entry}" if g.tokens_per_entry > 1 else ""
+            per += " dcp=replicated" if g.dcp_replicated else ""
             lines.append(f"group {g.name} {g.kind} block={g.block_size} kernel={g.kernel_block_size}{win}{per}")
         for s in self.storages:
             lines.append(f"storage {s.name} {s.mem}:{s.device} size={s.size}")

@@ -70,7 +70,8 @@ def resolve_groups(spec: LayoutSpec, problems: list) -> tuple[PlanGroup, ...]:
         window = getattr(g, "window", 0) or getattr(g, "chunk", 0)
         per = _tokens_per_entry(g, i, block, kernel, problems)
         out.append(PlanGroup(name=g.name, kind=g.kind, window=window, block_size=block,
-                             kernel_block_size=kernel, tokens_per_entry=per))
+                             kernel_block_size=kernel, tokens_per_entry=per,
+                             dcp_replicated=g.dcp == "replicated" and spec.parallel.dcp_size > 1))
     return tuple(out)
 
 
@@ -102,7 +103,8 @@ def _block_geometry(g: PlanGroup) -> str:
     if g.is_state:
         return "per-request state (no token dim)"
     per = f", one entry per {g.tokens_per_entry} tokens" if g.tokens_per_entry > 1 else ""
-    return f"blocks of {g.block_size} tokens, kernel blocks of {g.kernel_block_size}{per}"
+    rep = ", replicated under DCP" if g.dcp_replicated else ""
+    return f"blocks of {g.block_size} tokens, kernel blocks of {g.kernel_block_size}{per}{rep}"
 
 
 @dataclass
@@ -194,6 +196,7 @@ def _region(src: Sourced, ctx: _Context) -> ResolvedRegion | None:
         name=r.name, storage=r.storage, mem=st.item.mem, device=st.item.device, offset=offset,
         num_blocks=r.num_blocks, block_bytes=res.block_bytes, block_stride=stride,
         groups=tuple(g.name for g in groups), block_tokens=tokens, tokens_per_entry=per,
+        dcp_replicated=first.dcp_replicated,
         kernel_blocks_per_block=1 if first.is_state else first.kernel_blocks_per_block,
         optional=r.optional, fields=res.fields, aliases=r.aliases), path)
 

@@ -93,13 +93,15 @@ def _rules_of(prog: TransferProgram) -> RequestRules:
     groups = []
     for name, regions in program_index(prog).groups.items():
         sides = [SideRule(name, side, f"{side} block ids of group '{name}'", plan.group(name).block_size,
-                          plan.parallel.dcp_size, plan.group(name).kernel_blocks_per_block, regions.smallest(side),
+                          plan.group_dcp(name), plan.group(name).kernel_blocks_per_block,
+                          regions.smallest(side),
                           receiving)
                  for side, plan, receiving in (("local", prog.local, local_receives),
                                                ("remote", prog.remote, not local_receives))]
         g = prog.local.group(name)
         window = g.window if g.kind == "sliding_window" else None
-        groups.append(GroupRule(name, regions.is_state, window, recv.group(name).block_size * recv.parallel.dcp_size,
+        per_id = recv.group(name).block_size * recv.group_dcp(name)
+        groups.append(GroupRule(name, regions.is_state, window, per_id,
                                 *sides, () if regions.is_state else _whole_blocks(prog, regions.local)))
     return RequestRules(tuple(groups), tuple(program_index(prog).groups),
                         frozenset(g.name for g in prog.local.groups),
@@ -109,9 +111,8 @@ def _rules_of(prog: TransferProgram) -> RequestRules:
 def _whole_blocks(prog, regions) -> tuple[WholeBlock, ...]:
     """The local regions of a token group with a per-block field (no token dim), in program order."""
     out = []
-    dcp = prog.local.parallel.dcp_size  # DCP: a block covers block_tokens x dcp_size tokens
-    for r in regions:
+    for r in regions:  # DCP: a block covers block_tokens x dcp_size tokens (unless DCP leaves it whole)
         flat = [f.name for f in r.fields if f.dim("token") is None]
         if flat:
-            out.append(WholeBlock(r.name, r.block_tokens * dcp, flat[0]))
+            out.append(WholeBlock(r.name, r.block_tokens * prog.local.region_parallel(r).dcp_size, flat[0]))
     return tuple(out)

@@ -72,7 +72,7 @@ def window_stats(prog: TransferProgram) -> tuple[WindowStats, ...]:
     groups = {e.group for e in prog.entries}
 
     def per_id(plan, name: str) -> int:  # tokens per block id (DCP: block_size on each of dcp_size ranks)
-        return plan.group(name).block_size * plan.parallel.dcp_size
+        return plan.group(name).block_size * plan.group_dcp(name)
 
     return tuple(group_window_stats(g.name, g.window, side, per_id(recv, g.name), per_id(send, g.name))
                  for g in recv.groups if g.kind == "sliding_window" and g.name in groups)

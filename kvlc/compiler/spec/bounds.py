@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from math import prod
 
-from kvlc.compiler.spec.dtypes import DTYPE_SIZES
+from kvlc.compiler.spec.dtypes import field_bytes
 
 MAX_EXPANDED = 1 << 16
 ADDRESS_LIMIT = 1 << 63
@@ -47,9 +47,9 @@ def _dim_bound(dim, known: dict, tokens: int) -> int:
 def block_bound(layout, spec, tokens: int) -> int:
     """At most how many bytes one block of ``layout`` spans."""
     known = spec.model.known_sizes()
-    ends = [(f.offset or 0) + DTYPE_SIZES[f.dtype] * prod(_dim_bound(d, known, tokens) for d in f.dims)
+    ends = [(f.offset or 0) + field_bytes(f.dtype, prod(_dim_bound(d, known, tokens) for d in f.dims))
             for f in layout.fields]
-    packed = sum(DTYPE_SIZES[f.dtype] * prod(_dim_bound(d, known, tokens) for d in f.dims)
+    packed = sum(field_bytes(f.dtype, prod(_dim_bound(d, known, tokens) for d in f.dims))
                  for f in layout.fields)
     return max([layout.size or 0, packed, *ends])
 

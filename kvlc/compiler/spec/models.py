@@ -18,7 +18,7 @@ from kvlc.compiler.algebra.layout import STATE_KINDS
 from kvlc.compiler.algebra.sharding import check_interleave, check_parallel
 from kvlc.compiler.frozen import FrozenMap
 from kvlc.compiler.spec.bounds import check_spec_bounds
-from kvlc.compiler.spec.dtypes import DTYPE_SIZES, DType
+from kvlc.compiler.spec.dtypes import DTYPE_SIZES, PACKED, DType
 
 MemType = Literal["DRAM", "VRAM"]
 Name = Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z_][A-Za-z0-9_.\-{}]*$")]
@@ -119,6 +119,7 @@ class _GroupBase(Frozen):
     block_size: Tokens | None = None
     kernel_block_size: Tokens | None = None
     tokens_per_entry: Tokens = 1  # one token-dim entry covers this many tokens (a compressed cache)
+    dcp: Literal["sharded", "replicated"] = "sharded"  # replicated: DCP does not shard this group's tokens
 
 
 class FullAttention(_GroupBase):
@@ -192,6 +193,7 @@ class ArrayField(Frozen):
     def _dims(self):
         _check_dim_roles(self.dims)
         _check_strides(self.dims)
+        _check_packed(self.name, self.dtype, self.dims)
         for i, d in enumerate(self.dims):
             if d.sections:
                 raise spec_error(f"dim '{d.name}' has sections, but field '{self.name}' is a plain array",
@@ -216,6 +218,7 @@ class SectionsField(Frozen):
     @model_validator(mode="after")
     def _one_split(self):
         _check_dim_roles(self.dims)
+        _check_packed(self.name, self.dtype, self.dims)
         strided = [i for i, d in enumerate(self.dims) if d.stride is not None]
         if strided:
             raise spec_error(f"sections field '{self.name}' cannot take explicit strides",
@@ -248,6 +251,19 @@ def _check_strides(dims) -> None:
                          expected="'stride:' on every dim of the field, or on none",
                          found=f"strides on {sum(given)} of {len(dims)} dims", at=("dims", i),
                          fix=f"add 'stride:' to dim '{dims[i].name}', or remove the others")
+
+
+def _check_packed(name: str, dtype: str, dims) -> None:
+    """A packed dtype (``fp4_e2m1``) packs its innermost dim: a plain one (a byte can't split heads)."""
+    last = dims[-1]
+    if dtype not in PACKED or not (last.role or last.sections):
+        return
+    what = f"role {last.role}" if last.role else "sections"
+    raise spec_error(f"field '{name}' packs {PACKED[dtype]} {dtype} values per byte along its innermost dim "
+                     f"'{last.name}', which has {what}",
+                     expected="a plain innermost dim (no role, no sections), e.g. head_dim",
+                     found=f"{what} on dims[{len(dims) - 1}]", at=("dims", len(dims) - 1),
+                     fix="put a plain dim (head_dim, latent) last, or use a one-value-per-byte dtype")
 
 
 def _check_dim_roles(dims) -> None:

@@ -61,6 +61,11 @@ FIELD_DOCS: dict[tuple[str, str], str] = {
     ("_GroupBase", "block_size"): "This group's tokens per logical block; default the spec's `block_size`.",
     ("_GroupBase", "kernel_block_size"): "This group's tokens per kernel block; default the group's block size "
                                           "if it sets one, else the spec's `kernel_block_size`.",
+    ("_GroupBase", "dcp"): "`sharded` (default) or `replicated`: under decode context parallelism "
+                           "(`dcp_size` > 1), a `replicated` group is not token-sharded: every rank "
+                           "holds all of its tokens and one block id covers `block_size` tokens, not "
+                           "`block_size * dcp_size` (a draft/MTP cache vLLM keeps whole under DCP). "
+                           "Default `sharded`.",
     ("_GroupBase", "tokens_per_entry"): "Tokens one entry of the `token` dims covers: 1, or k for a compressed "
                                          "cache (one entry per k tokens). Block sizes stay in tokens and must be "
                                          "multiples of k; N tokens are `ceil(N / k)` entries. Default 1.",
@@ -85,7 +90,9 @@ FIELD_DOCS: dict[tuple[str, str], str] = {
                          "parts, each sharded by TP on its own (Mamba conv x|B|C).",
     ("ArrayField", "kind"): "`array` (the default; may be omitted).",
     ("ArrayField", "name"): "The field's name (`k`, `v`, `latent`, ...); matched by name across engines.",
-    ("ArrayField", "dtype"): "Element type: `bf16 fp16 fp32 fp8_e4m3 fp8_e5m2 int8 uint8`.",
+    ("ArrayField", "dtype"): "Element type: `bf16 fp16 fp32 fp8_e4m3 fp8_e5m2 ue8m0 int8 uint8 fp4_e2m1` "
+                             "(`fp4_e2m1`: two values per byte along the innermost dim, which must be a "
+                             "plain dim of even size).",
     ("ArrayField", "offset"): "Byte offset in the block; default right after the previous field.",
     ("ArrayField", "dims"): "Dims outermost first; strides are row-major over the per-rank sizes.",
     ("SectionsField", "kind"): "`sections`: one dim is split into named sections, each its own field "
