@@ -55,7 +55,8 @@ from kvlc.runtime.staging.agent import make_stager
 from kvlc.runtime.tracking import Completions, Events, Incoming, Tally
 from kvlc.runtime.channel.notifs import agents_of
 from kvlc.runtime.transfer import Executor, Outgoing, Target
-from kvlc.runtime.channel.wire import Record, StorageBase, decode, make_record
+from kvlc.runtime.channel.identity import Identity, introduction
+from kvlc.runtime.channel.wire import Introduce, Record, StorageBase, decode, make_record
 from kvlc.runtime.nixl.warmup import Warmer, warm_peers
 
 log = logging.getLogger("kvlc.runtime.agent")
@@ -79,6 +80,7 @@ class KvAgent:
         default = re.sub(r"[^A-Za-z0-9_.\-]", "_", plan.name)[:80]
         self.engine_id = valid_name(cfg.engine_id or f"{default}-{uuid.uuid4().hex[:12]}", "engine_id")
         self.epoch = secrets.token_hex(8)
+        self._identity = Identity.generate()  # this epoch's key: introductions prove it (channel.identity)
         self.name = valid_name(cfg.name or f"kvlc-{default}-r{rank}-{uuid.uuid4().hex[:8]}")
         self._lock = threading.RLock()
         self.closed = False
@@ -92,7 +94,7 @@ class KvAgent:
             self.staging = cfg.staging_policy()
             self.stager = make_stager(self.nixl, self.bindings, self.staging)
             self.record = make_record(self.name, self.nixl.metadata(), plan, rank, storages,
-                                      self.engine_id, self.epoch)
+                                      self.engine_id, self.epoch, self._identity.public)
         except BaseException:
             self.nixl.close()
             raise
@@ -109,7 +111,7 @@ class KvAgent:
         self.sender = self._res.sender = Sender(decode, self._res.stop, f"kvlc-sender-{self.name}")
         self._cancel_clients: dict = {}              # push consumer: producer address → client
         self.stats = {"dropped_notifs": 0, "fenced_chunks": 0, "requests": 0, "bytes": 0, "descriptors": 0,
-                      "nixl_requests": 0}
+                      "nixl_requests": 0, "refused_hellos": 0}
         self._finalizer = weakref.finalize(self, self._res.close)
         if cfg.progress == "thread":
             self._res.pump = Pump(self, "progress_turn", cfg.progress_interval, self._res.stop,
@@ -174,6 +176,15 @@ class KvAgent:
     def client(self, address: str, timeout: float = 10.0) -> ChannelClient:
         """An authenticated side-channel connection to ``address`` with this agent's key."""
         return ChannelClient(address, self._key, timeout=timeout)
+
+    def hello(self, client: ChannelClient, server_agent: str, direction: str, mode: str, *,
+              inbox=None) -> Introduce:
+        """This agent's introduction to ``server_agent`` on ``client``'s connection (made now, if it is
+        not), signed with this epoch's key over that connection: it is worthless on any other."""
+        client.connect()
+        msg = introduction(client.sealed.binding, server_agent, self.name, direction, mode)
+        return Introduce(record=self.record, direction=direction, mode=mode, address=self.address or "",
+                         inbox=inbox, proof=self._identity.sign(msg))
 
     def keep_clients(self, clients: Iterable[ChannelClient]) -> None:
         """Connections this agent closes when it closes."""

@@ -12,7 +12,7 @@ import socket
 import msgpack
 import numpy as np
 import pytest
-from runtime_engines import KEY, SECRET, TEST_LAYOUTS
+from runtime_engines import KEY, SECRET, TEST_LAYOUTS, signed_hello
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -24,7 +24,8 @@ from kvlc.runtime.channel.tcp import ChannelClient, Limits, write_frame
 from kvlc.runtime.nixl.core import Agent, Xfer
 from kvlc.runtime.channel.auth import notif_tag
 from kvlc.runtime.channel.notifs import batch_fields, encode_notif, encode_notif_batch
-from kvlc.runtime.channel.wire import Fetch, Introduce, decode, encode
+from kvlc.runtime.channel.identity import Identity
+from kvlc.runtime.channel.wire import Fetch, Introduce, Record, decode, encode
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("nixl")
@@ -111,10 +112,11 @@ def test_record_replacement_within_an_epoch_is_refused(plan, producer, victim):
     prod, pt = producer
     vic, vt = victim
     peer = vic.connect(prod.address, mode="pull_via_push")
-    moved = vic.record.model_copy(update={"storages": tuple(
+    me = Identity.generate()  # the insider signs with its own key (it has no other)
+    moved = vic.record.model_copy(update={"key": me.public, "storages": tuple(
         s.model_copy(update={"addr": s.addr + 4096}) for s in vic.record.storages)})
     with ChannelClient(prod.address, KEY) as c:
-        reply = decode(c.request(encode(Introduce(record=moved, direction="READ", mode="pull_via_push"))))
+        reply = decode(c.request(encode(signed_hello(c, prod.name, moved, me))))
     assert not reply.ok and "cannot change within an epoch" in reply.error
     before = _memory(vt)
     peer.read("v-1", {"full": [10, 11]}, {"full": [3, 4]}, 32)
@@ -123,6 +125,43 @@ def test_record_replacement_within_an_epoch_is_refused(plan, producer, victim):
         got, want = vt[name].numpy(), pt[name].numpy()
         assert (got[10 * 4096:12 * 4096] == np.concatenate([want[3 * 4096:4 * 4096], want[4 * 4096:5 * 4096]])).all()
         assert (got[:10 * 4096] == before[name].numpy()[:10 * 4096]).all()
+
+
+def test_a_replayed_record_on_another_connection_opens_no_session(plan, producer, victim):
+    """F3: an insider fetches the victim's record from the victim and introduces it on its own connection
+    to the producer, with no proof, with a forged one, and with the victim's real signature captured
+    from another connection: every hello is refused before anything is paired or loaded (no session,
+    no NIXL remote), a pull request on that connection is refused, and the victim's memory and its own
+    session are untouched."""
+    prod, _ = producer
+    vic, vt = victim
+    with ChannelClient(vic.address, KEY) as c:
+        rec = decode(c.request(encode(Fetch())))  # the victim hands its record to any holder of the secret
+    assert isinstance(rec, Record) and rec == vic.record
+    with ChannelClient(prod.address, KEY) as elsewhere:  # a hello the victim signed, on another connection
+        captured = vic.hello(elsewhere, prod.name, "READ", "pull_via_push").proof
+    before, refused, mem = _state(prod), prod.stats["refused_hellos"], _memory(vt)
+    for proof in (b"\0" * 64, Identity.generate().sign(b"anything"), captured):
+        with ChannelClient(prod.address, KEY) as c:
+            hello = Introduce(record=rec, direction="READ", mode="pull_via_push", proof=proof)
+            reply = decode(c.request(encode(hello)))
+            assert not reply.ok and "did not prove it holds its record's key" in reply.error
+            pull = decode(c.request(msgpack.packb({"t": "pull", "version": 3, "req": "stolen", "start": 0, "stop": 16,
+                                                   "consumer_blocks": {"full": [1]}, "producer_blocks": {"full": [1]},
+                                                   "until": 1e12, "budget_s": 5.0})))
+            assert not pull.ok and "no session on this connection" in pull.error
+    assert _state(prod) == before and prod.stats["refused_hellos"] == refused + 3
+    assert vic.name not in prod.nixl.remotes
+    peer = vic.connect(prod.address, mode="pull_via_push")  # the victim's own introduction still holds
+    peer.read("own-1", {"full": [30]}, {"full": [2]}, 16)
+    assert vic.wait(["own-1"], timeout=20).finished == ("own-1",)
+    with ChannelClient(prod.address, KEY) as c:  # and a replay next to its live session is refused too
+        reply = decode(c.request(encode(Introduce(record=rec, direction="READ", mode="pull_via_push", proof=captured))))
+    assert not reply.ok and len(prod.sessions.live(vic.name)) == 1
+    changed = {k: int((vt[k] != mem[k]).sum()) for k in vt}
+    outside = [k for k in vt if not (torch.equal(vt[k][:30 * 4096], mem[k][:30 * 4096])
+                                      and torch.equal(vt[k][31 * 4096:], mem[k][31 * 4096:]))]
+    assert sum(changed.values()) > 0 and outside == []  # only block 30, which the victim asked for, changed
 
 
 def test_identity_hijack_by_another_engine_is_refused(plan, producer, victim):
@@ -224,12 +263,11 @@ def test_state_from_many_connections_is_bounded_and_dies_with_them(plan, produce
     base = len(prod.sessions.all())
     other, _ = _agent(plan, "many")
     with other:
-        hello = encode(Introduce(record=other.record, direction="READ", mode="direct"))
         clients, refused = [], 0
         for _ in range(20):
             c = ChannelClient(prod.address, KEY, timeout=3)
             try:
-                assert decode(c.request(hello)).ok
+                assert decode(c.request(encode(other.hello(c, prod.name, "READ", "direct")))).ok
                 clients.append(c)
             except Exception:
                 refused += 1
