@@ -415,17 +415,32 @@ class KvAgent:
                 self.events.emit(Event.FREEABLE, t.req)
                 self.events.end(key, Status.FAILED if why else Status.DONE)
 
-    def expect(self, request_id: str, timeout: float | None = None) -> None:
+    def expect(self, request_id: str, timeout: float | None = None, producer: str | None = None) -> None:
         """Consumer in push mode: the request must land within ``timeout``; else it is held, the producers
-        are asked to cancel, and it fails once every one answered (its blocks safe then)."""
+        are asked to cancel, and it fails once every one answered (its blocks safe then).
+
+        ``producer``: the engine id of the engine that pushes it. Only that engine's sessions can then
+        end it (``done``/``failed``) or have a staged chunk of it scattered; another engine's are
+        dropped, logged and counted (``stats["dropped_notifs"]``, ``stats["fenced_chunks"]``), also
+        answers that came before this call. Without it the request is bound to the first engine that
+        answers, so a holder of the secret could end it first: name the producer where it is known."""
         check_request_id(request_id)
         with self._lock:
             deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
             inc = self.incoming.get(request_id)
-            if inc is not None:
-                inc.deadline = deadline
-            elif request_id not in self.events.ended:
-                self.incoming[request_id] = Incoming(request_id, deadline)
+            if inc is None:
+                if request_id not in self.events.ended:
+                    self.incoming[request_id] = Incoming(request_id, deadline, producer=producer)
+                return
+            inc.deadline = deadline
+            if producer is None or inc.via or inc.producer == producer:
+                return
+            if inc.engine is not None and inc.engine.engine_id != producer:  # another engine answered first
+                log.warning("request %r: %d answer(s) from engine %r dropped; it is expected from %r",
+                            request_id[:40], len(inc.answers), inc.engine.engine_id, producer)
+                self.stats["dropped_notifs"] += len(inc.answers)
+                inc = self.incoming[request_id] = Incoming(request_id, deadline)
+            inc.producer = producer
 
     def offer(self, request_id: str, lease: float | None = None) -> None:
         """Producer: request ``request_id``'s source blocks wait for consumers; if none finished with them

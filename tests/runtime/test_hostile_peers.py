@@ -331,3 +331,52 @@ def test_agent_without_a_secret_refuses_to_start_unless_insecure(plan, monkeypat
             ChannelClient(open_agent.serve(), KEY, timeout=3).request(encode(Fetch()))
     finally:
         open_agent.close()
+
+
+def _pump_until(agents, cond, tries: int = 500) -> bool:
+    for _ in range(tries):
+        for a in agents:
+            a.poll()
+        if cond():
+            return True
+        __import__("time").sleep(0.01)
+    return False
+
+
+@pytest.mark.parametrize("staging", ["off", "on"])
+def test_a_push_request_ends_only_by_the_producer_it_is_expected_from(plan, staging):
+    """F2: a consumer expects request 'x' from producer P; another engine holding the secret, in its own
+    push session with the consumer, sends correctly signed 'failed' and 'done' for 'x' and pushes an 'x'
+    of its own (staged chunks, staging on). None of it ends or flips 'x' (each dropped and counted, no
+    staged chunk scattered); 'x' finishes only on P's push, with P's bytes, and nothing lands after."""
+    from kvlc.runtime.channel.auth import notif_tag
+    from kvlc.runtime.staging.endpoint import StagingPolicy
+
+    policy = StagingPolicy(mode="always", slot_bytes=4096, slots=2, peers=2) if staging == "on" else StagingPolicy.never()
+    cons, ct = _agent(plan, f"f2-consumer-{staging}", fill=4, staging=policy)
+    prod, pt = _agent(plan, f"f2-producer-{staging}", fill=5, staging=policy)
+    evil, _ = _agent(plan, f"f2-other-{staging}", fill=6, staging=policy)
+    with cons, prod, evil:
+        cons.serve()
+        to_c = prod.connect(cons.address, direction="WRITE")
+        forger = evil.connect(cons.address, direction="WRITE")
+        cons.expect("x", 30.0, producer=prod.engine_id)
+        key = forger.sessions[0].notif_key
+        dropped, fenced = cons.stats["dropped_notifs"], cons.stats["fenced_chunks"]
+        for status in ("failed", "done"):
+            evil.nixl.send_notif(cons.name, encode_notif("x", 0, status, notif_tag(key, "x", "0", status), "forged"))
+        forger.write("x", {"full": [7]}, {"full": [40]}, 16)  # a real push of its own, signed 'done' at its end
+        assert _pump_until([cons, evil], lambda: cons.stats["dropped_notifs"] >= dropped + 3)
+        assert cons.stats["dropped_notifs"] == dropped + 3
+        assert staging == "off" or cons.stats["fenced_chunks"] > fenced  # its chunks were not scattered
+        c = cons.poll()
+        assert "x" in cons.incoming and not c.finished and not c.failed and not c.held
+        before = _memory(ct)
+        to_c.write("x", {"full": [3, 4]}, {"full": [10, 11]}, 32)
+        assert cons.wait(["x"], timeout=20).finished == ("x",)
+        for name in ("kv.0", "kv.1"):
+            got, want = ct[name].numpy(), pt[name].numpy()
+            assert (got[10 * 4096:12 * 4096] == want[3 * 4096:5 * 4096]).all()
+        at_end = _memory(ct)
+        assert _pump_until([cons, prod, evil], lambda: False, tries=50) is False
+        assert _same(ct, at_end) and not _same(ct, before)
