@@ -422,14 +422,15 @@ class KvAgent:
         ``producer``: the engine id of the engine that pushes it. Only that engine's sessions can then
         end it (``done``/``failed``) or have a staged chunk of it scattered; another engine's are
         dropped, logged and counted (``stats["dropped_notifs"]``, ``stats["fenced_chunks"]``), also
-        answers that came before this call. Without it the request is bound to the first engine that
+        answers that came before this call (a request another engine ended before it is opened again;
+        poll() may have shown that end if it ran in between: expect before asking the producer). Without it the request is bound to the first engine that
         answers, so a holder of the secret could end it first: name the producer where it is known."""
         check_request_id(request_id)
         with self._lock:
             deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
             inc = self.incoming.get(request_id)
             if inc is None:
-                if request_id not in self.events.ended:
+                if request_id not in self.events.ended or self._reopened(request_id, producer):
                     self.incoming[request_id] = Incoming(request_id, deadline, producer=producer)
                 return
             inc.deadline = deadline
@@ -441,6 +442,20 @@ class KvAgent:
                 self.stats["dropped_notifs"] += len(inc.answers)
                 inc = self.incoming[request_id] = Incoming(request_id, deadline)
             inc.producer = producer
+
+    def _reopened(self, req: str, producer: str | None) -> bool:
+        """``req`` ended here before it was expected, on answers of an engine other than ``producer``:
+        that end is dropped (and its events, where poll() has not reported them yet); True then."""
+        by = self.events.ended.get(("unasked", req))
+        if producer is None or by is None or by == producer:
+            return False
+        log.warning("request %r: its end by engine %r before it was expected is dropped; it is expected from %r",
+                    req[:40], by, producer)
+        self.stats["dropped_notifs"] += 1
+        self.events.ended.pop(req, None)
+        self.events.ended.pop(("unasked", req), None)
+        self.events.retract(req)
+        return True
 
     def offer(self, request_id: str, lease: float | None = None) -> None:
         """Producer: request ``request_id``'s source blocks wait for consumers; if none finished with them

@@ -87,7 +87,7 @@ def _fenced(agent, s, req: str) -> str:
     if inc is None:
         if req in agent.events.ended:
             return "the request ended here"
-        inc = agent.incoming[req] = Incoming(req, time.monotonic() + agent.timeout)
+        inc = agent.incoming[req] = Incoming(req, time.monotonic() + agent.timeout, asked=False)
     why = not_from(inc, s)
     if why:
         return why
@@ -150,7 +150,7 @@ def _ended(agent, s, req: str, status: Status, why: str) -> None:
     if inc is None:
         if req in agent.events.ended:
             return  # late: the request already ended here
-        inc = agent.incoming[req] = Incoming(req, time.monotonic() + agent.timeout)
+        inc = agent.incoming[req] = Incoming(req, time.monotonic() + agent.timeout, asked=False)
     refused = not_from(inc, s)
     if refused:
         return _drop(agent, "%s from %r for request %r: %s", status.value, s.agent[:64], req[:40], refused)

@@ -63,6 +63,7 @@ class Incoming:
     via: dict[int, tuple] = field(default_factory=dict)  # pull via push: rank → (Session, client)
     producer: str | None = None  # push: the engine id expect() named; no other engine answers or writes
     sessions: dict[int, str] = field(default_factory=dict)  # push: rank → conn id of its first answer
+    asked: bool = True  # False: its first answer came before expect() (see settle)
     held: bool = False
     why_held: str = ""
 
@@ -131,6 +132,10 @@ class Events:
         while len(self.ended) > FORGET:
             self.ended.popitem(last=False)
 
+    def retract(self, req: str) -> None:
+        """Forget the events of ``req`` that poll() has not reported yet."""
+        self._queue[:] = [e for e in self._queue if e[1] != req]
+
     def drain(self) -> Completions:
         finished, failed, held, freeable = [], {}, {}, []
         for event, req, why in self._queue:
@@ -157,6 +162,8 @@ def settle(inc: Incoming, events: Events) -> bool:
     else:
         events.emit(Event.FINISHED, inc.req)
         events.end(inc.req, Status.DONE)
+    if not inc.asked and inc.engine is not None:  # ended before expect(): by which engine (KvAgent.expect)
+        events.end(("unasked", inc.req), inc.engine.engine_id)
     return True
 
 

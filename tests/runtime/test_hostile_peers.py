@@ -380,3 +380,33 @@ def test_a_push_request_ends_only_by_the_producer_it_is_expected_from(plan, stag
         at_end = _memory(ct)
         assert _pump_until([cons, prod, evil], lambda: False, tries=50) is False
         assert _same(ct, at_end) and not _same(ct, before)
+
+
+def test_a_push_request_ended_by_another_engine_before_it_was_expected_is_opened_again(plan):
+    """F2, early: another engine's signed 'failed' for 'y' arrives before the consumer expects 'y' from P
+    and ends it there (unasked); expect('y', producer=P) drops that end (counted, and poll() never
+    reports it) and 'y' finishes on P's push with P's bytes."""
+    from kvlc.runtime.channel.auth import notif_tag
+
+    cons, ct = _agent(plan, "f2e-consumer", fill=7)
+    prod, pt = _agent(plan, "f2e-producer", fill=8)
+    evil, _ = _agent(plan, "f2e-other", fill=9)
+    with cons, prod, evil:
+        cons.serve()
+        to_c = prod.connect(cons.address, direction="WRITE")
+        key = evil.connect(cons.address, direction="WRITE").sessions[0].notif_key
+        evil.nixl.send_notif(cons.name, encode_notif("y", 0, "failed", notif_tag(key, "y", "0", "failed"), "forged"))
+        for _ in range(500):  # the progress thread reads it; the engine has not polled
+            evil.nixl.notifs()
+            if cons.ended(("unasked", "y")) is not None:
+                break
+            __import__("time").sleep(0.01)
+        assert cons.ended(("unasked", "y")) == "f2e-other"
+        dropped = cons.stats["dropped_notifs"]
+        cons.expect("y", 30.0, producer=prod.engine_id)
+        assert cons.stats["dropped_notifs"] == dropped + 1 and "y" in cons.incoming
+        to_c.write("y", {"full": [2]}, {"full": [12]}, 16)
+        out = cons.wait(["y"], timeout=20)
+        assert out.finished == ("y",) and "y" not in out.failed and "y" not in out.held
+        for name in ("kv.0", "kv.1"):
+            assert (ct[name].numpy()[12 * 4096:13 * 4096] == pt[name].numpy()[2 * 4096:3 * 4096]).all()
