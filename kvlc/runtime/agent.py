@@ -186,6 +186,11 @@ class KvAgent:
         return Introduce(record=self.record, direction=direction, mode=mode, address=self.address or "",
                          inbox=inbox, proof=self._identity.sign(msg))
 
+    def welcome(self, binding: bytes, client_agent: str) -> bytes:
+        """This epoch's signature answering ``client_agent``'s hello on the connection of ``binding``
+        (:meth:`~kvlc.runtime.channel.wire.Reply.welcomed`): the client knows it reached this agent."""
+        return self._identity.sign(introduction(binding, client_agent, self.name, "welcome", ""))
+
     def keep_clients(self, clients: Iterable[ChannelClient]) -> None:
         """Connections this agent closes when it closes."""
         with self._lock:

@@ -136,6 +136,10 @@ def _introduce(agent, got, peers, direction: Direction, mode: ConnectionMode, gi
             given.append(rec.agent)
         hello = encode(agent.hello(got[r][1], rec.agent, direction.value, wire_mode, inbox=inbox))
         reply = _accepted(r, rec, decode(got[r][1].request(hello)))
+        if not reply.welcomed(got[r][1].sealed.binding, rec, agent.name):
+            raise HandshakeError(f"rank {r} at {got[r][1].address[0]}:{got[r][1].address[1]} did not prove it holds "
+                                 f"the key of the record it sent (agent '{rec.agent}'); a record served from "
+                                 "elsewhere? refused")
         if direction is Direction.WRITE:
             agent.add_staging_peer(rec, reply.inbox)
 

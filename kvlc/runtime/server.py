@@ -74,7 +74,7 @@ def introduce(agent, conn: Conn, msg: Introduce) -> Reply:
     conn.session = session
     if pvp:  # this side WRITEs the consumer's requests, and warms its memory now
         agent.warm([rec])
-    return Reply(ok=True, inbox=inbox)
+    return Reply(ok=True, inbox=inbox, proof=agent.welcome(conn.sealed.binding, rec.agent))
 
 
 def _session(conn: Conn, what: str) -> Session:

@@ -410,3 +410,25 @@ def test_a_push_request_ended_by_another_engine_before_it_was_expected_is_opened
         assert out.finished == ("y",) and "y" not in out.failed and "y" not in out.held
         for name in ("kv.0", "kv.1"):
             assert (ct[name].numpy()[12 * 4096:13 * 4096] == pt[name].numpy()[2 * 4096:3 * 4096]).all()
+
+
+def test_a_server_replaying_another_agents_record_is_refused_at_connect(plan, producer):
+    """An insider's server that hands out the producer's record (a forged registry entry pointing at it,
+    say) and accepts every hello cannot sign the answer with the producer's key: connect refuses it,
+    and the connecting agent keeps no session and no NIXL remote."""
+    from kvlc.runtime.channel.tcp import ChannelServer
+    from kvlc.runtime.channel.wire import Reply
+
+    prod, _ = producer
+    fake = ChannelServer(lambda conn, frame: encode(prod.record) if isinstance(decode(frame), Fetch)
+                         else encode(Reply(ok=True)), lambda text: b"", KEY)
+    cons, _ = _agent(plan, "fooled")
+    try:
+        host, port = fake.address
+        for mode in ("direct", "pull_via_push"):
+            with pytest.raises(HandshakeError, match="did not prove it holds the key of the record it sent"):
+                cons.connect(f"{host}:{port}", mode=mode, warm=False)
+            assert cons.sessions.all() == [] and cons.nixl.remotes == frozenset()
+    finally:
+        fake.close()
+        cons.close()

@@ -15,7 +15,8 @@ Side-channel frames are msgpack maps validated by strict, frozen pydantic models
 ``pull``    :class:`PullRequest`: pull-via-push, a consumer rank asks a producer rank to WRITE
 ``cancel``  :class:`Cancel`: stop a request; the answer says whether bytes can still move
 ``reply``   :class:`Reply`: ok, or the error text; a status for a cancel; the :class:`Inbox`
-            a push consumer registered for the introducing producer (staging on)
+            a push consumer registered for the introducing producer (staging on); to a hello,
+            the server's record key's signature over this connection (:meth:`Reply.welcomed`)
 ==========  ===================================================================
 
 Every frame travels inside an authenticated connection (:mod:`kvlc.runtime.channel.auth`); who
@@ -193,6 +194,13 @@ class Reply(_Strict):
     error: Annotated[str, Field(max_length=MAX_ERROR_CHARS)] = ""
     status: Literal["", "done", "failed", "cancelled", "unknown", "pending"] = ""
     inbox: Inbox | None = None  # answer to a producer's hello, staging on: where it stages its WRITEs
+    proof: Annotated[bytes, Field(min_length=SIGNATURE_BYTES, max_length=SIGNATURE_BYTES)] | None = None  # welcomed()
+
+    def welcomed(self, binding: bytes, server: Record, client_agent: str) -> bool:
+        """Whether this answer to a hello is signed by ``server``'s record key for this connection and
+        this client (a party serving another agent's record cannot sign it)."""
+        msg = introduction(binding, client_agent, server.agent, "welcome", "")
+        return self.proof is not None and verify(server.key, self.proof, msg)
 
 
 Message = Annotated[Union[Fetch, Record, Introduce, PullRequest, Cancel, Reply], Field(discriminator="t")]
