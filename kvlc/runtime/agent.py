@@ -55,7 +55,8 @@ from kvlc.runtime.staging.agent import make_stager
 from kvlc.runtime.tracking import Completions, Events, Incoming, Tally
 from kvlc.runtime.channel.notifs import agents_of
 from kvlc.runtime.transfer import Executor, Outgoing, Target
-from kvlc.runtime.channel.wire import Record, StorageBase, decode, make_record
+from kvlc.runtime.channel.identity import Identity, introduction
+from kvlc.runtime.channel.wire import Introduce, Record, StorageBase, decode, make_record
 from kvlc.runtime.nixl.warmup import Warmer, warm_peers
 
 log = logging.getLogger("kvlc.runtime.agent")
@@ -79,6 +80,7 @@ class KvAgent:
         default = re.sub(r"[^A-Za-z0-9_.\-]", "_", plan.name)[:80]
         self.engine_id = valid_name(cfg.engine_id or f"{default}-{uuid.uuid4().hex[:12]}", "engine_id")
         self.epoch = secrets.token_hex(8)
+        self._identity = Identity.generate()  # this epoch's key: introductions prove it (channel.identity)
         self.name = valid_name(cfg.name or f"kvlc-{default}-r{rank}-{uuid.uuid4().hex[:8]}")
         self._lock = threading.RLock()
         self.closed = False
@@ -92,7 +94,7 @@ class KvAgent:
             self.staging = cfg.staging_policy()
             self.stager = make_stager(self.nixl, self.bindings, self.staging)
             self.record = make_record(self.name, self.nixl.metadata(), plan, rank, storages,
-                                      self.engine_id, self.epoch)
+                                      self.engine_id, self.epoch, self._identity.public)
         except BaseException:
             self.nixl.close()
             raise
@@ -109,7 +111,7 @@ class KvAgent:
         self.sender = self._res.sender = Sender(decode, self._res.stop, f"kvlc-sender-{self.name}")
         self._cancel_clients: dict = {}              # push consumer: producer address → client
         self.stats = {"dropped_notifs": 0, "fenced_chunks": 0, "requests": 0, "bytes": 0, "descriptors": 0,
-                      "nixl_requests": 0}
+                      "nixl_requests": 0, "refused_hellos": 0}
         self._finalizer = weakref.finalize(self, self._res.close)
         if cfg.progress == "thread":
             self._res.pump = Pump(self, "progress_turn", cfg.progress_interval, self._res.stop,
@@ -174,6 +176,20 @@ class KvAgent:
     def client(self, address: str, timeout: float = 10.0) -> ChannelClient:
         """An authenticated side-channel connection to ``address`` with this agent's key."""
         return ChannelClient(address, self._key, timeout=timeout)
+
+    def hello(self, client: ChannelClient, server_agent: str, direction: str, mode: str, *,
+              inbox=None) -> Introduce:
+        """This agent's introduction to ``server_agent`` on ``client``'s connection (made now, if it is
+        not), signed with this epoch's key over that connection: it is worthless on any other."""
+        client.connect()
+        msg = introduction(client.sealed.binding, server_agent, self.name, direction, mode)
+        return Introduce(record=self.record, direction=direction, mode=mode, address=self.address or "",
+                         inbox=inbox, proof=self._identity.sign(msg))
+
+    def welcome(self, binding: bytes, client_agent: str) -> bytes:
+        """This epoch's signature answering ``client_agent``'s hello on the connection of ``binding``
+        (:meth:`~kvlc.runtime.channel.wire.Reply.welcomed`): the client knows it reached this agent."""
+        return self._identity.sign(introduction(binding, client_agent, self.name, "welcome", ""))
 
     def keep_clients(self, clients: Iterable[ChannelClient]) -> None:
         """Connections this agent closes when it closes."""
@@ -404,17 +420,47 @@ class KvAgent:
                 self.events.emit(Event.FREEABLE, t.req)
                 self.events.end(key, Status.FAILED if why else Status.DONE)
 
-    def expect(self, request_id: str, timeout: float | None = None) -> None:
+    def expect(self, request_id: str, timeout: float | None = None, producer: str | None = None) -> None:
         """Consumer in push mode: the request must land within ``timeout``; else it is held, the producers
-        are asked to cancel, and it fails once every one answered (its blocks safe then)."""
+        are asked to cancel, and it fails once every one answered (its blocks safe then).
+
+        ``producer``: the engine id of the engine that pushes it. Only that engine's sessions can then
+        end it (``done``/``failed``) or have a staged chunk of it scattered; another engine's are
+        dropped, logged and counted (``stats["dropped_notifs"]``, ``stats["fenced_chunks"]``), also
+        answers that came before this call (a request another engine ended before it is opened again;
+        poll() may have shown that end if it ran in between: expect before asking the producer). Without it the request is bound to the first engine that
+        answers, so a holder of the secret could end it first: name the producer where it is known."""
         check_request_id(request_id)
         with self._lock:
             deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
             inc = self.incoming.get(request_id)
-            if inc is not None:
-                inc.deadline = deadline
-            elif request_id not in self.events.ended:
-                self.incoming[request_id] = Incoming(request_id, deadline)
+            if inc is None:
+                if request_id not in self.events.ended or self._reopened(request_id, producer):
+                    self.incoming[request_id] = Incoming(request_id, deadline, producer=producer)
+                return
+            inc.deadline = deadline
+            if producer is None or inc.via or inc.producer == producer:
+                return
+            if inc.engine is not None and inc.engine.engine_id != producer:  # another engine answered first
+                log.warning("request %r: %d answer(s) from engine %r dropped; it is expected from %r",
+                            request_id[:40], len(inc.answers), inc.engine.engine_id, producer)
+                self.stats["dropped_notifs"] += len(inc.answers)
+                inc = self.incoming[request_id] = Incoming(request_id, deadline)
+            inc.producer = producer
+
+    def _reopened(self, req: str, producer: str | None) -> bool:
+        """``req`` ended here before it was expected, on answers of an engine other than ``producer``:
+        that end is dropped (and its events, where poll() has not reported them yet); True then."""
+        by = self.events.ended.get(("unasked", req))
+        if producer is None or by is None or by == producer:
+            return False
+        log.warning("request %r: its end by engine %r before it was expected is dropped; it is expected from %r",
+                    req[:40], by, producer)
+        self.stats["dropped_notifs"] += 1
+        self.events.ended.pop(req, None)
+        self.events.ended.pop(("unasked", req), None)
+        self.events.retract(req)
+        return True
 
     def offer(self, request_id: str, lease: float | None = None) -> None:
         """Producer: request ``request_id``'s source blocks wait for consumers; if none finished with them

@@ -31,7 +31,7 @@ from kvlc.runtime.channel.sessions import RemoteEngine, Session
 from kvlc.runtime.tracking import Incoming
 from kvlc.runtime.channel.notifs import agents_of
 from kvlc.runtime.transfer import PreparedPart, Target
-from kvlc.runtime.channel.wire import Fetch, Introduce, PullRequest, Record, Reply, decode, encode
+from kvlc.runtime.channel.wire import Fetch, PullRequest, Record, Reply, decode, encode
 
 log = logging.getLogger(__name__)
 
@@ -134,9 +134,12 @@ def _introduce(agent, got, peers, direction: Direction, mode: ConnectionMode, gi
         inbox = agent.staging_inbox(rec.agent) if mode is ConnectionMode.PULL_VIA_PUSH else None
         if inbox is not None:
             given.append(rec.agent)
-        hello = encode(Introduce(record=agent.record, direction=direction.value, mode=wire_mode,
-                                 address=agent.address or "", inbox=inbox))
+        hello = encode(agent.hello(got[r][1], rec.agent, direction.value, wire_mode, inbox=inbox))
         reply = _accepted(r, rec, decode(got[r][1].request(hello)))
+        if not reply.welcomed(got[r][1].sealed.binding, rec, agent.name):
+            raise HandshakeError(f"rank {r} at {got[r][1].address[0]}:{got[r][1].address[1]} did not prove it holds "
+                                 f"the key of the record it sent (agent '{rec.agent}'); a record served from "
+                                 "elsewhere? refused")
         if direction is Direction.WRITE:
             agent.add_staging_peer(rec, reply.inbox)
 

@@ -64,19 +64,33 @@ def notifs(agent, batch) -> None:
             del agent.incoming[req]
 
 
+def not_from(inc: Incoming, s) -> str:
+    """Why session ``s`` may not answer or write request ``inc`` here ("" if it may). The first
+    answer binds a request to its engine (where ``expect()`` named none, and only an engine of the
+    id it named) and each rank to the session that gave it; pull via push: to the sessions asked."""
+    if inc.producer is not None and s.engine_id != inc.producer:
+        return f"the request is expected from engine '{inc.producer}', not '{s.engine_id}'"
+    if inc.engine is None:
+        inc.engine = s.engine
+    elif inc.engine is not s.engine:
+        return f"the request is expected from another engine, not '{s.engine_id}'"
+    if inc.via:
+        return "" if s.rank in inc.via and inc.via[s.rank][0] is s else "the request was not asked of this session"
+    if inc.sessions.setdefault(s.rank, s.conn_id) != s.conn_id:
+        return f"rank {s.rank} of engine '{s.engine_id}' answers the request on another session"
+    return ""
+
+
 def _fenced(agent, s, req: str) -> str:
     """Why a chunk of ``req`` from session ``s`` must not be scattered here ("" if it may)."""
     inc = agent.incoming.get(req)
     if inc is None:
         if req in agent.events.ended:
             return "the request ended here"
-        inc = agent.incoming[req] = Incoming(req, time.monotonic() + agent.timeout)
-    if inc.engine is None:
-        inc.engine = s.engine
-    elif inc.engine is not s.engine:
-        return f"the request is expected from another engine, not '{s.engine_id}'"
-    if inc.via and (s.rank not in inc.via or inc.via[s.rank][0] is not s):
-        return "the request was not asked of this session"
+        inc = agent.incoming[req] = Incoming(req, time.monotonic() + agent.timeout, asked=False)
+    why = not_from(inc, s)
+    if why:
+        return why
     if inc.held:
         return f"the request is held here ({inc.why_held})"
     if s.rank in inc.answers:
@@ -136,11 +150,10 @@ def _ended(agent, s, req: str, status: Status, why: str) -> None:
     if inc is None:
         if req in agent.events.ended:
             return  # late: the request already ended here
-        inc = agent.incoming[req] = Incoming(req, time.monotonic() + agent.timeout)
-    if inc.engine is None:
-        inc.engine = s.engine
-    elif inc.engine is not s.engine:
-        return _drop(agent, "request %r is expected from another engine, not %r", req[:40], s.engine_id)
+        inc = agent.incoming[req] = Incoming(req, time.monotonic() + agent.timeout, asked=False)
+    refused = not_from(inc, s)
+    if refused:
+        return _drop(agent, "%s from %r for request %r: %s", status.value, s.agent[:64], req[:40], refused)
     inc.answer(s.rank, status, why)
     for cid, cs in list(inc.cancel_wait.items()):
         if cs.engine is s.engine and cs.rank == s.rank:
@@ -221,6 +234,8 @@ def _pushers(agent, inc: Incoming, missing: set[int]) -> list:
         if not (s.live and s.server_side and s.direction is Direction.READ and s.mode is ConnectionMode.DIRECT):
             continue
         if inc.engine is not None and (s.engine is not inc.engine or s.rank not in missing):
+            continue
+        if inc.producer is not None and s.engine_id != inc.producer:
             continue
         if s.conn_id not in inc.cancel_wait:
             out.append(s)

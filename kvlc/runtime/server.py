@@ -52,6 +52,8 @@ def handle(agent, conn: Conn, frame: bytes) -> bytes:
 def introduce(agent, conn: Conn, msg: Introduce) -> Reply:
     """A peer connected to us: pair from our side and open its session on this connection.
 
+    The hello must carry the record key's signature over this connection and this agent's name
+    (:meth:`Introduce.proven`); else nothing is paired, loaded or opened.
     Staging on: a producer that will push here gets an inbox in the reply; a pull-via-push consumer's
     inbox (in its hello) is where this side stages the WRITEs it asks for."""
     rec = msg.record
@@ -60,6 +62,11 @@ def introduce(agent, conn: Conn, msg: Introduce) -> Reply:
         raise HandshakeError("pull_via_push is a consumer's mode: the introducing agent must READ")
     if conn.session is not None:
         raise HandshakeError("this connection already introduced a session; open another connection")
+    if not msg.proven(conn.sealed.binding, agent.name):
+        agent.stats["refused_hellos"] += 1
+        log.warning("hello of agent %r refused: no proof of its record's key on this connection", rec.agent[:64])
+        raise HandshakeError(f"agent '{rec.agent}' did not prove it holds its record's key on this connection "
+                             "(a record replayed from elsewhere?); refused")
     mine = Direction(msg.direction).other
     eng = agent.pair_engine(rec, mine)
     session = Session(rec, conn.id, conn.sealed.notif_key, mine, ConnectionMode(msg.mode), eng, msg.address, True)
@@ -67,7 +74,7 @@ def introduce(agent, conn: Conn, msg: Introduce) -> Reply:
     conn.session = session
     if pvp:  # this side WRITEs the consumer's requests, and warms its memory now
         agent.warm([rec])
-    return Reply(ok=True, inbox=inbox)
+    return Reply(ok=True, inbox=inbox, proof=agent.welcome(conn.sealed.binding, rec.agent))
 
 
 def _session(conn: Conn, what: str) -> Session:

@@ -1,7 +1,11 @@
 """Completion tracking: what :meth:`KvAgent.poll` reports, and when a request's blocks are safe.
 
 Consumer side, one :class:`Incoming` per request whose bytes land here and that a remote moves
-(pull via push; push with :meth:`KvAgent.expect`). Each remote rank ends with a terminal
+(pull via push; push with :meth:`KvAgent.expect`). It is bound to one remote engine: the one it
+was asked of (pull via push: each rank's session too), the producer engine ``expect()`` named, or
+else the first engine that answers; and each rank to the session of its first answer. Answers
+and staged chunks from any other engine or session are dropped (:mod:`kvlc.runtime.replies`).
+Each remote rank ends with a terminal
 answer (a ``done``/``failed`` notification, a refusal, a cancel answer, or the loss of its
 session, after which it cannot write here any more). The request is
 
@@ -57,6 +61,9 @@ class Incoming:
     answers: dict[int, tuple[Status, str]] = field(default_factory=dict)
     cancel_wait: dict[str, object] = field(default_factory=dict)  # conn id → Session asked to cancel
     via: dict[int, tuple] = field(default_factory=dict)  # pull via push: rank → (Session, client)
+    producer: str | None = None  # push: the engine id expect() named; no other engine answers or writes
+    sessions: dict[int, str] = field(default_factory=dict)  # push: rank → conn id of its first answer
+    asked: bool = True  # False: its first answer came before expect() (see settle)
     held: bool = False
     why_held: str = ""
 
@@ -125,6 +132,10 @@ class Events:
         while len(self.ended) > FORGET:
             self.ended.popitem(last=False)
 
+    def retract(self, req: str) -> None:
+        """Forget the events of ``req`` that poll() has not reported yet."""
+        self._queue[:] = [e for e in self._queue if e[1] != req]
+
     def drain(self) -> Completions:
         finished, failed, held, freeable = [], {}, {}, []
         for event, req, why in self._queue:
@@ -151,6 +162,8 @@ def settle(inc: Incoming, events: Events) -> bool:
     else:
         events.emit(Event.FINISHED, inc.req)
         events.end(inc.req, Status.DONE)
+    if not inc.asked and inc.engine is not None:  # ended before expect(): by which engine (KvAgent.expect)
+        events.end(("unasked", inc.req), inc.engine.engine_id)
     return True
 
 

@@ -16,6 +16,18 @@ LAYOUTS = ROOT / "layouts"
 TEST_LAYOUTS = ROOT / "tests" / "runtime" / "layouts"
 
 
+def signed_hello(client, server_agent: str, record, identity, direction: str = "READ",
+                 mode: str = "pull_via_push"):
+    """A hello introducing ``record``, signed with ``identity`` over ``client``'s connection (made now):
+    what an insider holding its own key can send (:mod:`kvlc.runtime.channel.identity`)."""
+    from kvlc.runtime.channel.identity import introduction
+    from kvlc.runtime.channel.wire import Introduce
+
+    client.connect()
+    msg = introduction(client.sealed.binding, server_agent, record.agent, direction, mode)
+    return Introduce(record=record, direction=direction, mode=mode, proof=identity.sign(msg))
+
+
 def tiny_plans() -> dict:
     """The tiny dense engines of the multi-process tests: ``x`` TP1 NHD 16-token blocks (64),
     ``y`` TP2 HND 32-token blocks, ``z`` TP1 with 256 blocks."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import msgpack
 import pytest
-from runtime_engines import KEY, LAYOUTS, SECRET, TEST_LAYOUTS
+from runtime_engines import KEY, LAYOUTS, SECRET, TEST_LAYOUTS, signed_hello
 
 from kvlc import compile_spec
 from kvlc.errors import CompatError, TransferError
@@ -18,7 +18,8 @@ from kvlc.runtime.channel.tcp import ChannelClient, ChannelServer
 from kvlc.runtime.errors import ChannelError
 from kvlc.runtime.nixl.core import Registration, Xfer
 from kvlc.runtime.staging.endpoint import StagingPolicy
-from kvlc.runtime.channel.wire import Fetch, Introduce, Record, Reply, decode, encode
+from kvlc.runtime.channel.identity import Identity
+from kvlc.runtime.channel.wire import Fetch, Record, Reply, decode, encode
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("nixl")
@@ -112,14 +113,14 @@ def _ask(agent, payload: bytes):
     "payload, why",
     [
         (b"\xc1garbage", "not msgpack"),
-        (msgpack.packb({"t": "hello", "version": 2}), "Field required"),
+        (msgpack.packb({"t": "hello", "version": 3}), "Field required"),
         (msgpack.packb({"t": "fetch", "version": 9}), "wire version 9"),
         (msgpack.packb({"t": "reply", "ok": True}), "unexpected 'reply' message"),
         (
             msgpack.packb(
                 {
                     "t": "pull",
-                    "version": 2,
+                    "version": 3,
                     "req": "r",
                     "start": 0,
                     "stop": 16,
@@ -144,8 +145,10 @@ def test_served_agent_refuses_hostile_frames(producer, payload, why):
 def test_introduction_with_foreign_metadata_is_refused(producer, plans):
     """A record whose NIXL metadata belongs to another agent name is refused; the agent is removed again."""
     with KvAgent(plans["dense-tp1"], 0, allocate(plans["dense-tp1"]), AgentSettings(name="real-name", secret=SECRET)) as other:
-        impostor = other.record.model_copy(update={"agent": "impostor"})
-        reply = _ask(producer, encode(Introduce(record=impostor, direction="READ", mode="pull_via_push")))
+        me = Identity.generate()  # the impostor signs with its own key: the proof holds, the metadata does not
+        impostor = other.record.model_copy(update={"agent": "impostor", "key": me.public})
+        with ChannelClient(producer.address, KEY) as c:
+            reply = decode(c.request(encode(signed_hello(c, producer.name, impostor, me))))
     assert not reply.ok and "NIXL metadata is agent 'real-name'" in reply.error
     _nothing_added(producer)
 
@@ -153,7 +156,8 @@ def test_introduction_with_foreign_metadata_is_refused(producer, plans):
 def test_introduction_from_incompatible_plan_is_refused(producer, plans):
     """An introduction whose plan does not pair reports the compatibility errors; nothing is added."""
     with KvAgent(plans["hybrid-tp1"], 0, allocate(plans["hybrid-tp1"]), AgentSettings(secret=SECRET)) as other:
-        reply = _ask(producer, encode(Introduce(record=other.record, direction="READ", mode="pull_via_push")))
+        with ChannelClient(producer.address, KEY) as c:
+            reply = decode(c.request(encode(other.hello(c, producer.name, "READ", "pull_via_push"))))
     assert not reply.ok and "error [" in reply.error
     _nothing_added(producer)
 

@@ -12,7 +12,7 @@ import socket
 import msgpack
 import numpy as np
 import pytest
-from runtime_engines import KEY, SECRET, TEST_LAYOUTS
+from runtime_engines import KEY, SECRET, TEST_LAYOUTS, signed_hello
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -24,7 +24,8 @@ from kvlc.runtime.channel.tcp import ChannelClient, Limits, write_frame
 from kvlc.runtime.nixl.core import Agent, Xfer
 from kvlc.runtime.channel.auth import notif_tag
 from kvlc.runtime.channel.notifs import batch_fields, encode_notif, encode_notif_batch
-from kvlc.runtime.channel.wire import Fetch, Introduce, decode, encode
+from kvlc.runtime.channel.identity import Identity
+from kvlc.runtime.channel.wire import Fetch, Introduce, Record, decode, encode
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("nixl")
@@ -111,10 +112,11 @@ def test_record_replacement_within_an_epoch_is_refused(plan, producer, victim):
     prod, pt = producer
     vic, vt = victim
     peer = vic.connect(prod.address, mode="pull_via_push")
-    moved = vic.record.model_copy(update={"storages": tuple(
+    me = Identity.generate()  # the insider signs with its own key (it has no other)
+    moved = vic.record.model_copy(update={"key": me.public, "storages": tuple(
         s.model_copy(update={"addr": s.addr + 4096}) for s in vic.record.storages)})
     with ChannelClient(prod.address, KEY) as c:
-        reply = decode(c.request(encode(Introduce(record=moved, direction="READ", mode="pull_via_push"))))
+        reply = decode(c.request(encode(signed_hello(c, prod.name, moved, me))))
     assert not reply.ok and "cannot change within an epoch" in reply.error
     before = _memory(vt)
     peer.read("v-1", {"full": [10, 11]}, {"full": [3, 4]}, 32)
@@ -123,6 +125,43 @@ def test_record_replacement_within_an_epoch_is_refused(plan, producer, victim):
         got, want = vt[name].numpy(), pt[name].numpy()
         assert (got[10 * 4096:12 * 4096] == np.concatenate([want[3 * 4096:4 * 4096], want[4 * 4096:5 * 4096]])).all()
         assert (got[:10 * 4096] == before[name].numpy()[:10 * 4096]).all()
+
+
+def test_a_replayed_record_on_another_connection_opens_no_session(plan, producer, victim):
+    """F3: an insider fetches the victim's record from the victim and introduces it on its own connection
+    to the producer, with no proof, with a forged one, and with the victim's real signature captured
+    from another connection: every hello is refused before anything is paired or loaded (no session,
+    no NIXL remote), a pull request on that connection is refused, and the victim's memory and its own
+    session are untouched."""
+    prod, _ = producer
+    vic, vt = victim
+    with ChannelClient(vic.address, KEY) as c:
+        rec = decode(c.request(encode(Fetch())))  # the victim hands its record to any holder of the secret
+    assert isinstance(rec, Record) and rec == vic.record
+    with ChannelClient(prod.address, KEY) as elsewhere:  # a hello the victim signed, on another connection
+        captured = vic.hello(elsewhere, prod.name, "READ", "pull_via_push").proof
+    before, refused, mem = _state(prod), prod.stats["refused_hellos"], _memory(vt)
+    for proof in (b"\0" * 64, Identity.generate().sign(b"anything"), captured):
+        with ChannelClient(prod.address, KEY) as c:
+            hello = Introduce(record=rec, direction="READ", mode="pull_via_push", proof=proof)
+            reply = decode(c.request(encode(hello)))
+            assert not reply.ok and "did not prove it holds its record's key" in reply.error
+            pull = decode(c.request(msgpack.packb({"t": "pull", "version": 3, "req": "stolen", "start": 0, "stop": 16,
+                                                   "consumer_blocks": {"full": [1]}, "producer_blocks": {"full": [1]},
+                                                   "until": 1e12, "budget_s": 5.0})))
+            assert not pull.ok and "no session on this connection" in pull.error
+    assert _state(prod) == before and prod.stats["refused_hellos"] == refused + 3
+    assert vic.name not in prod.nixl.remotes
+    peer = vic.connect(prod.address, mode="pull_via_push")  # the victim's own introduction still holds
+    peer.read("own-1", {"full": [30]}, {"full": [2]}, 16)
+    assert vic.wait(["own-1"], timeout=20).finished == ("own-1",)
+    with ChannelClient(prod.address, KEY) as c:  # and a replay next to its live session is refused too
+        reply = decode(c.request(encode(Introduce(record=rec, direction="READ", mode="pull_via_push", proof=captured))))
+    assert not reply.ok and len(prod.sessions.live(vic.name)) == 1
+    changed = {k: int((vt[k] != mem[k]).sum()) for k in vt}
+    outside = [k for k in vt if not (torch.equal(vt[k][:30 * 4096], mem[k][:30 * 4096])
+                                      and torch.equal(vt[k][31 * 4096:], mem[k][31 * 4096:]))]
+    assert sum(changed.values()) > 0 and outside == []  # only block 30, which the victim asked for, changed
 
 
 def test_identity_hijack_by_another_engine_is_refused(plan, producer, victim):
@@ -224,12 +263,11 @@ def test_state_from_many_connections_is_bounded_and_dies_with_them(plan, produce
     base = len(prod.sessions.all())
     other, _ = _agent(plan, "many")
     with other:
-        hello = encode(Introduce(record=other.record, direction="READ", mode="direct"))
         clients, refused = [], 0
         for _ in range(20):
             c = ChannelClient(prod.address, KEY, timeout=3)
             try:
-                assert decode(c.request(hello)).ok
+                assert decode(c.request(encode(other.hello(c, prod.name, "READ", "direct")))).ok
                 clients.append(c)
             except Exception:
                 refused += 1
@@ -293,3 +331,104 @@ def test_agent_without_a_secret_refuses_to_start_unless_insecure(plan, monkeypat
             ChannelClient(open_agent.serve(), KEY, timeout=3).request(encode(Fetch()))
     finally:
         open_agent.close()
+
+
+def _pump_until(agents, cond, tries: int = 500) -> bool:
+    for _ in range(tries):
+        for a in agents:
+            a.poll()
+        if cond():
+            return True
+        __import__("time").sleep(0.01)
+    return False
+
+
+@pytest.mark.parametrize("staging", ["off", "on"])
+def test_a_push_request_ends_only_by_the_producer_it_is_expected_from(plan, staging):
+    """F2: a consumer expects request 'x' from producer P; another engine holding the secret, in its own
+    push session with the consumer, sends correctly signed 'failed' and 'done' for 'x' and pushes an 'x'
+    of its own (staged chunks, staging on). None of it ends or flips 'x' (each dropped and counted, no
+    staged chunk scattered); 'x' finishes only on P's push, with P's bytes, and nothing lands after."""
+    from kvlc.runtime.channel.auth import notif_tag
+    from kvlc.runtime.staging.endpoint import StagingPolicy
+
+    policy = StagingPolicy(mode="always", slot_bytes=4096, slots=2, peers=2) if staging == "on" else StagingPolicy.never()
+    cons, ct = _agent(plan, f"f2-consumer-{staging}", fill=4, staging=policy)
+    prod, pt = _agent(plan, f"f2-producer-{staging}", fill=5, staging=policy)
+    evil, _ = _agent(plan, f"f2-other-{staging}", fill=6, staging=policy)
+    with cons, prod, evil:
+        cons.serve()
+        to_c = prod.connect(cons.address, direction="WRITE")
+        forger = evil.connect(cons.address, direction="WRITE")
+        cons.expect("x", 30.0, producer=prod.engine_id)
+        key = forger.sessions[0].notif_key
+        dropped, fenced = cons.stats["dropped_notifs"], cons.stats["fenced_chunks"]
+        for status in ("failed", "done"):
+            evil.nixl.send_notif(cons.name, encode_notif("x", 0, status, notif_tag(key, "x", "0", status), "forged"))
+        forger.write("x", {"full": [7]}, {"full": [40]}, 16)  # a real push of its own, signed 'done' at its end
+        assert _pump_until([cons, evil], lambda: cons.stats["dropped_notifs"] >= dropped + 3)
+        assert cons.stats["dropped_notifs"] == dropped + 3
+        assert staging == "off" or cons.stats["fenced_chunks"] > fenced  # its chunks were not scattered
+        c = cons.poll()
+        assert "x" in cons.incoming and not c.finished and not c.failed and not c.held
+        before = _memory(ct)
+        to_c.write("x", {"full": [3, 4]}, {"full": [10, 11]}, 32)
+        assert cons.wait(["x"], timeout=20).finished == ("x",)
+        for name in ("kv.0", "kv.1"):
+            got, want = ct[name].numpy(), pt[name].numpy()
+            assert (got[10 * 4096:12 * 4096] == want[3 * 4096:5 * 4096]).all()
+        at_end = _memory(ct)
+        assert _pump_until([cons, prod, evil], lambda: False, tries=50) is False
+        assert _same(ct, at_end) and not _same(ct, before)
+
+
+def test_a_push_request_ended_by_another_engine_before_it_was_expected_is_opened_again(plan):
+    """F2, early: another engine's signed 'failed' for 'y' arrives before the consumer expects 'y' from P
+    and ends it there (unasked); expect('y', producer=P) drops that end (counted, and poll() never
+    reports it) and 'y' finishes on P's push with P's bytes."""
+    from kvlc.runtime.channel.auth import notif_tag
+
+    cons, ct = _agent(plan, "f2e-consumer", fill=7)
+    prod, pt = _agent(plan, "f2e-producer", fill=8)
+    evil, _ = _agent(plan, "f2e-other", fill=9)
+    with cons, prod, evil:
+        cons.serve()
+        to_c = prod.connect(cons.address, direction="WRITE")
+        key = evil.connect(cons.address, direction="WRITE").sessions[0].notif_key
+        evil.nixl.send_notif(cons.name, encode_notif("y", 0, "failed", notif_tag(key, "y", "0", "failed"), "forged"))
+        for _ in range(500):  # the progress thread reads it; the engine has not polled
+            evil.nixl.notifs()
+            if cons.ended(("unasked", "y")) is not None:
+                break
+            __import__("time").sleep(0.01)
+        assert cons.ended(("unasked", "y")) == "f2e-other"
+        dropped = cons.stats["dropped_notifs"]
+        cons.expect("y", 30.0, producer=prod.engine_id)
+        assert cons.stats["dropped_notifs"] == dropped + 1 and "y" in cons.incoming
+        to_c.write("y", {"full": [2]}, {"full": [12]}, 16)
+        out = cons.wait(["y"], timeout=20)
+        assert out.finished == ("y",) and "y" not in out.failed and "y" not in out.held
+        for name in ("kv.0", "kv.1"):
+            assert (ct[name].numpy()[12 * 4096:13 * 4096] == pt[name].numpy()[2 * 4096:3 * 4096]).all()
+
+
+def test_a_server_replaying_another_agents_record_is_refused_at_connect(plan, producer):
+    """An insider's server that hands out the producer's record (a forged registry entry pointing at it,
+    say) and accepts every hello cannot sign the answer with the producer's key: connect refuses it,
+    and the connecting agent keeps no session and no NIXL remote."""
+    from kvlc.runtime.channel.tcp import ChannelServer
+    from kvlc.runtime.channel.wire import Reply
+
+    prod, _ = producer
+    fake = ChannelServer(lambda conn, frame: encode(prod.record) if isinstance(decode(frame), Fetch)
+                         else encode(Reply(ok=True)), lambda text: b"", KEY)
+    cons, _ = _agent(plan, "fooled")
+    try:
+        host, port = fake.address
+        for mode in ("direct", "pull_via_push"):
+            with pytest.raises(HandshakeError, match="did not prove it holds the key of the record it sent"):
+                cons.connect(f"{host}:{port}", mode=mode, warm=False)
+            assert cons.sessions.all() == [] and cons.nixl.remotes == frozenset()
+    finally:
+        fake.close()
+        cons.close()

@@ -81,7 +81,7 @@ def test_notification_only_after_every_part_is_done(mixed):
     assert ex.progress() == [] and agent.sent == []
     assert ex.progress() == [out]
     tag = notif_tag(KEY, "r1", "3", "done")
-    assert _notifs(agent) == [("peer3", {"v": 2, "req": "r1", "rank": 3, "status": "done", "why": "", "tag": tag})]
+    assert _notifs(agent) == [("peer3", {"v": 3, "req": "r1", "rank": 3, "status": "done", "why": "", "tag": tag})]
     kinds = [e[0] for e in agent.log]
     assert kinds.index("notif") > max(i for i, k in enumerate(kinds) if k == "release")
     assert agent.live_handles == 0
@@ -211,7 +211,7 @@ def test_hetero_tp_one_notification_per_peer_rank():
     assert ex.progress() == [out]
     assert sorted(name for name, _ in agent.sent) == ["peer2", "peer3"]
     tag = notif_tag(KEY, "r1", "1", "done")
-    assert all(n == {"v": 2, "req": "r1", "rank": 1, "status": "done", "why": "", "tag": tag}
+    assert all(n == {"v": 3, "req": "r1", "rank": 1, "status": "done", "why": "", "tag": tag}
                for _, n in _notifs(agent))
 
 
@@ -242,8 +242,8 @@ def test_requests_ending_together_share_one_notification_per_peer():
     tag = notif_tag(KEY, "done*", "1", json.dumps(reqs, separators=(",", ":")))
     batches = [(name, n) for name, n in _notifs(agent) if "done" in n]
     assert sorted(batches, key=lambda b: b[0]) == [
-        ("peer2", {"v": 2, "done": reqs, "rank": 1, "tag": tag}),
-        ("peer3", {"v": 2, "done": reqs, "rank": 1, "tag": tag}),
+        ("peer2", {"v": 3, "done": reqs, "rank": 1, "tag": tag}),
+        ("peer3", {"v": 3, "done": reqs, "rank": 1, "tag": tag}),
     ]
     failed = [(name, n["req"], n["status"]) for name, n in _notifs(agent) if "done" not in n]
     assert sorted(failed) == [("peer2", "bad", "failed"), ("peer3", "bad", "failed")]

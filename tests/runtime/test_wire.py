@@ -47,6 +47,7 @@ def record(plan):
         ],
         "engine-a",
         "0123456789abcdef",
+        b"k" * 32,
     )
 
 
@@ -66,7 +67,7 @@ def test_record_round_trips(record, plan):
 @pytest.mark.parametrize("until", [float("nan"), float("inf"), float("-inf")])
 def test_a_pull_request_without_a_finite_deadline_is_refused(until):
     """Issue 27 F5: NaN or an infinite deadline never times out; refused when the frame is read."""
-    msg = PullRequest.model_construct(t="pull", version=2, req="r", consumer_blocks={"full": (1,)},
+    msg = PullRequest.model_construct(t="pull", version=3, req="r", consumer_blocks={"full": (1,)},
                                       producer_blocks={"full": (1,)}, start=0, stop=16, until=until, budget_s=1.0)
     raw = msgpack.packb(msg.model_dump())
     with pytest.raises(HandshakeError, match="until"):
@@ -89,7 +90,7 @@ def test_messages_round_trip(record):
     msgs = [
         Fetch(),
         Reply(ok=False, error="no"),
-        Introduce(record=record, direction="READ", mode="pull_via_push", address="127.0.0.1:5"),
+        Introduce(record=record, direction="READ", mode="pull_via_push", address="127.0.0.1:5", proof=b"s" * 64),
         PullRequest(
             req="r-1",
             consumer_blocks={"full": (1, 2)},
@@ -159,16 +160,16 @@ def test_storage_smaller_than_plan_is_refused(record):
         (b"", "empty"),
         (b"\xc1", "not msgpack"),
         (msgpack.packb([1, 2, 3]), "expected a msgpack map"),
-        (msgpack.packb({"t": "fetch", "version": 2}) + b"\x00", "trailing bytes"),
+        (msgpack.packb({"t": "fetch", "version": 3}) + b"\x00", "trailing bytes"),
         (b"\x91" * 100000, "not msgpack"),
-        (msgpack.packb({"t": "launch", "version": 2}), "does not match any of the expected tags"),
-        (msgpack.packb({"t": "fetch", "version": 2, "x": 1}), "Extra inputs"),
+        (msgpack.packb({"t": "launch", "version": 3}), "does not match any of the expected tags"),
+        (msgpack.packb({"t": "fetch", "version": 3, "x": 1}), "Extra inputs"),
         (msgpack.packb({1: 2}), "not msgpack"),
         (
             msgpack.packb(
                 {
                     "t": "pull",
-                    "version": 2,
+                    "version": 3,
                     "req": "r",
                     "agent": "a",
                     "rank": 0,
@@ -183,7 +184,7 @@ def test_storage_smaller_than_plan_is_refused(record):
             msgpack.packb(
                 {
                     "t": "pull",
-                    "version": 2,
+                    "version": 3,
                     "req": "r",
                     "agent": "a",
                     "rank": 0,
@@ -217,7 +218,7 @@ def test_decoding_never_unpickles():
     import pickle
 
     with pytest.raises(HandshakeError):
-        decode(pickle.dumps({"t": "fetch", "version": 2}))
+        decode(pickle.dumps({"t": "fetch", "version": 3}))
 
 
 T = "0" * 24
@@ -226,7 +227,7 @@ T = "0" * 24
 def test_notification_format():
     """Notifications are compact JSON with v, req, rank, status, why and the session tag; always
     within MAX_NOTIF_BYTES, however long the reason."""
-    done = b'{"v":2,"req":"req-7","rank":3,"status":"done","why":"","tag":"' + T.encode() + b'"}'
+    done = b'{"v":3,"req":"req-7","rank":3,"status":"done","why":"","tag":"' + T.encode() + b'"}'
     assert encode_notif("req-7", 3, "done", T) == done
     failed = json.loads(encode_notif("req-7", 3, "failed", T, "x" * 500))
     assert failed["status"] == "failed" and len(failed["why"]) == 200
@@ -242,7 +243,7 @@ def test_batch_notification_format():
     from kvlc.runtime.channel.notifs import MAX_BATCH_NOTIF_BYTES, NotifBatch, batch_fields, batches, encode_notif_batch
 
     data = encode_notif_batch(["a", 'b"c', "d|e"], 7, T)
-    assert data == b'{"v":2,"done":["a","b\\"c","d|e"],"rank":7,"tag":"' + T.encode() + b'"}'
+    assert data == b'{"v":3,"done":["a","b\\"c","d|e"],"rank":7,"tag":"' + T.encode() + b'"}'
     n = decode_notif(data)
     assert isinstance(n, NotifBatch) and n.done == ["a", 'b"c', "d|e"] and n.rank == 7
     # joined ids would make ["a|b", "c"] and ["a", "b|c"] sign alike; the JSON list does not
@@ -258,17 +259,17 @@ def test_batch_notification_format():
 @pytest.mark.parametrize(
     "data",
     [
-        b'{"v":2,"done":[],"rank":0,"tag":"000000000000000000000000"}',
-        b'{"v":2,"done":["a","a"],"rank":0,"tag":"000000000000000000000000"}',
-        b'{"v":2,"done":"a","rank":0,"tag":"000000000000000000000000"}',
-        b'{"v":2,"done":["a",1],"rank":0,"tag":"000000000000000000000000"}',
-        b'{"v":2,"done":["has space"],"rank":0,"tag":"000000000000000000000000"}',
-        b'{"v":2,"done":["a"],"rank":0,"status":"done","tag":"000000000000000000000000"}',
-        b'{"v":2,"done":["a"],"rank":0}',
+        b'{"v":3,"done":[],"rank":0,"tag":"000000000000000000000000"}',
+        b'{"v":3,"done":["a","a"],"rank":0,"tag":"000000000000000000000000"}',
+        b'{"v":3,"done":"a","rank":0,"tag":"000000000000000000000000"}',
+        b'{"v":3,"done":["a",1],"rank":0,"tag":"000000000000000000000000"}',
+        b'{"v":3,"done":["has space"],"rank":0,"tag":"000000000000000000000000"}',
+        b'{"v":3,"done":["a"],"rank":0,"status":"done","tag":"000000000000000000000000"}',
+        b'{"v":3,"done":["a"],"rank":0}',
         b'{"v":1,"done":["a"],"rank":0,"tag":"000000000000000000000000"}',
-        b'{"v":2,"done":["a"],"rank":-1,"tag":"000000000000000000000000"}',
-        b'{"v":2,"done":[' + b",".join(b'"%d"' % i for i in range(257)) + b'],"rank":0,"tag":"000000000000000000000000"}',
-        b'{"v":2,"done":["' + b"r" * 9000 + b'"],"rank":0,"tag":"000000000000000000000000"}',
+        b'{"v":3,"done":["a"],"rank":-1,"tag":"000000000000000000000000"}',
+        b'{"v":3,"done":[' + b",".join(b'"%d"' % i for i in range(257)) + b'],"rank":0,"tag":"000000000000000000000000"}',
+        b'{"v":3,"done":["' + b"r" * 9000 + b'"],"rank":0,"tag":"000000000000000000000000"}',
     ],
 )
 def test_bad_batch_notifications_are_refused(data):
@@ -284,12 +285,12 @@ def test_bad_batch_notifications_are_refused(data):
         b"not json",
         b"[1]",
         b'{"v":1,"req":"r","rank":0,"status":"done","tag":"000000000000000000000000"}',
-        b'{"v":2,"req":"r","rank":0,"status":"ok","tag":"000000000000000000000000"}',
-        b'{"v":2,"req":"r","rank":"0","status":"done","tag":"000000000000000000000000"}',
-        b'{"v":2,"req":"r","rank":0,"status":"done","tag":"000000000000000000000000","x":1}',
-        b'{"v":2,"req":"has space","rank":0,"status":"done","tag":"000000000000000000000000"}',
-        b'{"v":2,"req":"r","rank":0,"status":"done"}',
-        b'{"v":2,"req":"r","rank":0,"status":"done","tag":"zz"}',
+        b'{"v":3,"req":"r","rank":0,"status":"ok","tag":"000000000000000000000000"}',
+        b'{"v":3,"req":"r","rank":"0","status":"done","tag":"000000000000000000000000"}',
+        b'{"v":3,"req":"r","rank":0,"status":"done","tag":"000000000000000000000000","x":1}',
+        b'{"v":3,"req":"has space","rank":0,"status":"done","tag":"000000000000000000000000"}',
+        b'{"v":3,"req":"r","rank":0,"status":"done"}',
+        b'{"v":3,"req":"r","rank":0,"status":"done","tag":"zz"}',
         b"x" * (MAX_NOTIF_BYTES + 1),
         b"\xff\xfe",
     ],

@@ -144,7 +144,8 @@ def check_proof(key: bytes, nc: bytes, ns: bytes, frame: bytes) -> None:
 class Sealed:
     """One authenticated connection's frame protection: seal outgoing, open incoming (strict sequence).
 
-    ``id`` names the connection (both ends compute the same); ``notif_key`` authenticates NIXL
+    ``id`` names the connection (both ends compute the same); ``binding`` (32 bytes, fresh per
+    connection) is what an introduction's signature covers; ``notif_key`` authenticates NIXL
     notifications between the two agents of this connection. ``clock_offset``/``clock_error``
     (client side): the server's clock is ``local + clock_offset ± clock_error``.
     """
@@ -156,6 +157,7 @@ class Sealed:
         self._sent = 0
         self._received = 0
         self.id = hashlib.sha256(nc + ns).hexdigest()[:32]
+        self.binding = _mac(k, b"channel binding")  # what an introduction signs (kvlc.runtime.channel.identity)
         self.notif_key = _mac(k, b"notifications")
         self.clock_offset = 0.0
         self.clock_error = 0.0

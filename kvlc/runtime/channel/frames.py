@@ -12,7 +12,8 @@ from pydantic import ValidationError
 
 from kvlc.runtime.errors import HandshakeError
 
-WIRE_VERSION = 2  # 2: a pull request carries its token range as start, stop
+WIRE_VERSION = 3  # 2: a pull request carries its token range as start, stop; 3: records carry an
+#   Ed25519 key, a hello its signature over the connection (kvlc.runtime.channel.identity)
 
 
 def explain(exc: ValidationError, limit: int = 5) -> str:

@@ -3,8 +3,8 @@
 Notifications (NIXL ``send_notif``) are compact JSON, at most
 :data:`MAX_NOTIF_BYTES` bytes::
 
-    {"v":2,"req":"<request id>","rank":<sender rank>,"status":"done","tag":"<24 hex>"}
-    {"v":2,"req":"<request id>","rank":<sender rank>,"status":"failed","why":"<reason>","tag":"<24 hex>"}
+    {"v":3,"req":"<request id>","rank":<sender rank>,"status":"done","tag":"<24 hex>"}
+    {"v":3,"req":"<request id>","rank":<sender rank>,"status":"failed","why":"<reason>","tag":"<24 hex>"}
 
 ``tag`` is an HMAC over request, rank and status with the key of the side-channel
 connection the two agents share (:func:`kvlc.runtime.channel.auth.notif_tag`): a notification
@@ -16,7 +16,7 @@ succeeded, ``failed`` otherwise (never ``done`` for a failed request). Requests 
 ``done`` in the same progress turn and go to the same session share one notification
 (:class:`NotifBatch`, at most :data:`MAX_BATCH_NOTIF_BYTES` bytes)::
 
-    {"v":2,"done":["<request id>",...],"rank":<sender rank>,"tag":"<24 hex>"}
+    {"v":3,"done":["<request id>",...],"rank":<sender rank>,"tag":"<24 hex>"}
 
 whose tag is one HMAC over the marker ``done*``, the rank and the compact JSON of the
 list (so no entry can be split, joined, added or dropped without the key).
@@ -49,7 +49,7 @@ _COMPACT = json.JSONEncoder(separators=(",", ":"))  # json.dumps(..., separators
 class Notif(_Strict):
     """One notification: request ``req`` is terminal on the sender's (rank ``rank``) side."""
 
-    v: Literal[2] = WIRE_VERSION
+    v: Literal[3] = WIRE_VERSION
     req: RequestId
     rank: Rank
     status: Literal["done", "failed"]
@@ -60,7 +60,7 @@ class Notif(_Strict):
 class NotifBatch(_Strict):
     """Several requests ended ``done`` on the sender's (rank ``rank``) side, in one notification."""
 
-    v: Literal[2] = WIRE_VERSION
+    v: Literal[3] = WIRE_VERSION
     done: Annotated[list[RequestId], Field(min_length=1, max_length=MAX_BATCH)]
     rank: Rank
     tag: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{24}$")]
@@ -80,7 +80,7 @@ def encode_notif(req: str, rank: int, status: str, tag: str, why: str = "") -> b
     """The compact JSON notification (``tag``: :func:`kvlc.runtime.channel.auth.notif_tag` of req, rank, status).
 
     >>> encode_notif("r1", 0, "done", "0" * 24)
-    b'{"v":2,"req":"r1","rank":0,"status":"done","why":"","tag":"000000000000000000000000"}'
+    b'{"v":3,"req":"r1","rank":0,"status":"done","why":"","tag":"000000000000000000000000"}'
     """
     why = why[:200]
     while True:
@@ -98,7 +98,7 @@ def encode_notif_batch(reqs, rank: int, tag: str) -> bytes:
     (:func:`batches` splits a list so).
 
     >>> encode_notif_batch(["r1", "r2"], 0, "0" * 24)
-    b'{"v":2,"done":["r1","r2"],"rank":0,"tag":"000000000000000000000000"}'
+    b'{"v":3,"done":["r1","r2"],"rank":0,"tag":"000000000000000000000000"}'
     """
     n = NotifBatch(done=list(reqs), rank=rank, tag=tag)
     data = _COMPACT.encode({"v": n.v, "done": list(n.done), "rank": n.rank, "tag": n.tag}).encode()

@@ -377,6 +377,11 @@ class ChannelClient:
                 self._close()
                 raise ChannelError(f"{self._where()}: {exc}") from None
 
+    def connect(self) -> None:
+        """Open and authenticate the connection now (a request does it too); :attr:`sealed` is then set."""
+        with self._lock:
+            self._connect()
+
     @property
     def connected(self) -> bool:
         """Whether this client holds an open connection now."""

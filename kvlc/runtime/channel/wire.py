@@ -7,13 +7,16 @@ Side-channel frames are msgpack maps validated by strict, frozen pydantic models
 ==========  ===================================================================
 ``fetch``   ask a server for its :class:`Record`
 ``record``  the :class:`Record`: version, agent name, NIXL agent metadata, plan JSON
-            and its digest, rank, every storage's base address, size, memory type, device
+            and its digest, rank, every storage's base address, size, memory type, device,
+            the Ed25519 public key of the agent's epoch
 ``hello``   :class:`Introduce`: a connecting agent's record, engine id, epoch, what it will do,
-            and (pull via push, staging on) the :class:`Inbox` it registered for the receiver
+            (pull via push, staging on) the :class:`Inbox` it registered for the receiver, and
+            the record key's signature over this connection (:mod:`kvlc.runtime.channel.identity`)
 ``pull``    :class:`PullRequest`: pull-via-push, a consumer rank asks a producer rank to WRITE
 ``cancel``  :class:`Cancel`: stop a request; the answer says whether bytes can still move
 ``reply``   :class:`Reply`: ok, or the error text; a status for a cancel; the :class:`Inbox`
-            a push consumer registered for the introducing producer (staging on)
+            a push consumer registered for the introducing producer (staging on); to a hello,
+            the server's record key's signature over this connection (:meth:`Reply.welcomed`)
 ==========  ===================================================================
 
 Every frame travels inside an authenticated connection (:mod:`kvlc.runtime.channel.auth`); who
@@ -49,6 +52,7 @@ from pydantic import (
 from kvlc.compiler.plan.model import Plan
 from kvlc.runtime.errors import HandshakeError
 from kvlc.runtime.channel.frames import WIRE_VERSION, check_version, explain, unpack
+from kvlc.runtime.channel.identity import PUBLIC_BYTES, SIGNATURE_BYTES, introduction, verify
 
 MAX_FRAME_BYTES = 8 << 20  # any side-channel frame
 MAX_RECORD_BYTES = 4 << 20  # a handshake record
@@ -86,7 +90,7 @@ class Record(_Strict):
     """A handshake record: everything a peer needs to pair with and reach one agent (one rank)."""
 
     t: Literal["record"] = "record"
-    version: Literal[2] = WIRE_VERSION
+    version: Literal[3] = WIRE_VERSION
     agent: AgentName
     nixl_md: Annotated[bytes, Field(min_length=1, max_length=MAX_METADATA_BYTES)]
     plan_json: Annotated[str, Field(min_length=2, max_length=MAX_PLAN_BYTES)]
@@ -95,6 +99,7 @@ class Record(_Strict):
     engine_id: AgentName
     epoch: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{16,64}$")]
     storages: Annotated[tuple[StorageBase, ...], Field(max_length=1 << 16)]
+    key: Annotated[bytes, Field(min_length=PUBLIC_BYTES, max_length=PUBLIC_BYTES)]  # Ed25519, this epoch's
     _plan: Plan | None = PrivateAttr(default=None)
 
     @property
@@ -122,11 +127,12 @@ class Inbox(_Strict):
 
 class Fetch(_Strict):
     t: Literal["fetch"] = "fetch"
-    version: Literal[2] = WIRE_VERSION
+    version: Literal[3] = WIRE_VERSION
 
 
 class Introduce(_Strict):
-    """A connecting agent introduces itself: its record, its pairing direction and the mode.
+    """A connecting agent introduces itself: its record, its pairing direction and the mode, and
+    ``proof``, its record key's signature over this connection (:meth:`proven`).
 
     ``direction`` is the sender's: ``READ`` (it consumes) or ``WRITE`` (it produces).
     ``mode`` is ``direct`` (the sender moves bytes) or ``pull_via_push`` (the sender
@@ -134,12 +140,20 @@ class Introduce(_Strict):
     """
 
     t: Literal["hello"] = "hello"
-    version: Literal[2] = WIRE_VERSION
+    version: Literal[3] = WIRE_VERSION
     record: Record
     direction: Literal["READ", "WRITE"]
     mode: Literal["direct", "pull_via_push"]
     address: Annotated[str, StringConstraints(max_length=300)] = ""  # where the sender serves, if it does
     inbox: Inbox | None = None  # pull via push with staging: where the producer stages its WRITEs
+    proof: Annotated[bytes, Field(min_length=SIGNATURE_BYTES, max_length=SIGNATURE_BYTES)]  # see proven()
+
+    def proven(self, binding: bytes, server_agent: str) -> bool:
+        """Whether the record's own key signed this hello for this connection (``binding``) and this
+        server (:func:`kvlc.runtime.channel.identity.introduction`): a record replayed on another
+        connection, or to another server, is not."""
+        msg = introduction(binding, server_agent, self.record.agent, self.direction, self.mode)
+        return verify(self.record.key, self.proof, msg)
 
 
 class PullRequest(_Strict):
@@ -152,7 +166,7 @@ class PullRequest(_Strict):
     """
 
     t: Literal["pull"] = "pull"
-    version: Literal[2] = WIRE_VERSION
+    version: Literal[3] = WIRE_VERSION
     req: RequestId
     consumer_blocks: BlockIds
     producer_blocks: BlockIds
@@ -168,7 +182,7 @@ class Cancel(_Strict):
     producer's connection ``conn`` with ``tag`` = the notification tag of ("cancel", req)."""
 
     t: Literal["cancel"] = "cancel"
-    version: Literal[2] = WIRE_VERSION
+    version: Literal[3] = WIRE_VERSION
     req: RequestId
     conn: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{32}$")] | None = None
     tag: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{24}$")] | None = None
@@ -180,6 +194,13 @@ class Reply(_Strict):
     error: Annotated[str, Field(max_length=MAX_ERROR_CHARS)] = ""
     status: Literal["", "done", "failed", "cancelled", "unknown", "pending"] = ""
     inbox: Inbox | None = None  # answer to a producer's hello, staging on: where it stages its WRITEs
+    proof: Annotated[bytes, Field(min_length=SIGNATURE_BYTES, max_length=SIGNATURE_BYTES)] | None = None  # welcomed()
+
+    def welcomed(self, binding: bytes, server: Record, client_agent: str) -> bool:
+        """Whether this answer to a hello is signed by ``server``'s record key for this connection and
+        this client (a party serving another agent's record cannot sign it)."""
+        msg = introduction(binding, client_agent, server.agent, "welcome", "")
+        return self.proof is not None and verify(server.key, self.proof, msg)
 
 
 Message = Annotated[Union[Fetch, Record, Introduce, PullRequest, Cancel, Reply], Field(discriminator="t")]
@@ -240,9 +261,10 @@ def check_record(rec: Record) -> Plan:
 
 
 def make_record(
-    agent: str, nixl_md: bytes, plan: Plan, rank: int, storages, engine_id: str, epoch: str
+    agent: str, nixl_md: bytes, plan: Plan, rank: int, storages, engine_id: str, epoch: str, key: bytes
 ) -> Record:
-    """Build and check a record (``storages``: :class:`StorageBase` in plan order)."""
+    """Build and check a record (``storages``: :class:`StorageBase` in plan order; ``key``: the
+    epoch's Ed25519 public key, :class:`~kvlc.runtime.channel.identity.Identity`)."""
     rec = Record(
         agent=agent,
         nixl_md=nixl_md,
@@ -252,6 +274,7 @@ def make_record(
         engine_id=engine_id,
         epoch=epoch,
         storages=tuple(storages),
+        key=key,
     )
     check_record(rec)
     return rec
