@@ -7,8 +7,18 @@ out-of-window blocks freed to the null block). Oracle: the decode engine's own g
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
+from kvlc.compiler import compile_spec
+from kvlc.engines.vllm.derive.spec import derive_plan
+from kvlc.engines.vllm.derive.view import EngineView
+from kvlc.init import EngineOptions, init_yaml
 from testkit.vllm_engines import EngineSpec, tiny_gemma3
 from tests.engines.conftest import Engines, engine_env, for_decode, kvlc_config, prompt
 
@@ -19,8 +29,35 @@ TOKEN_BYTES = 2 * 2 * 64 * 2   # per layer and token: 2 KV heads, K and V, head_
 
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory):
-    model = str(tiny_gemma3(tmp_path_factory.mktemp("model") / "tiny-gemma3", window=WINDOW))
+def model(tmp_path_factory) -> str:
+    return str(tiny_gemma3(tmp_path_factory.mktemp("model") / "tiny-gemma3", window=WINDOW))
+
+
+@pytest.mark.parametrize("block", [32, 128])
+def test_offline_specs_equal_the_live_engine(model, block, tmp_path):
+    """`kvlc from-vllm --from-engine` (a real engine, hybrid manager on) derives the plan that `kvlc init
+    --engine vllm` and offline `kvlc from-vllm` write from config.json (same digest; names given to init)."""
+    view_path = tmp_path / "view.json"
+    env = {**os.environ, **engine_env(0)}
+    live = subprocess.run([sys.executable, "-m", "kvlc.cli", "from-vllm", model, "--from-engine", "--block-size",
+                           str(block), "--kv-cache-mib", "8", "-o", str(tmp_path / "live.yaml"), "--save-view",
+                           str(view_path)], env=env, capture_output=True, text=True, timeout=400)
+    assert live.returncode == 0, (live.stdout + live.stderr)[-4000:]
+    view = EngineView.from_dict(json.loads(view_path.read_text()))
+    want = derive_plan(view)
+    assert len(want.groups) == 4 and [len(r.aliases) for r in want.regions] == [0, 1, 1, 1]
+    offline = subprocess.run([sys.executable, "-m", "kvlc.cli", "from-vllm", model, "--block-size", str(block),
+                              "--num-blocks", str(view.num_blocks)], env=env, capture_output=True, text=True,
+                             timeout=120)
+    assert offline.returncode == 0, offline.stderr
+    cfg = json.loads((Path(model) / "config.json").read_text())
+    init = init_yaml(cfg, EngineOptions(engine="vllm", backend="CPU_ATTN", mem="DRAM", block_size=block,
+                                        num_blocks=view.num_blocks, name=want.name, model_name=view.model.name))
+    assert compile_spec(offline.stdout).digest == compile_spec(init).digest == want.digest
+
+
+@pytest.fixture(scope="module")
+def engines(model, tmp_path_factory):
     e = Engines(tmp_path_factory.mktemp("hma-logs"))
     e.start("p32", EngineSpec(model, 32, connector=kvlc_config("kv_producer"), env=engine_env(0)))
     e.start("p128", EngineSpec(model, 128, connector=kvlc_config("kv_producer"), env=engine_env(1)))
