@@ -280,3 +280,25 @@ def test_sliding_window_model_without_the_hybrid_manager_keeps_a_slab_per_layer(
     assert [g.name for g in plan.groups] == ["sliding.64", "full"]
     assert [r.offset for r in plan.regions] == [i * 8 * 16384 for i in range(4)]
     assert all(not r.aliases for r in plan.regions)
+
+
+@pytest.mark.parametrize("cfg,groups,slabs", [
+    # Gemma-2 config.json has no layer_types: transformers (and so vLLM) alternate, layer 0 sliding
+    ({"model_type": "gemma2", "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+      "head_dim": 256, "hidden_size": 2304, "sliding_window": 4096}, ["sliding.4096", "full"], 13),
+    # Gemma-3 27B-like: sliding_window_pattern 6, 52 sliding + 10 full: six sliding groups of 9 or 8 layers
+    ({"model_type": "gemma3_text", "num_hidden_layers": 62, "num_attention_heads": 32, "num_key_value_heads": 16,
+      "head_dim": 128, "hidden_size": 5376, "sliding_window": 1024, "sliding_window_pattern": 6},
+     ["sliding.1024", *[f"sliding.1024.{i}" for i in range(1, 6)], "full"], 10),
+])
+def test_sliding_patterns_without_layer_types_take_the_hybrid_managers_groups(cfg, groups, slabs):
+    """Gemma-2 / Gemma-3 configs without ``layer_types``: init writes transformers' default pattern, grouped as
+    vLLM's hybrid manager groups them, the k-th layers of all groups over slab k of one pool (aliases)."""
+    plan = compile_spec(init_yaml(cfg, EngineOptions(engine="vllm", backend="FLASH_ATTN", block_size=16,
+                                                     num_blocks=8)))
+    assert [g.name for g in plan.groups] == groups
+    assert len({r.offset for r in plan.regions}) == slabs
+    assert sum(not r.aliases for r in plan.regions) == slabs
+    full = next(g for g in plan.groups if g.name == "full")
+    assert [int(r.name.split(".")[1]) for r in plan.regions if r.groups == (full.name,)] == \
+        [i for i in range(cfg["num_hidden_layers"]) if (i + 1) % (2 if cfg["model_type"] == "gemma2" else 6) == 0]

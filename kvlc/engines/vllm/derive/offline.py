@@ -75,7 +75,7 @@ def _groups(config: Mapping, block_size: int, names: list[str], mla: bool,
     text = config.get("text_config", config)
     if mla:
         return (GroupView(GroupKind.MLA, block_size, tuple(names)),)
-    types = text.get("layer_types")
+    types = layer_types(text)
     window = text.get("sliding_window")
     if not types or not window:
         return (GroupView(GroupKind.FULL_ATTENTION, block_size, tuple(names)),)
@@ -86,6 +86,27 @@ def _groups(config: Mapping, block_size: int, names: list[str], mla: bool,
         groups = [(kind, tuple(i for i, k in kinds if k == kind)) for kind in ("sliding", "full")]
     return tuple(_group(kind, block_size, tuple(names[i] for i in members), int(window))
                  for kind, members in groups if members)
+
+
+# transformers' default sliding pattern where config.json has no ``layer_types`` (what vLLM then reads):
+# layer i slides unless (i + 1) is a multiple of the period
+_PERIODS = {"gemma2": lambda c: 2, "gemma3": lambda c: c.get("sliding_window_pattern", 6),
+            "gemma3_text": lambda c: c.get("sliding_window_pattern", 6)}
+
+
+def layer_types(text: Mapping[str, Any]) -> list[str] | None:
+    """``layer_types`` of a text config, or transformers' default for Gemma-2 / Gemma-3 configs without it.
+
+    >>> layer_types({"model_type": "gemma2", "num_hidden_layers": 4, "sliding_window": 4096})
+    ['sliding_attention', 'full_attention', 'sliding_attention', 'full_attention']
+    """
+    if text.get("layer_types"):
+        return list(text["layer_types"])
+    period = _PERIODS.get(str(text.get("model_type", "")))
+    if period is None or not text.get("sliding_window"):
+        return None
+    p = int(period(text))
+    return ["sliding_attention" if (i + 1) % p else "full_attention" for i in range(int(text["num_hidden_layers"]))]
 
 
 def _group(kind: str, block_size: int, layers: tuple[str, ...], window: int) -> GroupView:
