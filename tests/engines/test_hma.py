@@ -56,6 +56,40 @@ def test_offline_specs_equal_the_live_engine(model, block, tmp_path):
     assert compile_spec(offline.stdout).digest == compile_spec(init).digest == want.digest
 
 
+NEMOTRON = """
+import os, sys
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+if __name__ == "__main__":
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+    from tests.engines.conftest import kvlc_config
+    try:
+        LLM(model=sys.argv[1], load_format="dummy", enforce_eager=True, skip_tokenizer_init=True, dtype="bfloat16",
+            max_model_len=256, seed=0, max_num_seqs=2, max_num_batched_tokens=256, kv_cache_memory_bytes=4 << 20,
+            block_size=32, kv_transfer_config=KVTransferConfig(**kvlc_config("kv_producer")))
+        print("RESULT started")
+    except Exception as exc:
+        print("RESULT", type(exc).__name__, exc)
+"""
+
+
+def test_mamba_hybrid_is_refused_by_kvlc_with_the_reason(tmp_path):
+    """A Nemotron-H (Mamba-2 + attention) engine with KvlcConnector: vLLM keeps its hybrid manager (no 'Failed to
+    promote' inside vLLM), and the connector refuses at register_kv_caches naming the Mamba group and the fix."""
+    transformers = pytest.importorskip("transformers")
+    from tests.engines.test_hybrid_engine import _nemotron_h
+
+    (tmp_path / "model").mkdir()
+    _nemotron_h(tmp_path / "model", transformers)
+    (tmp_path / "run.py").write_text(NEMOTRON)
+    run = subprocess.run([sys.executable, str(tmp_path / "run.py"), str(tmp_path / "model")], cwd=tmp_path,
+                         env={**os.environ, **engine_env(0)}, capture_output=True, text=True, timeout=400)
+    result = [line for line in run.stdout.splitlines() if line.startswith("RESULT")]
+    assert result and "ViewError" in result[0], (run.stdout + run.stderr)[-4000:]
+    assert "kind 'mamba'" in result[0] and "KvlcConnector cannot serve" in result[0] and "NixlConnector" in result[0]
+    assert "Turning off hybrid kv cache manager" not in run.stdout + run.stderr
+
+
 @pytest.fixture(scope="module")
 def engines(model, tmp_path_factory):
     e = Engines(tmp_path_factory.mktemp("hma-logs"))

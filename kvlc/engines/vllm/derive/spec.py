@@ -67,10 +67,10 @@ def group_names(view: EngineView) -> tuple[str, ...]:
         if base is None:
             raise ViewError(f"KV-cache group of kind '{g.kind.value}' ({g.spec_type or 'unknown spec'}, layers "
                             f"{', '.join(g.layer_names[:3])}...) cannot be derived yet from live tensors, so "
-                            "KvlcConnector cannot serve this engine (attention groups: full, sliding window, "
-                            "chunked local, MLA, also under vLLM's hybrid manager); the engine's spec (its hybrid "
-                            "page pool) comes offline from the model's config.json: `kvlc init CONFIG.json "
-                            "--engine vllm --backend B`")
+                            "KvlcConnector cannot serve this engine (it serves full, sliding-window, chunked-local "
+                            "and MLA groups, also under vLLM's hybrid manager); use vLLM's NixlConnector for it. "
+                            "Its spec (the hybrid page pool, for kvlc pair / explain) comes offline from the "
+                            "model's config.json: `kvlc init CONFIG.json --engine vllm --backend B`")
         n = sum(1 for x in out if x == base or x.startswith(base + "."))
         out.append(base if n == 0 else f"{base}.{n}")
     return tuple(out)
