@@ -39,6 +39,25 @@ def tiny_llama(path: str | Path, seed: int = 0, **overrides: Any) -> Path:
     return path
 
 
+def tiny_gemma3(path: str | Path, seed: int = 0, window: int = 64, **overrides: Any) -> Path:
+    """Write a random-weight Gemma-3 text model: 4 layers sliding, sliding, sliding, full (``layer_types``),
+    a ``window``-token window, bf16; vLLM's hybrid KV-cache manager gives it a sliding and a full group."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    path = Path(path)
+    if (path / "config.json").exists():
+        return path
+    torch.manual_seed(seed)
+    layers = ["sliding_attention"] * 3 + ["full_attention"]
+    kw = {**TINY, "num_hidden_layers": 4, "layer_types": layers, "sliding_window": window,
+          "query_pre_attn_scalar": 64, "tie_word_embeddings": False, **overrides}  # tied: tokens repeat
+    cfg = Gemma3TextConfig(**kw, initializer_range=0.2, torch_dtype="bfloat16")
+    cfg.architectures = ["Gemma3ForCausalLM"]
+    Gemma3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
+    return path
+
+
 @dataclass(frozen=True)
 class Output:
     """One request's result: generated tokens, the returned kv_transfer_params, cached tokens."""

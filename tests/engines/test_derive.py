@@ -123,11 +123,54 @@ def test_mamba_group_shared_tensors_and_inconsistent_tensors_are_refused():
         derive_spec(mamba)
     shared = dataclasses.replace(v, layers=(v.layers[0], dataclasses.replace(v.layers[1],
                                                                              data_ptr=v.layers[0].data_ptr)))
-    with pytest.raises(ViewError, match="share one tensor .* --disable-hybrid-kv-cache-manager"):
+    with pytest.raises(ViewError, match="of one KV-cache group share one tensor"):
         derive_spec(shared)
     wrong_tp = dataclasses.replace(v, parallel=dataclasses.replace(v.parallel, tp_size=2))
     with pytest.raises(ViewError, match="model.layers.0.self_attn.attn.*4 heads, expected 2"):
         derive_spec(wrong_tp)
+
+
+def hybrid_view(block=32, window=64, **kw):
+    """vLLM's hybrid manager on a sliding-window model: layers 0, 1 sliding, 2, 3 full; the k-th layer of
+    each group over one page pool (layer 2 over layer 0's pages, 3 over 1's), as vLLM 0.32 allocates."""
+    v = view("CPU_ATTN", block=block, **kw)
+    names = [t.name for t in v.layers]
+    size = v.layers[1].data_ptr - v.layers[0].data_ptr
+    layers = tuple(t if i < 2 else dataclasses.replace(t, data_ptr=v.layers[i - 2].data_ptr)
+                   for i, t in enumerate(v.layers))
+    layers = tuple(dataclasses.replace(t, storage_nbytes=2 * size) for t in layers)
+    groups = (GroupView(GroupKind.SLIDING_WINDOW, block, tuple(names[:2]), window=window,
+                        spec_type="SlidingWindowSpec"), GroupView(GroupKind.FULL_ATTENTION, block, tuple(names[2:])))
+    return dataclasses.replace(v, layers=layers, groups=groups)
+
+
+def test_hybrid_manager_page_pool_is_derived_with_aliases():
+    """Layers of different groups over one tensor (vLLM's hybrid manager) become regions that alias each other,
+    page for page; the plan compiles, one storage of two layers, groups sliding.64 then full."""
+    spec = derive_spec(hybrid_view())
+    assert [g["name"] for g in spec["groups"]] == ["sliding.64", "full"]
+    assert [(r["name"], r.get("aliases"), r["offset"]) for r in spec["regions"]] == [
+        ("layer.0", None, 0), ("layer.1", None, spec["regions"][1]["offset"]),
+        ("layer.2", ["layer.0"], 0), ("layer.3", ["layer.1"], spec["regions"][1]["offset"])]
+    assert spec["storages"][0]["size"] == 2 * spec["regions"][1]["offset"]
+    plan = exact_plan(hybrid_view(cpu_isa="vec"))
+    assert [r.aliases for r in plan.regions] == [(), (), ("layer.0",), ("layer.1",)]
+
+
+def test_hybrid_engines_pair_across_block_sizes_and_the_window_moves_only_its_blocks():
+    """Hybrid-manager plans of a 128-token-block prefill and a 32-token-block decode engine pair; for 300
+    tokens the full layers move all 300, the sliding layers (window 64) only the 76 tokens of the decode
+    engine's blocks the window keeps (7..9); the ids before them are vLLM's null block 0, never read."""
+    prod = exact_plan(hybrid_view(block=128, cpu_isa="vec", blocks=24))
+    cons = exact_plan(hybrid_view(block=32, cpu_isa="vec", blocks=24))
+    assert kvlc.check_pair(cons, prod, local_rank=0, direction="READ").ok
+    prog = kvlc.pair(cons, prod, local_rank=0, direction="READ")
+    bound = kvlc.bind(prog, {s.name: 0 for s in cons.storages}, {0: {s.name: 1 << 40 for s in prod.storages}})
+    cids = {"sliding.64": [0] * 7 + [20, 21, 22], "full": list(range(10))}
+    pids = {"sliding.64": [0, 5, 6], "full": [1, 2, 3]}
+    parts = kvlc.instantiate(bound, cids, pids, 300)
+    token_bytes = 4 * 2 * 32 * 2   # 4 KV heads, K and V, head_dim 32, bf16
+    assert sum(p.nbytes for p in parts.values()) == token_bytes * (2 * 300 + 2 * 76)
 
 
 # ---------------------------------------------------------------- pairing

@@ -22,6 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    SupportsHMA,
 )
 
 from kvlc.engines.vllm.connector.config import ConnectorSettings
@@ -39,14 +40,19 @@ WORKER_HOOKS = ("register_kv_caches", "get_handshake_metadata", "bind_connector_
                 "get_block_ids_with_load_errors")
 SCHEDULER_HOOKS = ("set_xfer_handshake_metadata", "get_num_new_matched_tokens", "update_state_after_alloc",
                    "build_connector_meta", "request_finished")
+HMA_HOOKS = ("request_finished_all_groups",)  # vLLM's SupportsHMA: scheduler side
 
 
-class KvlcConnector(KVConnectorBase_V1):
+class KvlcConnector(KVConnectorBase_V1, SupportsHMA):
     """Prefill/decode KV transfer through kvlc (see ``docs/vllm.md``).
 
     Load it with ``KVTransferConfig(kv_connector="KvlcConnector",
     kv_connector_module_path="kvlc.engines.vllm", kv_role=..., kv_connector_extra_config=
     {"host": ..., "port": ..., "mode": "pull" | "push" | "pull_via_push", "spec": path})``.
+
+    It implements vLLM's ``SupportsHMA``, so vLLM keeps its hybrid KV-cache manager on: block ids
+    travel per KV-cache group (``tuple[list[int], ...]``) from the scheduler to the kvlc plan's
+    groups, and a sliding-window group moves only the blocks its window keeps.
     """
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
@@ -135,7 +141,14 @@ class KvlcConnector(KVConnectorBase_V1):
             scheduler_output, self._kv_cache_manager)
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM without its hybrid manager: one group's block ids."""
         return self._scheduler_side("request_finished").request_finished(request, block_ids)
+
+    def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        """``SupportsHMA``: every KV-cache group's block ids, in vLLM's group order."""
+        side = self._scheduler_side("request_finished_all_groups")
+        return side.request_finished_all_groups(request, block_ids)
 
     def get_loaded_kv_cache_group_ids(self, request) -> tuple[int, ...]:
         return tuple(range(len(self._kv_cache_config.kv_cache_groups)))

@@ -152,7 +152,14 @@ class SchedulerSide:
         self._loads, self._holds, self._dropped = [], [], []
         return meta
 
-    def request_finished(self, request, block_ids: Sequence) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request, block_ids: Sequence[int]) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM without its hybrid manager: the one group's block ids."""
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(self, request, block_ids: Sequence[Sequence[int]]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        """Every KV-cache group's block ids (vLLM's order); a sliding-window group's ids before its
+        window are vLLM's null block, placeholders the plan never reads."""
         from vllm.v1.request import RequestStatus
 
         self._producing.pop(request.request_id, None)

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvlc.compiler.spec.dtypes import DTYPE_SIZES
+from kvlc.engines.vllm.derive.groups import vllm_groups
 from kvlc.engines.vllm.derive.view import ViewError, heads_per_rank
 
 TORCH_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "bf16": "bf16", "fp16": "fp16",
@@ -157,20 +158,6 @@ def check_state_split(state: StateLayout, c: Mapping[str, Any], tp: int) -> None
         if size % tp:
             raise ViewError(f"tp_size {tp} does not divide the state's '{name}' ({size}); vLLM refuses it too; "
                             "fix: a tp_size that divides every state section and head count")
-
-
-def vllm_groups(layers: Sequence[tuple[int, str]]) -> list[tuple[str, tuple[int, ...]]]:
-    """vLLM's KV-cache groups of ``(layer index, kind)`` pairs: ``[(kind, layer indices)]`` in group order."""
-    buckets: dict[str, list[int]] = {}
-    for index, kind in layers:
-        buckets.setdefault(kind, []).append(index)
-    sizes = [len(v) for v in buckets.values()]
-    size = max(sizes) if max(sizes) < min(sizes) * 1.5 else min(sizes)
-    out = []
-    for kind, members in buckets.items():
-        n = -(-len(members) // size)
-        out.extend((kind, tuple(members[i::n])) for i in range(n))
-    return out
 
 
 def hybrid_block_size(block_size: int, token_bytes: int, state_bytes: int) -> int:

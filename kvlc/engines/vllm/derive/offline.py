@@ -12,6 +12,13 @@ with heads before tokens) and FLASHINFER ``[blocks, 2, tokens, heads, head_dim]`
 (``blockkv-NHD`` / ``blockkv-HND``). Only the CPU backend was run here; the CUDA
 backends' views are marked ``Provenance.PUBLISHED`` (not run on a GPU).
 
+A model with sliding-window and full-attention layers (``layer_types``: Gemma-3, gpt-oss) gets
+vLLM's hybrid KV-cache manager (on by default, and kept on by KvlcConnector): its layers form
+groups of equal size (:func:`~kvlc.engines.vllm.derive.hybrid.vllm_groups`) and the ``k``-th
+layers of all groups share the ``k``-th layer slab of one allocation of ``group size`` layers,
+page for page (the derived spec declares them ``aliases``). ``hybrid_manager=False`` gives the
+layout of an engine started with ``--disable-hybrid-kv-cache-manager``: one slab per layer.
+
 >>> cfg = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64}
 >>> v = published_view(cfg, "tiny", backend="FLASH_ATTN", block_size=16, num_blocks=4, tp_size=1, kv_dtype="bf16")
 >>> v.kv_cache_layout, v.layers[0].shape, v.layers[0].strides
@@ -25,6 +32,7 @@ from math import prod
 from typing import Any
 
 from kvlc.compiler.spec.dtypes import DTYPE_SIZES
+from kvlc.engines.vllm.derive.groups import vllm_groups
 from kvlc.engines.vllm.derive.read import packing_for
 from kvlc.engines.vllm.derive.view import (Axis, EngineView, GroupKind, GroupView, KvPacking, LayerTensor,
                                            ModelIdentity, ParallelView, Provenance, ViewError, heads_per_rank)
@@ -60,19 +68,66 @@ def _model(config: Mapping, name: str, kv_dtype: str) -> ModelIdentity:
     return ModelIdentity(name, layers, kv_heads, head_dim, kv_dtype)
 
 
-def _groups(config: Mapping, block_size: int, names: list[str], mla: bool) -> tuple[GroupView, ...]:
-    """One full-attention (or MLA) group, or sliding and full ones from ``layer_types`` (Gemma-3, gpt-oss)."""
+def _groups(config: Mapping, block_size: int, names: list[str], mla: bool,
+            hybrid_manager: bool) -> tuple[GroupView, ...]:
+    """One full-attention (or MLA) group, or sliding and full ones from ``layer_types`` (Gemma-3, gpt-oss):
+    one of each kind without vLLM's hybrid manager, its groups of equal size with it."""
     text = config.get("text_config", config)
     if mla:
         return (GroupView(GroupKind.MLA, block_size, tuple(names)),)
-    types = text.get("layer_types")
+    types = layer_types(text)
     window = text.get("sliding_window")
     if not types or not window:
         return (GroupView(GroupKind.FULL_ATTENTION, block_size, tuple(names)),)
-    sliding = tuple(n for n, t in zip(names, types) if t == "sliding_attention")
-    full = tuple(n for n, t in zip(names, types) if t != "sliding_attention")
-    out = [GroupView(GroupKind.SLIDING_WINDOW, block_size, sliding, window=int(window))] if sliding else []
-    return tuple(out + ([GroupView(GroupKind.FULL_ATTENTION, block_size, full)] if full else []))
+    kinds = [(i, "sliding" if t == "sliding_attention" else "full") for i, t in enumerate(types[:len(names)])]
+    if hybrid_manager and len({k for _, k in kinds}) > 1:
+        groups = vllm_groups(kinds)
+    else:
+        groups = [(kind, tuple(i for i, k in kinds if k == kind)) for kind in ("sliding", "full")]
+    return tuple(_group(kind, block_size, tuple(names[i] for i in members), int(window))
+                 for kind, members in groups if members)
+
+
+# transformers' default sliding pattern where config.json has no ``layer_types`` (what vLLM then reads):
+# layer i slides unless (i + 1) is a multiple of the period
+_PERIODS = {"gemma2": lambda c: 2, "gemma3": lambda c: c.get("sliding_window_pattern", 6),
+            "gemma3_text": lambda c: c.get("sliding_window_pattern", 6)}
+
+
+def layer_types(text: Mapping[str, Any]) -> list[str] | None:
+    """``layer_types`` of a text config, or transformers' default for Gemma-2 / Gemma-3 configs without it.
+
+    >>> layer_types({"model_type": "gemma2", "num_hidden_layers": 4, "sliding_window": 4096})
+    ['sliding_attention', 'full_attention', 'sliding_attention', 'full_attention']
+    """
+    if text.get("layer_types"):
+        return list(text["layer_types"])
+    period = _PERIODS.get(str(text.get("model_type", "")))
+    if period is None or not text.get("sliding_window"):
+        return None
+    p = int(period(text))
+    return ["sliding_attention" if (i + 1) % p else "full_attention" for i in range(int(text["num_hidden_layers"]))]
+
+
+def _group(kind: str, block_size: int, layers: tuple[str, ...], window: int) -> GroupView:
+    if kind == "sliding":
+        return GroupView(GroupKind.SLIDING_WINDOW, block_size, layers, window=window)
+    return GroupView(GroupKind.FULL_ATTENTION, block_size, layers)
+
+
+def _slabs(groups: tuple[GroupView, ...], names: list[str], pooled: bool) -> list[int]:
+    """Each layer's slab of the allocation: its own, or under vLLM's hybrid manager (``pooled``) its
+    place in its group (the k-th layers of all groups share slab k)."""
+    if not pooled:
+        return list(range(len(names)))
+    slab = {n: k for g in groups for k, n in enumerate(g.layer_names)}
+    return [slab[n] for n in names]
+
+
+def _pooled(groups: tuple[GroupView, ...], hybrid_manager: bool) -> bool:
+    """Whether vLLM's hybrid manager puts the groups over one page pool: attention groups of more than one
+    kind (sliding and full), the manager on."""
+    return hybrid_manager and len({g.kind for g in groups}) > 1
 
 
 def _strides(shape: tuple[int, ...], order: tuple[int, ...]) -> tuple[int, ...]:
@@ -86,15 +141,15 @@ def _strides(shape: tuple[int, ...], order: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def _unified(m: ModelIdentity, layout: str, names: list[str], heads: int, kernel: int, blocks: int,
-             item: int, device: str, mla: bool) -> tuple[LayerTensor, ...]:
+             item: int, device: str, mla: bool, slabs: list[int]) -> tuple[LayerTensor, ...]:
     content = m.head_dim if mla else 2 * m.head_dim
-    logical = (len(names), blocks, 1 if mla else heads, kernel, content)  # C in elements
+    logical = (max(slabs) + 1, blocks, 1 if mla else heads, kernel, content)  # C in elements
     st = _strides(logical, UNIFIED_LAYOUTS[layout])
     total = prod(logical) * item
     axes = (Axis.BLOCK, Axis.HEAD, Axis.TOKEN, Axis.LATENT if mla else Axis.CONTENT)
     return tuple(LayerTensor(name=n, axes=axes, shape=logical[1:], strides=st[1:], dtype=m.dtype, itemsize=item,
-                             data_ptr=i * st[0] * item, nbytes=prod(logical[1:]) * item, storage_ptr=0,
-                             storage_nbytes=total, device=device) for i, n in enumerate(names))
+                             data_ptr=k * st[0] * item, nbytes=prod(logical[1:]) * item, storage_ptr=0,
+                             storage_nbytes=total, device=device) for k, n in zip(slabs, names))
 
 
 def _legacy(m: ModelIdentity, layout: str, names: list[str], heads: int, kernel: int, blocks: int,
@@ -135,7 +190,7 @@ def _pick_layout(backend: str, layout: str | None, mla: bool) -> str:
 def published_view(config: Mapping[str, Any], name: str, *, backend: str, block_size: int, num_blocks: int,
                    tp_size: int = 1, tp_rank: int = 0, kv_dtype: str = "bf16", layout: str | None = None,
                    kernel_block_size: int | None = None, device: str | None = None,
-                   cpu_isa: str = "") -> EngineView:
+                   cpu_isa: str = "", hybrid_manager: bool = True) -> EngineView:
     """The view an engine with these options would give (see the module docstring)."""
     if kv_dtype not in DTYPE_SIZES:
         raise ViewError(f"unknown KV dtype '{kv_dtype}'; {did_you_mean(kv_dtype, DTYPE_SIZES)}")
@@ -152,15 +207,17 @@ def published_view(config: Mapping[str, Any], name: str, *, backend: str, block_
     device = device or ("cpu" if backend == "CPU_ATTN" else "cuda:0")
     item = DTYPE_SIZES[kv_dtype]
     blocks = num_blocks * (block_size // kernel)
+    groups = _groups(config, block_size, names, mla, hybrid_manager and layout not in LEGACY_LAYOUTS)
     if layout in LEGACY_LAYOUTS:
         layers = _legacy(m, layout, names, heads, kernel, blocks, item, device)
         packing = KvPacking.NONE
     else:
-        layers = _unified(m, layout, names, heads, kernel, blocks, item, device, mla)
+        slabs = _slabs(groups, names, _pooled(groups, hybrid_manager))
+        layers = _unified(m, layout, names, heads, kernel, blocks, item, device, mla, slabs)
         packing = packing_for(backend, mla)
     return EngineView(model=m, parallel=ParallelView(tp_size=tp_size, tp_rank=tp_rank), backend=backend,
                       kv_cache_layout=layout, kv_packing=packing, block_size=block_size, kernel_block_size=kernel,
-                      num_blocks=num_blocks, groups=_groups(config, block_size, names, mla),
+                      num_blocks=num_blocks, groups=groups,
                       layers=layers,
                       provenance=Provenance.PUBLISHED_CPU if backend == "CPU_ATTN" else Provenance.PUBLISHED,
                       cpu_isa=cpu_isa if backend == "CPU_ATTN" else "")

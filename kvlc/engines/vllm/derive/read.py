@@ -106,9 +106,10 @@ def _layout(vllm_config: Any, kv_cache_config: Any) -> str:
 def layer_tensor(name: str, t: Any, mla: bool = False, cache_dtype: str | None = None) -> LayerTensor:
     """A :class:`LayerTensor` from a torch tensor of vLLM's logical [blocks, heads, tokens, content] view."""
     if not hasattr(t, "untyped_storage"):
-        raise ViewError(f"kv_caches['{name}'] is a {type(t).__name__}, not a tensor (Mamba state layers "
-                        "cannot be derived from live tensors yet; `kvlc init CONFIG.json --engine vllm` writes the "
-                        "hybrid engine's spec offline)")
+        raise ViewError(f"kv_caches['{name}'] is a {type(t).__name__} of state tensors, not one KV tensor: a "
+                        "Mamba / linear-attention layer; kvlc cannot derive those from live tensors yet, so "
+                        "KvlcConnector cannot serve this hybrid engine (vLLM's NixlConnector can); "
+                        "`kvlc init CONFIG.json --engine vllm` writes its spec offline (for kvlc pair / explain)")
     if mla and t.dim() == 3:  # an MLA layer's own [blocks, tokens, latent] view (vLLM squeezes the head)
         axes = (Axis.BLOCK, Axis.TOKEN, Axis.LATENT)
     elif t.dim() == 4:

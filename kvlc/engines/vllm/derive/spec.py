@@ -66,10 +66,11 @@ def group_names(view: EngineView) -> tuple[str, ...]:
                 GroupKind.CHUNKED_LOCAL: f"chunked.{g.chunk}", GroupKind.MLA: "mla"}.get(g.kind)
         if base is None:
             raise ViewError(f"KV-cache group of kind '{g.kind.value}' ({g.spec_type or 'unknown spec'}, layers "
-                            f"{', '.join(g.layer_names[:3])}...) cannot be derived yet from live tensors, and the "
-                            "connector cannot serve hybrid engines yet; the engine's spec (its hybrid page pool) "
-                            "comes offline from the model's config.json: `kvlc init CONFIG.json --engine vllm "
-                            "--backend B`")
+                            f"{', '.join(g.layer_names[:3])}...) cannot be derived yet from live tensors, so "
+                            "KvlcConnector cannot serve this engine (it serves full, sliding-window, chunked-local "
+                            "and MLA groups, also under vLLM's hybrid manager); use vLLM's NixlConnector for it. "
+                            "Its spec (the hybrid page pool, for kvlc pair / explain) comes offline from the "
+                            "model's config.json: `kvlc init CONFIG.json --engine vllm --backend B`")
         n = sum(1 for x in out if x == base or x.startswith(base + "."))
         out.append(base if n == 0 else f"{base}.{n}")
     return tuple(out)
@@ -123,17 +124,21 @@ def _check_layer(t: LayerTensor, geo: LayerGeometry, view: EngineView) -> None:
         raise ViewError(f"tensor '{t.name}' disagrees with the engine config: " + "; ".join(problems))
 
 
-def _check_unshared(view: EngineView) -> None:
-    """Layers of different groups sharing one tensor (vLLM's hybrid allocator) cannot be kvlc regions."""
-    first: dict[tuple[str, int], str] = {}
-    for t in view.layers:
-        other = first.setdefault((t.device, t.data_ptr), t.name)
-        if other != t.name:
-            raise ViewError(f"layers '{other}' and '{t.name}' share one tensor at {t.data_ptr:#x} (vLLM's hybrid "
-                            "KV-cache manager lets layers of different groups share memory); kvlc regions of "
-                            "different layers cannot overlap unless declared as aliases; fix: start vLLM with "
-                            "--disable-hybrid-kv-cache-manager, or get the spec offline from "
-                            "`kvlc init CONFIG.json --engine vllm --backend B` (it declares the aliases)")
+def _aliases(view: EngineView) -> dict[str, str]:
+    """Layer name -> the first layer whose tensor it shares (vLLM's hybrid KV-cache manager: the k-th
+    layers of all groups lie over one page pool, page for page); sharing inside one group is refused."""
+    first: dict[tuple[str, int], LayerTensor] = {}
+    out: dict[str, str] = {}
+    for t in sorted(view.layers, key=lambda t: t.layer_index):
+        other = first.setdefault((t.device, t.data_ptr), t)
+        if other is t:
+            continue
+        if view.group_of(other.name) == view.group_of(t.name):
+            raise ViewError(f"layers '{other.name}' and '{t.name}' of one KV-cache group share one tensor at "
+                            f"{t.data_ptr:#x}; vLLM's hybrid manager shares pages only between groups, so "
+                            "kvlc cannot tell their blocks apart; fix: report this engine's KVCacheConfig")
+        out[t.name] = other.name
+    return out
 
 
 def _model_entry(view: EngineView, latent: int | None) -> dict:
@@ -161,6 +166,8 @@ def _regions(view: EngineView) -> tuple[dict, list[dict], int | None]:
     layouts: dict[str, dict] = {}
     regions: list[dict] = []
     latent = None
+    aliases = _aliases(view)
+    index = {t.name: t.layer_index for t in view.layers}
     for t in sorted(view.layers, key=lambda t: t.layer_index):
         geo = layer_geometry(t, view)
         _check_layer(t, geo, view)
@@ -172,6 +179,8 @@ def _regions(view: EngineView) -> tuple[dict, list[dict], int | None]:
             regions.append({"name": f"layer.{t.layer_index}{part.suffix}", "storage": storage_of[t.name],
                             "layout": lname, "num_blocks": geo.num_blocks, "offset": t.offset + part.offset,
                             "block_stride": geo.block_stride, "groups": [names[view.group_of(t.name)]]})
+            if t.name in aliases:   # the hybrid manager's page pool: these pages serve another group too
+                regions[-1]["aliases"] = [f"layer.{index[aliases[t.name]]}{part.suffix}"]
     return layouts, regions, latent
 
 
@@ -197,7 +206,6 @@ def derive_spec(view: EngineView) -> dict:
     """
     if not view.layers:
         raise ViewError("the view has no layer tensors; derive after vLLM allocated the KV cache")
-    _check_unshared(view)
     layouts, regions, latent = _regions(view)
     spec: dict[str, Any] = {"kvlc": 1, "name": spec_name(view), "model": _model_entry(view, latent),
                             "parallel": _parallel_entry(view), "block_size": view.block_size}

@@ -1,0 +1,155 @@
+"""Prefill/decode through KvlcConnector with vLLM's hybrid KV-cache manager on (real vLLM engines, CPU, bf16).
+
+A tiny Gemma-3 (layers sliding, sliding, sliding, full; window 64; random weights): KvlcConnector
+implements ``SupportsHMA``, so vLLM keeps its hybrid manager (four KV-cache groups over one page pool,
+out-of-window blocks freed to the null block). Oracle: the decode engine's own greedy tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvlc.compiler import compile_spec
+from kvlc.engines.vllm.derive.spec import derive_plan
+from kvlc.engines.vllm.derive.view import EngineView
+from kvlc.init import EngineOptions, init_yaml
+from testkit.vllm_engines import EngineSpec, tiny_gemma3
+from tests.engines.conftest import Engines, engine_env, for_decode, kvlc_config, prompt
+
+pytestmark = pytest.mark.engine
+MAX_TOKENS = 12
+WINDOW = 64
+TOKEN_BYTES = 2 * 2 * 64 * 2   # per layer and token: 2 KV heads, K and V, head_dim 64, bf16
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    return str(tiny_gemma3(tmp_path_factory.mktemp("model") / "tiny-gemma3", window=WINDOW))
+
+
+@pytest.mark.parametrize("block", [32, 128])
+def test_offline_specs_equal_the_live_engine(model, block, tmp_path):
+    """`kvlc from-vllm --from-engine` (a real engine, hybrid manager on) derives the plan that `kvlc init
+    --engine vllm` and offline `kvlc from-vllm` write from config.json (same digest; names given to init)."""
+    view_path = tmp_path / "view.json"
+    env = {**os.environ, **engine_env(0)}
+    live = subprocess.run([sys.executable, "-m", "kvlc.cli", "from-vllm", model, "--from-engine", "--block-size",
+                           str(block), "--kv-cache-mib", "8", "-o", str(tmp_path / "live.yaml"), "--save-view",
+                           str(view_path)], env=env, capture_output=True, text=True, timeout=400)
+    assert live.returncode == 0, (live.stdout + live.stderr)[-4000:]
+    view = EngineView.from_dict(json.loads(view_path.read_text()))
+    want = derive_plan(view)
+    assert len(want.groups) == 4 and [len(r.aliases) for r in want.regions] == [0, 1, 1, 1]
+    offline = subprocess.run([sys.executable, "-m", "kvlc.cli", "from-vllm", model, "--block-size", str(block),
+                              "--num-blocks", str(view.num_blocks)], env=env, capture_output=True, text=True,
+                             timeout=120)
+    assert offline.returncode == 0, offline.stderr
+    cfg = json.loads((Path(model) / "config.json").read_text())
+    init = init_yaml(cfg, EngineOptions(engine="vllm", backend="CPU_ATTN", mem="DRAM", block_size=block,
+                                        num_blocks=view.num_blocks, name=want.name, model_name=view.model.name))
+    assert compile_spec(offline.stdout).digest == compile_spec(init).digest == want.digest
+
+
+NEMOTRON = """
+import os, sys
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+if __name__ == "__main__":
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+    from tests.engines.conftest import kvlc_config
+    try:
+        LLM(model=sys.argv[1], load_format="dummy", enforce_eager=True, skip_tokenizer_init=True, dtype="bfloat16",
+            max_model_len=256, seed=0, max_num_seqs=2, max_num_batched_tokens=256, kv_cache_memory_bytes=4 << 20,
+            block_size=32, kv_transfer_config=KVTransferConfig(**kvlc_config("kv_producer")))
+        print("RESULT started")
+    except Exception as exc:
+        print("RESULT", type(exc).__name__, exc)
+"""
+
+
+def test_mamba_hybrid_is_refused_by_kvlc_with_the_reason(tmp_path):
+    """A Nemotron-H (Mamba-2 + attention) engine with KvlcConnector: vLLM keeps its hybrid manager (no 'Failed to
+    promote' inside vLLM), and the connector refuses at register_kv_caches naming the Mamba group and the fix."""
+    transformers = pytest.importorskip("transformers")
+    from tests.engines.test_hybrid_engine import _nemotron_h
+
+    (tmp_path / "model").mkdir()
+    _nemotron_h(tmp_path / "model", transformers)
+    (tmp_path / "run.py").write_text(NEMOTRON)
+    run = subprocess.run([sys.executable, str(tmp_path / "run.py"), str(tmp_path / "model")], cwd=tmp_path,
+                         env={**os.environ, **engine_env(0)}, capture_output=True, text=True, timeout=400)
+    result = [line for line in run.stdout.splitlines() if line.startswith("RESULT")]
+    assert result and "ViewError" in result[0], (run.stdout + run.stderr)[-4000:]
+    assert "kind 'mamba'" in result[0] and "KvlcConnector cannot serve" in result[0] and "NixlConnector" in result[0]
+    assert "Turning off hybrid kv cache manager" not in run.stdout + run.stderr
+
+
+@pytest.fixture(scope="module")
+def engines(model, tmp_path_factory):
+    e = Engines(tmp_path_factory.mktemp("hma-logs"))
+    e.start("p32", EngineSpec(model, 32, connector=kvlc_config("kv_producer"), env=engine_env(0)))
+    e.start("p128", EngineSpec(model, 128, connector=kvlc_config("kv_producer"), env=engine_env(1)))
+    e.start("d32", EngineSpec(model, 32, connector=kvlc_config("kv_consumer"), env=engine_env(0)))
+    e.start("d64", EngineSpec(model, 64, connector=kvlc_config("kv_consumer"), env=engine_env(1)))
+    yield e
+    e.close()
+
+
+def _prefill(engine, p) -> dict:
+    (out,) = engine.generate([p], 1, [{"do_remote_decode": True}])
+    assert out.kv_transfer_params and out.kv_transfer_params["do_remote_prefill"], out
+    return for_decode(out.kv_transfer_params)
+
+
+def _window_tokens(n: int, block: int) -> int:
+    """Tokens a sliding group moves to a decode engine of ``block``-token blocks: from the block of the first
+    token the window still needs (vLLM skips ``n - window + 1`` tokens) to the end of the prompt."""
+    return n - max(0, n - WINDOW + 1) // block * block
+
+
+def test_hybrid_manager_stays_on(engines):
+    """vLLM keeps its hybrid manager for KvlcConnector: no 'Turning off' warning, and the prefill engine's
+    params carry one block list per KV-cache group (three sliding, one full), the sliding ones
+    starting with vLLM's null block 0 where the window has moved on."""
+    params = _prefill(engines["p32"], prompt(200, seed=1))
+    ids = params["remote_block_ids"]
+    assert len(ids) == 4 and all(len(g) == 7 for g in ids), ids
+    assert all(g[:4] == [0, 0, 0, 0] and 0 not in g[4:] for g in ids[:3]) and 0 not in ids[3], ids
+    for name in ("p32", "d32"):
+        assert "Turning off hybrid kv cache manager" not in engines.log(name)
+
+
+@pytest.mark.parametrize("prod,cons", [("p32", "d32"), ("p128", "d32"), ("p32", "d64"), ("p128", "d64")])
+def test_sliding_window_model_decodes_the_same_tokens(engines, prod, cons):
+    """Tokens equal the decode engine's own; it used the transferred KV (cached tokens cover the prompt);
+    the sliding groups moved only the tokens their window keeps, the full group all of them."""
+    n = 200
+    p = prompt(n, seed=2)
+    ref = engines[cons].generate([p], MAX_TOKENS)[0].tokens
+    params = _prefill(engines[prod], p)
+    before = engines[cons].stats()["bytes"]
+    (out,) = engines[cons].generate([p], MAX_TOKENS, [params])
+    moved = engines[cons].stats()["bytes"] - before
+    assert out.tokens == ref
+    assert out.num_cached_tokens >= n - 1
+    block = int(cons[1:])
+    assert moved == TOKEN_BYTES * (n + 3 * _window_tokens(n, block)) < TOKEN_BYTES * 4 * n
+
+
+def test_wrong_sliding_blocks_change_the_tokens(engines):
+    """Negative control: the sliding groups' window blocks read from another sliding layer's pages give other
+    tokens (the window's KV decides the decode)."""
+    p = prompt(200, seed=3)
+    ref = engines["d32"].generate([p], MAX_TOKENS)[0].tokens
+    params = _prefill(engines["p32"], p)
+    ids = params["remote_block_ids"]
+    params["remote_block_ids"] = [ids[1], ids[2], ids[0], ids[3]]
+    (out,) = engines["d32"].generate([p], MAX_TOKENS, [params])
+    assert out.num_cached_tokens >= 199
+    assert out.tokens != ref
