@@ -109,7 +109,7 @@ class Transport:
         producer cannot be reached or refuses (pairing). ``ask``: this rank asks a push producer."""
         req, producer, tokens = load.kvlc_id, load.remote.kvlc_addresses, load.tokens
         if load.mode is TransferMode.PUSH:
-            self.agent.expect(req, self.settings.timeout)
+            self.agent.expect(req, self.settings.timeout, producer=load.remote.remote_engine_id)
             if ask:
                 msg = PushAsk(req=req, consumer_addresses=tuple(load.consumer_addresses),
                               producer_blocks=dict(load.remote_block_ids), consumer_blocks=dict(load.local_block_ids),
