@@ -156,6 +156,10 @@ def _connector_stats() -> dict:
     return worker.stats() if worker is not None and hasattr(worker, "stats") else {}
 
 
+class EngineDied(RuntimeError):
+    """The engine's process ended while the harness waited for an answer."""
+
+
 class EngineProcess:
     """One vLLM engine in a spawned child process. ``start()`` returns at once; ``wait_ready()``
     blocks until the engine is up (or raises with its start-up error)."""
@@ -179,6 +183,7 @@ class EngineProcess:
             spec = replace(spec, env={**spec.env, "VLLM_RPC_BASE_PATH": rpc})
         self.proc = self._ctx.Process(target=_run_logged, args=(spec, self._child, self.log_path), daemon=False)
         self.proc.start()
+        self._child.close()  # only the child holds its end now: its death reaches poll() at once
         return self
 
     def wait_ready(self, timeout: float = 600.0) -> EngineProcess:
@@ -192,7 +197,12 @@ class EngineProcess:
     def _recv(self, timeout: float):
         if not self._conn.poll(timeout):
             raise TimeoutError(f"engine gave no answer in {timeout}s")
-        return self._conn.recv()
+        try:
+            return self._conn.recv()
+        except EOFError:
+            self.proc.join(5)
+            where = f"; its log: {self.log_path}" if self.log_path else ""
+            raise EngineDied(f"engine process {self.proc.pid} died (exit code {self.proc.exitcode}){where}") from None
 
     def generate(self, prompts, max_tokens: int = 16, params=None, timeout: float = 300.0) -> list[Output]:
         self.wait_ready()
