@@ -94,9 +94,14 @@ def from_vllm(model_dir: str, backend: str, block_size: int | None, kernel_block
               help="rows: coalesced (N, 3) rows per request; prepped: strided lists prepared once, indices per request.")
 @click.option("--batch", type=click.IntRange(min=1), default=1, show_default=True,
               help="Requests per write_many / read_many call (one NIXL request per part for all of them).")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=60.0, show_default=True,
+              help="Seconds each request may take.")
+@click.option("--start-timeout", type=click.FloatRange(min=0, min_open=True), default=120.0, show_default=True,
+              help="Seconds the engines may take to start and connect (raise it on a busy machine).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON document (no progress display).")
 def demo(layout: str | None, consumer: str | None, mode: str, requests: int, tokens: int | None, pool_mib: int,
-         check: str, ids: str, descriptors: str, batch: int, as_json: bool) -> None:
+         check: str, ids: str, descriptors: str, batch: int, timeout: float, start_timeout: float,
+         as_json: bool) -> None:
     """Producer and consumer processes on loopback move a content-coded workload; every byte is checked.
 
     The producer fills its cache with bytes that encode what they are (region, field, head,
@@ -126,7 +131,7 @@ def demo(layout: str | None, consumer: str | None, mode: str, requests: int, tok
     except KvlcError as exc:
         _fail(exc)
     args = dict(mode=mode, requests=requests, tokens=tokens, max_bytes=pool_mib << 20, check=check, ids=ids,
-                descriptors=descriptors, batch=batch)
+                descriptors=descriptors, batch=batch, timeout=timeout, start_timeout=start_timeout)
     if as_json:
         _demo_json(run_demo, layout, consumer, args)
     else:

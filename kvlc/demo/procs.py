@@ -149,8 +149,9 @@ class AgentHandle:
         direction: str = "READ",
         mode: str = "direct",
         peer_id: str = "default",
+        timeout: float = 120.0,
     ) -> dict:
-        return self.call("connect", list(addresses), direction, mode, peer_id)
+        return self.call("connect", list(addresses), direction, mode, peer_id, timeout=timeout)
 
 
 def start_engines(configs: Sequence[EngineConfig], timeout: float = 120.0) -> list[AgentHandle]:

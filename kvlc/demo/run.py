@@ -136,7 +136,7 @@ def run_demo(layout: str | Path, consumer_layout: str | Path | None = None, *, m
              requests: int = 32, tokens: int | None = None, max_bytes: int = 8 << 20, seed: int = 0,
              progress: Progress | None = None, timeout: float = 60.0, device: str = "cpu", check: str = "all",
              progress_mode: str = "thread", fill: str = "content", ids: str = "random",
-             descriptors: str = "rows", batch: int = 1) -> DemoResult:
+             descriptors: str = "rows", batch: int = 1, start_timeout: float = 120.0) -> DemoResult:
     """Run the loopback demo; see the module docstring. ``mode``: pull | push | pull_via_push.
 
     ``tokens`` per request defaults to what lets two requests share the smallest consumer pool.
@@ -150,7 +150,9 @@ def run_demo(layout: str | Path, consumer_layout: str | Path | None = None, *, m
     :func:`make_workload`. ``descriptors``: ``"rows"`` builds (N, 3) rows per request;
     ``"prepped"`` prepares strided lists once per connection and sends indices (pull and push).
     ``batch``: requests per :meth:`~kvlc.runtime.peer.Peer.write_many` / ``read_many`` call (1:
-    one :meth:`~kvlc.runtime.peer.Peer.write` / ``read`` per request).
+    one :meth:`~kvlc.runtime.peer.Peer.write` / ``read`` per request). ``timeout``: seconds per
+    request; ``start_timeout``: seconds for the engines to start and connect. Either running out is
+    a :class:`DemoError` that names the setting to raise (a busy machine), not a traceback.
     """
     import secrets
 
@@ -158,6 +160,8 @@ def run_demo(layout: str | Path, consumer_layout: str | Path | None = None, *, m
 
     _check_options(mode=mode, check=check, descriptors=descriptors, fill=fill, device=device, timeout=timeout,
                    batch=batch)
+    if not (isinstance(start_timeout, (int, float)) and start_timeout > 0):
+        raise DemoError(f"start_timeout {start_timeout!r}: give seconds, more than 0")
     t_start = time.perf_counter()
     to_dram = device == "cpu"
     prod_plan, cons_plan = _plans(layout, consumer_layout, max_bytes, to_dram)
@@ -167,14 +171,23 @@ def run_demo(layout: str | Path, consumer_layout: str | Path | None = None, *, m
     cfg = partial(_config, timeout=timeout, progress=progress_mode, pin=not to_dram, secret=secrets.token_hex(32))
     pproc, cproc = EngineProcess(), EngineProcess()
     try:
-        engines = _start(pproc, cproc, (prod_plan, cons_plan), cfg, fill=fill, seed=seed, mode=mode,
-                         direct="prepped" if descriptors == "prepped" else "direct", batch=batch)
+        try:
+            engines = _start(pproc, cproc, (prod_plan, cons_plan), cfg, fill=fill, seed=seed, mode=mode,
+                             direct="prepped" if descriptors == "prepped" else "direct", batch=batch,
+                             start_timeout=start_timeout)
+        except TimeoutError as exc:
+            raise DemoError(f"{exc} while the engines started: a busy or slow machine? allow more with "
+                            f"--start-timeout (now {start_timeout:g} s)") from None
         result = DemoResult(mode, 0, 0, 0.0, 0, 0, rounds=len(rounds))
         stats0 = {id(h): h.call("stats") for h in engines.movers}
         result.startup_seconds = time.perf_counter() - t_start
         for i, round_ in enumerate(rounds):
             verify_now = check == "all" or (check == "first" and i == 0)
-            _run_round(engines, round_, result, timeout, (cons_plan, prod_plan) if verify_now else None)
+            try:
+                _run_round(engines, round_, result, timeout, (cons_plan, prod_plan) if verify_now else None)
+            except TimeoutError as exc:
+                raise DemoError(f"{exc} in round {i + 1} of {len(rounds)}: a busy or slow machine? allow more "
+                                f"with --timeout (now {timeout:g} s per request)") from None
             _count_moved(result, engines.movers, stats0)
             if progress:
                 progress(result.requests, requests, result.nbytes, result.seconds)
@@ -185,15 +198,15 @@ def run_demo(layout: str | Path, consumer_layout: str | Path | None = None, *, m
 
 
 def _start(pproc, cproc, plans: tuple[Plan, Plan], cfg, *, fill: str, seed: int, mode: str, direct: str,
-           batch: int) -> "_Engines":
+           batch: int, start_timeout: float = 120.0) -> "_Engines":
     """Every rank of the producer and consumer ``plans``, ready and connected (``cfg`` makes a rank's
     config; ``fill``: the producer's; ``seed``: the consumers' noise)."""
     prod_plan, cons_plan = plans
     prods = [pproc.add_async(cfg(prod_plan, r, fill, 0, "demo-producer")) for r in range(prod_plan.parallel.tp_size)]
     cons = [cproc.add_async(cfg(cons_plan, r, "random", seed + r, "demo-consumer"))
             for r in range(cons_plan.parallel.tp_size)]
-    _ready(prods + cons)
-    return _connect(pproc, cproc, prods, cons, mode, direct, batch)
+    _ready(prods + cons, start_timeout)
+    return _connect(pproc, cproc, prods, cons, mode, direct, batch, start_timeout)
 
 
 def _plans(layout, consumer_layout, max_bytes: int, to_dram: bool) -> tuple[Plan, Plan]:
@@ -202,9 +215,10 @@ def _plans(layout, consumer_layout, max_bytes: int, to_dram: bool) -> tuple[Plan
     return prod_plan, scaled_plan(consumer_layout, max_bytes, to_dram=to_dram) if consumer_layout else prod_plan
 
 
-def _ready(handles: list) -> None:
+def _ready(handles: list, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
     for h in handles:
-        h.ready()
+        h.ready(max(0.001, deadline - time.monotonic()))
 
 
 def _check_options(*, mode, check, descriptors, fill, device, timeout, batch=1) -> None:
@@ -241,15 +255,17 @@ class _Engines:
     batch: int = 1      # requests per write_many / read_many (1: write / read each)
 
 
-def _connect(pproc, cproc, prods: list, cons: list, mode: str, direct: str, batch: int = 1) -> _Engines:
+def _connect(pproc, cproc, prods: list, cons: list, mode: str, direct: str, batch: int = 1,
+             timeout: float = 120.0) -> _Engines:
     addrs_p = [h.address for h in prods]
     addrs_c = [h.address for h in cons]
     if mode == "push":
         initiators, proc, method = prods, pproc, "write"
-        links = [h.connect(addrs_c, "WRITE", direct) for h in prods]
+        links = [h.connect(addrs_c, "WRITE", direct, timeout=timeout) for h in prods]
     else:
         initiators, proc, method = cons, cproc, "read"
-        links = [h.connect(addrs_p, "READ", direct if mode == "pull" else "pull_via_push") for h in cons]
+        links = [h.connect(addrs_p, "READ", direct if mode == "pull" else "pull_via_push", timeout=timeout)
+                 for h in cons]
     active = [h for h, link in zip(initiators, links) if link["peer_ranks"]]
     movers = prods if mode in ("push", "pull_via_push") else cons
     return _Engines(proc, method, active, cons, movers, mode, batch)

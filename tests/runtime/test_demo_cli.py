@@ -28,6 +28,8 @@ def _demo(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedPr
     (["--tokens", "10000000"], "tokens 10000000"),
     (["--tokens", "0"], "tokens 0"),
     (["--batch", "0"], "'--batch': 0 is not in the range"),
+    (["--timeout", "0"], "'--timeout': 0.0 is not in the range"),
+    (["--start-timeout", "-1"], "'--start-timeout': -1.0 is not in the range"),
 ])
 def test_bad_options_exit_2_with_a_clear_message(tmp_path, args, says):
     """Every bad option is refused before any engine starts: exit 2, the option named, no traceback."""
@@ -35,6 +37,16 @@ def test_bad_options_exit_2_with_a_clear_message(tmp_path, args, says):
     assert out.returncode == 2, out.stderr
     assert says in out.stderr and "Traceback" not in out.stderr + out.stdout
     assert "kvlc demo:" not in out.stdout  # nothing started
+
+
+def test_a_slow_start_ends_with_one_line_naming_the_setting(tmp_path):
+    """Engines that cannot start within --start-timeout (here: far too short for any machine) end the
+    demo with one line that says what took too long and which option to raise, never a traceback."""
+    pytest.importorskip("nixl")
+    out = _demo("--requests", "1", "--pool-mib", "2", "--start-timeout", "0.01", cwd=tmp_path)
+    assert out.returncode != 0
+    assert "while the engines started" in out.stderr and "--start-timeout (now 0.01 s)" in out.stderr
+    assert "Traceback" not in out.stderr + out.stdout
 
 
 def test_incompatible_pair_exits_2_with_the_report_before_engines_start(tmp_path):
