@@ -181,20 +181,27 @@ def run_demo(layout: str | Path, consumer_layout: str | Path | None = None, *, m
         result = DemoResult(mode, 0, 0, 0.0, 0, 0, rounds=len(rounds))
         stats0 = {id(h): h.call("stats") for h in engines.movers}
         result.startup_seconds = time.perf_counter() - t_start
-        for i, round_ in enumerate(rounds):
-            verify_now = check == "all" or (check == "first" and i == 0)
-            try:
-                _run_round(engines, round_, result, timeout, (cons_plan, prod_plan) if verify_now else None)
-            except TimeoutError as exc:
-                raise DemoError(f"{exc} in round {i + 1} of {len(rounds)}: a busy or slow machine? allow more "
-                                f"with --timeout (now {timeout:g} s per request)") from None
-            _count_moved(result, engines.movers, stats0)
-            if progress:
-                progress(result.requests, requests, result.nbytes, result.seconds)
+        _run_rounds(engines, rounds, result, stats0, timeout=timeout, check=check, plans=(cons_plan, prod_plan),
+                    progress=progress, requests=requests)
         return result
     finally:
         for p in (cproc, pproc):
             p.stop()
+
+
+def _run_rounds(engines: "_Engines", rounds: list, result: DemoResult, stats0: dict, *, timeout: float,
+                check: str, plans: tuple[Plan, Plan], progress: Progress | None, requests: int) -> None:
+    """Every round in turn, its bytes checked as ``check`` says; a timeout names --timeout."""
+    for i, round_ in enumerate(rounds):
+        verify_now = check == "all" or (check == "first" and i == 0)
+        try:
+            _run_round(engines, round_, result, timeout, plans if verify_now else None)
+        except TimeoutError as exc:
+            raise DemoError(f"{exc} in round {i + 1} of {len(rounds)}: a busy or slow machine? allow more "
+                            f"with --timeout (now {timeout:g} s per request)") from None
+        _count_moved(result, engines.movers, stats0)
+        if progress:
+            progress(result.requests, requests, result.nbytes, result.seconds)
 
 
 def _start(pproc, cproc, plans: tuple[Plan, Plan], cfg, *, fill: str, seed: int, mode: str, direct: str,
