@@ -276,3 +276,30 @@ def test_bind_and_advertise_are_separate_and_a_wildcard_is_never_advertised(plan
             peer = cons.connect(address)
             peer.read("adv-1", {"full": [1]}, {"full": [2]}, 16)
             assert cons.wait(["adv-1"], 20).finished == ("adv-1",)
+
+
+def test_engines_that_come_and_go_leave_a_bounded_record(plans):
+    """Issue 27 F4: a producer serving consumer engines that each live once, under a new engine id,
+    keeps at most IDLE_ENGINES records of engines with no session (and pairs each plan once)."""
+    plan = plans["dense-tp1"]
+    with KvAgent(plan, 0, allocate(plan), AgentSettings(secret=SECRET, engine_id="bounded-p")) as prod:
+        prod.serve()
+        prod.sessions.IDLE_ENGINES = 2
+        programs = set()
+        for i in range(6):
+            with KvAgent(plan, 0, allocate(plan), AgentSettings(secret=SECRET, engine_id=f"lifetime-{i}")) as c:
+                c.connect(prod.address, warm=False).close()
+            programs |= {id(e.program) for e in prod.sessions.engines.values()}
+        assert _wait(lambda: not prod.sessions.all())
+        idle = [e for e in prod.sessions.engines.values() if not e.current]
+        assert len(idle) <= 3 and len(prod.sessions.engines) <= 3, list(prod.sessions.engines)
+        assert len(programs) == 1  # one pairing for one plan, shared by every engine of it
+
+
+def _wait(pred, timeout: float = 10.0) -> bool:
+    import time
+
+    end = time.monotonic() + timeout
+    while not pred() and time.monotonic() < end:
+        time.sleep(0.05)
+    return pred()

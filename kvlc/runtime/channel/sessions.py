@@ -100,15 +100,28 @@ class SessionTable:
         self.by_conn: dict[str, Session] = {}
         self.by_agent: dict[str, list[Session]] = {}
 
+    IDLE_ENGINES = 64  # remote engines kept with no session (a restart finds its pairing again)
+
     def engine(self, rec: Record, direction: Direction) -> RemoteEngine:
-        """The remote engine of ``rec`` (created and paired on first sight; CompatError here)."""
+        """The remote engine of ``rec`` (created on first sight; CompatError here). Pairings are
+        shared by engines of one plan; engines with no session beyond :attr:`IDLE_ENGINES` are
+        forgotten, oldest first, so engines that come and go under new ids leave nothing behind."""
         key = (rec.engine_id, rec.plan_digest, direction.value)
-        eng = self.engines.get(key)
+        eng = self.engines.pop(key, None)
         if eng is None:
-            program = prepare(pair(self.plan, rec.plan, local_rank=self.rank, direction=direction.value))
+            same_plan = next((e for (_, d, dr), e in self.engines.items() if (d, dr) == key[1:]), None)
+            program = same_plan.program if same_plan is not None else prepare(
+                pair(self.plan, rec.plan, local_rank=self.rank, direction=direction.value))
             eng = RemoteEngine(rec.engine_id, rec.plan, program, direction)
-            self.engines[key] = eng
+        self.engines[key] = eng  # most recently used last
+        self._forget_idle()
         return eng
+
+    def _forget_idle(self) -> None:
+        busy = {id(s.engine) for s in self.by_conn.values()}
+        idle = [k for k, e in self.engines.items() if id(e) not in busy and not e.current]
+        for key in idle[:max(0, len(idle) - self.IDLE_ENGINES)]:
+            del self.engines[key]
 
     def check(self, rec: Record, eng: RemoteEngine) -> list[Session]:
         """Refuse a record that would hijack a name or replace a live record; return what it replaces."""
