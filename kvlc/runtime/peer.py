@@ -19,6 +19,7 @@ import numpy as np
 from kvlc.compiler.pairing.program import TransferProgram
 from kvlc.compiler.request.check import check_request
 from kvlc.compiler.request.instantiate import instantiate
+from kvlc.compiler.request.tokens import TokenRange
 from kvlc.compiler.request.prepared import prepared_indices, prepared_rows
 from kvlc.errors import KvlcError, TransferError
 import kvlc.runtime.batch as _batch
@@ -48,7 +49,9 @@ def _wire_range(num_tokens, tokens) -> tuple[int, int]:
         return 0, int(num_tokens)
     if isinstance(tokens, Mapping):
         raise TransferError("pull_via_push carries one token range for every group; give tokens=(start, stop)")
-    return (tokens.start, tokens.stop) if isinstance(tokens, range) else (int(tokens[0]), int(tokens[1]))
+    if isinstance(tokens, (range, TokenRange)):
+        return tokens.start, tokens.stop
+    return int(tokens[0]), int(tokens[1])
 
 
 def _fetch(clients: list[ChannelClient]) -> dict[int, tuple[Record, ChannelClient]]:

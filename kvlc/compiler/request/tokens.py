@@ -40,11 +40,14 @@ class TokenRange:
     @classmethod
     def of(cls, num_tokens=None, tokens=None, *, group: str, groups: Sequence[str] = ()) -> "TokenRange":
         """The range a request gives for ``group``: ``num_tokens=N`` (a count: ``[0, N)``) or
-        ``tokens=(start, stop)`` / ``range(start, stop)``, either one value or a mapping group -> value
+        ``tokens=TokenRange(start, stop)`` / ``(start, stop)`` / ``range(start, stop)``, either one value
+        or a mapping group -> value
         (``groups``: the token groups, named when a mapping lacks one). Refusals are :class:`TransferError`.
 
         >>> TokenRange.of(32, group="full"), TokenRange.of(tokens=range(16, 40), group="full")
         (TokenRange(start=0, stop=32), TokenRange(start=16, stop=40))
+        >>> TokenRange.of(tokens=TokenRange(16, 40), group="full")
+        TokenRange(start=16, stop=40)
         >>> TokenRange.of(0, group="full")
         Traceback (most recent call last):
         kvlc.errors.TransferError: group 'full': num_tokens must be positive, got 0
@@ -88,9 +91,12 @@ def _per_group(value, group: str, groups: Sequence[str], what: str):
 
 
 def _bounds(value, group: str) -> TokenRange:
-    """``(start, stop)`` or ``range(start, stop)`` as a :class:`TokenRange`, ``0 <= start < stop``."""
+    """A :class:`TokenRange`, ``(start, stop)`` or ``range(start, stop)`` as a checked :class:`TokenRange`
+    (``0 <= start < stop``)."""
     where = f"group '{group}': tokens"
-    if isinstance(value, range):
+    if isinstance(value, TokenRange):
+        pair = (value.start, value.stop)
+    elif isinstance(value, range):
         if value.step != 1:
             raise TransferError(f"{where} {value!r} must have step 1 (a token range moves every token in it)")
         pair = (value.start, value.stop)

@@ -118,8 +118,7 @@ class Transport:
                     self._ask(addr, msg)
             return
         mode = "pull_via_push" if load.mode is TransferMode.PULL_VIA_PUSH else "direct"
-        self.peer(producer, "READ", mode).read(req, load.local_block_ids, load.remote_block_ids,
-                                                tokens=(tokens.start, tokens.stop))
+        self.peer(producer, "READ", mode).read(req, load.local_block_ids, load.remote_block_ids, tokens=tokens)
 
     def _ask(self, address: str, msg: PushAsk) -> None:
         client = ChannelClient(address, self._key, timeout=self.settings.timeout)
@@ -179,7 +178,7 @@ class Transport:
     def _push(self, ask: PushAsk) -> bytes:
         try:
             self.peer(ask.consumer_addresses, "WRITE").write(
-                ask.req, ask.producer_blocks, ask.consumer_blocks, tokens=(ask.start, ask.stop))
+                ask.req, ask.producer_blocks, ask.consumer_blocks, tokens=TokenRange(ask.start, ask.stop))
         except KvlcError as exc:
             log.error("kvlc: push of '%s' refused: %s", ask.req, exc)
             with self._lock:
