@@ -230,11 +230,7 @@ class Proxy:
                                 "prompt", b.url)
                 return params
             except asyncio.TimeoutError as exc:
-                if isinstance(exc, aiohttp.ConnectionTimeoutError):  # never connected: try another
-                    self._take_out(self.prefill, b, exc)
-                    continue
-                raise ProxyError(504, f"prefill server {b.url} sent nothing for {self.settings.timeout:g}s "
-                                      "(raise --timeout)", "backend_timeout") from None
+                self._timed_out(self.prefill, b, exc)  # a connect timeout: try another
             except ProxyError as exc:
                 if exc.body is not None:  # a 4xx: the request is wrong for any prefill server
                     raise
@@ -244,6 +240,15 @@ class Proxy:
             finally:
                 b.ended()
         raise ProxyError(502, self.prefill.why_none(), "backend_unavailable")
+
+    def _timed_out(self, pool: Pool, b: Backend, exc: asyncio.TimeoutError) -> None:
+        """``b`` never connected in time: out of the pool (the caller tries another). It connected but
+        sent nothing within --timeout: the client's 504."""
+        if isinstance(exc, aiohttp.ConnectionTimeoutError):
+            self._take_out(pool, b, exc)
+            return
+        raise ProxyError(504, f"{pool.role} server {b.url} sent nothing for {self.settings.timeout:g}s "
+                              "(raise --timeout)", "backend_timeout") from None
 
     def _take_out(self, pool: Pool, b: Backend, exc: BaseException) -> None:
         """``b`` failed before it answered: out of the pool until /health says 200; the caller tries
@@ -262,11 +267,7 @@ class Proxy:
             try:
                 return await self._decode_on(b, request, path, decode_body(body, params), headers)
             except asyncio.TimeoutError as exc:
-                if isinstance(exc, aiohttp.ConnectionTimeoutError):  # never connected: try another
-                    self._take_out(self.decode, b, exc)
-                    continue
-                raise ProxyError(504, f"decode server {b.url} sent nothing for {self.settings.timeout:g}s "
-                                      "(raise --timeout)", "backend_timeout") from None
+                self._timed_out(self.decode, b, exc)  # a connect timeout: try another
             except aiohttp.ClientError as exc:
                 if not _unreachable(exc):
                     why = _why(exc, self.settings.timeout)
