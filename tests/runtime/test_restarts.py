@@ -43,6 +43,20 @@ def _start(plan, fill: str, eid: str, port: int = 0, seed: int = 0):
 MODES = ("direct", "prepped", "pull_via_push")
 
 
+def _pull_checked(cons, plan, peer_id: str, tag: str) -> None:
+    """Pull two requests through ``peer_id`` and check every byte of the consumer."""
+    before = cons.call("dump")
+    move(cons, peer_id, "read", _reqs(tag))
+    check_bytes(cons, plan, plan, before, _reqs(tag))
+
+
+def _assert_flat(first: dict, after: dict) -> None:
+    """Nothing piled up between two ``resources`` readings of one engine process."""
+    for k in ("remotes", "sessions", "nixl_handles", "incoming", "in_flight"):
+        assert after[k] == first[k], (k, first, after)
+    assert after["fds"] <= first["fds"] + 2 and after["threads"] <= first["threads"], (first, after)
+
+
 def test_a_producer_restarted_on_its_address_is_reached_again_in_every_mode(plan):
     """One consumer, one peer per mode, all to one producer that is killed (kill -9) and restarted on
     the same address, twice: each peer reconnects by itself at its next request, which moves every
@@ -60,15 +74,11 @@ def test_a_producer_restarted_on_its_address_is_reached_again_in_every_mode(plan
                 pproc.kill()
                 pproc, prod = _start(plan, "content", "rp", port=port)
             for mode in MODES:
-                before = cons.call("dump")
-                move(cons, mode, "read", _reqs(f"{mode}{i}"))
-                check_bytes(cons, plan, plan, before, _reqs(f"{mode}{i}"))
+                _pull_checked(cons, plan, mode, f"{mode}{i}")
             first = first or cons.call("resources")
         after = cons.call("resources")
         assert cons.call("stats").get("sessions_lost") == RESTARTS * len(MODES)
-        for k in ("remotes", "sessions", "nixl_handles", "incoming", "in_flight"):
-            assert after[k] == first[k], (k, first, after)
-        assert after["fds"] <= first["fds"] + 2 and after["threads"] <= first["threads"], (first, after)
+        _assert_flat(first, after)
     finally:
         stop_engines([prod, cons])
 
@@ -87,13 +97,9 @@ def test_a_producer_restarted_elsewhere_is_reached_by_connecting_again(plan):
             pproc, prod = _start(plan, "content", "rn")
             cons.call("peer_close", "p")
             cons.connect([prod.address], "READ", "direct", "p")
-            before = cons.call("dump")
-            move(cons, "p", "read", _reqs(f"n{i}"))
-            check_bytes(cons, plan, plan, before, _reqs(f"n{i}"))
+            _pull_checked(cons, plan, "p", f"n{i}")
         after = cons.call("resources")
-        for k in ("remotes", "sessions", "nixl_handles", "incoming", "in_flight"):
-            assert after[k] == first[k], (k, first, after)
-        assert after["fds"] <= first["fds"] + 2 and after["threads"] <= first["threads"], (first, after)
+        _assert_flat(first, after)
     finally:
         stop_engines([prod, cons])
 
