@@ -172,3 +172,8 @@ class CompatError(KvlcError):
 
 class TransferError(KvlcError):
     """A transfer was refused or failed (bad block ids, NIXL failure, peer lost)."""
+
+
+class BindingError(KvlcError):
+    """A tensor cannot back the plan storage it was given for (raised by the runtime's binding and by
+    the vLLM derivation, which must not need the runtime's extras to say so)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -141,3 +142,27 @@ def test_cli_in_process_leaves_sigpipe_alone():
     before = signal.getsignal(signal.SIGPIPE)
     CliRunner().invoke(main, ["compile", str(ROOT / "layouts/llama-3.1-8b.yaml"), "--text"])
     assert signal.getsignal(signal.SIGPIPE) == before
+
+
+_WITHOUT_EXTRAS = """
+import runpy, sys
+class _Absent:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {"msgpack", "torch", "nixl", "vllm", "aiohttp", "cryptography", "matplotlib"}:
+            raise ModuleNotFoundError(f"No module named {name!r} (blocked: not in the base install)")
+sys.meta_path.insert(0, _Absent())
+sys.argv = ["kvlc"] + sys.argv[1:]
+runpy.run_module("kvlc.cli", run_name="__main__")
+"""
+
+
+def test_the_main_job_needs_only_the_base_install(tmp_path):
+    """README's first command on a fresh machine (`pip install -e .`, no extras): the kvlc command
+    imports and compiles, explains and sizes with none of the runtime, vLLM or proxy packages."""
+    for args in (["compile", str(ROOT / "layouts" / "llama-3.1-8b.yaml"), "--text"],
+                 ["explain", str(ROOT / "layouts" / "llama-3.1-8b.yaml")],
+                 ["size", str(ROOT / "layouts" / "llama-3.1-70b-hnd-tp4.yaml"), "--peer",
+                  str(ROOT / "layouts" / "llama-3.1-70b-hnd-tp8.yaml"), "--tokens", "4096"]):
+        out = subprocess.run([sys.executable, "-c", _WITHOUT_EXTRAS, *args], capture_output=True, text=True,
+                             cwd=tmp_path, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert out.returncode == 0, (args[0], out.stderr[-1500:])

@@ -9,11 +9,9 @@
 
 from __future__ import annotations
 
-from kvlc.errors import KvlcError, TransferError
+from kvlc.errors import BindingError, KvlcError, TransferError
 
-
-class BindingError(KvlcError):
-    """A tensor cannot back the plan storage it was given for."""
+__all__ = ["AuthError", "BindingError", "ChannelError", "HandshakeError", "NixlError"]
 
 
 class NixlError(TransferError):

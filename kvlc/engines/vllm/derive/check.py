@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvlc.errors import did_you_mean
-from kvlc.runtime.errors import BindingError
+from kvlc.errors import BindingError
 
 
 @dataclass(frozen=True)

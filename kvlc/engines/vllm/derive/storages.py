@@ -17,7 +17,7 @@ from typing import Any
 
 from kvlc.engines.vllm.derive.view import EngineView, LayerTensor, ViewError
 from kvlc.errors import did_you_mean
-from kvlc.runtime.errors import BindingError
+from kvlc.errors import BindingError
 
 
 @dataclass(frozen=True)
