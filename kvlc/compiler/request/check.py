@@ -22,8 +22,10 @@ import numpy as np
 from kvlc.compiler.algebra.layout import kernel_ids
 from kvlc.compiler.pairing.program import TransferProgram
 from kvlc.compiler.plan.aliases import pools
+from kvlc.compiler.request import native
+from kvlc.compiler.request.index import Block
 from kvlc.compiler.request.rules import GroupRule, SideRule, request_rules
-from kvlc.compiler.request.tokens import TokenRange, block_span, window_start
+from kvlc.compiler.request.tokens import TileSpan, TokenRange, block_span, tile_spans, window_start
 from kvlc.errors import TransferError, did_you_mean, type_name
 
 ID_MAX = (1 << 63) - 1
@@ -124,6 +126,8 @@ _SMALL = 128  # ids up to this many: checked in Python (numpy's per-call cost is
 def _check_ids(rule: SideRule, arr: np.ndarray) -> None:
     if not len(arr):
         return
+    if len(arr) > _SMALL and native.library() is not None and native.ids_ok(arr, rule.bound.capacity, rule.receiving):
+        return  # (a refusal is worded below, by the reference)
     small = arr.tolist() if len(arr) <= _SMALL else None
     lo, hi = (min(small), max(small)) if small is not None else (int(arr.min()), int(arr.max()))
     r = rule.bound
@@ -251,3 +255,15 @@ def _pool_conflicts(plan, kids: Mapping[str, np.ndarray], side: str) -> None:
                     raise TransferError(f"{side} page {int(both[0])} of pool '{regions[0].name}' is given to "
                                         f"groups '{ga}' and '{gb}', whose regions share one page pool "
                                         "(aliases); give each group its own pages")
+
+
+def block_tiles(b: Block, req: Request) -> tuple[TileSpan, tuple[int, int]]:
+    """The tiles a request moves in block ``b``'s group, and each side's first kernel block number.
+
+    Tile ``t`` run ``k`` reads local id ``ids[t * local_sub + run block - first]`` (same remote).
+    State: one whole "tile" per state block, from 0.
+    """
+    if not b.tile_tokens:
+        return TileSpan(0, len(req.local[b.group]), ()), (0, 0)
+    gs = req.spans[b.group]
+    return tile_spans(gs.span, b.tile_tokens), (gs.local_first, gs.remote_first)

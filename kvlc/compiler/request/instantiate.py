@@ -15,11 +15,12 @@ import numpy as np
 
 from kvlc.compiler.pairing.program import Part, PartKey
 from kvlc.compiler.pairing.runs import Runs
+from kvlc.compiler.request import native
 from kvlc.compiler.request.bind import BoundProgram
-from kvlc.compiler.request.check import Request, check_request
+from kvlc.compiler.request.check import Request, block_tiles, check_request
 from kvlc.compiler.request.index import Block, ProgramIndex, program_index
+from kvlc.compiler.request.native_rows import emit_native
 from kvlc.compiler.request.rows import Geometry, RowPiece, coalesce, write_rows
-from kvlc.compiler.request.tokens import TileSpan, tile_spans
 
 
 def instantiate(bound: BoundProgram, local_block_ids: Mapping[str, Sequence[int]],
@@ -52,6 +53,8 @@ def emit(bound: BoundProgram, req: Request, coalesce: str = "order") -> dict[Par
     """Descriptors of a checked request (:func:`check_request`), per part (see :func:`instantiate`)."""
     if coalesce not in ("order", "sort"):
         raise ValueError(f"coalesce must be 'order' or 'sort', got {coalesce!r}")
+    if coalesce == "order" and native.library() is not None:
+        return emit_native(bound, req)
     # Pass 1: per block, its row pieces (no rows yet) and the rows per part. Pass 2 writes
     # every piece straight into one (N, 3) array per side and part: no intermediate arrays,
     # no concatenation (fresh memory is what costs most here).
@@ -132,18 +135,6 @@ def _segments_small(kl: np.ndarray, kr: np.ndarray, full: int) -> tuple[np.ndarr
     starts = [0] + [i for i in range(1, full) if a[i] != a[i - 1] + 1 or b[i] != b[i - 1] + 1]
     lens = [j - i for i, j in zip(starts, starts[1:] + [full])]
     return np.array([[a[i] for i in starts], [b[i] for i in starts]], dtype=np.int64), np.array(lens, dtype=np.int64)
-
-
-def block_tiles(b: Block, req: Request) -> tuple[TileSpan, tuple[int, int]]:
-    """The tiles a request moves in block ``b``'s group, and each side's first kernel block number.
-
-    Tile ``t`` run ``k`` reads local id ``ids[t * local_sub + run block - first]`` (same remote).
-    State: one whole "tile" per state block, from 0.
-    """
-    if not b.tile_tokens:
-        return TileSpan(0, len(req.local[b.group]), ()), (0, 0)
-    gs = req.spans[b.group]
-    return tile_spans(gs.span, b.tile_tokens), (gs.local_first, gs.remote_first)
 
 
 def _write(jobs: list[_Job], sizes: dict[PartKey, int]) -> dict[PartKey, tuple[np.ndarray, np.ndarray]]:

@@ -16,9 +16,9 @@ import numpy as np
 from kvlc.compiler.frozen import FrozenMap
 from kvlc.compiler.pairing.program import Part, PartKey, TransferProgram
 from kvlc.compiler.request.bind import BoundProgram
-from kvlc.compiler.request.check import Request, check_request
+from kvlc.compiler.request.check import Request, block_tiles, check_request
 from kvlc.compiler.request.index import program_index
-from kvlc.compiler.request.instantiate import block_tiles, tile_rows
+from kvlc.compiler.request.instantiate import tile_rows
 from kvlc.compiler.request.rows import coalesce, write_rows
 from kvlc.errors import TransferError
 

@@ -1,0 +1,82 @@
+"""The per-request hot path in C (``rows.c``), loaded through ctypes; the Python code it mirrors is the reference.
+
+``rows.c`` is a plain C library (no Python API), built by ``pip install`` (setup.py, an optional
+extension: a machine without a C compiler installs and runs on the reference) and loaded with
+ctypes, so one build loads on any CPython; a GPU host without a compiler can carry it.
+:func:`library` is None when it is not built, or when ``KVLC_NATIVE=0`` (the reference then runs,
+with the same results: ``tests/test_native.py`` proves them identical); :func:`status` says which.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+ABI_VERSION = 3
+PIECE = 14  # int64s per piece record (rows.c)
+
+_I64 = ctypes.c_int64
+_PTR = ctypes.c_void_p
+
+
+def _candidates() -> list[Path]:
+    here = Path(__file__).resolve().parent
+    return sorted(here.glob("_rows*.so")) + sorted(here.glob("_rows*.dylib")) + sorted(here.glob("_rows*.pyd"))
+
+
+@lru_cache(maxsize=1)
+def _load() -> tuple[ctypes.CDLL | None, str]:
+    if os.environ.get("KVLC_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
+        return None, "off (KVLC_NATIVE=0): the Python reference runs"
+    found = _candidates()
+    if not found:
+        return None, ("not built (no _rows library next to kvlc/compiler/request/native/rows.c; "
+                      "reinstall with a C compiler: pip install -e .): the Python reference runs")
+    try:
+        lib = ctypes.CDLL(str(found[0]))
+    except OSError as exc:
+        return None, f"{found[0].name} does not load ({exc}): the Python reference runs"
+    if lib.kvlc_abi_version() != ABI_VERSION:
+        return None, (f"{found[0].name} is ABI {lib.kvlc_abi_version()}, this kvlc wants {ABI_VERSION} "
+                      "(a stale build: pip install -e . again): the Python reference runs")
+    lib.kvlc_ids_ok.argtypes = (_PTR, _I64, _I64, ctypes.c_int)
+    lib.kvlc_ids_ok.restype = ctypes.c_int
+    lib.kvlc_emit.argtypes = (_PTR, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64)
+    lib.kvlc_emit.restype = _I64
+    return lib, f"native ({found[0].name})"
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded C library, or None (the Python reference runs; :func:`status` says why)."""
+    return _load()[0]
+
+
+def status() -> str:
+    """One line: which per-request path runs, and why."""
+    return _load()[1]
+
+
+def address(a: np.ndarray) -> int:
+    """The address of a C-contiguous array's first element (for the calls below)."""
+    return a.ctypes.data
+
+
+def ids_ok(ids: np.ndarray, capacity: int, distinct: bool) -> bool:
+    """Whether every id (a C-contiguous int64 array) lies in ``[0, capacity)`` and, if ``distinct``, none repeats."""
+    ids = np.ascontiguousarray(ids, dtype=np.int64)
+    got = library().kvlc_ids_ok(address(ids), len(ids), capacity, 1 if distinct else 0)
+    if got < 0:
+        raise MemoryError(f"no memory for a bitmap of {capacity} block ids")
+    return bool(got)
+
+
+def emit(table: int, buf: int, rows: int, pieces: int, npieces: int, ids: int, parts: int, nparts: int) -> None:
+    """rows.c's ``kvlc_emit``: addresses of the packed table and of one request's buffer (its rows first:
+    (2, rows, 3) int64), of its piece records, ids and (start, rows) part pairs (rows left written back)."""
+    bad = library().kvlc_emit(table, pieces, npieces, ids, buf, rows * 3, parts, nparts)
+    if bad:
+        raise AssertionError(f"native rows: piece {bad - 1} reads a block id outside its group's ids")

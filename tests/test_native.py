@@ -1,0 +1,169 @@
+"""The per-request path in C (kvlc/compiler/request/native) against its Python reference.
+
+Hypothesis draws the same random engine pairs as test_pair_properties (TP, block sizes, dim
+orders, MLA, Mamba state, sliding windows, shared regions, fp4) and a request over a random
+token range; the rows the C library writes (``emit_native``) must equal the reference's
+(``emit`` with the library off) part by part, row by row, and both must refuse the same ids
+with the same words. The library must be built wherever a C compiler is (CI is such a machine).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+import kvlc
+from kvlc import bind
+from kvlc.compiler.pairing.pair import pair
+from kvlc.compiler.request import native
+from kvlc.compiler.request.check import check_request
+from kvlc.compiler.request.instantiate import emit
+from kvlc.compiler.request.native_rows import emit_native
+from kvlc.errors import TransferError
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from memory_model import Engine  # noqa: E402
+from test_pair_properties import PROPS, pair_case  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+needs_native = pytest.mark.skipif(native.library() is None, reason=f"kvlc's C path: {native.status()}")
+
+
+def test_built_where_a_compiler_is():
+    """`pip install -e .` builds the library on a machine with a C compiler; a missing build is a CI failure."""
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler here: the Python reference runs")
+    if os.environ.get("KVLC_NATIVE") == "0":
+        pytest.skip("KVLC_NATIVE=0: the reference is asked for")
+    assert native.library() is not None, native.status()
+    assert native.status().startswith("native")
+
+
+def test_switched_off_by_environment():
+    """KVLC_NATIVE=0 runs the reference, and says so."""
+    code = "from kvlc.compiler.request import native; print(native.library() is None, native.status())"
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "KVLC_NATIVE": "0"}, cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout
+    assert out.startswith("True off (KVLC_NATIVE=0)")
+
+
+def _reference(bound, req):
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(native, "library", lambda: None)
+        return emit(bound, req)
+
+
+def _same(got: dict, want: dict) -> None:
+    assert list(got) == list(want), "parts differ (or their order)"
+    for key in want:
+        assert got[key].local.dtype == want[key].local.dtype == np.uint64
+        assert np.array_equal(got[key].local, want[key].local), f"part {key}: local rows differ"
+        assert np.array_equal(got[key].remote, want[key].remote), f"part {key}: remote rows differ"
+
+
+def _ranged(plan, ids: dict, start: int) -> dict:
+    """The ids of blocks that tokens [start, ...) touch, per group, from the ids of [0, ...)."""
+    out = {}
+    for g, got in ids.items():
+        group = plan.group(g)
+        bs = group.block_size if group.kind != "mamba" else None
+        out[g] = list(got) if bs is None else list(got)[start // bs:]
+    return out
+
+
+def _request(prog, lids, rids, tokens):
+    try:
+        return check_request(prog, lids, rids, tokens=tokens) if isinstance(tokens, tuple) else \
+            check_request(prog, lids, rids, tokens)
+    except TransferError:
+        return None
+
+
+@needs_native
+@settings(PROPS, max_examples=150)
+@given(case=pair_case(), data=st.data())
+def test_native_rows_equal_the_reference(case, data):
+    """Every part's rows, for every rank and both directions, with counts and token ranges."""
+    cons, prod = kvlc.compile_spec(case.cons.text), kvlc.compile_spec(case.prod.text)
+    ranged = data.draw(st.booleans()) and not isinstance(case.tokens_arg, dict)
+    start = data.draw(st.integers(0, case.tokens_arg - 1)) if ranged else 0
+    tokens = (start, case.tokens_arg) if ranged else case.tokens_arg
+    C, P = Engine(cons, 0, False), Engine(prod, 1, True)
+    checked = 0
+    for local, remote, L, R, direction, lids, rids in (
+            (cons, prod, C, P, "READ", case.cids, case.pids), (prod, cons, P, C, "WRITE", case.pids, case.cids)):
+        lids, rids = (_ranged(local, lids, start), _ranged(remote, rids, start)) if ranged else (lids, rids)
+        for rank in range(local.parallel.tp_size):
+            prog = pair(local, remote, local_rank=rank, direction=direction)
+            bound = bind(prog, L.rank_bases(rank), {p: R.rank_bases(p) for p in prog.peer_ranks})
+            req = _request(prog, lids, rids, tokens)
+            if req is None:
+                continue
+            _same(emit_native(bound, req), _reference(bound, req))
+            checked += 1
+    assume(checked)
+
+
+def _llama():
+    plan = kvlc.compile_spec(ROOT / "layouts/llama-3.1-8b.yaml")
+    prog = pair(plan, plan, local_rank=0, direction="WRITE")
+    return plan, bind(prog, {s.name: 1 << 40 for s in plan.storages}, {0: {s.name: 2 << 40 for s in plan.storages}})
+
+
+@needs_native
+@settings(deadline=None, max_examples=60)
+@given(data=st.data())
+def test_large_scattered_requests(data):
+    """Thousands of ids in pool order (what an engine hands out after warm-up): C and reference agree."""
+    plan, bound = _llama()
+    cap = plan.regions[0].capacity
+    n = data.draw(st.integers(129, 1024))
+    stop = data.draw(st.integers(16 * (n - 1) + 1, 16 * n))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    lids = rng.permutation(cap)[:n]
+    rids = np.sort(rng.permutation(cap)[:n]) if data.draw(st.booleans()) else rng.permutation(cap)[:n]
+    req = check_request(bound.program, {"full": lids}, {"full": rids}, stop)
+    _same(emit_native(bound, req), _reference(bound, req))
+
+
+@needs_native
+@pytest.mark.parametrize("bad, words", [
+    (lambda ids, cap: ids + [cap], "out of range"),
+    (lambda ids, cap: [-1] + ids, "out of range"),
+    (lambda ids, cap: ids + [ids[7]], "appears 2 times"),
+])
+def test_refusals_are_the_reference_words(monkeypatch, bad, words):
+    """Above the size checked in Python the C check decides; the refusal is still the reference's sentence."""
+    plan, bound = _llama()
+    cap = plan.regions[0].capacity
+    ids = bad(list(range(3, 3 + 200)), cap)
+    tokens = 16 * len(ids)
+    with pytest.raises(TransferError, match=words) as native_err:
+        check_request(bound.program, {"full": list(range(len(ids)))}, {"full": ids}, tokens)
+    with monkeypatch.context() as m:
+        m.setattr(native, "library", lambda: None)
+        with pytest.raises(TransferError) as ref_err:
+            check_request(bound.program, {"full": list(range(len(ids)))}, {"full": ids}, tokens)
+    assert str(native_err.value) == str(ref_err.value)
+
+
+@needs_native
+@pytest.mark.parametrize("n, cap, distinct, want", [
+    (0, 1, True, True), (5, 5, True, True), (5, 4, False, False), (300, 1 << 20, True, True)])
+def test_ids_ok(n, cap, distinct, want):
+    ids = np.arange(n, dtype=np.int64)
+    assert native.ids_ok(ids, cap, distinct) is want
+    if n > 1:
+        twice = ids.copy()
+        twice[-1] = twice[0]
+        assert native.ids_ok(twice, cap, True) is False
+        assert native.ids_ok(twice, cap, False) is bool(twice.max() < cap)
