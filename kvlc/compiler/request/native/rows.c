@@ -85,15 +85,42 @@ static int piece_in_bounds(const int64_t *pc, const int64_t *r)
     return 1;
 }
 
-/* The rows of entry e of one piece. */
+/* Whether a piece can be written by segments: one run per tile, one kernel block per tile on both sides. */
+static int segmentable(const int64_t *pc, const int64_t *r) { return r[0] == 1 && pc[4] == 1 && pc[5] == 1; }
+
+/* For a segmentable piece: seg[t] = how many tiles from tile t on read consecutive ids on both sides
+ * (0 inside such a stretch). Those tiles' rows continue each other wherever an entry's block stride is
+ * the run's length on both sides (whole blocks): one row is written for them. */
+static void segments(const int64_t *pc, const int64_t *r, const int64_t *ids, int64_t *seg)
+{
+    const int64_t *kl = ids + pc[8] + pc[2] + r[1] - pc[6], *kr = ids + pc[10] + pc[2] + r[2] - pc[7];
+    int64_t count = pc[3];
+    for (int64_t t = 0; t < count;) {
+        int64_t k = 1;
+        while (t + k < count && kl[t + k] == kl[t] + k && kr[t + k] == kr[t] + k)
+            k++;
+        seg[t] = k;
+        for (int64_t j = 1; j < k; j++)
+            seg[t + j] = 0;
+        t += k;
+    }
+}
+
+/* The rows of entry e of one piece (seg: its segments, or NULL). */
 static void piece_rows(struct cursor *c, const int64_t *pc, const int64_t *g, const int64_t *r, const int64_t *ids,
-                       int64_t e)
+                       int64_t e, const int64_t *seg)
 {
     int64_t E = g[0], M = r[0];
     const int64_t *lb = r + 1, *rb = r + 1 + M, *lo = r + 1 + 2 * M, *ro = r + 1 + 3 * M, *len = r + 1 + 4 * M;
     int64_t lbase = g[1 + e], rbase = g[1 + E + e], lst = g[1 + 2 * E + e], rst = g[1 + 3 * E + e];
     int64_t ldev = g[1 + 4 * E + e], rdev = g[1 + 5 * E + e];
     const int64_t *kl = ids + pc[8], *kr = ids + pc[10];
+    if (seg && lst == len[0] && rst == len[0]) {
+        const int64_t *tl = kl + pc[2] + lb[0] - pc[6], *tr = kr + pc[2] + rb[0] - pc[7];
+        for (int64_t t = 0; t < pc[3]; t += seg[t])
+            put(c, lbase + tl[t] * lst + lo[0], rbase + tr[t] * rst + ro[0], len[0] * seg[t], ldev, rdev);
+        return;
+    }
     for (int64_t t = pc[2]; t < pc[2] + pc[3]; t++) {
         const int64_t *tl = kl + t * pc[4] - pc[6], *tr = kr + t * pc[5] - pc[7];
         for (int64_t m = 0; m < M; m++)
@@ -120,9 +147,23 @@ int64_t kvlc_emit(const int64_t *table, const int64_t *pieces, int64_t npieces, 
         int64_t part = first[12];
         struct cursor c = {out + parts[2 * part] * 3, out + side + parts[2 * part] * 3, parts[2 * part + 1]};
         const int64_t *g = table + first[0];
+        int64_t tiles = 0;
+        for (int64_t i = p; i < q; i++)
+            tiles += segmentable(pieces + i * PIECE, table + pieces[i * PIECE + 1]) ? pieces[i * PIECE + 3] : 0;
+        int64_t *seg = tiles && g[0] > 1 ? malloc(tiles * sizeof(int64_t)) : NULL;
+        for (int64_t i = p, at = 0; seg && i < q; i++)
+            if (segmentable(pieces + i * PIECE, table + pieces[i * PIECE + 1])) {
+                segments(pieces + i * PIECE, table + pieces[i * PIECE + 1], ids, seg + at);
+                at += pieces[i * PIECE + 3];
+            }
         for (int64_t e = 0; e < g[0]; e++)
-            for (int64_t i = p; i < q; i++)
-                piece_rows(&c, pieces + i * PIECE, g, table + pieces[i * PIECE + 1], ids, e);
+            for (int64_t i = p, at = 0; i < q; i++) {
+                const int64_t *pc = pieces + i * PIECE, *r = table + pc[1];
+                int s = seg && segmentable(pc, r);
+                piece_rows(&c, pc, g, r, ids, e, s ? seg + at : NULL);
+                at += s ? pc[3] : 0;
+            }
+        free(seg);
         parts[2 * part + 1] = c.w;
         p = q;
     }
