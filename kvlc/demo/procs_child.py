@@ -41,15 +41,30 @@ class _Hosted:
 
     def __init__(self, cfg: Any):  # a kvlc.demo.procs.EngineConfig, sent over the pipe
         from kvlc.compiler.plan.model import Plan
-        from kvlc.runtime.agent import KvAgent
         from kvlc.runtime.binding import allocate
-        from kvlc.runtime.settings import AgentSettings
-        from kvlc.runtime.staging.endpoint import StagingPolicy
 
+        self.cfg = cfg
         self.plan = Plan.from_json(cfg.plan_json)
         self.tensors = allocate(self.plan, pin=cfg.pin)
         _fill(self.plan, cfg.rank, self.tensors, cfg.fill, cfg.seed)
-        self.agent = KvAgent(
+        self.agent = self._agent()
+        self.address = self.agent.serve(cfg.host, cfg.port)
+        self.peers: dict[str, Any] = {}
+        self.finished: dict[str, float] = {}
+        self.failed: dict[str, str] = {}
+        self.held: dict[str, str] = {}
+        self.freeable: list[str] = []
+        self.flips: list[str] = []  # contract breaks seen: a request finished after it had failed/held
+        self.reserved: list[Any] = []  # asleep: the freed memory's addresses, kept from the next allocation
+
+    def _agent(self):
+        """A new agent (a new epoch) over the tensors as they are now."""
+        from kvlc.runtime.agent import KvAgent
+        from kvlc.runtime.settings import AgentSettings
+        from kvlc.runtime.staging.endpoint import StagingPolicy
+
+        cfg = self.cfg
+        return KvAgent(
             self.plan,
             cfg.rank,
             self.tensors,
@@ -65,13 +80,38 @@ class _Hosted:
                 staging=None if cfg.staging is None else StagingPolicy(**cfg.staging),
             ),
         )
-        self.address = self.agent.serve(cfg.host, cfg.port)
-        self.peers: dict[str, Any] = {}
-        self.finished: dict[str, float] = {}
-        self.failed: dict[str, str] = {}
-        self.held: dict[str, str] = {}
-        self.freeable: list[str] = []
-        self.flips: list[str] = []  # contract breaks seen: a request finished after it had failed/held
+
+    def sleep(self) -> dict:
+        """What an engine's sleep does to kvlc (the vLLM connector's unregister_kv_caches): the agent
+        closes (NIXL deregisters the memory; sessions, connections and transfers end, reported by the
+        next poll), then the memory is freed, its addresses held so that the wake-up allocates elsewhere."""
+        import torch
+
+        ptrs = {n: t.data_ptr() for n, t in self.tensors.items()}
+        self.agent.close()
+        self.pump()
+        self.peers.clear()
+        sizes = {n: t.numel() for n, t in self.tensors.items()}
+        for t in self.tensors.values():
+            t.set_(torch.empty(0, dtype=t.dtype, device=t.device))  # the old memory goes
+        self.reserved = [torch.empty(n, dtype=torch.uint8) for n in sizes.values()]
+        self.sizes = sizes
+        return {"ptrs": ptrs}
+
+    def wake(self, fill: str, seed: int) -> dict:
+        """The wake-up (restore_kv_caches): the same tensors get new memory, filled as ``fill`` says,
+        and a new agent (a new epoch) serves them on the same address."""
+        import torch
+
+        port = int(self.address.rpartition(":")[2])
+        for n, t in self.tensors.items():  # the same tensor objects, new memory
+            t.set_(torch.empty(self.sizes[n], dtype=t.dtype, device=t.device))
+        self.reserved = []
+        _fill(self.plan, self.cfg.rank, self.tensors, fill, seed)
+        self.agent = self._agent()
+        self.address = self.agent.serve(self.cfg.host, port)
+        return {"ptrs": {n: t.data_ptr() for n, t in self.tensors.items()}, "address": self.address,
+                "name": self.agent.name, "epoch": self.agent.epoch}
 
     def pump(self) -> bool:
         c = self.agent.poll()
@@ -303,6 +343,8 @@ _AGENT_COMMANDS = {
     "stats": _stats,
     "close": _close,
     "drop": _Child.drop,
+    "sleep": lambda child, h, aid, args: h.sleep(),
+    "wake": lambda child, h, aid, args: h.wake(*args),
 }
 
 

@@ -92,7 +92,8 @@ def test_hooks_keep_vllm_names_on_the_connector_and_on_each_side():
     pytest.importorskip("vllm")
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, SupportsHMA
 
-    from kvlc.engines.vllm.connector.connector import HMA_HOOKS, SCHEDULER_HOOKS, WORKER_HOOKS, KvlcConnector
+    from kvlc.engines.vllm.connector.connector import (HMA_HOOKS, SCHEDULER_HOOKS, SCHEDULER_HOOKS_034,
+                                                       WORKER_HOOKS, WORKER_HOOKS_034, KvlcConnector)
     from kvlc.engines.vllm.connector.scheduler import SchedulerSide
     from kvlc.engines.vllm.connector.worker import WorkerSide
 
@@ -101,6 +102,10 @@ def test_hooks_keep_vllm_names_on_the_connector_and_on_each_side():
         for hook in hooks:
             assert hasattr(KVConnectorBase_V1, hook), hook
             assert hook == "get_finished" or callable(getattr(side, hook, None)), f"{side.__name__}.{hook}"
+    # vLLM 0.34's hooks (checked against 0.34's own source in test_vllm_034_source.py)
+    for side, hooks in ((WorkerSide, WORKER_HOOKS_034), (SchedulerSide, SCHEDULER_HOOKS_034)):
+        for hook in hooks:
+            assert callable(getattr(KvlcConnector, hook)) and callable(getattr(side, hook, None)), hook
     assert issubclass(KvlcConnector, SupportsHMA)   # vLLM keeps its hybrid KV-cache manager on
     for hook in HMA_HOOKS:
         assert hasattr(SupportsHMA, hook) and callable(getattr(SchedulerSide, hook, None)), hook
@@ -111,6 +116,8 @@ def test_hooks_keep_vllm_names_on_the_connector_and_on_each_side():
     ("SCHEDULER", "get_transfer_results", (set(),)), ("SCHEDULER", "register_kv_caches", ({},)),
     ("WORKER", "get_num_new_matched_tokens", (None, 0)), ("WORKER", "build_connector_meta", (None,)),
     ("WORKER", "request_finished", (None, [])), ("WORKER", "request_finished_all_groups", (None, ([],))),
+    ("SCHEDULER", "unregister_kv_caches", ()), ("SCHEDULER", "restore_kv_caches", ()),
+    ("WORKER", "may_load_async", (None,)),
 ])
 def test_a_hook_called_on_the_other_role_names_the_hook_and_both_roles(role, hook, args):
     """A worker hook on the scheduler-role connector (and the other way round) raises a KvlcError that names

@@ -15,6 +15,9 @@ connections in all, ``max_per_address`` authenticated ones and ``max_pending_per
 unauthenticated ones per peer address. A new connection over a pending cap cuts the oldest
 connection still in its handshake (idle connections from one address, where every engine of a
 host connects from, cannot lock that address out); an authenticated one over its cap is closed.
+
+Closing the server cuts its open connections too, so clients see the close at once, as after
+a crash (:meth:`ChannelClient.lost`), instead of at their next request.
 """
 
 from __future__ import annotations
@@ -166,6 +169,7 @@ class ChannelServer:
         self._authed: Counter = Counter()
         self._open = 0
         self._waiting: dict[int, tuple[str, socket.socket]] = {}  # connections in their handshake, oldest first
+        self._conns: dict[int, tuple[socket.socket, threading.Thread]] = {}  # every open connection
         self.stats = Counter(connections=0, frames=0, refused=0, errors=0, auth_failed=0, evicted=0)
         outer = self
 
@@ -203,6 +207,7 @@ class ChannelServer:
             self._open += 1
             self._pending[ip] += 1
             self._waiting[id(sock)] = (ip, sock)
+            self._conns[id(sock)] = (sock, threading.current_thread())
             return True
 
     def _evict(self, ip: str | None) -> bool:
@@ -267,6 +272,7 @@ class ChannelServer:
         finally:
             with self._lock:
                 self._open -= 1
+                self._conns.pop(id(sock), None)
                 if counted == "authed":
                     self._authed[ip] -= 1
                 elif counted == "pending":
@@ -299,13 +305,25 @@ class ChannelServer:
                 return
 
     def close(self) -> None:
-        """Stop serving (idempotent); open connections end at their next frame."""
+        """Stop serving and cut every open connection (idempotent); returns once their handlers ended
+        (``on_close`` ran), or after 5 s."""
         if self.closed:
             return
         self.closed = True
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(timeout=5)
+        with self._lock:
+            conns = list(self._conns.values())
+        for sock, _ in conns:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        deadline = time.monotonic() + 5
+        for _, thread in conns:
+            if thread is not threading.current_thread():
+                thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
 class ChannelClient:

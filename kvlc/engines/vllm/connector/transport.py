@@ -65,20 +65,28 @@ def _reply(ok: bool, error: str = "") -> bytes:
 class Transport:
     """One worker rank's kvlc agent and its connections (see the module docstring)."""
 
-    def __init__(self, ep: EnginePlan, settings: ConnectorSettings, engine_id: str):
+    def __init__(self, ep: EnginePlan, settings: ConnectorSettings, engine_id: str,
+                 ports: tuple[int, int] | None = None):
+        """``ports``: the side channel's and the push listener's ports to serve on (a rank woken from
+        sleep keeps the addresses its peers know); default: the settings' port and a free one."""
         self.ep = ep
         self.settings = settings
         self._key = resolve_secret(None)  # $KVLC_SECRET (or $KVLC_SECRET_FILE); refuses to run without
         self.agent = KvAgent(ep.plan, ep.rank, ep.tensors, AgentSettings(
             engine_id=engine_id, lease=settings.lease, timeout=settings.timeout, progress="thread"))
-        self.address = self.agent.serve(settings.host, settings.port_for(ep.rank))
         self._lock = threading.RLock()
         self._peers: dict[tuple, Peer] = {}
         self._sources: dict[str, _Source] = {}
         self._asks: dict[str, PushAsk] = {}  # pushes asked for before the source was ready
         self._push_failed: dict[str, str] = {}
-        self._server = ChannelServer(self._on_push, lambda text: _reply(False, text), self._key,
-                                     settings.host, 0)
+        channel, push = ports if ports is not None else (settings.port_for(ep.rank), 0)
+        try:
+            self.address = self.agent.serve(settings.host, channel)
+            self._server = ChannelServer(self._on_push, lambda text: _reply(False, text), self._key,
+                                         settings.host, push)
+        except KvlcError:
+            self.agent.close()
+            raise
         host, port = self._server.address
         self.push_address = f"{host}:{port}"
 

@@ -6,6 +6,13 @@ goes back through vLLM's outputs (``get_transfer_results`` / ``get_block_ids_wit
 Its hooks keep vLLM's names. Loads are asynchronous: the request waits in the scheduler until
 every rank reports it received, so :meth:`WorkerSide.wait_for_layer_load` never has to block.
 :meth:`WorkerSide.get_transfer_results` is the one method that polls the agent (NIXL).
+
+Sleep (vLLM 0.34's sleep mode, levels 1 and 2): :meth:`WorkerSide.unregister_kv_caches` closes the
+rank's transport (NIXL deregisters the KV cache; sessions, connections and transfers end; peers see
+the side channel close). Loads still in flight fail, reported once at the next poll; blocks held
+for consumers are given back. :meth:`WorkerSide.restore_kv_caches` binds the KV cache again (its
+tensors may have moved) as a new agent, so a new epoch, on the same two addresses: a peer's next
+request connects again, as after a restart.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
@@ -36,6 +44,32 @@ def _check_isas(mine: str, theirs: str) -> None:
         raise KvlcError(why)
 
 
+def _merged(polls: list):
+    """Several polls' completions as one (the agent closed for sleep, then the agent woken)."""
+    c = polls[-1]
+    for left in polls[:-1]:
+        c = replace(c, finished=left.finished + c.finished, failed={**left.failed, **c.failed},
+                    held={**left.held, **c.held}, freeable=left.freeable + c.freeable)
+    return c
+
+
+@dataclass(frozen=True)
+class _Asleep:
+    """A rank between sleep and wake: the addresses its peers know, and the plan they paired with."""
+
+    address: str
+    push_address: str
+    digest: str
+
+    @property
+    def channel_port(self) -> int:
+        return int(self.address.rpartition(":")[2])
+
+    @property
+    def push_port(self) -> int:
+        return int(self.push_address.rpartition(":")[2])
+
+
 class WorkerSide:
     """Worker-side state of one TP rank (see the module docstring)."""
 
@@ -55,6 +89,8 @@ class WorkerSide:
         self._failed_recving: set[str] = set()
         self._started: dict[str, float] = {}  # kvlc id -> when its load started
         self.load_seconds: list[float] = []  # start to "received" of every finished load
+        self._asleep: _Asleep | None = None  # between unregister_kv_caches and restore_kv_caches
+        self._closed: Transport | None = None  # closed for sleep: its last events not polled yet
 
     # ------------------------------------------------------------------ set-up
     def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
@@ -62,11 +98,51 @@ class WorkerSide:
 
         self.rank = int(get_tensor_model_parallel_rank())
         self.kv_caches = dict(kv_caches)
-        ep = engine_plan(self.vllm_config, self.kv_cache_config, kv_caches, self.rank, self.settings.spec)
+        self.transport = self._bind(None)
+        log.info("kvlc: rank %d bound plan %s (%s) at %s", self.rank, self.transport.ep.plan.name,
+                 self.transport.ep.plan.digest[:12], self.transport.address)
+
+    def _bind(self, ports: tuple[int, int] | None) -> Transport:
+        """This rank's plan over the KV cache tensors as they are now, served by a new agent."""
+        ep = engine_plan(self.vllm_config, self.kv_cache_config, self.kv_caches, self.rank, self.settings.spec)
         engine_id = str(self.vllm_config.kv_transfer_config.engine_id)
-        self.transport = Transport(ep, self.settings, engine_id)
-        log.info("kvlc: rank %d bound plan %s (%s) at %s", self.rank, ep.plan.name,
-                 ep.plan.digest[:12], self.transport.address)
+        return Transport(ep, self.settings, engine_id, ports)
+
+    # ------------------------------------------------------------------ sleep mode (vLLM 0.34)
+    def unregister_kv_caches(self) -> None:
+        """Before vLLM sleeps: end the agent (see the module docstring). Idempotent."""
+        t = self.transport
+        if t is None:
+            return
+        self.transport = None
+        self._asleep = _Asleep(t.address, t.push_address, t.ep.plan.digest)
+        self._ready_after_step = []
+        t.close()  # transfers in flight end failed (reported by its next poll); NIXL deregisters the KV cache
+        self._closed = t
+        why = "vLLM put this engine to sleep while the load was in flight; nothing lands after it"
+        for kid in self._loads:  # loads the close did not end (a push not started): failed too, reported once
+            self._failed.setdefault(kid, why)
+        self._early.update(dict.fromkeys(self._holds, time.monotonic()))  # no consumer can read them now
+        log.info("kvlc: rank %d asleep: KV cache unregistered at %s (%d load(s) failed, %d hold(s) given back)",
+                 self.rank, t.address, len(self._failed), len(self._holds))
+
+    def restore_kv_caches(self) -> None:
+        """After vLLM woke: bind the KV cache again under a new epoch, on the same addresses. Idempotent."""
+        asleep = self._asleep
+        if asleep is None or self.transport is not None:
+            return
+        try:
+            t = self._bind((asleep.channel_port, asleep.push_port))
+        except KvlcError as exc:
+            raise KvlcError(f"kvlc: rank {self.rank} cannot register its KV cache again after sleep at "
+                            f"{asleep.address} (its peers know this address): {exc}") from exc
+        if t.ep.plan.digest != asleep.digest:
+            t.close()
+            raise KvlcError(f"kvlc: rank {self.rank}: after sleep the KV cache derives plan {t.ep.plan.digest[:12]}, "
+                            f"before it {asleep.digest[:12]}; peers paired with the old one: restart the engine")
+        self.transport, self._asleep = t, None
+        log.info("kvlc: rank %d awake: KV cache registered again at %s (agent %s, epoch %s)",
+                 self.rank, t.address, t.agent.name, t.agent.epoch[:8])
 
     def get_handshake_metadata(self) -> KvlcHandshake | None:
         t = self.transport
@@ -77,13 +153,20 @@ class WorkerSide:
 
     def _t(self) -> Transport:
         if self.transport is None:
+            if self._asleep is not None:
+                raise KvlcError("kvlc connector used while vLLM sleeps (unregister_kv_caches ran, "
+                                "restore_kv_caches did not yet)")
             raise KvlcError("kvlc connector used before register_kv_caches bound the KV cache")
         return self.transport
 
     # ------------------------------------------------------------------ per step
     def bind_connector_metadata(self, meta: KvlcConnectorMetadata) -> None:
-        t = self._t()
         now = time.monotonic()
+        if self.transport is None and self._asleep is not None:
+            for h in meta.holds:  # no consumer can read them while asleep: given back at the next poll
+                self._holds[h.req_id], self._early[h.req_id] = now, now
+            return
+        t = self._t()
         for src in meta.sources:
             t.add_source(src.req_id, plan_block_ids(t.ep.groups, src.block_ids))
             if src.complete:
@@ -97,7 +180,6 @@ class WorkerSide:
             self._holds[h.req_id] = now + h.lease + _BACKSTOP_S
 
     def start_load_kv(self, meta: KvlcConnectorMetadata) -> None:
-        t = self._t()
         for load in meta.loads:
             self._loads[load.kvlc_id] = load
             self._started[load.kvlc_id] = time.perf_counter()
@@ -106,12 +188,14 @@ class WorkerSide:
                      self.rank, load.req_id, load.tokens.start, load.tokens.stop, load.mode.value,
                      r.kvlc_addresses[0], dict(load.local_block_ids), dict(load.remote_block_ids))
             try:
+                t = self._t()
                 _check_isas(t.ep.cpu_isa, r.kvlc_cpu_isa)
                 t.load(load, ask=self.rank == 0)
             except (KvlcError, OSError) as exc:
                 log.error("kvlc: load of request %s from engine %s failed: %s",
                           load.req_id, r.remote_engine_id, exc)
-                t.forget_peer(r.kvlc_addresses)
+                if self.transport is not None:
+                    self.transport.forget_peer(r.kvlc_addresses)
                 self._failed[load.kvlc_id] = str(exc)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -131,9 +215,12 @@ class WorkerSide:
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """Poll the agent once: requests whose blocks the producer may free, loads received (or failed:
         reported received, their blocks in :meth:`get_block_ids_with_load_errors` or failed_recving)."""
-        if self.transport is None:
+        polls = [t.poll() for t in (self._closed, self.transport) if t is not None]  # closed for sleep: first
+        if self.transport is not None:
+            self._closed = None  # its last events are in this poll
+        if not polls:
             return KVConnectorTransferResults()
-        c = self.transport.poll()  # c.held: failed, but bytes may still land: wait for c.failed
+        c = _merged(polls)  # c.held: failed, but bytes may still land: wait for c.failed
         failed = dict(c.failed)
         failed.update(self._failed)
         self._failed = {}
@@ -172,7 +259,8 @@ class WorkerSide:
                     log.warning("kvlc: lease of request %s ended before its consumer finished", req)
                 self._early.pop(req, None)
                 del self._holds[req]
-                self._t().drop_source(req)
+                if self.transport is not None:
+                    self.transport.drop_source(req)
                 done.add(req)
         for req, seen in list(self._early.items()):
             if now - seen > _EARLY_TTL_S:
