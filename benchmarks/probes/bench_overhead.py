@@ -105,6 +105,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=40)
     ap.add_argument("--pool-mib", type=int, default=64)
     ap.add_argument("--progress", default="thread", help="the producer's progress: thread (default) or manual")
+    ap.add_argument("--nap", type=float, default=0.0,
+                    help="seconds kvlc's wait sleeps between empty polls (default 0: it spins, as raw's wait does)")
     ap.add_argument("--gpu", action="store_true", help="VRAM on cuda:0 on both sides (a GPU machine)")
     ap.add_argument("--out", default="overhead", help="result name under benchmarks/results (no .json)")
     args = ap.parse_args(argv)
@@ -132,7 +134,7 @@ def main(argv=None) -> int:
         times = {"raw": [], "kvlc": []}
         for i in range(-2, args.rounds):  # rounds -2, -1 warm both paths up, not counted
             raw = raw_round(prod.nixl, remote, parts)
-            k = one_round(prod, peer, [(f"o{i}-{j}", c, p, n) for j, (_, c, p, n) in enumerate(batch)])
+            k = one_round(prod, peer, [(f"o{i}-{j}", c, p, n) for j, (_, c, p, n) in enumerate(batch)], nap=args.nap)
             if i >= 0:
                 times["raw"].append(raw)
                 times["kvlc"].append((k["submit_s"], k["total_s"]))

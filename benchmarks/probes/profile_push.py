@@ -62,12 +62,12 @@ def setup(pool_mib: int, progress: str, interval: float, gpu: bool = False):
     return plan, proc, prod, peer
 
 
-def one_round(prod, peer, batch, timeout: float = 60.0) -> dict:
+def one_round(prod, peer, batch, timeout: float = 60.0, nap: float = 0.0002) -> dict:
     t0 = time.perf_counter()
     for req, cids, pids, n in batch:
         peer.write(req, pids, cids, n, timeout=timeout)
     t_posted = time.perf_counter()
-    wait_finished(prod, {b[0] for b in batch}, timeout)
+    wait_finished(prod, {b[0] for b in batch}, timeout, nap)
     return {"submit_s": t_posted - t0, "total_s": time.perf_counter() - t0}
 
 
