@@ -15,6 +15,7 @@ import multiprocessing as mp
 import os
 import shutil
 import tempfile
+import threading
 import time
 import weakref
 from dataclasses import dataclass, field, replace
@@ -203,6 +204,7 @@ class EngineProcess:
         self._ready = False
         self._stopping = False
         self._cleanup = None
+        self._turn = threading.RLock()  # one question and its answer at a time: threads may share an engine
 
     def start(self) -> EngineProcess:
         spec = self.spec
@@ -216,6 +218,10 @@ class EngineProcess:
         return self
 
     def wait_ready(self, timeout: float = 600.0) -> EngineProcess:
+        with self._turn:
+            return self._wait_ready(timeout)
+
+    def _wait_ready(self, timeout: float) -> EngineProcess:
         if not self._ready:
             status, msg = self._recv(timeout)
             if status != "ready":
@@ -236,35 +242,41 @@ class EngineProcess:
     def generate(self, prompts, max_tokens: int = 16, params=None, timeout: float = 300.0) -> list[Output]:
         self.wait_ready()
         params = list(params) if params is not None else [None] * len(prompts)
-        self._conn.send(("generate", (list(map(list, prompts)), max_tokens, params)))
-        status, out = self._recv(timeout)
+        status, out = self._ask("generate", (list(map(list, prompts)), max_tokens, params), timeout)
         if status != "ok":
             raise RuntimeError(out)
         return out
 
     def kv_blocks(self, block_ids, timeout: float = 60.0) -> dict:
         """Layer name → bytes of ``block_ids`` (in order), read in the engine (single-process mode)."""
-        self._conn.send(("kv", list(block_ids)))
-        status, out = self._recv(timeout)
+        status, out = self._ask("kv", list(block_ids), timeout)
         if status != "ok":
             raise RuntimeError(out)
         return out
 
     def sleep_or_wake(self, cmd: str, timeout: float = 60.0) -> dict:
         """``"sleep"`` or ``"wake"`` (see :func:`_sleep_or_wake`); single-process engines."""
-        self._conn.send((cmd, None))
-        status, out = self._recv(timeout)
+        status, out = self._ask(cmd, None, timeout)
         if status != "ok":
             raise RuntimeError(f"{cmd} failed: {out}")
         return out
 
     def stats(self, timeout: float = 60.0) -> dict:
         """The engine's KvlcConnector counters (single-process mode)."""
-        self._conn.send(("stats", None))
-        status, out = self._recv(timeout)
+        status, out = self._ask("stats", None, timeout)
         if status != "ok":
             raise RuntimeError(out)
         return out
+
+    def _ask(self, cmd: str, arg, timeout: float):
+        """Send one command and take its answer, as one turn (another thread's answer is never taken)."""
+        with self._turn:
+            try:
+                self._conn.send((cmd, arg))
+            except OSError:
+                self.proc.join(5)
+                raise EngineDied(f"engine process {self.proc.pid} is gone (exit code {self.proc.exitcode})") from None
+            return self._recv(timeout)
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.is_alive():

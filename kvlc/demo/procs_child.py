@@ -142,11 +142,14 @@ def resources(h: _Hosted | None = None) -> dict:
     return out
 
 
-def _submit(h: _Hosted, peer_id, method, requests, timeout, size: int = 0) -> dict[str, str]:
+def _submit(h: _Hosted, peer_id, method, requests, timeout, size: int = 0, options: dict | None = None
+            ) -> dict[str, str]:
     """Post every request through peer ``peer_id``; the errors of those that could not be posted.
 
     ``method`` ``write_many`` / ``read_many`` posts them in batches of ``size`` (0: one batch);
-    a refused batch's error is each of its requests' error."""
+    a refused batch's error is each of its requests' error. ``options``: more keyword arguments of
+    ``read`` / ``write`` (e.g. ``produced_at``)."""
+    options = options or {}
     errors = {}
     fn = getattr(h.peers[peer_id], method)
     if method.endswith("_many"):
@@ -164,9 +167,9 @@ def _submit(h: _Hosted, peer_id, method, requests, timeout, size: int = 0) -> di
     for req, lids, rids, n in requests:   # n: num_tokens, or (start, stop) for a token range
         try:
             if isinstance(n, (tuple, list)):
-                fn(req, lids, rids, timeout=timeout, tokens=tuple(n))
+                fn(req, lids, rids, timeout=timeout, tokens=tuple(n), **options)
             else:
-                fn(req, lids, rids, n, timeout=timeout)
+                fn(req, lids, rids, n, timeout=timeout, **options)
         except Exception as exc:
             errors[req] = f"{type(exc).__name__}: {exc}"
     return errors

@@ -80,6 +80,7 @@ class KvAgent:
         default = re.sub(r"[^A-Za-z0-9_.\-]", "_", plan.name)[:80]
         self.engine_id = valid_name(cfg.engine_id or f"{default}-{uuid.uuid4().hex[:12]}", "engine_id")
         self.epoch = secrets.token_hex(8)
+        self.started_at = time.time()  # this epoch's start: its memory holds nothing produced before
         self._identity = Identity.generate()  # this epoch's key: introductions prove it (channel.identity)
         self.name = valid_name(cfg.name or f"kvlc-{default}-r{rank}-{uuid.uuid4().hex[:8]}")
         self._lock = threading.RLock()
@@ -94,7 +95,7 @@ class KvAgent:
             self.staging = cfg.staging_policy()
             self.stager = make_stager(self.nixl, self.bindings, self.staging)
             self.record = make_record(self.name, self.nixl.metadata(), plan, rank, storages,
-                                      self.engine_id, self.epoch, self._identity.public)
+                                      self.engine_id, self.epoch, self._identity.public, self.started_at)
         except BaseException:
             self.nixl.close()
             raise

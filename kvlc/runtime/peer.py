@@ -322,7 +322,7 @@ class Peer:
 
     def read(self, request_id: str, local_block_ids: Mapping[str, Sequence[int]],
              remote_block_ids: Mapping[str, Sequence[int]], num_tokens: int | None = None,
-             timeout: float | None = None, *, tokens=None) -> None:
+             timeout: float | None = None, *, tokens=None, produced_at: float | None = None) -> None:
         """Pull one request into this (consumer) rank's blocks. Never blocks; see :meth:`KvAgent.poll`.
 
         ``num_tokens=N`` moves tokens ``[0, N)``; ``tokens=(start, stop)`` (or ``range``) moves
@@ -331,6 +331,11 @@ class Peer:
         (:func:`kvlc.compiler.request.check.check_request`); every id is checked
         against every region's capacity before anything moves (:class:`TransferError`).
         In pull_via_push mode the range travels to the producer, which checks it again.
+
+        ``produced_at`` (the producer's ``time.time()`` when the KV was complete): a remote rank whose
+        epoch started later (the engine restarted, or slept and woke, since) no longer holds that KV:
+        the read is refused with :class:`TransferError` and nothing moves, even over a connection made
+        again to the same address under the new epoch.
         """
         if self.direction is not Direction.READ:
             raise TransferError("read() needs a connection made with direction='READ' (this side consumes)")
@@ -338,6 +343,8 @@ class Peer:
         a = self.agent
         timeout = a.timeout if timeout is None else float(timeout)
         self._live()
+        if produced_at is not None:
+            self._still_held(request_id, produced_at)
         if self.mode is not ConnectionMode.PULL_VIA_PUSH:
             parts, staged = self.parts(local_block_ids, remote_block_ids, num_tokens, tokens)
             a.submit(("read", request_id), request_id, "READ", parts, self._targets(), timeout, staged=staged)
@@ -356,6 +363,16 @@ class Peer:
                 return encode(PullRequest(req=request_id, consumer_blocks=cblocks, producer_blocks=pblocks,
                                           start=start, stop=stop, until=deadline + off - err, budget_s=budget))
             a.sender.send(client, payload, ("pull", request_id, r, self.sessions[r].conn_id))
+
+    def _still_held(self, request_id: str, produced_at: float) -> None:
+        """Refuse a read of KV produced before a remote rank's epoch started (that memory was renewed)."""
+        for r, s in self.sessions.items():
+            started = s.record.started_at
+            if started > produced_at:
+                raise TransferError(
+                    f"request '{request_id}': its KV was produced at {produced_at:.3f} but rank {r} of engine "
+                    f"'{self.engine.engine_id}' started epoch {s.epoch[:8]} at {started:.3f}, later (a restart, "
+                    "or a sleep and wake-up): that memory no longer holds it; nothing read (compute it again)")
 
     def write(self, request_id: str, local_block_ids: Mapping[str, Sequence[int]],
               remote_block_ids: Mapping[str, Sequence[int]], num_tokens: int | None = None,

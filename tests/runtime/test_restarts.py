@@ -7,9 +7,11 @@ remote agents, sessions, records). Real NIXL agents, one process per engine, eve
 from __future__ import annotations
 
 import socket
+import time
 
+import numpy as np
 import pytest
-from runtime_engines import TEST_LAYOUTS, check_bytes, config, flip, move
+from runtime_engines import TEST_LAYOUTS, TIMEOUT, check_bytes, config, flip, move
 
 from kvlc import compile_spec
 from kvlc.demo.procs import EngineProcess, stop_engines
@@ -135,5 +137,41 @@ def test_a_producer_that_stays_down_refuses_the_request_with_why(plan):
         assert set(errors) == {"gone-a", "gone-b"}
         assert "lost" in errors["gone-a"] and "connecting again failed" in errors["gone-a"], errors
         assert cons.call("resources")["remotes"] == 0
+    finally:
+        stop_engines([prod, cons])
+
+
+def test_kv_produced_before_a_restart_is_never_read(plan):
+    """A read that says when its KV was produced (``produced_at``, the producer's clock) is refused once the
+    producer rank restarted after that time, in every mode, even though the address answers again (the
+    new epoch's memory holds other bytes): nothing moves. KV produced after the restart is read."""
+    port = _port()
+    pproc, prod = _start(plan, "content", "pa-p", port=port)
+    cproc, cons = _start(plan, "random", "pa-c", seed=5)
+    try:
+        for mode in MODES:
+            cons.connect([prod.address], "READ", mode, mode)
+        produced = time.time()
+        for mode in MODES:
+            before = cons.call("dump")
+            assert not cons.call("submit", mode, "read", _reqs(f"{mode}-ok"), TIMEOUT, 0, {"produced_at": produced})
+            assert cons.call("wait", [r[0] for r in _reqs(f"{mode}-ok")], TIMEOUT)["failed"] == {}
+            check_bytes(cons, plan, plan, before, _reqs(f"{mode}-ok"))
+        pproc.kill()
+        pproc, prod = _start(plan, "content", "pa-p", port=port)
+        for mode in MODES:
+            before = cons.call("dump")
+            errors = cons.call("submit", mode, "read", _reqs(f"{mode}-old"), TIMEOUT, 0, {"produced_at": produced})
+            assert set(errors) == {f"{mode}-old-a", f"{mode}-old-b"}, errors
+            assert "no longer holds it; nothing read" in errors[f"{mode}-old-a"], errors
+            after = cons.call("dump")
+            assert all(np.array_equal(after[k], before[k]) for k in before), f"{mode}: bytes moved after the refusal"
+        fresh = time.time()
+        for mode in MODES:
+            _pull = _reqs(f"{mode}-new")
+            before = cons.call("dump")
+            assert not cons.call("submit", mode, "read", _pull, TIMEOUT, 0, {"produced_at": fresh})
+            assert cons.call("wait", [r[0] for r in _pull], TIMEOUT)["failed"] == {}
+            check_bytes(cons, plan, plan, before, _pull)
     finally:
         stop_engines([prod, cons])

@@ -100,6 +100,8 @@ class Record(_Strict):
     epoch: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{16,64}$")]
     storages: Annotated[tuple[StorageBase, ...], Field(max_length=1 << 16)]
     key: Annotated[bytes, Field(min_length=PUBLIC_BYTES, max_length=PUBLIC_BYTES)]  # Ed25519, this epoch's
+    # when this epoch started (the sender's time.time()): its memory holds nothing produced before (0: unknown)
+    started_at: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
     _plan: Plan | None = PrivateAttr(default=None)
 
     @property
@@ -261,10 +263,12 @@ def check_record(rec: Record) -> Plan:
 
 
 def make_record(
-    agent: str, nixl_md: bytes, plan: Plan, rank: int, storages, engine_id: str, epoch: str, key: bytes
+    agent: str, nixl_md: bytes, plan: Plan, rank: int, storages, engine_id: str, epoch: str, key: bytes,
+    started_at: float = 0.0,
 ) -> Record:
     """Build and check a record (``storages``: :class:`StorageBase` in plan order; ``key``: the
-    epoch's Ed25519 public key, :class:`~kvlc.runtime.channel.identity.Identity`)."""
+    epoch's Ed25519 public key, :class:`~kvlc.runtime.channel.identity.Identity`; ``started_at``: when
+    the epoch started, wall clock)."""
     rec = Record(
         agent=agent,
         nixl_md=nixl_md,
@@ -275,6 +279,7 @@ def make_record(
         epoch=epoch,
         storages=tuple(storages),
         key=key,
+        started_at=started_at,
     )
     check_record(rec)
     return rec

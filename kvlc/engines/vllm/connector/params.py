@@ -35,7 +35,8 @@ class RemotePrefill(BaseModel):
     ``remote_num_tokens``: tokens whose KV those blocks hold. ``kvlc_addresses``: the kvlc
     side channel of each prefill TP rank (``kvlc_push_addresses``: where a consumer asks
     that rank to push). ``kvlc_cpu_isa``: the producer's CPU attention ISA, so a consumer
-    whose ISA orders a block differently refuses with the reason. ``transfer_mode``: the producer's configured mode (informational;
+    whose ISA orders a block differently refuses with the reason. ``kvlc_produced_at``: when the KV
+    was complete, so a consumer never reads a restarted (or woken) producer's renewed memory. ``transfer_mode``: the producer's configured mode (informational;
     the consumer's own ``mode`` decides, unless the params carry ``"mode"``).
     """
 
@@ -55,6 +56,9 @@ class RemotePrefill(BaseModel):
     kvlc_push_addresses: tuple[str, ...]
     kvlc_plan_digest: str = ""
     kvlc_cpu_isa: str = ""  # CPU_ATTN: the producer's attention ISA (its in-block order)
+    # when the prefill engine finished the request (its time.time()): a producer rank that restarted or
+    # woke from sleep after it holds other bytes there, so a consumer refuses to read them (0: unknown)
+    kvlc_produced_at: float = Field(default=0.0, ge=0, allow_inf_nan=False)
     transfer_mode: TransferMode = TransferMode.PULL
     mode: TransferMode | None = None
     connector: str = CONNECTOR_TAG

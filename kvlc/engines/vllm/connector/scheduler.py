@@ -19,6 +19,7 @@ that its consumer is done or the lease ends; the returned dict is
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -199,5 +200,6 @@ class SchedulerSide:
             kvlc_push_addresses=pushes,
             kvlc_plan_digest=self.ranks[0].plan_digest,
             kvlc_cpu_isa=self.ranks[0].cpu_isa,
+            kvlc_produced_at=time.time(),
             transfer_mode=self.settings.mode,
         ).to_params()

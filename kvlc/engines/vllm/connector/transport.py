@@ -126,7 +126,8 @@ class Transport:
                     self._ask(addr, msg)
             return
         mode = "pull_via_push" if load.mode is TransferMode.PULL_VIA_PUSH else "direct"
-        self.peer(producer, "READ", mode).read(req, load.local_block_ids, load.remote_block_ids, tokens=tokens)
+        self.peer(producer, "READ", mode).read(req, load.local_block_ids, load.remote_block_ids, tokens=tokens,
+                                               produced_at=load.remote.kvlc_produced_at or None)
 
     def _ask(self, address: str, msg: PushAsk) -> None:
         client = ChannelClient(address, self._key, timeout=self.settings.timeout)
