@@ -67,6 +67,7 @@ class Output:
     num_cached_tokens: int
     finish_reason: str | None
     seconds: float = 0.0
+    first_token_s: float | None = None  # vLLM's own first-token latency (EngineSpec(log_stats=True))
 
 
 @dataclass(frozen=True)
@@ -81,13 +82,16 @@ class EngineSpec:
     env: dict = field(default_factory=dict)
     kv_cache_bytes: int = 64 << 20
     prefix_caching: bool = False
+    max_num_seqs: int = 4
+    log_stats: bool = False  # vLLM's per-request timings (Output.first_token_s) and connector stats
 
     def llm_kwargs(self) -> dict:
         return dict(model=self.model, load_format="safetensors", enforce_eager=True,
                     skip_tokenizer_init=True, dtype=self.dtype, max_model_len=512, seed=0,
-                    max_num_seqs=4, max_num_batched_tokens=512, kv_cache_memory_bytes=self.kv_cache_bytes,
-                    block_size=self.block_size, tensor_parallel_size=self.tp,
-                    enable_prefix_caching=self.prefix_caching)
+                    max_num_seqs=self.max_num_seqs, max_num_batched_tokens=512,
+                    kv_cache_memory_bytes=self.kv_cache_bytes, block_size=self.block_size,
+                    tensor_parallel_size=self.tp, enable_prefix_caching=self.prefix_caching,
+                    disable_log_stats=not self.log_stats)
 
 
 def _serve(spec: EngineSpec, conn) -> None:
@@ -112,6 +116,8 @@ def _serve(spec: EngineSpec, conn) -> None:
             conn.send(("ok", _kv_blocks(arg)))
         elif cmd == "stats":
             conn.send(("ok", _connector_stats()))
+        elif cmd == "transfer_metrics":
+            conn.send(("ok", _transfer_metrics(llm)))
         else:
             conn.send(_generate(llm, arg))
     del llm
@@ -134,7 +140,8 @@ def _generate(llm, arg) -> tuple:
         return ("error", f"{type(exc).__name__}: {exc}")
     dt = time.perf_counter() - t0
     return ("ok", [Output(tuple(o.outputs[0].token_ids), o.kv_transfer_params,
-                          int(o.num_cached_tokens or 0), o.outputs[0].finish_reason, dt)
+                          int(o.num_cached_tokens or 0), o.outputs[0].finish_reason, dt,
+                          getattr(o.metrics, "first_token_latency", None))
                    for o in outs])
 
 
@@ -154,6 +161,23 @@ def _connector_stats() -> dict:
 
     worker = getattr(get_kv_transfer_group(), "worker", None)
     return worker.stats() if worker is not None and hasattr(worker, "stats") else {}
+
+
+def _transfer_metrics(llm) -> dict:
+    """The connector stats vLLM's own stats logger gathered since last asked (then reset): ``data`` and
+    ``reduced`` (the connector class's ``reduce()``, what vLLM logs as "KV Transfer metrics"); {} when
+    none came. Needs ``EngineSpec(log_stats=True)``; a large ``VLLM_LOG_STATS_INTERVAL`` keeps vLLM's
+    periodic log from resetting them first."""
+    manager = getattr(llm.llm_engine, "logger_manager", None)
+    for top in getattr(manager, "stat_loggers", ()):
+        for one in getattr(top, "per_engine_stat_loggers", {0: top}).values():
+            kv = getattr(one, "kv_connector_logging", None)
+            if kv is None:
+                continue
+            acc = kv.transfer_stats_accumulator
+            kv.reset()
+            return {} if acc is None else {"data": dict(acc.data), "reduced": acc.reduce()}
+    return {}
 
 
 class EngineDied(RuntimeError):
@@ -224,6 +248,14 @@ class EngineProcess:
     def stats(self, timeout: float = 60.0) -> dict:
         """The engine's KvlcConnector counters (single-process mode)."""
         self._conn.send(("stats", None))
+        status, out = self._recv(timeout)
+        if status != "ok":
+            raise RuntimeError(out)
+        return out
+
+    def transfer_metrics(self, timeout: float = 60.0) -> dict:
+        """The connector stats as vLLM's stats logger aggregated them (see :func:`_transfer_metrics`)."""
+        self._conn.send(("transfer_metrics", None))
         status, out = self._recv(timeout)
         if status != "ok":
             raise RuntimeError(out)
