@@ -22,6 +22,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -196,10 +197,15 @@ def main() -> int:
         result.update(run(args, servers, model))
         time.sleep(2)  # the last second's metrics line
         result["kvlc_connector_metrics"] = connector_metrics(servers)
+        Path(args.out).write_text(json.dumps(result, indent=1))  # before the servers stop (slow when loaded)
     finally:
         for s in servers.values():
-            s.stop()
-    Path(args.out).write_text(json.dumps(result, indent=1))
+            s.proc.terminate()
+        for s in servers.values():
+            try:
+                s.stop()
+            except subprocess.TimeoutExpired:
+                print(f"{s.name} (pid {s.proc.pid}) did not stop in time", file=sys.stderr)
     m = result["kvlc_connector_metrics"]
     print(json.dumps({**result["overall"], **{k: v for k, v in m.items() if k != "lines"}}, indent=1))
     return 0
