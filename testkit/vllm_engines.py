@@ -68,6 +68,7 @@ class Output:
     num_cached_tokens: int
     finish_reason: str | None
     seconds: float = 0.0
+    first_token_s: float | None = None  # vLLM's own first-token latency (EngineSpec(log_stats=True))
 
 
 @dataclass(frozen=True)
@@ -82,13 +83,16 @@ class EngineSpec:
     env: dict = field(default_factory=dict)
     kv_cache_bytes: int = 64 << 20
     prefix_caching: bool = False
+    max_num_seqs: int = 4
+    log_stats: bool = False  # vLLM's per-request timings (Output.first_token_s) and connector stats
 
     def llm_kwargs(self) -> dict:
         return dict(model=self.model, load_format="safetensors", enforce_eager=True,
                     skip_tokenizer_init=True, dtype=self.dtype, max_model_len=512, seed=0,
-                    max_num_seqs=4, max_num_batched_tokens=512, kv_cache_memory_bytes=self.kv_cache_bytes,
-                    block_size=self.block_size, tensor_parallel_size=self.tp,
-                    enable_prefix_caching=self.prefix_caching)
+                    max_num_seqs=self.max_num_seqs, max_num_batched_tokens=512,
+                    kv_cache_memory_bytes=self.kv_cache_bytes, block_size=self.block_size,
+                    tensor_parallel_size=self.tp, enable_prefix_caching=self.prefix_caching,
+                    disable_log_stats=not self.log_stats)
 
 
 def _serve(spec: EngineSpec, conn) -> None:
@@ -115,6 +119,8 @@ def _serve(spec: EngineSpec, conn) -> None:
             conn.send(("ok", _connector_stats()))
         elif cmd in ("sleep", "wake"):
             conn.send(_sleep_or_wake(cmd))
+        elif cmd == "transfer_metrics":
+            conn.send(("ok", _transfer_metrics(llm)))
         else:
             conn.send(_generate(llm, arg))
     del llm
@@ -137,7 +143,8 @@ def _generate(llm, arg) -> tuple:
         return ("error", f"{type(exc).__name__}: {exc}")
     dt = time.perf_counter() - t0
     return ("ok", [Output(tuple(o.outputs[0].token_ids), o.kv_transfer_params,
-                          int(o.num_cached_tokens or 0), o.outputs[0].finish_reason, dt)
+                          int(o.num_cached_tokens or 0), o.outputs[0].finish_reason, dt,
+                          getattr(o.metrics, "first_token_latency", None))
                    for o in outs])
 
 
@@ -184,6 +191,23 @@ def _sleep_or_wake(cmd: str) -> tuple:
     t = group.worker.transport
     first = next(iter(group.worker.kv_caches.values()))
     return ("ok", {"ptr": first.data_ptr(), "address": t.address if t is not None else None})
+
+
+def _transfer_metrics(llm) -> dict:
+    """The connector stats vLLM's own stats logger gathered since last asked (then reset): ``data`` and
+    ``reduced`` (the connector class's ``reduce()``, what vLLM logs as "KV Transfer metrics"); {} when
+    none came. Needs ``EngineSpec(log_stats=True)``; a large ``VLLM_LOG_STATS_INTERVAL`` keeps vLLM's
+    periodic log from resetting them first."""
+    manager = getattr(llm.llm_engine, "logger_manager", None)
+    for top in getattr(manager, "stat_loggers", ()):
+        for one in getattr(top, "per_engine_stat_loggers", {0: top}).values():
+            kv = getattr(one, "kv_connector_logging", None)
+            if kv is None:
+                continue
+            acc = kv.transfer_stats_accumulator
+            kv.reset()
+            return {} if acc is None else {"data": dict(acc.data), "reduced": acc.reduce()}
+    return {}
 
 
 class EngineDied(RuntimeError):
@@ -277,6 +301,13 @@ class EngineProcess:
                 self.proc.join(5)
                 raise EngineDied(f"engine process {self.proc.pid} is gone (exit code {self.proc.exitcode})") from None
             return self._recv(timeout)
+
+    def transfer_metrics(self, timeout: float = 60.0) -> dict:
+        """The connector stats as vLLM's stats logger aggregated them (see :func:`_transfer_metrics`)."""
+        status, out = self._ask("transfer_metrics", None, timeout)
+        if status != "ok":
+            raise RuntimeError(out)
+        return out
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.is_alive():

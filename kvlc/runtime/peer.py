@@ -31,7 +31,7 @@ from kvlc.runtime.kinds import Direction, ConnectionMode
 from kvlc.runtime.channel.sessions import RemoteEngine, Session
 from kvlc.runtime.tracking import Incoming
 from kvlc.runtime.channel.notifs import agents_of
-from kvlc.runtime.transfer import PreparedPart, Target
+from kvlc.runtime.transfer import Outgoing, PreparedPart, Target
 from kvlc.runtime.channel.wire import Fetch, PullRequest, Record, Reply, decode, encode
 
 log = logging.getLogger(__name__)
@@ -322,7 +322,8 @@ class Peer:
 
     def read(self, request_id: str, local_block_ids: Mapping[str, Sequence[int]],
              remote_block_ids: Mapping[str, Sequence[int]], num_tokens: int | None = None,
-             timeout: float | None = None, *, tokens=None, produced_at: float | None = None) -> None:
+             timeout: float | None = None, *, tokens=None, produced_at: float | None = None
+             ) -> Outgoing | None:
         """Pull one request into this (consumer) rank's blocks. Never blocks; see :meth:`KvAgent.poll`.
 
         ``num_tokens=N`` moves tokens ``[0, N)``; ``tokens=(start, stop)`` (or ``range``) moves
@@ -336,6 +337,10 @@ class Peer:
         epoch started later (the engine restarted, or slept and woke, since) no longer holds that KV:
         the read is refused with :class:`TransferError` and nothing moves, even over a connection made
         again to the same address under the new epoch.
+
+        Returns the request as this agent moves it (its ``nbytes``, ``rows``, and ``started`` /
+        ``finished`` on the monotonic clock, ``finished`` set once every part ended), or None in
+        pull_via_push mode, where the producer moves the bytes.
         """
         if self.direction is not Direction.READ:
             raise TransferError("read() needs a connection made with direction='READ' (this side consumes)")
@@ -347,8 +352,8 @@ class Peer:
             self._still_held(request_id, produced_at)
         if self.mode is not ConnectionMode.PULL_VIA_PUSH:
             parts, staged = self.parts(local_block_ids, remote_block_ids, num_tokens, tokens)
-            a.submit(("read", request_id), request_id, "READ", parts, self._targets(), timeout, staged=staged)
-            return
+            return a.submit(("read", request_id), request_id, "READ", parts, self._targets(), timeout,
+                            staged=staged)
         check_request(self.program, local_block_ids, remote_block_ids, num_tokens, tokens=tokens)
         start, stop = _wire_range(num_tokens, tokens)
         deadline = time.monotonic() + timeout
@@ -363,6 +368,7 @@ class Peer:
                 return encode(PullRequest(req=request_id, consumer_blocks=cblocks, producer_blocks=pblocks,
                                           start=start, stop=stop, until=deadline + off - err, budget_s=budget))
             a.sender.send(client, payload, ("pull", request_id, r, self.sessions[r].conn_id))
+        return None
 
     def _still_held(self, request_id: str, produced_at: float) -> None:
         """Refuse a read of KV produced before a remote rank's epoch started (that memory was renewed)."""

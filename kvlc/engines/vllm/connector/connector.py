@@ -34,6 +34,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvlc.engines.vllm.connector.config import ConnectorSettings
 from kvlc.engines.vllm.connector.metadata import KvlcConnectorMetadata
 from kvlc.engines.vllm.connector.scheduler import SchedulerSide
+from kvlc.engines.vllm.connector.stats import KvlcConnectorStats
 from kvlc.engines.vllm.connector.worker import WorkerSide
 from kvlc.errors import KvlcError
 
@@ -162,6 +163,18 @@ class KvlcConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.shutdown()
+
+    # ------------------------------------------------------------------ both: vLLM's connector stats
+    def get_kv_connector_stats(self) -> KvlcConnectorStats | None:
+        """Workers: loads, bytes, descriptors, transfer and overhead seconds, failures and recomputes since
+        the last step; the scheduler: requests it computed locally. vLLM adds them up and logs them."""
+        side = self.worker if self.worker is not None else self.scheduler
+        return side.get_kv_connector_stats() if side is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvlcConnectorStats:
+        """vLLM's logger rebuilds the stats a step shipped (their ``data``) with this."""
+        return KvlcConnectorStats(data=data) if data is not None else KvlcConnectorStats()
 
     # ------------------------------------------------------------------ scheduler
     def set_xfer_handshake_metadata(self, metadata) -> None:

@@ -28,6 +28,7 @@ from kvlc.engines.vllm.connector.config import ConnectorSettings
 from kvlc.engines.vllm.connector.metadata import (Hold, KvlcConnectorMetadata, KvlcHandshake, Load, Source,
                                                   plan_block_ids)
 from kvlc.engines.vllm.connector.params import RemotePrefill, wants_remote_decode, wants_remote_prefill
+from kvlc.engines.vllm.connector.stats import KvlcConnectorStats
 from kvlc.errors import KvlcError
 
 log = logging.getLogger("vllm.kvlc")  # under vLLM's logger: its handlers and levels apply
@@ -64,6 +65,7 @@ class SchedulerSide:
         self._loads: list[Load] = []
         self._holds: list[Hold] = []
         self._dropped: list[str] = []
+        self._stats = KvlcConnectorStats()  # requests computed locally despite a remote prefill
 
     def set_xfer_handshake_metadata(self, metadata: Mapping[int, Any]) -> None:
         for rank, md in metadata.items():
@@ -88,6 +90,7 @@ class SchedulerSide:
         except KvlcError as exc:
             log.error("kvlc: request %s computes its prompt locally: %s", request.request_id, exc)
             params[_DONE] = True
+            self._stats.record_recompute()
             return None
 
     def may_load_async(self, request) -> bool:
@@ -103,6 +106,7 @@ class SchedulerSide:
         if len(self.ranks) < self.tp_size:  # workers never reported their kvlc addresses
             log.error("kvlc: request %s computes its prompt locally: this engine's workers have no kvlc "
                       "agent (register_kv_caches did not run)", request.request_id)
+            self._stats.record_recompute()
             return 0, False
         n = min(remote.remote_num_tokens, request.num_prompt_tokens)
         count = n - num_computed_tokens   # a hit may end anywhere in the producer's blocks: a token range
@@ -133,6 +137,10 @@ class SchedulerSide:
             mode=remote.effective_mode(self.settings.mode),
             consumer_addresses=self._addresses()[0],
         ))
+
+    def get_kv_connector_stats(self) -> KvlcConnectorStats | None:
+        """Requests computed locally since vLLM last asked (None: none); vLLM adds the workers' stats."""
+        return None if self._stats.is_empty() else self._stats.clone_and_reset()
 
     # ------------------------------------------------------------------ producer
     def _sources(self, scheduler_output, kv_cache_manager) -> list[Source]:

@@ -28,6 +28,7 @@ from kvlc.engines.vllm.connector.layout import EnginePlan
 from kvlc.engines.vllm.connector.metadata import Load
 from kvlc.errors import KvlcError
 from kvlc.runtime import Completions, KvAgent, Peer
+from kvlc.runtime.transfer import Outgoing
 from kvlc.runtime.settings import AgentSettings
 from kvlc.runtime.channel.auth import resolve_secret
 from kvlc.runtime.channel.tcp import ChannelClient, ChannelServer
@@ -111,10 +112,11 @@ class Transport:
                 except KvlcError:
                     pass
 
-    def load(self, load: Load, ask: bool) -> None:
+    def load(self, load: Load, ask: bool) -> Outgoing | None:
         """Start moving ``load.tokens`` of the request into this rank's blocks (``load``'s block ids:
         each side's blocks the range touches). Non-blocking; raises :class:`KvlcError` when the
-        producer cannot be reached or refuses (pairing). ``ask``: this rank asks a push producer."""
+        producer cannot be reached or refuses (pairing). ``ask``: this rank asks a push producer.
+        Returns the READ this rank posted (pull), None where the producer moves the bytes."""
         req, producer, tokens = load.kvlc_id, load.remote.kvlc_addresses, load.tokens
         if load.mode is TransferMode.PUSH:
             self.agent.expect(req, self.settings.timeout, producer=load.remote.remote_engine_id)
@@ -124,10 +126,10 @@ class Transport:
                               start=tokens.start, stop=tokens.stop)
                 for addr in load.remote.kvlc_push_addresses:
                     self._ask(addr, msg)
-            return
+            return None
         mode = "pull_via_push" if load.mode is TransferMode.PULL_VIA_PUSH else "direct"
-        self.peer(producer, "READ", mode).read(req, load.local_block_ids, load.remote_block_ids, tokens=tokens,
-                                               produced_at=load.remote.kvlc_produced_at or None)
+        return self.peer(producer, "READ", mode).read(req, load.local_block_ids, load.remote_block_ids,
+                                                      tokens=tokens, produced_at=load.remote.kvlc_produced_at or None)
 
     def _ask(self, address: str, msg: PushAsk) -> None:
         client = ChannelClient(address, self._key, timeout=self.settings.timeout)

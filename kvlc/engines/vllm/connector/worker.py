@@ -28,6 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 from kvlc.engines.vllm.connector.config import ConnectorSettings
 from kvlc.engines.vllm.connector.layout import engine_plan
 from kvlc.engines.vllm.connector.metadata import KvlcConnectorMetadata, KvlcHandshake, Load, plan_block_ids
+from kvlc.engines.vllm.connector.stats import KvlcConnectorStats
 from kvlc.engines.vllm.connector.transport import Transport
 from kvlc.engines.vllm.derive.cpu import isa_mismatch
 from kvlc.errors import KvlcError
@@ -70,6 +71,28 @@ class _Asleep:
         return int(self.push_address.rpartition(":")[2])
 
 
+class _Timing:
+    """One load's clock (monotonic seconds): handed to the worker, posted to NIXL, and the READ
+    it posted (pull: its ``started`` / ``finished``, as the agent saw them)."""
+
+    __slots__ = ("started", "posted", "out")
+
+    def __init__(self, started: float):
+        self.started = started
+        self.posted = started
+        self.out = None
+
+    def split(self, seen: float) -> tuple[float, float]:
+        """(transfer, overhead) of a load reported received at ``seen``: the transfer is the READ's
+        own time where this rank posted one (else posted to seen); the overhead is the rest."""
+        out = self.out
+        if out is not None and out.finished is not None:
+            transfer = out.finished - out.started
+        else:
+            transfer = seen - self.posted
+        return transfer, max(0.0, seen - self.started - transfer)
+
+
 class WorkerSide:
     """Worker-side state of one TP rank (see the module docstring)."""
 
@@ -87,10 +110,13 @@ class WorkerSide:
         self._ready_after_step: list[str] = []
         self._load_errors: set[int] = set()
         self._failed_recving: set[str] = set()
-        self._started: dict[str, float] = {}  # kvlc id -> when its load started
+        self._timing: dict[str, _Timing] = {}  # kvlc id -> its load's clock
         self.load_seconds: list[float] = []  # start to "received" of every finished load
         self._asleep: _Asleep | None = None  # between unregister_kv_caches and restore_kv_caches
         self._closed: Transport | None = None  # closed for sleep: its last events not polled yet
+        self._stats = KvlcConnectorStats()  # since vLLM last asked (get_kv_connector_stats)
+        self._moved = (0, 0)  # the agent's bytes and descriptors when vLLM last asked
+        self._recompute = vllm_config.kv_transfer_config.kv_load_failure_policy == "recompute"
 
     # ------------------------------------------------------------------ set-up
     def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
@@ -182,7 +208,7 @@ class WorkerSide:
     def start_load_kv(self, meta: KvlcConnectorMetadata) -> None:
         for load in meta.loads:
             self._loads[load.kvlc_id] = load
-            self._started[load.kvlc_id] = time.perf_counter()
+            timing = self._timing[load.kvlc_id] = _Timing(time.monotonic())
             r = load.remote
             log.info("kvlc: rank %d loads request %s (tokens [%d, %d), %s) from %s: local %s remote %s",
                      self.rank, load.req_id, load.tokens.start, load.tokens.stop, load.mode.value,
@@ -190,7 +216,8 @@ class WorkerSide:
             try:
                 t = self._t()
                 _check_isas(t.ep.cpu_isa, r.kvlc_cpu_isa)
-                t.load(load, ask=self.rank == 0)
+                timing.out = t.load(load, ask=self.rank == 0)
+                timing.posted = time.monotonic()
             except (KvlcError, OSError) as exc:
                 log.error("kvlc: load of request %s from engine %s failed: %s",
                           load.req_id, r.remote_engine_id, exc)
@@ -225,18 +252,22 @@ class WorkerSide:
         failed.update(self._failed)
         self._failed = {}
         recving = set()
+        now = time.monotonic()
         for kid in c.finished:
             load = self._loads.pop(kid, None)
-            if load is not None:
+            timing = self._timing.pop(kid, None)
+            if load is not None and timing is not None:
                 recving.add(load.req_id)
-                self.load_seconds.append(time.perf_counter() - self._started.pop(kid, 0.0))
+                self.load_seconds.append(now - timing.started)
+                self._stats.record_load(*timing.split(now))
         for kid, why in failed.items():
             load = self._loads.pop(kid, None)
-            self._started.pop(kid, None)
+            self._timing.pop(kid, None)
             if load is not None:
                 log.error("kvlc: request %s: KV load failed (%s); reporting its blocks to vLLM",
                           load.req_id, why)
                 self._report_failure(load)
+                self._stats.record_failure(recompute=self._recompute)
                 recving.add(load.req_id)
         failed_recving, self._failed_recving = self._failed_recving, set()
         return KVConnectorTransferResults(finished_sending=self._sending(c.freeable), finished_recving=recving,
@@ -270,6 +301,15 @@ class WorkerSide:
     def get_block_ids_with_load_errors(self) -> set[int]:
         errs, self._load_errors = self._load_errors, set()
         return errs
+
+    def get_kv_connector_stats(self) -> KvlcConnectorStats | None:
+        """What this rank did since vLLM last asked (None: nothing): loads and their seconds, failures,
+        and the bytes and descriptors its agent moved (READs it posted, pushes it served)."""
+        if self.transport is not None:
+            moved = (int(self.transport.stats["bytes"]), int(self.transport.stats["descriptors"]))
+            self._stats.record_moved(moved[0] - self._moved[0], moved[1] - self._moved[1])
+            self._moved = moved
+        return None if self._stats.is_empty() else self._stats.clone_and_reset()
 
     def stats(self) -> dict:
         """The agent's counters (requests, bytes, descriptors) and the seconds of each finished load."""
