@@ -116,7 +116,9 @@ class WorkerSide:
         self._closed: Transport | None = None  # closed for sleep: its last events not polled yet
         self._stats = KvlcConnectorStats()  # since vLLM last asked (get_kv_connector_stats)
         self._moved = (0, 0)  # the agent's bytes and descriptors when vLLM last asked
-        self._recompute = vllm_config.kv_transfer_config.kv_load_failure_policy == "recompute"
+        # vLLM's default policy is "fail" (a config object without the field: an older vLLM, same default)
+        kv = getattr(vllm_config, "kv_transfer_config", None)
+        self._recompute = getattr(kv, "kv_load_failure_policy", "fail") == "recompute"
 
     # ------------------------------------------------------------------ set-up
     def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
