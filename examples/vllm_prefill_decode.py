@@ -5,13 +5,16 @@
 
     # terminal 2: a decode engine that sends each prompt to the prefill engine and decodes it
     KVLC_SECRET=... python3 examples/vllm_prefill_decode.py decode --model DIR \\
-        --prefill http://127.0.0.1:8100 --prompt 1,2,3,4,5 --max-tokens 16 --check
+        --prefill http://127.0.0.1:8100 --prompt-tokens 200 --max-tokens 16 --check
 
 The prefill endpoint (``POST /prefill`` with ``{"prompt_token_ids": [...]}``) runs the prompt with
 ``max_tokens=1`` and ``kv_transfer_params={"do_remote_decode": true}`` and answers with the
 engine's ``RequestOutput.kv_transfer_params``; the decode command passes that dict unchanged.
-``--check`` also decodes the prompt without a transfer and reports whether the tokens match.
-Prompts are token ids (the engines run without a tokenizer, as the test model has none).
+``--check`` also decodes the prompt without a transfer and reports whether the tokens match; the
+decode engine's log line "kvlc: rank 0 loads request ... (tokens [0, N) ...)" shows the load. Prompts are token ids
+(the engines run without a tokenizer, as the test model has none): ``--prompt 11,48,...``, or
+``--prompt-tokens N`` for N deterministic ids below 1000 (longer than a few blocks, so whole blocks
+move, not just the last partial one).
 """
 
 from __future__ import annotations
@@ -85,16 +88,23 @@ def run_prefill(args) -> None:
 def run_decode(args) -> int:
     from vllm.inputs import TokensPrompt
 
+    ids = ([int(t) for t in args.prompt.split(",") if t.strip()] if args.prompt
+           else [(i * 37 + 11) % 1000 for i in range(args.prompt_tokens)])
     llm = _llm(args, "kv_consumer")
-    ids = [int(t) for t in args.prompt.split(",") if t.strip()]
     req = urllib.request.Request(args.prefill.rstrip("/") + "/prefill",
                                  data=json.dumps({"prompt_token_ids": ids}).encode(),
                                  headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=300) as r:
-        params = json.loads(r.read())["kv_transfer_params"]
+    try:
+        with urllib.request.urlopen(req, timeout=args.timeout) as r:
+            params = json.loads(r.read())["kv_transfer_params"]
+    except (OSError, ValueError, KeyError) as exc:  # URLError and timeouts are OSErrors
+        print(f"error: the prefill engine at {args.prefill} did not answer with kv_transfer_params within "
+              f"{args.timeout:g}s ({exc}); is it running (its log says 'kvlc prefill engine ready')? "
+              "On a slow machine raise --timeout", file=sys.stderr)
+        return 1
     prompt = TokensPrompt(prompt_token_ids=ids)
     out = llm.generate([prompt], [_sampling(args.max_tokens, params)], use_tqdm=False)[0]
-    result = {"tokens": list(out.outputs[0].token_ids), "kv_transfer_params": params}
+    result = {"tokens": list(out.outputs[0].token_ids), "kv_transfer_params": params, "prompt_tokens": len(ids)}
     if args.check:
         own = llm.generate([prompt], [_sampling(args.max_tokens, None)], use_tqdm=False)[0]
         result["own_tokens"] = list(own.outputs[0].token_ids)
@@ -121,7 +131,11 @@ def main(argv=None) -> int:
     sub.choices["prefill"].add_argument("--api-port", type=int, default=8100)
     d = sub.choices["decode"]
     d.add_argument("--prefill", required=True, help="the prefill engine's URL, e.g. http://127.0.0.1:8100")
-    d.add_argument("--prompt", required=True, help="comma-separated token ids")
+    which = d.add_mutually_exclusive_group(required=True)
+    which.add_argument("--prompt", help="comma-separated token ids")
+    which.add_argument("--prompt-tokens", type=int, help="a deterministic prompt of this many token ids")
+    d.add_argument("--timeout", type=float, default=300.0,
+                   help="seconds to wait for the prefill engine's answer (default 300)")
     d.add_argument("--max-tokens", type=int, default=16)
     d.add_argument("--check", action="store_true", help="also decode without a transfer and compare")
     args = ap.parse_args(argv)

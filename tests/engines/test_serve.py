@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.engines.conftest import ROOT, prompt
+from tests.engines.conftest import ROOT
 
 pytestmark = pytest.mark.engine
 EXAMPLE = str(ROOT / "examples" / "vllm_prefill_decode.py")
@@ -41,18 +41,31 @@ def test_two_commands_prefill_then_decode(model_dir, tmp_path):
             assert pre.poll() is None, out_path.read_text(errors="replace")[-3000:]
             assert time.monotonic() < deadline, "prefill engine did not start"
             time.sleep(0.5)
-        ids = ",".join(map(str, prompt(77, seed=21)))
         dec = subprocess.run([sys.executable, EXAMPLE, "decode", "--model", model_dir,
-                              "--prefill", f"http://127.0.0.1:{api}", "--prompt", ids, "--max-tokens", "10",
-                              "--check"], env={**env, "VLLM_CPU_OMP_THREADS_BIND": "1"},
+                              "--prefill", f"http://127.0.0.1:{api}", "--prompt-tokens", "200", "--max-tokens",
+                              "10", "--check"], env={**env, "VLLM_CPU_OMP_THREADS_BIND": "1"},
                              capture_output=True, text=True, timeout=400)
         both = dec.stdout + dec.stderr  # vLLM logs to stdout; the result is the JSON line
         assert dec.returncode == 0, both[-3000:]
         result = json.loads([ln for ln in dec.stdout.splitlines() if ln.startswith("{")][-1])
         assert result["match"] and len(result["tokens"]) == 10
-        assert result["kv_transfer_params"]["remote_num_tokens"] == 77
-        assert "kvlc: rank 0 loads request" in both
+        assert result["kv_transfer_params"]["remote_num_tokens"] == 200
+        assert "kvlc: rank 0 loads request" in both and "(tokens [0, 200)" in both   # 4 prefill blocks of 64
     finally:
         pre.kill()
         pre.wait(30)
         log.close()
+
+
+def test_serve_decode_without_a_prefill_engine_says_so_in_one_line(model_dir):
+    """The decode command with no prefill engine behind the URL: exit 1 and one line that says what did
+    not answer and what to set, never a traceback."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "KVLC_SECRET": "serve-test-secret-0123456789",
+           "VLLM_CPU_OMP_THREADS_BIND": "1"}
+    dec = subprocess.run([sys.executable, EXAMPLE, "decode", "--model", model_dir, "--prefill",
+                          f"http://127.0.0.1:{_free_port()}", "--prompt-tokens", "40", "--timeout", "3"],
+                         env=env, capture_output=True, text=True, timeout=400)
+    assert dec.returncode == 1, (dec.stdout + dec.stderr)[-3000:]
+    errors = [ln for ln in dec.stderr.splitlines() if ln.startswith("error: ")]
+    assert len(errors) == 1 and "did not answer" in errors[0] and "--timeout" in errors[0], dec.stderr[-2000:]
+    assert "Traceback" not in dec.stderr
