@@ -52,9 +52,33 @@ def _pull_checked(cons, plan, peer_id: str, tag: str) -> None:
 
 def _assert_flat(first: dict, after: dict) -> None:
     """Nothing piled up between two ``resources`` readings of one engine process."""
-    for k in ("remotes", "sessions", "nixl_handles", "incoming", "in_flight"):
+    for k in ("remotes", "sessions", "records", "nixl_handles", "incoming", "in_flight"):
         assert after[k] == first[k], (k, first, after)
     assert after["fds"] <= first["fds"] + 2 and after["threads"] <= first["threads"], (first, after)
+    assert after["tasks"] <= first["tasks"] + 1, (first, after)
+
+
+MANY = 20     # restarts of the many-restarts tests
+SETTLED = 3   # readings after this many restarts are the baseline: nothing grows after it
+KILL_EVERY = 10  # every 10th restart is a kill -9 and a new process; the others a new agent in the process
+
+
+def _restart(proc, handle, plan, fill: str, eid: str, port: int, i: int, seed: int = 0):
+    """Restart the engine of ``handle`` on ``port`` (restart ``i``): every KILL_EVERY-th one kills its process
+    (kill -9) and starts a new one; the others close its agent and start a new one (a new epoch, new
+    connections) in the same process, which takes 0.15 s instead of 4."""
+    if i % KILL_EVERY == 0:
+        proc.kill()
+        return _start(plan, fill, eid, port=port, seed=seed)
+    handle.call("drop")
+    return proc, proc.add(config(plan, 0, fill, seed=seed, engine_id=eid, port=port))
+
+
+def _figures(who: str, readings: dict[int, dict]) -> None:
+    """The readings of the survivor, one line per restart count (pytest -s shows them)."""
+    keys = ("fds", "threads", "tasks", "nixl_handles", "remotes", "sessions", "records", "rss_kib")
+    for i, r in readings.items():
+        print(f"{who} after {i:2d} restarts: " + " ".join(f"{k}={r[k]}" for k in keys))
 
 
 def test_a_producer_restarted_on_its_address_is_reached_again_in_every_mode(plan):
@@ -135,5 +159,63 @@ def test_a_producer_that_stays_down_refuses_the_request_with_why(plan):
         assert set(errors) == {"gone-a", "gone-b"}
         assert "lost" in errors["gone-a"] and "connecting again failed" in errors["gone-a"], errors
         assert cons.call("resources")["remotes"] == 0
+    finally:
+        stop_engines([prod, cons])
+
+
+def test_twenty_producer_restarts_leave_the_consumer_flat(plan):
+    """Issue 27 F4, 20 times: a consumer with a prepped, a direct and a pull-via-push peer to one producer
+    restarted 20 times on its address (kill -9 twice, a new agent in its process otherwise). Every
+    request after each restart moves every byte; the consumer's fds, threads (Python's and the OS's),
+    live NIXL handles, remote NIXL agents, sessions and remote engine records after the 20th restart
+    are what they were after the 3rd (fds within 2): nothing grows per restart."""
+    modes = ("prepped", "direct", "pull_via_push")
+    port = _port()
+    pproc, prod = _start(plan, "content", "many-p", port=port)
+    cproc, cons = _start(plan, "random", "many-c", seed=11)
+    readings = {}
+    try:
+        for mode in modes:
+            cons.connect([prod.address], "READ", mode, mode)
+        for i in range(MANY + 1):
+            if i:
+                pproc, prod = _restart(pproc, prod, plan, "content", "many-p", port, i)
+            for mode in modes:
+                _pull_checked(cons, plan, mode, f"{mode}{i}")
+            if i in (0, SETTLED, MANY // 2, MANY):
+                readings[i] = cons.call("resources")
+        _figures("consumer", readings)
+        assert cons.call("stats").get("sessions_lost") == MANY * len(modes)
+        _assert_flat(readings[SETTLED], readings[MANY])
+    finally:
+        stop_engines([prod, cons])
+
+
+def test_twenty_consumer_lifetimes_leave_the_producer_flat(plan):
+    """A producer that sees 21 lifetimes of one consumer engine (restarted on its address: kill -9 twice,
+    a new agent in its process otherwise): each lifetime pulls directly and through pull via push, and
+    the producer's own push peer to it reconnects by itself; every byte is checked. The producer's fds,
+    threads, NIXL handles, remote NIXL agents, sessions and remote engine records after the 20th restart
+    are what they were after the 3rd."""
+    port = _port()
+    pproc, prod = _start(plan, "content", "life-p")
+    cproc, cons = _start(plan, "random", "life-c", port=port, seed=1)
+    readings = {}
+    try:
+        prod.connect([cons.address], "WRITE", "direct", "c")
+        for i in range(MANY + 1):
+            if i:
+                cproc, cons = _restart(cproc, cons, plan, "random", "life-c", port, i, seed=1 + i)
+            for mode in ("direct", "pull_via_push"):
+                cons.connect([prod.address], "READ", mode, mode)
+                _pull_checked(cons, plan, mode, f"{mode}{i}")
+            before = cons.call("dump")
+            move(prod, "c", "write", flip(_reqs(f"w{i}")), waiters=[cons])
+            check_bytes(cons, plan, plan, before, _reqs(f"w{i}"))
+            if i in (0, SETTLED, MANY // 2, MANY):
+                readings[i] = prod.call("resources")
+        _figures("producer", readings)
+        assert prod.call("stats").get("sessions_lost") == MANY
+        _assert_flat(readings[SETTLED], readings[MANY])
     finally:
         stop_engines([prod, cons])
