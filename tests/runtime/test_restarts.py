@@ -6,7 +6,9 @@ remote agents, sessions, records). Real NIXL agents, one process per engine, eve
 
 from __future__ import annotations
 
+import signal
 import socket
+import time
 
 import pytest
 from runtime_engines import TEST_LAYOUTS, check_bytes, config, flip, move
@@ -217,5 +219,38 @@ def test_twenty_consumer_lifetimes_leave_the_producer_flat(plan):
         _figures("producer", readings)
         assert prod.call("stats").get("sessions_lost") == MANY
         _assert_flat(readings[SETTLED], readings[MANY])
+    finally:
+        stop_engines([prod, cons])
+
+
+def test_a_nixl_agent_kept_for_a_request_in_flight_goes_once_it_ends(plan):
+    """A session ends (the engine closes its peer) while a read on it is in flight (the producer is
+    stopped, SIGSTOP): the read is held and the producer's NIXL agent stays while NIXL may still land its
+    bytes; once the read ends (SIGCONT), it is reported failed once and that NIXL agent is removed too."""
+    pproc, prod = _start(plan, "content", "busy-p")
+    cproc, cons = _start(plan, "random", "busy-c", seed=4)
+    try:
+        bare = cons.call("resources")
+        cons.connect([prod.address], "READ", "direct", "p")
+        move(cons, "p", "read", _reqs("b0"))
+        assert cons.call("resources")["remotes"] == 1
+        pproc.signal(signal.SIGSTOP)
+        try:
+            assert cons.call("submit", "p", "read", _reqs("b1"), 30.0) == {}
+            assert cons.call("wait", ["b1-a"], 0.3)["open"] == ["b1-a"]  # in flight
+            cons.call("peer_close", "p")
+            held = cons.call("resources")
+            ev = cons.call("events")
+        finally:
+            pproc.signal(signal.SIGCONT)
+        assert held["remotes"] == 1 and held["sessions"] == 0 and held["in_flight"] >= 1, held
+        assert "b1-a" in ev["held"] and "b1-a" not in ev["failed"], ev
+        out = cons.call("wait", ["b1-a", "b1-b"], 20.0)
+        assert set(out["failed"]) == {"b1-a", "b1-b"} and not out["finished"], out
+        end = time.monotonic() + 5
+        while (res := cons.call("resources"))["remotes"] and time.monotonic() < end:
+            time.sleep(0.05)
+        assert res["remotes"] == 0 and res["in_flight"] == 0 and res["nixl_handles"] == bare["nixl_handles"], res
+        assert cons.call("events")["flips"] == []
     finally:
         stop_engines([prod, cons])
