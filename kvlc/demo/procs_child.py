@@ -60,6 +60,7 @@ class _Hosted:
     def _agent(self):
         """A new agent (a new epoch) over the tensors as they are now."""
         from kvlc.runtime.agent import KvAgent
+        from kvlc.runtime.channel.tcp import Limits
         from kvlc.runtime.settings import AgentSettings
         from kvlc.runtime.staging.endpoint import StagingPolicy
 
@@ -78,6 +79,7 @@ class _Hosted:
                 engine_id=cfg.engine_id or f"harness-{self.plan.digest[:12]}-{cfg.fill}",
                 lease=cfg.lease,
                 staging=None if cfg.staging is None else StagingPolicy(**cfg.staging),
+                limits=Limits(**(cfg.limits or {})),
             ),
         )
 

@@ -176,7 +176,7 @@ class KvAgent:
 
     def client(self, address: str, timeout: float = 10.0) -> ChannelClient:
         """An authenticated side-channel connection to ``address`` with this agent's key."""
-        return ChannelClient(address, self._key, timeout=timeout)
+        return ChannelClient(address, self._key, timeout=timeout, peer_timeout=self.limits.peer_timeout)
 
     def hello(self, client: ChannelClient, server_agent: str, direction: str, mode: str, *,
               inbox=None) -> Introduce:
