@@ -53,6 +53,7 @@ class EngineConfig:
     engine_id: str | None = None  # ranks of one engine share it (default: one per plan and fill)
     lease: float = 30.0
     staging: dict | None = None  # StagingPolicy fields (None: the agent's default, $KVLC_STAGING)
+    limits: dict | None = None  # side-channel Limits fields (None: the defaults)
 
 
 class RemoteError(RuntimeError):

@@ -60,6 +60,7 @@ class _Hosted:
     def _agent(self):
         """A new agent (a new epoch) over the tensors as they are now."""
         from kvlc.runtime.agent import KvAgent
+        from kvlc.runtime.channel.tcp import Limits
         from kvlc.runtime.settings import AgentSettings
         from kvlc.runtime.staging.endpoint import StagingPolicy
 
@@ -78,6 +79,7 @@ class _Hosted:
                 engine_id=cfg.engine_id or f"harness-{self.plan.digest[:12]}-{cfg.fill}",
                 lease=cfg.lease,
                 staging=None if cfg.staging is None else StagingPolicy(**cfg.staging),
+                limits=Limits(**(cfg.limits or {})),
             ),
         )
 
@@ -127,17 +129,20 @@ class _Hosted:
 
 
 def resources(h: _Hosted | None = None) -> dict:
-    """This process's open fds, threads and RSS (KiB), plus the agent's live NIXL handles."""
+    """This process's open fds, threads (Python's, and every OS thread: /proc/self/task) and RSS (KiB),
+    plus the agent's live NIXL handles, remote NIXL agents, sessions and remote engine records."""
     import threading
 
-    out = {"fds": len(os.listdir("/proc/self/fd")), "threads": threading.active_count()}
+    out = {"fds": len(os.listdir("/proc/self/fd")), "threads": threading.active_count(),
+           "tasks": len(os.listdir("/proc/self/task"))}
     with open("/proc/self/status") as fh:
         for line in fh:
             if line.startswith("VmRSS:"):
                 out["rss_kib"] = int(line.split()[1])
     if h is not None:
         out.update(nixl_handles=h.agent.nixl.live_handles, remotes=len(h.agent.nixl.remotes),
-                   sessions=len(h.agent.sessions.all()), incoming=len(h.agent.incoming),
+                   sessions=len(h.agent.sessions.all()), records=len(h.agent.sessions.engines),
+                   incoming=len(h.agent.incoming),
                    tallies=len(h.agent.tallies), in_flight=h.agent.in_flight)
     return out
 

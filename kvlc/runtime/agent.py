@@ -109,6 +109,7 @@ class KvAgent:
         self.incoming: dict[str, Incoming] = {}      # consumer: requests remote ranks move here
         self.tallies: dict[tuple, Tally] = {}        # producer: (engine key, req) → consumer answers
         self.offers: dict[str, float] = {}           # producer: req → lease end, no consumer named it yet
+        self.retiring: set[str] = set()              # NIXL agents of ended sessions a request still uses
         self.sender = self._res.sender = Sender(decode, self._res.stop, f"kvlc-sender-{self.name}")
         self._cancel_clients: dict = {}              # push consumer: producer address → client
         self.stats = {"dropped_notifs": 0, "fenced_chunks": 0, "requests": 0, "bytes": 0, "descriptors": 0,
@@ -176,7 +177,7 @@ class KvAgent:
 
     def client(self, address: str, timeout: float = 10.0) -> ChannelClient:
         """An authenticated side-channel connection to ``address`` with this agent's key."""
-        return ChannelClient(address, self._key, timeout=timeout)
+        return ChannelClient(address, self._key, timeout=timeout, peer_timeout=self.limits.peer_timeout)
 
     def hello(self, client: ChannelClient, server_agent: str, direction: str, mode: str, *,
               inbox=None) -> Introduce:
@@ -578,6 +579,8 @@ class KvAgent:
         status = Status.DONE if out.status == "done" else Status.FAILED
         with self._lock:
             self.events.end(out.key, status)
+            if self.retiring:
+                _replies.revoke_retired(self)
             if out.key[0] == "pvp":  # producer share of a pull-via-push request
                 s = out.tag[1]
                 if (s.engine.key, out.req) in self.tallies:

@@ -257,10 +257,9 @@ def end_session(agent, s, why: str) -> None:
     for key, out in list(agent.executor.active.items()):
         if any(t.key == s.notif_key for t in out.notify.values()):
             agent.cancel_own(key, f"session of rank {s.rank} ended: {why}")
-    unused = agent.sessions.drop(s)
-    busy = any(t.agent == s.agent for out in agent.executor.active.values() for t in out.notify.values())
-    if unused and not busy:
-        _revoke(agent, s.agent)
+    if agent.sessions.drop(s):
+        agent.retiring.add(s.agent)  # removed now, or once no request in flight uses it (revoke_retired)
+        revoke_retired(agent)
     still = any(x.engine is s.engine and x.rank == s.rank for x in agent.sessions.all())
     _end_incoming(agent, s, why, still)
     if still:
@@ -268,6 +267,20 @@ def end_session(agent, s, why: str) -> None:
     for t in list(agent.tallies.values()):
         if t.engine is s.engine and s.rank not in t.seen:
             agent.consumer_answered(t.engine, t.req, s.rank, Status.FAILED, f"consumer session ended: {why}")
+
+
+def revoke_retired(agent) -> None:
+    """Remove the NIXL agents whose sessions ended (``agent.retiring``) once no request in flight here
+    uses them: a request held past its session's end keeps its peer's NIXL agent until NIXL ends it,
+    then it goes (called at a session's end and whenever a request this side moves ends). A name that
+    has a live session again (connected anew) is kept."""
+    busy = {t.agent for out in agent.executor.active.values() for t in out.notify.values()}
+    for name in list(agent.retiring):
+        if agent.sessions.live(name):
+            agent.retiring.discard(name)
+        elif name not in busy:
+            agent.retiring.discard(name)
+            _revoke(agent, name)
 
 
 def _revoke(agent, name: str) -> None:

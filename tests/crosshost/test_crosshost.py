@@ -150,3 +150,57 @@ def test_no_byte_lands_after_a_request_ends(big_pair, mode, fault):
     late = sum(int((snap[k] != again[k]).sum()) for k in snap)
     assert late == 0, f"{late} bytes landed after the request ended"
 
+
+
+PEER_TIMEOUT = 3.0  # the side channel's peer_timeout in the outage test (default 30 s)
+
+
+def _until(pred, timeout: float) -> bool:
+    end = time.monotonic() + timeout
+    while not pred() and time.monotonic() < end:
+        time.sleep(0.2)
+    return pred()
+
+
+def test_a_session_lost_in_an_outage_is_seen_reported_once_and_repaired(plans):
+    """Issue 27 item 4: a consumer on its own host with a direct, a prepped and a pull-via-push peer to a
+    producer on another; the consumer's link goes down for longer than the side channel's
+    ``peer_timeout`` (3 s here), with no request in flight. The producer ends every session of it
+    during the outage. After the link is back, each peer's next request sees the loss, reports it once
+    and connects again by itself (the engine does not call connect()), and moves every byte right; a
+    second round loses nothing more. The producer then holds only the three new sessions (no stale
+    one), one remote NIXL agent and one record of the consumer."""
+    plan = plans["x"]
+    modes = ("direct", "prepped", "pull_via_push")
+    limits = {"peer_timeout": PEER_TIMEOUT}
+    with Network(2, subnet=80) as net:
+        a, b = net.hosts
+        prod = engine_on(a).add(config(plan, 0, "content", host=a.ip, engine_id="out-p", limits=limits))
+        cons = engine_on(b).add(config(plan, 0, "random", seed=5, host=b.ip, engine_id="out-c", limits=limits))
+        try:
+            for mode in modes:
+                cons.connect([prod.address], "READ", mode, mode)
+                move(cons, mode, "read", _outage_reqs(f"{mode}-0"))
+            assert prod.call("resources")["sessions"] == 3
+            net.link_down(b)
+            try:
+                ended = _until(lambda: prod.call("resources")["sessions"] == 0, 4 * PEER_TIMEOUT)
+                time.sleep(PEER_TIMEOUT)  # the consumer's side gives its connections up too
+            finally:
+                net.link_up(b)
+            assert ended, prod.call("resources")
+            for rnd in (1, 2):
+                for mode in modes:
+                    before = cons.call("dump")
+                    move(cons, mode, "read", _outage_reqs(f"{mode}-{rnd}"))
+                    check_bytes(cons, plan, plan, before, _outage_reqs(f"{mode}-{rnd}"))
+                assert cons.call("stats").get("sessions_lost") == len(modes)  # once per peer, round 2: none
+            assert cons.call("events")["flips"] == []
+            res = prod.call("resources")
+            assert (res["sessions"], res["remotes"], res["records"]) == (3, 1, 1), res
+        finally:
+            stop_engines([prod, cons])
+
+
+def _outage_reqs(tag: str) -> list:
+    return [(f"{tag}-a", {"full": [1, 2]}, {"full": [5, 6]}, 30), (f"{tag}-b", {"full": [9]}, {"full": [3]}, 16)]

@@ -6,6 +6,7 @@ remote agents, sessions, records). Real NIXL agents, one process per engine, eve
 
 from __future__ import annotations
 
+import signal
 import socket
 import time
 
@@ -54,9 +55,33 @@ def _pull_checked(cons, plan, peer_id: str, tag: str) -> None:
 
 def _assert_flat(first: dict, after: dict) -> None:
     """Nothing piled up between two ``resources`` readings of one engine process."""
-    for k in ("remotes", "sessions", "nixl_handles", "incoming", "in_flight"):
+    for k in ("remotes", "sessions", "records", "nixl_handles", "incoming", "in_flight"):
         assert after[k] == first[k], (k, first, after)
     assert after["fds"] <= first["fds"] + 2 and after["threads"] <= first["threads"], (first, after)
+    assert after["tasks"] <= first["tasks"] + 1, (first, after)
+
+
+MANY = 20     # restarts of the many-restarts tests
+SETTLED = 3   # readings after this many restarts are the baseline: nothing grows after it
+KILL_EVERY = 10  # every 10th restart is a kill -9 and a new process; the others a new agent in the process
+
+
+def _restart(proc, handle, plan, fill: str, eid: str, port: int, i: int, seed: int = 0):
+    """Restart the engine of ``handle`` on ``port`` (restart ``i``): every KILL_EVERY-th one kills its process
+    (kill -9) and starts a new one; the others close its agent and start a new one (a new epoch, new
+    connections) in the same process, which takes 0.15 s instead of 4."""
+    if i % KILL_EVERY == 0:
+        proc.kill()
+        return _start(plan, fill, eid, port=port, seed=seed)
+    handle.call("drop")
+    return proc, proc.add(config(plan, 0, fill, seed=seed, engine_id=eid, port=port))
+
+
+def _figures(who: str, readings: dict[int, dict]) -> None:
+    """The readings of the survivor, one line per restart count (pytest -s shows them)."""
+    keys = ("fds", "threads", "tasks", "nixl_handles", "remotes", "sessions", "records", "rss_kib")
+    for i, r in readings.items():
+        print(f"{who} after {i:2d} restarts: " + " ".join(f"{k}={r[k]}" for k in keys))
 
 
 def test_a_producer_restarted_on_its_address_is_reached_again_in_every_mode(plan):
@@ -173,5 +198,96 @@ def test_kv_produced_before_a_restart_is_never_read(plan):
             assert not cons.call("submit", mode, "read", _pull, TIMEOUT, 0, {"produced_at": fresh})
             assert cons.call("wait", [r[0] for r in _pull], TIMEOUT)["failed"] == {}
             check_bytes(cons, plan, plan, before, _pull)
+    finally:
+        stop_engines([prod, cons])
+
+
+def test_twenty_producer_restarts_leave_the_consumer_flat(plan):
+    """Issue 27 F4, 20 times: a consumer with a prepped, a direct and a pull-via-push peer to one producer
+    restarted 20 times on its address (kill -9 twice, a new agent in its process otherwise). Every
+    request after each restart moves every byte; the consumer's fds, threads (Python's and the OS's),
+    live NIXL handles, remote NIXL agents, sessions and remote engine records after the 20th restart
+    are what they were after the 3rd (fds within 2): nothing grows per restart."""
+    modes = ("prepped", "direct", "pull_via_push")
+    port = _port()
+    pproc, prod = _start(plan, "content", "many-p", port=port)
+    cproc, cons = _start(plan, "random", "many-c", seed=11)
+    readings = {}
+    try:
+        for mode in modes:
+            cons.connect([prod.address], "READ", mode, mode)
+        for i in range(MANY + 1):
+            if i:
+                pproc, prod = _restart(pproc, prod, plan, "content", "many-p", port, i)
+            for mode in modes:
+                _pull_checked(cons, plan, mode, f"{mode}{i}")
+            if i in (0, SETTLED, MANY // 2, MANY):
+                readings[i] = cons.call("resources")
+        _figures("consumer", readings)
+        assert cons.call("stats").get("sessions_lost") == MANY * len(modes)
+        _assert_flat(readings[SETTLED], readings[MANY])
+    finally:
+        stop_engines([prod, cons])
+
+
+def test_twenty_consumer_lifetimes_leave_the_producer_flat(plan):
+    """A producer that sees 21 lifetimes of one consumer engine (restarted on its address: kill -9 twice,
+    a new agent in its process otherwise): each lifetime pulls directly and through pull via push, and
+    the producer's own push peer to it reconnects by itself; every byte is checked. The producer's fds,
+    threads, NIXL handles, remote NIXL agents, sessions and remote engine records after the 20th restart
+    are what they were after the 3rd."""
+    port = _port()
+    pproc, prod = _start(plan, "content", "life-p")
+    cproc, cons = _start(plan, "random", "life-c", port=port, seed=1)
+    readings = {}
+    try:
+        prod.connect([cons.address], "WRITE", "direct", "c")
+        for i in range(MANY + 1):
+            if i:
+                cproc, cons = _restart(cproc, cons, plan, "random", "life-c", port, i, seed=1 + i)
+            for mode in ("direct", "pull_via_push"):
+                cons.connect([prod.address], "READ", mode, mode)
+                _pull_checked(cons, plan, mode, f"{mode}{i}")
+            before = cons.call("dump")
+            move(prod, "c", "write", flip(_reqs(f"w{i}")), waiters=[cons])
+            check_bytes(cons, plan, plan, before, _reqs(f"w{i}"))
+            if i in (0, SETTLED, MANY // 2, MANY):
+                readings[i] = prod.call("resources")
+        _figures("producer", readings)
+        assert prod.call("stats").get("sessions_lost") == MANY
+        _assert_flat(readings[SETTLED], readings[MANY])
+    finally:
+        stop_engines([prod, cons])
+
+
+def test_a_nixl_agent_kept_for_a_request_in_flight_goes_once_it_ends(plan):
+    """A session ends (the engine closes its peer) while a read on it is in flight (the producer is
+    stopped, SIGSTOP): the read is held and the producer's NIXL agent stays while NIXL may still land its
+    bytes; once the read ends (SIGCONT), it is reported failed once and that NIXL agent is removed too."""
+    pproc, prod = _start(plan, "content", "busy-p")
+    cproc, cons = _start(plan, "random", "busy-c", seed=4)
+    try:
+        bare = cons.call("resources")
+        cons.connect([prod.address], "READ", "direct", "p")
+        move(cons, "p", "read", _reqs("b0"))
+        assert cons.call("resources")["remotes"] == 1
+        pproc.signal(signal.SIGSTOP)
+        try:
+            assert cons.call("submit", "p", "read", _reqs("b1"), 30.0) == {}
+            assert cons.call("wait", ["b1-a"], 0.3)["open"] == ["b1-a"]  # in flight
+            cons.call("peer_close", "p")
+            held = cons.call("resources")
+            ev = cons.call("events")
+        finally:
+            pproc.signal(signal.SIGCONT)
+        assert held["remotes"] == 1 and held["sessions"] == 0 and held["in_flight"] >= 1, held
+        assert "b1-a" in ev["held"] and "b1-a" not in ev["failed"], ev
+        out = cons.call("wait", ["b1-a", "b1-b"], 20.0)
+        assert set(out["failed"]) == {"b1-a", "b1-b"} and not out["finished"], out
+        end = time.monotonic() + 5
+        while (res := cons.call("resources"))["remotes"] and time.monotonic() < end:
+            time.sleep(0.05)
+        assert res["remotes"] == 0 and res["in_flight"] == 0 and res["nixl_handles"] == bare["nixl_handles"], res
+        assert cons.call("events")["flips"] == []
     finally:
         stop_engines([prod, cons])

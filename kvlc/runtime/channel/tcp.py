@@ -16,6 +16,12 @@ unauthenticated ones per peer address. A new connection over a pending cap cuts 
 connection still in its handshake (idle connections from one address, where every engine of a
 host connects from, cannot lock that address out); an authenticated one over its cap is closed.
 
+A peer whose host goes silent (link down, host lost) is given up after ``peer_timeout`` seconds on
+both ends, also on a connection with no frame in flight (TCP keepalive probes and
+``TCP_USER_TIMEOUT``, :func:`keep_alive`): the server ends the session the connection carried and
+the client sees the connection lost (:meth:`ChannelClient.lost`), so a peer reconnects after an
+outage longer than that instead of carrying on with a session the other side ended.
+
 Closing the server cuts its open connections too, so clients see the close at once, as after
 a crash (:meth:`ChannelClient.lost`), instead of at their next request.
 """
@@ -107,6 +113,18 @@ def write_frame(sock: socket.socket, payload: bytes, max_frame: int = MAX_FRAME_
     sock.sendall(_HEADER.pack(len(payload)) + payload)
 
 
+def keep_alive(sock: socket.socket, seconds: float | None) -> None:
+    """Give ``sock`` up when its peer's host stays silent for about ``seconds`` (None: never): keepalive
+    probes start after half of it, and unacknowledged data or probes end the connection at it."""
+    if not seconds:
+        return
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, max(1, int(seconds // 2)))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, max(1, int(seconds // 6)))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(seconds * 1000))
+
+
 @dataclass
 class Conn:
     """One authenticated connection as the handler sees it: its id, keys, peer address, and a slot
@@ -140,6 +158,7 @@ class Limits:
     max_connections: int = 256
     max_per_address: int = 64
     max_pending_per_address: int = 8
+    peer_timeout: float | None = 30.0  # a silent peer host's connections end after this (keep_alive)
 
 
 class ChannelServer:
@@ -251,6 +270,7 @@ class ChannelServer:
         if not self._admit(ip, sock):
             sock.close()
             return
+        keep_alive(sock, self.limits.peer_timeout)
         counted = "pending"
         try:
             try:
@@ -336,10 +356,11 @@ class ChannelClient:
 
     def __init__(
         self, address: str | tuple[str, int], key: bytes, *, timeout: float = 10.0,
-        max_frame: int = MAX_FRAME_BYTES,
+        max_frame: int = MAX_FRAME_BYTES, peer_timeout: float | None = Limits.peer_timeout,
     ):
         self.address = parse_address(address)
         self.timeout = timeout
+        self.peer_timeout = peer_timeout
         self.max_frame = max_frame
         self._key = key
         self._sock: socket.socket | None = None
@@ -357,6 +378,7 @@ class ChannelClient:
                 raise ChannelError(f"cannot reach {self._where()}: {exc}") from None
             try:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                keep_alive(sock, self.peer_timeout)
                 self.sealed = self._authenticate(sock)
             except BaseException:
                 sock.close()
