@@ -258,7 +258,7 @@ class EngineProcess:
             raise TimeoutError(f"engine gave no answer in {timeout}s")
         try:
             return self._conn.recv()
-        except EOFError:
+        except (EOFError, OSError):  # the child died: its end closed, or reset while we read
             self.proc.join(5)
             where = f"; its log: {self.log_path}" if self.log_path else ""
             raise EngineDied(f"engine process {self.proc.pid} died (exit code {self.proc.exitcode}){where}") from None

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # testkit, and this tree's kvlc
 sys.path.insert(0, str(ROOT / "tests" / "runtime"))
 
 from runtime_engines import config  # noqa: E402
