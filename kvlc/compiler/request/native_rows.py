@@ -27,15 +27,21 @@ def _runs_words(runs: Runs) -> list[int]:
             *runs.remote_offset.tolist(), *runs.length.tolist()]
 
 
+@dataclass(frozen=True)
+class Slot:
+    """Where one block's operands lie in the packed table: its geometry, and its whole-tile runs."""
+
+    geometry: int
+    runs: int
+
+
 @dataclass(eq=False)
 class NativeTable:
     """The packed geometry and runs of a binding's blocks (rows.c's table), grown by clipped tiles' runs."""
 
     index: ProgramIndex
     words: list[int]
-    geometry: list[int]               # per block: its geometry's offset in the table
-    runs: list[int]                   # per block: its whole-tile runs' offset
-    entries: list[int]                # per block: E
+    slots: tuple[Slot, ...]                     # aligned with index.blocks
     tails: dict = field(default_factory=dict)   # (block, hi, lo) -> offset of its clipped runs
     array: np.ndarray | None = None
     _address: int = 0
@@ -44,16 +50,15 @@ class NativeTable:
     def of(cls, bound: BoundProgram) -> "NativeTable":
         index = program_index(bound.program)
         words: list[int] = []
-        geo, runs, ents = [], [], []
+        slots = []
         for b, g in zip(index.blocks, bound.geometries()):
-            geo.append(len(words))
+            geometry = len(words)
             words.append(len(b.entries))
             for arr in (g.base, g.stride, g.device):
                 words.extend(arr.reshape(-1).tolist())      # (2, E, 1): local E values, then remote E
-            runs.append(len(words))
+            slots.append(Slot(geometry, len(words)))
             words.extend(_runs_words(b.runs))
-            ents.append(len(b.entries))
-        return cls(index, words, geo, runs, ents)
+        return cls(index, words, tuple(slots))
 
     def tail(self, i: int, b: Block, hi: int, lo: int) -> tuple[int, int]:
         """Offset and run count of block ``i``'s runs for tokens [lo, hi) of a tile (packed on first use)."""
@@ -104,7 +109,7 @@ def emit_native(bound: BoundProgram, req: Request) -> dict[PartKey, Part]:
         part = number.setdefault(b.key, len(number))
         width = _pieces(records, table, i, b, req, where[b.group], part)
         if width:
-            rows[b.key] = rows.get(b.key, 0) + width * table.entries[i]
+            rows[b.key] = rows.get(b.key, 0) + width * len(b.entries)
     keys = [k for k in number if rows.get(k)]
     n = sum(rows.values())
     o = 6 * n
@@ -142,10 +147,10 @@ def _pieces(records: list[int], table: NativeTable, i: int, b: Block, req: Reque
     head = 1 if ts.partial and ts.partial[0].tile < ts.first else 0
     spans = [(table.tail(i, b, p.hi, p.lo), p.tile, 1) for p in ts.partial]
     if ts.count:
-        spans.insert(head, ((table.runs[i], len(b.runs)), ts.first, ts.count))
+        spans.insert(head, ((table.slots[i].runs, len(b.runs)), ts.first, ts.count))
     width = 0
     for (runs_at, m), first, count in spans:
         if m and count:
-            records += (table.geometry[i], runs_at, first, count, *common)
+            records += (table.slots[i].geometry, runs_at, first, count, *common)
             width += m * count
     return width
