@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 from kvlc.runtime.channel.auth import resolve_secret
 from kvlc.demo.run import verify
-from kvlc.demo.procs import HARNESS_SECRET, AgentHandle, EngineConfig, start_engines
+from kvlc.demo.procs import HARNESS_SECRET, AgentHandle, EngineConfig, EngineProcess, start_engines
 
 TIMEOUT = 30.0
 SECRET = HARNESS_SECRET  # every engine of a test run shares it; in-process agents pass it too
@@ -61,10 +62,12 @@ def xyz_engines(plans: dict, seed: int, prefix: str | None = None) -> dict[str, 
     return dict(zip(("x", "y0", "y1", "z"), handles))
 
 
-def move(initiator: AgentHandle, peer_id: str, method: str, requests, waiters=()) -> dict:
+def move(initiator: AgentHandle, peer_id: str, method: str, requests, waiters=(), options: dict | None = None
+         ) -> dict:
     """Submit ``requests`` (id, local ids, remote ids, tokens) on the initiator, then wait for every one
-    on the initiator and on each waiting agent. Returns the initiator's outcome."""
-    errors = initiator.call("submit", peer_id, method, list(requests), TIMEOUT)
+    on the initiator and on each waiting agent. Returns the initiator's outcome. ``options``: more
+    keyword arguments of ``read`` / ``write`` (e.g. ``produced_at``)."""
+    errors = initiator.call("submit", peer_id, method, list(requests), TIMEOUT, 0, options)
     assert not errors, errors
     ids = [r[0] for r in requests]
     out = initiator.call("wait", ids, TIMEOUT)
@@ -134,3 +137,21 @@ def settle(consumer: AgentHandle, req_id: str, timeout: float = 30.0) -> tuple[d
     assert sum(late.values()) == 0, f"bytes landed after the request was reported terminal: {late}"
     assert consumer.call("events")["flips"] == []
     return out, snap
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (an engine restarted on it keeps its address)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def two_requests(tag: str) -> list:
+    """Two small requests (id, consumer ids, producer ids, tokens) named after ``tag``."""
+    return [(f"{tag}-a", {"full": [1, 2]}, {"full": [5, 6]}, 30), (f"{tag}-b", {"full": [9]}, {"full": [3]}, 16)]
+
+
+def start_one(plan, fill: str, eid: str, seed: int = 0, port: int = 0):
+    """One engine process hosting one agent of ``plan`` (rank 0): (the process, the agent's handle)."""
+    proc = EngineProcess()
+    return proc, proc.add(config(plan, 0, fill, seed=seed, engine_id=eid, port=port))

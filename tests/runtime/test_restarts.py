@@ -7,15 +7,15 @@ remote agents, sessions, records). Real NIXL agents, one process per engine, eve
 from __future__ import annotations
 
 import signal
-import socket
 import time
 
 import numpy as np
 import pytest
-from runtime_engines import TEST_LAYOUTS, TIMEOUT, check_bytes, config, flip, move
+from runtime_engines import (TEST_LAYOUTS, TIMEOUT, check_bytes, config, flip, free_port, move, start_one,
+                             two_requests)
 
 from kvlc import compile_spec
-from kvlc.demo.procs import EngineProcess, stop_engines
+from kvlc.demo.procs import stop_engines
 
 pytest.importorskip("torch")
 pytest.importorskip("nixl")
@@ -28,29 +28,15 @@ def plan():
     return compile_spec(TEST_LAYOUTS / "dense-tp1.yaml")
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _reqs(tag: str) -> list:
-    return [(f"{tag}-a", {"full": [1, 2]}, {"full": [5, 6]}, 30), (f"{tag}-b", {"full": [9]}, {"full": [3]}, 16)]
-
-
-def _start(plan, fill: str, eid: str, port: int = 0, seed: int = 0):
-    proc = EngineProcess()
-    return proc, proc.add(config(plan, 0, fill, seed=seed, engine_id=eid, port=port))
-
-
 MODES = ("direct", "prepped", "pull_via_push")
 
 
-def _pull_checked(cons, plan, peer_id: str, tag: str) -> None:
-    """Pull two requests through ``peer_id`` and check every byte of the consumer."""
+def _pull_checked(cons, plan, peer_id: str, tag: str, options: dict | None = None) -> None:
+    """Pull two requests through ``peer_id`` (``options``: more arguments of ``read``) and check every byte
+    of the consumer."""
     before = cons.call("dump")
-    move(cons, peer_id, "read", _reqs(tag))
-    check_bytes(cons, plan, plan, before, _reqs(tag))
+    move(cons, peer_id, "read", two_requests(tag), options=options)
+    check_bytes(cons, plan, plan, before, two_requests(tag))
 
 
 def _assert_flat(first: dict, after: dict) -> None:
@@ -72,7 +58,7 @@ def _restart(proc, handle, plan, fill: str, eid: str, port: int, i: int, seed: i
     connections) in the same process, which takes 0.15 s instead of 4."""
     if i % KILL_EVERY == 0:
         proc.kill()
-        return _start(plan, fill, eid, port=port, seed=seed)
+        return start_one(plan, fill, eid, port=port, seed=seed)
     handle.call("drop")
     return proc, proc.add(config(plan, 0, fill, seed=seed, engine_id=eid, port=port))
 
@@ -89,9 +75,9 @@ def test_a_producer_restarted_on_its_address_is_reached_again_in_every_mode(plan
     the same address, twice: each peer reconnects by itself at its next request, which moves every
     byte; each loss is counted once per peer; nothing piles up (remote agents, sessions, handles,
     fds, threads)."""
-    port = _port()
-    pproc, prod = _start(plan, "content", "rp", port=port)
-    cproc, cons = _start(plan, "random", "rc", seed=7)
+    port = free_port()
+    pproc, prod = start_one(plan, "content", "rp", port=port)
+    cproc, cons = start_one(plan, "random", "rc", seed=7)
     try:
         for mode in MODES:
             cons.connect([prod.address], "READ", mode, mode)
@@ -99,7 +85,7 @@ def test_a_producer_restarted_on_its_address_is_reached_again_in_every_mode(plan
         for i in range(RESTARTS + 1):
             if i:
                 pproc.kill()
-                pproc, prod = _start(plan, "content", "rp", port=port)
+                pproc, prod = start_one(plan, "content", "rp", port=port)
             for mode in MODES:
                 _pull_checked(cons, plan, mode, f"{mode}{i}")
             first = first or cons.call("resources")
@@ -113,15 +99,15 @@ def test_a_producer_restarted_on_its_address_is_reached_again_in_every_mode(plan
 def test_a_producer_restarted_elsewhere_is_reached_by_connecting_again(plan):
     """On a new address the engine closes the old peer and connects to the new one: bytes move, and
     the old connection leaves nothing behind."""
-    pproc, prod = _start(plan, "content", "rn")
-    cproc, cons = _start(plan, "random", "rnc", seed=8)
+    pproc, prod = start_one(plan, "content", "rn")
+    cproc, cons = start_one(plan, "random", "rnc", seed=8)
     try:
         cons.connect([prod.address], "READ", "direct", "p")
-        move(cons, "p", "read", _reqs("n0"))
+        move(cons, "p", "read", two_requests("n0"))
         first = cons.call("resources")
         for i in range(1, RESTARTS + 1):
             pproc.kill()
-            pproc, prod = _start(plan, "content", "rn")
+            pproc, prod = start_one(plan, "content", "rn")
             cons.call("peer_close", "p")
             cons.connect([prod.address], "READ", "direct", "p")
             _pull_checked(cons, plan, "p", f"n{i}")
@@ -134,18 +120,18 @@ def test_a_producer_restarted_elsewhere_is_reached_by_connecting_again(plan):
 def test_a_restarted_consumer_is_pushed_to_again(plan):
     """Push: the producer's peer reconnects to a consumer restarted on the same address, whose memory is
     new; the first write after it lands every byte."""
-    port = _port()
-    pproc, prod = _start(plan, "content", "pp-push")
-    cproc, cons = _start(plan, "random", "pc-push", port=port, seed=3)
+    port = free_port()
+    pproc, prod = start_one(plan, "content", "pp-push")
+    cproc, cons = start_one(plan, "random", "pc-push", port=port, seed=3)
     try:
         prod.connect([cons.address], "WRITE", "direct", "c")
         for i in range(3):
             if i:
                 cproc.kill()
-                cproc, cons = _start(plan, "random", "pc-push", port=port, seed=3 + i)
+                cproc, cons = start_one(plan, "random", "pc-push", port=port, seed=3 + i)
             before = cons.call("dump")
-            move(prod, "c", "write", flip(_reqs(f"w{i}")), waiters=[cons])
-            check_bytes(cons, plan, plan, before, _reqs(f"w{i}"))
+            move(prod, "c", "write", flip(two_requests(f"w{i}")), waiters=[cons])
+            check_bytes(cons, plan, plan, before, two_requests(f"w{i}"))
         assert prod.call("stats").get("sessions_lost") == 2
         assert prod.call("resources")["remotes"] == 1
     finally:
@@ -153,12 +139,12 @@ def test_a_restarted_consumer_is_pushed_to_again(plan):
 
 
 def test_a_producer_that_stays_down_refuses_the_request_with_why(plan):
-    pproc, prod = _start(plan, "content", "down-p")
-    cproc, cons = _start(plan, "random", "down-c")
+    pproc, prod = start_one(plan, "content", "down-p")
+    cproc, cons = start_one(plan, "random", "down-c")
     try:
         cons.connect([prod.address], "READ", "direct", "p")
         pproc.kill()
-        errors = cons.call("submit", "p", "read", _reqs("gone"), 5.0)
+        errors = cons.call("submit", "p", "read", two_requests("gone"), 5.0)
         assert set(errors) == {"gone-a", "gone-b"}
         assert "lost" in errors["gone-a"] and "connecting again failed" in errors["gone-a"], errors
         assert cons.call("resources")["remotes"] == 0
@@ -170,34 +156,27 @@ def test_kv_produced_before_a_restart_is_never_read(plan):
     """A read that says when its KV was produced (``produced_at``, the producer's clock) is refused once the
     producer rank restarted after that time, in every mode, even though the address answers again (the
     new epoch's memory holds other bytes): nothing moves. KV produced after the restart is read."""
-    port = _port()
-    pproc, prod = _start(plan, "content", "pa-p", port=port)
-    cproc, cons = _start(plan, "random", "pa-c", seed=5)
+    port = free_port()
+    pproc, prod = start_one(plan, "content", "pa-p", port=port)
+    cproc, cons = start_one(plan, "random", "pa-c", seed=5)
     try:
         for mode in MODES:
             cons.connect([prod.address], "READ", mode, mode)
         produced = time.time()
         for mode in MODES:
-            before = cons.call("dump")
-            assert not cons.call("submit", mode, "read", _reqs(f"{mode}-ok"), TIMEOUT, 0, {"produced_at": produced})
-            assert cons.call("wait", [r[0] for r in _reqs(f"{mode}-ok")], TIMEOUT)["failed"] == {}
-            check_bytes(cons, plan, plan, before, _reqs(f"{mode}-ok"))
+            _pull_checked(cons, plan, mode, f"{mode}-ok", {"produced_at": produced})
         pproc.kill()
-        pproc, prod = _start(plan, "content", "pa-p", port=port)
+        pproc, prod = start_one(plan, "content", "pa-p", port=port)
         for mode in MODES:
             before = cons.call("dump")
-            errors = cons.call("submit", mode, "read", _reqs(f"{mode}-old"), TIMEOUT, 0, {"produced_at": produced})
+            errors = cons.call("submit", mode, "read", two_requests(f"{mode}-old"), TIMEOUT, 0, {"produced_at": produced})
             assert set(errors) == {f"{mode}-old-a", f"{mode}-old-b"}, errors
             assert "no longer holds it; nothing read" in errors[f"{mode}-old-a"], errors
             after = cons.call("dump")
             assert all(np.array_equal(after[k], before[k]) for k in before), f"{mode}: bytes moved after the refusal"
         fresh = time.time()
         for mode in MODES:
-            _pull = _reqs(f"{mode}-new")
-            before = cons.call("dump")
-            assert not cons.call("submit", mode, "read", _pull, TIMEOUT, 0, {"produced_at": fresh})
-            assert cons.call("wait", [r[0] for r in _pull], TIMEOUT)["failed"] == {}
-            check_bytes(cons, plan, plan, before, _pull)
+            _pull_checked(cons, plan, mode, f"{mode}-new", {"produced_at": fresh})
     finally:
         stop_engines([prod, cons])
 
@@ -209,9 +188,9 @@ def test_twenty_producer_restarts_leave_the_consumer_flat(plan):
     live NIXL handles, remote NIXL agents, sessions and remote engine records after the 20th restart
     are what they were after the 3rd (fds within 2): nothing grows per restart."""
     modes = ("prepped", "direct", "pull_via_push")
-    port = _port()
-    pproc, prod = _start(plan, "content", "many-p", port=port)
-    cproc, cons = _start(plan, "random", "many-c", seed=11)
+    port = free_port()
+    pproc, prod = start_one(plan, "content", "many-p", port=port)
+    cproc, cons = start_one(plan, "random", "many-c", seed=11)
     readings = {}
     try:
         for mode in modes:
@@ -236,9 +215,9 @@ def test_twenty_consumer_lifetimes_leave_the_producer_flat(plan):
     the producer's own push peer to it reconnects by itself; every byte is checked. The producer's fds,
     threads, NIXL handles, remote NIXL agents, sessions and remote engine records after the 20th restart
     are what they were after the 3rd."""
-    port = _port()
-    pproc, prod = _start(plan, "content", "life-p")
-    cproc, cons = _start(plan, "random", "life-c", port=port, seed=1)
+    port = free_port()
+    pproc, prod = start_one(plan, "content", "life-p")
+    cproc, cons = start_one(plan, "random", "life-c", port=port, seed=1)
     readings = {}
     try:
         prod.connect([cons.address], "WRITE", "direct", "c")
@@ -249,8 +228,8 @@ def test_twenty_consumer_lifetimes_leave_the_producer_flat(plan):
                 cons.connect([prod.address], "READ", mode, mode)
                 _pull_checked(cons, plan, mode, f"{mode}{i}")
             before = cons.call("dump")
-            move(prod, "c", "write", flip(_reqs(f"w{i}")), waiters=[cons])
-            check_bytes(cons, plan, plan, before, _reqs(f"w{i}"))
+            move(prod, "c", "write", flip(two_requests(f"w{i}")), waiters=[cons])
+            check_bytes(cons, plan, plan, before, two_requests(f"w{i}"))
             if i in (0, SETTLED, MANY // 2, MANY):
                 readings[i] = prod.call("resources")
         _figures("producer", readings)
@@ -264,16 +243,16 @@ def test_a_nixl_agent_kept_for_a_request_in_flight_goes_once_it_ends(plan):
     """A session ends (the engine closes its peer) while a read on it is in flight (the producer is
     stopped, SIGSTOP): the read is held and the producer's NIXL agent stays while NIXL may still land its
     bytes; once the read ends (SIGCONT), it is reported failed once and that NIXL agent is removed too."""
-    pproc, prod = _start(plan, "content", "busy-p")
-    cproc, cons = _start(plan, "random", "busy-c", seed=4)
+    pproc, prod = start_one(plan, "content", "busy-p")
+    cproc, cons = start_one(plan, "random", "busy-c", seed=4)
     try:
         bare = cons.call("resources")
         cons.connect([prod.address], "READ", "direct", "p")
-        move(cons, "p", "read", _reqs("b0"))
+        move(cons, "p", "read", two_requests("b0"))
         assert cons.call("resources")["remotes"] == 1
         pproc.signal(signal.SIGSTOP)
         try:
-            assert cons.call("submit", "p", "read", _reqs("b1"), 30.0) == {}
+            assert cons.call("submit", "p", "read", two_requests("b1"), 30.0) == {}
             assert cons.call("wait", ["b1-a"], 0.3)["open"] == ["b1-a"]  # in flight
             cons.call("peer_close", "p")
             held = cons.call("resources")

@@ -9,14 +9,13 @@ the wake-up moves every byte, from or into the new memory. Real NIXL agents, one
 from __future__ import annotations
 
 import signal
-import socket
 import time
 
 import pytest
-from runtime_engines import TEST_LAYOUTS, check_bytes, config, flip, move
+from runtime_engines import TEST_LAYOUTS, check_bytes, flip, free_port, move, start_one, two_requests
 
 from kvlc import compile_spec
-from kvlc.demo.procs import EngineProcess, stop_engines
+from kvlc.demo.procs import stop_engines
 
 pytest.importorskip("torch")
 pytest.importorskip("nixl")
@@ -27,21 +26,6 @@ MODES = ("direct", "prepped", "pull_via_push")
 @pytest.fixture(scope="module")
 def plan():
     return compile_spec(TEST_LAYOUTS / "dense-tp1.yaml")
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _reqs(tag: str) -> list:
-    return [(f"{tag}-a", {"full": [1, 2]}, {"full": [5, 6]}, 30), (f"{tag}-b", {"full": [9]}, {"full": [3]}, 16)]
-
-
-def _start(plan, fill: str, eid: str, seed: int = 0, port: int = 0):
-    proc = EngineProcess()
-    return proc, proc.add(config(plan, 0, fill, seed=seed, engine_id=eid, port=port))
 
 
 def _sleep_wake(agent, fill: str, seed: int) -> dict:
@@ -61,17 +45,17 @@ def test_a_producer_that_sleeps_refuses_reads_with_why_then_serves_its_new_memor
     request is refused at once with why (once each, nothing open; the peer, unable to connect again,
     closes); after each wake-up the first request of every mode, on a new connection, moves every byte
     from the producer's new memory."""
-    pproc, prod = _start(plan, "content", "sleep-p", port=_port())
-    cproc, cons = _start(plan, "random", "sleep-c", seed=5)
+    pproc, prod = start_one(plan, "content", "sleep-p", port=free_port())
+    cproc, cons = start_one(plan, "random", "sleep-c", seed=5)
     try:
         for mode in MODES:
             cons.connect([prod.address], "READ", mode, mode)
-            move(cons, mode, "read", _reqs(f"{mode}-0"))
+            move(cons, mode, "read", two_requests(f"{mode}-0"))
         for i in (1, 2):
             prod.call("sleep")
             for mode in MODES:
-                errors = cons.call("submit", mode, "read", _reqs(f"{mode}-z{i}"), 5.0)
-                out = cons.call("wait", [r[0] for r in _reqs(f"{mode}-z{i}")], 10.0)
+                errors = cons.call("submit", mode, "read", two_requests(f"{mode}-z{i}"), 5.0)
+                out = cons.call("wait", [r[0] for r in two_requests(f"{mode}-z{i}")], 10.0)
                 refused = set(errors) | set(out["failed"])
                 assert refused == {f"{mode}-z{i}-a", f"{mode}-z{i}-b"} and not out["finished"], (errors, out)
                 whys = {**errors, **out["failed"]}.values()
@@ -82,8 +66,8 @@ def test_a_producer_that_sleeps_refuses_reads_with_why_then_serves_its_new_memor
                 cons.call("peer_close", mode)
                 cons.connect([prod.address], "READ", mode, mode)
                 before = cons.call("dump")
-                move(cons, mode, "read", _reqs(f"{mode}-{i}"))
-                check_bytes(cons, plan, plan, before, _reqs(f"{mode}-{i}"))
+                move(cons, mode, "read", two_requests(f"{mode}-{i}"))
+                check_bytes(cons, plan, plan, before, two_requests(f"{mode}-{i}"))
         assert cons.call("events")["flips"] == []
     finally:
         stop_engines([prod, cons])
@@ -92,15 +76,15 @@ def test_a_producer_that_sleeps_refuses_reads_with_why_then_serves_its_new_memor
 def test_the_producers_memory_moves_and_its_content_is_read_after_wake(plan):
     """The woken producer's tensors live at other addresses (the old ones are held elsewhere) and it is a
     new agent; the consumer reads the new memory's content on its first request after the wake-up."""
-    pproc, prod = _start(plan, "content", "move-p", port=_port())
-    cproc, cons = _start(plan, "random", "move-c", seed=6)
+    pproc, prod = start_one(plan, "content", "move-p", port=free_port())
+    cproc, cons = start_one(plan, "random", "move-c", seed=6)
     try:
         cons.connect([prod.address], "READ", "direct", "p")
-        move(cons, "p", "read", _reqs("m0"))
+        move(cons, "p", "read", two_requests("m0"))
         _sleep_wake(prod, "content", 0)
         before = cons.call("dump")
-        move(cons, "p", "read", _reqs("m1"))
-        check_bytes(cons, plan, plan, before, _reqs("m1"))
+        move(cons, "p", "read", two_requests("m1"))
+        check_bytes(cons, plan, plan, before, two_requests("m1"))
         assert cons.call("stats").get("sessions_lost") == 1
     finally:
         stop_engines([prod, cons])
@@ -110,14 +94,14 @@ def test_a_consumer_that_sleeps_with_a_read_in_flight_fails_it_once_and_nothing_
     """The producer is stopped (SIGSTOP) so the consumer's read stays in flight; the consumer sleeps: the
     read is reported failed once (never finished). After SIGCONT and the wake-up, nothing changes in the
     consumer's new memory, and its next read (connected again) moves every byte."""
-    pproc, prod = _start(plan, "content", "flight-p")
-    cproc, cons = _start(plan, "random", "flight-c", seed=9, port=_port())
+    pproc, prod = start_one(plan, "content", "flight-p")
+    cproc, cons = start_one(plan, "random", "flight-c", seed=9, port=free_port())
     try:
         cons.connect([prod.address], "READ", "direct", "p")
-        move(cons, "p", "read", _reqs("f0"))
+        move(cons, "p", "read", two_requests("f0"))
         pproc.signal(signal.SIGSTOP)
         try:
-            assert cons.call("submit", "p", "read", _reqs("f1"), 30.0) == {}
+            assert cons.call("submit", "p", "read", two_requests("f1"), 30.0) == {}
             assert cons.call("wait", ["f1-a"], 0.3)["open"] == ["f1-a"]  # in flight
             cons.call("sleep")
             ev = cons.call("events")
@@ -131,8 +115,8 @@ def test_a_consumer_that_sleeps_with_a_read_in_flight_fails_it_once_and_nothing_
         ev = cons.call("events")
         assert not {"f1-a", "f1-b"} & (set(ev["finished"]) | set(ev["failed"])) and ev["flips"] == [], ev
         cons.connect([prod.address], "READ", "direct", "p2")
-        move(cons, "p2", "read", _reqs("f2"))
-        check_bytes(cons, plan, plan, snap, _reqs("f2"))
+        move(cons, "p2", "read", two_requests("f2"))
+        check_bytes(cons, plan, plan, snap, two_requests("f2"))
     finally:
         stop_engines([prod, cons])
 
@@ -140,15 +124,15 @@ def test_a_consumer_that_sleeps_with_a_read_in_flight_fails_it_once_and_nothing_
 def test_a_consumer_that_sleeps_is_pushed_to_again_into_its_new_memory(plan):
     """Push: the producer's peer connects again to the consumer woken on its address (a new epoch, new
     memory); the first write after the wake-up lands every byte there."""
-    pproc, prod = _start(plan, "content", "push-p")
-    cproc, cons = _start(plan, "random", "push-c", seed=3, port=_port())
+    pproc, prod = start_one(plan, "content", "push-p")
+    cproc, cons = start_one(plan, "random", "push-c", seed=3, port=free_port())
     try:
         prod.connect([cons.address], "WRITE", "direct", "c")
-        move(prod, "c", "write", flip(_reqs("w0")), waiters=[cons])
+        move(prod, "c", "write", flip(two_requests("w0")), waiters=[cons])
         _sleep_wake(cons, "random", 4)
         before = cons.call("dump")
-        move(prod, "c", "write", flip(_reqs("w1")), waiters=[cons])
-        check_bytes(cons, plan, plan, before, _reqs("w1"))
+        move(prod, "c", "write", flip(two_requests("w1")), waiters=[cons])
+        check_bytes(cons, plan, plan, before, two_requests("w1"))
         assert prod.call("stats").get("sessions_lost") == 1
     finally:
         stop_engines([prod, cons])
