@@ -97,11 +97,17 @@ class Registration(_Handle):
         self._agent._nixl.deregister_memory(self._raw)
 
 
+PROCESS_LOCK = threading.RLock()  # every Agent's calls into NIXL, in this process (see Agent)
+
+
 class Agent:
     """One NIXL agent: registration, metadata, descriptor lists, transfers, notifications.
 
-    Every method takes the agent's lock, so the side-channel thread and the
-    engine's thread may both use it. ``ucx``: the UCX backend's parameters
+    Every method takes one lock that every agent of this process shares (:data:`PROCESS_LOCK`), so
+    the side-channel thread and the engine's thread may both use it, and two agents of one process
+    (the ranks of an engine hosted together) never call NIXL at once: NIXL 1.5.1 crashed (a
+    segmentation fault in ``initialize_xfer`` or ``send_notif``, about one run in six of
+    ``test_sessions_e2e``) when two agents of one process were used from two threads. ``ucx``: the UCX backend's parameters
     (:class:`~kvlc.runtime.nixl.ucx.UcxOptions`; default: from ``KVLC_UCX_*`` variables, else
     NIXL's defaults); the backend is created here, after :func:`~kvlc.runtime.nixl.ucx.apply_env`
     set ``UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y`` on a CUDA machine where the user had not set it.
@@ -120,7 +126,7 @@ class Agent:
         from nixl._api import nixl_agent, nixl_agent_config  # the only import of nixl in kvlc
 
         self.name = name
-        self._lock = threading.RLock()
+        self._lock = PROCESS_LOCK
         self._live: set[_Handle] = set()
         self._remotes: set[str] = set()
         # NIXL's progress thread busy-polls a core per agent; without it, transfers and notifications
