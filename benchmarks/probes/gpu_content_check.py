@@ -38,7 +38,8 @@ def main(argv=None) -> int:
         r = run_demo(layout, layout, mode=mode, requests=8, tokens=256, max_bytes=64 << 20, device=args.device,
                      check="all", fill="content", ids="random")
         bad += not r.ok
-        print(f"{mode:14s} staging={staging:6s} ok={r.ok} checked={r.checked_bytes} "
+        print(f"{mode:14s} staging={staging:6s} ipc={os.environ.get('KVLC_IPC', 'auto')} ok={r.ok} "
+              f"copied={r.copied_requests}/{r.requests} checked={r.checked_bytes} "
               f"mismatches={r.mismatches[:2]} failed={dict(list(r.failed.items())[:2])}", flush=True)
     return 1 if bad else 0
 

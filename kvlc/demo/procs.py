@@ -43,6 +43,8 @@ class EngineConfig:
     seed: int = 0
     name: str | None = None
     pin: bool = False  # pin DRAM storages (page-locked host memory, for GPU machines)
+    shared: bool = False  # DRAM storages in shared-memory files: a same-host peer maps them (kvlc.runtime.ipc)
+    ipc: str | None = None  # AgentSettings.ipc ("auto" | "off"; None: $KVLC_IPC, else auto)
     timeout: float = 30.0
     telemetry: bool = False
     progress: str = "thread"  # KvAgent progress: "thread" | "nixl" | "manual"

@@ -45,7 +45,7 @@ class _Hosted:
 
         self.cfg = cfg
         self.plan = Plan.from_json(cfg.plan_json)
-        self.tensors = allocate(self.plan, pin=cfg.pin)
+        self.tensors = allocate(self.plan, pin=cfg.pin, shared=cfg.shared)
         _fill(self.plan, cfg.rank, self.tensors, cfg.fill, cfg.seed)
         self.agent = self._agent()
         self.address = self.agent.serve(cfg.host, cfg.port)
@@ -80,6 +80,7 @@ class _Hosted:
                 lease=cfg.lease,
                 staging=None if cfg.staging is None else StagingPolicy(**cfg.staging),
                 limits=Limits(**(cfg.limits or {})),
+                **({"ipc": cfg.ipc} if cfg.ipc else {}),
             ),
         )
 

@@ -118,6 +118,7 @@ class DemoResult:
     round_seconds: list[float] = field(default_factory=list)  # each round's timed seconds, in order
     staged_chunks: int = 0         # chunks the movers sent through bounce buffers (kvlc.runtime.staging.endpoint)
     direct_chunks: int = 0         # of those, chunks written from their source ranges, not gathered
+    copied_requests: int = 0       # requests moved by same-host copies (kvlc.runtime.ipc), not NIXL
 
     @property
     def gbps(self) -> float:
@@ -319,6 +320,7 @@ def _count_moved(result: DemoResult, movers: list, stats0: dict) -> None:
     stats = {id(h): h.call("stats") for h in movers}
     result.nbytes = sum(stats[k]["bytes"] - stats0[k]["bytes"] for k in stats)
     result.descriptors = sum(stats[k]["descriptors"] - stats0[k]["descriptors"] for k in stats)
+    result.copied_requests = sum(stats[k]["ipc_requests"] - stats0[k]["ipc_requests"] for k in stats)
     for name, attr in (("chunks_sent", "staged_chunks"), ("chunks_direct", "direct_chunks")):
         setattr(result, attr, sum((stats[k]["staging"] or {}).get(name, 0) - (stats0[k]["staging"] or {}).get(name, 0)
                                   for k in stats))

@@ -58,6 +58,8 @@ from kvlc.runtime.transfer import Executor, Outgoing, Target
 from kvlc.runtime.channel.identity import Identity, introduction
 from kvlc.runtime.channel.wire import Introduce, Record, StorageBase, decode, make_record
 from kvlc.runtime.nixl.warmup import Warmer, warm_peers
+from kvlc.runtime.ipc.memory import host_key, offer, open_offer
+from kvlc.runtime.ipc.route import IpcRoute, IpcXfer
 
 log = logging.getLogger("kvlc.runtime.agent")
 
@@ -100,7 +102,9 @@ class KvAgent:
             self.nixl.close()
             raise
         self.bases = {b.name: (b.addr, b.device) for b in self.bindings.values()}
-        self.executor = self._res.executor = Executor(self.nixl, rank, stager=self.stager)
+        self.route = self._res.route = IpcRoute(self.nixl, self.bindings) if cfg.ipc == "auto" else None
+        self._shared: Any = False  # what same-host peers may map of this agent (made on first need)
+        self.executor = self._res.executor = Executor(self.route or self.nixl, rank, stager=self.stager)
         self._res.stager = self.stager
         self.warmer = Warmer(self.nixl, self.bindings)  # connect's warm-up READs (kvlc.runtime.nixl.warmup)
         self.unsettled: set[str] = set()            # consumer: complete, but a staged scatter still copies
@@ -113,7 +117,7 @@ class KvAgent:
         self.sender = self._res.sender = Sender(decode, self._res.stop, f"kvlc-sender-{self.name}")
         self._cancel_clients: dict = {}              # push consumer: producer address → client
         self.stats = {"dropped_notifs": 0, "fenced_chunks": 0, "requests": 0, "bytes": 0, "descriptors": 0,
-                      "nixl_requests": 0, "refused_hellos": 0}
+                      "nixl_requests": 0, "refused_hellos": 0, "ipc_requests": 0, "ipc_peers": 0}
         self._finalizer = weakref.finalize(self, self._res.close)
         if cfg.progress == "thread":
             self._res.pump = Pump(self, "progress_turn", cfg.progress_interval, self._res.stop,
@@ -185,8 +189,44 @@ class KvAgent:
         not), signed with this epoch's key over that connection: it is worthless on any other."""
         client.connect()
         msg = introduction(client.sealed.binding, server_agent, self.name, direction, mode)
+        host = host_key() if self.route is not None else ""
+        shared = self.shared() if host and mode == ConnectionMode.PULL_VIA_PUSH else None
         return Introduce(record=self.record, direction=direction, mode=mode, address=self.address or "",
-                         inbox=inbox, proof=self._identity.sign(msg))
+                         inbox=inbox, host=host, shared=shared, proof=self._identity.sign(msg))
+
+    # ------------------------------------------------------------------ same host (kvlc.runtime.ipc)
+    def shared(self):
+        """What a same-host peer may map of this agent's storages (None: nothing; ``ipc="off"``: None)."""
+        with self._lock:
+            if self._shared is False:
+                self._shared = offer(self.bindings.values()) if self.route is not None else None
+            return self._shared
+
+    def shared_for(self, hello: Introduce):
+        """The storages this side offers in answer to ``hello``: a direct-mode peer on this host that
+        can copy (it sent this host's key), when this side copies too; else None."""
+        if self.route is None or hello.mode == ConnectionMode.PULL_VIA_PUSH or not hello.host:
+            return None
+        return self.shared() if hello.host == host_key() else None
+
+    def map_peer(self, peer: str, shared) -> bool:
+        """Copy to and from NIXL agent ``peer`` through its mapped storages (``shared``, its offer) from
+        now on; where they cannot be mapped here, NIXL moves its bytes (logged, not an error)."""
+        if self.route is None or shared is None:
+            return False
+        try:
+            mapped = open_offer(peer, shared, self.route.devices())
+            try:
+                with self._lock:
+                    self.route.add(mapped)
+            except BaseException:
+                mapped.close()
+                raise
+        except Exception as exc:  # IpcError, or no Triton / no GPU kernel on this host
+            log.warning("same-host copies with %s are off, NIXL moves its bytes: %s", peer, exc)
+            return False
+        self.stats["ipc_peers"] += 1
+        return True
 
     def welcome(self, binding: bytes, client_agent: str) -> bytes:
         """This epoch's signature answering ``client_agent``'s hello on the connection of ``binding``
@@ -274,6 +314,9 @@ class KvAgent:
             for name in given:
                 if not self.sessions.live(name) and self.stager is not None:
                     self.stager.drop_peer(name)
+            for name in set(loaded) | set(given):
+                if not self.sessions.live(name) and self.route is not None:
+                    self.route.drop(name)
             for name in loaded:
                 try:
                     self.nixl.remove_remote(name)
@@ -347,7 +390,19 @@ class KvAgent:
         """The one staging decision of a request: peer rank → keys of ``parts`` that go through bounce
         buffers (:meth:`~kvlc.runtime.staging.agent.Stager.pick`); empty where staging is off."""
         with self._lock:
-            return {} if self.stager is None else self.stager.pick(op, parts, agents)
+            if self.stager is None:
+                return {}
+            if self.route is not None:  # same-host copies move these in one pass: never staged
+                parts = {k: p for k, p in parts.items() if not self._copied(getattr(p, "key", k), agents)}
+            return self.stager.pick(op, parts, agents)
+
+    def _copied(self, pk, agents: Mapping[int, str]) -> bool:
+        return self.route.covers(agents[pk.peer_rank], pk.local_mem, pk.remote_mem)
+
+    def copies_to(self, peers: Iterable[str]) -> bool:
+        """Whether every one of these NIXL agents is copied to and from through its mapped memory."""
+        with self._lock:
+            return self.route is not None and all(p in self.route.peers for p in peers)
 
     def _refuse(self, key, req: str, op: str, refuse: Mapping[Any, str] | None) -> None:
         self.check_open()
@@ -394,7 +449,9 @@ class KvAgent:
         self.stats["requests"] += len(outs)
         self.stats["bytes"] += sum(o.nbytes for o in outs)
         self.stats["descriptors"] += sum(o.rows for o in outs)
-        self.stats["nixl_requests"] += sum(r.xfer is not None for r in outs[0].parts)  # a batch shares its parts
+        copied = sum(isinstance(r.xfer, IpcXfer) for r in outs[0].parts)  # a batch shares its parts
+        self.stats["nixl_requests"] += sum(r.xfer is not None for r in outs[0].parts) - copied
+        self.stats["ipc_requests"] += len(outs) if copied else 0
         return outs
 
     def tally(self, engine: RemoteEngine, req: str) -> Tally:

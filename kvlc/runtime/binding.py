@@ -28,6 +28,7 @@ import numpy as np
 
 from kvlc.compiler.plan.model import Plan, PlanStorage
 from kvlc.runtime.errors import BindingError
+from kvlc.runtime.shm import shared_dram
 
 
 @dataclass(frozen=True)
@@ -179,13 +180,16 @@ def bind(plan: Plan, tensors: Mapping[str, Any]) -> dict[str, Bound]:
     return out
 
 
-def allocate(plan: Plan, pin: bool = False) -> dict[str, Any]:
-    """Zeroed uint8 tensors sized for every storage: CPU for DRAM (pinned if ``pin``), ``cuda:N`` for VRAM."""
+def allocate(plan: Plan, pin: bool = False, shared: bool = False) -> dict[str, Any]:
+    """Zeroed uint8 tensors sized for every storage: CPU for DRAM (pinned if ``pin``; in a shared-memory
+    file a same-host peer can map if ``shared``, :mod:`kvlc.runtime.shm`), ``cuda:N`` for VRAM."""
     import torch
 
     out = {}
     for s in plan.storages:
-        if s.mem == "DRAM":
+        if s.mem == "DRAM" and shared and not pin:
+            out[s.name] = shared_dram(s.size, f"kvlc-{s.name}")
+        elif s.mem == "DRAM":
             out[s.name] = torch.zeros(s.size, dtype=torch.uint8, pin_memory=pin)
         else:
             out[s.name] = torch.zeros(s.size, dtype=torch.uint8, device=f"cuda:{s.device}")

@@ -145,6 +145,7 @@ def _introduce(agent, got, peers, direction: Direction, mode: ConnectionMode, gi
                                  "elsewhere? refused")
         if direction is Direction.WRITE:
             agent.add_staging_peer(rec, reply.inbox)
+        agent.map_peer(rec.agent, reply.shared)  # same host: this side copies through its memory
 
 
 def _accepted(r: int, rec: Record, reply) -> Reply:
@@ -274,7 +275,7 @@ class Peer:
         keys of the parts staged (a prepared part the policy stages travels as rows of its token range)."""
         op = "READ" if self.direction is Direction.READ else "WRITE"
         bound = self.agent.bound_program(self.engine)
-        if self.mode is not ConnectionMode.PREPPED:
+        if self.mode is not ConnectionMode.PREPPED or self.agent.copies_to(agents_of(self._notify).values()):
             parts = instantiate(bound, local_block_ids, remote_block_ids, num_tokens, tokens=tokens)
             return parts, self.agent.staged_parts(op, parts, agents_of(self._notify))
         req = prepared_indices(bound, local_block_ids, remote_block_ids, num_tokens, tokens=tokens)

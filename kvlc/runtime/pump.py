@@ -132,6 +132,7 @@ class Resources:
         self.pump: Pump | None = None
         self.executor = None
         self.stager = None
+        self.route = None  # same-host copies (kvlc.runtime.ipc.route): unmapped after the transfers end
         self.closed = False
 
     def close(self) -> None:
@@ -147,6 +148,8 @@ class Resources:
             self.pump.thread.join(timeout=5)
         if self.executor is not None:
             self.executor.cancel_all(f"agent '{self.name}' closed")
+        if self.route is not None:
+            self.route.close()
         for c in self.clients:
             c.close()
         if self.stager is not None:

@@ -288,6 +288,8 @@ def _revoke(agent, name: str) -> None:
     (no transfer with it can be made any more)."""
     if agent.stager is not None:
         agent.stager.drop_peer(name)
+    if agent.route is not None:
+        agent.route.drop(name)  # its mapped memory goes once no copy uses it
     if name in agent.nixl.remotes:
         try:
             agent.nixl.remove_remote(name)

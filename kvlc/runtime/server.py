@@ -55,7 +55,9 @@ def introduce(agent, conn: Conn, msg: Introduce) -> Reply:
     The hello must carry the record key's signature over this connection and this agent's name
     (:meth:`Introduce.proven`); else nothing is paired, loaded or opened.
     Staging on: a producer that will push here gets an inbox in the reply; a pull-via-push consumer's
-    inbox (in its hello) is where this side stages the WRITEs it asks for."""
+    inbox (in its hello) is where this side stages the WRITEs it asks for. Same host
+    (:mod:`kvlc.runtime.ipc`): a direct-mode peer gets the storages it may map in the reply; a
+    pull-via-push consumer's (in its hello) are mapped here."""
     rec = msg.record
     pvp = msg.mode == ConnectionMode.PULL_VIA_PUSH
     if pvp and msg.direction != Direction.READ:
@@ -72,9 +74,10 @@ def introduce(agent, conn: Conn, msg: Introduce) -> Reply:
     session = Session(rec, conn.id, conn.sealed.notif_key, mine, ConnectionMode(msg.mode), eng, msg.address, True)
     inbox = agent.admit_served(session, pvp, msg.inbox)
     conn.session = session
-    if pvp:  # this side WRITEs the consumer's requests, and warms its memory now
+    if pvp:  # this side WRITEs the consumer's requests (through its mapped memory on this host), warm now
+        agent.map_peer(rec.agent, msg.shared)
         agent.warm([rec])
-    return Reply(ok=True, inbox=inbox, proof=agent.welcome(conn.sealed.binding, rec.agent))
+    return Reply(ok=True, inbox=inbox, shared=agent.shared_for(msg), proof=agent.welcome(conn.sealed.binding, rec.agent))
 
 
 def _session(conn: Conn, what: str) -> Session:

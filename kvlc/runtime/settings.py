@@ -67,6 +67,9 @@ class AgentSettings(BaseSettings):
     ``"thread"`` (a kvlc thread advances transfers every ``progress_interval`` s), ``"nixl"``
     (NIXL's own progress thread) or ``"manual"`` (only ``poll()`` advances anything). ``secret``
     (else ``secret_file``) keys the side channel; ``insecure=True`` runs without one.
+    ``ipc``: ``"auto"`` copies to and from a peer on the same host through its mapped memory
+    (CUDA IPC for VRAM, shared files for DRAM; :mod:`kvlc.runtime.ipc`) where both sides can,
+    NIXL for everything else; ``"off"`` (``KVLC_IPC=off``): NIXL only.
     ``agent_factory`` (tests only) builds the NIXL agent wrapper from a name.
     """
 
@@ -87,6 +90,7 @@ class AgentSettings(BaseSettings):
     progress_interval: float = Field(0.001, gt=0)
     backends: tuple[str, ...] = ("UCX",)
     telemetry: bool = False
+    ipc: Literal["auto", "off"] = "auto"  # same-host peers: copy through their mapped memory (kvlc.runtime.ipc)
     limits: Limits = Field(default_factory=Limits)
     ucx: UcxOptions | None = None
     staging: StagingPolicy | None = None

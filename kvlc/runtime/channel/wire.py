@@ -127,6 +127,32 @@ class Inbox(_Strict):
     device: Annotated[int, Field(ge=0, lt=1 << 16)]
 
 
+class SharedStorage(_Strict):
+    """One storage a same-host peer may map (:mod:`kvlc.runtime.ipc`): where it lives in the sender's
+    address space (``addr``, ``size``), and how to open it: a CUDA IPC handle of the allocation
+    holding it (VRAM) or the sender's shared-memory file descriptor (DRAM), ``offset`` bytes in."""
+
+    name: Name
+    addr: U63
+    size: U63
+    mem: Literal["DRAM", "VRAM"]
+    device: Annotated[int, Field(ge=0, lt=1 << 16)]
+    handle: Annotated[bytes, Field(max_length=128)] = b""  # VRAM: the CUDA IPC memory handle (64 bytes)
+    fd: Annotated[int, Field(ge=0, lt=1 << 31)] = 0  # DRAM: the sender's memfd, opened at /proc/<pid>/fd/<fd>
+    offset: U63 = 0  # where ``addr`` lies in the allocation (VRAM) or the file (DRAM)
+    gpu: Annotated[str, StringConstraints(max_length=64)] = ""  # VRAM: the GPU's UUID
+
+
+class Shared(_Strict):
+    """Storages a peer on the same host may map into its own address space and copy to or from
+    directly: handed over an authenticated connection only, after its hello, and mapped only by
+    an agent on the same ``host`` (boot and PID namespace) as the sender ``pid``."""
+
+    host: Annotated[str, StringConstraints(min_length=1, max_length=128)]
+    pid: Annotated[int, Field(ge=1, lt=1 << 31)]
+    storages: Annotated[tuple[SharedStorage, ...], Field(max_length=1 << 16)]
+
+
 class Fetch(_Strict):
     t: Literal["fetch"] = "fetch"
     version: Literal[3] = WIRE_VERSION
@@ -148,6 +174,8 @@ class Introduce(_Strict):
     mode: Literal["direct", "pull_via_push"]
     address: Annotated[str, StringConstraints(max_length=300)] = ""  # where the sender serves, if it does
     inbox: Inbox | None = None  # pull via push with staging: where the producer stages its WRITEs
+    host: Annotated[str, StringConstraints(max_length=128)] = ""  # same-host copies on: the sender's host key
+    shared: Shared | None = None  # pull via push, same host: the consumer storages the producer may map
     proof: Annotated[bytes, Field(min_length=SIGNATURE_BYTES, max_length=SIGNATURE_BYTES)]  # see proven()
 
     def proven(self, binding: bytes, server_agent: str) -> bool:
@@ -196,6 +224,7 @@ class Reply(_Strict):
     error: Annotated[str, Field(max_length=MAX_ERROR_CHARS)] = ""
     status: Literal["", "done", "failed", "cancelled", "unknown", "pending"] = ""
     inbox: Inbox | None = None  # answer to a producer's hello, staging on: where it stages its WRITEs
+    shared: Shared | None = None  # answer to a same-host hello (direct modes): storages the sender may map
     proof: Annotated[bytes, Field(min_length=SIGNATURE_BYTES, max_length=SIGNATURE_BYTES)] | None = None  # welcomed()
 
     def welcomed(self, binding: bytes, server: Record, client_agent: str) -> bool:

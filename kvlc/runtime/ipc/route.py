@@ -1,0 +1,206 @@
+"""The executor's door to the wire: parts to a same-host peer are copied here, the rest go to NIXL.
+
+:class:`IpcRoute` has the interface the :class:`~kvlc.runtime.transfer.Executor` uses of a NIXL
+agent (``initialize``, ``make_prepped``, ``post``, ``state``, ``send_notif``). A part whose peer
+agent's storages are mapped here (:mod:`kvlc.runtime.ipc.memory`) and whose two memory types both
+are mapped ones (VRAM ↔ VRAM with CUDA IPC, DRAM ↔ DRAM with shared files) becomes an
+:class:`IpcXfer`: created, posted (ONE copy launch), polled (done once its event says every byte
+landed) and released like a NIXL request, so the executor's rules hold unchanged: nothing is
+posted after a refusal or past the deadline, a copy in flight cannot be recalled and holds its
+request until it ends, the peer hears ``done`` (over NIXL's notifications, as always) only after
+every part ended. Everything else passes through to NIXL untouched.
+
+Every row is checked against the peer's mapped windows before anything moves: a row outside them
+refuses the part (:class:`~kvlc.runtime.ipc.cuda.IpcError`), nothing posted.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvlc.runtime.ipc.copy import GpuCopy, HostCopy, Launch
+from kvlc.runtime.ipc.cuda import IpcError
+from kvlc.runtime.ipc.memory import Mapped, Window
+from kvlc.runtime.nixl.core import XferState
+from kvlc.runtime.staging.copy import Region, Regions, flat_bytes
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class IpcXfer:
+    """One part moved by a same-host copy; looks like a NIXL transfer to the executor."""
+
+    what: str
+    peer: str
+    src: np.ndarray
+    dst: np.ndarray
+    lens: np.ndarray
+    mem: str  # the memory both sides hold ("VRAM": a kernel on ``device``; "DRAM": torch on the CPU)
+    device: int
+    route: Any = field(repr=False, default=None)
+    windows: Any = field(repr=False, default=None)  # the peer's _Windows it copies through
+    state: XferState = XferState.PROC
+    error: str | None = None
+    released: bool = False
+    launch: Launch | None = field(repr=False, default=None)
+
+    def release(self) -> None:
+        if not self.released:
+            self.released, self.launch = True, None
+            self.route.ended(self)
+
+
+class _Windows:
+    """A peer's mapped windows, sorted by the peer's addresses, for translating rows."""
+
+    def __init__(self, mapped: Mapped):
+        self.mapped = mapped
+        ws = sorted(mapped.windows, key=lambda w: w.addr)
+        self.windows: list[Window] = ws
+        self.starts = np.array([w.addr for w in ws], dtype=np.uint64)
+        self.stops = np.array([w.addr + w.size for w in ws], dtype=np.uint64)
+        self.shifts = np.array([w.shift for w in ws], dtype=np.int64)
+        self.mem_of = np.array([w.mem for w in ws])
+        self.mems = {w.mem for w in ws}
+        self.users = 0  # copies created and not released yet
+        self.retired = False
+        self._host: HostCopy | None = None
+
+    def translate(self, rows: np.ndarray, mem: str, what: str) -> np.ndarray:
+        """The peer's row addresses as this process sees them; IpcError if any row lies outside a window."""
+        addr = rows[:, 0].astype(np.uint64, copy=False)
+        end = addr + rows[:, 1].astype(np.uint64, copy=False)
+        i = np.searchsorted(self.starts, addr, side="right").astype(np.int64) - 1
+        j = np.maximum(i, 0)
+        ok = (i >= 0) & (end <= self.stops[j]) & (self.mem_of[j] == mem)
+        if not bool(ok.all()):
+            bad = int(np.flatnonzero(~ok)[0])
+            raise IpcError(f"{what}: row {bad} ([{int(addr[bad]):#x}, +{int(rows[bad, 1])}) of the peer's "
+                           f"{mem}) lies outside every storage it shared; nothing moved")
+        return (addr.astype(np.int64) + self.shifts[j]).astype(np.uint64)
+
+    def host_copy(self, local: list) -> HostCopy:
+        """The CPU copier over this side's DRAM storages and the peer's mapped DRAM windows."""
+        if self._host is None:
+            regions = [Region(b.addr, b.nbytes, flat_bytes(b.tensor)) for b in local if b.mem == "DRAM"]
+            regions += [Region(w.base, w.size, w.tensor) for w in self.windows if w.mem == "DRAM"]
+            self._host = HostCopy(Regions(regions))
+        return self._host
+
+
+class IpcRoute:
+    """The executor's agent: same-host copies for mapped peers, NIXL (``nixl``) for everything else.
+
+    ``bindings``: this agent's bound storages (the local side of every copy)."""
+
+    def __init__(self, nixl: Any, bindings: dict):
+        self.nixl = nixl
+        self.peers: dict[str, _Windows] = {}
+        self.retired: list[_Windows] = []  # unmapped once no copy in flight uses them
+        self.local = list(bindings.values())
+        self.gpu = next((b.device for b in self.local if b.mem == "VRAM"), None)
+        self._gpu_copy: GpuCopy | None = None
+        self.copies = 0  # parts moved here
+
+    # ------------------------------------------------------------------ peers
+    def devices(self) -> dict[str, int]:
+        """Memory type → the device this side copies it on (what mapping a peer's storages needs)."""
+        out = {"DRAM": 0}
+        if self.gpu is not None:
+            out["VRAM"] = self.gpu
+        return out
+
+    def add(self, mapped: Mapped) -> None:
+        """Copy to and from ``mapped.peer`` through its mapped storages from now on (a GPU's kernel is
+        compiled now, not at the first request; where it cannot be, this raises and nothing changes)."""
+        if any(w.mem == "VRAM" for w in mapped.windows):
+            self._gpu().warm()
+        old = self.peers.pop(mapped.peer, None)
+        if old is not None:
+            self._retire(old)
+        self.peers[mapped.peer] = _Windows(mapped)
+
+    def drop(self, peer: str) -> None:
+        """The sessions with ``peer`` ended: its storages are unmapped once no copy in flight uses them."""
+        w = self.peers.pop(peer, None)
+        if w is not None:
+            self._retire(w)
+
+    def _retire(self, w: _Windows) -> None:
+        w.retired = True
+        if w.users:
+            self.retired.append(w)
+        else:
+            w.mapped.close()
+
+    def covers(self, peer: str, local_mem: str, remote_mem: str) -> bool:
+        """Whether a part to ``peer`` between these memory types is copied here."""
+        w = self.peers.get(peer)
+        return w is not None and local_mem == remote_mem and remote_mem in w.mems
+
+    def close(self) -> None:
+        """Unmap every peer (the agent closes: nothing is in flight any more)."""
+        for w in list(self.peers.values()) + self.retired:
+            w.mapped.close()
+        self.peers.clear()
+        self.retired.clear()
+
+    # ------------------------------------------------------------------ transfers
+    def initialize(self, op: str, local_rows: np.ndarray, local_mem: str, remote_rows: np.ndarray,
+                   remote_mem: str, remote_agent: str, what: str = "transfer") -> Any:
+        if not self.covers(remote_agent, local_mem, remote_mem):
+            return self.nixl.initialize(op, local_rows, local_mem, remote_rows, remote_mem, remote_agent, what)
+        w = self.peers[remote_agent]
+        mapped = w.translate(np.asarray(remote_rows), remote_mem, f"{op} {what}")
+        mine = np.ascontiguousarray(np.asarray(local_rows)[:, 0], dtype=np.uint64)
+        lens = np.ascontiguousarray(np.asarray(local_rows)[:, 1], dtype=np.uint64)
+        src, dst = (mine, mapped) if op == "WRITE" else (mapped, mine)
+        w.users += 1
+        return IpcXfer(f"{op} {what} to {remote_agent!r} (same host)", remote_agent, src, dst, lens,
+                       local_mem, self.gpu or 0, route=self, windows=w)
+
+    def make_prepped(self, *args, **kwargs) -> Any:
+        return self.nixl.make_prepped(*args, **kwargs)
+
+    def post(self, xfer: Any, notif: bytes = b"") -> XferState:
+        if not isinstance(xfer, IpcXfer):
+            return self.nixl.post(xfer, notif)
+        try:
+            copier = self._gpu() if xfer.mem == "VRAM" else xfer.windows.host_copy(self.local)
+            xfer.launch = copier.start(xfer.src, xfer.dst, xfer.lens)
+        except Exception as exc:  # a launch that fails moved nothing of this part
+            xfer.state, xfer.error = XferState.ERR, f"{xfer.what}: the copy could not start: {exc}"
+            return xfer.state
+        self.copies += 1
+        return self.state(xfer)
+
+    def state(self, xfer: Any) -> XferState:
+        if not isinstance(xfer, IpcXfer):
+            return self.nixl.state(xfer)
+        if xfer.state is XferState.PROC and xfer.launch is not None and xfer.launch.done():
+            xfer.state = XferState.DONE
+        return xfer.state
+
+    def telemetry(self, xfer: Any) -> dict[str, int] | None:
+        return None if isinstance(xfer, IpcXfer) else self.nixl.telemetry(xfer)
+
+    def send_notif(self, agent_name: str, message: bytes) -> None:
+        self.nixl.send_notif(agent_name, message)
+
+    def ended(self, xfer: IpcXfer) -> None:
+        """A copy was released: a retired peer none uses any more is unmapped now."""
+        w = xfer.windows
+        w.users -= 1
+        if w.retired and w.users <= 0 and w in self.retired:
+            self.retired.remove(w)
+            w.mapped.close()
+
+    def _gpu(self) -> GpuCopy:
+        if self._gpu_copy is None:
+            self._gpu_copy = GpuCopy(self.gpu)
+        return self._gpu_copy

@@ -1,0 +1,204 @@
+"""Same-host copies (kvlc.runtime.ipc) between real engine processes, on DRAM in shared files.
+
+The engines of test_e2e_modes (X: TP1 producer; Y: TP2 producer; Z: the consumer), each in its
+own process with its storages in shared-memory files, so every connection between them maps
+the peer's storages and moves requests with one copy per part (a memmove per row on the CPU, the
+Triton kernel on a GPU). Every destination byte is checked against its content code and
+every other byte of the consumer against its value before; NIXL still carries the handshake's
+warm-up and every notification. A peer whose memory is private, or an agent with ``ipc="off"``,
+moves the same requests through NIXL.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+from runtime_engines import check_bytes, check_from_many, config, flip, move, tiny_plans
+
+from kvlc.demo.procs import start_engines, stop_engines
+
+pytest.importorskip("torch")
+pytest.importorskip("nixl")
+pytestmark = pytest.mark.runtime
+
+
+@pytest.fixture(scope="module")
+def plans():
+    return tiny_plans()
+
+
+@pytest.fixture(scope="module")
+def eng(plans):
+    """X, Y0, Y1 (content-coded producers) and Z (noise, the consumer), DRAM shared; P: X's plan in
+    private memory (NIXL only)."""
+    names = ("x", "y0", "y1", "z", "p")
+    handles = start_engines([config(plans["x"], 0, "content", shared=True),
+                             config(plans["y"], 0, "content", shared=True),
+                             config(plans["y"], 1, "content", shared=True),
+                             config(plans["z"], 0, "random", seed=3, shared=True),
+                             config(plans["x"], 0, "content", engine_id="private-x")])
+    yield dict(zip(names, handles))
+    stop_engines(handles)
+
+
+def _ipc(h) -> int:
+    return h.call("stats")["ipc_requests"]
+
+
+@pytest.mark.parametrize("mode", ["direct", "prepped"])
+def test_pull_copies_through_the_mapped_producer(eng, plans, mode):
+    x, z = eng["x"], eng["z"]
+    z.connect([x.address], "READ", mode, f"x-ipc-{mode}")
+    reqs = [(f"ipc-pull-{mode}-1", {"full": [0]}, {"full": [7]}, 1),
+            (f"ipc-pull-{mode}-2", {"full": [2, 3, 4]}, {"full": [63, 0, 9]}, 40),
+            (f"ipc-pull-{mode}-3", {"full": list(range(5, 12))}, {"full": [11, 12, 13, 14, 15, 16, 17]}, 100)]
+    before, n = z.call("dump"), _ipc(z)
+    move(z, f"x-ipc-{mode}", "read", reqs)
+    check_bytes(z, plans["z"], plans["x"], before, reqs)
+    assert _ipc(z) == n + len(reqs)  # every request copied, none through NIXL
+    assert sorted(r[0] for r in reqs) == sorted(x.call("events")["freeable"])  # the producer heard done
+
+
+def test_push_and_pull_via_push_copy_into_the_mapped_consumer(eng, plans):
+    x, z = eng["x"], eng["z"]
+    x.connect([z.address], "WRITE", "direct", "z-ipc-push")
+    z.connect([x.address], "READ", "pull_via_push", "x-ipc-pvp")
+    pushed = [("ipc-push-1", {"full": [20, 21]}, {"full": [5, 6]}, 30)]
+    pulled = [("ipc-pvp-1", {"full": [30, 31, 32]}, {"full": [1, 2, 3]}, 48)]
+    before, n = z.call("dump"), _ipc(x)
+    move(x, "z-ipc-push", "write", flip(pushed), waiters=[z])
+    errors = z.call("submit", "x-ipc-pvp", "read", pulled, 30.0, 0, None)
+    assert not errors, errors
+    out = z.call("wait", ["ipc-pvp-1"], 30.0)
+    assert out["failed"] == {} and out["open"] == [], out
+    check_bytes(z, plans["z"], plans["x"], before, pushed + pulled)
+    assert _ipc(x) == n + 2  # the producer moved both (one push, one pull it was asked for)
+
+
+def test_tp2_producer_ranks_map_separately(eng, plans):
+    """Z (TP1, 16-token blocks) pulls from both ranks of Y (TP2, HND, 32-token blocks): two mapped peers."""
+    y0, y1, z = eng["y0"], eng["y1"], eng["z"]
+    z.connect([y0.address, y1.address], "READ", "direct", "y-ipc")
+    reqs = [("ipc-tp-1", {"full": [40, 41, 42, 43]}, {"full": [2, 3]}, 64)]
+    before, n = z.call("dump"), _ipc(z)
+    move(z, "y-ipc", "read", reqs)
+    check_from_many(z, plans["z"], before, [(plans["y"], reqs)])
+    assert _ipc(z) == n + 1
+
+
+def test_private_memory_goes_through_nixl(eng, plans):
+    """P's storages are private (not in shared files): nothing is offered, NIXL moves the bytes."""
+    p, z = eng["p"], eng["z"]
+    z.connect([p.address], "READ", "direct", "p-nixl")
+    reqs = [("nixl-pull-1", {"full": [50, 51]}, {"full": [8, 9]}, 20)]
+    before, n, m = z.call("dump"), _ipc(z), z.call("stats")["nixl_requests"]
+    move(z, "p-nixl", "read", reqs)
+    check_bytes(z, plans["z"], plans["x"], before, reqs)
+    assert _ipc(z) == n and z.call("stats")["nixl_requests"] > m
+
+
+def test_ipc_off_goes_through_nixl(plans):
+    handles = start_engines([config(plans["x"], 0, "content", shared=True, engine_id="off-x"),
+                             config(plans["z"], 0, "random", seed=4, shared=True, engine_id="off-z", ipc="off")])
+    try:
+        x, z = handles
+        z.connect([x.address], "READ", "direct", "x-off")
+        reqs = [("off-1", {"full": [1, 2]}, {"full": [5, 6]}, 30)]
+        before = z.call("dump")
+        move(z, "x-off", "read", reqs)
+        check_bytes(z, plans["z"], plans["x"], before, reqs)
+        assert _ipc(z) == 0 and z.call("stats")["nixl_requests"] >= 1
+    finally:
+        stop_engines(handles)
+
+
+# ---------------------------------------------------------------- the route, in one process
+def _route_pair(nbytes: int = 1 << 16):
+    """A route over one shared DRAM storage of ours, with a peer's shared storage mapped as NIXL agent 'peer'."""
+    from kvlc.runtime.channel.wire import Shared, SharedStorage
+    from kvlc.runtime.ipc.memory import host_key, open_offer
+    from kvlc.runtime.ipc.route import IpcRoute
+    from kvlc.runtime.shm import file_of, shared_dram
+
+    mine, theirs = shared_dram(nbytes), shared_dram(nbytes)
+    fd, off = file_of(theirs.data_ptr(), nbytes)
+    fake_addr = 1 << 40  # the peer's address space differs from ours: rows name its addresses
+
+    offer = Shared(host=host_key(), pid=os.getpid(), storages=(SharedStorage(
+        name="kv", addr=fake_addr, size=nbytes, mem="DRAM", device=0, fd=fd, offset=off),))
+
+    from types import SimpleNamespace
+
+    bound = SimpleNamespace(name="kv", mem="DRAM", device=0, tensor=mine, addr=mine.data_ptr(), nbytes=nbytes)
+    route = IpcRoute(nixl=None, bindings={"kv": bound})
+    route.add(open_offer("peer", offer, route.devices()))
+    return route, mine, theirs, fake_addr
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_route_copies_any_rows_like_the_reference(data):
+    """Random rows (offsets, lengths, order): the route's copy equals a byte-by-byte reference, and no
+    byte outside the rows changes, READ and WRITE."""
+    from kvlc.runtime.nixl.core import XferState
+
+    route, mine, theirs, base = _route_pair(4096)
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    mine.numpy()[:] = rng.integers(0, 256, 4096, dtype=np.uint8)
+    theirs.numpy()[:] = rng.integers(0, 256, 4096, dtype=np.uint8)
+    n = data.draw(st.integers(1, 12))
+    lens = data.draw(st.lists(st.integers(1, 200), min_size=n, max_size=n))
+    slots = data.draw(st.permutations(range(16)))[:n]  # disjoint 256-byte slots on each side
+    other = data.draw(st.permutations(range(16)))[:n]
+    op = data.draw(st.sampled_from(["READ", "WRITE"]))
+    local = np.array([[mine.data_ptr() + 256 * s, ln, 0] for s, ln in zip(slots, lens)], dtype=np.uint64)
+    remote = np.array([[base + 256 * s, ln, 0] for s, ln in zip(other, lens)], dtype=np.uint64)
+    want_mine, want_theirs = mine.numpy().copy(), theirs.numpy().copy()
+    for s, o, ln in zip(slots, other, lens):
+        if op == "READ":
+            want_mine[256 * s:256 * s + ln] = want_theirs[256 * o:256 * o + ln]
+        else:
+            want_theirs[256 * o:256 * o + ln] = want_mine[256 * s:256 * s + ln]
+    x = route.initialize(op, local, "DRAM", remote, "DRAM", "peer", "rows")
+    assert route.post(x) is XferState.DONE
+    x.release()
+    assert (mine.numpy() == want_mine).all() and (theirs.numpy() == want_theirs).all()
+    route.close()
+
+
+def test_route_refuses_rows_outside_the_peer_memory():
+    from kvlc.runtime.ipc.cuda import IpcError
+
+    route, mine, theirs, base = _route_pair(4096)
+    local = np.array([[mine.data_ptr(), 64, 0]], dtype=np.uint64)
+    for addr, ln in ((base + 4090, 64), (base - 8, 16)):  # past the end; before the start
+        with pytest.raises(IpcError, match="outside every storage it shared; nothing moved"):
+            route.initialize("WRITE", local, "DRAM", np.array([[addr, ln, 0]], dtype=np.uint64), "DRAM", "peer")
+    assert not theirs.any()
+    route.close()
+
+
+def test_route_unmaps_a_dropped_peer_after_its_last_copy():
+    route, mine, _, base = _route_pair(4096)
+    local = np.array([[mine.data_ptr(), 64, 0]], dtype=np.uint64)
+    x = route.initialize("WRITE", local, "DRAM", np.array([[base, 64, 0]], dtype=np.uint64), "DRAM", "peer")
+    w = route.peers["peer"]
+    route.drop("peer")  # the session ended while a copy is created
+    assert not w.mapped.closed and not route.covers("peer", "DRAM", "DRAM")
+    route.post(x)
+    x.release()
+    assert w.mapped.closed and route.retired == []
+
+
+def test_another_host_is_not_mapped():
+    from kvlc.runtime.channel.wire import Shared, SharedStorage
+    from kvlc.runtime.ipc.cuda import IpcError
+    from kvlc.runtime.ipc.memory import open_offer
+
+    offer = Shared(host="another-boot:1", pid=1, storages=(SharedStorage(
+        name="kv", addr=4096, size=4096, mem="DRAM", device=0, fd=3),))
+    with pytest.raises(IpcError, match="another host"):
+        open_offer("peer", offer, {"DRAM": 0})

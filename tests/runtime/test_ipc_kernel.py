@@ -1,0 +1,69 @@
+"""The same-host copy kernel (kvlc.runtime.ipc.kernel), run by Triton's interpreter on the CPU.
+
+The kernel a GPU runs for every same-host request, with the row table the runtime builds for it
+(:func:`kvlc.runtime.ipc.copy.row_table`: long rows cut into chunks, 8-byte words when every
+address and length allows, bytes otherwise), on random rows between two buffers: every
+destination row must equal its source, every other byte stay as it was.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+from kvlc.runtime.ipc.copy import row_table  # noqa: E402
+
+KERNEL = Path(__file__).resolve().parents[2] / "kvlc" / "runtime" / "ipc" / "kernel.py"
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    """kernel.py loaded with TRITON_INTERPRET=1 (its @jit then runs on the CPU), under another name."""
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        spec = importlib.util.spec_from_file_location("kvlc_ipc_kernel_interpreted", KERNEL)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        if old is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+    return mod
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.data())
+def test_kernel_copies_random_rows(interpreted, data):
+    size = 1 << 14
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    src = torch.from_numpy(rng.integers(0, 256, size, dtype=np.uint8))
+    dst = torch.from_numpy(rng.integers(0, 256, size, dtype=np.uint8))
+    unit = data.draw(st.sampled_from([1, 8, 16]))  # alignment of every offset and length
+    slot = 1024
+    n = data.draw(st.integers(1, 12))
+    s_slots = data.draw(st.permutations(range(size // slot)))[:n]
+    d_slots = data.draw(st.permutations(range(size // slot)))[:n]
+    lens = [unit * data.draw(st.integers(1, (slot // 2) // unit)) for _ in range(n)]
+    s_off = [unit * data.draw(st.integers(0, (slot // 2) // unit - 1)) for _ in range(n)]
+    d_off = [unit * data.draw(st.integers(0, (slot // 2) // unit - 1)) for _ in range(n)]
+    chunk = data.draw(st.sampled_from([64, 256, 1 << 18]))  # small chunks: long rows are cut
+    srcs = np.array([src.data_ptr() + s * slot + o for s, o in zip(s_slots, s_off)], dtype=np.uint64)
+    dsts = np.array([dst.data_ptr() + d * slot + o for d, o in zip(d_slots, d_off)], dtype=np.uint64)
+    want = dst.numpy().copy()
+    for s, so, d, do, ln in zip(s_slots, s_off, d_slots, d_off, lens):
+        want[d * slot + do:d * slot + do + ln] = src.numpy()[s * slot + so:s * slot + so + ln]
+    table, wide = row_table(srcs, dsts, np.array(lens, dtype=np.uint64), chunk)
+    assert wide == all(int(v) % 8 == 0 for v in np.concatenate([srcs, dsts, lens]))
+    rows = len(table) // 3
+    interpreted.copy_rows[(rows,)](torch.from_numpy(table), rows, BLOCK=16 if wide else 128, WIDE=wide)
+    assert (dst.numpy() == want).all()
