@@ -198,20 +198,26 @@ def _ping(agent, ep, tensors, bases, peer, n: int) -> dict:
 
 
 def _serial(agent, tensors, bases, peer, op: str, requests: list, reps: int, single: bool) -> dict:
-    """Create, post, wait for and release one request at a time (creation inside the timing)."""
+    """Create, post, wait for and release one request at a time (creation inside the timing); ``each``:
+    every request's seconds, in order (a failed request raises)."""
     from kvlc.runtime.nixl.core import XferState
 
+    each = []
     t0 = time.perf_counter()
     for _ in range(reps):
         for r in requests:
+            t_req = time.perf_counter()
             x = _raw_xfer(agent, tensors, bases, peer, peer["mems"], op, r, single)
             state = agent.post(x)
             while state is XferState.PROC:
                 state = agent.state(x)
             x.release()
+            if state is not XferState.DONE:
+                raise RuntimeError(f"raw {op} failed: {state}")
+            each.append(time.perf_counter() - t_req)
     seconds = time.perf_counter() - t0
     agent.send_notif(peer["name"], b"stop")
-    return {"seconds": seconds, "bytes": reps * sum(r.nbytes for r in requests)}
+    return {"seconds": seconds, "bytes": reps * sum(r.nbytes for r in requests), "each": each}
 
 
 def _raw(agent, ep, tensors, bases, peer, op: str, requests: list, reps: int, single: bool,

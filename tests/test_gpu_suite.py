@@ -1,0 +1,69 @@
+"""benchmarks/gpu_suite.py without a GPU or a run: --help, its cases' rows, its verdicts on synthetic rows."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+import gpu_suite  # noqa: E402
+import gpu_suite_cases as cases  # noqa: E402
+
+
+def test_help_names_every_mode_and_case():
+    r = subprocess.run([sys.executable, str(BENCHMARKS / "gpu_suite.py"), "--help"], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    for word in ("--device", "--only", "--quick", "--modes", "kvlc_ipc", "raw_sgl", "handover", "mixed"):
+        assert word in r.stdout, word
+
+
+def test_cpu_cases_rows_are_the_bytes_kvlc_moves():
+    """The offline rows of every case: one part, the request's bytes, storage indices within the plans."""
+    sc = cases.scale(gpu=False, quick=True)
+    (g,) = cases.groups(sc, {"deepseek"})
+    cases.prepare(g, sc)
+    (c,) = g.cases
+    assert len(c.requests) == c.warm + c.rounds and len(c.batches()) == len(c.requests)
+    prod, cons = g.plans
+    for ranges in c.ranges:
+        (r,) = ranges
+        assert r.src[:, 0].max() < len(prod.storages) and r.dst[:, 0].max() < len(cons.storages)
+        assert (r.src[:, 1] + r.src[:, 2] <= [prod.storages[i].size for i in r.src[:, 0]]).all()
+    assert c.nbytes == c.tokens * 62 * 1152  # 61 layers and the MTP draft layer, 576 bf16 values a token
+    assert g.check_ranges and not g.separate_check
+
+
+def _row(group, mode, **kw):
+    return {"group": group, "mode": mode, "case": f"{group} {kw.get('kind')} {kw.get('tokens')}", **kw}
+
+
+def test_targets_and_ipc_flags():
+    sc = cases.scale(gpu=True, quick=False)
+    llama = "llama-3.1-8b"
+    rows = []
+    for t in sc.handover_tokens:
+        hand = {"kind": "handover", "tokens": t, "ids": "contiguous"}
+        rows += [_row(llama, "raw nixl", p50_us=300.0, p99_us=400.0, gbps=1.0, **hand),
+                 _row(llama, "kvlc nixl", p50_us=320.0, p99_us=600.0 if t == 4096 else 420.0, gbps=1.0, ipc=0,
+                      check="pass", **hand)]
+        rand = {"kind": "handover", "tokens": t, "ids": "random"}
+        rows += [_row(llama, "d2d copy", gbps=2000.0, p50_us=1.0, **rand),
+                 _row(llama, "kvlc ipc", gbps=1500.0 if t < 4096 else 1000.0, p50_us=1.0, ipc=55,
+                      check="pass", **rand)]
+    rows.append(_row(llama, "kvlc nixl", kind="handover", tokens=1, ids="x", gbps=1.0, ipc=3, check="pass"))
+    rows.append(_row(llama, "kvlc ipc", kind="handover", tokens=2, ids="x", gbps=1.0, ipc=0, check="FAIL"))
+    doc = {"rows": rows, "checks": []}
+    gpu_suite.annotate(doc, {llama: True})
+    got = {v["target"]: v["verdict"] for v in gpu_suite.targets(doc, sc)}
+    lat = [v for k, v in got.items() if k.startswith("kvlc <= 1.1x")]
+    assert lat == ["met", "met", "missed"]  # p99 600 / 400 at 4k tokens
+    ipc = [v for k, v in got.items() if k.startswith("same-host path") and llama in k]
+    assert ipc == ["met", "met", "missed"]  # 1000 / 2000 at 4k tokens
+    assert all(v == "not measured" for k, v in got.items() if "pull_via_push" in k or "mixed" in k)
+    assert [r["ok"] for r in rows[-2:]] == [False, False]  # ipc used with KVLC_IPC=off; a failed check
+    assert all(r["ok"] for r in rows[:-2])
+    assert rows[3]["fraction_of_d2d"] == 0.75
