@@ -167,3 +167,37 @@ def test_ids_ok(n, cap, distinct, want):
         twice[-1] = twice[0]
         assert native.ids_ok(twice, cap, True) is False
         assert native.ids_ok(twice, cap, False) is bool(twice.max() < cap)
+
+
+@needs_native
+def test_threads_sharing_a_binding_get_their_own_rows():
+    """Requests of one binding from several threads at once (an engine's thread pushing while the side
+    channel serves a pull): partial tiles add to the shared table while others read it; every
+    request's rows still equal the reference's."""
+    import threading
+
+    plan, bound = _llama()
+    cap = plan.regions[0].capacity
+    rng = np.random.default_rng(7)
+    reqs = []
+    for k in range(60):
+        n = int(rng.integers(2, 64))
+        stop = 16 * (n - 1) + int(rng.integers(1, 16))  # a partial last tile: a new tail most times
+        reqs.append(check_request(bound.program, {"full": rng.permutation(cap)[:n]},
+                                  {"full": rng.permutation(cap)[:n]}, stop))
+    want = [_reference(bound, r) for r in reqs]
+    problems = []
+
+    def run(which):
+        for i in which:
+            try:
+                _same(emit_native(bound, reqs[i]), want[i])
+            except AssertionError as exc:
+                problems.append(f"request {i}: {exc}")
+
+    threads = [threading.Thread(target=run, args=(range(t, len(reqs), 4),)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert problems == []

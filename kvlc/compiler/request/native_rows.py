@@ -10,6 +10,8 @@ and coalesces each part in place. Same rows, same order, same coalescing as the 
 
 from __future__ import annotations
 
+import threading
+
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -45,6 +47,9 @@ class NativeTable:
     tails: dict = field(default_factory=dict)   # (block, hi, lo) -> offset of its clipped runs
     array: np.ndarray | None = None
     _address: int = 0
+    # held from a request's first tail lookup to the end of its native call: another thread's request
+    # may add tails (packing the table again, freeing the array the first one's call would read)
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     @classmethod
     def of(cls, bound: BoundProgram) -> "NativeTable":
@@ -101,6 +106,11 @@ def emit_native(bound: BoundProgram, req: Request) -> dict[PartKey, Part]:
     returned are views of it.
     """
     table = native_table(bound)
+    with table.lock:
+        return _emit(table, req)
+
+
+def _emit(table: NativeTable, req: Request) -> dict[PartKey, Part]:
     nids, where = _id_slots(req)
     records: list[int] = []
     rows: dict[PartKey, int] = {}   # part -> rows before coalescing (room to leave for it)
