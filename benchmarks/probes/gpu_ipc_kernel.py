@@ -7,7 +7,8 @@ handover from an engine's pool after warm-up looks like), timed with CUDA events
 unchanged:
 
 * ``kernel``: :class:`kvlc.runtime.ipc.copy.GpuCopy` (row table upload + ONE Triton kernel), for a
-  few program sizes (``BLOCK_WORDS``) and warp counts; ``host us``: the host's time to start it;
+  few program sizes (``BLOCK_WORDS``) and warp counts, host work included (a request's real cost);
+  ``host us``: the host's time to start it; ``gpu only``: from the copy stream's first work to its end;
 * ``torch``: ``index_select`` into a scratch buffer + ``index_copy_`` out of it, on int64 rows;
 * ``d2d``: one contiguous ``copy_`` of the same number of bytes (the ceiling).
 
@@ -61,19 +62,28 @@ def one_case(block: int, count: int, pools, reps: int, torch) -> dict:
     cp = GpuCopy(0)
     for words, warps in VARIANTS:
         cp.block_words, cp.num_warps = words, warps
-        host = []
+        host, gpu = [], []
 
         def go():
+            e0 = torch.cuda.Event(enable_timing=True)
+            e0.record(cp.stream)
             t0 = time.perf_counter()
-            ev = cp.start(srcs, dsts, lens).event
+            launch = cp.start(srcs, dsts, lens)
             host.append(time.perf_counter() - t0)
-            torch.cuda.current_stream().wait_event(ev)
+            e1 = torch.cuda.Event(enable_timing=True)
+            e1.record(cp.stream)
+            torch.cuda.current_stream().wait_event(launch.event)
+            gpu.append((e0, e1))
 
         for _ in range(3):
             go()
+        host.clear()
+        gpu.clear()
         ts = _time(go, reps, torch)
+        torch.cuda.synchronize()
         row[f"kernel {words}w x{warps}"] = nbytes / statistics.median(ts) / 1e9
         row[f"kernel {words}w x{warps} host us"] = statistics.median(host) * 1e6
+        row[f"kernel {words}w x{warps} gpu only"] = nbytes / statistics.median(a.elapsed_time(b) / 1e3 for a, b in gpu) / 1e9
     cp.block_words, cp.num_warps = ipc_copy.BLOCK_WORDS, ipc_copy.NUM_WARPS
     dst.zero_()
     cp.start(srcs, dsts, lens).event.synchronize()
@@ -93,7 +103,7 @@ def one_case(block: int, count: int, pools, reps: int, torch) -> dict:
     row["torch index"] = nbytes / statistics.median(_time(tcopy, reps, torch)) / 1e9
     a, b = src[:nbytes], dst[:nbytes]
     row["d2d"] = nbytes / statistics.median(_time(lambda: b.copy_(a), reps, torch)) / 1e9
-    best = max(v for k, v in row.items() if k.startswith("kernel") and not k.endswith("us"))
+    best = max(v for k, v in row.items() if k.startswith("kernel") and k.endswith(("x4", "x8")))
     row["kernel / d2d"] = best / row["d2d"]
     return row
 

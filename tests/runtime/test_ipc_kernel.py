@@ -62,8 +62,10 @@ def test_kernel_copies_random_rows(interpreted, data):
     want = dst.numpy().copy()
     for s, so, d, do, ln in zip(s_slots, s_off, d_slots, d_off, lens):
         want[d * slot + do:d * slot + do + ln] = src.numpy()[s * slot + so:s * slot + so + ln]
-    table, wide = row_table(srcs, dsts, np.array(lens, dtype=np.uint64), chunk)
-    assert wide == all(int(v) % 8 == 0 for v in np.concatenate([srcs, dsts, lens]))
+    table, align = row_table(srcs, dsts, np.array(lens, dtype=np.uint64), chunk)
+    values = [int(v) for v in np.concatenate([srcs, dsts, lens])]
+    assert align == (16 if all(v % 16 == 0 for v in values) else 8 if all(v % 8 == 0 for v in values) else 1)
     rows = len(table) // 3
-    interpreted.copy_rows[(rows,)](torch.from_numpy(table), rows, BLOCK=16 if wide else 128, WIDE=wide)
+    interpreted.copy_rows[(rows,)](torch.from_numpy(table), rows, BLOCK=16 if align >= 8 else 128,
+                                   WIDE=align >= 8, VEC=align >= 16)
     assert (dst.numpy() == want).all()

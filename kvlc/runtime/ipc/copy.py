@@ -39,13 +39,13 @@ def split(src: np.ndarray, dst: np.ndarray, lens: np.ndarray, chunk: int = CHUNK
     return src[which] + off, dst[which] + off, np.minimum(lens[which] - off, np.uint64(chunk))
 
 
-def row_table(src: np.ndarray, dst: np.ndarray, lens: np.ndarray, chunk: int = CHUNK) -> tuple[np.ndarray, bool]:
-    """The kernel's row table (sources, destinations, lengths: int64, after :func:`split`) and whether
-    every address and length is a multiple of 8 (the kernel then moves 8-byte words)."""
+def row_table(src: np.ndarray, dst: np.ndarray, lens: np.ndarray, chunk: int = CHUNK) -> tuple[np.ndarray, int]:
+    """The kernel's row table (sources, destinations, lengths: int64, after :func:`split`) and the
+    alignment every address and length shares: 16, 8 (the kernel moves 8-byte words) or 1 (bytes)."""
     src, dst, lens = split(src, dst, lens, chunk)
     table = np.concatenate([src, dst, lens])
-    wide = not bool(np.bitwise_or.reduce(table) & np.uint64(7)) if len(table) else True
-    return table.view(np.int64), wide
+    low = int(np.bitwise_or.reduce(table)) & 15 if len(table) else 0
+    return table.view(np.int64), 16 if not low else 8 if not low & 7 else 1
 
 
 @dataclass
@@ -59,8 +59,39 @@ class Launch:
         return self.event is None or bool(self.event.query())
 
 
+class _Ring:
+    """A pinned host buffer and a device buffer of int64 row tables, handed out in order and taken
+    back once the copy that read a span ended (its event): no allocation per request."""
+
+    def __init__(self, torch, device: int, words: int):
+        self.host = torch.empty(words, dtype=torch.int64, pin_memory=True)
+        self.dev = torch.empty(words, dtype=torch.int64, device=f"cuda:{device}")
+        self.words, self.head = words, 0
+        self.spans: list[tuple[int, int, Any]] = []  # (start, stop, event) in use, oldest first
+
+    def take(self, n: int) -> int | None:
+        """Where ``n`` words may be written now (None: the table is larger than the ring)."""
+        if n > self.words:
+            return None
+        at = self.head if self.head + n <= self.words else 0
+        while self.spans and self._overlaps(at, at + n):
+            self.spans.pop(0)[2].synchronize()  # the oldest copy still reading there: wait (rare)
+        self.spans = [sp for sp in self.spans if not sp[2].query()] if len(self.spans) > 64 else self.spans
+        return at
+
+    def _overlaps(self, a: int, b: int) -> bool:
+        return any(s < b and a < e for s, e, _ in self.spans)
+
+    def used(self, at: int, n: int, event) -> None:
+        self.spans.append((at, at + n, event))
+        self.head = at + n
+
+
 class GpuCopy:
-    """Copies rows on GPU ``device`` with one kernel launch per part."""
+    """Copies rows on GPU ``device`` with one kernel launch per part, after the work queued on the
+    calling thread's current stream (what the engine wrote before asking is what gets copied)."""
+
+    RING_WORDS = 1 << 20  # 8 MiB of row tables (~350,000 rows) in flight at most before waiting
 
     def __init__(self, device: int):
         import torch
@@ -70,28 +101,41 @@ class GpuCopy:
         self.torch, self.kernel, self.device = torch, kernel, device
         self.stream = torch.cuda.Stream(device=device)
         self.block_words, self.num_warps = BLOCK_WORDS, NUM_WARPS
+        self.ring = _Ring(torch, device, self.RING_WORDS)
 
     def start(self, src: np.ndarray, dst: np.ndarray, lens: np.ndarray) -> Launch:
         torch = self.torch
-        rows, wide = row_table(src, dst, lens)
+        rows, align = row_table(src, dst, lens)
         n = len(rows) // 3
-        host = torch.from_numpy(rows).pin_memory()
-        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-            table = host.to(f"cuda:{self.device}", non_blocking=True)
-            block = self.block_words if wide else 8 * self.block_words
-            self.kernel.copy_rows[(n,)](table, n, BLOCK=block, WIDE=wide, num_warps=self.num_warps)
-            ev = torch.cuda.Event()
-            ev.record(self.stream)
-        return Launch(ev, (host, table))
-
+        with torch.cuda.device(self.device):
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.stream):
+                at = self.ring.take(len(rows))
+                if at is None:  # larger than the ring: a table of its own
+                    keep = (torch.from_numpy(rows).pin_memory(),)
+                    table = keep[0].to(f"cuda:{self.device}", non_blocking=True)
+                else:
+                    self.ring.host.numpy()[at:at + len(rows)] = rows
+                    table = self.ring.dev[at:at + len(rows)]
+                    table.copy_(self.ring.host[at:at + len(rows)], non_blocking=True)
+                    keep = ()
+                block = self.block_words if align >= 8 else 8 * self.block_words
+                self.kernel.copy_rows[(n,)](table, n, BLOCK=block, WIDE=align >= 8, VEC=align >= 16,
+                                            num_warps=self.num_warps)
+                ev = torch.cuda.Event()
+                ev.record(self.stream)
+        if at is not None:
+            self.ring.used(at, len(rows), ev)
+        return Launch(ev, keep + (table,))
 
     def warm(self) -> None:
-        """Compile the kernel now (both variants), on a scratch buffer of its own, not at the first request."""
+        """Compile the kernel's variants now (16-byte, 8-byte and byte rows), on a scratch buffer of
+        its own, not at the first request."""
         torch = self.torch
-        scratch = torch.zeros(64, dtype=torch.uint8, device=f"cuda:{self.device}")
+        scratch = torch.zeros(128, dtype=torch.uint8, device=f"cuda:{self.device}")
         base = np.uint64(scratch.data_ptr())
-        for length in (8, 3):  # 8-byte words, then bytes
-            self.start(np.array([base], dtype=np.uint64), np.array([base + np.uint64(32)], dtype=np.uint64),
+        for length in (16, 8, 3):
+            self.start(np.array([base], dtype=np.uint64), np.array([base + np.uint64(64)], dtype=np.uint64),
                        np.array([length], dtype=np.uint64)).event.synchronize()
 
 

@@ -76,7 +76,7 @@ def export(addr: int, device: int) -> tuple[bytes, int]:
                f"find the allocation of {addr:#x} on GPU {device}")
         h = _Handle()
         _check(lib.cuIpcGetMemHandle(ctypes.byref(h), base), f"export the allocation at {base.value:#x}")
-        return bytes(h.reserved), addr - base.value
+        return bytes(h), addr - base.value  # all 64 bytes (the array field's value would stop at a NUL)
 
 
 def open_handle(handle: bytes, device: int) -> int:
@@ -84,8 +84,7 @@ def open_handle(handle: bytes, device: int) -> int:
     if len(handle) != HANDLE_BYTES:
         raise IpcError(f"a CUDA IPC handle has {HANDLE_BYTES} bytes, got {len(handle)}")
     with _on(device) as lib:
-        h = _Handle()
-        h.reserved = handle
+        h = _Handle.from_buffer_copy(handle)
         ptr = ctypes.c_uint64()
         _check(lib.cuIpcOpenMemHandle_v2(ctypes.byref(ptr), h, _LAZY_PEER_ACCESS),
                f"open a peer's memory handle on GPU {device}")
