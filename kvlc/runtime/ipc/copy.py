@@ -15,12 +15,15 @@ moved into its mapped window): no layout arithmetic here.
 from __future__ import annotations
 
 import ctypes
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from kvlc.runtime.staging.copy import Regions
+
+log = logging.getLogger(__name__)
 
 CHUNK = 256 << 10  # bytes one kernel program moves at most (long rows are cut so every SM gets work)
 BLOCK_WORDS = 1024  # 8-byte words one program moves per step
@@ -102,6 +105,7 @@ class GpuCopy:
         self.stream = torch.cuda.Stream(device=device)
         self.block_words, self.num_warps = BLOCK_WORDS, NUM_WARPS
         self.ring = _Ring(torch, device, self.RING_WORDS)
+        self.vec = True  # 16-byte hints (off where this Triton cannot compile them: see warm)
 
     def start(self, src: np.ndarray, dst: np.ndarray, lens: np.ndarray) -> Launch:
         torch = self.torch
@@ -120,7 +124,7 @@ class GpuCopy:
                     table.copy_(self.ring.host[at:at + len(rows)], non_blocking=True)
                     keep = ()
                 block = self.block_words if align >= 8 else 8 * self.block_words
-                self.kernel.copy_rows[(n,)](table, n, BLOCK=block, WIDE=align >= 8, VEC=align >= 16,
+                self.kernel.copy_rows[(n,)](table, n, BLOCK=block, WIDE=align >= 8, VEC=self.vec and align >= 16,
                                             num_warps=self.num_warps)
                 ev = torch.cuda.Event()
                 ev.record(self.stream)
@@ -135,8 +139,14 @@ class GpuCopy:
         scratch = torch.zeros(128, dtype=torch.uint8, device=f"cuda:{self.device}")
         base = np.uint64(scratch.data_ptr())
         for length in (16, 8, 3):
-            self.start(np.array([base], dtype=np.uint64), np.array([base + np.uint64(64)], dtype=np.uint64),
-                       np.array([length], dtype=np.uint64)).event.synchronize()
+            try:
+                self.start(np.array([base], dtype=np.uint64), np.array([base + np.uint64(64)], dtype=np.uint64),
+                           np.array([length], dtype=np.uint64)).event.synchronize()
+            except Exception:  # noqa: BLE001 - the hints are an optimisation: without them the kernel is the same
+                if length != 16 or not self.vec:
+                    raise
+                self.vec = False
+                log.warning("the copy kernel's 16-byte hints do not compile here; 8-byte words it is", exc_info=True)
 
 
 class HostCopy:
