@@ -9,6 +9,7 @@ unchanged:
 * ``kernel``: :class:`kvlc.runtime.ipc.copy.GpuCopy` (row table upload + ONE Triton kernel), for a
   few program sizes (``BLOCK_WORDS``) and warp counts, host work included (a request's real cost);
   ``host us``: the host's time to start it; ``gpu only``: from the copy stream's first work to its end;
+  ``kernel``: the general row kernel (``copy_rows``), ``chunks``: rows cut into equal chunks (``copy_chunks``);
 * ``torch``: ``index_select`` into a scratch buffer + ``index_copy_`` out of it, on int64 rows;
 * ``d2d``: one contiguous ``copy_`` of the same number of bytes (the ceiling).
 
@@ -29,7 +30,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 CASES = ((16 << 10, 16384), (32 << 10, 8192), (64 << 10, 4096), (64 << 10, 16384), (2 << 20, 128), (64 << 20, 32))
-VARIANTS = ((1024, 4), (1024, 8), (2048, 8), (512, 4))
+VARIANTS = ((1024, 4, False), (2048, 8, False), (0, 4, True), (0, 8, True))  # (rows kernel's words, warps, chunks)
 
 
 def _time(fn, reps: int, torch) -> list[float]:
@@ -60,8 +61,9 @@ def one_case(block: int, count: int, pools, reps: int, torch) -> dict:
     dsts = (dst.data_ptr() + d_ids.astype(np.uint64) * block).astype(np.uint64)
     lens = np.full(count, block, dtype=np.uint64)
     cp = GpuCopy(0)
-    for words, warps in VARIANTS:
-        cp.block_words, cp.num_warps = words, warps
+    for words, warps, chunked in VARIANTS:
+        cp.block_words, cp.num_warps, cp.chunked = words or ipc_copy.BLOCK_WORDS, warps, chunked
+        name = f"chunks x{warps}" if chunked else f"kernel {words}w x{warps}"
         host, gpu = [], []
 
         def go():
@@ -81,10 +83,10 @@ def one_case(block: int, count: int, pools, reps: int, torch) -> dict:
         gpu.clear()
         ts = _time(go, reps, torch)
         torch.cuda.synchronize()
-        row[f"kernel {words}w x{warps}"] = nbytes / statistics.median(ts) / 1e9
-        row[f"kernel {words}w x{warps} host us"] = statistics.median(host) * 1e6
-        row[f"kernel {words}w x{warps} gpu only"] = nbytes / statistics.median(a.elapsed_time(b) / 1e3 for a, b in gpu) / 1e9
-    cp.block_words, cp.num_warps = ipc_copy.BLOCK_WORDS, ipc_copy.NUM_WARPS
+        row[name] = nbytes / statistics.median(ts) / 1e9
+        row[f"{name} host us"] = statistics.median(host) * 1e6
+        row[f"{name} gpu only"] = nbytes / statistics.median(a.elapsed_time(b) / 1e3 for a, b in gpu) / 1e9
+    cp.block_words, cp.num_warps, cp.chunked = ipc_copy.BLOCK_WORDS, ipc_copy.NUM_WARPS, True
     dst.zero_()
     cp.start(srcs, dsts, lens).event.synchronize()
     sv, dv = src.view(-1, block), dst.view(-1, block)
@@ -103,7 +105,7 @@ def one_case(block: int, count: int, pools, reps: int, torch) -> dict:
     row["torch index"] = nbytes / statistics.median(_time(tcopy, reps, torch)) / 1e9
     a, b = src[:nbytes], dst[:nbytes]
     row["d2d"] = nbytes / statistics.median(_time(lambda: b.copy_(a), reps, torch)) / 1e9
-    best = max(v for k, v in row.items() if k.startswith("kernel") and k.endswith(("x4", "x8")))
+    best = max(v for k, v in row.items() if k.endswith(("x4", "x8")))
     row["kernel / d2d"] = best / row["d2d"]
     return row
 

@@ -51,6 +51,54 @@ def row_table(src: np.ndarray, dst: np.ndarray, lens: np.ndarray, chunk: int = C
     return table.view(np.int64), 16 if not low else 8 if not low & 7 else 1
 
 
+CHUNKS = (16 << 10, 4 << 10, 1 << 10)  # bytes: rows cut into equal chunks of one of these run mask-free
+
+
+@dataclass(frozen=True)
+class Chunks:
+    """Rows as equal chunks (:func:`chunk_table`): offsets in 8-byte words from two base addresses."""
+
+    table: np.ndarray  # int64: every chunk's source offset, then every chunk's destination offset
+    words: int         # 8-byte words per chunk
+    src_base: int      # addresses, multiples of 16, at or below every row's
+    dst_base: int
+    src_span: int      # words from the base past the last byte a row reaches
+    dst_span: int
+    vec: bool          # every offset a multiple of 16 bytes
+
+
+def chunk_table(src: np.ndarray, dst: np.ndarray, lens: np.ndarray) -> Chunks | None:
+    """The rows as chunks of one size of :data:`CHUNKS` (the largest dividing every length), or None
+    where they do not cut so (an address not a multiple of 8, a length of none): the general kernel
+    takes those."""
+    if not len(lens) or int(np.bitwise_or.reduce(np.concatenate([src, dst]))) & 7:
+        return None
+    g = int(np.gcd.reduce(lens.astype(np.int64)))
+    size = next((c for c in CHUNKS if g % c == 0), 0)
+    if not size:
+        return None
+    n = (lens // np.uint64(size)).astype(np.int64)
+    which = np.repeat(np.arange(len(lens)), n)
+    k = (np.arange(len(which)) - np.repeat(np.cumsum(n) - n, n)).astype(np.uint64) * np.uint64(size)
+    sb, db = int(src.min()) & ~15, int(dst.min()) & ~15
+    so = (src[which] + k - np.uint64(sb)) // np.uint64(8)
+    do = (dst[which] + k - np.uint64(db)) // np.uint64(8)
+    vec = not (int(np.bitwise_or.reduce(np.concatenate([src, dst]))) & 15)
+    return Chunks(np.concatenate([so, do]).view(np.int64), size // 8, sb, db,
+                  int(((src + lens).max() - np.uint64(sb)) // np.uint64(8)) + 1,
+                  int(((dst + lens).max() - np.uint64(db)) // np.uint64(8)) + 1, vec)
+
+
+def over(torch, addr: int, words: int, device: int):
+    """An int64 tensor over ``words`` words of GPU memory at ``addr`` (memory this process may reach:
+    its own, or a peer's mapped), made from its address alone (no copy, no ownership)."""
+
+    class _At:
+        __cuda_array_interface__ = {"shape": (words,), "typestr": "<i8", "data": (addr, False), "version": 3}
+
+    return torch.as_tensor(_At(), device=f"cuda:{device}")
+
+
 @dataclass
 class Launch:
     """A copy in flight: ``done()`` once every byte landed."""
@@ -106,47 +154,65 @@ class GpuCopy:
         self.block_words, self.num_warps = BLOCK_WORDS, NUM_WARPS
         self.ring = _Ring(torch, device, self.RING_WORDS)
         self.vec = True  # 16-byte hints (off where this Triton cannot compile them: see warm)
+        self.chunked = True  # equal chunks by copy_chunks where rows allow (the probe compares both ways)
 
     def start(self, src: np.ndarray, dst: np.ndarray, lens: np.ndarray) -> Launch:
         torch = self.torch
-        rows, align = row_table(src, dst, lens)
-        n = len(rows) // 3
+        chunks = chunk_table(src, dst, lens) if self.chunked else None
+        if chunks is not None:
+            rows, n = chunks.table, len(chunks.table) // 2
+        else:
+            rows, align = row_table(src, dst, lens)
+            n = len(rows) // 3
         with torch.cuda.device(self.device):
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.stream):
-                at = self.ring.take(len(rows))
-                if at is None:  # larger than the ring: a table of its own
-                    keep = (torch.from_numpy(rows).pin_memory(),)
-                    table = keep[0].to(f"cuda:{self.device}", non_blocking=True)
+                at, table, keep = self._upload(rows)
+                if chunks is not None:
+                    keep += (over(torch, chunks.src_base, chunks.src_span, self.device),
+                             over(torch, chunks.dst_base, chunks.dst_span, self.device))
+                    self.kernel.copy_chunks[(n,)](table, n, keep[-2], keep[-1], CHW=chunks.words,
+                                                  VEC=self.vec and chunks.vec, num_warps=self.num_warps)
                 else:
-                    self.ring.host.numpy()[at:at + len(rows)] = rows
-                    table = self.ring.dev[at:at + len(rows)]
-                    table.copy_(self.ring.host[at:at + len(rows)], non_blocking=True)
-                    keep = ()
-                block = self.block_words if align >= 8 else 8 * self.block_words
-                self.kernel.copy_rows[(n,)](table, n, BLOCK=block, WIDE=align >= 8, VEC=self.vec and align >= 16,
-                                            num_warps=self.num_warps)
+                    block = self.block_words if align >= 8 else 8 * self.block_words
+                    self.kernel.copy_rows[(n,)](table, n, BLOCK=block, WIDE=align >= 8,
+                                                VEC=self.vec and align >= 16, num_warps=self.num_warps)
                 ev = torch.cuda.Event()
                 ev.record(self.stream)
         if at is not None:
             self.ring.used(at, len(rows), ev)
         return Launch(ev, keep + (table,))
 
-    def warm(self) -> None:
-        """Compile the kernel's variants now (16-byte, 8-byte and byte rows), on a scratch buffer of
-        its own, not at the first request."""
+    def _upload(self, rows: np.ndarray):
+        """(ring offset or None, the table on the GPU, what the copy keeps alive): on the copy stream."""
         torch = self.torch
-        scratch = torch.zeros(128, dtype=torch.uint8, device=f"cuda:{self.device}")
-        base = np.uint64(scratch.data_ptr())
-        for length in (16, 8, 3):
+        at = self.ring.take(len(rows))
+        if at is None:  # larger than the ring: a table of its own
+            host = torch.from_numpy(rows).pin_memory()
+            return None, host.to(f"cuda:{self.device}", non_blocking=True), (host,)
+        self.ring.host.numpy()[at:at + len(rows)] = rows
+        table = self.ring.dev[at:at + len(rows)]
+        table.copy_(self.ring.host[at:at + len(rows)], non_blocking=True)
+        return at, table, ()
+
+    def warm(self) -> None:
+        """Compile the kernel's variants now (16-byte, 8-byte and byte rows; every chunk size), on a
+        scratch buffer of its own, not at the first request."""
+        torch = self.torch
+        scratch = torch.zeros(2 * CHUNKS[0], dtype=torch.uint8, device=f"cuda:{self.device}")
+        base = scratch.data_ptr()
+        for length in (16, 8, 3) + CHUNKS:
             try:
-                self.start(np.array([base], dtype=np.uint64), np.array([base + np.uint64(64)], dtype=np.uint64),
-                           np.array([length], dtype=np.uint64)).event.synchronize()
+                self._warm_one(base, base + CHUNKS[0], length)
             except Exception:  # noqa: BLE001 - the hints are an optimisation: without them the kernel is the same
                 if length != 16 or not self.vec:
                     raise
                 self.vec = False
                 log.warning("the copy kernel's 16-byte hints do not compile here; 8-byte words it is", exc_info=True)
+
+    def _warm_one(self, src: int, dst: int, length: int) -> None:
+        one = lambda v: np.array([v], dtype=np.uint64)  # noqa: E731
+        self.start(one(src), one(dst), one(length)).event.synchronize()
 
 
 class HostCopy:
