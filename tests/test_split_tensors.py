@@ -8,7 +8,8 @@ of a split region goes to one of its parts (K and V apart, or several fields tog
 one new storage (vLLM's ``(2, num_blocks, ...)`` tensor) or each in its own (``key_cache`` /
 ``value_cache``). Every request is executed READ from every consumer rank and WRITE from every
 producer rank on the content-coded memory model and checked byte for byte, against a reference map
-built from content coordinates, with descriptor counts at the coalesced minimum.
+built from content coordinates, with descriptor counts at the coalesced minimum; the same with the
+generator of ``test_dcp_properties`` (decode context parallelism on either engine).
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ from kvlc.demo.run import cpu_plan
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from memory_model import Engine, execute, verify  # noqa: E402
+from test_dcp_properties import dcp_case  # noqa: E402
+from test_dcp_properties import run_case as run_dcp_case  # noqa: E402
 from test_pair_properties import PROPS, pair_case, run_case  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,6 +86,18 @@ def test_split_and_joint_engines_move_exact_bytes(data):
     case.cons.text = data.draw(split_spec(case.cons.text, "c", cmode))
     case.prod.text = data.draw(split_spec(case.prod.text, "p", pmode))
     run_case(case)
+
+
+@settings(PROPS, max_examples=15)
+@given(data=st.data())
+def test_split_and_joint_under_dcp(data):
+    """The same under decode context parallelism (DCP on either or both engines, any interleave): a split
+    engine's parts are token-sharded like its joint peer's region, every byte exact, fewest descriptors."""
+    case = data.draw(dcp_case(max_tokens=40))
+    cmode, pmode = data.draw(st.sampled_from(SIDES))
+    case.cons.text = data.draw(split_spec(case.cons.text, "c", cmode))
+    case.prod.text = data.draw(split_spec(case.prod.text, "p", pmode))
+    run_dcp_case(case)
 
 
 # ============================================================================ the checked-in Llama pair
@@ -196,6 +211,24 @@ def test_split_pairs_with_joint_cleanly():
     s, j = small(SPLIT), small(JOINT)
     assert findings(s, j) == [] and findings(j, s) == []
     assert [e.regions_text for e in pair(s, j, local_rank=0).entries] == ["layer.0.k>layer.0", "layer.0.v>layer.0"]
+
+
+@pytest.mark.parametrize("direction", ["READ", "WRITE"])
+def test_two_halves_of_one_tensor_pair_with_joint(direction):
+    """vLLM FlashAttention's (2, num_blocks, ...) tensor: K blocks, then V blocks, in one storage; pairs with a
+    joint block (K then V) at another block size, bytes exact."""
+    halves = small(SPLIT.replace("storage: b", "storage: a"), name="halves", block=8)
+    assert halves.region("layer.0.v").offset == 8 * halves.region("layer.0.k").block_bytes
+    joint = small(JOINT)
+    src, dst = (halves, joint) if direction == "READ" else (joint, halves)
+    S, D = Engine(src, 1, True), Engine(dst, 0, False)
+    sids, dids = ({"full": [3, 0]}, {"full": [6, 1, 4]}) if src is halves else ({"full": [6, 1, 4]}, {"full": [3, 0]})
+    before = {k: v.copy() for k, v in D.buffers[0].items()}
+    local, remote, lids, rids = (D, S, dids, sids) if direction == "READ" else (S, D, sids, dids)
+    prog = pair(local.plan, remote.plan, local_rank=0, direction=direction)
+    parts = instantiate(bind(prog, local.rank_bases(0), {0: remote.rank_bases(0)}), lids, rids, 11)
+    execute(parts, local, 0, remote, direction)
+    assert verify(D, 0, S, dids, sids, 11, before) == 11 * 2 * 2 * 4 * 2
 
 
 def test_field_missing_names_both_layouts():
