@@ -268,11 +268,14 @@ def _field_ref(cp, c: int, pp, rc, rp, fc, ck, pk, start: int, tokens: int):
 def reference(cp, c: int, pp, C: Engine, P: Engine, cids, pids, start: int, tokens: int) -> dict:
     """(producer, cmem, pmem) → (consumer bytes, producer bytes, entry) of consumer rank ``c``."""
     acc: dict = {}
-    for e, rc in enumerate(cp.regions):
-        rp = pp.region(rc.name)
+    entries: dict = {}
+    holders = {(r.content, f.name): r for r in pp.regions for f in r.fields}  # by region (part_of) and name
+    for rc in cp.regions:
         g = rc.groups[0]
         ck, pk = kernel_ids(cp, g, cids[g]), kernel_ids(pp, g, pids[g])
         for fc in rc.fields:
+            rp = holders[(rc.content, fc.name)]
+            e = entries.setdefault((rc.name, rp.name), len(entries))
             ca, pr, pa = _field_ref(cp, c, pp, rc, rp, fc, ck, pk, start, tokens)
             b = np.arange(fc.itemsize)
             ca = (ca[:, None] + b).ravel() + C.bases[(c, rc.storage)]

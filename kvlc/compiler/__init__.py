@@ -5,7 +5,8 @@ Stages as folders, in the order data flows (every pass and check is a pure funct
     spec/        source (YAML / jinja2 template → plain data with file:line:col marks), the typed,
                  frozen models of the spec language, validate → :class:`LayoutSpec`
     plan/        PASSES: expand → resolve (fields) → check (CHECKS) → build: the :class:`Plan`
-    pairing/     compat (CHECKS, REGION_CHECKS, FIELD_CHECKS) → tp (head mapping) → runs (tile
+    pairing/     match (which regions pair: fields by the region they belong to, ``part_of``) →
+                 compat (CHECKS, REGION_CHECKS, FIELD_CHECKS) → tp (head mapping) → runs (tile
                  templates) → program (:class:`TransferProgram`, pure data); pair puts them together
     request/     free functions over a program, per request: check_request → bind → instantiate
                  ((N, 3) rows) or prepared (strided lists + indices); window_stats

@@ -2,7 +2,9 @@
 
 Every byte of a block gets a value derived from its *content coordinate*:
 (region name, field name, global head, source kernel block id, token in block,
-the other dims' indices in a canonical (name-sorted) order, byte in element).
+the other dims' indices in a canonical (name-sorted) order, byte in element), where the region
+is the one the field is part of (``part_of``: K and V of one layer code alike in one joint
+tensor and in two split ones).
 The coordinate does not depend on dim order or TP, so a head replicated on two
 ranks holds the same bytes, and a receiver can compute, independently of any
 transfer program, which value each of its bytes must hold after a request.
@@ -121,7 +123,7 @@ def fill(plan: Plan, rank: int, buffers: Mapping[str, np.ndarray]) -> None:
             el = field_elements(f, _head_start(plan, rank, f))
             # every DCP rank holds the whole state (and a replicated group's every token)
             key = 0 if r.is_state else _dcp_key(plan.region_parallel(r), rank)
-            vals = code(r.name, f.name, el.head[None, :], blocks[:, None], el.token[None, :] + key,
+            vals = code(r.content, f.name, el.head[None, :], blocks[:, None], el.token[None, :] + key,
                         el.other[None, :], el.itemsize)
             addr = (r.offset + blocks[:, None] * r.block_stride + el.offset[None, :]).ravel()
             idx = (addr[:, None] + np.arange(el.itemsize)[None, :]).ravel()
@@ -172,15 +174,17 @@ def expected_bytes(dst: Plan, dst_rank: int, src: Plan, dst_ids: Mapping[str, Se
     before the one holding token ``stop - window + 1``); all bytes for state regions and
     per-block fields of the blocks moved. Ids list each side's blocks the range touches.
     """
-    names = {r.name for r in src.regions}
+    holders = {(r.content, f.name): r for r in src.regions for f in r.fields}  # who holds a field's content
     for r in dst.regions:
-        if r.name not in names or (regions is not None and r.name not in regions):
+        if regions is not None and r.name not in regions:
             continue
-        sr = src.region(r.name)
         for group in r.groups:
             dk = _kernel_ids(dst, group, dst_ids[group])
             sk = _kernel_ids(src, group, src_ids[group])
             for f in r.fields:
+                sr = holders.get((r.content, f.name))
+                if sr is None:
+                    continue
                 el = field_elements(f, _head_start(dst, dst_rank, f))
                 if r.is_state:
                     keep = np.ones((len(dk), el.offset.size), bool)
@@ -259,7 +263,7 @@ def _sequence_cells(p: _Pair, el: FieldElements, blk_d: np.ndarray, sk: np.ndarr
 def _cell_bytes(r: PlanRegion, f: PlanField, el: FieldElements, c: _Cells) -> tuple[np.ndarray, np.ndarray]:
     """The receiver's byte addresses of the kept cells and the bytes each must hold."""
     keep = c.keep
-    vals = code(r.name, f.name, np.broadcast_to(el.head, keep.shape)[keep],
+    vals = code(r.content, f.name, np.broadcast_to(el.head, keep.shape)[keep],
                 np.broadcast_to(c.blk_s, keep.shape)[keep], np.broadcast_to(c.tok, keep.shape)[keep],
                 np.broadcast_to(el.other, keep.shape)[keep], el.itemsize)
     addr = (r.offset + np.broadcast_to(c.blk_d, keep.shape) * r.block_stride + el.offset[None, :])[keep]

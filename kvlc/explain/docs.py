@@ -95,8 +95,8 @@ def _heads(program) -> list[dict]:
     if not program.entries:
         return []
     first = program.entries[0]
-    return [{"region": e.region, "peer_rank": e.peer, "field": name,
-             "heads": [h0, h1] if h1 > h0 else None}
+    return [{"region": e.region, "peer_rank": e.peer, "field": name, "heads": [h0, h1] if h1 > h0 else None,
+             **({"remote_region": e.remote_region} if e.remote_region != e.region else {})}
             for e in program.entries if e.region == first.region and e.group == first.group
             for name, h0, h1 in (piece(x) for x in e.pieces)]
 

@@ -62,8 +62,9 @@ def _x_of(box: dict, head: int) -> float:
 
 def mapping_model(producer: Plan, consumer: Plan) -> dict:
     """Ranks, their heads, and a band per (consumer rank, producer rank, head slice) of the first region."""
-    region = next(r.name for r in consumer.regions if r.name in {x.name for x in producer.regions})
-    pf, cf = _head_field(producer, region), _head_field(consumer, region)
+    first = pair(consumer, producer, local_rank=0, direction="READ").entries[0]
+    region, remote = first.region, first.remote_region   # another name where K/V are split (part_of)
+    pf, cf = _head_field(producer, remote), _head_field(consumer, region)
     ptp, ctp = producer.parallel.tp_size, consumer.parallel.tp_size
     prow = _row(ptp, 40, "producer", lambda r: _held(r, pf, ptp), "producer rank")
     crow = _row(ctp, 190, "consumer", lambda r: _held(r, cf, ctp), "consumer rank")
@@ -71,12 +72,12 @@ def mapping_model(producer: Plan, consumer: Plan) -> dict:
     for c in range(ctp):
         prog = pair(consumer, producer, local_rank=c, direction="READ")
         for e in prog.entries:
-            if e.region != region or e.group != prog.entries[0].group:
+            if (e.region, e.remote_region) != (region, remote) or e.group != prog.entries[0].group:
                 continue
             bands += [_band(c, e.peer, name, h0, h1, prow[e.peer], crow[c])
                       for name, h0, h1 in (piece(x) for x in e.pieces) if _drawn_piece(cf, name, h0, h1)]
     field = cf.name if cf is not None else (consumer.region(region).fields[0].name)
-    return dict(region=region, field=field, producer=prow, consumer=crow, bands=bands, height=240,
+    return dict(region=region, remote=remote, field=field, producer=prow, consumer=crow, bands=bands, height=240,
                 head_field=cf is not None)
 
 
@@ -104,9 +105,10 @@ def _points(xs, y_top: float, y_bottom: float) -> str:
     return f"{a:.2f},{y_top:.2f} {b:.2f},{y_top:.2f} {c:.2f},{y_bottom:.2f} {d:.2f},{y_bottom:.2f}"
 
 
-def tokens_model(producer: Plan, consumer: Plan, region: str) -> dict | None:
-    """One tile of lcm(kernel block tokens) tokens and both sides' kernel blocks over it (None: state)."""
-    bp, bc = producer.region(region).block_tokens, consumer.region(region).block_tokens
+def tokens_model(producer: Plan, consumer: Plan, region: str, remote: str | None = None) -> dict | None:
+    """One tile of lcm(kernel block tokens) tokens and both sides' kernel blocks over it (None: state);
+    ``region`` is the consumer's region, ``remote`` the producer's (default: of the same name)."""
+    bp, bc = producer.region(remote or region).block_tokens, consumer.region(region).block_tokens
     if not bp or not bc:
         return None
     tile = bp * bc // gcd(bp, bc)
@@ -123,8 +125,9 @@ def descriptors_model(local: Plan, remote: Plan, rank: int, direction: str) -> d
     """The runs of one tile of the first region for ``rank``: where each lies on both sides."""
     prog = pair(local, remote, local_rank=rank, direction=direction)
     first = prog.entries[0]
-    entries = [e for e in prog.entries if e.region == first.region and e.group == first.group]
-    lr, rr = local.region(first.region), remote.region(first.region)
+    entries = [e for e in prog.entries if (e.region, e.remote_region) == (first.region, first.remote_region)
+               and e.group == first.group]
+    lr, rr = local.region(first.region), remote.region(first.remote_region)
     ltile = first.local_sub * lr.block_bytes
     rtile = max(e.remote_sub for e in entries) * rr.block_bytes
     span = max(ltile, rtile)
@@ -173,5 +176,5 @@ def render_pair_html(producer: Plan, consumer: Plan, *, rank: int = 0, direction
     local, remote = (consumer, producer) if direction == "READ" else (producer, consumer)
     return environment().get_template("pair.html.j2").render(
         producer=producer, consumer=consumer, mapping=mapping, width=W, left=LEFT,
-        tokens=tokens_model(producer, consumer, mapping["region"]),
+        tokens=tokens_model(producer, consumer, mapping["region"], mapping["remote"]),
         desc=descriptors_model(local, remote, rank, direction), human=human)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from kvlc.compiler.pairing.compat_dcp import check_dcp
 from kvlc.compiler.pairing.findings import CompatReport, Finding, Pairing, Severity
+from kvlc.compiler.pairing.match import RegionPair, fields_text, parts, region_pairs
 from kvlc.compiler.algebra.layout import tile
 from kvlc.compiler.plan.model import Plan, PlanField, PlanRegion
 from kvlc.compiler.pairing.pp import holds_region, layers_text, overlap
@@ -135,7 +136,8 @@ def check_groups(p: Pairing) -> list[Finding]:
 
 
 def check_region_sets(p: Pairing) -> list[Finding]:
-    """Every region that is not optional exists on both engines.
+    """Every region that is not optional exists on both engines (by the name its fields belong to: a region
+    split over several runs of blocks with ``part_of`` exists where any of its parts does).
 
     >>> from kvlc import compile_spec
     >>> a, b = compile_spec("layouts/llama-3.1-8b.yaml"), compile_spec("layouts/llama-3.1-70b-tp4.yaml")
@@ -144,10 +146,11 @@ def check_region_sets(p: Pairing) -> list[Finding]:
     """
     out = []
     for side, plan, other in (("local", p.local, p.remote), ("remote", p.remote, p.local)):
-        names = {r.name for r in other.regions}
+        names = {r.content for r in other.regions}
         for r in plan.regions:
-            if r.name not in names and not r.optional and holds_region(other, r.name):
-                out.append(_finding("region-missing", f"region exists on the {side} engine only", r.name,
+            if r.content not in names and not r.optional and holds_region(other, r.content):
+                part = f" (part of '{r.part_of}')" if r.part_of else ""
+                out.append(_finding("region-missing", f"region exists on the {side} engine only{part}", r.name,
                                     local="present" if side == "local" else "absent",
                                     remote="absent" if side == "local" else "present",
                                     fix="declare it on both, or mark it optional"))
@@ -155,9 +158,10 @@ def check_region_sets(p: Pairing) -> list[Finding]:
 
 
 def common_regions(p: Pairing) -> tuple[list[str], list[str]]:
-    """Names of the regions both plans hold, in local and in remote order."""
-    lset, rset = {r.name for r in p.local.regions}, {r.name for r in p.remote.regions}
-    return [r.name for r in p.local.regions if r.name in rset], [r.name for r in p.remote.regions if r.name in lset]
+    """Names of the regions both plans hold (by ``content``: a split region once), in local and remote order."""
+    lset, rset = {r.content for r in p.local.regions}, {r.content for r in p.remote.regions}
+    return (list(dict.fromkeys(r.content for r in p.local.regions if r.content in rset)),
+            list(dict.fromkeys(r.content for r in p.remote.regions if r.content in lset)))
 
 
 def check_region_order(p: Pairing) -> list[Finding]:
@@ -212,19 +216,19 @@ def check_region_state(a: PlanRegion, b: PlanRegion) -> list[Finding]:
 
 
 def check_region_fields(a: PlanRegion, b: PlanRegion) -> list[Finding]:
-    """Both engines declare the same fields; each field passes :data:`FIELD_CHECKS`.
+    """Each field both regions hold passes :data:`FIELD_CHECKS` (which fields a region holds on each engine
+    is :func:`check_field_sets`'s question).
 
     >>> from kvlc import compile_spec
     >>> a, b = compile_spec("layouts/llama-3.1-8b.yaml"), compile_spec("layouts/llama-3.1-8b-fp8-tp2.yaml")
-    >>> [(f.code, f.local, f.remote) for f in check_region_fields(a.region("layer.0"), b.region("layer.0"))]
-    [('field-set', 'k,v', 'k,v,k_scale,v_scale')]
+    >>> [(f.code, f.field, f.local, f.remote) for f in check_region_fields(a.region("layer.0"), b.region("layer.0"))]
+    [('field-dtype', 'k', 'bf16', 'fp8_e4m3'), ('field-dtype', 'v', 'bf16', 'fp8_e4m3')]
     """
-    lnames, rnames = [f.name for f in a.fields], [f.name for f in b.fields]
-    if sorted(lnames) != sorted(rnames):
-        return [_finding("field-set", "regions hold different fields", a.name, local=",".join(lnames),
-                         remote=",".join(rnames), fix="declare the same fields on both engines")]
+    theirs = {f.name for f in b.fields}
     out: list[Finding] = []
     for lf in a.fields:
+        if lf.name not in theirs:
+            continue
         rf = b.field(lf.name)
         for check in FIELD_CHECKS:
             found = check(a, b, lf, rf)
@@ -232,6 +236,24 @@ def check_region_fields(a: PlanRegion, b: PlanRegion) -> list[Finding]:
             if found and check in _FIELD_GATES:
                 break
     return out
+
+
+def check_field_sets(name: str, local: tuple[PlanRegion, ...], remote: tuple[PlanRegion, ...]) -> list[Finding]:
+    """Both engines hold the same fields of region ``name`` (over all its parts: K and V may lie in one
+    region on one engine and in two on the other); the finding names both layouts.
+
+    >>> from kvlc import compile_spec
+    >>> from kvlc.compiler.pairing.match import parts
+    >>> a, b = compile_spec("layouts/llama-3.1-8b-split.yaml"), compile_spec("layouts/llama-3.1-8b-fp8-tp2.yaml")
+    >>> [(f.code, f.local, f.remote) for f in check_field_sets("layer.0", parts(a)["layer.0"], parts(b)["layer.0"])]
+    [('field-set', 'layer.0.k[k] + layer.0.v[v]', 'k,v,k_scale,v_scale')]
+    """
+    lnames = sorted(f.name for r in local for f in r.fields)
+    rnames = sorted(f.name for r in remote for f in r.fields)
+    if lnames == rnames:
+        return []
+    return [_finding("field-set", "regions hold different fields", name, local=fields_text(local),
+                     remote=fields_text(remote), fix="declare the same fields on both engines")]
 
 
 TILE_WARNING = 4096  # tokens: a larger tile means many descriptors per request
@@ -347,15 +369,26 @@ REGION_CHECKS = (check_region_groups, check_region_state, check_region_fields, c
 
 
 def check_region_pairs(p: Pairing) -> list[Finding]:
-    """Every region both engines hold passes :data:`REGION_CHECKS`, region by region.
+    """Every region both engines hold passes :data:`REGION_CHECKS`, region pair by region pair (a region
+    split into parts on one engine pairs each part with the regions holding its fields on the other).
 
     >>> from kvlc import compile_spec
     >>> a, b = compile_spec("layouts/llama-3.1-70b-tp4.yaml"), compile_spec("layouts/llama-3.1-70b-tp8.yaml")
     >>> check_region_pairs(Pairing(a, b, 0, "READ"))
     []
     """
-    return [f for name in common_regions(p)[0] for check in REGION_CHECKS
-            for f in check(p.local.region(name), p.remote.region(name))]
+    lparts, rparts = parts(p.local), parts(p.remote)
+    by_name: dict[str, list[RegionPair]] = {}
+    for rp in region_pairs(p.local, p.remote):
+        by_name.setdefault(rp.content, []).append(rp)
+    out = []
+    for name, pairs in by_name.items():
+        sets = check_field_sets(name, lparts[name], rparts[name])
+        for i, rp in enumerate(pairs):
+            for check in REGION_CHECKS:  # a field-set finding stands for the field checks of its region
+                out.extend((sets if i == 0 else []) if sets and check is check_region_fields
+                           else check(rp.local, rp.remote))
+    return out
 
 
 CHECKS = (check_direction, check_rank, check_model, check_dcp, check_pp_layers, check_groups,

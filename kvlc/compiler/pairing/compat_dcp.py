@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from kvlc.compiler.algebra.sharding import dcp_chunks
 from kvlc.compiler.pairing.findings import Finding, Pairing
+from kvlc.compiler.pairing.match import region_pairs
 from kvlc.compiler.plan.model import Plan, PlanRegion
 from kvlc.compiler.pairing.tp import dcp_holders
 
@@ -72,12 +73,9 @@ def check_dcp_regions(p: Pairing) -> list[Finding]:
     """Fields without a token dim under DCP: one value per block, so both engines must shard alike."""
     if p.local.parallel.dcp_size == 1 and p.remote.parallel.dcp_size == 1:
         return []
-    rnames = {r.name for r in p.remote.regions}
     out = []
-    for a in p.local.regions:
-        if a.name not in rnames:
-            continue
-        b = p.remote.region(a.name)
+    for rp in region_pairs(p.local, p.remote):
+        a, b = rp.local, rp.remote
         sharded = p.local.region_parallel(a).dcp_size > 1 or p.remote.region_parallel(b).dcp_size > 1
         if sharded and not (a.is_state or b.is_state):
             out.extend(_dcp_region(p, a, b))
@@ -126,7 +124,7 @@ def fragmented(prog) -> list[Finding]:
     for e in prog.entries:
         if e.shards is None or not e.tile_tokens:
             continue
-        lr, rr = prog.local.region(e.region), prog.remote.region(e.region)
+        lr, rr = prog.local.region(e.region), prog.remote.region(e.remote_region)
         key = (lr.block_tokens, rr.block_tokens, e.shards, e.tile_tokens, max(e.local_sub, e.remote_sub))
         seen.setdefault(key, []).append(e.region)
     out = []

@@ -6,6 +6,8 @@ of lcm(tokens) tokens), kernel blocks, Mamba sections and state, and dim orders:
 
 * the **consumer** is the engine that receives bytes, the **producer** the one
   that sends them. READ: the local engine consumes (pull); WRITE: it produces (push).
+* :mod:`~kvlc.compiler.pairing.match` says which regions pair: fields by the region they belong to and
+  their name (a region split over several tensors with ``part_of`` pairs with a joint one, field by field);
 * :mod:`~kvlc.compiler.pairing.compat` checks the two plans (``CHECKS``);
 * :mod:`~kvlc.compiler.pairing.tp` maps each consumer rank's heads to producer ranks;
 * :mod:`~kvlc.compiler.pairing.runs` turns one tile of each region pair into minimal runs;
@@ -21,6 +23,7 @@ from kvlc.compiler.algebra.sharding import Shard, ShardPair, dcp_tile
 from kvlc.compiler.pairing.compat import check_plans, head_major_order
 from kvlc.compiler.pairing.findings import CompatReport, Finding
 from kvlc.compiler.pairing.compat_dcp import fragmented
+from kvlc.compiler.pairing.match import RegionPair, region_pairs
 from kvlc.compiler.pairing.program import Entry, TransferProgram
 from kvlc.compiler.pairing.runs import Piece, tile_runs
 from kvlc.compiler.pairing.tp import dcp_sources, reader_counts, shards_meet, sources
@@ -28,13 +31,13 @@ from kvlc.compiler.plan.model import Plan, PlanField, PlanRegion
 from kvlc.errors import CompatError
 
 
-def _pieces(cons_rank: int, cons: Plan, prod: Plan, region: PlanRegion, local_is_consumer: bool
-            ) -> dict[int, list[Piece]]:
-    """Per producer rank: the pieces of ``region`` that one consumer rank reads from it."""
+def _pieces(cons_rank: int, cons: Plan, prod: Plan, region: PlanRegion, fields: tuple[str, ...], dcp,
+            local_is_consumer: bool) -> dict[int, list[Piece]]:
+    """Per producer rank: the pieces of the ``fields`` of the consumer's ``region`` that one consumer rank
+    reads from it (``dcp``: both sides' parallelism where either shards tokens by DCP, else None)."""
     ctp, ptp = cons.parallel.tp_size, prod.parallel.tp_size
-    dcp = _dcp(cons, prod, region.name)
     out: dict[int, list[Piece]] = {}
-    for f in region.fields:
+    for f in (f for f in region.fields if f.name in fields):
         hd = f.dim("head")
         for s in (sources(cons_rank, f, ctp, ptp) if dcp is None else dcp_sources(cons_rank, f, *dcp)):
             if dcp is not None and not shards_meet(dcp[0], cons_rank, dcp[1], s.producer):
@@ -50,32 +53,35 @@ def _pieces(cons_rank: int, cons: Plan, prod: Plan, region: PlanRegion, local_is
     return out
 
 
-def _dcp(cons: Plan, prod: Plan, name: str):
-    """Both sides' parallelism of region ``name`` where either shards its tokens by DCP, else None.
+def _dcp(a: Plan, b: Plan, ar: PlanRegion, br: PlanRegion):
+    """Both sides' parallelism of regions ``ar`` (of plan ``a``) and ``br`` (of ``b``) where either shards
+    its tokens by DCP, else None.
 
     Every DCP rank holds a request's whole state, and all tokens of a region whose group is
     ``dcp: replicated``: such a side pairs by TP alone (``Plan.region_parallel``).
     """
-    cr, pr = cons.region(name), prod.region(name)
-    if cr.is_state:
+    if ar.is_state:
         return None
-    cp, pp = cons.region_parallel(cr), prod.region_parallel(pr)
-    return (cp, pp) if cp.dcp_size > 1 or pp.dcp_size > 1 else None
+    ap, bp = a.region_parallel(ar), b.region_parallel(br)
+    return (ap, bp) if ap.dcp_size > 1 or bp.dcp_size > 1 else None
 
 
-def _shards(local: Plan, rank: int, remote: Plan, peer: int, name: str) -> ShardPair:
-    """The token shards of region ``name`` on the local rank and the peer rank."""
-    lp, rp = local.region_parallel(local.region(name)), remote.region_parallel(remote.region(name))
+def _shards(local: Plan, rank: int, remote: Plan, peer: int, rp: RegionPair) -> ShardPair:
+    """The token shards of a region pair on the local rank and the peer rank."""
+    lp, rp_ = local.region_parallel(rp.local), remote.region_parallel(rp.remote)
     return ShardPair(Shard(lp.dcp_size, lp.dcp_interleave, rank % lp.dcp_size),
-                     Shard(rp.dcp_size, rp.dcp_interleave, peer % rp.dcp_size))
+                     Shard(rp_.dcp_size, rp_.dcp_interleave, peer % rp_.dcp_size))
 
 
-def _by_peer(name: str, local: Plan, remote: Plan, rank: int, local_is_consumer: bool) -> dict[int, list[Piece]]:
-    """Per peer rank: the pieces of region ``name`` that this local rank copies with it."""
+def _by_peer(rp: RegionPair, local: Plan, remote: Plan, rank: int, local_is_consumer: bool
+             ) -> dict[int, list[Piece]]:
+    """Per peer rank: the pieces of a region pair that this local rank copies with it."""
     cons, prod = (local, remote) if local_is_consumer else (remote, local)
+    cr, pr = (rp.local, rp.remote) if local_is_consumer else (rp.remote, rp.local)
+    dcp = _dcp(cons, prod, cr, pr)
     by_peer: dict[int, list[Piece]] = {}
     for c in ([rank] if local_is_consumer else range(cons.parallel.tp_size)):
-        for p, pieces in _pieces(c, cons, prod, cons.region(name), local_is_consumer).items():
+        for p, pieces in _pieces(c, cons, prod, cr, rp.fields, dcp, local_is_consumer).items():
             if local_is_consumer:
                 by_peer[p] = pieces
             elif p == rank:
@@ -83,40 +89,46 @@ def _by_peer(name: str, local: Plan, remote: Plan, rank: int, local_is_consumer:
     return by_peer
 
 
-def _entries(name: str, local: Plan, remote: Plan, rank: int, local_is_consumer: bool, cache: dict) -> list[Entry]:
-    lr, rr = local.region(name), remote.region(name)
-    dcp = _dcp(local, remote, name) is not None
+def _entries(rp: RegionPair, local: Plan, remote: Plan, rank: int, local_is_consumer: bool, cache: dict
+             ) -> list[Entry]:
+    lr, rr = rp.local, rp.remote
+    dcp = _dcp(local, remote, lr, rr) is not None
     out = []
-    for peer, pieces in sorted(_by_peer(name, local, remote, rank, local_is_consumer).items()):
+    for peer, pieces in sorted(_by_peer(rp, local, remote, rank, local_is_consumer).items()):
         pieces = tuple(pieces)
-        shards = _shards(local, rank, remote, peer, name) if dcp else None
+        shards = _shards(local, rank, remote, peer, rp) if dcp else None
         t = (dcp_tile(lr.block_tokens, shards.local, rr.block_tokens, shards.remote) if shards
              else tile(lr.block_tokens, rr.block_tokens))
         key = (lr.fields, rr.fields, lr.block_tokens, rr.block_tokens, pieces, shards)
         if key not in cache:
             cache[key] = tile_runs(lr, rr, pieces, shards=shards)
-        out.extend(Entry(name, group, peer, lr.mem, rr.mem, t.tokens, t.a_blocks, t.b_blocks, pieces, cache[key],
-                         shards) for group in lr.groups)
+        out.extend(Entry(lr.name, group, peer, lr.mem, rr.mem, t.tokens, t.a_blocks, t.b_blocks, pieces, cache[key],
+                         shards, remote_region=rr.name) for group in lr.groups)
     return out
 
 
 def build_program(local: Plan, remote: Plan, rank: int, direction: str, report: CompatReport) -> TransferProgram:
-    """The program of two compatible plans (``report`` has no errors); no checks of its own."""
+    """The program of two compatible plans (``report`` has no errors); no checks of its own.
+
+    Regions pair by the region their fields belong to (:mod:`~kvlc.compiler.pairing.match`): one entry
+    per (local region, remote region) holding a field of one region, group and peer rank.
+    """
     local_is_consumer = direction == "READ"
     cons, prod = (local, remote) if local_is_consumer else (remote, local)
-    rset = {r.name for r in remote.regions}
-    names = [r.name for r in local.regions if r.name in rset]
+    pairs = [rp for rp in region_pairs(local, remote) if rp.fields]
     cache: dict = {}
-    entries = [e for name in names for e in _entries(name, local, remote, rank, local_is_consumer, cache)]
-    return TransferProgram(local, remote, rank, direction, tuple(entries), _counts(cons, prod, names), report)
+    entries = [e for rp in pairs for e in _entries(rp, local, remote, rank, local_is_consumer, cache)]
+    return TransferProgram(local, remote, rank, direction, tuple(entries),
+                           _counts(cons, prod, pairs, local_is_consumer), report)
 
 
-def _counts(cons: Plan, prod: Plan, names: list[str]) -> dict[int, int]:
-    """Per producer rank: how many consumer ranks read from it, over the fields of the regions ``names``
+def _counts(cons: Plan, prod: Plan, pairs: list[RegionPair], local_is_consumer: bool) -> dict[int, int]:
+    """Per producer rank: how many consumer ranks read from it, over the fields of the region ``pairs``
     (grouped by how each region is sharded: DCP on either side, or TP alone)."""
     by_sharding: dict = {}
-    for n in names:
-        by_sharding.setdefault(_dcp(cons, prod, n), []).extend(cons.region(n).fields)
+    for rp in pairs:
+        cr, pr = (rp.local, rp.remote) if local_is_consumer else (rp.remote, rp.local)
+        by_sharding.setdefault(_dcp(cons, prod, cr, pr), []).extend(f for f in cr.fields if f.name in rp.fields)
     return reader_counts(by_sharding, cons.parallel.tp_size, prod.parallel.tp_size)
 
 
@@ -127,7 +139,7 @@ def _order(f: PlanField) -> str:
 
 def _explosion(prog: TransferProgram, e: Entry, name: str) -> int:
     """Descriptors per tile of one field of an entry (0 where it cannot explode)."""
-    lr, rr = prog.local.region(e.region), prog.remote.region(e.region)
+    lr, rr = prog.local.region(e.region), prog.remote.region(e.remote_region)
     lf = lr.field(name)
     if lf.dim("token") is None or lf.dim("head") is None:
         return 0
@@ -139,7 +151,7 @@ def explosions(prog: TransferProgram) -> list[Finding]:
     """Warn where a field needs about one descriptor per token per tile (token-major + hetero TP)."""
     seen: dict[tuple, tuple[int, list[str], PlanField, PlanField, int]] = {}
     for e in prog.entries:
-        lr, rr = prog.local.region(e.region), prog.remote.region(e.region)
+        lr, rr = prog.local.region(e.region), prog.remote.region(e.remote_region)
         if e.tile_tokens // max(lr.tokens_per_entry, 1) < 2:
             continue
         for name in dict.fromkeys(p.field for p in e.pieces):

@@ -77,7 +77,11 @@ def join_parts(requests: Sequence[Mapping[PartKey, Part]]) -> dict[PartKey, Part
 
 @dataclass(frozen=True)
 class Entry:
-    """One region (in one group) copied with one peer rank: the runs of one tile."""
+    """One region (in one group) copied with one peer rank: the runs of one tile.
+
+    ``region`` is the local region, ``remote_region`` the remote one: the same name, or, where a region's
+    fields lie in several regions on one engine (``part_of``), the one holding the fields of ``pieces``.
+    """
 
     region: str
     group: str
@@ -90,6 +94,16 @@ class Entry:
     pieces: tuple[Piece, ...]
     runs: Runs = field(compare=False, repr=False)
     shards: ShardPair | None = None  # decode context parallelism: the tokens each rank holds
+    remote_region: str = ""   # the remote region ("": named like ``region``); another where fields are split
+
+    def __post_init__(self) -> None:
+        if not self.remote_region:
+            object.__setattr__(self, "remote_region", self.region)
+
+    @property
+    def regions_text(self) -> str:
+        """``region``, or ``local>remote`` where the two sides hold the fields in regions of other names."""
+        return self.region if self.remote_region == self.region else f"{self.region}>{self.remote_region}"
 
     @property
     def key(self) -> PartKey:
@@ -103,7 +117,7 @@ class Entry:
         kind = "state" if not self.tile_tokens else f"tile={self.tile_tokens} sub={self.local_sub}:{self.remote_sub}"
         if self.shards is not None:
             kind += f" dcp={self.shards.text()}"
-        return (f"{self.region} [{self.group}] peer={self.peer} {self.local_mem}->{self.remote_mem} {kind} "
+        return (f"{self.regions_text} [{self.group}] peer={self.peer} {self.local_mem}->{self.remote_mem} {kind} "
                 f"runs={len(self.runs)} bytes={self.bytes_per_tile} | {self.runs.text()}")
 
 

@@ -11,6 +11,7 @@ from collections import defaultdict
 
 from kvlc.compiler.plan.aliases import check_aliases, pools
 from kvlc.compiler.plan.overlap import first_shared_byte
+from kvlc.compiler.plan.parts import check_parts
 from kvlc.compiler.plan.resolve import Resolved, ResolvedRegion
 from kvlc.errors import CompileError, Problem, format_path
 
@@ -188,7 +189,8 @@ def check_overlaps(res: Resolved) -> list[Problem]:
     return problems
 
 
-CHECKS = (check_names, check_strides, check_storage_ends, check_address_space, check_overlaps, check_aliases)
+CHECKS = (check_names, check_strides, check_storage_ends, check_address_space, check_overlaps, check_aliases,
+          check_parts)
 
 
 def check(res: Resolved) -> Resolved:

@@ -159,6 +159,7 @@ class PlanRegion(_Frozen):
     aliases: tuple[str, ...] = ()  # regions lying over the same pages (a shared page pool)
     tokens_per_entry: int = 1  # tokens one entry of the token dims covers (the group's; > 1: compressed)
     dcp_replicated: bool = False  # its groups are not token-sharded by DCP: every rank holds every token
+    part_of: str = ""  # the region whose fields this one holds part of ("": none, it is a whole region)
 
     @model_serializer(mode="wrap")
     def _dump(self, handler):
@@ -166,7 +167,20 @@ class PlanRegion(_Frozen):
         if not self.aliases:  # plans without aliasing serialize (and hash) as before
             out.pop("aliases", None)
         out = _drop_default(out, "dcp_replicated", self.dcp_replicated, False)
+        out = _drop_default(out, "part_of", self.part_of, "")
         return _drop_default(out, "tokens_per_entry", self.tokens_per_entry, 1)
+
+    @property
+    def content(self) -> str:
+        """The name its fields' content goes by across engines: ``part_of``, or its own name. Pairing
+        matches a field by (content, field name), so a region split over several runs of blocks (K and V
+        in two tensors) pairs with one holding all the fields (one joint tensor).
+
+        >>> from kvlc import compile_spec
+        >>> [r.content for r in compile_spec("layouts/llama-3.1-8b-split.yaml").regions[:2]]
+        ['layer.0', 'layer.0']
+        """
+        return self.part_of or self.name
 
     @property
     def is_state(self) -> bool:
@@ -197,6 +211,7 @@ class PlanRegion(_Frozen):
         if self.tokens_per_entry > 1:
             toks += f" entries={self.block_entries}"
         opt = (" optional" if self.optional else "") + (" dcp=replicated" if self.dcp_replicated else "")
+        opt += f" part_of={self.part_of}" if self.part_of else ""
         return (f"{self.name} {self.storage}+{self.offset} {self.mem}:{self.device} "
                 f"blocks={self.num_blocks} bytes={self.block_bytes} stride={self.block_stride} "
                 f"{toks} groups={','.join(self.groups)}{opt}"

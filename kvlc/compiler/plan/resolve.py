@@ -198,7 +198,7 @@ def _region(src: Sourced, ctx: _Context) -> ResolvedRegion | None:
         groups=tuple(g.name for g in groups), block_tokens=tokens, tokens_per_entry=per,
         dcp_replicated=first.dcp_replicated,
         kernel_blocks_per_block=1 if first.is_state else first.kernel_blocks_per_block,
-        optional=r.optional, fields=res.fields, aliases=r.aliases), path)
+        optional=r.optional, fields=res.fields, aliases=r.aliases, part_of=r.part_of or ""), path)
 
 
 def _region_alignment(r, path: tuple, storage, group: PlanGroup, fields) -> list[Problem]:

@@ -107,7 +107,7 @@ def _blocks(prog: TransferProgram, local: SideGeometry, remote: SideGeometry) ->
         # the geometry (fields, pieces) is part of the key: a partial last tile clips each
         # region by its own layout even where whole tiles copy alike
         k = (e.key, e.group, e.tile_tokens, e.local_sub, e.remote_sub, e.runs.key(),
-             prog.local.region(e.region).fields, prog.remote.region(e.region).fields, e.pieces, e.shards)
+             prog.local.region(e.region).fields, prog.remote.region(e.remote_region).fields, e.pieces, e.shards)
         groups.setdefault(k, []).append(i)
     keys = {k: k for k in prog.part_keys}  # one PartKey object per part: dict lookups per request hit identity
     order = {k: i for i, k in enumerate(keys)}
@@ -123,12 +123,11 @@ def _blocks(prog: TransferProgram, local: SideGeometry, remote: SideGeometry) ->
 
 def _group_regions(prog: TransferProgram) -> FrozenMap:
     out: dict[str, tuple[list, list]] = {}
-    for e in prog.entries:
+    for e in prog.entries:  # each side on its own: a split region pairs one local region with several
         lregs, rregs = out.setdefault(e.group, ([], []))
-        lr = prog.local.region(e.region)
-        if lr not in lregs:
-            lregs.append(lr)
-            rregs.append(prog.remote.region(e.region))
+        for regs, r in ((lregs, prog.local.region(e.region)), (rregs, prog.remote.region(e.remote_region))):
+            if r not in regs:
+                regs.append(r)
     return FrozenMap((g, GroupRegions.of(tuple(a), tuple(b))) for g, (a, b) in out.items())
 
 
@@ -143,7 +142,7 @@ class ProgramIndex:
     def __init__(self, prog: TransferProgram):
         self.program = prog
         lregs = [prog.local.region(e.region) for e in prog.entries]
-        rregs = [prog.remote.region(e.region) for e in prog.entries]
+        rregs = [prog.remote.region(e.remote_region) for e in prog.entries]
         self.local = SideGeometry.of(prog.local, lregs)
         self.remote = SideGeometry.of(prog.remote, rregs)
         self.blocks = _blocks(prog, self.local, self.remote)
@@ -157,6 +156,6 @@ class ProgramIndex:
         if got is None:
             e = self.program.entries[block.entries[0]]
             got = self._tails.setdefault(key, tile_runs(self.program.local.region(e.region),
-                                                        self.program.remote.region(e.region), e.pieces, tokens,
+                                                        self.program.remote.region(e.remote_region), e.pieces, tokens,
                                                         start, e.shards))
         return got

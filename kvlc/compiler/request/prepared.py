@@ -114,7 +114,7 @@ def _layout(prog: TransferProgram) -> PreparedLayout:
     parts: dict[PartKey, list[int]] = {}
     size: dict[tuple[PartKey, str], int] = {}
     for i, e in enumerate(prog.entries):
-        lr, rr = prog.local.region(e.region), prog.remote.region(e.region)
+        lr, rr = prog.local.region(e.region), prog.remote.region(e.remote_region)
         parts.setdefault(e.key, []).append(i)
         ls[i], rs[i] = size.get((e.key, "local"), 0), size.get((e.key, "remote"), 0)
         lb[i], rb[i] = lr.num_blocks, rr.num_blocks

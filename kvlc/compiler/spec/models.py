@@ -314,6 +314,7 @@ class Region(Frozen):
     block_stride: Positive | Literal["auto"] = "auto"
     optional: bool = False
     aliases: tuple[Name, ...] = ()  # regions whose pages this one lies over on purpose (one page pool)
+    part_of: Name | None = None  # the region whose fields this one holds some of (split K/V tensors)
 
 
 class Range(Frozen):

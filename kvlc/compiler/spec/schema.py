@@ -112,6 +112,11 @@ FIELD_DOCS: dict[tuple[str, str], str] = {
     ("Region", "aliases"): "Regions this one lies over page for page (same storage, offset, stride and "
                           "block count), serving other groups of one page pool (vLLM's hybrid allocator); "
                           "any overlap not declared here is an error.",
+    ("Region", "part_of"): "The region whose fields this one holds part of, when one region's fields live in "
+                           "several runs of blocks (vLLM's split K/V: `layer.{layer}.k` and `layer.{layer}.v`, "
+                           "both `part_of: layer.{layer}`). Pairing matches fields by the region they are part "
+                           "of and their name, so split and joint tensors pair. Default: none (the region "
+                           "itself).",
     ("Region", "groups"): "The group(s) whose blocks it holds; several = a region shared by groups of one "
                           "block geometry.",
     ("Region", "offset"): "Byte offset of block 0 in the storage, or `auto`: after the previous region in "
