@@ -163,7 +163,9 @@ def _layer_regions(m: Model, layer: Layer, b: Backend, opts: EngineOptions, name
     if b.placement == KvPlacement.BLOCK:
         return [_region(f"layer.{i}", f"kv.{i}", f"kv_{order}", blocks, group, opt)]
     storage = _pool(kind) if b.placement == KvPlacement.POOL else f"kv.{i}"
-    return [_region(f"layer.{i}.{f}", storage, f"{f}_{order}", blocks, group, opt) for f in "kv"]
+    # K and V apart, each part of the layer's region: pairs field by field with joint-KV engines
+    return [{**_region(f"layer.{i}.{f}", storage, f"{f}_{order}", blocks, group, opt), "part_of": f"layer.{i}"}
+            for f in "kv"]
 
 
 def _mla_regions(m: Model, layer: Layer, blocks: int, group: str, names: GroupNames,
