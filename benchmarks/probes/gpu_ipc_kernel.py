@@ -86,7 +86,7 @@ def one_case(block: int, count: int, pools, reps: int, torch) -> dict:
         row[name] = nbytes / statistics.median(ts) / 1e9
         row[f"{name} host us"] = statistics.median(host) * 1e6
         row[f"{name} gpu only"] = nbytes / statistics.median(a.elapsed_time(b) / 1e3 for a, b in gpu) / 1e9
-    cp.block_words, cp.num_warps, cp.chunked = ipc_copy.BLOCK_WORDS, ipc_copy.NUM_WARPS, True
+    cp.block_words, cp.num_warps, cp.chunked = ipc_copy.BLOCK_WORDS, ipc_copy.NUM_WARPS, False
     dst.zero_()
     cp.start(srcs, dsts, lens).event.synchronize()
     sv, dv = src.view(-1, block), dst.view(-1, block)

@@ -154,7 +154,9 @@ class GpuCopy:
         self.block_words, self.num_warps = BLOCK_WORDS, NUM_WARPS
         self.ring = _Ring(torch, device, self.RING_WORDS)
         self.vec = True  # 16-byte hints (off where this Triton cannot compile them: see warm)
-        self.chunked = True  # equal chunks by copy_chunks where rows allow (the probe compares both ways)
+        # copy_chunks where rows allow: off, measured slower on the H200 (0.15-0.26 of d2d against the row
+        # kernel's 0.37-0.69, and its host table up to 5.9 ms for 131,072 chunks; benchmarks/README.md, run 3)
+        self.chunked = False
 
     def start(self, src: np.ndarray, dst: np.ndarray, lens: np.ndarray) -> Launch:
         torch = self.torch

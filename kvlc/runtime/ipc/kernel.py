@@ -7,10 +7,10 @@ address and length is a multiple of 8, so the program moves 8-byte words, else b
 of 16 as well, which the compiler is told, so that it moves 16 bytes per load and store.
 ``n`` is not specialized on (one compiled kernel serves every row count).
 
-:func:`copy_chunks` is the fast case, taken whenever every row is a whole number of ``CHW``-word
-chunks (KV rows are): one program per chunk, no mask, no loop; the table holds each chunk's
-offsets in 8-byte words from two base pointers (``src``, ``dst``), so the compiler knows the
-alignment of every access (16 bytes with ``VEC``) and moves whole vectors.
+:func:`copy_chunks` cuts rows into equal ``CHW``-word chunks (one program per chunk, no mask, no
+loop, offsets in 8-byte words from two 16-byte base pointers). It was meant as the fast case and
+measured slower on the H200 (benchmarks/README.md, run 3), so :class:`~kvlc.runtime.ipc.copy.GpuCopy`
+does not take it by default; the kernel probe compares both.
 """
 
 from __future__ import annotations
