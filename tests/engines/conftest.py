@@ -1,7 +1,8 @@
 """Shared set-up for the vLLM end-to-end tests: a tiny random Llama and long-lived engine processes.
 
 Engines are expensive on a 2-core machine (an import of vLLM alone takes 8-25 s), so each test
-module starts the engines it needs once, in parallel, and its scenarios share them.
+module starts the engines it needs once, in parallel, and its scenarios share them; and they are forked
+from one server that imported vLLM once per session (``EngineProcess(preload=True)``), not spawned.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ class Engines:
         self.procs: dict[str, EngineProcess] = {}
 
     def start(self, name: str, spec: EngineSpec) -> None:
-        self.procs[name] = EngineProcess(spec, self.log_dir / f"{name}.log").start()
+        self.procs[name] = EngineProcess(spec, self.log_dir / f"{name}.log", preload=True).start()
 
     def __getitem__(self, name: str) -> EngineProcess:
         return self.procs[name].wait_ready()
