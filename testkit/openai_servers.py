@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -48,7 +49,11 @@ def vllm_server_args(model: str, port: int, kv_transfer_config: str | None, bloc
 
 
 class Server:
-    """One child process serving HTTP on ``port``; its output goes to ``log`` (a file: vLLM logs a lot)."""
+    """One child process serving HTTP on ``port``; its output goes to ``log`` (a file: vLLM logs a lot).
+
+    The child leads a session (and process group) of its own: :meth:`stop` ends the whole group, so a
+    vLLM server's engine-core process goes too when the server itself was killed first (``proc.kill()``),
+    instead of living on as an orphan that keeps a core busy for the rest of the test run."""
 
     def __init__(self, name: str, args: list[str], port: int, log: Path, env: dict | None = None,
                  ready_codes: tuple[int, ...] = (200,)):
@@ -57,7 +62,7 @@ class Server:
         self.url = f"http://127.0.0.1:{port}"
         self._log = open(log, "w")
         self.proc = subprocess.Popen(args, env={**os.environ, **(env or {})}, stdout=self._log,
-                                     stderr=subprocess.STDOUT)
+                                     stderr=subprocess.STDOUT, start_new_session=True)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -91,6 +96,10 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # what is left of its group (an orphaned engine core)
+        except ProcessLookupError:
+            pass
         self._log.close()
 
 

@@ -1,12 +1,14 @@
 """Shared set-up for the vLLM end-to-end tests: a tiny random Llama and long-lived engine processes.
 
 Engines are expensive on a 2-core machine (an import of vLLM alone takes 8-25 s), so each test
-module starts the engines it needs once, in parallel, and its scenarios share them.
+module starts the engines it needs once, in parallel, and its scenarios share them; and they are forked
+from one server that imported vLLM once per session (``EngineProcess(preload=True)``), not spawned.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -47,7 +49,7 @@ class Engines:
         self.procs: dict[str, EngineProcess] = {}
 
     def start(self, name: str, spec: EngineSpec) -> None:
-        self.procs[name] = EngineProcess(spec, self.log_dir / f"{name}.log").start()
+        self.procs[name] = EngineProcess(spec, self.log_dir / f"{name}.log", preload=True).start()
 
     def __getitem__(self, name: str) -> EngineProcess:
         return self.procs[name].wait_ready()
@@ -71,3 +73,31 @@ def for_decode(params: dict) -> dict:
     """The prefill engine's params as a client passes them on, minus vLLM's note of the prefill
     side's cache hits, so the decode engine's ``num_cached_tokens`` counts its own (loaded) tokens."""
     return {k: v for k, v in params.items() if k != "remote_prefill_cached_tokens"}
+
+
+class Run:
+    """One command started now, its output in files (a full pipe would stall it while another is read):
+    slow one-off engine commands of a module start together and their tests take the results."""
+
+    def __init__(self, args: list[str], folder: Path, env: dict):
+        self.folder = folder
+        self._out, self._err = open(folder / "stdout", "w"), open(folder / "stderr", "w")
+        self._proc = subprocess.Popen(args, cwd=folder, env=env, stdout=self._out, stderr=self._err)
+        self._done: subprocess.CompletedProcess | None = None
+
+    def result(self, timeout: float = 400) -> subprocess.CompletedProcess:
+        if self._done is None:
+            try:
+                self._proc.wait(timeout)
+            finally:
+                self.close()
+            self._done = subprocess.CompletedProcess(self._proc.args, self._proc.returncode,
+                                                     (self.folder / "stdout").read_text(errors="replace"),
+                                                     (self.folder / "stderr").read_text(errors="replace"))
+        return self._done
+
+    def close(self) -> None:
+        self._proc.kill()  # nothing when it has ended
+        self._proc.wait()
+        self._out.close()
+        self._err.close()

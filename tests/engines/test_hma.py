@@ -20,7 +20,7 @@ from kvlc.engines.vllm.derive.spec import derive_plan
 from kvlc.engines.vllm.derive.view import EngineView
 from kvlc.init import EngineOptions, init_yaml
 from testkit.vllm_engines import EngineSpec, tiny_gemma3
-from tests.engines.conftest import Engines, engine_env, for_decode, kvlc_config, prompt
+from tests.engines.conftest import Engines, Run, engine_env, for_decode, kvlc_config, prompt
 
 pytestmark = pytest.mark.engine
 MAX_TOKENS = 12
@@ -31,29 +31,6 @@ TOKEN_BYTES = 2 * 2 * 64 * 2   # per layer and token: 2 KV heads, K and V, head_
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> str:
     return str(tiny_gemma3(tmp_path_factory.mktemp("model") / "tiny-gemma3", window=WINDOW))
-
-
-@pytest.mark.parametrize("block", [32, 128])
-def test_offline_specs_equal_the_live_engine(model, block, tmp_path):
-    """`kvlc from-vllm --from-engine` (a real engine, hybrid manager on) derives the plan that `kvlc init
-    --engine vllm` and offline `kvlc from-vllm` write from config.json (same digest; names given to init)."""
-    view_path = tmp_path / "view.json"
-    env = {**os.environ, **engine_env(0)}
-    live = subprocess.run([sys.executable, "-m", "kvlc.cli", "from-vllm", model, "--from-engine", "--block-size",
-                           str(block), "--kv-cache-mib", "8", "-o", str(tmp_path / "live.yaml"), "--save-view",
-                           str(view_path)], env=env, capture_output=True, text=True, timeout=400)
-    assert live.returncode == 0, (live.stdout + live.stderr)[-4000:]
-    view = EngineView.from_dict(json.loads(view_path.read_text()))
-    want = derive_plan(view)
-    assert len(want.groups) == 4 and [len(r.aliases) for r in want.regions] == [0, 1, 1, 1]
-    offline = subprocess.run([sys.executable, "-m", "kvlc.cli", "from-vllm", model, "--block-size", str(block),
-                              "--num-blocks", str(view.num_blocks)], env=env, capture_output=True, text=True,
-                             timeout=120)
-    assert offline.returncode == 0, offline.stderr
-    cfg = json.loads((Path(model) / "config.json").read_text())
-    init = init_yaml(cfg, EngineOptions(engine="vllm", backend="CPU_ATTN", mem="DRAM", block_size=block,
-                                        num_blocks=view.num_blocks, name=want.name, model_name=view.model.name))
-    assert compile_spec(offline.stdout).digest == compile_spec(init).digest == want.digest
 
 
 NEMOTRON = """
@@ -73,17 +50,55 @@ if __name__ == "__main__":
 """
 
 
-def test_mamba_hybrid_is_refused_by_kvlc_with_the_reason(tmp_path):
-    """A Nemotron-H (Mamba-2 + attention) engine with KvlcConnector: vLLM keeps its hybrid manager (no 'Failed to
-    promote' inside vLLM), and the connector refuses at register_kv_caches naming the Mamba group and the fix."""
+@pytest.fixture(scope="module")
+def one_off_engines(model, tmp_path_factory):
+    """The module's three one-off engine processes, started at once (each is mostly one core's import and
+    start-up, so two cores run them in about the time of two): `kvlc from-vllm --from-engine` at block 32
+    and at block 128, and a Nemotron-H engine with KvlcConnector. Name (block or "nemotron") -> its Run."""
     transformers = pytest.importorskip("transformers")
     from tests.engines.test_hybrid_engine import _nemotron_h
 
-    (tmp_path / "model").mkdir()
-    _nemotron_h(tmp_path / "model", transformers)
-    (tmp_path / "run.py").write_text(NEMOTRON)
-    run = subprocess.run([sys.executable, str(tmp_path / "run.py"), str(tmp_path / "model")], cwd=tmp_path,
-                         env={**os.environ, **engine_env(0)}, capture_output=True, text=True, timeout=400)
+    runs = {}
+    for block, core in ((32, 0), (128, 1)):
+        folder = tmp_path_factory.mktemp(f"live-{block}")
+        runs[block] = Run([sys.executable, "-m", "kvlc.cli", "from-vllm", model, "--from-engine",
+                           "--block-size", str(block), "--kv-cache-mib", "8", "-o", str(folder / "live.yaml"),
+                           "--save-view", str(folder / "view.json")], folder, {**os.environ, **engine_env(core)})
+    folder = tmp_path_factory.mktemp("nemotron")
+    (folder / "model").mkdir()
+    _nemotron_h(folder / "model", transformers)
+    (folder / "run.py").write_text(NEMOTRON)
+    runs["nemotron"] = Run([sys.executable, str(folder / "run.py"), str(folder / "model")], folder,
+                           {**os.environ, **engine_env(0)})
+    yield runs
+    for run in runs.values():
+        run.close()  # ends a run no selected test waited for
+
+
+@pytest.mark.parametrize("block", [32, 128])
+def test_offline_specs_equal_the_live_engine(model, block, one_off_engines):
+    """`kvlc from-vllm --from-engine` (a real engine, hybrid manager on) derives the plan that `kvlc init
+    --engine vllm` and offline `kvlc from-vllm` write from config.json (same digest; names given to init)."""
+    run = one_off_engines[block]
+    live = run.result()
+    assert live.returncode == 0, (live.stdout + live.stderr)[-4000:]
+    view = EngineView.from_dict(json.loads((run.folder / "view.json").read_text()))
+    want = derive_plan(view)
+    assert len(want.groups) == 4 and [len(r.aliases) for r in want.regions] == [0, 1, 1, 1]
+    offline = subprocess.run([sys.executable, "-m", "kvlc.cli", "from-vllm", model, "--block-size", str(block),
+                              "--num-blocks", str(view.num_blocks)], env={**os.environ, **engine_env(0)},
+                             capture_output=True, text=True, timeout=120)
+    assert offline.returncode == 0, offline.stderr
+    cfg = json.loads((Path(model) / "config.json").read_text())
+    init = init_yaml(cfg, EngineOptions(engine="vllm", backend="CPU_ATTN", mem="DRAM", block_size=block,
+                                        num_blocks=view.num_blocks, name=want.name, model_name=view.model.name))
+    assert compile_spec(offline.stdout).digest == compile_spec(init).digest == want.digest
+
+
+def test_mamba_hybrid_is_refused_by_kvlc_with_the_reason(one_off_engines):
+    """A Nemotron-H (Mamba-2 + attention) engine with KvlcConnector: vLLM keeps its hybrid manager (no 'Failed to
+    promote' inside vLLM), and the connector refuses at register_kv_caches naming the Mamba group and the fix."""
+    run = one_off_engines["nemotron"].result()
     result = [line for line in run.stdout.splitlines() if line.startswith("RESULT")]
     assert result and "ViewError" in result[0], (run.stdout + run.stderr)[-4000:]
     assert "kind 'mamba'" in result[0] and "KvlcConnector cannot serve" in result[0] and "NixlConnector" in result[0]

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.engines.conftest import ROOT
+from tests.engines.conftest import ROOT, Run
 
 pytestmark = pytest.mark.engine
 EXAMPLE = str(ROOT / "examples" / "vllm_prefill_decode.py")
@@ -57,14 +57,28 @@ def test_two_commands_prefill_then_decode(model_dir, tmp_path):
         log.close()
 
 
-def test_serve_decode_without_a_prefill_engine_says_so_in_one_line(model_dir):
-    """The decode command with no prefill engine behind the URL: exit 1 and one line that says what did
-    not answer and what to set, never a traceback."""
+@pytest.fixture(scope="module", autouse=True)
+def lonely_decode(model_dir, tmp_path_factory):
+    """The decode command with no prefill engine behind the URL, started with the module: its engine starts
+    (one core) while the first test's prefill engine does (the other core). The URL's port stays bound,
+    never listened on, until it ends: no engine of the other test can take it."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "KVLC_SECRET": "serve-test-secret-0123456789",
            "VLLM_CPU_OMP_THREADS_BIND": "1"}
-    dec = subprocess.run([sys.executable, EXAMPLE, "decode", "--model", model_dir, "--prefill",
-                          f"http://127.0.0.1:{_free_port()}", "--prompt-tokens", "40", "--timeout", "3"],
-                         env=env, capture_output=True, text=True, timeout=400)
+    with socket.socket() as nobody:
+        nobody.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{nobody.getsockname()[1]}"
+        run = Run([sys.executable, EXAMPLE, "decode", "--model", model_dir, "--prefill", url,
+                   "--prompt-tokens", "40", "--timeout", "3"], tmp_path_factory.mktemp("lonely-decode"), env)
+        try:
+            yield run
+        finally:
+            run.close()
+
+
+def test_serve_decode_without_a_prefill_engine_says_so_in_one_line(lonely_decode):
+    """The decode command with no prefill engine behind the URL: exit 1 and one line that says what did
+    not answer and what to set, never a traceback."""
+    dec = lonely_decode.result()
     assert dec.returncode == 1, (dec.stdout + dec.stderr)[-3000:]
     errors = [ln for ln in dec.stderr.splitlines() if ln.startswith("error: ")]
     assert len(errors) == 1 and "did not answer" in errors[0] and "--timeout" in errors[0], dec.stderr[-2000:]
