@@ -16,6 +16,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -23,6 +24,21 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextmanager
+def refused_urls(n: int = 1):
+    """``n`` URLs nobody answers: each port stays bound and never listened on until the block ends, so a
+    connection is refused at once and no process started meanwhile (an engine's ZMQ or side-channel
+    port) can take it and leave a client waiting for an answer that never comes."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        yield [f"http://127.0.0.1:{s.getsockname()[1]}" for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def kvlc_transfer_config(role: str, policy: str = "recompute", **extra) -> str:

@@ -12,7 +12,7 @@ aiohttp = pytest.importorskip("aiohttp")
 from aiohttp import web  # noqa: E402
 
 from kvlc.engines.vllm.proxy import Proxy, ProxySettings  # noqa: E402
-from testkit.openai_servers import free_port  # noqa: E402
+from testkit.openai_servers import free_port, refused_urls  # noqa: E402
 
 
 class StandIn:
@@ -100,7 +100,8 @@ class Rig:
 
     async def __aenter__(self):
         self.runners = [await s.start() for s in self.prefill + self.decode]
-        dead = [f"http://127.0.0.1:{free_port()}" for _ in range(sum(self.dead))]
+        self.refused = refused_urls(sum(self.dead))
+        dead = self.refused.__enter__()
         self.dead_urls = dead
         self.proxy = Proxy(ProxySettings(prefill=tuple(dead[:self.dead[0]] + [s.url for s in self.prefill]),
                                          decode=tuple(dead[self.dead[0]:] + [s.url for s in self.decode]),
@@ -123,6 +124,7 @@ class Rig:
         await self.client.close()
         for r in reversed(self.runners):
             await r.cleanup()
+        self.refused.__exit__(None, None, None)
 
 
 def run(coro):

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import os
 import sys
+from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from tests.engines.conftest import ROOT
-from testkit.openai_servers import (Server, free_port, kvlc_transfer_config, tiny_llama_with_words,
-                                    vllm_server_args, wait_all, words)
+from testkit.openai_servers import (Server, free_port, kvlc_transfer_config, refused_urls,
+                                    tiny_llama_with_words, vllm_server_args, wait_all, words)
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("aiohttp")
@@ -33,13 +34,12 @@ def pd(tmp_path_factory):
     env = {"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "KVLC_SECRET": "proxy-test-secret-0123456789", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     servers = {}
-    try:
+    with refused_urls() as (dead,), _stopping(servers):  # dead: a prefill server that is not there
         for name, role, core in (("prefill", "kv_producer", 0), ("decode", "kv_consumer", 1),
                                  ("decode_b", "kv_consumer", 0)):
             port = free_port()
             servers[name] = Server(name, vllm_server_args(model, port, kvlc_transfer_config(role)), port,
                                    tmp / f"{name}.log", {**env, "VLLM_CPU_OMP_THREADS_BIND": str(core)})
-        dead = f"http://127.0.0.1:{free_port()}"  # a prefill server that is not there
         for name, prefills, decodes, more in (
                 ("proxy", ("prefill",), ("decode",), ()),
                 ("proxy_2d", ("prefill",), ("decode", "decode_b"), ()),
@@ -54,6 +54,12 @@ def pd(tmp_path_factory):
         wait_all(servers.values())
         servers["model"] = model
         yield servers
+
+
+@contextmanager
+def _stopping(servers: dict):
+    try:
+        yield
     finally:
         for s in servers.values():
             if isinstance(s, Server):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -13,22 +12,17 @@ import time
 import pytest
 
 from tests.engines.conftest import ROOT, Run
+from testkit.openai_servers import free_port, refused_urls
 
 pytestmark = pytest.mark.engine
 EXAMPLE = str(ROOT / "examples" / "vllm_prefill_decode.py")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_two_commands_prefill_then_decode(model_dir, tmp_path):
     """`prefill` answers with kv_transfer_params; `decode --check` decodes through kvlc and
     its tokens equal its own tokens without a transfer (exit 0, match true, KV loaded)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "KVLC_SECRET": "serve-test-secret-0123456789"}
-    api = _free_port()
+    api = free_port()
     out_path = tmp_path / "prefill.log"
     log = open(out_path, "w")  # a file, not a pipe: vLLM logs to stdout and would block a full pipe
     pre = subprocess.Popen([sys.executable, EXAMPLE, "prefill", "--model", model_dir,
@@ -64,9 +58,7 @@ def lonely_decode(model_dir, tmp_path_factory):
     never listened on, until it ends: no engine of the other test can take it."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "KVLC_SECRET": "serve-test-secret-0123456789",
            "VLLM_CPU_OMP_THREADS_BIND": "1"}
-    with socket.socket() as nobody:
-        nobody.bind(("127.0.0.1", 0))
-        url = f"http://127.0.0.1:{nobody.getsockname()[1]}"
+    with refused_urls() as (url,):
         run = Run([sys.executable, EXAMPLE, "decode", "--model", model_dir, "--prefill", url,
                    "--prompt-tokens", "40", "--timeout", "3"], tmp_path_factory.mktemp("lonely-decode"), env)
         try:
