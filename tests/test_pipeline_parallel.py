@@ -12,12 +12,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 import kvlc
 from kvlc.compiler.pairing.pair import check_pair, pair
-from kvlc.compiler.pairing.pp import coverage, holds_region, region_layer
+from kvlc.compiler.pairing.pp import cache_layers, coverage, holds_region, region_layer
 from kvlc.errors import CompatError
 from kvlc.init import EngineOptions, InitError, init_yaml
 from kvlc.demo.content import expected_bytes
@@ -207,6 +207,17 @@ def test_stage_without_cache_layers_refused():
         small("mamba", 1, (2, 3))
 
 
+def test_mlp_only_layers_need_no_producer():
+    """A whole hybrid consumer, its producer split so one stage holds only an MLP layer (no cache, so no
+    spec): the other stages cover every layer that holds a region, and the MLP layer is not missing."""
+    cons = small("mamba", 1, name="whole")
+    prods = [small("mamba", 1, (0, 2), name="s0"), small("mamba", 1, (3, 6), name="s1")]
+    cov = coverage(cons, prods)
+    assert cov.complete and cov.missing == () and cov.needs == (0, 6), cov.text()
+    assert 2 not in cache_layers(cons) and cache_layers(cons) == [0, 1, 3, 4, 5]
+    assert coverage(cons, prods[:1]).missing == ((3, 6),)
+
+
 def split(n: int, cuts) -> list[tuple[int, int]]:
     edges = [0, *sorted(set(cuts)), n]
     return [(a, b) for a, b in zip(edges, edges[1:]) if a < b]
@@ -226,6 +237,7 @@ def test_whole_consumer_from_two_stages(kind, direction):
        ccuts=st.lists(st.integers(1, 5), max_size=2), pcuts=st.lists(st.integers(1, 5), max_size=2),
        stage=st.integers(0, 2), blocks=st.sampled_from([(4, 4), (4, 8), (8, 4)]),
        direction=st.sampled_from(["READ", "WRITE"]), seed=st.integers(0, 2 ** 16))
+@example(kind="mamba", ctp=1, ptp=1, ccuts=[], pcuts=[2, 3], stage=0, blocks=(4, 4), direction="READ", seed=0)
 def test_random_stage_splits(kind, ctp, ptp, ccuts, pcuts, stage, blocks, direction, seed):
     """A consumer stage of one split pairs with every producer stage of another; together they cover it."""
     cwin = split(6, ccuts)

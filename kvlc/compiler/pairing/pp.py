@@ -105,13 +105,21 @@ class Coverage:
         return "\n".join(lines)
 
 
+def cache_layers(plan: Plan) -> list[int]:
+    """The layers of ``plan``'s window that hold a region, in order: a hybrid's MLP-only layers hold
+    none and need no producer. A plan whose regions name no layer needs every layer of its window."""
+    start, stop = plan.parallel.layers
+    named = {x for r in plan.regions if (x := region_layer(r.name)) is not None}
+    return [x for x in range(start, stop) if x in named or not named]
+
+
 def coverage(consumer: Plan, producers: Sequence[Plan]) -> Coverage:
-    """What a consumer gets by pairing with each of ``producers`` (its producer's pipeline stages)."""
-    start, stop = consumer.parallel.layers
+    """What a consumer gets by pairing with each of ``producers`` (its producer's pipeline stages):
+    every layer of its window that holds a region must lie in some producer's window."""
     stages = tuple(StageCover(p.name, overlap(consumer, p)) for p in producers)
     given = {x for s in stages if s.layers for x in range(*s.layers)}
-    return Coverage(consumer.name, (start, stop), stages,
-                    tuple(_runs([x for x in range(start, stop) if x not in given])))
+    return Coverage(consumer.name, consumer.parallel.layers, stages,
+                    tuple(_runs([x for x in cache_layers(consumer) if x not in given])))
 
 
-__all__ = ["region_layer", "holds", "holds_region", "overlap", "layers_text", "coverage", "Coverage", "StageCover"]
+__all__ = ["region_layer", "cache_layers", "holds", "holds_region", "overlap", "layers_text", "coverage", "Coverage", "StageCover"]
