@@ -12,18 +12,13 @@ import time
 
 import numpy as np
 import pytest
-from runtime_engines import TIMEOUT, check_bytes, flip, move, tiny_plans, xyz_engines
+from runtime_engines import TIMEOUT, check_bytes, flip, move, xyz_engines
 
 from kvlc.demo.procs import stop_engines
 
 pytest.importorskip("torch")
 pytest.importorskip("nixl")
 pytestmark = pytest.mark.runtime
-
-
-@pytest.fixture(scope="module")
-def plans():
-    return tiny_plans()
 
 
 @pytest.fixture(scope="module")

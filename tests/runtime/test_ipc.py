@@ -16,18 +16,13 @@ import os
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
-from runtime_engines import check_bytes, check_from_many, config, flip, move, tiny_plans
+from runtime_engines import check_bytes, check_from_many, config, flip, move
 
 from kvlc.demo.procs import start_engines, stop_engines
 
 pytest.importorskip("torch")
 pytest.importorskip("nixl")
 pytestmark = pytest.mark.runtime
-
-
-@pytest.fixture(scope="module")
-def plans():
-    return tiny_plans()
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ Every test checks every destination byte against its content code and that no ot
 from __future__ import annotations
 
 import pytest
-from runtime_engines import TEST_LAYOUTS, check_bytes, config, flip, move, tiny_plans
+from runtime_engines import TEST_LAYOUTS, check_bytes, config, flip, move
 
 from kvlc import compile_spec
 from kvlc.runtime.settings import AgentSettings
@@ -21,11 +21,6 @@ pytest.importorskip("torch")
 pytest.importorskip("nixl")
 pytestmark = pytest.mark.runtime
 L = TEST_LAYOUTS
-
-
-@pytest.fixture(scope="module")
-def plans():
-    return tiny_plans()
 
 
 @pytest.fixture(scope="module")
