@@ -195,33 +195,30 @@ def _t_pull_via_push(rows, sc) -> list[dict]:
     return out
 
 
+def _of_ceiling(name: str, k: dict | None, floor: float, missing: str, note) -> dict:
+    """The verdict "kvlc's GB/s >= ``floor`` x the copy ceiling measured beside it" for row ``k``;
+    ``note(k)`` adds the row's own detail."""
+    if not _measured(k) or not k.get("d2d_gbps"):
+        return _verdict(name, None, missing)
+    f = k["gbps"] / k["d2d_gbps"]
+    return _verdict(name, f >= floor, f"{k['gbps']:.1f} / {k['d2d_gbps']:.1f} GB/s = {f:.2f}{note(k)}")
+
+
 def _t_ipc(rows, sc) -> list[dict]:
-    out = []
     wanted = [("llama-3.1-8b", t) for t in sc.handover_tokens] + [("deepseek-v3 mla", sc.dsv3_tokens)]
-    for group, t in wanted:
-        k = _find(rows, group, "kvlc ipc", kind="handover", tokens=t, ids="random")
-        name = f"same-host path >= 0.7x d2d copy, {group} {t} tokens random ids (GB/s at p50)"
-        if not _measured(k) or not k.get("d2d_gbps"):
-            out.append(_verdict(name, None, "kvlc ipc row or d2d copy missing or failed"))
-            continue
-        f = k["gbps"] / k["d2d_gbps"]
-        out.append(_verdict(name, f >= 0.7, f"{k['gbps']:.1f} / {k['d2d_gbps']:.1f} GB/s = {f:.2f} "
-                                            f"(ipc requests: {k.get('ipc')})"))
-    return out
+    return [_of_ceiling(f"same-host path >= 0.7x d2d copy, {group} {t} tokens random ids (GB/s at p50)",
+                        _find(rows, group, "kvlc ipc", kind="handover", tokens=t, ids="random"), 0.7,
+                        "kvlc ipc row or d2d copy missing or failed",
+                        lambda k: f" (ipc requests: {k.get('ipc')})")
+            for group, t in wanted]
 
 
 def _t_mixed(rows, sc) -> list[dict]:
-    out = []
-    for mode in ("kvlc nixl", "kvlc ipc"):
-        k = _find(rows, "mixed dram->vram", mode, kind="rounds")
-        name = f"mixed DRAM->VRAM >= 0.8x pinned host->device copy, all rounds [{mode}]"
-        if not _measured(k) or not k.get("d2d_gbps"):
-            out.append(_verdict(name, None, "kvlc row or h2d copy missing or failed"))
-            continue
-        f = k["gbps"] / k["d2d_gbps"]
-        out.append(_verdict(name, f >= 0.8, f"overall {k['gbps']:.1f} / {k['d2d_gbps']:.1f} GB/s = {f:.2f}; "
-                                            f"first round {k['gbps_first_round']:.1f} GB/s"))
-    return out
+    return [_of_ceiling(f"mixed DRAM->VRAM >= 0.8x pinned host->device copy, all rounds [{mode}]",
+                        _find(rows, "mixed dram->vram", mode, kind="rounds"), 0.8,
+                        "kvlc row or h2d copy missing or failed",
+                        lambda k: f" overall; first round {k['gbps_first_round']:.1f} GB/s")
+            for mode in ("kvlc nixl", "kvlc ipc")]
 
 
 # ----------------------------------------------------------------------------- output

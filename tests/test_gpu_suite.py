@@ -67,3 +67,19 @@ def test_targets_and_ipc_flags():
     assert [r["ok"] for r in rows[-2:]] == [False, False]  # ipc used with KVLC_IPC=off; a failed check
     assert all(r["ok"] for r in rows[:-2])
     assert rows[3]["fraction_of_d2d"] == 0.75
+
+
+def test_mixed_memory_verdict_against_its_pinned_copy():
+    """The mixed DRAM->VRAM target: met at 0.8 of the pinned copy measured beside it, missed below,
+    not measured without the copy."""
+    sc = cases.scale(gpu=True, quick=False)
+    group = "mixed dram->vram"
+    rows = [_row(group, "kvlc nixl", kind="rounds", gbps=16.0, d2d_gbps=20.0, gbps_first_round=9.0),
+            _row(group, "kvlc ipc", kind="rounds", gbps=15.0, d2d_gbps=20.0, gbps_first_round=9.0)]
+    got = {v["target"]: (v["verdict"], v["detail"]) for v in gpu_suite.targets({"rows": rows}, sc)
+           if "mixed" in v["target"]}
+    assert [v for v, _ in got.values()] == ["met", "missed"]
+    assert all("first round 9.0 GB/s" in d for _, d in got.values())
+    del rows[1]["d2d_gbps"]
+    assert [v["verdict"] for v in gpu_suite.targets({"rows": rows}, sc) if "mixed" in v["target"]] == [
+        "met", "not measured"]
