@@ -13,7 +13,7 @@ from kvlc.compiler import compile_spec
 from kvlc.engines.vllm.derive.offline import CPU_BACKENDS, published_view
 from kvlc.engines.vllm.derive.spec import derive_spec, spec_yaml
 from kvlc.errors import KvlcError
-from kvlc.init import EngineOptions, init_yaml, read_model
+from kvlc.init import EngineOptions, init_checked, read_model
 from kvlc.init.vllm import HYBRID_FAMILIES, vllm_config
 
 
@@ -107,8 +107,7 @@ def _offline(model_dir: str, *, backend: str, block_size: int, num_blocks: int, 
     opts = EngineOptions(engine="vllm", backend=backend, tp_size=tp_size, block_size=block_size,
                          kernel_block_size=kernel_block_size, kv_dtype=kv_dtype, num_blocks=num_blocks,
                          mem="DRAM" if backend in CPU_BACKENDS else "VRAM", model_name=model_dir)
-    text = init_yaml(config, opts)
-    compile_spec(text)
+    text = init_checked(config, opts)
     return None, (f"# kvlc from-vllm (offline), {m.family.value} model: vLLM 0.32's hybrid page pool as `kvlc init "
                   "--engine vllm` derives it from config.json (kvlc/engines/vllm/derive/hybrid.py);\n# not read from "
                   "a live engine (KvlcConnector serves attention groups only).\n" + text)

@@ -21,8 +21,9 @@ from typing import Any
 
 import yaml
 
+from kvlc.compiler import compile_spec
 from kvlc.compiler.spec.dtypes import DTYPE_SIZES
-from kvlc.errors import did_you_mean
+from kvlc.errors import Problem, SpecError, did_you_mean, format_path
 from kvlc.init.ds_mla import DS_MLA, ds_mla_record
 from kvlc.init.engines import ENGINES, MEMS, EngineOptions, backend_of, dcp_parallel, stage_layers
 from kvlc.init.model import Family, InitError, LayerKind, Model, read_model
@@ -33,9 +34,10 @@ def _check(opts: EngineOptions, m: Model) -> None:
     if opts.kv_dtype == DS_MLA:
         ds_mla_record(m)  # refuses models without a latent it can pack
     elif opts.kv_dtype not in DTYPE_SIZES:
-        raise InitError(f"unknown KV dtype '{opts.kv_dtype}'; {did_you_mean(opts.kv_dtype, DTYPE_SIZES)}")
+        raise InitError(f"--kv-dtype '{opts.kv_dtype}': unknown KV dtype; "
+                        f"{did_you_mean(opts.kv_dtype, [*DTYPE_SIZES, DS_MLA])}")
     if opts.mem not in MEMS:
-        raise InitError(f"unknown memory type '{opts.mem}'; {did_you_mean(opts.mem, MEMS)}")
+        raise InitError(f"--mem '{opts.mem}': unknown memory type; {did_you_mean(opts.mem, MEMS)}")
     for key in ("tp_size", "dcp_size", "dcp_interleave", "block_size", "num_blocks"):
         if getattr(opts, key) < 1:
             raise InitError(f"--{key.replace('_', '-')} must be at least 1, found {getattr(opts, key)}")
@@ -158,4 +160,38 @@ def init_yaml(config: Mapping[str, Any], opts: EngineOptions = EngineOptions(),
     return head + yaml.safe_dump(spec, sort_keys=False, default_flow_style=None, width=120)
 
 
-__all__ = ["init_spec", "init_yaml", "EngineOptions", "GroupNames", "InitError", "ENGINES", "read_model"]
+# the option of ``kvlc init`` that each spec key it writes comes from
+OPTIONS = {"tp_size": ("--tp-size", "tp_size"), "dcp_size": ("--dcp-size", "dcp_size"),
+           "dcp_interleave": ("--dcp-interleave", "dcp_interleave"), "layers": ("--layers / --pp-size", "layers"),
+           "block_size": ("--block-size", "block_size"), "kernel_block_size": ("--kernel-block-size",
+                                                                                "kernel_block_size"),
+           "num_blocks": ("--num-blocks", "num_blocks"), "mem": ("--mem", "mem"), "device": ("--device", "device"),
+           "dtype": ("--kv-dtype", "kv_dtype"), "name": ("--name", "name")}
+
+
+def _option_problem(p: Problem, opts: EngineOptions) -> Problem:
+    """``p`` at the command-line option its spec key comes from (the spec text's line:col means nothing to
+    someone who never saw that text)."""
+    key = next((k for k in reversed(p.path) if isinstance(k, str) and k in OPTIONS), None)
+    where = format_path(p.path)
+    if key is None:
+        return Problem((f"kvlc init's spec at {where}",), p.what, p.expected, p.found, p.fix)
+    option, attr = OPTIONS[key]
+    label = f"{option} {getattr(opts, attr)}"
+    return Problem((f"{label} (the spec's {where})",), p.what, p.expected, p.found,
+                   p.fix.replace(where, option) if p.fix else p.fix)
+
+
+def init_checked(config: Mapping[str, Any], opts: EngineOptions = EngineOptions(),
+                 names: GroupNames = GroupNames()) -> str:
+    """:func:`init_yaml`, compiled: a combination the compiler refuses is a :class:`SpecError` whose problems
+    name the ``kvlc init`` option they come from (``--tp-size 3 (the spec's parallel.tp_size): ...``)."""
+    text = init_yaml(config, opts, names)
+    try:
+        compile_spec(text)
+    except SpecError as exc:
+        raise SpecError(_option_problem(p, opts) for p in exc.problems) from None
+    return text
+
+
+__all__ = ["init_spec", "init_yaml", "init_checked", "EngineOptions", "GroupNames", "InitError", "ENGINES", "read_model"]

@@ -69,7 +69,8 @@ def _refuse(m: Model, opts: EngineOptions) -> None:
         raise InitError("engine 'vllm' gives every KV-cache group the same block count; "
                         "fix: drop --sliding-blocks / --state-slots and set --num-blocks")
     if opts.backend in CPU_BACKENDS and opts.mem != "DRAM":
-        raise InitError(f"backend {opts.backend} keeps its cache in host memory, not {opts.mem}; fix: --mem DRAM")
+        raise InitError(f"--mem {opts.mem}: backend {opts.backend} keeps its cache in host memory (DRAM); "
+                        "fix: --mem DRAM")
 
 
 def _renumber(name: str, start: int) -> str:
@@ -79,7 +80,7 @@ def _renumber(name: str, start: int) -> str:
 def vllm_spec(config: Mapping[str, Any], m: Model, opts: EngineOptions) -> dict:
     """The spec of ``config`` on a vLLM engine with backend ``opts.backend`` (see the module docstring)."""
     if opts.backend not in ATTENTION_BACKENDS | MLA_BACKENDS:
-        raise InitError(f"engine 'vllm' has no backend '{opts.backend}'; "
+        raise InitError(f"--backend '{opts.backend}': engine 'vllm' has no such backend; "
                         f"{did_you_mean(opts.backend, ATTENTION_BACKENDS | MLA_BACKENDS)}")
     _refuse(m, opts)
     window = stage_layers(opts, m.num_layers)
