@@ -54,8 +54,18 @@ CPU_BACKENDS = ("CPU_ATTN", "CPU_MLA")  # vLLM's CPU platform: the cache is in h
 DEFAULT_LAYOUT = {"CPU_ATTN": "LBHNC"}  # the CPU kernels read head-major blocks only; vLLM's default: LBNHC
 
 
+# fields that declare layers keeping a state (Mamba-1/2, Gated DeltaNet) instead of, or beside, paged K/V
+STATE_FIELDS = ("hybrid_override_pattern", "layers_block_type", "linear_num_value_heads", "attn_layer_period",
+                "mamba_d_ssm", "mamba_n_heads", "mamba_num_heads", "mamba_d_state", "ssm_state_size")
+
+
 def _model(config: Mapping, name: str, kv_dtype: str) -> ModelIdentity:
     text = config.get("text_config", config)
+    state = [k for k in STATE_FIELDS if text.get(k)]
+    if state:
+        raise ViewError(f"config.json has {', '.join(state)}: layers that keep a state, which an attention view "
+                        "would leave out (every layer written as attention); fix: `kvlc init CONFIG --engine vllm` "
+                        "(or `kvlc from-vllm`) writes vLLM's hybrid page pool of such models")
     try:
         layers = int(text["num_hidden_layers"])
         heads = int(text["num_attention_heads"])
