@@ -33,6 +33,8 @@ def kinds(name: str) -> str:
 
 KVLC = EngineOptions(tp_size=2, num_blocks=8)
 VLLM = EngineOptions(engine="vllm", backend="FLASH_ATTN", tp_size=2, num_blocks=8)
+TP1 = EngineOptions(num_blocks=8)
+TP1_VLLM = EngineOptions(engine="vllm", backend="FLASH_ATTN", num_blocks=8)
 
 
 def plan(cfg: dict, opts: EngineOptions = KVLC):
@@ -132,14 +134,34 @@ def test_nemotron_h_as_transformers5_writes_it():
         assert plan(t5, named).digest == plan(old, named).digest
 
 
-@pytest.mark.parametrize("opts", [KVLC, VLLM])
-def test_falcon_h1_refused_with_the_field(opts):
-    """Attention and Mamba-2 in every layer: refused, naming the fields, never written as attention alone."""
-    with pytest.raises(InitError) as exc:
-        init_spec(config("falcon-h1-7b"), opts)
-    assert str(exc.value).startswith("config.json: mamba_d_ssm and mamba_n_heads declare a Mamba-2 mixer beside "
-                                     "the attention of every layer")
-    assert "fix: " in str(exc.value)
+@pytest.mark.parametrize("opts", [TP1, TP1_VLLM], ids=["kvlc", "vllm"])
+def test_falcon_h1_attention_and_mamba2_in_every_layer(opts):
+    """Falcon-H1-7B (44 layers): vLLM's cache layers 0-43 are the attention of each layer, 44-87 its Mamba-2 mixer
+    (falcon_h1.py numbers the mixer of layer i as num_hidden_layers + i); never attention alone."""
+    assert kinds("falcon-h1-7b") == "f" * 44 + "m" * 44
+    p = plan(config("falcon-h1-7b"), opts)
+    assert group_kinds(p) == {f"layer.{i}": "full_attention" if i < 44 else "mamba" for i in range(88)}
+    state = p.region("layer.44")
+    dims = {f.name: [(d.name, d.size) for d in f.dims] for f in state.fields}
+    assert dims["conv.x"] == [("conv_tap", 3), ("channel", 3072)] and dims["conv.B"] == [("conv_tap", 3), ("channel", 256)]
+    assert dims["ssm"] == [("ssm_head", 24), ("mamba_head_dim", 128), ("ssm_state", 256)]
+
+
+def test_falcon_h1_on_vllm_shares_pages_and_keeps_the_model_dtype():
+    """On vLLM the mixer of layer i lies over layer i's attention pages (one group each, same slot); Falcon-H1 has
+    no config hook, so its SSM state is in the model dtype (mamba2_state_dtype, auto)."""
+    p = plan(config("falcon-h1-7b"), TP1_VLLM)
+    assert [g.name for g in p.groups] == ["full", "mamba"]
+    assert all(p.region(f"layer.{44 + i}").aliases == (f"layer.{i}",) for i in range(44))
+    state = p.region("layer.44")
+    assert {f.dtype for f in state.fields} == {"bf16"}
+    assert state.block_bytes == 3 * (3072 + 2 * 256) * 2 + 24 * 128 * 256 * 2
+
+
+def test_falcon_h1_pipeline_stage_refused():
+    """A stage of decoder layers holds two windows of cache layers, which parallel.layers cannot state."""
+    with pytest.raises(InitError, match=r"^--layers / --pp-size with a parallel-hybrid model: .* fix: drop"):
+        init_spec(config("falcon-h1-7b"), EngineOptions(pp_size=2))
 
 
 @pytest.mark.parametrize("cfg, field", [
@@ -186,6 +208,9 @@ def test_deepseek_v2_lite_stays_mla():
      "layers of all groups share one page pool)."),
     ("jamba-v0.1", KVLC, "(32 layers: 4 full, 28 mamba; mamba1-hybrid)",
      "# Written: regions of 32 layers: 28 mamba, 4 full_attention; no aliases (every region its own pages)."),
+    ("falcon-h1-7b", TP1, "(44 layers, each attention beside a Mamba-2 mixer: cache layers 0-43 full, 44-87 mamba, "
+     "as vLLM numbers them; parallel-hybrid)",
+     "# Written: regions of 88 layers: 44 full_attention, 44 mamba; no aliases (every region its own pages)."),
     ("llama-4-scout", KVLC, "(48 layers: 12 full, 36 chunked; chunked)",
      "# Written: regions of 48 layers: 36 chunked_local, 12 full_attention; no aliases (every region its own "
      "pages)."),
@@ -196,13 +221,15 @@ def test_header_says_what_the_output_holds(name, opts, first, written):
 
 
 @pytest.mark.parametrize("name", ["gemma-2-2b", "jamba-v0.1", "llama-4-scout", "nemotron-h-8b-transformers5",
-                                  "qwen2-7b", "deepseek-v2-lite"])
+                                  "falcon-h1-7b", "qwen2-7b", "deepseek-v2-lite"])
 @pytest.mark.parametrize("opts", [KVLC, VLLM], ids=["kvlc", "vllm"])
 def test_header_counts_equal_the_regions(name, opts):
     """The header's per-kind layer counts are the model's cache layers, and the regions hold exactly those."""
     cfg = config(name)
     if opts.engine == "vllm" and name == "deepseek-v2-lite":
         opts = EngineOptions(**{**opts.__dict__, "backend": "FLASHMLA", "block_size": 64})
+    if name == "falcon-h1-7b":   # mamba_n_groups 1: vLLM replicates B/C groups over TP ranks (refused)
+        opts = EngineOptions(**{**opts.__dict__, "tp_size": 1})
     m = read_model(cfg)
     p = plan(cfg, opts)
     word = {"full": "full_attention", "sliding": "sliding_window", "chunked": "chunked_local", "mamba": "mamba"}
@@ -278,15 +305,12 @@ def test_offline_from_vllm_cpu_mla_is_in_dram(tmp_path):
     assert {s.mem for s in out.storages} == {"DRAM"}
 
 
-@pytest.mark.parametrize("name, start", [
-    ("falcon-h1-7b", "config.json: mamba_d_ssm and mamba_n_heads declare a Mamba-2 mixer"),
-])
-def test_offline_from_vllm_refuses_what_init_refuses(tmp_path, name, start):
-    d = tmp_path / "model"
-    d.mkdir()
-    (d / "config.json").write_text(json.dumps(config(name)))
-    res = CliRunner().invoke(cli, ["from-vllm", str(d), "--backend", "FLASH_ATTN"])
-    assert res.exit_code == 2 and res.output.startswith(start)
+def test_offline_from_vllm_falcon_h1(tmp_path):
+    """Offline from-vllm of Falcon-H1 is kvlc init --engine vllm's spec: attention and Mamba-2 state per layer."""
+    out = from_vllm(tmp_path, config("falcon-h1-7b"), "--backend", "FLASH_ATTN", "--num-blocks", "8")
+    want = plan(config("falcon-h1-7b"), EngineOptions(engine="vllm", backend="FLASH_ATTN", num_blocks=8,
+                                                      model_name=str(tmp_path / "model")))
+    assert compile_spec(out).digest == want.digest and len(want.regions) == 88
 
 
 def test_published_view_refuses_state_fields():

@@ -42,6 +42,11 @@ def _check(opts: EngineOptions, m: Model) -> None:
         if getattr(opts, key) < 1:
             raise InitError(f"--{key.replace('_', '-')} must be at least 1, found {getattr(opts, key)}")
     _check_dcp(opts, m)
+    if m.family == Family.PARALLEL and (opts.layers is not None or opts.pp_size > 1):
+        raise InitError(f"--layers / --pp-size with a {m.family.value} model: a pipeline stage of decoder layers "
+                        f"[a, b) holds cache layers [a, b) and [{m.num_layers // 2} + a, {m.num_layers // 2} + b) "
+                        "(attention and Mamba-2 mixers), which one parallel.layers window cannot state; fix: drop "
+                        "--layers / --pp-size, or write the stage's spec by hand")
 
 
 def _check_dcp(opts: EngineOptions, m: Model) -> None:
@@ -145,14 +150,22 @@ def written(spec: Mapping[str, Any]) -> str:
     return f"regions of {len(layers)} layers: {counts}{f' + {draft} optional draft' if draft else ''}; {pages}"
 
 
+def _layers_text(m: Model) -> str:
+    """The model's layers by kind (a parallel hybrid: its two cache layers per decoder layer, numbered as vLLM does)."""
+    if m.family == Family.PARALLEL:
+        n = m.num_layers // 2
+        return (f"{n} layers, each attention beside a Mamba-2 mixer: cache layers 0-{n - 1} full, "
+                f"{n}-{2 * n - 1} mamba, as vLLM numbers them")
+    kinds = ", ".join(f"{sum(1 for k in m.kinds if k == kind)} {kind.value}" for kind in LayerKind if kind in m.kinds)
+    return f"{m.num_layers} layers: {kinds}"
+
+
 def init_yaml(config: Mapping[str, Any], opts: EngineOptions = EngineOptions(),
               names: GroupNames = GroupNames()) -> str:
     """:func:`init_spec` as YAML with a comment saying what it was made from and what it holds."""
     spec = init_spec(config, opts, names)
     m = read_model(config)
-    kinds = ", ".join(f"{sum(1 for k in m.kinds if k == kind)} {kind.value}" for kind in LayerKind
-                      if kind in m.kinds)
-    head = (f"# {spec['model']['name']} ({m.num_layers} layers: {kinds}; {m.family.value}) on engine "
+    head = (f"# {spec['model']['name']} ({_layers_text(m)}; {m.family.value}) on engine "
             f"{opts.engine}, backend {opts.backend}, TP{opts.tp_size}{_dcp_text(opts)}{_stage(spec)}, "
             f"{_blocks(spec, opts)}, "
             f"{opts.kv_dtype}.\n# Written: {written(spec)}.\n"

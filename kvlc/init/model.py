@@ -9,8 +9,9 @@
   ``num_hidden_layers``) → Mamba-2 hybrid (Nemotron-H);
 * ``attn_layer_period`` / ``attn_layer_offset`` with ``mamba_d_state`` → Mamba-1 hybrid (Jamba:
   attention where ``i % period == offset``, Mamba-1 elsewhere);
-* ``mamba_d_ssm`` / ``mamba_n_heads`` (attention *and* Mamba-2 in every layer, Falcon-H1) → refused:
-  kvlc's spec of one layer index holds one cache;
+* ``mamba_d_ssm`` / ``mamba_n_heads`` (attention *and* Mamba-2 in every layer, Falcon-H1) → parallel
+  hybrid: as vLLM numbers them, layer ``i``'s attention is cache layer ``i`` and its Mamba-2 mixer
+  cache layer ``num_hidden_layers + i``;
 * ``linear_num_value_heads`` with ``layer_types`` or ``full_attention_interval`` →
   Gated-DeltaNet hybrid (linear attention, full attention every n-th layer);
 * ``attention_chunk_size`` → chunked local attention on the RoPE layers (``no_rope_layers[i] == 1``,
@@ -67,6 +68,7 @@ class Family(str, Enum):
     MLA = "mla"
     MAMBA = "mamba-hybrid"
     MAMBA1 = "mamba1-hybrid"
+    PARALLEL = "parallel-hybrid"     # attention and Mamba-2 side by side in every layer (Falcon-H1)
     LINEAR = "linear-hybrid"
 
 
@@ -109,7 +111,7 @@ class Model:
 
     name: str
     family: Family
-    num_layers: int
+    num_layers: int                 # cache layers, as vLLM numbers them (parallel hybrid: twice the decoder layers)
     kinds: tuple[LayerKind, ...]
     num_kv_heads: int = 0
     head_dim: int = 0
@@ -262,13 +264,24 @@ def _linear(c: Mapping, name: str, n: int) -> Model:
     return Model(name, Family.LINEAR, n, kinds, _kv_heads(c), _head_dim(c), deltanet=d, sizes=sizes)
 
 
-def _refuse_parallel_hybrid(c: Mapping) -> None:
-    """Falcon-H1: attention and a Mamba-2 mixer side by side in every layer (two caches per layer index)."""
-    fields = [k for k in ("mamba_d_ssm", "mamba_n_heads") if k in c]
-    raise InitError(f"config.json: {' and '.join(fields)} declare a Mamba-2 mixer beside the attention of every "
-                    "layer (Falcon-H1: each layer keeps paged K/V and a Mamba-2 state); kvlc init writes one cache "
-                    "per layer index and does not write this model's state yet, rather than attention alone; "
-                    "fix: write the spec by hand, two regions per layer (K/V and the state)")
+def _parallel_hybrid(c: Mapping, name: str, n: int) -> Model:
+    """Falcon-H1: attention and a Mamba-2 mixer side by side in every layer. vLLM gives the mixer of layer ``i``
+    the index ``n + i`` (every cache layer needs its own), so the model has ``2n`` cache layers: attention
+    ``0 .. n-1``, Mamba-2 state ``n .. 2n-1`` (vLLM's falcon_h1.py; state sizes from its
+    ``get_mamba_state_shape_from_config``: ``mamba_d_ssm`` or ``mamba_expand * hidden_size`` channels)."""
+    d_ssm = _int(c, "mamba_d_ssm") if c.get("mamba_d_ssm") is not None else \
+        _int(c, "mamba_expand") * _int(c, "hidden_size")
+    heads = _int(c, "mamba_n_heads")
+    head_dim = d_ssm // heads if c.get("mamba_d_head", "auto") == "auto" and heads else _int(c, "mamba_d_head")
+    if heads * head_dim != d_ssm:
+        raise InitError(f"config.json: mamba_n_heads {heads} x mamba_d_head {head_dim} must equal the Mamba "
+                        f"intermediate size {d_ssm} (mamba_d_ssm, or mamba_expand * hidden_size), as transformers' "
+                        "FalconH1Config requires; fix: give the model's values")
+    state = _int(c, "mamba_d_state")
+    m = Mamba2(_int(c, "mamba_d_conv"), d_ssm, _int(c, "mamba_n_groups") * state, heads, head_dim, state)
+    sizes = {"conv_tap": m.conv_kernel - 1, "ssm_head": m.heads, "mamba_head_dim": m.head_dim, "ssm_state": m.state}
+    return Model(name, Family.PARALLEL, 2 * n, (LayerKind.FULL,) * n + (LayerKind.MAMBA,) * n, _kv_heads(c),
+                 _head_dim(c), mamba=m, sizes=sizes)
 
 
 # config fields that mean layers of a kind init reads only with the fields it dispatches on
@@ -309,10 +322,10 @@ def _state_or_latent_model(c: Mapping, name: str, n: int) -> Model | None:
     """An MLA model or a hybrid with state layers, by the fields that declare them; None: neither."""
     if c.get("kv_lora_rank"):
         return _mla(c, name, n)
+    if "mamba_d_ssm" in c or (c.get("mamba_n_heads") and "attn_layer_indices" not in c):
+        return _parallel_hybrid(c, name, n)
     if c.get("hybrid_override_pattern") or isinstance(c.get("layers_block_type"), list):
         return _mamba(c, name, n)
-    if c.get("mamba_d_ssm") is not None or (c.get("mamba_n_heads") and "attn_layer_indices" not in c):
-        _refuse_parallel_hybrid(c)
     if "attn_layer_period" in c or "attn_layer_offset" in c:
         return _mamba1(c, name, n)
     if c.get("linear_num_value_heads"):

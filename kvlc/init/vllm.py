@@ -36,7 +36,8 @@ _LAYER = re.compile(r"^layer\.(\d+)")
 
 
 HYBRID = {LayerKind.FULL: "attention", LayerKind.MAMBA: "mamba", LayerKind.LINEAR: "linear"}
-HYBRID_FAMILIES = {Family.MAMBA: "mamba", Family.MAMBA1: "mamba1", Family.LINEAR: "linear"}  # -> state kind
+HYBRID_FAMILIES = {Family.MAMBA: "mamba", Family.MAMBA1: "mamba1", Family.LINEAR: "linear",
+                   Family.PARALLEL: "mamba2"}  # -> the state kind of kvlc.engines.vllm.derive.hybrid
 _TYPES = {LayerKind.SLIDING: "sliding_attention", LayerKind.CHUNKED: "chunked_attention"}
 
 
@@ -102,13 +103,22 @@ def _hybrid(config: Mapping[str, Any], m: Model, opts: EngineOptions, window: tu
     layers = [(i, HYBRID[m.kinds[i]]) for i in range(*window) if m.kinds[i] in HYBRID]
     cpu_avx512_bf16 = opts.backend == "CPU_ATTN" and _avx512_bf16(opts)   # vLLM's CPU platform only
     try:
-        return hybrid_spec(config.get("text_config", config), opts.model_name or m.name, layers,
+        return hybrid_spec(_state_config(config.get("text_config", config), m), opts.model_name or m.name, layers,
                            state_kind=HYBRID_FAMILIES[m.family], backend=opts.backend,
                            block_size=opts.block_size, num_blocks=opts.num_blocks, tp_size=opts.tp_size,
                            kv_dtype=opts.kv_dtype, device=device, num_layers=m.num_layers,
                            ssm_cache_dtype=opts.mamba_ssm_cache_dtype, cpu_avx512_bf16=cpu_avx512_bf16)
     except ViewError as exc:
         raise InitError(f"engine 'vllm': {exc}") from None
+
+
+def _state_config(text: Mapping[str, Any], m: Model) -> Mapping[str, Any]:
+    """The text config with Falcon-H1's Mamba-2 fields spelled as the hybrid pool reads them (Nemotron-H's)."""
+    if m.family != Family.PARALLEL or m.mamba is None:
+        return text
+    s = m.mamba
+    return {**text, "conv_kernel": s.conv_kernel, "n_groups": s.d_bc // s.state, "mamba_num_heads": s.heads,
+            "mamba_head_dim": s.head_dim, "ssm_state_size": s.state}
 
 
 def _avx512_bf16(opts: EngineOptions) -> bool:

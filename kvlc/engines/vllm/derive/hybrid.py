@@ -48,7 +48,9 @@ from kvlc.engines.vllm.derive.view import ViewError, heads_per_rank
 TORCH_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "bf16": "bf16", "fp16": "fp16",
                 "fp32": "fp32"}
 GROUP_KIND = {"attention": "full_attention", "mamba": "mamba", "linear": "linear_attention"}
-STATE_KINDS = ("mamba", "mamba1", "linear")   # Mamba-2, Mamba-1, Gated DeltaNet
+# state kinds: Mamba-2 with vLLM's Nemotron-H config hook (SSM state fp32 unless the config says), Mamba-2
+# without a hook (Falcon-H1: SSM state in the model dtype), Mamba-1 (Jamba), Gated DeltaNet
+STATE_KINDS = ("mamba", "mamba2", "mamba1", "linear")
 GROUP_NAME = {"attention": "full", "mamba": "mamba", "linear": "linear"}
 
 
@@ -111,7 +113,8 @@ def _configured_ssm_dtype(c: Mapping[str, Any], kind: str, requested: str) -> st
                         f"{list(SSM_CACHE_DTYPES)}; fix: pass one of them")
     if requested != "auto":
         return TORCH_DTYPES[requested]
-    hf = kind != "mamba1" and (c.get("mamba_ssm_cache_dtype") or c.get("mamba_ssm_dtype"))  # Jamba has no hook
+    hooked = kind in ("mamba", "linear")   # vLLM's config hooks (Nemotron-H, Qwen3.5); Jamba and Falcon-H1 have none
+    hf = hooked and (c.get("mamba_ssm_cache_dtype") or c.get("mamba_ssm_dtype"))
     if hf:
         return _dtype(hf, "mamba_ssm_cache_dtype")
     return "fp32" if kind == "mamba" else None
@@ -121,6 +124,8 @@ def _cpu_platform_ssm_dtype(kind: str, want: str | None) -> str:
     """vLLM's CPU platform on an AVX-512 BF16 CPU: fp32, except a half Gated-DeltaNet state asked for."""
     if want in ("bf16", "fp16") and kind == "linear":
         return want
+    if kind == "mamba2":   # Falcon-H1's transformers config names its layers "hybrid": vLLM resets it to fp32
+        return "fp32"
     if want in ("bf16", "fp16"):
         raise ViewError(f"a {want} {'Mamba-1' if kind == 'mamba1' else 'Mamba-2'} state on vLLM's CPU platform with AVX-512 BF16: vLLM 0.32 keeps it "
                         "only when the engine's transformers names Mamba layers 'linear_attention' (transformers "
@@ -131,7 +136,7 @@ def _cpu_platform_ssm_dtype(kind: str, want: str | None) -> str:
 
 def state_layout(c: Mapping[str, Any], kind: str, *, requested: str = "auto",
                  cpu_avx512_bf16: bool = False) -> StateLayout:
-    """The state of one ``mamba`` (Mamba-2), ``mamba1`` or ``linear`` layer of text config ``c`` as vLLM 0.32
+    """The state of one layer of kind ``mamba`` / ``mamba2`` (Mamba-2), ``mamba1`` or ``linear`` of text config ``c`` as vLLM 0.32
     keeps it (``requested`` and ``cpu_avx512_bf16``: see :func:`ssm_dtype`)."""
     model = _dtype(c.get("torch_dtype") or c.get("dtype") or "bfloat16", "torch_dtype")
     ssm = ssm_dtype(c, kind, model, requested=requested, cpu_avx512_bf16=cpu_avx512_bf16)
@@ -139,7 +144,7 @@ def state_layout(c: Mapping[str, Any], kind: str, *, requested: str = "auto",
         d_inner = int(c["mamba_expand"]) * int(c["hidden_size"])
         return StateLayout("mamba1_state", int(c["mamba_d_conv"]) - 1, (("x", d_inner),), model, "ssm",
                            (("channel", d_inner, True), ("ssm_state", int(c["mamba_d_state"]), False)), ssm)
-    if kind == "mamba":
+    if kind in ("mamba", "mamba2"):
         bc = int(c["n_groups"]) * int(c["ssm_state_size"])
         return StateLayout("mamba2_state", int(c["conv_kernel"]) - 1,
                            (("x", int(c["mamba_num_heads"]) * int(c["mamba_head_dim"])), ("B", bc), ("C", bc)),
