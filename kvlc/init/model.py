@@ -1,29 +1,31 @@
 """What a HuggingFace ``config.json`` says about a model's KV cache, read by its fields.
 
-:func:`read_model` dispatches on config fields, never on a model name:
+:func:`read_model` dispatches on config fields, never on a model name, in this order:
 
 * ``kv_lora_rank`` → MLA (one latent of ``kv_lora_rank + qk_rope_head_dim`` per token);
   ``index_head_dim`` / ``index_topk`` besides it → the sparse-attention indexer;
-* ``hybrid_override_pattern`` (``M`` Mamba, ``*`` attention, ``-`` / ``E`` MLP), or the
-  ``layers_block_type`` list transformers 5.x writes instead (then without
-  ``num_hidden_layers``) → Mamba-2 hybrid (Nemotron-H);
-* ``attn_layer_period`` / ``attn_layer_offset`` with ``mamba_d_state`` → Mamba-1 hybrid (Jamba:
-  attention where ``i % period == offset``, Mamba-1 elsewhere);
 * ``mamba_d_ssm`` / ``mamba_n_heads`` (attention *and* Mamba-2 in every layer, Falcon-H1) → parallel
   hybrid: as vLLM numbers them, layer ``i``'s attention is cache layer ``i`` and its Mamba-2 mixer
   cache layer ``num_hidden_layers + i``;
+* ``hybrid_override_pattern`` (``M`` Mamba, ``*`` attention, ``-`` / ``E`` MLP), or the
+  ``layers_block_type`` list transformers 5.x writes instead (then without
+  ``num_hidden_layers``) → Mamba-2 hybrid (Nemotron-H);
+* ``attn_layer_period`` / ``attn_layer_offset`` (with ``mamba_d_state`` …) → Mamba-1 hybrid (Jamba:
+  attention where ``i % period == offset``, Mamba-1 elsewhere);
 * ``linear_num_value_heads`` with ``layer_types`` or ``full_attention_interval`` →
   Gated-DeltaNet hybrid (linear attention, full attention every n-th layer);
+* any other field of a hybrid (``mamba_*``, ``ssm_*``, ``attn_layer_indices`` …) → refused, the field
+  named: kvlc cannot tell that model's layer kinds and writes no attention in their place;
 * ``attention_chunk_size`` → chunked local attention on the RoPE layers (``no_rope_layers[i] == 1``,
   or ``layer_types`` ``chunked_attention``), full attention on the NoPE ones (Llama-4);
-* ``layer_types`` or ``sliding_window_pattern`` with ``sliding_window`` → sliding/full mix;
-* any other field of a hybrid (``mamba_*``, ``ssm_*``, ``layers_block_type`` …) → refused, the field
-  named: kvlc cannot tell that model's layer kinds and writes no attention in their place;
+* ``layer_types`` or ``sliding_window_pattern`` with ``sliding_window`` → sliding/full mix
+  (a ``layer_types`` value other than full / sliding / chunked attention is refused);
 * otherwise dense GQA/MHA.
 
-Where config.json leaves a field out, the model's transformers config class fills in a default;
-init applies the defaults that decide layer kinds (:data:`TRANSFORMERS_DEFAULTS`, by ``model_type``:
-Gemma-2 alternates sliding and full layers, Llama-4 has a NoPE layer every 4th), as vLLM does.
+Where config.json leaves out a field that decides layer kinds, the model's transformers config
+class fills in a default, which is what vLLM reads; init applies the same ones, by ``model_type``
+(:func:`kvlc.engines.vllm.derive.offline.layer_types`: Gemma-2 alternates sliding and full layers,
+Llama-4 chunks 8192 tokens and has a NoPE layer every 4th).
 
 ``head_dim`` is taken from the config when present (``attention_head_dim`` first for
 Mamba hybrids); only when absent is it ``hidden_size / num_attention_heads``.
