@@ -357,3 +357,15 @@ def test_layers_block_type_equals_the_pattern(pattern):
     new["layers_block_type"] = [words[x] for x in pattern]
     opts = EngineOptions(num_blocks=4, name="n", model_name="m")
     assert init_spec(new, opts) == init_spec(old, opts)
+
+
+@pytest.mark.parametrize("opts, aliased", [(KVLC, 0), (VLLM, 52)], ids=["kvlc", "vllm"])
+def test_gemma3_header_and_aliases_agree(opts, aliased):
+    """Gemma-3-27B: engine kvlc gives each layer its own tensor and declares no aliases; engine vllm pools the
+    groups (52 sliding layers over the 10 full layers' pages) and declares them; the header says which."""
+    cfg = json.loads((TEMPLATES / "gemma-3-27b.config.json").read_text())
+    text = init_yaml(cfg, opts)
+    assert sum(1 for r in compile_spec(text).regions if r.aliases) == aliased
+    said = text.splitlines()[1]
+    assert said.endswith("no aliases (every region its own pages).") if not aliased else \
+        f"{aliased} of them declare aliases" in said
