@@ -369,3 +369,14 @@ def test_gemma3_header_and_aliases_agree(opts, aliased):
     said = text.splitlines()[1]
     assert said.endswith("no aliases (every region its own pages).") if not aliased else \
         f"{aliased} of them declare aliases" in said
+
+
+@pytest.mark.parametrize("flag, avx512", [("--no-cpu-avx512-bf16", False), ("--cpu-avx512-bf16", True)])
+def test_offline_from_vllm_cpu_hybrid_takes_inits_state_flags(tmp_path, flag, avx512):
+    """CPU_ATTN hybrid offline: from-vllm's --cpu-avx512-bf16 / --mamba-ssm-cache-dtype are init's, same digest."""
+    cfg = json.loads((TEMPLATES / "qwen3-next-80b-a3b.config.json").read_text())
+    out = from_vllm(tmp_path, cfg, "--num-blocks", "8", flag, "--mamba-ssm-cache-dtype", "auto")
+    want = plan(cfg, EngineOptions(engine="vllm", backend="CPU_ATTN", mem="DRAM", block_size=128, num_blocks=8,
+                                   cpu_avx512_bf16=avx512, model_name=str(tmp_path / "model")))
+    assert compile_spec(out).digest == want.digest
+    assert compile_spec(out).region("layer.0").fields[-1].dtype == ("fp32" if avx512 else "bf16")
