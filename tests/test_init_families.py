@@ -380,3 +380,16 @@ def test_offline_from_vllm_cpu_hybrid_takes_inits_state_flags(tmp_path, flag, av
                                    cpu_avx512_bf16=avx512, model_name=str(tmp_path / "model")))
     assert compile_spec(out).digest == want.digest
     assert compile_spec(out).region("layer.0").fields[-1].dtype == ("fp32" if avx512 else "bf16")
+
+
+@pytest.mark.parametrize("name", ["gemma-2-2b", "llama-4-scout", "jamba-v0.1"])
+def test_vllm_pipeline_stage_of_a_pooled_model_pairs_with_the_whole(name):
+    """A vLLM stage of a pooled model (its own page pool, aliases renumbered to the model's layer numbers with
+    the regions) compiles and pairs with the whole model's engine for every layer it holds."""
+    from kvlc.compiler.pairing.pair import pair
+    whole = plan(config(name), VLLM)
+    stage = plan(config(name), EngineOptions(**{**VLLM.__dict__, "pp_size": 2, "pp_rank": 1}))
+    start, stop = stage.parallel.layers
+    assert {int(r.name.split(".")[1]) for r in stage.regions} == set(range(start, stop))
+    assert all(int(a.split(".")[1]) in range(start, stop) for r in stage.regions for a in r.aliases)
+    assert {e.region for e in pair(whole, stage, local_rank=0).entries} == {r.name for r in stage.regions}

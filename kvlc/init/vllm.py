@@ -78,6 +78,14 @@ def _renumber(name: str, start: int) -> str:
     return _LAYER.sub(lambda x: f"layer.{int(x.group(1)) + start}", name, count=1)
 
 
+def _renumbered(region: dict, start: int) -> dict:
+    """A region of a stage's view under the model's layer numbers (its name, and the regions it aliases)."""
+    out = {**region, "name": _renumber(region["name"], start)}
+    if region.get("aliases"):
+        out["aliases"] = [_renumber(a, start) for a in region["aliases"]]
+    return out
+
+
 def vllm_spec(config: Mapping[str, Any], m: Model, opts: EngineOptions) -> dict:
     """The spec of ``config`` on a vLLM engine with backend ``opts.backend`` (see the module docstring)."""
     if opts.backend not in ATTENTION_BACKENDS | MLA_BACKENDS:
@@ -142,5 +150,5 @@ def _finish(spec: dict, opts: EngineOptions, window: tuple[int, int] | None, ren
         spec["parallel"]["layers"] = [start, stop]
         spec["name"] = opts.name or f"{spec['name']}-pp{start}-{stop}"
         if renumber:
-            spec["regions"] = [{**r, "name": _renumber(r["name"], start)} for r in spec["regions"]]
+            spec["regions"] = [_renumbered(r, start) for r in spec["regions"]]
     return spec
