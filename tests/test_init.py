@@ -162,10 +162,10 @@ def test_mtp_layer_only_on_last_stage():
 
 # ---------------------------------------------------------------- refused inputs
 @pytest.mark.parametrize("opts, message", [
-    (EngineOptions(engine="sglang"), "unknown engine 'sglang'; valid names: 'kvlc', 'vllm'"),
-    (EngineOptions(backend="paged"), "engine 'kvlc' has no backend 'paged'; did you mean 'paged-hnd'?"),
-    (EngineOptions(kv_dtype="bf61"), "unknown KV dtype 'bf61'; did you mean 'bf16'?"),
-    (EngineOptions(mem="HBM"), "unknown memory type 'HBM'; valid names: 'DRAM', 'VRAM'"),
+    (EngineOptions(engine="sglang"), "--engine 'sglang': unknown engine; valid names: 'kvlc', 'vllm'"),
+    (EngineOptions(backend="paged"), "--backend 'paged': engine 'kvlc' has no such backend; did you mean 'paged-hnd'?"),
+    (EngineOptions(kv_dtype="bf61"), "--kv-dtype 'bf61': unknown KV dtype; did you mean 'bf16'?"),
+    (EngineOptions(mem="HBM"), "--mem 'HBM': unknown memory type; valid names: 'DRAM', 'VRAM'"),
     (EngineOptions(num_blocks=0), "--num-blocks must be at least 1, found 0"),
     (EngineOptions(layers=(40, 90)), "--layers 40:90 is not a window of the model's 80 layers; "
                                      "expected 0 <= start < stop <= 80"),
@@ -280,8 +280,13 @@ def test_cli_pp_stage_and_dcp():
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--backend", "hnd"], "engine 'kvlc' has no backend 'hnd'; valid names: 'paged-hnd', 'paged-nhd', "
-                           "'pooled-hnd', 'pooled-nhd', 'split-hnd', 'split-nhd'\nkvlc: 1 problem\n"),
+    (["--backend", "FLASH_ATTN"], "--backend 'FLASH_ATTN': engine 'kvlc' has no such backend; valid names: "
+                                  "'paged-hnd', 'paged-nhd', 'pooled-hnd', 'pooled-nhd', 'split-hnd', 'split-nhd'\n"
+                                  "kvlc: 1 problem\n"),
+    (["--engine", "vllm"], "--backend 'paged-nhd': engine 'vllm' has no such backend; valid names: 'CPU_ATTN', "
+                           "'CPU_MLA', 'CUTLASS_MLA', 'FLASHINFER', 'FLASHINFER_MLA', 'FLASHMLA', 'FLASHMLA_SPARSE', "
+                           "'FLASH_ATTN', 'FLASH_ATTN_MLA', 'FLEX_ATTENTION', 'ROCM_AITER_MLA', 'TRITON_ATTN' and 1 "
+                           "more\nkvlc: 1 problem\n"),
     (["--layers", "3"], "--layers '3': expected START:STOP, e.g. --layers 0:40 (layers [0, 40))\nkvlc: 1 problem\n"),
 ])
 def test_cli_refuses(args, message):
@@ -289,10 +294,33 @@ def test_cli_refuses(args, message):
     assert res.exit_code == 2 and res.output == message
 
 
-def test_cli_refuses_uncompilable_combination():
-    """A TP that cannot split the KV heads is the compiler's located error, not a traceback."""
-    res = CliRunner().invoke(cli, ["init", str(LAYOUTS / "templates/llama-3.1-70b.config.json"), "--tp-size", "3"])
-    assert res.exit_code == 2 and "tp_size 3 cannot split 'head' of size 8" in res.output
+@pytest.mark.parametrize("args, start", [
+    (["--tp-size", "3"], "--tp-size 3 (the spec's parallel.tp_size): tp_size 3 cannot split 'head' of size 8"),
+    (["--kernel-block-size", "5"], "--kernel-block-size 5 (the spec's groups[0].kernel_block_size): kernel block "
+                                   "size 5 does not divide block size 16"),
+    (["--tp-size", "16", "--dcp-size", "2", "--dcp-interleave", "3"],
+     "--dcp-interleave 3 (the spec's parallel.dcp_interleave): dcp_interleave 3 does not divide"),
+])
+def test_cli_refuses_uncompilable_combination(args, start):
+    """A combination the compiler refuses is its error at the option it comes from, not at <string>:line:col."""
+    res = CliRunner().invoke(cli, ["init", str(LAYOUTS / "templates/llama-3.1-70b.config.json"), *args])
+    assert res.exit_code == 2 and res.output.startswith(start), res.output
+    assert "<string>" not in res.output and "Traceback" not in res.output
+
+
+def test_cli_help_lists_the_choices():
+    """`kvlc init --help` lists the engines, every backend and every KV dtype; a value outside them is click's
+    error naming the option."""
+    from kvlc.compiler.spec.dtypes import DTYPE_SIZES
+    from kvlc.engines.vllm.derive.offline import ATTENTION_BACKENDS, MLA_BACKENDS
+    from kvlc.init.engines import ENGINES
+    res = CliRunner(env={"COLUMNS": "4000"}).invoke(cli, ["init", "--help"])
+    text = " ".join(res.output.split())
+    assert "--engine [kvlc|vllm]" in text
+    for choice in [*ENGINES["kvlc"], *ATTENTION_BACKENDS, *MLA_BACKENDS, *DTYPE_SIZES, "fp8_ds_mla"]:
+        assert f"|{choice}|" in text or f"[{choice}|" in text or f"|{choice}]" in text, choice
+    bad = CliRunner().invoke(cli, ["init", str(LAYOUTS / "templates/llama-3.1-70b.config.json"), "--kv-dtype", "bf61"])
+    assert bad.exit_code == 2 and "Invalid value for '--kv-dtype': 'bf61' is not one of" in bad.output
 
 
 def test_generated_yaml_is_self_describing():
@@ -368,9 +396,12 @@ def test_vllm_engine_pp_stage():
 
 @pytest.mark.parametrize("cfg, opts, message", [
     ("qwen3-32b", EngineOptions(engine="vllm", backend="FLASH_ATN"),
-     "engine 'vllm' has no backend 'FLASH_ATN'; did you mean 'FLASH_ATTN' or 'FLASH_ATTN_MLA' or 'FLASHMLA'?"),
+     "--backend 'FLASH_ATN': engine 'vllm' has no such backend; did you mean 'FLASH_ATTN' or 'FLASH_ATTN_MLA' or "
+     "'FLASHMLA'?"),
     ("qwen3-32b", EngineOptions(engine="vllm", backend="CPU_ATTN"),
-     "backend CPU_ATTN keeps its cache in host memory, not VRAM; fix: --mem DRAM"),
+     "--mem VRAM: backend CPU_ATTN keeps its cache in host memory (DRAM); fix: --mem DRAM"),
+    ("deepseek-v3", EngineOptions(engine="vllm", backend="CPU_MLA", block_size=16),
+     "--mem VRAM: backend CPU_MLA keeps its cache in host memory (DRAM); fix: --mem DRAM"),
     ("gemma-3-27b", EngineOptions(engine="vllm", backend="FLASH_ATTN", sliding_blocks=8),
      "engine 'vllm' gives every KV-cache group the same block count; fix: drop --sliding-blocks / "
      "--state-slots and set --num-blocks"),

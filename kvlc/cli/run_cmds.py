@@ -6,12 +6,16 @@ import sys
 from pathlib import Path
 
 import click
+import yaml
 
 from kvlc.cli.base import EXIT_SPEC, _fail, emit, main, write_atomic
 from kvlc.compiler import compile_spec
-from kvlc.engines.vllm.derive.offline import published_view
+from kvlc.engines.vllm.derive.hybrid import SSM_CACHE_DTYPES
+from kvlc.engines.vllm.derive.offline import CPU_BACKENDS, published_view
 from kvlc.engines.vllm.derive.spec import derive_spec, spec_yaml
 from kvlc.errors import KvlcError
+from kvlc.init import EngineOptions, init_checked, read_model
+from kvlc.init.vllm import HYBRID_FAMILIES, vllm_config
 
 
 @main.command("from-vllm")
@@ -31,11 +35,17 @@ from kvlc.errors import KvlcError
 @click.option("--from-engine", is_flag=True, help="Start a real vLLM engine on CPU and derive from its tensors.")
 @click.option("--kv-cache-mib", type=int, default=64, show_default=True, help="KV-cache memory of the engine.")
 @click.option("--save-view", type=click.Path(dir_okay=False), help="Also write the engine view as JSON here.")
+@click.option("--mamba-ssm-cache-dtype", "ssm_dtype", type=click.Choice(SSM_CACHE_DTYPES), default="auto",
+              show_default=True, help="vLLM's flag of that name (offline, a hybrid's SSM state dtype).")
+@click.option("--cpu-avx512-bf16/--no-cpu-avx512-bf16", "avx512_bf16", default=None,
+              help="Offline CPU_ATTN hybrid: the engine's host has AVX-512 BF16 (vLLM then keeps SSM state in "
+                   "fp32); default: whether this host has it.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write the YAML here.")
 @click.option("--json", "as_json", is_flag=True, help="Write the spec as JSON instead of commented YAML.")
 def from_vllm(model_dir: str, backend: str, block_size: int | None, kernel_block_size: int | None, tp_size: int,
               tp_rank: int, kv_dtype: str, num_blocks: int | None, layout: str | None, from_engine: bool,
-              kv_cache_mib: int, save_view: str | None, output: str | None, as_json: bool) -> None:
+              kv_cache_mib: int, save_view: str | None, ssm_dtype: str, avx512_bf16: bool | None,
+              output: str | None, as_json: bool) -> None:
     """The kvlc spec of a vLLM engine serving MODEL_DIR, as commented YAML.
 
     Derived from MODEL_DIR/config.json and vLLM's published backend layouts without
@@ -45,6 +55,7 @@ def from_vllm(model_dir: str, backend: str, block_size: int | None, kernel_block
     import json
 
     block_size = block_size or (128 if backend == "CPU_ATTN" else 16)
+    hybrid = None
     try:
         if from_engine:
             from kvlc.engines.vllm.derive.engine import live_views
@@ -57,24 +68,59 @@ def from_vllm(model_dir: str, backend: str, block_size: int | None, kernel_block
                                attention_backend=None if backend == "CPU_ATTN" else backend)
             view = views[min(tp_rank, len(views) - 1)]
         else:
-            config_path = Path(model_dir) / "config.json"
-            try:
-                config = json.loads(config_path.read_text())
-            except (OSError, ValueError) as exc:
-                raise KvlcError(f"{config_path}: cannot read the model config: {exc}; "
-                                "fix: point MODEL_DIR at a HuggingFace model folder") from None
-            view = published_view(config, model_dir, backend=backend, block_size=block_size,
-                                  num_blocks=num_blocks or 1024, tp_size=tp_size, tp_rank=tp_rank,
-                                  kv_dtype=kv_dtype, layout=layout, kernel_block_size=kernel_block_size)
-        text = spec_yaml(view)
-        compile_spec(text)
-        if as_json:
-            text = json.dumps(derive_spec(view), indent=2) + "\n"
+            view, hybrid = _offline(model_dir, backend=backend, block_size=block_size, num_blocks=num_blocks or 1024,
+                                    tp_size=tp_size, tp_rank=tp_rank, kv_dtype=kv_dtype, layout=layout,
+                                    kernel_block_size=kernel_block_size, save_view=save_view,
+                                    state=(ssm_dtype, avx512_bf16))
+        if hybrid is not None:   # a hybrid page pool: derived from config.json, no engine view
+            text = json.dumps(yaml.safe_load(hybrid), indent=2) + "\n" if as_json else hybrid
+        else:
+            text = spec_yaml(view)
+            compile_spec(text)
+            if as_json:
+                text = json.dumps(derive_spec(view), indent=2) + "\n"
     except KvlcError as exc:
         _fail(exc)
+    if hybrid is not None:
+        emit(text, output, "a hybrid page pool from config.json (offline)")
+        return
     if save_view:
         write_atomic(save_view, json.dumps(view.to_dict(), indent=1) + "\n")
     emit(text, output, f"{len(view.layers)} layers from {view.provenance.value}")
+
+
+def _offline(model_dir: str, *, backend: str, block_size: int, num_blocks: int, tp_size: int, tp_rank: int,
+             kv_dtype: str, layout: str | None, kernel_block_size: int | None, save_view: str | None,
+             state: tuple[str, bool | None] = ("auto", None)):
+    """``(view, None)`` of MODEL_DIR/config.json on these options, or ``(None, spec YAML)`` for a hybrid with
+    state layers: the layer kinds are kvlc init's reader's (:func:`kvlc.init.read_model`), so from-vllm and
+    ``kvlc init --engine vllm`` write the same spec; a config whose layer kinds it cannot tell is refused."""
+    import json
+
+    config_path = Path(model_dir) / "config.json"
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, ValueError) as exc:
+        raise KvlcError(f"{config_path}: cannot read the model config: {exc}; "
+                        "fix: point MODEL_DIR at a HuggingFace model folder") from None
+    m = read_model(config)
+    if m.family not in HYBRID_FAMILIES:
+        return published_view(vllm_config(config, m), model_dir, backend=backend, block_size=block_size,
+                              num_blocks=num_blocks, tp_size=tp_size, tp_rank=tp_rank, kv_dtype=kv_dtype,
+                              layout=layout, kernel_block_size=kernel_block_size), None
+    for flag, value in (("--layout", layout), ("--save-view", save_view)):
+        if value:
+            raise KvlcError(f"{flag} {value}: {model_dir} is a {m.family.value} model, whose spec (vLLM's hybrid page "
+                            "pool) is derived from config.json without an engine view, in the backend's default "
+                            f"layout; fix: drop {flag}")
+    opts = EngineOptions(engine="vllm", backend=backend, tp_size=tp_size, block_size=block_size,
+                         kernel_block_size=kernel_block_size, kv_dtype=kv_dtype, num_blocks=num_blocks,
+                         mem="DRAM" if backend in CPU_BACKENDS else "VRAM", model_name=model_dir,
+                         mamba_ssm_cache_dtype=state[0], cpu_avx512_bf16=state[1])
+    text = init_checked(config, opts)
+    return None, (f"# kvlc from-vllm (offline), {m.family.value} model: vLLM 0.32's hybrid page pool as `kvlc init "
+                  "--engine vllm` derives it from config.json (kvlc/engines/vllm/derive/hybrid.py);\n# not read from "
+                  "a live engine (KvlcConnector serves attention groups only).\n" + text)
 
 
 @main.command()

@@ -16,7 +16,10 @@ from kvlc.compiler.spec.validate import validate
 from kvlc.engines.vllm.derive.hybrid import SSM_CACHE_DTYPES   # vLLM's choices, one list
 from kvlc.errors import KvlcError
 from kvlc.explain.docs import check_doc, problem_doc
-from kvlc.init import EngineOptions, InitError, init_spec, init_yaml
+from kvlc.compiler.spec.dtypes import DTYPE_SIZES
+from kvlc.engines.vllm.derive.offline import ATTENTION_BACKENDS, MLA_BACKENDS
+from kvlc.init import ENGINES, EngineOptions, InitError, init_checked, init_spec
+from kvlc.init.ds_mla import DS_MLA
 
 
 @main.command()
@@ -110,10 +113,18 @@ def _layer_window(text: str | None) -> tuple[int, int] | None:
     return int(start), int(stop)
 
 
+INIT_ENGINES = [*ENGINES, "vllm"]
+INIT_BACKENDS = [*(b for e in ENGINES.values() for b in e), *sorted(ATTENTION_BACKENDS), *sorted(MLA_BACKENDS)]
+INIT_KV_DTYPES = [*DTYPE_SIZES, DS_MLA]
+
+
 @main.command("init")
 @click.argument("config", type=click.Path(exists=True, dir_okay=False))
-@click.option("--engine", default="kvlc", show_default=True, help="Engine whose cache shapes to use.")
-@click.option("--backend", default="paged-nhd", show_default=True, help="The engine's attention backend.")
+@click.option("--engine", type=click.Choice(INIT_ENGINES), default="kvlc", show_default=True,
+              help="Engine whose cache shapes to use.")
+@click.option("--backend", type=click.Choice(INIT_BACKENDS), default="paged-nhd", show_default=True,
+              help="The engine's attention backend: engine kvlc's are lower case (paged-nhd ...), engine vllm's "
+                   "upper case (FLASH_ATTN ..., MLA ones for MLA models).")
 @click.option("--tp-size", type=int, default=1, show_default=True)
 @click.option("--pp-size", type=int, default=1, show_default=True, help="Pipeline stages (even split).")
 @click.option("--pp-rank", type=int, default=0, show_default=True, help="This engine's pipeline stage.")
@@ -123,7 +134,8 @@ def _layer_window(text: str | None) -> tuple[int, int] | None:
               help="Tokens a DCP rank stores in a row (vLLM's cp_kv_cache_interleave_size).")
 @click.option("--block-size", type=int, default=16, show_default=True, help="Tokens per scheduler block.")
 @click.option("--kernel-block-size", type=int, default=None, help="Tokens per attention-kernel block.")
-@click.option("--kv-dtype", default="bf16", show_default=True)
+@click.option("--kv-dtype", type=click.Choice(INIT_KV_DTYPES), default="bf16", show_default=True,
+              help="K/V (or MLA latent) dtype; fp8_ds_mla: vLLM's packed MLA record.")
 @click.option("--mem", type=click.Choice(["VRAM", "DRAM"]), default="VRAM", show_default=True)
 @click.option("--device", type=int, default=0, show_default=True)
 @click.option("--num-blocks", type=int, default=4096, show_default=True, help="Blocks per full-attention region.")
@@ -155,8 +167,7 @@ def init_cmd(config: str, engine: str, backend: str, tp_size: int, pp_size: int,
                              state_slots=state_slots, draft_layers=mtp, mamba_ssm_cache_dtype=ssm_dtype,
                              cpu_avx512_bf16=avx512_bf16, name=name, model_name=model_name)
         cfg = load_config(config)
-        text = init_yaml(cfg, opts)
-        compile_spec(text)  # what init writes always compiles; a bad combination fails here, located
+        text = init_checked(cfg, opts)  # what init writes always compiles; a bad combination names its option
         if as_json:
             text = _json.dumps(init_spec(cfg, opts), indent=2) + "\n"
     except KvlcError as exc:

@@ -99,10 +99,10 @@ class EngineOptions:
 def backend_of(opts: EngineOptions) -> Backend:
     """The backend an engine description names, or an :class:`InitError` saying which exist."""
     if opts.engine not in ENGINES:
-        raise InitError(f"unknown engine '{opts.engine}'; {did_you_mean(opts.engine, [*ENGINES, 'vllm'])}")
+        raise InitError(f"--engine '{opts.engine}': unknown engine; {did_you_mean(opts.engine, [*ENGINES, 'vllm'])}")
     backends = ENGINES[opts.engine]
     if opts.backend not in backends:
-        raise InitError(f"engine '{opts.engine}' has no backend '{opts.backend}'; "
+        raise InitError(f"--backend '{opts.backend}': engine '{opts.engine}' has no such backend; "
                         f"{did_you_mean(opts.backend, backends)}")
     return backends[opts.backend]
 

@@ -9,7 +9,8 @@ adjusts the spec it derives:
 * a pipeline stage is an engine whose allocation holds its layers only: the adapter sees
   a model of ``stop - start`` layers, and its regions are renamed to the model's layer
   numbers and put under ``parallel.layers``;
-* Mamba-2 and Gated-DeltaNet hybrids take vLLM's hybrid page pool
+* a Llama-4-style ``attention_chunk_size`` reaches it as ``chunked_attention`` layer types;
+* Mamba-2, Mamba-1 and Gated-DeltaNet hybrids take vLLM's hybrid page pool
   (:mod:`kvlc.engines.vllm.derive.hybrid`): one allocation whose layers of different groups
   lie over the same pages, declared as ``aliases``; the attention block grows so a page
   holds a state;
@@ -23,7 +24,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvlc.engines.vllm.derive.hybrid import hybrid_spec
-from kvlc.engines.vllm.derive.offline import ATTENTION_BACKENDS, MLA_BACKENDS, published_view
+from kvlc.engines.vllm.derive.offline import ATTENTION_BACKENDS, CPU_BACKENDS, MLA_BACKENDS, published_view
 from kvlc.engines.vllm.derive.spec import derive_spec
 from kvlc.engines.vllm.derive.view import ViewError
 from kvlc.errors import did_you_mean
@@ -35,6 +36,22 @@ _LAYER = re.compile(r"^layer\.(\d+)")
 
 
 HYBRID = {LayerKind.FULL: "attention", LayerKind.MAMBA: "mamba", LayerKind.LINEAR: "linear"}
+HYBRID_FAMILIES = {Family.MAMBA: "mamba", Family.MAMBA1: "mamba1", Family.LINEAR: "linear",
+                   Family.PARALLEL: "mamba2"}  # -> the state kind of kvlc.engines.vllm.derive.hybrid
+_TYPES = {LayerKind.SLIDING: "sliding_attention", LayerKind.CHUNKED: "chunked_attention"}
+
+
+def vllm_config(config: Mapping[str, Any], m: Model, window: tuple[int, int] | None = None) -> dict:
+    """The text config vLLM's offline view reads: the layers of ``window`` only (default all), their
+    kinds spelled as ``layer_types`` (transformers' defaults and Gemma's pattern made explicit)."""
+    text = dict(config.get("text_config", config))
+    start, stop = window or (0, m.num_layers)
+    text["num_hidden_layers"] = stop - start
+    if m.family in (Family.SLIDING, Family.CHUNKED):
+        text["layer_types"] = [_TYPES.get(k, "full_attention") for k in m.kinds[start:stop]]
+    if m.family == Family.CHUNKED:
+        text["attention_chunk_size"] = m.chunk
+    return text
 
 
 def _refuse(m: Model, opts: EngineOptions) -> None:
@@ -45,44 +62,42 @@ def _refuse(m: Model, opts: EngineOptions) -> None:
                         "indexer page (keys, then scales) were not checked against a running engine (the sparse "
                         "backends need a GPU), so kvlc does not state them; fix: use --engine kvlc (its indexer "
                         "is a region per layer in a group of its own) or write the spec by hand")
-    if m.family in (Family.MAMBA, Family.LINEAR) and opts.kernel_block_size not in (None, opts.block_size):
+    if m.family in HYBRID_FAMILIES and opts.kernel_block_size not in (None, opts.block_size):
         raise InitError(f"engine 'vllm', {m.family.value} model: --kernel-block-size {opts.kernel_block_size} "
                         "would split attention pages that state pages alias, which kvlc's page-for-page alias "
                         "check cannot state; fix: drop --kernel-block-size")
     if opts.sliding_blocks is not None or opts.state_slots is not None:
         raise InitError("engine 'vllm' gives every KV-cache group the same block count; "
                         "fix: drop --sliding-blocks / --state-slots and set --num-blocks")
-    if opts.backend == "CPU_ATTN" and opts.mem != "DRAM":
-        raise InitError(f"backend CPU_ATTN keeps its cache in host memory, not {opts.mem}; fix: --mem DRAM")
-
-
-def _stage_config(config: Mapping[str, Any], m: Model, window: tuple[int, int]) -> dict:
-    """The config of a model of the stage's layers only, with its layer kinds spelled as ``layer_types``."""
-    text = dict(config.get("text_config", config))
-    start, stop = window
-    text["num_hidden_layers"] = stop - start
-    if m.family == Family.SLIDING:
-        text["layer_types"] = ["sliding_attention" if k == LayerKind.SLIDING else "full_attention"
-                               for k in m.kinds[start:stop]]
-    return text
+    if opts.backend in CPU_BACKENDS and opts.mem != "DRAM":
+        raise InitError(f"--mem {opts.mem}: backend {opts.backend} keeps its cache in host memory (DRAM); "
+                        "fix: --mem DRAM")
 
 
 def _renumber(name: str, start: int) -> str:
     return _LAYER.sub(lambda x: f"layer.{int(x.group(1)) + start}", name, count=1)
 
 
+def _renumbered(region: dict, start: int) -> dict:
+    """A region of a stage's view under the model's layer numbers (its name, and the regions it aliases)."""
+    out = {**region, "name": _renumber(region["name"], start)}
+    if region.get("aliases"):
+        out["aliases"] = [_renumber(a, start) for a in region["aliases"]]
+    return out
+
+
 def vllm_spec(config: Mapping[str, Any], m: Model, opts: EngineOptions) -> dict:
     """The spec of ``config`` on a vLLM engine with backend ``opts.backend`` (see the module docstring)."""
     if opts.backend not in ATTENTION_BACKENDS | MLA_BACKENDS:
-        raise InitError(f"engine 'vllm' has no backend '{opts.backend}'; "
+        raise InitError(f"--backend '{opts.backend}': engine 'vllm' has no such backend; "
                         f"{did_you_mean(opts.backend, ATTENTION_BACKENDS | MLA_BACKENDS)}")
     _refuse(m, opts)
     window = stage_layers(opts, m.num_layers)
     start, stop = window or (0, m.num_layers)
     device = "cpu" if opts.mem == "DRAM" else f"cuda:{opts.device}"
-    if m.family in (Family.MAMBA, Family.LINEAR):
+    if m.family in HYBRID_FAMILIES:
         return _finish(_hybrid(config, m, opts, (start, stop), device), opts, window, renumber=False)
-    view = published_view(_stage_config(config, m, (start, stop)), opts.model_name or m.name,
+    view = published_view(vllm_config(config, m, (start, stop)), opts.model_name or m.name,
                           backend=opts.backend, block_size=opts.block_size, num_blocks=opts.num_blocks,
                           tp_size=opts.tp_size, kv_dtype=opts.kv_dtype, kernel_block_size=opts.kernel_block_size,
                           device=device)
@@ -96,13 +111,22 @@ def _hybrid(config: Mapping[str, Any], m: Model, opts: EngineOptions, window: tu
     layers = [(i, HYBRID[m.kinds[i]]) for i in range(*window) if m.kinds[i] in HYBRID]
     cpu_avx512_bf16 = opts.backend == "CPU_ATTN" and _avx512_bf16(opts)   # vLLM's CPU platform only
     try:
-        return hybrid_spec(config.get("text_config", config), opts.model_name or m.name, layers,
-                           state_kind="mamba" if m.family == Family.MAMBA else "linear", backend=opts.backend,
+        return hybrid_spec(_state_config(config.get("text_config", config), m), opts.model_name or m.name, layers,
+                           state_kind=HYBRID_FAMILIES[m.family], backend=opts.backend,
                            block_size=opts.block_size, num_blocks=opts.num_blocks, tp_size=opts.tp_size,
                            kv_dtype=opts.kv_dtype, device=device, num_layers=m.num_layers,
                            ssm_cache_dtype=opts.mamba_ssm_cache_dtype, cpu_avx512_bf16=cpu_avx512_bf16)
     except ViewError as exc:
         raise InitError(f"engine 'vllm': {exc}") from None
+
+
+def _state_config(text: Mapping[str, Any], m: Model) -> Mapping[str, Any]:
+    """The text config with Falcon-H1's Mamba-2 fields spelled as the hybrid pool reads them (Nemotron-H's)."""
+    if m.family != Family.PARALLEL or m.mamba is None:
+        return text
+    s = m.mamba
+    return {**text, "conv_kernel": s.conv_kernel, "n_groups": s.d_bc // s.state, "mamba_num_heads": s.heads,
+            "mamba_head_dim": s.head_dim, "ssm_state_size": s.state}
 
 
 def _avx512_bf16(opts: EngineOptions) -> bool:
@@ -126,5 +150,5 @@ def _finish(spec: dict, opts: EngineOptions, window: tuple[int, int] | None, ren
         spec["parallel"]["layers"] = [start, stop]
         spec["name"] = opts.name or f"{spec['name']}-pp{start}-{stop}"
         if renumber:
-            spec["regions"] = [{**r, "name": _renumber(r["name"], start)} for r in spec["regions"]]
+            spec["regions"] = [_renumbered(r, start) for r in spec["regions"]]
     return spec

@@ -17,6 +17,7 @@ class GroupNames:
 
     full: str = "full"
     sliding: str = "sliding"
+    chunked: str = "chunked"
     state: str = "state"
     indexer: str = "indexer"
 
@@ -34,6 +35,10 @@ def _kv_fields(names: tuple[str, ...], b: Backend, dtype: str) -> dict:
 
 
 def _state_layout(m: Model) -> tuple[str, dict]:
+    if m.mamba1 is not None:   # vLLM's mamba1_state_shape: conv (taps, channels), SSM (channels, state)
+        conv = _field("conv", "bf16", [{"name": "conv_tap"}, {"name": "channel", "role": "head"}])
+        ssm = _field("ssm", "fp32", [{"name": "channel", "role": "head"}, {"name": "ssm_state"}])
+        return "mamba1_state", {"fields": [conv, ssm]}
     if m.mamba is not None:
         s = m.mamba
         conv = {"name": "channel", "role": "head", "sections": {"x": s.d_inner, "B": s.d_bc, "C": s.d_bc}}
@@ -75,12 +80,15 @@ def layouts(m: Model, b: Backend, opts: EngineOptions) -> dict:
 
 
 def groups(m: Model, opts: EngineOptions, names: GroupNames) -> list[dict]:
-    """One group per layer kind present (plus the indexer's), full attention first unless sliding leads."""
+    """One group per layer kind present (plus the indexer's), full attention first unless sliding or
+    chunked attention leads."""
     kernel = {"kernel_block_size": opts.kernel_block_size} if opts.kernel_block_size else {}
     present = set(m.kinds)
     out = []
     if LayerKind.SLIDING in present:
         out.append({"name": names.sliding, "kind": "sliding_window", "window": m.window, **kernel})
+    if LayerKind.CHUNKED in present:
+        out.append({"name": names.chunked, "kind": "chunked_local", "chunk": m.chunk, **kernel})
     if LayerKind.FULL in present:
         out.append({"name": names.full, "kind": "full_attention", **kernel})
     if m.index_head_dim:
@@ -106,7 +114,7 @@ class Layer:
 
 
 def _pool(kind: LayerKind) -> str:
-    return "swa_pool" if kind == LayerKind.SLIDING else "full_pool"
+    return {LayerKind.SLIDING: "swa_pool", LayerKind.CHUNKED: "chunked_pool"}.get(kind, "full_pool")
 
 
 def storages(layers: list[Layer], b: Backend, opts: EngineOptions, indexer: bool) -> list[dict]:
@@ -153,7 +161,8 @@ def _layer_regions(m: Model, layer: Layer, b: Backend, opts: EngineOptions, name
     """The regions of one layer: its state, its MLA latent (and indexer), or its K and V caches."""
     i, kind, opt = layer.index, layer.kind, layer.optional
     blocks = _blocks(kind, opts)
-    group = {LayerKind.FULL: names.full, LayerKind.SLIDING: names.sliding}.get(kind, names.state)
+    group = {LayerKind.FULL: names.full, LayerKind.SLIDING: names.sliding,
+             LayerKind.CHUNKED: names.chunked}.get(kind, names.state)
     if kind in STATE_KINDS:
         state_layout = next((n for n in lays if n.endswith("_state")), "")
         return [_region(f"layer.{i}", f"state.{i}", state_layout, blocks, group, opt)]

@@ -4,15 +4,17 @@ What vLLM 0.32 allocates for a hybrid model (restated from its ``kv_cache_utils`
 ``platforms.interface._align_hybrid_block_size``, ``MambaStateShapeCalculator`` and
 ``MambaBase.bind_kv_cache``; not copied):
 
-* **State per layer and rank.** Mamba-2: a conv state of ``conv_kernel - 1`` taps over the
+* **State per layer and rank.** Mamba-1 (Jamba, ``mamba1_state_shape``): a conv state of
+  ``mamba_d_conv - 1`` taps over ``mamba_expand * hidden_size`` channels, taps outer, then an
+  SSM state ``(channels, mamba_d_state)``; channels split by TP. Mamba-2: a conv state of ``conv_kernel - 1`` taps over the
   ``x | B | C`` channels (``mamba_num_heads * mamba_head_dim``, ``n_groups * ssm_state_size``
   twice), taps outer ("SD" order), then an SSM state ``(mamba_num_heads, mamba_head_dim,
   ssm_state_size)``; Gated DeltaNet: conv over ``q | k | v``, then a recurrent state
   ``(linear_num_value_heads, linear_value_head_dim, linear_key_head_dim)``. Channels and
   heads are split by TP; the two states are packed one after the other in a page. The conv
   state has the model dtype. The SSM state has the engine's ``--mamba-ssm-cache-dtype``; when
-  that is ``auto``, the config's ``mamba_ssm_cache_dtype`` / ``mamba_ssm_dtype``, else float32
-  for Mamba-2 and the model dtype for Gated DeltaNet. vLLM's CPU platform then overrides it
+  that is ``auto``, the config's ``mamba_ssm_cache_dtype`` / ``mamba_ssm_dtype`` (Mamba-2 and
+  Gated DeltaNet), else float32 for Mamba-2 and the model dtype for Gated DeltaNet and Mamba-1. vLLM's CPU platform then overrides it
   on a CPU with AVX-512 BF16 (``platforms/cpu.py``): the state becomes float32 unless it is a
   Gated-DeltaNet state kept in bf16 / fp16 by an explicit dtype (its accelerated kernel). A bf16
   / fp16 Mamba-2 state there is refused: vLLM keeps it or not by how the engine's transformers
@@ -46,6 +48,9 @@ from kvlc.engines.vllm.derive.view import ViewError, heads_per_rank
 TORCH_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "bf16": "bf16", "fp16": "fp16",
                 "fp32": "fp32"}
 GROUP_KIND = {"attention": "full_attention", "mamba": "mamba", "linear": "linear_attention"}
+# state kinds: Mamba-2 with vLLM's Nemotron-H config hook (SSM state fp32 unless the config says), Mamba-2
+# without a hook (Falcon-H1: SSM state in the model dtype), Mamba-1 (Jamba), Gated DeltaNet
+STATE_KINDS = ("mamba", "mamba2", "mamba1", "linear")
 GROUP_NAME = {"attention": "full", "mamba": "mamba", "linear": "linear"}
 
 
@@ -108,7 +113,8 @@ def _configured_ssm_dtype(c: Mapping[str, Any], kind: str, requested: str) -> st
                         f"{list(SSM_CACHE_DTYPES)}; fix: pass one of them")
     if requested != "auto":
         return TORCH_DTYPES[requested]
-    hf = c.get("mamba_ssm_cache_dtype") or c.get("mamba_ssm_dtype")
+    hooked = kind in ("mamba", "linear")   # vLLM's config hooks (Nemotron-H, Qwen3.5); Jamba and Falcon-H1 have none
+    hf = hooked and (c.get("mamba_ssm_cache_dtype") or c.get("mamba_ssm_dtype"))
     if hf:
         return _dtype(hf, "mamba_ssm_cache_dtype")
     return "fp32" if kind == "mamba" else None
@@ -118,8 +124,10 @@ def _cpu_platform_ssm_dtype(kind: str, want: str | None) -> str:
     """vLLM's CPU platform on an AVX-512 BF16 CPU: fp32, except a half Gated-DeltaNet state asked for."""
     if want in ("bf16", "fp16") and kind == "linear":
         return want
+    if kind == "mamba2":   # Falcon-H1's transformers config names its layers "hybrid": vLLM resets it to fp32
+        return "fp32"
     if want in ("bf16", "fp16"):
-        raise ViewError(f"a {want} Mamba-2 state on vLLM's CPU platform with AVX-512 BF16: vLLM 0.32 keeps it "
+        raise ViewError(f"a {want} {'Mamba-1' if kind == 'mamba1' else 'Mamba-2'} state on vLLM's CPU platform with AVX-512 BF16: vLLM 0.32 keeps it "
                         "only when the engine's transformers names Mamba layers 'linear_attention' (transformers "
                         "5 does, 4.x does not) and resets it to float32 otherwise, which config.json cannot tell; "
                         "fix: --mamba-ssm-cache-dtype float32")
@@ -128,11 +136,15 @@ def _cpu_platform_ssm_dtype(kind: str, want: str | None) -> str:
 
 def state_layout(c: Mapping[str, Any], kind: str, *, requested: str = "auto",
                  cpu_avx512_bf16: bool = False) -> StateLayout:
-    """The state of one ``mamba`` or ``linear`` layer of text config ``c`` as vLLM 0.32 keeps it
-    (``requested`` and ``cpu_avx512_bf16``: see :func:`ssm_dtype`)."""
+    """The state of one layer of kind ``mamba`` / ``mamba2`` (Mamba-2), ``mamba1`` or ``linear`` of text config ``c`` as vLLM 0.32
+    keeps it (``requested`` and ``cpu_avx512_bf16``: see :func:`ssm_dtype`)."""
     model = _dtype(c.get("torch_dtype") or c.get("dtype") or "bfloat16", "torch_dtype")
     ssm = ssm_dtype(c, kind, model, requested=requested, cpu_avx512_bf16=cpu_avx512_bf16)
-    if kind == "mamba":
+    if kind == "mamba1":
+        d_inner = int(c["mamba_expand"]) * int(c["hidden_size"])
+        return StateLayout("mamba1_state", int(c["mamba_d_conv"]) - 1, (("x", d_inner),), model, "ssm",
+                           (("channel", d_inner, True), ("ssm_state", int(c["mamba_d_state"]), False)), ssm)
+    if kind in ("mamba", "mamba2"):
         bc = int(c["n_groups"]) * int(c["ssm_state_size"])
         return StateLayout("mamba2_state", int(c["conv_kernel"]) - 1,
                            (("x", int(c["mamba_num_heads"]) * int(c["mamba_head_dim"])), ("B", bc), ("C", bc)),
@@ -200,6 +212,12 @@ def pool_regions(groups: Sequence[tuple[str, tuple[int, ...]]]) -> list[PoolRegi
     return out
 
 
+def attention_head_dim(c: Mapping[str, Any]) -> int:
+    """``attention_head_dim`` (Nemotron-H before transformers 5), ``head_dim``, else hidden / heads (Jamba)."""
+    value = c.get("attention_head_dim") or c.get("head_dim")
+    return int(value) if value else int(c["hidden_size"]) // int(c["num_attention_heads"])
+
+
 def _attention_part(c: Mapping[str, Any], name: str, *, backend: str, block: int, num_blocks: int, tp: int,
                     kv_dtype: str, device: str) -> dict:
     """The adapter's spec of one attention layer at the pool's block size (layout, page, group entry)."""
@@ -207,7 +225,7 @@ def _attention_part(c: Mapping[str, Any], name: str, *, backend: str, block: int
     from kvlc.engines.vllm.derive.offline import published_view
     one = {"num_hidden_layers": 1, "num_attention_heads": c["num_attention_heads"],
            "num_key_value_heads": c.get("num_key_value_heads") or c["num_attention_heads"],
-           "head_dim": c.get("attention_head_dim") or c.get("head_dim")}
+           "head_dim": attention_head_dim(c)}
     return derive_spec(published_view(one, name, backend=backend, block_size=block, num_blocks=num_blocks,
                                       tp_size=tp, kv_dtype=kv_dtype, device=device))
 
@@ -221,7 +239,7 @@ def hybrid_spec(c: Mapping[str, Any], name: str, layers: Sequence[tuple[int, str
     ``ssm_cache_dtype`` and ``cpu_avx512_bf16``: see :func:`ssm_dtype`."""
     state = state_layout(c, state_kind, requested=ssm_cache_dtype, cpu_avx512_bf16=cpu_avx512_bf16)
     check_state_split(state, c, tp_size)
-    head_dim = int(c.get("attention_head_dim") or c.get("head_dim"))
+    head_dim = attention_head_dim(c)
     kv_heads = int(c.get("num_key_value_heads") or c["num_attention_heads"])
     token = attention_token_bytes(kv_heads, head_dim, tp_size, kv_dtype)
     block = hybrid_block_size(block_size, token, state.bytes_per_rank(tp_size))

@@ -50,11 +50,22 @@ LEGACY_LAYOUTS = {"split-NHD": ((_K, _B, _N, _H, _D), (0, 1, 2, 3, 4)),
 MLA_BACKENDS = {"FLASHMLA", "FLASHINFER_MLA", "CUTLASS_MLA", "TRITON_MLA", "FLASH_ATTN_MLA", "CPU_MLA",
                 "ROCM_AITER_MLA", "FLASHMLA_SPARSE"}
 ATTENTION_BACKENDS = {"CPU_ATTN", "FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION"}
+CPU_BACKENDS = ("CPU_ATTN", "CPU_MLA")  # vLLM's CPU platform: the cache is in host memory
 DEFAULT_LAYOUT = {"CPU_ATTN": "LBHNC"}  # the CPU kernels read head-major blocks only; vLLM's default: LBNHC
+
+
+# fields that declare layers keeping a state (Mamba-1/2, Gated DeltaNet) instead of, or beside, paged K/V
+STATE_FIELDS = ("hybrid_override_pattern", "layers_block_type", "linear_num_value_heads", "attn_layer_period",
+                "mamba_d_ssm", "mamba_n_heads", "mamba_num_heads", "mamba_d_state", "ssm_state_size")
 
 
 def _model(config: Mapping, name: str, kv_dtype: str) -> ModelIdentity:
     text = config.get("text_config", config)
+    state = [k for k in STATE_FIELDS if text.get(k)]
+    if state:
+        raise ViewError(f"config.json has {', '.join(state)}: layers that keep a state, which an attention view "
+                        "would leave out (every layer written as attention); fix: `kvlc init CONFIG --engine vllm` "
+                        "(or `kvlc from-vllm`) writes vLLM's hybrid page pool of such models")
     try:
         layers = int(text["num_hidden_layers"])
         heads = int(text["num_attention_heads"])
@@ -68,50 +79,111 @@ def _model(config: Mapping, name: str, kv_dtype: str) -> ModelIdentity:
     return ModelIdentity(name, layers, kv_heads, head_dim, kv_dtype)
 
 
+_KINDS = {"full_attention": "full", "sliding_attention": "sliding", "chunked_attention": "chunked"}
+
+
 def _groups(config: Mapping, block_size: int, names: list[str], mla: bool,
             hybrid_manager: bool) -> tuple[GroupView, ...]:
-    """One full-attention (or MLA) group, or sliding and full ones from ``layer_types`` (Gemma-3, gpt-oss):
-    one of each kind without vLLM's hybrid manager, its groups of equal size with it."""
+    """One full-attention (or MLA) group, or sliding / chunked and full ones from ``layer_types`` (Gemma-3,
+    gpt-oss, Llama-4): one of each kind without vLLM's hybrid manager, its groups of equal size with it."""
     text = config.get("text_config", config)
     if mla:
         return (GroupView(GroupKind.MLA, block_size, tuple(names)),)
-    types = layer_types(text)
-    window = text.get("sliding_window")
-    if not types or not window:
+    kinds = _layer_kinds(text, len(names))
+    if all(k == "full" for _, k in kinds):
         return (GroupView(GroupKind.FULL_ATTENTION, block_size, tuple(names)),)
-    kinds = [(i, "sliding" if t == "sliding_attention" else "full") for i, t in enumerate(types[:len(names)])]
     if hybrid_manager and len({k for _, k in kinds}) > 1:
         groups = vllm_groups(kinds)
     else:
-        groups = [(kind, tuple(i for i, k in kinds if k == kind)) for kind in ("sliding", "full")]
-    return tuple(_group(kind, block_size, tuple(names[i] for i in members), int(window))
+        groups = [(kind, tuple(i for i, k in kinds if k == kind)) for kind in ("sliding", "chunked", "full")]
+    window = int(text.get("sliding_window") or 0)
+    return tuple(_group(kind, block_size, tuple(names[i] for i in members), window, chunk_size(text))
                  for kind, members in groups if members)
 
 
-# transformers' default sliding pattern where config.json has no ``layer_types`` (what vLLM then reads):
-# layer i slides unless (i + 1) is a multiple of the period
+def _layer_kinds(text: Mapping[str, Any], n: int) -> list[tuple[int, str]]:
+    """``(index, full | sliding | chunked)`` of the ``n`` layers (sliding without a window: full)."""
+    types = layer_types({**text, "num_hidden_layers": n}) or []
+    unknown = sorted({str(t) for t in types} - set(_KINDS))
+    if unknown:
+        raise ViewError(f"config.json: layer_types names {', '.join(map(repr, unknown))}: layers without paged "
+                        "K/V or of a kind the offline view does not derive (it derives full, sliding and chunked "
+                        "attention); fix: `kvlc init CONFIG --engine vllm` writes the hybrid page pool of Mamba-2, "
+                        "Mamba-1 and Gated-DeltaNet hybrids")
+    window = text.get("sliding_window")
+    return [(i, "full" if _KINDS[t] == "sliding" and not window else _KINDS[t]) for i, t in enumerate(types[:n])]
+
+
+# transformers' defaults where config.json has no ``layer_types`` (what vLLM then reads): Gemma-2 / Gemma-3
+# layer i slides unless (i + 1) is a multiple of the period; Llama-4 (Llama4TextConfig) chunks attention over
+# 8192 tokens on its RoPE layers and has a NoPE (full-attention) layer every 4th
 _PERIODS = {"gemma2": lambda c: 2, "gemma3": lambda c: c.get("sliding_window_pattern", 6),
             "gemma3_text": lambda c: c.get("sliding_window_pattern", 6)}
+_CHUNK_DEFAULTS = {"llama4_text": (8192, 4)}   # model_type -> (attention_chunk_size, no_rope_layer_interval)
+
+
+def chunk_size(text: Mapping[str, Any]) -> int:
+    """Tokens per chunk of a text config's chunked local attention (0: none): ``attention_chunk_size``, or
+    transformers' default for the model type where the key is absent (an explicit null means none)."""
+    default = _CHUNK_DEFAULTS.get(str(text.get("model_type", "")), (0, 0))[0]
+    if "attention_chunk_size" not in text:
+        return default
+    value = text["attention_chunk_size"]
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ViewError(f"config.json: attention_chunk_size must be a positive integer or null, found {value!r}; "
+                        "fix: give the model's value")
+    return value
+
+
+def _chunked_types(text: Mapping[str, Any], n: int) -> list[str] | None:
+    """Chunked local attention on the RoPE layers (``no_rope_layers[i] == 1``), full on the NoPE ones (vLLM's
+    llama4.py: ``use_chunked_local_attn = not nope and attention_chunk_size``)."""
+    if not chunk_size(text):
+        return None
+    rope = text.get("no_rope_layers")
+    if not rope:   # transformers fills an empty or absent list from no_rope_layer_interval
+        interval = text.get("no_rope_layer_interval") or _CHUNK_DEFAULTS.get(str(text.get("model_type", "")),
+                                                                             (0, 0))[1]
+        if not interval:
+            raise ViewError("config.json: attention_chunk_size is set but neither no_rope_layers nor "
+                            "no_rope_layer_interval says which layers are chunked (vLLM chunks the RoPE layers, "
+                            "no_rope_layers[i] == 1); fix: add the model's no_rope_layers")
+        rope = [int((i + 1) % int(interval) != 0) for i in range(n)]
+    return ["chunked_attention" if r else "full_attention" for r in rope]
 
 
 def layer_types(text: Mapping[str, Any]) -> list[str] | None:
-    """``layer_types`` of a text config, or transformers' default for Gemma-2 / Gemma-3 configs without it.
+    """``layer_types`` of a text config, or transformers' default: chunked / full from ``attention_chunk_size``
+    and ``no_rope_layers`` (Llama-4), sliding / full every ``sliding_window_pattern``-th layer, or the
+    Gemma-2 / Gemma-3 default period; None: the config says nothing of per-layer attention kinds.
 
     >>> layer_types({"model_type": "gemma2", "num_hidden_layers": 4, "sliding_window": 4096})
     ['sliding_attention', 'full_attention', 'sliding_attention', 'full_attention']
+    >>> layer_types({"model_type": "llama4_text", "num_hidden_layers": 4, "no_rope_layers": []})
+    ['chunked_attention', 'chunked_attention', 'chunked_attention', 'full_attention']
     """
     if text.get("layer_types"):
         return list(text["layer_types"])
+    n = int(text["num_hidden_layers"])
+    chunked = _chunked_types(text, n)
+    if chunked is not None:
+        return chunked
     period = _PERIODS.get(str(text.get("model_type", "")))
+    if text.get("sliding_window_pattern"):
+        period = lambda c: c["sliding_window_pattern"]  # noqa: E731 - any model type that states its period
     if period is None or not text.get("sliding_window"):
         return None
     p = int(period(text))
-    return ["sliding_attention" if (i + 1) % p else "full_attention" for i in range(int(text["num_hidden_layers"]))]
+    return ["sliding_attention" if (i + 1) % p else "full_attention" for i in range(n)]
 
 
-def _group(kind: str, block_size: int, layers: tuple[str, ...], window: int) -> GroupView:
+def _group(kind: str, block_size: int, layers: tuple[str, ...], window: int, chunk: int) -> GroupView:
     if kind == "sliding":
         return GroupView(GroupKind.SLIDING_WINDOW, block_size, layers, window=window)
+    if kind == "chunked":
+        return GroupView(GroupKind.CHUNKED_LOCAL, block_size, layers, chunk=chunk)
     return GroupView(GroupKind.FULL_ATTENTION, block_size, layers)
 
 
@@ -204,7 +276,7 @@ def published_view(config: Mapping[str, Any], name: str, *, backend: str, block_
     if heads is None:
         raise ViewError(f"{m.num_kv_heads} KV heads cannot be split over tp_size {tp_size}")
     names = [f"model.layers.{i}.self_attn.attn" for i in range(m.num_layers)]
-    device = device or ("cpu" if backend == "CPU_ATTN" else "cuda:0")
+    device = device or ("cpu" if backend in CPU_BACKENDS else "cuda:0")
     item = DTYPE_SIZES[kv_dtype]
     blocks = num_blocks * (block_size // kernel)
     groups = _groups(config, block_size, names, mla, hybrid_manager and layout not in LEGACY_LAYOUTS)
