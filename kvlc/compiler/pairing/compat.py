@@ -140,6 +140,23 @@ def _window_of_consumer(p: Pairing, a, b) -> bool:
     return cons.kind == "sliding_window" and prod.kind == "full_attention"
 
 
+def _kind_mismatch(p: Pairing, a, b) -> tuple[str, str]:
+    """Why a local group ``a`` and a remote group ``b`` hold no common bytes, and the fix."""
+    prod = b if p.direction == "READ" else a
+    if a.is_state != b.is_state:
+        return ("per-request state on one engine and a per-token cache on the other never hold the same bytes",
+                "pair a state region with the same layer's state region (a group of one state kind on both)")
+    if a.kind == b.kind == "sliding_window":
+        return (f"the groups keep sliding windows of {a.window} and {b.window} tokens",
+                "use the model's window on both engines")
+    if prod.kind == "sliding_window" and "full_attention" in (a.kind, b.kind):
+        return ("the producer keeps only a sliding window of tokens and the consumer needs every token",
+                "keep the region in a full-attention group on the producer too, or in a sliding-window group "
+                "on the consumer")
+    return (f"a {a.kind} group and a {b.kind} group hold different caches",
+            "put the region in groups of one kind on both engines")
+
+
 def _link_findings(p: Pairing, link: tuple[str, str], regions: tuple[str, ...]) -> list[Finding]:
     """One group link: the same kind and window (or a consumer's window of a producer's full cache), and
     the same tokens per entry."""
@@ -151,11 +168,9 @@ def _link_findings(p: Pairing, link: tuple[str, str], regions: tuple[str, ...]) 
               else dict(local=_group_text(p.local, ln), remote=_group_text(p.remote, rn)))
     region = regions[0] if regions and not same else ""
     if (a.kind, a.window) != (b.kind, b.window) and not _window_of_consumer(p, a, b):
-        why = ("the producer keeps only a sliding window of tokens and the consumer needs every token"
-               if "sliding_window" in (a.kind, b.kind) and "full_attention" in (a.kind, b.kind) else
-               "the two groups hold different caches")
-        return [_finding("group-kind", (f"group '{ln}' differs in kind" if same else where + why), region, **values,
-                         fix="" if same else "put the region in groups of one kind (and window) on both engines")]
+        why, fix = _kind_mismatch(p, a, b)
+        return [_finding("group-kind", f"group '{ln}' differs in kind: {why}" if same else where + why, region,
+                         **values, fix=fix)]
     if a.tokens_per_entry != b.tokens_per_entry:  # a compressed cache: entries of k tokens each
         return [_finding("tokens-per-entry", (f"group '{ln}'" if same else where + "the groups")
                          + " compress tokens differently: one entry covers another number of tokens on each "
@@ -188,7 +203,8 @@ def check_groups(p: Pairing) -> list[Finding]:
         a, b = name in lg, name in rg
         if name not in (linked[0] if a else linked[1]):
             out.append(_finding("group-missing", f"group '{name}' exists on one engine only",
-                                local="present" if a else "absent", remote="present" if b else "absent"))
+                                local="present" if a else "absent", remote="present" if b else "absent",
+                                fix="declare it on both engines, or put its regions in groups of the other engine"))
     for link in sorted(links, key=lambda k: (k[0] != k[1], k)):
         out.extend(_link_findings(p, link, links[link]))
     return out
