@@ -39,7 +39,9 @@ from kvlc.errors import CompatError, TransferError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from memory_model import Engine, execute, verify  # noqa: E402
-from test_pair_properties import PROPS, check_parts, execute_counting, pair_case, reference  # noqa: E402
+from test_dcp_properties import dcp_case  # noqa: E402
+from test_pair_properties import PROPS, check_parts, execute_counting, expand_rows, minimum_from_bytes  # noqa: E402
+from test_pair_properties import pair_case, reference  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYOUTS = ROOT / "layouts"
@@ -142,6 +144,63 @@ def test_regions_in_other_groups_move_exact_bytes(data):
     assert all(w.max(initial=0) <= 1 for w in writes.values()), "a destination byte written twice"
     for c in range(ctp):
         verify(C2, c, P, own_c, own_p, tokens, befores[c])
+
+
+# ============================================================================ under decode context parallelism
+def into_main_group(text: str) -> str:
+    """A ``test_dcp_properties`` engine with its draft (MTP) region moved from group ``mtp`` into ``full`` (the
+    main group, DCP-sharded) and the ``mtp`` group gone: it holds as many blocks as the main regions."""
+    spec = yaml.safe_load(text)
+    spec["groups"] = [g for g in spec["groups"] if g["name"] != "mtp"]
+    main_blocks = next(r["num_blocks"] for r in spec["regions"] if r["groups"] == ["full"])
+    for r in spec["regions"]:
+        if r["groups"] == ["mtp"]:
+            r.update(groups=["full"], num_blocks=main_blocks)
+    return yaml.safe_dump(spec, sort_keys=False)
+
+
+@settings(PROPS, max_examples=30)
+@given(data=st.data())
+def test_draft_layer_in_the_main_group_on_one_side_under_dcp(data):
+    """A draft (MTP) layer in a group of its own (DCP-sharded or `dcp: replicated`) on one engine and in the
+    main group on the other, any TP, DCP, interleave and block sizes: READ and WRITE write every destination
+    byte once with its content, nothing else, in the fewest descriptors of the bytes they move."""
+    case = data.draw(dcp_case(draft=True))
+    moved = data.draw(st.sampled_from(("cons", "prod")))
+    side = getattr(case, moved)
+    side.text = into_main_group(side.text)
+    ids = case.cids if moved == "cons" else case.pids
+    ids.pop("mtp")
+    cons, prod = kvlc.compile_spec(case.cons.text), kvlc.compile_spec(case.prod.text)
+    assert {e.link for e in pair(cons, prod, local_rank=0, direction="READ").entries} >= (
+        {"full>mtp"} if moved == "cons" else {"mtp>full"})
+    P, C, C2 = Engine(prod, 1, True), Engine(cons, 0, False), Engine(cons, 2, False)
+    kw = case.kw()
+    befores = {c: {k: v.copy() for k, v in C2.buffers[c].items()} for c in range(cons.parallel.tp_size)}
+    pushed: dict = {}
+    for c in range(cons.parallel.tp_size):
+        prog = pair(cons, prod, local_rank=c, direction="READ")
+        bound = bind(prog, C.rank_bases(c), {p: P.rank_bases(p) for p in prog.peer_ranks})
+        _fewest(instantiate(bound, case.cids, case.pids, **kw, coalesce="sort"))
+        before = {k: v.copy() for k, v in C.buffers[c].items()}
+        writes: dict = {}
+        execute_counting(instantiate(bound, case.cids, case.pids, **kw), C, c, P, "READ", writes)
+        assert all(w.max(initial=0) <= 1 for w in writes.values()), "a destination byte written twice"
+        verify(C, c, P, case.cids, case.pids, kw.get("num_tokens"), before, kw.get("tokens"))
+    for p in range(prod.parallel.tp_size):
+        prog = pair(prod, cons, local_rank=p, direction="WRITE")
+        bound = bind(prog, P.rank_bases(p), {c: C2.rank_bases(c) for c in prog.peer_ranks})
+        _fewest(instantiate(bound, case.pids, case.cids, **kw, coalesce="sort"))
+        execute_counting(instantiate(bound, case.pids, case.cids, **kw), P, p, C2, "WRITE", pushed)
+    assert all(w.max(initial=0) <= 1 for w in pushed.values()), "a destination byte written twice"
+    for c in range(cons.parallel.tp_size):
+        verify(C2, c, P, case.cids, case.pids, kw.get("num_tokens"), befores[c], kw.get("tokens"))
+
+
+def _fewest(parts) -> None:
+    """Each part (sorted and merged) has the fewest descriptors of the byte map it moves."""
+    for key, part in parts.items():
+        assert len(part) == minimum_from_bytes(expand_rows(part.local), expand_rows(part.remote)), f"part {key}"
 
 
 # ============================================================================ what stays refused (fixtures)
