@@ -172,8 +172,8 @@ def _link_findings(p: Pairing, link: tuple[str, str], regions: tuple[str, ...]) 
         return [_finding("group-kind", f"group '{ln}' differs in kind: {why}" if same else where + why, region,
                          **values, fix=fix)]
     if a.tokens_per_entry != b.tokens_per_entry:  # a compressed cache: entries of k tokens each
-        return [_finding("tokens-per-entry", (f"group '{ln}'" if same else where + "the groups")
-                         + " compress tokens differently: one entry covers another number of tokens on each "
+        return [_finding("tokens-per-entry", (f"group '{ln}' compresses" if same else where + "the groups compress")
+                         + " tokens differently: one entry covers another number of tokens on each "
                          "engine, so no entry holds the other's content", region,
                          local=f"tokens_per_entry {a.tokens_per_entry}", remote=f"tokens_per_entry {b.tokens_per_entry}",
                          fix="use the model's compression ratio as tokens_per_entry on both engines")]
