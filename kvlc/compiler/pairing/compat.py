@@ -118,7 +118,8 @@ def linked_groups(p: Pairing) -> dict[tuple[str, str], tuple[str, ...]]:
     {('mla', 'mla'): 61, ('mla', 'mtp'): 1}
     """
     rnames = {g.name for g in p.remote.groups}
-    out: dict[tuple[str, str], dict[str, None]] = {(g.name, g.name): {} for g in p.local.groups if g.name in rnames}
+    out: dict[tuple[str, str], dict[str, None]] = {(g.name, g.name): {} for g in p.local.groups
+                                                    if g.name in rnames}
     for rp in region_pairs(p.local, p.remote):
         for link in rp.links:
             out.setdefault(link, {})[rp.content] = None
@@ -172,10 +173,11 @@ def _link_findings(p: Pairing, link: tuple[str, str], regions: tuple[str, ...]) 
         return [_finding("group-kind", f"group '{ln}' differs in kind: {why}" if same else where + why, region,
                          **values, fix=fix)]
     if a.tokens_per_entry != b.tokens_per_entry:  # a compressed cache: entries of k tokens each
-        return [_finding("tokens-per-entry", (f"group '{ln}' compresses" if same else where + "the groups compress")
-                         + " tokens differently: one entry covers another number of tokens on each "
-                         "engine, so no entry holds the other's content", region,
-                         local=f"tokens_per_entry {a.tokens_per_entry}", remote=f"tokens_per_entry {b.tokens_per_entry}",
+        subject = f"group '{ln}' compresses" if same else where + "the groups compress"
+        return [_finding("tokens-per-entry", subject + " tokens differently: one entry covers another number of "
+                         "tokens on each engine, so no entry holds the other's content", region,
+                         local=f"tokens_per_entry {a.tokens_per_entry}",
+                         remote=f"tokens_per_entry {b.tokens_per_entry}",
                          fix="use the model's compression ratio as tokens_per_entry on both engines")]
     return []
 

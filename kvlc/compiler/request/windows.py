@@ -70,7 +70,9 @@ def window_stats(prog: TransferProgram) -> tuple[WindowStats, ...]:
     """
     recv, send = (prog.local, prog.remote) if prog.direction == "READ" else (prog.remote, prog.local)
     side = "local" if prog.direction == "READ" else "remote"
-    links = {(e.group, e.remote_group) if side == "local" else (e.remote_group, e.group): e.link for e in prog.entries}
+    # (receiver's group, sender's group) -> the link's name
+    links = {(e.group, e.remote_group) if side == "local" else (e.remote_group, e.group): e.link
+             for e in prog.entries}
 
     def per_id(plan, name: str) -> int:  # tokens per block id (DCP: block_size on each of dcp_size ranks)
         return plan.group(name).block_size * plan.group_dcp(name)
