@@ -172,8 +172,13 @@ def with_swa(spec: dict, kind="sliding_window", window=64, region_group="swa") -
 
 
 def test_group_missing():
-    """A group on one engine only: 'group-missing' naming it, present vs absent."""
-    f = assert_refused(with_swa(base()), base(), "group-missing")
+    """A group on one engine only that no region links to a group of the other (its one region is optional
+    and absent there): 'group-missing' naming it, present vs absent. (A group whose regions are in another
+    group on the other engine is linked by them: tests/test_group_links.py.)"""
+    def optional_swa_layer(s):
+        s["regions"][1]["optional"] = True
+    one_layer = edit(base(), lambda s: s["regions"].pop())
+    f = assert_refused(edit(with_swa(base()), optional_swa_layer), one_layer, "group-missing")
     assert "'swa'" in f[0].message and (f[0].local, f[0].remote) == ("present", "absent")
 
 
@@ -218,10 +223,13 @@ def test_region_order():
 
 
 def test_region_groups():
-    """A region that belongs to other groups on the other engine: 'region-groups' with both lists."""
-    two = with_swa(base(), region_group="full")
-    f = assert_refused(two, with_swa(base()), "region-groups")
-    assert f[0].region == "attn.1" and (f[0].local, f[0].remote) == ("full", "swa")
+    """A region shared by several groups on one engine and in other groups on the other: 'region-groups' with
+    both lists (no group's ids map to one group of the peer). One group on each side links them instead."""
+    def shared(s):
+        s["regions"][1]["groups"] = ["full", "swa"]
+    f = assert_refused(edit(with_swa(base()), shared), with_swa(base()), "region-groups")
+    assert f[0].region == "attn.1" and (f[0].local, f[0].remote) == ("full,swa", "swa")
+    assert report(with_swa(base(), region_group="full"), with_swa(base()), direction="WRITE").ok
 
 
 # ============================================================================ fields

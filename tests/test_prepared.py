@@ -51,29 +51,40 @@ def fake_bases(p, tag: int, rank: int) -> dict:
     return {s.name: (((tag * 64 + rank) << 44) + (i << 36), s.device) for i, s in enumerate(p.storages)}
 
 
-def random_request(local, remote, rng, max_tokens: int = 200):
-    """Random distinct ids per group in range on both sides, and random token counts."""
+def random_request(local, remote, rng, max_tokens: int = 200, links=None):
+    """Random distinct ids per group in range on both sides, and random token counts.
+
+    ``links``: the (local group, remote group) pairs whose ids a request gives (a region may be in groups of
+    other names on the two sides); default each local group with the remote group of its name. Where a group
+    serves several links, every token group moves one token count (its ids then fit each link).
+    """
     lids, rids, tokens = {}, {}, {}
+    links = [(g.name, g.name) for g in local.groups] if links is None else list(links)
+    one = int(rng.integers(1, max_tokens)) if len({g for g, _ in links}) < len(links) or \
+        len({h for _, h in links}) < len(links) else None
     # groups of one aliased page pool take distinct pages (as the allocator gives them)
     taken = {side: set() for side in ("l", "r")}
     pooled = {g for p in (local, remote) for r in p.regions if r.aliases
               for g in r.groups + sum((p.region(a).groups for a in r.aliases), ())}
-    for g in local.groups:
-        lcap = [r.capacity for r in local.regions if g.name in r.groups]
-        rcap = [r.capacity for r in remote.regions if g.name in r.groups]
+    for g, h in links:
+        lcap = [r.capacity for r in local.regions if g in r.groups]
+        rcap = [r.capacity for r in remote.regions if h in r.groups]
         if not lcap or not rcap:
             continue
-        if any(r.is_state for r in local.regions if g.name in r.groups):
-            n = int(rng.integers(1, 4))
+        if any(r.is_state for r in local.regions if g in r.groups):
+            n = len(lids[g]) if g in lids else len(rids[h]) if h in rids else int(rng.integers(1, 4))
+            nr = n
         else:
-            tokens[g.name] = int(rng.integers(1, max_tokens))
-            n = local.blocks_for(g.name, tokens[g.name])   # DCP: a block id covers block_size * dcp_size
-            nr = remote.blocks_for(g.name, tokens[g.name])
-        for side, cap, k, out in (("l", lcap, n, lids), ("r", rcap, n if g.name not in tokens else nr, rids)):
-            free = [i for i in range(min(cap)) if g.name not in pooled or i not in taken[side]]
-            out[g.name] = rng.choice(free, k, replace=False).tolist()
-            if g.name in pooled:
-                taken[side] |= set(out[g.name])
+            tokens[g] = one or int(rng.integers(1, max_tokens))
+            n = local.blocks_for(g, tokens[g])   # DCP: a block id covers block_size * dcp_size
+            nr = remote.blocks_for(h, tokens[g])
+        for side, cap, k, out, name in (("l", lcap, n, lids, g), ("r", rcap, nr, rids, h)):
+            if name in out:
+                continue   # a group of several links: its ids already drawn
+            free = [i for i in range(min(cap)) if name not in pooled or i not in taken[side]]
+            out[name] = rng.choice(free, k, replace=False).tolist()
+            if name in pooled:
+                taken[side] |= set(out[name])
     return lids, rids, tokens
 
 
@@ -166,20 +177,22 @@ def test_checked_in_pairs_same_byte_map_as_instantiate(entry, direction):
         lists = prepared_rows(bound)
         check_lists(lists)
         assert set(lists) == set(prog.part_keys)
+        links = list(dict.fromkeys((e.group, e.remote_group) for e in prog.entries))
         for _ in range(3):
-            compare(bound, *random_request(local, remote, rng))
+            compare(bound, *random_request(local, remote, rng, links=links))
         # tokens filling whole tiles exactly: no tail at all
-        lids, rids, tokens = random_request(local, remote, rng)
-        for g in tokens:
-            lbs = local.group(g).block_size * local.group_dcp(g)      # tokens per block id
-            rbs = remote.group(g).block_size * remote.group_dcp(g)
-            tile = lbs * rbs // np.gcd(lbs, rbs)
+        lids, rids, tokens = random_request(local, remote, rng, links=links)
+        per_id = {(g, h): (local.group(g).block_size * local.group_dcp(g),    # tokens per block id
+                           remote.group(h).block_size * remote.group_dcp(h)) for g, h in links if g in tokens}
+        for (g, h), (lbs, rbs) in per_id.items():
+            # one tile for every link of a group that serves several (their ids must fit each)
+            tile = int(np.lcm.reduce([x for (a, b), bs in per_id.items() if a == g or b == h for x in bs]))
             tokens[g] = tile
             # ids of other groups stay out of the way (pooled groups never share a page)
-            lused = set().union(*(lids[h] for h in lids if h != g))
-            rused = set().union(*(rids[h] for h in rids if h != g))
+            lused = set().union(*(lids[k] for k in lids if k != g))
+            rused = set().union(*(rids[k] for k in rids if k != h))
             lids[g] = [i for i in range(tile // lbs + len(lused)) if i not in lused][:tile // lbs]
-            rids[g] = [i for i in range(tile // rbs + len(rused)) if i not in rused][:tile // rbs]
+            rids[h] = [i for i in range(tile // rbs + len(rused)) if i not in rused][:tile // rbs]
         compare(bound, lids, rids, tokens)
         assert not prepared_indices(bound, lids, rids, tokens).tail
 

@@ -246,10 +246,15 @@ def test_part_dtype_differs_is_located_at_the_part():
 
 
 def test_part_groups_differ_from_joint_region():
-    """Parts serving another group than the joint region: region-groups, per part."""
+    """Parts serving another group than the joint region link the groups (tests/test_group_links.py): a
+    consumer's sliding window takes its tokens from the joint region's full group, per part; the joint
+    region's full cache cannot come from the parts' window (group-kind at the first region, both layouts)."""
     s, j = small(SPLIT.replace("[full]", "[swa]")), small(JOINT)
-    assert [f[:2] + f[3:] for f in findings(s, j)] == [("region-groups", "layer.0.k", "swa", "full"),
-                                                       ("region-groups", "layer.0.v", "swa", "full")]
+    assert findings(s, j) == []
+    assert [(e.regions_text, e.link) for e in pair(s, j, local_rank=0).entries] == [
+        ("layer.0.k>layer.0", "swa>full"), ("layer.0.v>layer.0", "swa>full")]
+    assert [f[:2] + f[3:] for f in findings(j, s)] == [
+        ("group-kind", "layer.0", "e group 'full' full_attention", "e group 'swa' sliding_window window=8")]
 
 
 def test_split_region_missing_on_the_peer():

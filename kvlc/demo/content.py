@@ -180,24 +180,27 @@ def expected_bytes(dst: Plan, dst_rank: int, src: Plan, dst_ids: Mapping[str, Se
             continue
         for group in r.groups:
             dk = _kernel_ids(dst, group, dst_ids[group])
-            sk = _kernel_ids(src, group, src_ids[group])
             for f in r.fields:
                 sr = holders.get((r.content, f.name))
                 if sr is None:
                     continue
+                # the sender's ids of the region's group there (a region may be in another group on each side)
+                sg = group if group in sr.groups else sr.groups[0]
+                sk = _kernel_ids(src, sg, src_ids[sg])
                 el = field_elements(f, _head_start(dst, dst_rank, f))
                 if r.is_state:
                     keep = np.ones((len(dk), el.offset.size), bool)
                     c = _Cells(dk[:, None], sk[:, None], el.token[None, :], keep)
                 else:
                     start, stop = _range(num_tokens, tokens, group)
-                    c = _token_cells(_Pair(dst, dst_rank, src, r, sr, group), f, el, dk, sk, start, stop)
+                    c = _token_cells(_Pair(dst, dst_rank, src, r, sr, group, sg), f, el, dk, sk, start, stop)
                 yield r.storage, *_cell_bytes(r, f, el, c)
 
 
 @dataclass(frozen=True)
 class _Pair:
-    """One region of one kernel block group, at receiver rank ``dst_rank`` and at the sender."""
+    """One region of one kernel block group, at receiver rank ``dst_rank`` and at the sender (``src_group``: the
+    sender's group of ``sr``, another name where the engines put the region in other groups)."""
 
     dst: Plan
     dst_rank: int
@@ -205,6 +208,7 @@ class _Pair:
     r: PlanRegion
     sr: PlanRegion
     group: str
+    src_group: str
 
 
 @dataclass(frozen=True)
@@ -225,7 +229,7 @@ def _token_cells(p: _Pair, f: PlanField, el: FieldElements, dk: np.ndarray, sk: 
     need = _needed(dst, p.group, start, stop)
     dd, ds = dst.region_parallel(r).dcp_size, src.region_parallel(p.sr).dcp_size  # a block id covers bs * dcp
     d0 = start // (dst.group(p.group).block_size * dd) * (dst.group(p.group).block_size // r.block_tokens)
-    s0 = start // (src.group(p.group).block_size * ds) * (src.group(p.group).block_size // p.sr.block_tokens)
+    s0 = start // (src.group(p.src_group).block_size * ds) * (src.group(p.src_group).block_size // p.sr.block_tokens)
     span = r.block_tokens * dd                              # tokens of one kernel block id
     j = np.arange(need // span, ceildiv(stop, span), dtype=np.int64)[:, None]
     blk_d = dk[j - d0]

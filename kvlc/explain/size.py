@@ -155,11 +155,12 @@ def _bases(plan: Plan) -> dict[str, tuple[int, int]]:
 def _rank(local: Plan, remote: Plan, rank: int, direction: str, tokens: int) -> RankSize:
     prog = pair(local, remote, local_rank=rank, direction=direction)
     groups = sorted({e.group for e in prog.entries})
+    remote_groups = sorted({e.remote_group for e in prog.entries})  # other names where a region's groups differ
     bound = bind(prog, _bases(local), {p: _bases(remote) for p in prog.peer_ranks})
     counts = {}
     for scattered in (True, False):
         parts = instantiate(bound, _ids(local, tokens, groups, scattered),
-                            _ids(remote, tokens, groups, scattered), tokens)
+                            _ids(remote, tokens, remote_groups, scattered), tokens)
         counts[scattered] = parts
     parts = tuple(PartSize(k.peer_rank, k.local_mem, k.remote_mem, part.nbytes, len(part),
                            len(counts[False][k])) for k, part in counts[True].items())

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from kvlc.compiler.pairing.compat_dcp import check_dcp
 from kvlc.compiler.pairing.findings import CompatReport, Finding, Pairing, Severity
-from kvlc.compiler.pairing.match import RegionPair, fields_text, parts, region_pairs
+from kvlc.compiler.pairing.match import RegionPair, fields_text, group_links, parts, region_pairs
 from kvlc.compiler.algebra.layout import tile
 from kvlc.compiler.plan.model import Plan, PlanField, PlanRegion
 from kvlc.compiler.pairing.pp import holds_region, layers_text, overlap
@@ -107,31 +107,108 @@ def check_pp_layers(p: Pairing) -> list[Finding]:
                      if lacking else "", severity="warning")]
 
 
-def check_groups(p: Pairing) -> list[Finding]:
-    """Every group exists on both engines with the same kind, window and tokens per entry.
+def linked_groups(p: Pairing) -> dict[tuple[str, str], tuple[str, ...]]:
+    """(local group, remote group) → the regions both engines hold whose ids come from those groups, in
+    local order (:func:`~kvlc.compiler.pairing.match.group_links`); groups of one name on both engines are
+    a link even where no region joins them.
 
     >>> from kvlc import compile_spec
-    >>> a, b = compile_spec("layouts/llama-3.1-8b.yaml"), compile_spec("layouts/gemma-3-27b-tp2-b16.yaml")
-    >>> [f.message for f in check_groups(Pairing(a, b, 0, "READ"))]
-    ["group 'full' exists on one engine only", "group 'global' exists on one engine only", "group 'local' exists on one engine only"]
+    >>> own, main = compile_spec("layouts/deepseek-v3-tp8-mtp.yaml"), compile_spec("layouts/deepseek-v3-tp1-mtp.yaml")
+    >>> {k: len(v) for k, v in linked_groups(Pairing(main, own, 0, "READ")).items()}
+    {('mla', 'mla'): 61, ('mla', 'mtp'): 1}
     """
-    lg = {g.name: g for g in p.local.groups}
-    rg = {g.name: g for g in p.remote.groups}
+    rnames = {g.name for g in p.remote.groups}
+    out: dict[tuple[str, str], dict[str, None]] = {(g.name, g.name): {} for g in p.local.groups
+                                                    if g.name in rnames}
+    for rp in region_pairs(p.local, p.remote):
+        for link in rp.links:
+            out.setdefault(link, {})[rp.content] = None
+    return {k: tuple(v) for k, v in out.items()}
+
+
+def _group_text(plan: Plan, name: str) -> str:
+    g = plan.group(name)
+    return f"{plan.name} group '{name}' {g.kind}" + (f" window={g.window}" if g.window else "")
+
+
+def _regions_text(regions: tuple[str, ...]) -> str:
+    return regions[0] + (f" (and {len(regions) - 1} more)" if len(regions) > 1 else "")
+
+
+def _window_of_consumer(p: Pairing, a, b) -> bool:
+    """The consumer's group is a sliding window and the producer's holds every token: the window moves."""
+    cons, prod = (a, b) if p.direction == "READ" else (b, a)
+    return cons.kind == "sliding_window" and prod.kind == "full_attention"
+
+
+def _kind_mismatch(p: Pairing, a, b) -> tuple[str, str]:
+    """Why a local group ``a`` and a remote group ``b`` hold no common bytes, and the fix."""
+    prod = b if p.direction == "READ" else a
+    if a.is_state != b.is_state:
+        return ("per-request state on one engine and a per-token cache on the other never hold the same bytes",
+                "pair a state region with the same layer's state region (a group of one state kind on both)")
+    if a.kind == b.kind == "sliding_window":
+        return (f"the groups keep sliding windows of {a.window} and {b.window} tokens",
+                "use the model's window on both engines")
+    if prod.kind == "sliding_window" and "full_attention" in (a.kind, b.kind):
+        return ("the producer keeps only a sliding window of tokens and the consumer needs every token",
+                "keep the region in a full-attention group on the producer too, or in a sliding-window group "
+                "on the consumer")
+    return (f"a {a.kind} group and a {b.kind} group hold different caches",
+            "put the region in groups of one kind on both engines")
+
+
+def _link_findings(p: Pairing, link: tuple[str, str], regions: tuple[str, ...]) -> list[Finding]:
+    """One group link: the same kind and window (or a consumer's window of a producer's full cache), and
+    the same tokens per entry."""
+    (ln, rn), a, b = link, p.local.group(link[0]), p.remote.group(link[1])
+    same = ln == rn
+    where = "" if same else f"region {_regions_text(regions)} is in group '{ln}' of {p.local.name} and in " \
+        f"group '{rn}' of {p.remote.name}: "
+    values = (dict(local=f"{a.kind} window={a.window}", remote=f"{b.kind} window={b.window}") if same
+              else dict(local=_group_text(p.local, ln), remote=_group_text(p.remote, rn)))
+    region = regions[0] if regions and not same else ""
+    if (a.kind, a.window) != (b.kind, b.window) and not _window_of_consumer(p, a, b):
+        why, fix = _kind_mismatch(p, a, b)
+        return [_finding("group-kind", f"group '{ln}' differs in kind: {why}" if same else where + why, region,
+                         **values, fix=fix)]
+    if a.tokens_per_entry != b.tokens_per_entry:  # a compressed cache: entries of k tokens each
+        subject = f"group '{ln}' compresses" if same else where + "the groups compress"
+        return [_finding("tokens-per-entry", subject + " tokens differently: one entry covers another number of "
+                         "tokens on each engine, so no entry holds the other's content", region,
+                         local=f"tokens_per_entry {a.tokens_per_entry}",
+                         remote=f"tokens_per_entry {b.tokens_per_entry}",
+                         fix="use the model's compression ratio as tokens_per_entry on both engines")]
+    return []
+
+
+def check_groups(p: Pairing) -> list[Finding]:
+    """Groups pair by the regions they hold (:func:`linked_groups`): each (local group, remote group) that a
+    region links has the same kind, window and tokens per entry, except that a consumer's sliding window
+    takes its tokens from a producer's full cache; a group of one engine that no region links to a group
+    of the other, and that the other does not name, is ``group-missing``.
+
+    >>> from kvlc import compile_spec
+    >>> own, main = compile_spec("layouts/deepseek-v3-tp8-mtp.yaml"), compile_spec("layouts/deepseek-v3-tp1-mtp.yaml")
+    >>> check_groups(Pairing(main, own, 0, "READ"))   # layer.61: group mla here, mtp there
+    []
+    >>> gemma = compile_spec("layouts/gemma-3-27b-tp2-b16.yaml")    # layer.0: a sliding window there
+    >>> [(f.code, f.region, f.local, f.remote) for f in check_groups(Pairing(main, gemma, 0, "READ"))]
+    [('group-kind', 'layer.0', "deepseek-v3-tp1-mtp group 'mla' full_attention", "gemma-3-27b-tp2-b16 group 'local' sliding_window window=1024")]
+    """
+    lg = {g.name for g in p.local.groups}
+    rg = {g.name for g in p.remote.groups}
+    links = linked_groups(p)
+    linked = ({ln for ln, _ in links}, {rn for _, rn in links})
     out = []
-    for name in sorted(set(lg) | set(rg)):
-        a, b = lg.get(name), rg.get(name)
-        if a is None or b is None:
+    for name in sorted(lg ^ rg):
+        a, b = name in lg, name in rg
+        if name not in (linked[0] if a else linked[1]):
             out.append(_finding("group-missing", f"group '{name}' exists on one engine only",
-                                local="present" if a else "absent", remote="present" if b else "absent"))
-        elif (a.kind, a.window) != (b.kind, b.window):
-            out.append(_finding("group-kind", f"group '{name}' differs in kind",
-                                local=f"{a.kind} window={a.window}", remote=f"{b.kind} window={b.window}"))
-        elif a.tokens_per_entry != b.tokens_per_entry:  # a compressed cache: entries of k tokens each
-            out.append(_finding("tokens-per-entry", f"group '{name}' compresses tokens differently: one entry "
-                                "covers another number of tokens on each engine, so no entry holds the other's "
-                                "content", local=f"tokens_per_entry {a.tokens_per_entry}",
-                                remote=f"tokens_per_entry {b.tokens_per_entry}",
-                                fix="use the model's compression ratio as tokens_per_entry on both engines"))
+                                local="present" if a else "absent", remote="present" if b else "absent",
+                                fix="declare it on both engines, or put its regions in groups of the other engine"))
+    for link in sorted(links, key=lambda k: (k[0] != k[1], k)):
+        out.extend(_link_findings(p, link, links[link]))
     return out
 
 
@@ -183,18 +260,22 @@ def check_region_order(p: Pairing) -> list[Finding]:
 
 # ----------------------------------------------------------------------------- region-level checks
 def check_region_groups(a: PlanRegion, b: PlanRegion) -> list[Finding]:
-    """A region belongs to the same groups on both engines.
+    """A region's groups link one to one (:func:`~kvlc.compiler.pairing.match.group_links`): the same
+    groups on both engines, or one group on each (whose kinds :func:`check_groups` compares). A region shared
+    by several groups on one engine and by others on the other cannot say which ids address it.
 
     >>> from kvlc import compile_spec
     >>> g = compile_spec("layouts/gemma-3-27b-tp2-b16.yaml")
     >>> a, b = g.region("layer.0"), g.region("layer.5")
-    >>> (a.groups, b.groups), [f.code for f in check_region_groups(a, b)]
-    ((('local',), ('global',)), ['region-groups'])
+    >>> (a.groups, b.groups), check_region_groups(a, b)   # one group each: linked local > global
+    ((('local',), ('global',)), [])
     """
-    if a.groups == b.groups:
+    if group_links(a, b):
         return []
-    return [_finding("region-groups", "region belongs to different groups", a.name,
-                     local=",".join(a.groups), remote=",".join(b.groups))]
+    return [_finding("region-groups", "region is shared by several groups on one engine and belongs to other "
+                     "groups on the other: a block id of every group it serves addresses it, so no group's ids "
+                     "map to one group of the peer", a.name, local=",".join(a.groups), remote=",".join(b.groups),
+                     fix="let the region serve the same groups on both engines, or one group on each")]
 
 
 def _tokens(r: PlanRegion) -> str:

@@ -7,6 +7,11 @@ wherever both hold it under one such name, whichever run of blocks holds it on e
 split K/V engine pairs with a joint one field by field, and each (local region, remote region)
 that share a field is one :class:`RegionPair`, copied on its own (its own storages, offsets and
 strides on each side). Engines without ``part_of`` pair region by region, by name, as before.
+
+Groups pair by region too (:func:`group_links`): a region in group G on one engine and group H on the
+other (DeepSeek-V3's MTP layer in a group of its own on one side, in the main group on the other)
+links G to H, and a request's ids for that region come from the local ids of G and the remote ids
+of H. A region shared by several groups pairs only with the same groups.
 """
 
 from __future__ import annotations
@@ -30,6 +35,37 @@ class RegionPair:
     @property
     def content(self) -> str:
         return self.local.content
+
+    @property
+    def links(self) -> tuple[tuple[str, str], ...]:
+        """(local group, remote group) of each group the pair is copied in (:func:`group_links`)."""
+        return group_links(self.local, self.remote)
+
+
+def group_links(local: PlanRegion, remote: PlanRegion) -> tuple[tuple[str, str], ...]:
+    """The (local group, remote group) pairs whose block ids address a region on each engine: each group
+    with itself where both list the same groups, the one group of each side where each lists one, else none
+    (a region shared by several groups on either side pairs only with the same groups: ``region-groups``).
+
+    >>> from kvlc import compile_spec
+    >>> own, main = compile_spec("layouts/deepseek-v3-tp8-mtp.yaml"), compile_spec("layouts/deepseek-v3-tp1-mtp.yaml")
+    >>> group_links(own.region("layer.61"), main.region("layer.61")), group_links(own.region("layer.0"), main.region("layer.0"))
+    ((('mtp', 'mla'),), (('mla', 'mla'),))
+    """
+    if local.groups == remote.groups:
+        return tuple((g, g) for g in local.groups)
+    if len(local.groups) == 1 and len(remote.groups) == 1:
+        return ((local.groups[0], remote.groups[0]),)
+    return ()
+
+
+def link_name(local: str, remote: str) -> str:
+    """The name of a group link: the group where both sides call it alike, else ``local>remote``.
+
+    >>> link_name("mla", "mla"), link_name("mtp", "mla")
+    ('mla', 'mtp>mla')
+    """
+    return local if local == remote else f"{local}>{remote}"
 
 
 def parts(plan: Plan) -> dict[str, tuple[PlanRegion, ...]]:

@@ -103,7 +103,7 @@ def _entries(rp: RegionPair, local: Plan, remote: Plan, rank: int, local_is_cons
         if key not in cache:
             cache[key] = tile_runs(lr, rr, pieces, shards=shards)
         out.extend(Entry(lr.name, group, peer, lr.mem, rr.mem, t.tokens, t.a_blocks, t.b_blocks, pieces, cache[key],
-                         shards, remote_region=rr.name) for group in lr.groups)
+                         shards, remote_region=rr.name, remote_group=remote_group) for group, remote_group in rp.links)
     return out
 
 
@@ -111,7 +111,7 @@ def build_program(local: Plan, remote: Plan, rank: int, direction: str, report: 
     """The program of two compatible plans (``report`` has no errors); no checks of its own.
 
     Regions pair by the region their fields belong to (:mod:`~kvlc.compiler.pairing.match`): one entry
-    per (local region, remote region) holding a field of one region, group and peer rank.
+    per (local region, remote region) holding a field of one region, group link and peer rank.
     """
     local_is_consumer = direction == "READ"
     cons, prod = (local, remote) if local_is_consumer else (remote, local)

@@ -20,6 +20,7 @@ import numpy as np
 from kvlc.compiler.algebra.sharding import ShardPair
 from kvlc.compiler.frozen import FrozenMap, Memo
 from kvlc.compiler.pairing.findings import CompatReport
+from kvlc.compiler.pairing.match import link_name
 from kvlc.compiler.pairing.pp import overlap
 from kvlc.compiler.pairing.runs import Piece, Runs
 from kvlc.compiler.plan.model import Plan
@@ -81,6 +82,8 @@ class Entry:
 
     ``region`` is the local region, ``remote_region`` the remote one: the same name, or, where a region's
     fields lie in several regions on one engine (``part_of``), the one holding the fields of ``pieces``.
+    ``group`` is the local group whose ids address it, ``remote_group`` the remote one: the same name, or
+    another where the two engines put the region in other groups (:func:`~kvlc.compiler.pairing.match.group_links`).
     """
 
     region: str
@@ -95,10 +98,19 @@ class Entry:
     runs: Runs = field(compare=False, repr=False)
     shards: ShardPair | None = None  # decode context parallelism: the tokens each rank holds
     remote_region: str = ""   # the remote region ("": named like ``region``); another where fields are split
+    remote_group: str = ""    # the remote group ("": named like ``group``); another where groups differ
 
     def __post_init__(self) -> None:
         if not self.remote_region:
             object.__setattr__(self, "remote_region", self.region)
+        if not self.remote_group:
+            object.__setattr__(self, "remote_group", self.group)
+
+    @property
+    def link(self) -> str:
+        """The group link whose ids address this entry: ``group``, or ``local>remote`` where the names differ
+        (a request's ids of the local group and of the remote group)."""
+        return link_name(self.group, self.remote_group)
 
     @property
     def regions_text(self) -> str:
@@ -117,7 +129,7 @@ class Entry:
         kind = "state" if not self.tile_tokens else f"tile={self.tile_tokens} sub={self.local_sub}:{self.remote_sub}"
         if self.shards is not None:
             kind += f" dcp={self.shards.text()}"
-        return (f"{self.regions_text} [{self.group}] peer={self.peer} {self.local_mem}->{self.remote_mem} {kind} "
+        return (f"{self.regions_text} [{self.link}] peer={self.peer} {self.local_mem}->{self.remote_mem} {kind} "
                 f"runs={len(self.runs)} bytes={self.bytes_per_tile} | {self.runs.text()}")
 
 

@@ -2,7 +2,9 @@
 
 A request moves tokens ``[start, stop)``: ``tokens=(start, stop)`` (or ``range(start,
 stop)``), or ``num_tokens=N`` for ``[0, N)``; either one for all token groups or one per
-group (a mapping). Block ids must be integers (a list / tuple of ``int`` or an integer
+local group (a mapping). Ids come per group on each side: where the two engines put a region in other
+groups (a group link, :func:`kvlc.compiler.pairing.match.group_links`), its local ids are those of its
+local group and its remote ids those of its remote group. Block ids must be integers (a list / tuple of ``int`` or an integer
 numpy array; never bool, float, str or None): on each side, the logical blocks of that
 side that the range touches, in order (``start // bs .. ceil(stop / bs) - 1``, block size
 ``bs`` of that side's group; :mod:`kvlc.compiler.request.tokens`). A sliding-window group takes the
@@ -46,7 +48,8 @@ class GroupRange:
 
 @dataclass(frozen=True, eq=False)
 class Request:
-    """A checked request: kernel block ids per group on each side (only those read), and spans per token group."""
+    """A checked request: kernel block ids per group link on each side (only those read), and spans per token
+    link (keys: :attr:`~kvlc.compiler.pairing.program.Entry.link`, the group where both sides name it alike)."""
 
     local: Mapping[str, np.ndarray]
     remote: Mapping[str, np.ndarray]
@@ -223,21 +226,31 @@ def check_request(prog: TransferProgram, local_block_ids, remote_block_ids, num_
     kids_r: dict[str, np.ndarray] = {}
     spans: dict[str, GroupRange] = {}
     for rule in rules.groups:
-        group = rule.name
-        if group not in local_block_ids or group not in remote_block_ids:
-            raise TransferError(f"no block ids for group '{group}' "
-                                f"(give local and remote ids for groups {sorted(rules.names)})")
-        ids = (local_block_ids[group], remote_block_ids[group])
+        link, lg, rg = rule.name, rule.local.group, rule.remote.group
+        if lg not in local_block_ids or rg not in remote_block_ids:
+            raise TransferError(_no_ids(rule, lg in local_block_ids, rules, prog))
+        ids = (local_block_ids[lg], remote_block_ids[rg])
         if rule.state:
-            kids_l[group], kids_r[group] = _state_group(rule, ids)
+            kids_l[link], kids_r[link] = _state_group(rule, ids)
             continue
-        span = TokenRange.of(num_tokens, tokens, group=group, groups=rules.names)
-        kids_l[group], kids_r[group], spans[group] = _token_group(rule, ids, span)
+        span = TokenRange.of(num_tokens, tokens, group=lg, groups=rules.names)
+        kids_l[link], kids_r[link], spans[link] = _token_group(rule, ids, span)
     if rules.aliased:
         local_receives = prog.direction == "READ"
-        _pool_conflicts(prog.local if local_receives else prog.remote, kids_l if local_receives else kids_r,
-                        "local" if local_receives else "remote")
+        side = "local" if local_receives else "remote"
+        kids = {getattr(r, side).group: (kids_l if local_receives else kids_r)[r.name] for r in rules.groups}
+        _pool_conflicts(prog.local if local_receives else prog.remote, kids, side)
     return Request(kids_l, kids_r, spans)
+
+
+def _no_ids(rule: GroupRule, has_local: bool, rules, prog: TransferProgram) -> str:
+    """Which side lacks the ids of which group (both groups named where a region links two)."""
+    lg, rg = rule.local.group, rule.remote.group
+    if lg == rg:
+        return f"no block ids for group '{lg}' (give local and remote ids for groups {sorted(rules.names)})"
+    side, plan, group = ("remote", prog.remote, rg) if has_local else ("local", prog.local, lg)
+    return (f"no {side} block ids for group '{group}' of plan '{plan.name}': regions in local group '{lg}' are "
+            f"in remote group '{rg}', so a request gives local ids of '{lg}' and remote ids of '{rg}'")
 
 
 def _pool_conflicts(plan, kids: Mapping[str, np.ndarray], side: str) -> None:

@@ -48,7 +48,10 @@ class SideGeometry:
 
 @dataclass(frozen=True, eq=False)
 class Block:
-    """Entries of one part and group whose run templates are identical (vectorized together).
+    """Entries of one part and group link whose run templates are identical (vectorized together).
+
+    ``group``: the entries' group link (:attr:`~kvlc.compiler.pairing.program.Entry.link`): the key of a
+    request's ids and spans.
 
     ``whole``: each tile copies one whole, contiguous block on both sides (runs of
     consecutive blocks then merge into one descriptor).
@@ -68,7 +71,8 @@ class Block:
 
 @dataclass(frozen=True)
 class GroupRegions:
-    """The regions one group's block ids address, on each side (program order, no repeats).
+    """The regions one group link's block ids address, on each side (program order, no repeats): the local
+    regions of its local group and the remote regions of its remote group that pair with them.
 
     ``smallest_local`` / ``smallest_remote``: the region with the fewest blocks on that side;
     it bounds every id of the group.
@@ -106,7 +110,7 @@ def _blocks(prog: TransferProgram, local: SideGeometry, remote: SideGeometry) ->
     for i, e in enumerate(prog.entries):
         # the geometry (fields, pieces) is part of the key: a partial last tile clips each
         # region by its own layout even where whole tiles copy alike
-        k = (e.key, e.group, e.tile_tokens, e.local_sub, e.remote_sub, e.runs.key(),
+        k = (e.key, e.link, e.tile_tokens, e.local_sub, e.remote_sub, e.runs.key(),
              prog.local.region(e.region).fields, prog.remote.region(e.remote_region).fields, e.pieces, e.shards)
         groups.setdefault(k, []).append(i)
     keys = {k: k for k in prog.part_keys}  # one PartKey object per part: dict lookups per request hit identity
@@ -115,7 +119,7 @@ def _blocks(prog: TransferProgram, local: SideGeometry, remote: SideGeometry) ->
     for idx in groups.values():
         e = prog.entries[idx[0]]
         lg, rg = local.take(idx), remote.take(idx)
-        out.append(Block(keys[e.key], e.group, tuple(idx), e.runs, e.tile_tokens, e.local_sub, e.remote_sub, lg, rg,
+        out.append(Block(keys[e.key], e.link, tuple(idx), e.runs, e.tile_tokens, e.local_sub, e.remote_sub, lg, rg,
                          _is_whole(e.runs, e.local_sub, e.remote_sub, lg, rg)))
     out.sort(key=lambda b: (order[b.key], b.entries[0]))
     return tuple(out)
@@ -124,7 +128,7 @@ def _blocks(prog: TransferProgram, local: SideGeometry, remote: SideGeometry) ->
 def _group_regions(prog: TransferProgram) -> FrozenMap:
     out: dict[str, tuple[list, list]] = {}
     for e in prog.entries:  # each side on its own: a split region pairs one local region with several
-        lregs, rregs = out.setdefault(e.group, ([], []))
+        lregs, rregs = out.setdefault(e.link, ([], []))
         for regs, r in ((lregs, prog.local.region(e.region)), (rregs, prog.remote.region(e.remote_region))):
             if r not in regs:
                 regs.append(r)

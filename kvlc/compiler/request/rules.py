@@ -45,8 +45,9 @@ class WholeBlock:
 
 @dataclass(frozen=True)
 class GroupRule:
-    """One group's request rules: state or tokens, the sliding window (None: the whole range moves),
-    and the regions a range may not start inside a block of."""
+    """One group link's request rules (``name``: the link, :attr:`~kvlc.compiler.pairing.program.Entry.link`;
+    each side's group is its :class:`SideRule`'s): state or tokens, the receiver's sliding window (None: the
+    whole range moves), and the regions a range may not start inside a block of."""
 
     name: str
     state: bool
@@ -59,7 +60,8 @@ class GroupRule:
 
 @dataclass(frozen=True)
 class RequestRules:
-    """Every group's rules in program order, the group names each side knows, whether pools alias."""
+    """Every group link's rules in program order, the local groups of the links (``names``: the keys of a
+    per-group token range), the group names each side knows, whether pools alias."""
 
     groups: tuple[GroupRule, ...]
     names: tuple[str, ...]
@@ -90,20 +92,22 @@ def prepare(prog: TransferProgram) -> TransferProgram:
 def _rules_of(prog: TransferProgram) -> RequestRules:
     local_receives = prog.direction == "READ"
     recv = prog.local if local_receives else prog.remote
+    links = {e.link: (e.group, e.remote_group) for e in prog.entries}
     groups = []
     for name, regions in program_index(prog).groups.items():
-        sides = [SideRule(name, side, f"{side} block ids of group '{name}'", plan.group(name).block_size,
-                          plan.group_dcp(name), plan.group(name).kernel_blocks_per_block,
+        lname, rname = links[name]
+        sides = [SideRule(group, side, f"{side} block ids of group '{group}'", plan.group(group).block_size,
+                          plan.group_dcp(group), plan.group(group).kernel_blocks_per_block,
                           regions.smallest(side),
                           receiving)
-                 for side, plan, receiving in (("local", prog.local, local_receives),
-                                               ("remote", prog.remote, not local_receives))]
-        g = prog.local.group(name)
+                 for side, plan, group, receiving in (("local", prog.local, lname, local_receives),
+                                                      ("remote", prog.remote, rname, not local_receives))]
+        g = recv.group(lname if local_receives else rname)  # the receiver's window (pairing checked the sender)
         window = g.window if g.kind == "sliding_window" else None
-        per_id = recv.group(name).block_size * recv.group_dcp(name)
+        per_id = g.block_size * recv.group_dcp(g.name)
         groups.append(GroupRule(name, regions.is_state, window, per_id,
                                 *sides, () if regions.is_state else _whole_blocks(prog, regions.local)))
-    return RequestRules(tuple(groups), tuple(program_index(prog).groups),
+    return RequestRules(tuple(groups), tuple(dict.fromkeys(links[n][0] for n in program_index(prog).groups)),
                         frozenset(g.name for g in prog.local.groups),
                         frozenset(g.name for g in prog.remote.groups), any(r.aliases for r in recv.regions))
 

@@ -19,6 +19,7 @@ from kvlc.compiler.request.tokens import TokenRange, block_span, window_start
 class WindowStats:
     """What a sliding-window group moves per request, at most: blocks on each side, tokens.
 
+    ``group``: the group link (the receiver's group where both name it alike, else ``local>remote``).
     ``receiver`` / ``sender``: ``"local"`` or ``"remote"``; block sizes are each side's
     logical block size. ``vllm_blocks``: vLLM's own clip, ``cdiv(window, block) + 1`` receiver blocks.
     """
@@ -69,10 +70,13 @@ def window_stats(prog: TransferProgram) -> tuple[WindowStats, ...]:
     """
     recv, send = (prog.local, prog.remote) if prog.direction == "READ" else (prog.remote, prog.local)
     side = "local" if prog.direction == "READ" else "remote"
-    groups = {e.group for e in prog.entries}
+    # (receiver's group, sender's group) -> the link's name
+    links = {(e.group, e.remote_group) if side == "local" else (e.remote_group, e.group): e.link
+             for e in prog.entries}
 
     def per_id(plan, name: str) -> int:  # tokens per block id (DCP: block_size on each of dcp_size ranks)
         return plan.group(name).block_size * plan.group_dcp(name)
 
-    return tuple(group_window_stats(g.name, g.window, side, per_id(recv, g.name), per_id(send, g.name))
-                 for g in recv.groups if g.kind == "sliding_window" and g.name in groups)
+    return tuple(group_window_stats(links[(g.name, s)], g.window, side, per_id(recv, g.name), per_id(send, s))
+                 for g in recv.groups if g.kind == "sliding_window"
+                 for (r, s) in links if r == g.name)
