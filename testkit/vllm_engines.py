@@ -1,7 +1,7 @@
 """Run vLLM engines in child processes and talk to them over a pipe (tests, benchmark, example).
 
-:func:`tiny_llama` writes a small Llama with random weights (transformers, safetensors)
-that greedy decoding turns into varied, KV-sensitive tokens. :class:`EngineProcess`
+:func:`tiny_llama` writes a small Llama with random weights (transformers, safetensors;
+:func:`tiny_gemma3` and :func:`tiny_deepseek_v2` a sliding-window and an MLA model) that greedy decoding turns into varied, KV-sensitive tokens. :class:`EngineProcess`
 starts one ``vllm.LLM`` in a spawned child (each engine needs its own process: vLLM
 keeps one KV connector per process) and runs ``generate`` there; with ``preload=True`` the child is
 forked from a server that imported vLLM once (:data:`PRELOAD`), so an engine skips the 10-20 s import a
@@ -57,6 +57,27 @@ def tiny_gemma3(path: str | Path, seed: int = 0, window: int = 64, **overrides: 
     cfg = Gemma3TextConfig(**kw, initializer_range=0.2, torch_dtype="bfloat16")
     cfg.architectures = ["Gemma3ForCausalLM"]
     Gemma3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def tiny_deepseek_v2(path: str | Path, seed: int = 0, dtype: str = "float32") -> Path:
+    """Write a random-weight DeepSeek-V2 with MLA as DeepSeek-V2 keeps it (latent 512 + RoPE 64 per token and
+    layer), two dense layers (no MoE: vLLM's CPU router wants grouped top-k settings a tiny model lacks)."""
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    path = Path(path)
+    if (path / "config.json").exists():
+        return path
+    torch.manual_seed(seed)
+    cfg = DeepseekV2Config(hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=4, vocab_size=1024, max_position_embeddings=1024,
+                           kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=128,
+                           v_head_dim=128, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                           first_k_dense_replace=2, n_group=1, topk_group=1, initializer_range=0.2,
+                           torch_dtype=dtype, tie_word_embeddings=False)
+    cfg.architectures = ["DeepseekV2ForCausalLM"]
+    DeepseekV2ForCausalLM(cfg).to(getattr(torch, dtype)).save_pretrained(path, safe_serialization=True)
     return path
 
 

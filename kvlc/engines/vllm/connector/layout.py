@@ -29,6 +29,13 @@ class EnginePlan:
     rank: int
     block_size: int
     cpu_isa: str = ""  # CPU_ATTN: the attention ISA whose in-block order the plan states
+    backend: str = ""  # the attention backend's name, as vLLM gives it
+
+
+# vLLM 0.32's MLA backends on CPU: a token computed after KV loaded by any connector gets other RoPE keys
+# than its own prefill gives it, so a decode engine's tokens differ from the engine alone (docs/vllm.md,
+# "MLA on CPU"); vLLM turns prefix caching and chunked prefill off for them for the same reason.
+CPU_MLA_BACKENDS = frozenset({"CPU_MLA", "AMX_MLA"})
 
 
 def engine_plan(vllm_config, kv_cache_config, kv_caches: Mapping[str, Any], rank: int,
@@ -44,4 +51,4 @@ def engine_plan(vllm_config, kv_cache_config, kv_caches: Mapping[str, Any], rank
     else:
         plan = derive.exact_plan(view)
     return EnginePlan(plan, storage_tensors(plan, view, kv_caches), derive.group_names(view), rank,
-                      int(vllm_config.cache_config.block_size), view.cpu_isa)
+                      int(vllm_config.cache_config.block_size), view.cpu_isa, view.backend)

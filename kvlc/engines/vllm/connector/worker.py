@@ -26,7 +26,7 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from kvlc.engines.vllm.connector.config import ConnectorSettings
-from kvlc.engines.vllm.connector.layout import engine_plan
+from kvlc.engines.vllm.connector.layout import CPU_MLA_BACKENDS, engine_plan
 from kvlc.engines.vllm.connector.metadata import KvlcConnectorMetadata, KvlcHandshake, Load, plan_block_ids
 from kvlc.engines.vllm.connector.stats import KvlcConnectorStats
 from kvlc.engines.vllm.connector.transport import Transport
@@ -129,6 +129,12 @@ class WorkerSide:
         self.transport = self._bind(None)
         log.info("kvlc: rank %d bound plan %s (%s) at %s", self.rank, self.transport.ep.plan.name,
                  self.transport.ep.plan.digest[:12], self.transport.address)
+        kv = getattr(self.vllm_config, "kv_transfer_config", None)
+        if self.transport.ep.backend in CPU_MLA_BACKENDS and getattr(kv, "is_kv_consumer", False):
+            log.warning("kvlc: rank %d: vLLM's %s backend recomputes a prompt's last token after loaded KV with "
+                        "other RoPE keys than its own prefill gives it, so this decode engine's tokens will differ "
+                        "from the engine alone, whatever connector loads the KV (the KV kvlc moves is exact); "
+                        "docs/vllm.md, 'MLA on CPU'", self.rank, self.transport.ep.backend)
 
     def _bind(self, ports: tuple[int, int] | None) -> Transport:
         """This rank's plan over the KV cache tensors as they are now, served by a new agent."""
