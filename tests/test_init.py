@@ -310,7 +310,7 @@ def test_cli_refuses_uncompilable_combination(args, start):
 
 def test_cli_help_lists_the_choices():
     """`kvlc init --help` lists the engines, every backend and every KV dtype; a value outside them is click's
-    error naming the option."""
+    error naming the option and the closest choice."""
     from kvlc.compiler.spec.dtypes import DTYPE_SIZES
     from kvlc.engines.vllm.derive.offline import ATTENTION_BACKENDS, MLA_BACKENDS
     from kvlc.init.engines import ENGINES
@@ -320,7 +320,8 @@ def test_cli_help_lists_the_choices():
     for choice in [*ENGINES["kvlc"], *ATTENTION_BACKENDS, *MLA_BACKENDS, *DTYPE_SIZES, "fp8_ds_mla"]:
         assert f"|{choice}|" in text or f"[{choice}|" in text or f"|{choice}]" in text, choice
     bad = CliRunner().invoke(cli, ["init", str(LAYOUTS / "templates/llama-3.1-70b.config.json"), "--kv-dtype", "bf61"])
-    assert bad.exit_code == 2 and "Invalid value for '--kv-dtype': 'bf61' is not one of" in bad.output
+    assert bad.exit_code == 2 and "Invalid value for '--kv-dtype': 'bf61' is not a choice; did you mean 'bf16'?" \
+        in bad.output
 
 
 def test_generated_yaml_is_self_describing():

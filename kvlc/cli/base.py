@@ -15,9 +15,20 @@ import click
 
 from kvlc.compiler import load_plan
 from kvlc.compiler.spec.source import load_config, parse_set
-from kvlc.errors import KvlcError
+from kvlc.errors import KvlcError, did_you_mean
 
 EXIT_SPEC = 2
+
+
+class Choice(click.Choice):
+    """click's Choice (listed in --help) whose refusal names the closest choice: "did you mean ...?"."""
+
+    def convert(self, value, param, ctx):
+        try:
+            return super().convert(value, param, ctx)
+        except click.BadParameter:
+            self.fail(f"{value!r} is not a choice; {did_you_mean(value, self.choices)} "
+                      f"(every choice is listed in --help)", param, ctx)
 
 
 def write_atomic(path: str | Path, data: str | bytes) -> None:

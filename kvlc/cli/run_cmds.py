@@ -8,10 +8,11 @@ from pathlib import Path
 import click
 import yaml
 
-from kvlc.cli.base import EXIT_SPEC, _fail, emit, main, write_atomic
+from kvlc.cli.base import EXIT_SPEC, Choice, _fail, emit, main, write_atomic
 from kvlc.compiler import compile_spec
+from kvlc.compiler.spec.dtypes import DTYPE_SIZES
 from kvlc.engines.vllm.derive.hybrid import SSM_CACHE_DTYPES
-from kvlc.engines.vllm.derive.offline import CPU_BACKENDS, published_view
+from kvlc.engines.vllm.derive.offline import ATTENTION_BACKENDS, CPU_BACKENDS, MLA_BACKENDS, published_view
 from kvlc.engines.vllm.derive.spec import derive_spec, spec_yaml
 from kvlc.errors import KvlcError
 from kvlc.init import EngineOptions, init_checked, read_model
@@ -20,14 +21,14 @@ from kvlc.init.vllm import HYBRID_FAMILIES, vllm_config
 
 @main.command("from-vllm")
 @click.argument("model_dir", type=click.Path(exists=True, file_okay=False))
-@click.option("--backend", default="CPU_ATTN", show_default=True,
-              help="vLLM attention backend: CPU_ATTN, FLASH_ATTN, FLASHINFER, TRITON_ATTN, or an MLA one "
-                   "(FLASHMLA, FLASHINFER_MLA, CUTLASS_MLA, TRITON_MLA, ...).")
+@click.option("--backend", type=Choice(sorted(ATTENTION_BACKENDS | MLA_BACKENDS)), default="CPU_ATTN",
+              show_default=True, help="vLLM attention backend (an MLA one for an MLA model).")
 @click.option("--block-size", type=int, default=None, help="Tokens per block [default: 128 on CPU_ATTN, else 16].")
 @click.option("--kernel-block-size", type=int, default=None, help="Tokens per kernel block [default: block size].")
 @click.option("--tp-size", type=int, default=1, show_default=True)
 @click.option("--tp-rank", type=int, default=0, show_default=True)
-@click.option("--kv-dtype", default="bf16", show_default=True, help="bf16, fp16, fp32, fp8_e4m3, fp8_e5m2.")
+@click.option("--kv-dtype", type=Choice(list(DTYPE_SIZES)), default="bf16", show_default=True,
+              help="The KV cache's dtype (vLLM's --kv-cache-dtype fp8 is fp8_e4m3).")
 @click.option("--num-blocks", type=int, default=None, help="KV-cache blocks [default: 1024; with --from-engine "
               "the engine's own count].")
 @click.option("--layout", default=None, help="vLLM KV-cache layout: LBHNC, LBNHC, BLHNC, BLNHC; older vLLM: "
@@ -35,7 +36,7 @@ from kvlc.init.vllm import HYBRID_FAMILIES, vllm_config
 @click.option("--from-engine", is_flag=True, help="Start a real vLLM engine on CPU and derive from its tensors.")
 @click.option("--kv-cache-mib", type=int, default=64, show_default=True, help="KV-cache memory of the engine.")
 @click.option("--save-view", type=click.Path(dir_okay=False), help="Also write the engine view as JSON here.")
-@click.option("--mamba-ssm-cache-dtype", "ssm_dtype", type=click.Choice(SSM_CACHE_DTYPES), default="auto",
+@click.option("--mamba-ssm-cache-dtype", "ssm_dtype", type=Choice(SSM_CACHE_DTYPES), default="auto",
               show_default=True, help="vLLM's flag of that name (offline, a hybrid's SSM state dtype).")
 @click.option("--cpu-avx512-bf16/--no-cpu-avx512-bf16", "avx512_bf16", default=None,
               help="Offline CPU_ATTN hybrid: the engine's host has AVX-512 BF16 (vLLM then keeps SSM state in "
@@ -127,16 +128,16 @@ def _offline(model_dir: str, *, backend: str, block_size: int, num_blocks: int, 
 @click.argument("layout", required=False, type=click.Path(exists=True, dir_okay=False))
 @click.option("--consumer", type=click.Path(exists=True, dir_okay=False),
               help="The consumer's layout (default: the same as LAYOUT), e.g. another TP or block size.")
-@click.option("--mode", type=click.Choice(["pull", "push", "pull_via_push"]), default="pull", show_default=True)
+@click.option("--mode", type=Choice(["pull", "push", "pull_via_push"]), default="pull", show_default=True)
 @click.option("--requests", type=int, default=64, show_default=True)
 @click.option("--tokens", type=int, default=None, help="Tokens per request (default: what the pools allow).")
 @click.option("--pool-mib", type=int, default=64, show_default=True,
               help="Shrink every storage pool to about this many MiB (layouts keep their geometry).")
-@click.option("--check", type=click.Choice(["all", "first", "none"]), default="all", show_default=True,
+@click.option("--check", type=Choice(["all", "first", "none"]), default="all", show_default=True,
               help="Which rounds to verify byte by byte.")
-@click.option("--ids", type=click.Choice(["random", "contiguous"]), default="random", show_default=True,
+@click.option("--ids", type=Choice(["random", "contiguous"]), default="random", show_default=True,
               help="Producer block ids: scattered over the pool, or contiguous runs (descriptors coalesce).")
-@click.option("--descriptors", type=click.Choice(["rows", "prepped"]), default="rows", show_default=True,
+@click.option("--descriptors", type=Choice(["rows", "prepped"]), default="rows", show_default=True,
               help="rows: coalesced (N, 3) rows per request; prepped: strided lists prepared once, indices per request.")
 @click.option("--batch", type=click.IntRange(min=1), default=1, show_default=True,
               help="Requests per write_many / read_many call (one NIXL request per part for all of them).")

@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from kvlc.cli.base import EXIT_SPEC, _config_opt, _echo_json, _fail, _load_plan, _set_opt, main, write_atomic
+from kvlc.cli.base import EXIT_SPEC, Choice, _config_opt, _echo_json, _fail, _load_plan, _set_opt, main, write_atomic
 from kvlc.compiler.pairing.pair import pair_and_check
 from kvlc.compiler.request.windows import window_stats
 from kvlc.errors import KvlcError
@@ -50,7 +50,7 @@ def explain(spec: str, full: bool, html_out: str | None, as_json: bool, config: 
 @click.argument("consumer", type=click.Path(exists=True, dir_okay=False))
 @click.option("--rank", "rank", type=int, default=0, show_default=True,
               help="The local rank: the consumer's for a pull, the producer's for a push.")
-@click.option("--direction", type=click.Choice(["pull", "push"]), default="pull", show_default=True,
+@click.option("--direction", type=Choice(["pull", "push"]), default="pull", show_default=True,
               help="pull: the consumer READs from producer ranks; push: the producer WRITEs to consumer ranks.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report and summary as JSON.")
 @click.option("--program", "show_program", is_flag=True, help="Also print the program, one line per entry.")
@@ -112,7 +112,7 @@ def _pair_html(path: str, producer, consumer, rank: int, op: str, compatible: bo
               help="The other engine's spec or plan (default: an engine of the same plan).")
 @click.option("--rank", "ranks", type=int, multiple=True,
               help="Only this rank of SPEC (repeatable; default every rank: per-rank rows and the engine total).")
-@click.option("--direction", type=click.Choice(["pull", "push"]), default="pull", show_default=True,
+@click.option("--direction", type=Choice(["pull", "push"]), default="pull", show_default=True,
               help="pull: SPEC reads from PEER (SPEC consumes); push: SPEC writes to PEER (SPEC produces).")
 @click.option("--json", "as_json", is_flag=True, help="Print the numbers as JSON.")
 def size(spec: str, tokens: int, peer: str | None, ranks: tuple[int, ...], direction: str, as_json: bool) -> None:

@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from kvlc.cli.base import (EXIT_SPEC, _config_opt, _echo_json, _fail, _load_plan, _overrides, _set_opt,
+from kvlc.cli.base import (EXIT_SPEC, Choice, _config_opt, _echo_json, _fail, _load_plan, _overrides, _set_opt,
                            emit, main, write_atomic)
 from kvlc.compiler import compile_spec
 from kvlc.compiler.spec.schema import schema_json
@@ -120,9 +120,9 @@ INIT_KV_DTYPES = [*DTYPE_SIZES, DS_MLA]
 
 @main.command("init")
 @click.argument("config", type=click.Path(exists=True, dir_okay=False))
-@click.option("--engine", type=click.Choice(INIT_ENGINES), default="kvlc", show_default=True,
+@click.option("--engine", type=Choice(INIT_ENGINES), default="kvlc", show_default=True,
               help="Engine whose cache shapes to use.")
-@click.option("--backend", type=click.Choice(INIT_BACKENDS), default="paged-nhd", show_default=True,
+@click.option("--backend", type=Choice(INIT_BACKENDS), default="paged-nhd", show_default=True,
               help="The engine's attention backend: engine kvlc's are lower case (paged-nhd ...), engine vllm's "
                    "upper case (FLASH_ATTN ..., MLA ones for MLA models).")
 @click.option("--tp-size", type=int, default=1, show_default=True)
@@ -134,15 +134,15 @@ INIT_KV_DTYPES = [*DTYPE_SIZES, DS_MLA]
               help="Tokens a DCP rank stores in a row (vLLM's cp_kv_cache_interleave_size).")
 @click.option("--block-size", type=int, default=16, show_default=True, help="Tokens per scheduler block.")
 @click.option("--kernel-block-size", type=int, default=None, help="Tokens per attention-kernel block.")
-@click.option("--kv-dtype", type=click.Choice(INIT_KV_DTYPES), default="bf16", show_default=True,
+@click.option("--kv-dtype", type=Choice(INIT_KV_DTYPES), default="bf16", show_default=True,
               help="K/V (or MLA latent) dtype; fp8_ds_mla: vLLM's packed MLA record.")
-@click.option("--mem", type=click.Choice(["VRAM", "DRAM"]), default="VRAM", show_default=True)
+@click.option("--mem", type=Choice(["VRAM", "DRAM"]), default="VRAM", show_default=True)
 @click.option("--device", type=int, default=0, show_default=True)
 @click.option("--num-blocks", type=int, default=4096, show_default=True, help="Blocks per full-attention region.")
 @click.option("--sliding-blocks", type=int, default=None, help="Blocks per sliding-window region (default: --num-blocks).")
 @click.option("--state-slots", type=int, default=None, help="State slots per Mamba/linear layer (default: --num-blocks).")
 @click.option("--mtp/--no-mtp", "mtp", default=True, show_default=True, help="Optional regions for MTP draft layers.")
-@click.option("--mamba-ssm-cache-dtype", "ssm_dtype", type=click.Choice(SSM_CACHE_DTYPES),
+@click.option("--mamba-ssm-cache-dtype", "ssm_dtype", type=Choice(SSM_CACHE_DTYPES),
               default="auto", show_default=True, help="vLLM's flag of that name: a hybrid's SSM state dtype.")
 @click.option("--cpu-avx512-bf16/--no-cpu-avx512-bf16", "avx512_bf16", default=None,
               help="vLLM CPU_ATTN engine: its host has AVX-512 BF16 (vLLM then keeps SSM state in fp32); "

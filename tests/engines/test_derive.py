@@ -361,7 +361,7 @@ def test_from_vllm_writes_file_and_view(model_dir, tmp_path):
 
 
 @pytest.mark.parametrize("args,message", [(["--backend", "FLASHINFR"], "did you mean 'FLASHINFER'"),
-                                          (["--kv-dtype", "bf61"], "unknown KV dtype 'bf61'"),
+                                          (["--kv-dtype", "bf61"], "did you mean 'bf16'"),
                                           (["--layout", "NHD"], "unknown KV-cache layout 'NHD'"),
                                           (["--from-engine", "--num-blocks", "8"], "drop --num-blocks")])
 def test_from_vllm_bad_options_exit_2_with_a_hint(model_dir, args, message):
