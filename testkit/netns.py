@@ -3,8 +3,10 @@
 Each :class:`Host` is a network namespace with its own address on a private /24 that exists only
 inside the namespaces this module creates (a "switch" namespace holds the bridge; the machine's own
 network is never touched). An engine process started with :func:`engine_on` enters its host's
-namespace before it opens any socket and runs UCX over TCP only (``UCX_TLS=tcp``), so that NIXL moves
-bytes over the veth link as it would between machines, not by cross-memory attach.
+namespace before it opens any socket, then runs in a PID namespace of its own (as a container on
+another machine does: it sees no other engine's process, and kvlc's same-host check, boot id plus PID
+namespace, says "another host"), and runs UCX over TCP only (``UCX_TLS=tcp``), so that NIXL moves bytes
+over the veth link as it would between machines, not by cross-memory attach.
 
 Faults are link faults of one host: :meth:`Network.link_down` / :meth:`Network.link_up` (the switch
 side of its veth) and :meth:`Network.rate_limit` (a tbf queue on both ends; netem is absent from
@@ -24,6 +26,8 @@ from dataclasses import dataclass, field
 from kvlc.demo.procs import EngineProcess
 
 CLONE_NEWNET = 0x40000000
+CLONE_NEWPID = 0x20000000
+PR_SET_PDEATHSIG = 1
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -124,31 +128,59 @@ class Network:
         self.hosts = []
 
 
-def _enter(ns: str, conn) -> None:  # pragma: no cover - runs in the child
-    """The child's first act: join ``ns``'s network, UCX over TCP only; then serve the harness's pipe."""
-    fd = os.open(f"/var/run/netns/{ns}", os.O_RDONLY)
+def _enter(ns: str, conn, inner_pid) -> None:  # pragma: no cover - runs in the child
+    """The child's first acts: join ``ns``'s network, make a PID namespace and fork the engine into it
+    (its PID 1; it dies with this process), UCX over TCP only; the engine then serves the harness's pipe.
+    ``inner_pid`` gets the engine's PID as this machine sees it (for signals)."""
+    import signal
+
     libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/var/run/netns/{ns}", os.O_RDONLY)
     if libc.setns(fd, CLONE_NEWNET) != 0:
         raise OSError(ctypes.get_errno(), f"setns into {ns} failed")
     os.close(fd)
-    os.environ["UCX_TLS"] = "tcp"
-    from kvlc.demo.procs_child import _main
+    if libc.unshare(CLONE_NEWPID) != 0:
+        raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWPID) failed")
+    pid = os.fork()
+    if pid == 0:
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # kill -9 of the harness's process ends the host
+        os.environ["UCX_TLS"] = "tcp"
+        from kvlc.demo.procs_child import _main
 
-    _main(conn)
+        _main(conn)
+        os._exit(0)
+    inner_pid.value = pid
+    conn.close()
+    _, status = os.waitpid(pid, 0)
+    os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
 
 
 class NsEngineProcess(EngineProcess):
-    """An :class:`~kvlc.demo.procs.EngineProcess` whose child lives in ``host``'s network namespace."""
+    """An :class:`~kvlc.demo.procs.EngineProcess` whose engine lives in ``host``'s network namespace and a
+    PID namespace of its own; kill -9 of it ends the engine, signals (SIGSTOP ...) go to the engine."""
 
     def __init__(self, host: Host):
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_enter, args=(host.ns, child), daemon=True)
+        self.inner_pid = ctx.Value("i", 0)
+        self.process = ctx.Process(target=_enter, args=(host.ns, child, self.inner_pid), daemon=True)
         self.process.start()
         child.close()
         self._next = 0
         self.agents = []
         self.host = host
+
+    def engine_pid(self, timeout: float = 30.0) -> int:
+        """The engine's PID on this machine (it is PID 1 in its own namespace)."""
+        import time
+
+        end = time.monotonic() + timeout
+        while not self.inner_pid.value and time.monotonic() < end:
+            time.sleep(0.01)
+        return int(self.inner_pid.value)
+
+    def signal(self, sig: int) -> None:
+        os.kill(self.engine_pid(), sig)
 
 
 def engine_on(host: Host) -> NsEngineProcess:

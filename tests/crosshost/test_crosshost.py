@@ -1,4 +1,4 @@
-"""Across hosts: engines in their own network namespaces, joined by veth links, UCX over TCP.
+"""Across hosts: engines in their own network and PID namespaces, joined by veth links, UCX over TCP.
 
 Contracts:
 - every transfer mode moves the right bytes between hosts (2 producers x 2 consumers on 4 hosts,
@@ -6,11 +6,14 @@ Contracts:
 - a fence that holds over TCP: a request is reported failed (blocks reusable) only once no byte of it
   can land any more. With the link slowed (tbf) or cut mid-transfer, zero bytes change in the
   consumer's memory after its request was reported failed or finished, in every mode;
+- a session lost in an outage, and a host killed (kill -9) and started again on its address, are seen
+  by the other host's peers, reported once, and repaired by connecting again;
 Skipped, with the reason, where network namespaces cannot be made (not root, no iproute2).
 """
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -204,3 +207,36 @@ def test_a_session_lost_in_an_outage_is_seen_reported_once_and_repaired(plans):
 
 def _outage_reqs(tag: str) -> list:
     return [(f"{tag}-a", {"full": [1, 2]}, {"full": [5, 6]}, 30), (f"{tag}-b", {"full": [9]}, {"full": [3]}, 16)]
+
+
+def test_a_host_killed_and_restarted_on_its_address_is_reached_again(plans):
+    """A producer host's engine killed (kill -9; PID 1 of its own PID namespace) and started again on the
+    same address: the consumer on another host, one peer per pull mode, sees the loss once per peer,
+    connects again by itself, and every byte of every request after the restart is right (as the new
+    engine's content codes say). Each engine lives in a PID namespace of its own, neither the test's
+    nor the other's."""
+    plan, port = plans["x"], 47311
+    modes = ("direct", "prepped", "pull_via_push")
+    with Network(2, subnet=81) as net:
+        a, b = net.hosts
+        pproc, cproc = engine_on(a), engine_on(b)
+        prod = pproc.add(config(plan, 0, "content", host=a.ip, engine_id="kr-p", port=port))
+        cons = cproc.add(config(plan, 0, "random", seed=5, host=b.ip, engine_id="kr-c"))
+        try:
+            spaces = {os.readlink(f"/proc/{p.engine_pid()}/ns/pid") for p in (pproc, cproc)}
+            assert len(spaces) == 2 and os.readlink("/proc/self/ns/pid") not in spaces
+            for mode in modes:
+                cons.connect([prod.address], "READ", mode, mode)
+                move(cons, mode, "read", _outage_reqs(f"kr-{mode}-0"))
+            pproc.kill()
+            pproc = engine_on(a)
+            prod = pproc.add(config(plan, 0, "content", host=a.ip, engine_id="kr-p", port=port))
+            for rnd in (1, 2):
+                for mode in modes:
+                    before = cons.call("dump")
+                    move(cons, mode, "read", _outage_reqs(f"kr-{mode}-{rnd}"))
+                    check_bytes(cons, plan, plan, before, _outage_reqs(f"kr-{mode}-{rnd}"))
+                assert cons.call("stats").get("sessions_lost") == len(modes)  # once per peer, round 2: none
+            assert cons.call("events")["flips"] == []
+        finally:
+            stop_engines([prod, cons])
