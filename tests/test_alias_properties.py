@@ -3,8 +3,9 @@
 An attention region and two state regions (Mamba-like groups) lie over one page pool per
 layer, declared with ``aliases``. Each group receives into its own pages; READ and WRITE copy
 each requested byte exactly once (content codes on every destination byte, nothing else
-written) in exactly the independent minimum of descriptors, across TP and block sizes. A
-request that gives two groups of one pool the same page is refused.
+written) in exactly the independent minimum of descriptors, across TP, block sizes and attention
+kernel blocks smaller than a page (a page is one logical block: m kernel blocks of the attention
+region, one state). A request that gives two groups of one pool the same page is refused.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import kvlc
@@ -31,17 +32,19 @@ from kvlc import bind, instantiate
 HEADS, DIM = 4, 4
 
 
-def pool_spec(name: str, tp: int, block: int, pages: int, state: int) -> str:
-    """Per layer one pool: attention K/V blocks and two state groups' states on the same pages."""
+def pool_spec(name: str, tp: int, block: int, pages: int, state: int, kernel: int | None = None) -> str:
+    """Per layer one pool: attention K/V blocks and two state groups' states on the same pages; with
+    ``kernel`` (< block) the attention region's kernel blocks split each page into block / kernel."""
     local = max(HEADS // tp, 1)
-    attn = 2 * block * local * DIM * 2
+    m = block // (kernel or block)
+    attn = 2 * (kernel or block) * local * DIM * 2
     st_bytes = local * state * 4
-    page = max(attn, st_bytes)
+    page = -(-max(m * attn, st_bytes) // m) * m
     kv = [{"name": "token", "role": "token"}, {"name": "head", "role": "head"}, {"name": "head_dim"}]
     regions = []
     for layer in range(2):
         regions.append({"name": f"attn.{layer}", "storage": f"pool.{layer}", "layout": "kv", "offset": 0,
-                        "block_stride": page, "num_blocks": pages, "groups": ["full"]})
+                        "block_stride": page // m, "num_blocks": pages * m, "groups": ["full"]})
         for g in ("ssm_a", "ssm_b"):
             regions.append({"name": f"{g}.{layer}", "storage": f"pool.{layer}", "layout": "state", "offset": 0,
                             "block_stride": page, "num_blocks": pages, "groups": [g],
@@ -50,7 +53,8 @@ def pool_spec(name: str, tp: int, block: int, pages: int, state: int) -> str:
         "kvlc": 1, "name": name,
         "model": {"name": "m", "num_layers": 2, "num_kv_heads": HEADS, "head_dim": DIM, "sizes": {"state": state}},
         "parallel": {"tp_size": tp}, "block_size": block,
-        "groups": [{"name": "full", "kind": "full_attention"}, {"name": "ssm_a", "kind": "mamba"},
+        "groups": [{"name": "full", "kind": "full_attention", **({"kernel_block_size": kernel} if kernel else {})},
+                   {"name": "ssm_a", "kind": "mamba"},
                    {"name": "ssm_b", "kind": "mamba"}],
         "storages": [{"name": f"pool.{i}", "mem": "VRAM"} for i in range(2)],
         "layouts": {"kv": {"fields": [{"name": "k", "dtype": "bf16", "dims": kv},
@@ -80,6 +84,7 @@ def coded_pool(plan, tag: int, ids: dict) -> Engine:
 def pool_case(draw):
     tps = (draw(st.sampled_from((1, 2, 4))), draw(st.sampled_from((1, 2, 4))))
     blocks = (draw(st.sampled_from((2, 4, 8))), draw(st.sampled_from((2, 4, 8))))
+    kernels = tuple(draw(st.sampled_from([None] + [k for k in (1, 2, 4) if k < b and b % k == 0])) for b in blocks)
     state = draw(st.integers(1, 12))
     tokens = draw(st.integers(1, 20))
     pages, ids = [], []
@@ -89,15 +94,17 @@ def pool_case(draw):
         order = draw(st.permutations(range(n)))
         ids.append({"full": list(order[:need]), "ssm_a": [order[need]], "ssm_b": [order[need + 1]]})
         pages.append(n)
-    return tps, blocks, state, tokens, pages, ids
+    return tps, blocks, kernels, state, tokens, pages, ids
 
 
 @settings(PROPS, max_examples=40)
 @given(pool_case())
+@example(((1, 2), (8, 4), (2, None), 5, 13, [4, 6], [{"full": [3, 0], "ssm_a": [1], "ssm_b": [2]},
+                                                          {"full": [5, 2, 0, 4], "ssm_a": [1], "ssm_b": [3]}]))
 def test_aliased_pools_move_exact_bytes(case):
-    tps, blocks, state, tokens, pages, ids = case
-    cons = kvlc.compile_spec(pool_spec("c", tps[0], blocks[0], pages[0], state))
-    prod = kvlc.compile_spec(pool_spec("p", tps[1], blocks[1], pages[1], state))
+    tps, blocks, kernels, state, tokens, pages, ids = case
+    cons = kvlc.compile_spec(pool_spec("c", tps[0], blocks[0], pages[0], state, kernels[0]))
+    prod = kvlc.compile_spec(pool_spec("p", tps[1], blocks[1], pages[1], state, kernels[1]))
     cids, pids = ids
     P = coded_pool(prod, 1, pids)
     C = Engine(cons, 0, False)
@@ -141,3 +148,28 @@ def test_aliases_keep_old_plans_identical():
     pool = kvlc.compile_spec(root / "qwen3-next-80b-a3b-pool-tp4.yaml")
     assert pool.region("layer.0").aliases == ("layer.3",)
     assert kvlc.compiler.plan.model.Plan.from_json(pool.to_json()).digest == pool.digest
+
+
+def test_kernel_blocks_of_one_page_count_as_that_page():
+    """Attention kernel blocks 2 of a 8-token page (4 per page): the attention group's block 1 is kernel
+    blocks 4..7, i.e. page 1; a state group given page 1 too is refused, page 2 is not."""
+    plan = kvlc.compile_spec(pool_spec("c", 1, 8, 6, 3, kernel=2))
+    assert plan.group("full").kernel_blocks_per_block == 4 and plan.region("attn.0").num_blocks == 24
+    prog = pair(plan, plan, local_rank=0, direction="READ")
+    bases = {s.name: (0, 0) for s in plan.storages}, {0: {s.name: (1 << 40, 0) for s in plan.storages}}
+    remote = {"full": [2, 3], "ssm_a": [4], "ssm_b": [5]}
+    with pytest.raises(TransferError, match="page 1 .* groups 'full' and 'ssm_a'"):
+        instantiate(bind(prog, *bases), {"full": [0, 1], "ssm_a": [1], "ssm_b": [2]}, remote, 16)
+    assert instantiate(bind(prog, *bases), {"full": [0, 1], "ssm_a": [2], "ssm_b": [3]}, remote, 16)
+
+
+def test_an_alias_over_other_pages_names_page_size_and_kernel_blocks():
+    """A state region whose page is not the attention region's 4 kernel blocks: refused where it is
+    declared, with both page sizes and the kernel blocks per page named."""
+    spec = yaml.safe_load(pool_spec("c", 1, 8, 6, 3, kernel=2))
+    spec["regions"][1]["block_stride"] *= 2
+    with pytest.raises(kvlc.SpecError) as err:
+        kvlc.compile_spec(yaml.safe_dump(spec))
+    text = str(err.value)
+    assert "regions[1].aliases[0]" in text and "does not lie page for page over it (page size differs)" in text
+    assert "4 kernel blocks per page" in text and "block_stride = page size / kernel blocks per page" in text

@@ -3,9 +3,11 @@
 vLLM's hybrid allocator gives attention layers and Mamba / linear-attention layers one page
 pool: page ``i`` of a layer's tensor is an attention block for one request and a state for
 another. A region declares that with ``aliases: [other regions]``. A declared alias must lie
-page for page over the other region (same storage, offset, block stride and block count, each
+page for page over the other region (same storage, offset, page size and page count, each
 block inside its page) and serve other groups; every overlap that is not declared stays an
-error (:func:`kvlc.compiler.plan.check.check_overlaps`).
+error (:func:`kvlc.compiler.plan.check.check_overlaps`). A page is one logical block of the
+region's group: where the attention kernel block is smaller than the page (``m`` kernel blocks
+per block), the region's ``m`` consecutive kernel blocks of ``block_stride`` bytes make one page.
 """
 
 from __future__ import annotations
@@ -40,12 +42,34 @@ def pools(regions) -> dict[str, str]:
     return {name: find(name) for name in parent}
 
 
+def _page_props(r, split: bool) -> list[tuple[str, int, str]]:
+    """(property, value, text) of where ``r``'s pages lie; ``split``: compare whole pages (one logical
+    block: ``kernel_blocks_per_block`` kernel blocks of ``block_stride`` bytes) instead of blocks."""
+    if not split:
+        return [(w, getattr(r, w), str(getattr(r, w))) for w in ("storage", "offset", "block_stride", "num_blocks")]
+    m = r.kernel_blocks_per_block
+    per = f" ({m} kernel blocks per page)" if m > 1 else ""
+    return [("storage", r.storage, r.storage), ("offset", r.offset, str(r.offset)),
+            ("page size", r.block_stride * m, f"{r.block_stride * m} bytes{per}"),
+            ("page count", r.num_blocks // m, f"{r.num_blocks // m} pages{per}")]
+
+
 def _page_mismatch(a, b) -> tuple[str, str, str] | None:
     """(what, a's value, b's value) of the first page-pool property two regions do not share."""
-    for what in ("storage", "offset", "block_stride", "num_blocks"):
-        if getattr(a, what) != getattr(b, what):
-            return what, str(getattr(a, what)), str(getattr(b, what))
+    split = a.kernel_blocks_per_block > 1 or b.kernel_blocks_per_block > 1
+    for (what, x, tx), (_, y, ty) in zip(_page_props(a, split), _page_props(b, split)):
+        if x != y:
+            return what, tx, ty
     return None
+
+
+def _page_fix(a, b) -> str:
+    if a.kernel_blocks_per_block == b.kernel_blocks_per_block == 1:
+        return ("give both regions one storage, offset, block_stride and num_blocks (set block_stride to the "
+                "page size), or drop the alias")
+    return ("give both regions one storage and offset and the same pages: a region of kernel blocks has "
+            "block_stride = page size / kernel blocks per page and num_blocks = pages x kernel blocks per page; "
+            "or drop the alias")
 
 
 def check_aliases(res) -> list:
@@ -80,8 +104,7 @@ def check_aliases(res) -> list:
                 out.append(Problem(path, f"region '{r.name}' aliases region '{name}' but does not lie page for "
                                    f"page over it ({what} differs)",
                                    expected=f"{what} {theirs} (as region '{name}')", found=f"{what} {mine}",
-                                   fix=f"give both regions one storage, offset, block_stride and num_blocks "
-                                   f"(set block_stride to the page size), or drop the alias"))
+                                   fix=_page_fix(r, o)))
                 continue
             shared = sorted(set(r.groups) & set(o.groups))
             if shared or name in r.aliases[:ai]:

@@ -259,11 +259,13 @@ def _pool_conflicts(plan, kids: Mapping[str, np.ndarray], side: str) -> None:
     pool = pools(plan.regions)
     for r in plan.regions:
         members.setdefault(pool[r.name], []).append(r)
+    # a page is one logical block: a group of m kernel blocks per block has kernel ids b*m .. b*m+m-1 on page b
+    pages = {g: np.unique(k // plan.group(g).kernel_blocks_per_block) for g, k in kids.items()}
     for regions in members.values():
         groups = sorted({g for r in regions for g in r.groups if g in kids})
         for i, ga in enumerate(groups):
             for gb in groups[i + 1:]:
-                both = np.intersect1d(kids[ga], kids[gb])
+                both = np.intersect1d(pages[ga], pages[gb])
                 if both.size:
                     raise TransferError(f"{side} page {int(both[0])} of pool '{regions[0].name}' is given to "
                                         f"groups '{ga}' and '{gb}', whose regions share one page pool "
