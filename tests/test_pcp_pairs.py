@@ -160,3 +160,33 @@ def test_descriptors_per_4096_token_request(prod, cons, want):
     c, p = kvlc.compile_spec(cons), kvlc.compile_spec(prod)
     contiguous, scattered = _request(c, p, 0, False), _request(c, p, 0, True)
     assert (contiguous[0], scattered[0], contiguous[1], scattered[1]) == (*want[:2], want[2], want[2])
+
+
+# ---------------------------------------------------------------- kvlc init --pcp-size
+def test_init_pcp_specs_pair_with_the_decode_layouts():
+    """`kvlc init --pcp-size` writes PCP specs (alone, and x DCP) that pair with DeepSeek-V3 TP8 DCP8, both ways."""
+    import json
+    from kvlc.init import EngineOptions, init_checked
+    cfg = json.loads((LAYOUTS / "configs" / "deepseek-v3.config.json").read_text())
+    dcp8 = kvlc.compile_spec(V3_DCP8)
+    for extra in ({}, {"dcp_size": 2, "dcp_interleave": 64}, {"dcp_size": 16}):
+        spec = kvlc.compile_spec(init_checked(cfg, EngineOptions(tp_size=8, pcp_size=2, block_size=64, num_blocks=64,
+                                                                 model_name="deepseek-ai/DeepSeek-V3", **extra)))
+        assert spec.parallel.pcp_size == 2 and spec.parallel.ranks == 16 and "-tp8-pcp2" in spec.name
+        assert check_pair(dcp8, spec, local_rank=0, direction="READ").ok
+        assert check_pair(spec, dcp8, local_rank=15, direction="READ").ok
+
+
+def test_init_refuses_pcp_dcp_sizes_vllm_refuses():
+    """--dcp-size outside {1, pcp, tp x pcp}, or over all ranks with sharded GQA heads: an InitError with the fix."""
+    import json
+    from kvlc.init import EngineOptions, InitError, init_yaml
+    ds = json.loads((LAYOUTS / "configs" / "deepseek-v3.config.json").read_text())
+    qwen = json.loads((LAYOUTS / "configs" / "qwen3-235b-a22b.config.json").read_text())
+    with pytest.raises(InitError, match=r"--dcp-size 4 with --pcp-size 2 and --tp-size 8.*\[1, 2, 16\]"):
+        init_yaml(ds, EngineOptions(tp_size=8, pcp_size=2, dcp_size=4))
+    with pytest.raises(InitError, match=r"--dcp-size 16 over all 8 x 2 ranks with 4 KV heads.*--dcp-size 2"):
+        init_yaml(qwen, EngineOptions(tp_size=8, pcp_size=2, dcp_size=16))
+    out = CliRunner().invoke(main, ["init", str(LAYOUTS / "configs" / "deepseek-v3.config.json"), "--tp-size", "8",
+                                    "--pcp-size", "2", "--block-size", "64", "--num-blocks", "8"])
+    assert out.exit_code == 0 and "pcp_size: 2" in out.output and "TP8 PCP2" in out.output
