@@ -410,12 +410,13 @@ def test_random_pcp_pairs_move_exact_bytes(data):
     assert run_case(data.draw(dcp_case(kind=kind, heads=heads, sides=tuple(sides)))) > 0
 
 
-# the five cases, (tp, pcp, dcp) of the consumer and the producer, MLA as vLLM's PCP requires
+# the five cases (the fifth, PCP decoding, twice), (tp, pcp, dcp) of the consumer and the producer, MLA as vLLM's PCP requires
 PCP_CASES = {
     "pcp-x-dcp-producer-to-dcp-consumer": ((8, 1, 8), (2, 2, 4)),
     "replicated-pcp-producer-to-dcp-consumer": ((8, 1, 8), (8, 2, 1)),
     "dcp-producer-to-replicated-pcp-consumer": ((4, 2, 1), (8, 1, 8)),
     "pcp-producer-to-tp-consumer": ((1, 1, 1), (4, 2, 2)),
+    "pcp-x-dcp-consumer-from-tp-producer": ((4, 2, 8), (8, 1, 1)),
     "pcp-consumer-from-pcp-producer": ((2, 2, 2), (4, 2, 8)),
 }
 
