@@ -158,7 +158,13 @@ def _add_readers(readers: dict[int, set], fields, cons, prod, dcp) -> None:
 
 
 def tp_alone(par):
-    """``par`` without token sharding (DCP 1): how a region that neither side DCP-shards is served."""
+    """``par`` without token sharding (DCP 1): how a region that neither side DCP-shards is served.
+
+    >>> from kvlc import compile_spec
+    >>> p = tp_alone(compile_spec("layouts/deepseek-v3.2-tp8-pcp2-dcp2.yaml").parallel)
+    >>> p.tp_size, p.pcp_size, p.dcp_size, p.dcp_interleave
+    (8, 2, 1, 1)
+    """
     return par.model_copy(update={"dcp_size": 1, "dcp_interleave": 1}) if par.dcp_size > 1 else par
 
 
