@@ -28,7 +28,7 @@ class Engine:
 
     def __post_init__(self):
         rng = np.random.default_rng(1234 + self.tag)
-        for rank in range(self.plan.parallel.tp_size):
+        for rank in range(self.plan.parallel.ranks):  # tp_size * pcp_size
             bufs = {}
             for i, s in enumerate(self.plan.storages):
                 bufs[s.name] = rng.integers(0, 256, s.size, dtype=np.uint8)

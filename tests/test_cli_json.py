@@ -152,7 +152,7 @@ def test_size_for_every_checked_in_pair(p):
     assert len(s.ranks) == cons.parallel.tp_size and s.moved > 0
     for r in s.ranks:
         assert r.bytes > 0 and 0 < r.contiguous <= r.scattered
-        assert set(r.peers) <= set(range(prod.parallel.tp_size))
+        assert set(r.peers) <= set(range(prod.parallel.ranks))  # tp_size * pcp_size ranks
     assert s.engine_bytes == s.rank_bytes * cons.parallel.tp_size
 
 

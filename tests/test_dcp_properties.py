@@ -49,6 +49,7 @@ class SideT:
     mem: str
     text: str = ""
     draft: int = 0               # 0: no draft group; 1: a draft (MTP) group DCP shards; 2: one it leaves whole
+    pcp: int = 1                 # prefill context parallelism: tp * pcp ranks
 
     @property
     def draft_dcp(self) -> int:
@@ -75,15 +76,24 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def pcp_dcp_sizes(tp: int, pcp: int, heads: int | None) -> list[int]:
+    """vLLM's DCP sizes beside PCP ``pcp`` > 1 (``ParallelConfig``: 1, pcp, tp * pcp) whose DCP groups hold one
+    head's tokens: DCP over every rank only where every rank holds every head (MLA, one KV head, or TP1)."""
+    every = heads is None or heads == 1 or tp == 1
+    return sorted({1, pcp} | ({tp * pcp} if every else set()))
+
+
 @st.composite
-def side_t(draw, heads: int | None, tps=(1, 2, 4, 8), dcp=None) -> SideT:
+def side_t(draw, heads: int | None, tps=(1, 2, 4, 8), dcp=None, pcps=(1,)) -> SideT:
     tp = draw(st.sampled_from([t for t in tps if heads is None or heads % t == 0 or t % heads == 0]))
+    pcp = draw(st.sampled_from(pcps))
     per = tp if heads is None else (tp // heads if tp > heads else 1)  # ranks holding one head
-    d = dcp if dcp is not None else draw(st.sampled_from(_divisors(per)))
+    sizes = _divisors(per) if pcp == 1 else pcp_dcp_sizes(tp, pcp, heads)
+    d = dcp if dcp is not None else draw(st.sampled_from(sizes))
     kernel = draw(st.sampled_from((2, 4, 8)))
     block = kernel * draw(st.sampled_from((1, 1, 2)))
     inter = draw(st.sampled_from(_divisors(kernel))) if d > 1 else 1
-    return SideT(tp, d, inter, block, kernel, draw(st.sampled_from(("VRAM", "DRAM"))))
+    return SideT(tp, d, inter, block, kernel, draw(st.sampled_from(("VRAM", "DRAM"))), pcp=pcp)
 
 
 def _dims(draw, kind: str, lat_size: int) -> dict:
@@ -101,7 +111,8 @@ def _spec(s: SideT, label: str, heads, fields: dict, per_block: bool, mamba: int
         ys.append({"name": "scale", "dtype": "fp32", "dims": [{"name": "head", "role": "head"} if heads
                                                                 else {"name": "sc", "size": 2}]})
     model = {"name": "prop/dcp", "num_layers": 1, **({"num_kv_heads": heads, "head_dim": 2} if heads else {})}
-    par = {"tp_size": s.tp, "dcp_size": s.dcp, **({"dcp_interleave": s.inter} if s.inter > 1 else {})}
+    par = {"tp_size": s.tp, **({"pcp_size": s.pcp} if s.pcp > 1 else {}), "dcp_size": s.dcp,
+           **({"dcp_interleave": s.inter} if s.inter > 1 else {})}
     spec = {"kvlc": 1, "name": f"dcp-{label}", "model": model, "parallel": par, "block_size": s.block,
             "kernel_block_size": s.kernel, "groups": [{"name": "full", "kind": "full_attention"}],
             "storages": [{"name": "s", "mem": s.mem}], "layouts": {"kv": {"fields": ys}},
@@ -173,6 +184,11 @@ def global_pos(j, size: int, inter: int, rank: int):
     return (j // inter) * size * inter + rank * inter + j % inter
 
 
+def vllm_dcp_rank(par, r: int) -> int:
+    """vLLM's DCP rank of engine rank ``r``: world ``(pcp, tp)``, TP innermost; DCP groups over ``(tp, pcp)``."""
+    return ((r % par.tp_size) * par.pcp_size + r // par.tp_size) % par.dcp_size
+
+
 def owners(heads: int, tp: int) -> list[range]:
     if heads % tp == 0:
         n = heads // tp
@@ -182,9 +198,9 @@ def owners(heads: int, tp: int) -> list[range]:
 
 def source_rank(c: int, head: int | None, heads: int, prod, dp: int | None) -> int:
     """The documented rule: among producer ranks holding the head (and the token), the (c mod count)-th."""
-    ranks = range(prod.tp_size) if head is None else [r for r, hs in enumerate(owners(heads, prod.tp_size))
-                                                       if head in hs]
-    cands = [r for r in ranks if dp is None or r % prod.dcp_size == dp]
+    own = owners(heads, prod.tp_size)
+    ranks = [r for r in range(prod.tp_size * prod.pcp_size) if head is None or head in own[r % prod.tp_size]]
+    cands = [r for r in ranks if dp is None or vllm_dcp_rank(prod, r) == dp]
     return cands[c % len(cands)]
 
 
@@ -193,7 +209,7 @@ def _sharding(plan, region):
     rank holds every token of it, as vLLM keeps a draft model's cache whole)."""
     p = plan.parallel
     if plan.group(region.groups[0]).dcp_replicated:
-        return SimpleNamespace(tp_size=p.tp_size, dcp_size=1, dcp_interleave=1)
+        return SimpleNamespace(tp_size=p.tp_size, pcp_size=p.pcp_size, dcp_size=1, dcp_interleave=1)
     return p
 
 
@@ -230,18 +246,19 @@ def _field_ref(cp, c: int, pp, rc, rp, fc, ck, pk, start: int, tokens: int):
             keep, t = np.ones((len(j), grid.shape[1]), bool), None
         else:
             jl = j * rc.block_tokens + idx[tok.name][None, :]
-            t = global_pos(jl, cpar.dcp_size, cpar.dcp_interleave, c % cpar.dcp_size)
+            t = global_pos(jl, cpar.dcp_size, cpar.dcp_interleave, vllm_dcp_rank(cpar, c))
             keep = (t >= start) & (t < tokens)
             jp = local_pos(t, ppar.dcp_size, ppar.dcp_interleave)
             kc, kp = j - c0, jp // rp.block_tokens - p0
     shape = keep.shape
     hd = fc.dim("head")
     heads = hd.global_size if hd else 1
-    hglob = idx[hd.name] + owners(heads, cpar.tp_size)[c].start if hd else np.zeros(grid.shape[1], np.int64)
+    hglob = idx[hd.name] + owners(heads, cpar.tp_size)[c % cpar.tp_size].start if hd else \
+        np.zeros(grid.shape[1], np.int64)
     if state or ppar.dcp_size == 1:
         dps = np.full(shape, -1)                      # any rank holding the head: TP alone
     elif t is None:
-        dps = np.full(shape, c % ppar.dcp_size)       # per-block field, equal sharding: the same DCP rank
+        dps = np.full(shape, vllm_dcp_rank(cpar, c))  # per-block field, equal sharding: the same DCP rank
     else:
         dps = (t // ppar.dcp_interleave) % ppar.dcp_size
     hb = np.broadcast_to(hglob, shape)
@@ -249,7 +266,8 @@ def _field_ref(cp, c: int, pp, rc, rp, fc, ck, pk, start: int, tokens: int):
     table = {(h, d): source_rank(c, h if hd else None, heads, ppar, None if d < 0 else d)
              for h, d in {tuple(x) for x in keyed}}
     prank = np.array([table[tuple(x)] for x in keyed], np.int64).reshape(shape)
-    pstart = np.array([owners(heads, ppar.tp_size)[r].start for r in range(ppar.tp_size)]) if hd else None
+    pstart = np.array([owners(heads, ppar.tp_size)[r % ppar.tp_size].start
+                       for r in range(ppar.tp_size * ppar.pcp_size)]) if hd else None
     poff = np.full(shape, fp.offset, np.int64)
     for d in fp.dims:
         if d.role == "head":
@@ -279,7 +297,7 @@ def reference(cp, c: int, pp, C: Engine, P: Engine, cids, pids, start: int, toke
             ca, pr, pa = _field_ref(cp, c, pp, rc, rp, fc, ck, pk, start, tokens)
             b = np.arange(fc.itemsize)
             ca = (ca[:, None] + b).ravel() + C.bases[(c, rc.storage)]
-            pbase = np.array([P.bases[(p, rp.storage)] for p in range(pp.parallel.tp_size)])
+            pbase = np.array([P.bases[(p, rp.storage)] for p in range(pp.parallel.ranks)])
             pa = (pa[:, None] + b).ravel() + np.repeat(pbase[pr], fc.itemsize)
             pr = np.repeat(pr, fc.itemsize)
             for p in np.unique(pr).tolist():
@@ -291,7 +309,7 @@ def reference(cp, c: int, pp, C: Engine, P: Engine, cids, pids, start: int, toke
 # ============================================================================ running a case
 def run_case(case: DcpCase) -> int:
     cons, prod = kvlc.compile_spec(case.cons.text), kvlc.compile_spec(case.prod.text)
-    ctp, ptp = cons.parallel.tp_size, prod.parallel.tp_size
+    ctp, ptp = cons.parallel.ranks, prod.parallel.ranks   # tp_size * pcp_size ranks each
     P = Engine(prod, 1, True)
     C = Engine(cons, 0, False)
     checked = 0
@@ -375,3 +393,42 @@ def test_gqa_dcp_within_head_replicas(c, p, data):
     """GQA with TP beyond the KV heads: DCP splits a head's replicas, on one side or both."""
     run_case(data.draw(dcp_case(kind="gqa", heads=2, sides=tuple(
         data.draw(side_t(2, tps=(tp,), dcp=d)) for tp, d in (c, p)))))
+
+
+# ============================================================================ prefill context parallelism
+@settings(PROPS, max_examples=40)
+@given(data=st.data())
+def test_random_pcp_pairs_move_exact_bytes(data):
+    """Any pair with PCP on one side or both (PCP alone: a whole replica per PCP rank; PCP x DCP with DCP along
+    the PCP ranks or over all of them), any TP, interleave and block sizes: every byte once, nothing else,
+    fewest rows, READ from every consumer rank and WRITE from every producer rank."""
+    kind = data.draw(st.sampled_from(("mla", "gqa")))
+    heads = None if kind == "mla" else data.draw(st.sampled_from((1, 2, 4)))
+    sides = [data.draw(side_t(heads, tps=(1, 2, 4), pcps=(1, 2, 4))) for _ in range(2)]
+    if sides[0].pcp == 1 and sides[1].pcp == 1:
+        sides[data.draw(st.integers(0, 1))] = data.draw(side_t(heads, tps=(1, 2, 4), pcps=(2, 4)))
+    assert run_case(data.draw(dcp_case(kind=kind, heads=heads, sides=tuple(sides)))) > 0
+
+
+# the issue's five cases (the fifth, PCP decoding, twice), (tp, pcp, dcp) of the consumer and the producer, MLA as vLLM's PCP requires
+PCP_CASES = {
+    "pcp-x-dcp-producer-to-dcp-consumer": ((8, 1, 8), (2, 2, 4)),
+    "replicated-pcp-producer-to-dcp-consumer": ((8, 1, 8), (8, 2, 1)),
+    "dcp-producer-to-replicated-pcp-consumer": ((4, 2, 1), (8, 1, 8)),
+    "pcp-producer-to-tp-consumer": ((1, 1, 1), (4, 2, 2)),
+    "pcp-x-dcp-consumer-from-tp-producer": ((4, 2, 8), (8, 1, 1)),
+    "pcp-consumer-from-pcp-producer": ((2, 2, 2), (4, 2, 8)),
+}
+
+
+@pytest.mark.parametrize("c,p", list(PCP_CASES.values()), ids=list(PCP_CASES))
+@settings(PROPS, max_examples=8)
+@given(data=st.data())
+def test_pcp_issue_cases(c, p, data):
+    """The issue's PCP cases (a PCP x DCP producer pulled by a DCP consumer, replicated PCP against a
+    DCP-sharded peer either way, PCP on either role), with a draft group sharded or replicated: exact bytes."""
+    sides = []
+    for tp, pcp, d in (c, p):
+        s = data.draw(side_t(None, tps=(tp,), dcp=d, pcps=(pcp,)))
+        sides.append(s)
+    run_case(data.draw(dcp_case(kind="mla", sides=tuple(sides))))

@@ -129,6 +129,8 @@ INIT_KV_DTYPES = [*DTYPE_SIZES, DS_MLA]
 @click.option("--pp-size", type=int, default=1, show_default=True, help="Pipeline stages (even split).")
 @click.option("--pp-rank", type=int, default=0, show_default=True, help="This engine's pipeline stage.")
 @click.option("--layers", "layers", metavar="START:STOP", help="This stage's layers [START, STOP) (instead of --pp-*).")
+@click.option("--pcp-size", type=int, default=1, show_default=True,
+              help="Prefill context parallel ranks (vLLM's prefill_context_parallel_size): tp x pcp ranks.")
 @click.option("--dcp-size", type=int, default=1, show_default=True, help="Decode context parallel ranks.")
 @click.option("--dcp-interleave", type=int, default=1, show_default=True,
               help="Tokens a DCP rank stores in a row (vLLM's cp_kv_cache_interleave_size).")
@@ -152,7 +154,8 @@ INIT_KV_DTYPES = [*DTYPE_SIZES, DS_MLA]
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write the spec here.")
 @click.option("--json", "as_json", is_flag=True, help="Write the spec as JSON instead of commented YAML.")
 def init_cmd(config: str, engine: str, backend: str, tp_size: int, pp_size: int, pp_rank: int, layers: str | None,
-             dcp_size: int, dcp_interleave: int, block_size: int, kernel_block_size: int | None, kv_dtype: str,
+             pcp_size: int, dcp_size: int, dcp_interleave: int, block_size: int, kernel_block_size: int | None,
+             kv_dtype: str,
              mem: str, device: int, num_blocks: int, sliding_blocks: int | None, state_slots: int | None,
              mtp: bool, ssm_dtype: str, avx512_bf16: bool | None, name: str, model_name: str, output: str | None,
              as_json: bool) -> None:
@@ -161,7 +164,8 @@ def init_cmd(config: str, engine: str, backend: str, tp_size: int, pp_size: int,
 
     try:
         opts = EngineOptions(engine=engine, backend=backend, tp_size=tp_size, pp_size=pp_size, pp_rank=pp_rank,
-                             layers=_layer_window(layers), dcp_size=dcp_size, dcp_interleave=dcp_interleave,
+                             layers=_layer_window(layers), pcp_size=pcp_size, dcp_size=dcp_size,
+                             dcp_interleave=dcp_interleave,
                              block_size=block_size, kernel_block_size=kernel_block_size, kv_dtype=kv_dtype,
                              mem=mem, device=device, num_blocks=num_blocks, sliding_blocks=sliding_blocks,
                              state_slots=state_slots, draft_layers=mtp, mamba_ssm_cache_dtype=ssm_dtype,

@@ -88,23 +88,31 @@ def code(region: str, field: str, head, block, token, other, itemsize: int) -> n
 
 
 def _head_start(plan: Plan, rank: int, f: PlanField) -> int:
-    hd = f.dim("head")
-    return heads_of(rank, hd.global_size, plan.parallel.tp_size)[0] if hd is not None else 0
+    hd = f.dim("head")   # heads follow the TP rank, the innermost axis of vLLM's (pcp, tp) world
+    tp = plan.parallel.tp_size
+    return heads_of(rank % tp, hd.global_size, tp)[0] if hd is not None else 0
 
 
 DCP_KEY = 1 << 20  # above every token-in-block: a DCP rank's slots hold other tokens than its peers'
 
 
+def _dcp_of(p, rank: int) -> int:
+    """vLLM's DCP rank of an engine rank: the world is (pcp, tp) with TP innermost, the DCP groups cut the
+    ranks ordered (tp, pcp) into runs of ``dcp_size`` (``parallel_state.initialize_model_parallel``)."""
+    tp, pcp = p.tp_size, p.pcp_size
+    return ((rank % tp) * pcp + rank // tp) % p.dcp_size
+
+
 def _dcp_key(p, rank: int) -> int:
     """Part of the token coordinate that names the DCP rank (0 without DCP: codes as before); ``p``: the
     region's parallelism (``Plan.region_parallel``: no DCP where its group is replicated)."""
-    return (rank % p.dcp_size) * DCP_KEY
+    return _dcp_of(p, rank) * DCP_KEY
 
 
 def _global_tokens(p, rank: int, local: np.ndarray) -> np.ndarray:
     """Sequence positions of a rank's local token positions (vLLM's DCP slot mapping, inverted)."""
     return (local // p.dcp_interleave) * p.dcp_interleave * p.dcp_size \
-        + (rank % p.dcp_size) * p.dcp_interleave + local % p.dcp_interleave
+        + _dcp_of(p, rank) * p.dcp_interleave + local % p.dcp_interleave
 
 
 def _source_slot(p, t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

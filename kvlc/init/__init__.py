@@ -38,7 +38,7 @@ def _check(opts: EngineOptions, m: Model) -> None:
                         f"{did_you_mean(opts.kv_dtype, [*DTYPE_SIZES, DS_MLA])}")
     if opts.mem not in MEMS:
         raise InitError(f"--mem '{opts.mem}': unknown memory type; {did_you_mean(opts.mem, MEMS)}")
-    for key in ("tp_size", "dcp_size", "dcp_interleave", "block_size", "num_blocks"):
+    for key in ("tp_size", "pcp_size", "dcp_size", "dcp_interleave", "block_size", "num_blocks"):
         if getattr(opts, key) < 1:
             raise InitError(f"--{key.replace('_', '-')} must be at least 1, found {getattr(opts, key)}")
     _check_dcp(opts, m)
@@ -50,13 +50,29 @@ def _check(opts: EngineOptions, m: Model) -> None:
 
 
 def _check_dcp(opts: EngineOptions, m: Model) -> None:
-    """DCP ranks share a head's replicas (vLLM: dcp_size up to tp_size / num_kv_heads), or tokens are lost."""
+    """DCP ranks share a head's replicas (vLLM: dcp_size up to tp_size / num_kv_heads), or tokens are lost;
+    with PCP, DCP is 1, along the PCP ranks or over all TP x PCP ranks (vLLM's ParallelConfig)."""
     heads = 1 if m.family == Family.MLA else m.num_kv_heads
+    if opts.pcp_size > 1:
+        _check_pcp_dcp(opts, heads)
+        return
     replicas = opts.tp_size // heads if heads and opts.tp_size % heads == 0 else 1
     if opts.dcp_size > 1 and replicas % opts.dcp_size:
         raise InitError(f"--dcp-size {opts.dcp_size} with --tp-size {opts.tp_size} and {heads} KV heads: each "
                         f"head is held by {replicas} rank(s), and the DCP ranks of a head must be among them; "
                         f"fix: use a --dcp-size dividing {replicas}, or a larger --tp-size")
+
+
+def _check_pcp_dcp(opts: EngineOptions, heads: int) -> None:
+    p, t, d = opts.pcp_size, opts.tp_size, opts.dcp_size
+    valid = sorted({1, p, t * p})
+    if d not in valid:
+        raise InitError(f"--dcp-size {d} with --pcp-size {p} and --tp-size {t}: vLLM allows DCP off, along the "
+                        f"PCP ranks or over all TP x PCP ranks; fix: use a --dcp-size in {valid}")
+    if d == t * p and d != p and heads != 1:
+        raise InitError(f"--dcp-size {d} over all {t} x {p} ranks with {heads} KV heads: TP ranks hold other heads, "
+                        f"so a DCP group would lose tokens of each head; fix: use --dcp-size {p} (along the PCP "
+                        "ranks) or 1 (vLLM runs PCP for MLA models, where every rank holds the latent)")
 
 
 def engine_layers(m: Model, opts: EngineOptions) -> tuple[tuple[int, int] | None, list[Layer]]:
@@ -105,11 +121,13 @@ def init_spec(config: Mapping[str, Any], opts: EngineOptions = EngineOptions(),
 
 
 def default_name(m: Model, opts: EngineOptions, window: tuple[int, int] | None) -> str:
-    """``<model>-tp<N>[-dcp<D>][-pp<start>-<stop>]-b<block>``, the model part from its name's last path part."""
+    """``<model>-tp<N>[-pcp<P>][-dcp<D>][-pp<start>-<stop>]-b<block>``, the model part from its name's last path
+    part."""
     stem = m.name.rsplit("/", 1)[-1].lower().replace("_", "-")
     pp = f"-pp{window[0]}-{window[1]}" if window else ""
     dcp = f"-dcp{opts.dcp_size}" if opts.dcp_size > 1 else ""
-    return f"{stem}-tp{opts.tp_size}{dcp}{pp}-b{opts.block_size}"
+    pcp = f"-pcp{opts.pcp_size}" if opts.pcp_size > 1 else ""
+    return f"{stem}-tp{opts.tp_size}{pcp}{dcp}{pp}-b{opts.block_size}"
 
 
 def _stage(spec: dict) -> str:
@@ -124,10 +142,11 @@ def _blocks(spec: dict, opts: EngineOptions) -> str:
 
 
 def _dcp_text(opts: EngineOptions) -> str:
+    pcp = f" PCP{opts.pcp_size}" if opts.pcp_size > 1 else ""
     if opts.dcp_size == 1:
-        return ""
+        return pcp
     inter = f" (interleave {opts.dcp_interleave})" if opts.dcp_interleave > 1 else ""
-    return f" DCP{opts.dcp_size}{inter}"
+    return f"{pcp} DCP{opts.dcp_size}{inter}"
 
 
 def written(spec: Mapping[str, Any]) -> str:
@@ -174,7 +193,8 @@ def init_yaml(config: Mapping[str, Any], opts: EngineOptions = EngineOptions(),
 
 
 # the option of ``kvlc init`` that each spec key it writes comes from
-OPTIONS = {"tp_size": ("--tp-size", "tp_size"), "dcp_size": ("--dcp-size", "dcp_size"),
+OPTIONS = {"tp_size": ("--tp-size", "tp_size"), "pcp_size": ("--pcp-size", "pcp_size"),
+           "dcp_size": ("--dcp-size", "dcp_size"),
            "dcp_interleave": ("--dcp-interleave", "dcp_interleave"), "layers": ("--layers / --pp-size", "layers"),
            "block_size": ("--block-size", "block_size"), "kernel_block_size": ("--kernel-block-size",
                                                                                 "kernel_block_size"),

@@ -79,6 +79,7 @@ class EngineOptions:
     pp_size: int = 1
     pp_rank: int = 0
     layers: tuple[int, int] | None = None
+    pcp_size: int = 1
     dcp_size: int = 1
     dcp_interleave: int = 1
     block_size: int = 16
@@ -133,6 +134,7 @@ def stage_layers(opts: EngineOptions, num_layers: int) -> tuple[int, int] | None
 
 
 def dcp_parallel(opts: EngineOptions) -> dict:
-    """The ``parallel`` keys of decode context parallelism (none without it)."""
-    out = {"dcp_size": opts.dcp_size} if opts.dcp_size != 1 else {}
+    """The ``parallel`` keys of context parallelism, prefill and decode (none without it)."""
+    out = {"pcp_size": opts.pcp_size} if opts.pcp_size != 1 else {}
+    out.update({"dcp_size": opts.dcp_size} if opts.dcp_size != 1 else {})
     return {**out, "dcp_interleave": opts.dcp_interleave} if opts.dcp_interleave != 1 else out

@@ -1,17 +1,27 @@
-"""Decode context parallelism: which rank holds which token, and where in its blocks.
+"""Context parallelism: which rank holds which token, and where in its blocks.
 
 vLLM's DCP (``decode_context_parallel_size`` D, ``cp_kv_cache_interleave_size`` I) shards
-the token axis of the KV cache inside a TP group; the facts this module encodes:
+the token axis of the KV cache; its PCP (``prefill_context_parallel_size`` P) adds ranks that
+split prefill compute. The facts this module encodes:
 
-* the DCP groups are consecutive TP ranks (``parallel_state``: ``all_ranks.reshape(-1, dcp)``),
-  so a TP rank's DCP rank is ``tp_rank % D`` and ``tp_size % D == 0``;
-* token ``t`` of a request is stored by DCP rank ``(t // I) % D``, at local position
-  ``(t // (D*I)) * I + t % I`` of that rank (``vllm/v1/worker/block_table.py``, the slot
-  mapping kernel: a *virtual block* of ``block_size * D`` tokens per block id, the same
-  block ids on every DCP rank), so one block id of the scheduler covers
-  ``block_size * D`` tokens and ``I`` must divide the kernel block size;
-* heads are still sharded by TP rank: the ranks of one DCP group hold the same heads
-  (for MLA every rank holds the one latent).
+* the world of one pipeline stage is ``P x T`` ranks, TP innermost (``parallel_state.py``,
+  ``initialize_model_parallel``: ``all_ranks`` reshaped ``(..., pcp, tp)``): engine rank
+  ``r`` has TP rank ``r % T`` and PCP rank ``r // T``; heads are sharded by TP rank, so the
+  PCP ranks of one TP rank hold the same heads (for MLA every rank holds the one latent);
+* the DCP groups are the ranks ordered ``(tp, pcp)`` (the ``(pcp, tp)`` axes transposed) and
+  cut into runs of D: a rank's DCP rank is ``(tp_rank * P + pcp_rank) % D``
+  (:func:`dcp_rank`). Without PCP that is ``tp_rank % D`` with ``T % D == 0`` (consecutive TP
+  ranks); with PCP, ``ParallelConfig`` allows D in ``{1, P, T * P}`` (DCP off, along the PCP
+  axis: ``pcp_rank``, or over all ranks: ``tp_rank * P + pcp_rank``);
+* only the DCP group shards tokens (``vllm/v1/attention/backend.py``: ``total_cp_world_size``
+  is the DCP world size; the slot mapping of ``vllm/v1/worker/gpu/block_table.py`` takes the
+  DCP rank): token ``t`` of a request is stored by DCP rank ``(t // I) % D``, at local position
+  ``(t // (D*I)) * I + t % I`` of that rank (a *virtual block* of ``block_size * D`` tokens per
+  block id, the same block ids on every rank; the scheduler scales blocks by D, not by P), so
+  ``I`` must divide the kernel block size;
+* PCP without DCP keeps a whole replica of the KV on every PCP rank: the prefill chunks'
+  KV is all-gathered over the PCP group and written by every rank (``vllm/v1/attention/ops/pcp.py``,
+  ``_gather_prefill_cache_inputs``; ``ParallelConfig.pcp_shard_decode_requests``).
 
 A rank's tokens are thus a strided subset of the sequence; its *local* token stream is laid
 out exactly like a non-DCP engine's (block ``j // kernel block``, slot ``j % kernel block``).
@@ -146,14 +156,60 @@ def dcp_chunks(a_kernel: int, b_kernel: int, pair: ShardPair, tokens: int, start
             for s, n in zip(starts.tolist(), lens.tolist())]
 
 
+# ----------------------------------------------------------------------------- ranks of an engine
+def engine_ranks(p) -> int:
+    """Ranks of one engine (one pipeline stage) of parallelism ``p``: ``tp_size * pcp_size``.
+
+    >>> class P: tp_size, pcp_size, dcp_size = 8, 2, 1
+    >>> engine_ranks(P)
+    16
+    """
+    return p.tp_size * p.pcp_size
+
+
+def tp_rank(p, rank: int) -> int:
+    """The TP rank of engine rank ``rank`` (TP is the innermost axis): the heads it holds follow it.
+
+    >>> class P: tp_size, pcp_size, dcp_size = 8, 2, 1
+    >>> tp_rank(P, 11)
+    3
+    """
+    return rank % p.tp_size
+
+
+def dcp_rank(p, rank: int) -> int:
+    """The DCP rank of engine rank ``rank``: ``(tp_rank * pcp_size + pcp_rank) % dcp_size``.
+
+    vLLM orders the DCP ranks ``(tp, pcp)`` and cuts them into groups of ``dcp_size``: without
+    PCP the TP rank mod D; with D = P the PCP rank; with D = T * P all ranks, PCP fastest.
+
+    >>> class P: tp_size, pcp_size, dcp_size = 2, 2, 4
+    >>> [dcp_rank(P, r) for r in range(4)]   # ranks (tp0 pcp0, tp1 pcp0, tp0 pcp1, tp1 pcp1)
+    [0, 2, 1, 3]
+    >>> class Q: tp_size, pcp_size, dcp_size = 8, 1, 2
+    >>> [dcp_rank(Q, r) for r in range(4)]
+    [0, 1, 0, 1]
+    """
+    return (rank % p.tp_size * p.pcp_size + rank // p.tp_size) % p.dcp_size
+
+
 # ----------------------------------------------------------------------------- spec checks
 def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0) if n <= 64 else f"the divisors of {n}"
 
 
 def check_parallel(p, spec_error) -> None:
-    """``dcp_size`` divides ``tp_size`` (vLLM's DCP groups split the TP group); an interleave needs DCP."""
-    if p.tp_size % p.dcp_size:
+    """``dcp_size`` divides ``tp_size`` without PCP (vLLM's DCP groups split the TP group), and is 1,
+    ``pcp_size`` or ``tp_size * pcp_size`` with it (``ParallelConfig``); an interleave needs DCP."""
+    if p.pcp_size > 1:
+        valid = sorted({1, p.pcp_size, p.tp_size * p.pcp_size})
+        if p.dcp_size not in valid:
+            raise spec_error("with prefill context parallelism dcp_size must be 1 (PCP alone), pcp_size (DCP "
+                             "along the PCP ranks) or tp_size * pcp_size (DCP over every rank), as vLLM's "
+                             "ParallelConfig requires", expected=f"one of {valid} (tp_size {p.tp_size}, "
+                             f"pcp_size {p.pcp_size})", found=str(p.dcp_size), at=("dcp_size",),
+                             fix=f"use dcp_size in {', '.join(map(str, valid))}, or pcp_size 1")
+    elif p.tp_size % p.dcp_size:
         raise spec_error("dcp_size must divide tp_size (decode context parallelism reuses the TP ranks)",
                          expected=f"a divisor of tp_size {p.tp_size}", found=str(p.dcp_size),
                          at=("dcp_size",), fix=f"use dcp_size in {_divisors(p.tp_size)}")

@@ -46,18 +46,19 @@ def check_direction(p: Pairing) -> list[Finding]:
 
 
 def check_rank(p: Pairing) -> list[Finding]:
-    """The local rank lies in the local TP group.
+    """The local rank lies in the local engine (``tp_size * pcp_size`` ranks).
 
     >>> from kvlc import compile_spec
     >>> plan = compile_spec("layouts/llama-3.1-8b.yaml")
     >>> [f.code for f in check_rank(Pairing(plan, plan, 3, "READ"))]
     ['rank']
     """
-    tp = p.local.parallel.tp_size
-    if 0 <= p.local_rank < tp:
+    n = p.local.parallel.ranks
+    if 0 <= p.local_rank < n:
         return []
-    return [_finding("rank", "local rank outside the local TP group", local=str(p.local_rank),
-                     fix=f"use a rank in [0, {tp})")]
+    what = "TP group" if p.local.parallel.pcp_size == 1 else "engine (tp_size x pcp_size ranks)"
+    return [_finding("rank", f"local rank outside the local {what}", local=str(p.local_rank),
+                     fix=f"use a rank in [0, {n})")]
 
 
 def check_model(p: Pairing) -> list[Finding]:

@@ -61,11 +61,17 @@ def check_dcp_heads(p: Pairing) -> list[Finding]:
             continue
         heads, h, d = bad
         per = max(par.tp_size // heads, 1)
+        if par.pcp_size > 1:   # DCP over every rank (tp_size * pcp_size) spans TP ranks of other heads
+            held, fix = (f"{per * par.pcp_size} rank(s) ({per} TP rank(s) x pcp_size {par.pcp_size})",
+                         f"use dcp_size {par.pcp_size} (DCP along the PCP ranks, which hold the same heads) or 1")
+        else:
+            held, fix = f"{per} rank(s)", f"use a dcp_size that divides {per} (vLLM: dcp_size <= tp_size / num_kv_heads)"
+        pcp = f", pcp_size {par.pcp_size}" if par.pcp_size > 1 else ""
         out.append(Finding(
-            "dcp-heads", "error", f"with tp_size {par.tp_size} and {heads} heads each head is held by {per} "
-            f"rank(s), fewer than dcp_size {par.dcp_size}: the tokens of DCP rank {d} of head {h} are stored "
-            "by no rank", **{side: f"tp_size {par.tp_size}, dcp_size {par.dcp_size}, {heads} heads"},
-            fix=f"use a dcp_size that divides {per} (vLLM: dcp_size <= tp_size / num_kv_heads)"))
+            "dcp-heads", "error", f"with tp_size {par.tp_size}{pcp} and {heads} heads each head is held by {held}, "
+            f"fewer than dcp_size {par.dcp_size}: the tokens of DCP rank {d} of head {h} are stored "
+            "by no rank", **{side: f"tp_size {par.tp_size}{pcp}, dcp_size {par.dcp_size}, {heads} heads"},
+            fix=fix))
     return out
 
 

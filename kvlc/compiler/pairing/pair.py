@@ -26,7 +26,7 @@ from kvlc.compiler.pairing.compat_dcp import fragmented
 from kvlc.compiler.pairing.match import RegionPair, region_pairs
 from kvlc.compiler.pairing.program import Entry, TransferProgram
 from kvlc.compiler.pairing.runs import Piece, tile_runs
-from kvlc.compiler.pairing.tp import dcp_sources, reader_counts, shards_meet, sources
+from kvlc.compiler.pairing.tp import dcp_sources, reader_counts, shards_meet, tp_alone
 from kvlc.compiler.plan.model import Plan, PlanField, PlanRegion
 from kvlc.errors import CompatError
 
@@ -36,17 +36,18 @@ def _pieces(cons_rank: int, cons: Plan, prod: Plan, region: PlanRegion, fields: 
     """Per producer rank: the pieces of the ``fields`` of the consumer's ``region`` that one consumer rank
     reads from it (``dcp``: both sides' parallelism where either shards tokens by DCP, else None)."""
     ctp, ptp = cons.parallel.tp_size, prod.parallel.tp_size
+    pars = dcp or (tp_alone(cons.parallel), tp_alone(prod.parallel))
     out: dict[int, list[Piece]] = {}
     for f in (f for f in region.fields if f.name in fields):
         hd = f.dim("head")
-        for s in (sources(cons_rank, f, ctp, ptp) if dcp is None else dcp_sources(cons_rank, f, *dcp)):
+        for s in dcp_sources(cons_rank, f, *pars):
             if dcp is not None and not shards_meet(dcp[0], cons_rank, dcp[1], s.producer):
                 continue  # the two ranks hold no token in common
             if hd is None:
                 piece = Piece(f.name, 0, 0, 0, 0)
-            else:
-                c0 = head_range(cons_rank, hd.global_size, ctp)[0]
-                p0 = head_range(s.producer, hd.global_size, ptp)[0]
+            else:   # heads follow the TP rank (PCP ranks of one TP rank hold the same heads)
+                c0 = head_range(cons_rank % ctp, hd.global_size, ctp)[0]
+                p0 = head_range(s.producer % ptp, hd.global_size, ptp)[0]
                 l0, r0 = (c0, p0) if local_is_consumer else (p0, c0)
                 piece = Piece(f.name, s.h0, s.h1, l0, r0)
             out.setdefault(s.producer, []).append(piece)
@@ -69,8 +70,8 @@ def _dcp(a: Plan, b: Plan, ar: PlanRegion, br: PlanRegion):
 def _shards(local: Plan, rank: int, remote: Plan, peer: int, rp: RegionPair) -> ShardPair:
     """The token shards of a region pair on the local rank and the peer rank."""
     lp, rp_ = local.region_parallel(rp.local), remote.region_parallel(rp.remote)
-    return ShardPair(Shard(lp.dcp_size, lp.dcp_interleave, rank % lp.dcp_size),
-                     Shard(rp_.dcp_size, rp_.dcp_interleave, peer % rp_.dcp_size))
+    return ShardPair(Shard(lp.dcp_size, lp.dcp_interleave, lp.dcp_rank(rank)),
+                     Shard(rp_.dcp_size, rp_.dcp_interleave, rp_.dcp_rank(peer)))
 
 
 def _by_peer(rp: RegionPair, local: Plan, remote: Plan, rank: int, local_is_consumer: bool
@@ -80,7 +81,7 @@ def _by_peer(rp: RegionPair, local: Plan, remote: Plan, rank: int, local_is_cons
     cr, pr = (rp.local, rp.remote) if local_is_consumer else (rp.remote, rp.local)
     dcp = _dcp(cons, prod, cr, pr)
     by_peer: dict[int, list[Piece]] = {}
-    for c in ([rank] if local_is_consumer else range(cons.parallel.tp_size)):
+    for c in ([rank] if local_is_consumer else range(cons.parallel.ranks)):
         for p, pieces in _pieces(c, cons, prod, cr, rp.fields, dcp, local_is_consumer).items():
             if local_is_consumer:
                 by_peer[p] = pieces
@@ -129,7 +130,7 @@ def _counts(cons: Plan, prod: Plan, pairs: list[RegionPair], local_is_consumer: 
     for rp in pairs:
         cr, pr = (rp.local, rp.remote) if local_is_consumer else (rp.remote, rp.local)
         by_sharding.setdefault(_dcp(cons, prod, cr, pr), []).extend(f for f in cr.fields if f.name in rp.fields)
-    return reader_counts(by_sharding, cons.parallel.tp_size, prod.parallel.tp_size)
+    return reader_counts(by_sharding, cons.parallel, prod.parallel)
 
 
 # ----------------------------------------------------------------------------- warnings of a built program

@@ -219,5 +219,8 @@ class TransferProgram:
             return ""
         mine = next(iter(shards.values())).local
         peers = "; ".join(f"peer {p}: {s.remote.describe()}" for p, s in sorted(shards.items()))
-        return (f"decode context parallelism: local rank {self.local_rank} (DCP {mine.size}) holds "
-                f"{mine.describe()}; remote DCP {self.remote.parallel.dcp_size}: {peers}")
+        lp, rp = self.local.parallel, self.remote.parallel
+        lpcp = f", PCP {lp.pcp_size}: TP rank {lp.tp_rank(self.local_rank)}" if lp.pcp_size > 1 else ""
+        rpcp = f" (TP {rp.tp_size} x PCP {rp.pcp_size}: peer p is TP rank p % {rp.tp_size})" if rp.pcp_size > 1 else ""
+        return (f"decode context parallelism: local rank {self.local_rank} (DCP {mine.size}{lpcp}) holds "
+                f"{mine.describe()}; remote DCP {rp.dcp_size}{rpcp}: {peers}")

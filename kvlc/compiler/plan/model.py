@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, PrivateAttr, model_serializer
 
 from kvlc.compiler.frozen import FrozenMap
 from kvlc.compiler.algebra.layout import Layout, ceildiv, is_state_kind
+from kvlc.compiler.algebra.sharding import dcp_rank, engine_ranks, tp_rank
 from kvlc.errors import KvlcError, TransferError, did_you_mean
 
 PLAN_VERSION = 1
@@ -230,13 +231,32 @@ class PlanParallel(_Frozen):
     dcp_size: int
     layers: tuple[int, int]
     dcp_interleave: int = 1  # tokens a DCP rank stores in a row before the next rank's turn
+    pcp_size: int = 1        # prefill context parallelism: tp_size * pcp_size ranks, TP innermost
 
     @model_serializer(mode="wrap")
     def _dump(self, handler):
         out = handler(self)
-        if self.dcp_interleave == 1:  # plans without an interleave serialize (and hash) as before
-            out.pop("dcp_interleave", None)
+        for key in ("dcp_interleave", "pcp_size"):  # plans without them serialize (and hash) as before
+            if out.get(key) == 1:
+                out.pop(key)
         return out
+
+    @property
+    def ranks(self) -> int:
+        """Ranks of the engine (of one pipeline stage): ``tp_size * pcp_size``.
+
+        >>> PlanParallel(tp_size=8, dcp_size=1, pcp_size=2, layers=(0, 61)).ranks
+        16
+        """
+        return engine_ranks(self)
+
+    def tp_rank(self, rank: int) -> int:
+        """The TP rank of engine rank ``rank``: the heads it holds (:func:`kvlc.compiler.algebra.sharding.tp_rank`)."""
+        return tp_rank(self, rank)
+
+    def dcp_rank(self, rank: int) -> int:
+        """The DCP rank of engine rank ``rank``: the tokens it holds (:func:`kvlc.compiler.algebra.sharding.dcp_rank`)."""
+        return dcp_rank(self, rank)
 
 
 class Plan(_Frozen):
@@ -354,8 +374,9 @@ class Plan(_Frozen):
         """Short canonical text: a header, one line per group, storage and region."""
         p = self.parallel
         inter = f" dcp_interleave={p.dcp_interleave}" if p.dcp_interleave > 1 else ""
+        pcp = f" pcp={p.pcp_size}" if p.pcp_size > 1 else ""
         lines = [f"plan {self.name} model={self.model.name} layers={self.model.num_layers} "
-                 f"tp={p.tp_size} dcp={p.dcp_size}{inter} pp_layers={p.layers[0]}:{p.layers[1]}"]
+                 f"tp={p.tp_size}{pcp} dcp={p.dcp_size}{inter} pp_layers={p.layers[0]}:{p.layers[1]}"]
         for g in self.groups:
             win = f" window={g.window}" if g.window else ""
             per = f" tokens_per_entry={g.tokens_per_entry}" if g.tokens_per_entry > 1 else ""

@@ -27,7 +27,7 @@ Name = Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z_][A-Za-z0-9_.\-{}]*
 # passes; these bounds keep every product they form an exact, finite integer.
 MAX_BYTES = 2**63 - 1          # offsets, sizes, strides, alignments
 MAX_LAYERS = 4096              # model layers (the largest models have about 130)
-MAX_RANKS = 4096               # tp_size, dcp_size
+MAX_RANKS = 4096               # tp_size, pcp_size, dcp_size
 MAX_DEVICE = 1023              # device ordinal
 MAX_BLOCKS = 2**40             # blocks in one region
 MAX_TOKENS = 2**20             # tokens per block, window, chunk
@@ -95,9 +95,10 @@ class ModelInfo(Frozen):
 
 
 class Parallel(Frozen):
-    """Engine parallelism: tensor parallel size, decode context parallel size, pipeline layers."""
+    """Engine parallelism: tensor, prefill context and decode context parallel sizes, pipeline layers."""
 
     tp_size: Ranks = 1
+    pcp_size: Ranks = 1
     dcp_size: Ranks = 1
     dcp_interleave: Tokens = 1
     layers: tuple[LayerIndex, LayerIndex] | None = None

@@ -43,9 +43,14 @@ FIELD_DOCS: dict[tuple[str, str], str] = {
                             "`size: NAME` refers to one.",
     ("Parallel", "tp_size"): "Tensor-parallel ranks. A `role: head` dim holds `size / tp_size` heads per rank "
                              "(one replica per rank when tp_size is a multiple of the size). Default 1.",
+    ("Parallel", "pcp_size"): "Prefill-context-parallel ranks (vLLM `prefill_context_parallel_size`): adds ranks "
+                              "(the engine has `tp_size * pcp_size`, rank = pcp_rank * tp_size + tp_rank) that "
+                              "split prefill compute; without DCP each keeps a whole replica of its heads' KV. "
+                              "Default 1.",
     ("Parallel", "dcp_size"): "Decode-context-parallel ranks (vLLM `decode_context_parallel_size`): tokens of a "
-                              "request are interleaved over `dcp_size` consecutive TP ranks, so one block id "
-                              "covers `block_size * dcp_size` tokens. Must divide `tp_size`. Default 1.",
+                              "request are interleaved over `dcp_size` ranks, so one block id covers "
+                              "`block_size * dcp_size` tokens. Without PCP it divides `tp_size` (consecutive TP "
+                              "ranks); with PCP it is 1, `pcp_size` or `tp_size * pcp_size`. Default 1.",
     ("Parallel", "dcp_interleave"): "Tokens a DCP rank stores in a row before the next rank's turn (vLLM "
                                     "`cp_kv_cache_interleave_size`): token t is on DCP rank "
                                     "`(t // dcp_interleave) % dcp_size`. Divides every kernel block size; "
