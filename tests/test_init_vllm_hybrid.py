@@ -12,7 +12,8 @@ import pytest
 from kvlc.compiler import compile_spec
 from kvlc.compiler.pairing.pair import pair
 from kvlc.engines.vllm.derive.groups import vllm_groups
-from kvlc.engines.vllm.derive.hybrid import hybrid_block_size, state_layout
+from kvlc.engines.vllm.derive.hybrid import hybrid_block_size
+from kvlc.engines.vllm.derive.state import state_layout
 from kvlc.init import EngineOptions, InitError, init_spec, init_yaml, read_model
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "layouts" / "templates"
