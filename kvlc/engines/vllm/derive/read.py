@@ -144,6 +144,30 @@ def layer_tensor(name: str, t: Any, mla: bool = False, cache_dtype: str | None =
     return _tensor(name, t, axes, kv_dtype(str(t.dtype), cache_dtype))
 
 
+def _state_layer_names(kv_cache_config: Any) -> set[str]:
+    """The layers of the engine's Mamba / linear-attention (``MambaSpec``) groups."""
+    from vllm.v1 import kv_cache_interface as kci
+    return {n for g in kv_cache_config.kv_cache_groups if isinstance(g.kv_cache_spec, kci.MambaSpec)
+            for n in g.layer_names}
+
+
+def _state_parts(vllm_config: Any, name: str, t: Any) -> Any:
+    """A state layer's ``[conv, ssm]`` tensors. vLLM 0.32 hands ``register_kv_caches`` each state layer
+    as one raw ``[blocks, 1, 1, state bytes]`` view of its pages; the layer's own views (its ``kv_cache``
+    in the forward context) say where conv and ssm lie, and must start where that raw view starts."""
+    if is_state_entry(t):
+        return t
+    ctx = getattr(getattr(vllm_config, "compilation_config", None), "static_forward_context", {}) or {}
+    parts = getattr(ctx.get(name), "kv_cache", None)
+    if not is_state_entry(parts) or not parts or parts[0].data_ptr() != t.data_ptr():
+        found = "none" if parts is None else (f"{type(parts).__name__} at {parts[0].data_ptr():#x}"
+                                              if is_state_entry(parts) and parts else type(parts).__name__)
+        raise ViewError(f"state layer '{name}': kv_caches gives a tensor at {t.data_ptr():#x}; expected the layer's "
+                        f"own [conv, ssm] views (its kv_cache in the forward context) to start there, found "
+                        f"{found}; fix: derive from the kv_caches of the engine's own register_kv_caches")
+    return parts
+
+
 _STATE_KINDS = {"MAMBA2": "mamba", "GDN_ATTN": "linear"}   # vLLM's MambaSpec.mamba_type -> kvlc init's kind
 
 
@@ -213,8 +237,11 @@ def read_engine_view(vllm_config: Any, kv_cache_config: Any, kv_caches: Mapping[
     mc, cc = vllm_config.model_config, vllm_config.cache_config
     mla = bool(getattr(mc, "use_mla", False))
     cache_dtype = getattr(cc, "cache_dtype", None)
-    layers = tuple(layer_tensor(n, t, mla, cache_dtype) for n, t in kv_caches.items() if not is_state_entry(t))
-    states = tuple(state_tensors(n, t) for n, t in kv_caches.items() if is_state_entry(t))
+    stateful = _state_layer_names(kv_cache_config)
+    layers = tuple(layer_tensor(n, t, mla, cache_dtype) for n, t in kv_caches.items()
+                   if n not in stateful and not is_state_entry(t))
+    states = tuple(state_tensors(n, _state_parts(vllm_config, n, t)) for n, t in kv_caches.items()
+                   if n in stateful or is_state_entry(t))
     if not layers:
         raise ViewError("kv_caches is empty; call engine_view from register_kv_caches")
     backend = _backend(vllm_config, layers)
