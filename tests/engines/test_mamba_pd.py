@@ -7,6 +7,9 @@ hands over is the state after ``n - 1`` tokens; the decode engine loads those to
 the last block: vLLM zeroed the producer's tail, and skips zeroing blocks a connector loads) and each state
 group's one state block, and computes the last prompt token itself.
 
+Nemotron-H runs with prefix caching off (vLLM's Mamba ``"none"`` mode: one state block per request),
+Qwen3-Next with it on (``"align"``: a state block per attention block, the running one last).
+
 Oracles. Nemotron-H runs in float32: tokens equal the decode engine's own. vLLM's CPU Gated DeltaNet runs
 in bfloat16 only, where the producer's chunked scan and the decode engine's recurrent step round
 differently and greedy tokens of a random MoE drift from the engine alone on some prompts; so Qwen3-Next's
@@ -24,19 +27,21 @@ from tests.engines.test_hybrid_engine import torch_has_avx512_bf16
 
 pytestmark = pytest.mark.engine
 MAX_TOKENS = 12
-N = 150   # prompt tokens: not a multiple of any attention block here
 
 
 def _state_bytes(conv: int, rec: int, rec_item: int) -> int:
     return conv + rec * rec_item
 
 
-# name: writer, dtype, state group indexes (vLLM order), attention block vLLM picks for --block-size 32, K+V
-# bytes per token and attention layer, attention layers, state layers, one layer's state bytes (conv + ssm)
+# name: writer, dtype, prefix caching, prompt tokens (no multiple of a block), state group indexes (vLLM
+# order), attention block vLLM picks for --block-size 32, K+V bytes per token and attention layer,
+# attention layers, state layers, one layer's state bytes (conv + ssm). Nemotron-H runs with prefix caching
+# off (vLLM 0.32's CPU Mamba-2 fails in its "align" mode: IndexError in mamba_mixer2.conv_ssm_forward, the
+# engine alone too); Qwen3-Next with it on ("align": a state block per 160 tokens, 400 tokens: three).
 MODELS = {
-    "nemotron-h": (tiny_nemotron_h, "float32", (0, 1), 32, 2 * 2 * 64 * 4, 2, 4,
+    "nemotron-h": (tiny_nemotron_h, "float32", False, 150, (0, 1), 32, 2 * 2 * 64 * 4, 2, 4,
                    lambda: _state_bytes(3 * 320 * 4, 8 * 32 * 16, 4)),
-    "qwen3-next": (tiny_qwen3_next, "bfloat16", (0, 1, 2), 160, 2 * 2 * 64 * 2, 2, 6,
+    "qwen3-next": (tiny_qwen3_next, "bfloat16", True, 400, (0, 1, 2), 160, 2 * 2 * 64 * 2, 2, 6,
                    lambda: _state_bytes(3 * 512 * 2, 4 * 64 * 64, 4 if torch_has_avx512_bf16() else 2)),
 }
 
@@ -52,14 +57,15 @@ def engines(tmp_path_factory):
     pytest.importorskip("transformers")
     root = tmp_path_factory.mktemp("mamba-pd")
     e = Engines(root)
-    for name, (write, dtype, *_rest) in MODELS.items():
+    for name, (write, dtype, cache, *_rest) in MODELS.items():
         model = str(write(root / name, dtype=dtype))
         for side, role, core in (("p", "kv_producer", 0), ("d", "kv_consumer", 1)):
             e.start(f"{name}-{side}", EngineSpec(model, 32, dtype=dtype, connector=kvlc_config(role),
-                                                 env=engine_env(core)))
+                                                 env=engine_env(core), prefix_caching=cache))
         if name == "qwen3-next":
             for side, role, core, port in (("p", "kv_producer", 0, 25611), ("d", "kv_consumer", 1, 25711)):
                 e.start(f"nixl-{side}", EngineSpec(model, 32, dtype=dtype, connector=nixl_config(role),
+                                                   prefix_caching=cache,
                                                    env={**engine_env(core), "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port)}))
     yield e
     e.close()
@@ -76,7 +82,7 @@ def _oracle(engines, name: str, p) -> tuple[int, ...]:
     if name == "nemotron-h":
         return engines[f"{name}-d"].generate([p], MAX_TOKENS)[0].tokens
     (out,) = engines["nixl-d"].generate([p], MAX_TOKENS, [_prefill(engines["nixl-p"], p)])
-    assert out.num_cached_tokens == N - 1   # NixlConnector also loads n - 1 tokens
+    assert out.num_cached_tokens == len(p) - 1   # NixlConnector also loads n - 1 tokens
     return out.tokens
 
 
@@ -86,19 +92,19 @@ def test_hybrid_decodes_the_same_tokens(engines, name, seed):
     """Tokens equal the oracle; the producer stopped one token short (params: n - 1 tokens, one block per
     state group); the decode engine loaded n - 1 tokens, moving every attention layer's K/V up to the
     end of the last block and one state of every state layer, nothing else."""
-    _, _, state_groups, block, token_bytes, attn_layers, state_layers, state_bytes = MODELS[name]
-    p = prompt(N, seed=seed)
+    _, _, _, n, state_groups, block, token_bytes, attn_layers, state_layers, state_bytes = MODELS[name]
+    p = prompt(n, seed=seed)
     want = _oracle(engines, name, p)
     params = _prefill(engines[f"{name}-p"], p)
-    assert params["remote_num_tokens"] == N - 1
+    assert params["remote_num_tokens"] == n - 1
     ids = params["remote_block_ids"]
     assert [len(ids[g]) for g in state_groups] == [1] * len(state_groups), ids
     before = engines[f"{name}-d"].stats()["bytes"]
     (out,) = engines[f"{name}-d"].generate([p], MAX_TOKENS, [params])
     moved = engines[f"{name}-d"].stats()["bytes"] - before
     assert out.tokens == want
-    assert out.num_cached_tokens == N - 1
-    tokens = -(-(N - 1) // block) * block
+    assert out.num_cached_tokens == n - 1
+    tokens = -(-(n - 1) // block) * block
     assert moved == tokens * token_bytes * attn_layers + state_bytes() * state_layers
 
 
@@ -106,8 +112,8 @@ def test_hybrid_decodes_the_same_tokens(engines, name, seed):
 def test_wrong_state_changes_the_tokens(engines, name):
     """Negative control: each state group reads another state group's state block (other layers' states),
     the attention KV unchanged: the tokens differ, so the transferred state decides the decode."""
-    state_groups = MODELS[name][2]
-    p = prompt(N, seed=5)
+    _, _, _, n, state_groups, *_rest = MODELS[name]
+    p = prompt(n, seed=5)
     want = _oracle(engines, name, p)
     params = _prefill(engines[f"{name}-p"], p)
     ids = list(params["remote_block_ids"])
@@ -116,7 +122,7 @@ def test_wrong_state_changes_the_tokens(engines, name):
         ids[g] = new
     params["remote_block_ids"] = ids
     (out,) = engines[f"{name}-d"].generate([p], MAX_TOKENS, [params])
-    assert out.num_cached_tokens == N - 1
+    assert out.num_cached_tokens == n - 1
     assert out.tokens != want
 
 
@@ -124,7 +130,7 @@ def test_state_of_the_whole_prompt_is_refused(engines):
     """Params whose state covers every prompt token (a producer that did not stop short) would make the
     decode engine count the last token twice: it computes the prompt locally instead (no tokens loaded)."""
     name = "nemotron-h"
-    p = prompt(N, seed=7)
+    p = prompt(MODELS[name][3], seed=7)
     params = _prefill(engines[f"{name}-p"], p)
     short = p[:-1]   # the decode engine's prompt is the producer's n - 1 tokens
     before = len(engines[f"{name}-d"].stats()["load_seconds"])
