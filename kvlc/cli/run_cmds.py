@@ -74,7 +74,7 @@ def from_vllm(model_dir: str, backend: str, block_size: int | None, kernel_block
         _fail(exc)
     if save_view:
         write_atomic(save_view, json.dumps(view.to_dict(), indent=1) + "\n")
-    emit(text, output, f"{len(view.layers)} layers from {view.provenance.value}")
+    emit(text, output, f"{len(view.layers) + len(view.states)} layers from {view.provenance.value}")
 
 
 @main.command()

@@ -15,8 +15,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvlc.engines.vllm.derive.view import (Axis, EngineView, GroupKind, GroupView, KvPacking, LayerTensor,
-                                           ModelIdentity, ParallelView, Provenance, StateLayout, StateTensors, ViewError,
-                                           layer_index)
+                                           ModelIdentity, ParallelView, Provenance, StateLayout, StateTensors,
+                                           ViewError, layer_index)
 
 TORCH_DTYPES = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32",
                 "torch.float8_e4m3fn": "fp8_e4m3", "torch.float8_e5m2": "fp8_e5m2", "torch.int8": "int8",
