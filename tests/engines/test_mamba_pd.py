@@ -108,6 +108,18 @@ def test_hybrid_decodes_the_same_tokens(engines, name, seed):
     assert moved == tokens * token_bytes * attn_layers + state_bytes() * state_layers
 
 
+@pytest.mark.parametrize("mode", ["push", "pull_via_push"])
+def test_push_modes_decode_the_same_tokens(engines, mode):
+    """The prefill engine pushes (or the decode engine asks it to): Nemotron-H's tokens equal the engine
+    alone, n - 1 tokens loaded."""
+    name = "nemotron-h"
+    p = prompt(MODELS[name][3], seed=8)
+    want = _oracle(engines, name, p)
+    params = {**_prefill(engines[f"{name}-p"], p), "mode": mode}
+    (out,) = engines[f"{name}-d"].generate([p], MAX_TOKENS, [params])
+    assert out.tokens == want and out.num_cached_tokens == len(p) - 1
+
+
 @pytest.mark.parametrize("name", list(MODELS))
 def test_wrong_state_changes_the_tokens(engines, name):
     """Negative control: each state group reads another state group's state block (other layers' states),
