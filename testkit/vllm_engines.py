@@ -81,6 +81,54 @@ def tiny_deepseek_v2(path: str | Path, seed: int = 0, dtype: str = "float32") ->
     return path
 
 
+def tiny_nemotron_h(path: str | Path, seed: int = 0, pattern: str = "M*MM*M", dtype: str = "float32") -> Path:
+    """Write a random-weight Nemotron-H (Mamba-2 ``M`` and attention ``*`` layers; 8 Mamba heads x 32,
+    2 groups x 16 states, conv 4; 2 KV heads x 64); vLLM gives it Mamba-2 state groups and a full group."""
+    import json
+
+    import torch
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+
+    path = Path(path)
+    if (path / "config.json").exists():
+        return path
+    torch.manual_seed(seed)
+    cfg = NemotronHConfig(vocab_size=1024, hidden_size=256, num_hidden_layers=len(pattern),
+                          hybrid_override_pattern=pattern, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                          mamba_num_heads=8, mamba_head_dim=32, n_groups=2, ssm_state_size=16, conv_kernel=4,
+                          intermediate_size=512, max_position_embeddings=1024, initializer_range=0.2,
+                          tie_word_embeddings=False, torch_dtype=dtype)
+    NemotronHForCausalLM(cfg).to(getattr(torch, dtype)).save_pretrained(path, safe_serialization=True)
+    data = json.loads((path / "config.json").read_text())
+    data.pop("layers_block_type", None)   # keep the pattern vLLM and kvlc init both read
+    data.update(architectures=["NemotronHForCausalLM"], hybrid_override_pattern=pattern,
+                num_hidden_layers=len(pattern), attention_head_dim=64)
+    (path / "config.json").write_text(json.dumps(data))
+    return path
+
+
+def tiny_qwen3_next(path: str | Path, seed: int = 0, dtype: str = "bfloat16") -> Path:
+    """Write a random-weight Qwen3-Next: 8 layers, full attention every 4th, Gated DeltaNet (2 key heads x 64,
+    4 value heads x 64: vLLM's CPU kernels refuse head dims of 16 and 32; conv 4) otherwise, 4 experts;
+    vLLM gives it linear-attention state groups. vLLM's CPU Gated DeltaNet runs in bfloat16 only."""
+    import torch
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    path = Path(path)
+    if (path / "config.json").exists():
+        return path
+    torch.manual_seed(seed)
+    cfg = Qwen3NextConfig(vocab_size=1024, hidden_size=256, num_hidden_layers=8, full_attention_interval=4,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=64, linear_num_key_heads=2,
+                          linear_key_head_dim=64, linear_num_value_heads=4, linear_value_head_dim=64,
+                          linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
+                          shared_expert_intermediate_size=128, intermediate_size=512, max_position_embeddings=1024,
+                          initializer_range=0.2, tie_word_embeddings=False, torch_dtype=dtype)
+    cfg.architectures = ["Qwen3NextForCausalLM"]
+    Qwen3NextForCausalLM(cfg).to(getattr(torch, dtype)).save_pretrained(path, safe_serialization=True)
+    return path
+
+
 @dataclass(frozen=True)
 class Output:
     """One request's result: generated tokens, the returned kv_transfer_params, cached tokens."""

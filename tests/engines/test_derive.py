@@ -114,8 +114,8 @@ def test_layouts_kvlc_cannot_derive_are_refused(make, message):
 
 
 def test_mamba_group_shared_tensors_and_inconsistent_tensors_are_refused():
-    """A Mamba group, two layers sharing one tensor, or heads that disagree with the model over TP:
-    a ViewError saying what to do."""
+    """A Mamba group whose state layers the view lacks, two layers sharing one tensor, or heads that
+    disagree with the model over TP: a ViewError saying what to do."""
     v = view("CPU_ATTN")
     mamba = dataclasses.replace(v, groups=v.groups + (GroupView(GroupKind.MAMBA, 32, ("model.layers.9.mixer",),
                                                                 spec_type="MambaSpec"),))

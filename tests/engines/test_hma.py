@@ -33,43 +33,17 @@ def model(tmp_path_factory) -> str:
     return str(tiny_gemma3(tmp_path_factory.mktemp("model") / "tiny-gemma3", window=WINDOW))
 
 
-NEMOTRON = """
-import os, sys
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-if __name__ == "__main__":
-    from vllm import LLM
-    from vllm.config import KVTransferConfig
-    from tests.engines.conftest import kvlc_config
-    try:
-        LLM(model=sys.argv[1], load_format="dummy", enforce_eager=True, skip_tokenizer_init=True, dtype="bfloat16",
-            max_model_len=256, seed=0, max_num_seqs=2, max_num_batched_tokens=256, kv_cache_memory_bytes=4 << 20,
-            block_size=32, kv_transfer_config=KVTransferConfig(**kvlc_config("kv_producer")))
-        print("RESULT started")
-    except Exception as exc:
-        print("RESULT", type(exc).__name__, exc)
-"""
-
-
 @pytest.fixture(scope="module")
 def one_off_engines(model, tmp_path_factory):
-    """The module's three one-off engine processes, started at once (each is mostly one core's import and
-    start-up, so two cores run them in about the time of two): `kvlc from-vllm --from-engine` at block 32
-    and at block 128, and a Nemotron-H engine with KvlcConnector. Name (block or "nemotron") -> its Run."""
-    transformers = pytest.importorskip("transformers")
-    from tests.engines.test_hybrid_engine import _nemotron_h
-
+    """The module's two one-off engine processes, started at once (each is mostly one core's import and
+    start-up): `kvlc from-vllm --from-engine` at block 32 and at block 128. Block -> its Run.
+    (Mamba / linear-attention hybrids through KvlcConnector: test_mamba_pd.py.)"""
     runs = {}
     for block, core in ((32, 0), (128, 1)):
         folder = tmp_path_factory.mktemp(f"live-{block}")
         runs[block] = Run([sys.executable, "-m", "kvlc.cli", "from-vllm", model, "--from-engine",
                            "--block-size", str(block), "--kv-cache-mib", "8", "-o", str(folder / "live.yaml"),
                            "--save-view", str(folder / "view.json")], folder, {**os.environ, **engine_env(core)})
-    folder = tmp_path_factory.mktemp("nemotron")
-    (folder / "model").mkdir()
-    _nemotron_h(folder / "model", transformers)
-    (folder / "run.py").write_text(NEMOTRON)
-    runs["nemotron"] = Run([sys.executable, str(folder / "run.py"), str(folder / "model")], folder,
-                           {**os.environ, **engine_env(0)})
     yield runs
     for run in runs.values():
         run.close()  # ends a run no selected test waited for
@@ -93,16 +67,6 @@ def test_offline_specs_equal_the_live_engine(model, block, one_off_engines):
     init = init_yaml(cfg, EngineOptions(engine="vllm", backend="CPU_ATTN", mem="DRAM", block_size=block,
                                         num_blocks=view.num_blocks, name=want.name, model_name=view.model.name))
     assert compile_spec(offline.stdout).digest == compile_spec(init).digest == want.digest
-
-
-def test_mamba_hybrid_is_refused_by_kvlc_with_the_reason(one_off_engines):
-    """A Nemotron-H (Mamba-2 + attention) engine with KvlcConnector: vLLM keeps its hybrid manager (no 'Failed to
-    promote' inside vLLM), and the connector refuses at register_kv_caches naming the Mamba group and the fix."""
-    run = one_off_engines["nemotron"].result()
-    result = [line for line in run.stdout.splitlines() if line.startswith("RESULT")]
-    assert result and "ViewError" in result[0], (run.stdout + run.stderr)[-4000:]
-    assert "kind 'mamba'" in result[0] and "KvlcConnector cannot serve" in result[0] and "NixlConnector" in result[0]
-    assert "Turning off hybrid kv cache manager" not in run.stdout + run.stderr
 
 
 @pytest.fixture(scope="module")

@@ -87,7 +87,24 @@ WORKER = textwrap.dedent('''
                             raise AssertionError(f"{r.name} field {f.name} differs")
                         fields += 1
         out.update(checked=checked, fields=fields, num_blocks=kc.num_blocks)
+        out.update(live_derivation(worker, cfg, kc.num_blocks))
         return out
+
+    def live_derivation(worker, cfg, num_blocks):
+        """The plan KvlcConnector derives from this worker's kv_caches, against kvlc init's (names given)."""
+        from kvlc.compiler import compile_spec
+        from kvlc.engines.vllm.derive.engine import worker_kv_caches
+        from kvlc.engines.vllm.derive.spec import derive_plan, engine_view, exact_plan
+        from kvlc.init import EngineOptions, init_yaml
+        view = engine_view(*worker_kv_caches(worker))
+        live = derive_plan(view)
+        init = compile_spec(init_yaml(cfg, EngineOptions(engine="vllm", backend="CPU_ATTN", mem="DRAM", block_size=32,
+                                                         num_blocks=num_blocks, name=live.name,
+                                                         model_name=view.model.name)))
+        exact = exact_plan(view)
+        return {"digests": [live.digest, init.digest], "live_plan": live.text(),
+                "exact_state_regions": [r.name for r in exact.regions if r.is_state],
+                "exact_state_groups": [g.name for g in exact.groups if g.is_state]}
 
     if __name__ == "__main__":
         from vllm import LLM
@@ -164,6 +181,7 @@ def torch_has_avx512_bf16() -> bool:
 
 
 def _agrees(live: dict, groups: list, block: int) -> None:
+    assert live["digests"][0] == live["digests"][1], live["live_plan"]   # KvlcConnector's live derivation
     assert live["live_groups"] == live["kvlc_groups"] == groups
     assert live["live_block"] == live["kvlc_block"] == block
     assert live["live_place"] == live["kvlc_place"]
@@ -181,6 +199,8 @@ def test_mamba2_hybrid_spec_is_what_vllm_allocates(live):
     state = 3 * 320 * 2 + 8 * 32 * 16 * 4
     assert got["checked"] == got["num_blocks"] * (4 * state + 2 * page)
     assert got["fields"] == 4 * 4
+    assert got["exact_state_regions"] == ["layer.0", "layer.2", "layer.3", "layer.5"]
+    assert got["exact_state_groups"] == ["mamba", "mamba.1"]
 
 
 def test_gated_deltanet_hybrid_spec_is_what_vllm_allocates(live):
@@ -197,3 +217,5 @@ def test_gated_deltanet_hybrid_spec_is_what_vllm_allocates(live):
     assert got["bound_bytes"] == 2 * page * got["num_blocks"]
     assert got["checked"] == got["num_blocks"] * (6 * state + 2 * page)
     assert got["fields"] == 6 * 4
+    assert got["exact_state_regions"] == ["layer.0", "layer.1", "layer.2", "layer.4", "layer.5", "layer.6"]
+    assert got["exact_state_groups"] == ["linear", "linear.1", "linear.2"]

@@ -94,7 +94,7 @@ class KvlcConnector(KVConnectorBase_V1, SupportsHMA):
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler = SchedulerSide(vllm_config, self.settings)
+            self.scheduler = SchedulerSide(vllm_config, self.settings, kv_cache_config)
         else:
             self.worker = WorkerSide(vllm_config, kv_cache_config, self.settings)
 
@@ -187,6 +187,10 @@ class KvlcConnector(KVConnectorBase_V1, SupportsHMA):
     def may_load_async(self, request) -> bool:
         """vLLM 0.34: whether get_num_new_matched_tokens may answer an asynchronous load for ``request``."""
         return self._scheduler_side("may_load_async").may_load_async(request)
+
+    def on_new_request(self, request) -> None:
+        """A hybrid (Mamba / linear-attention) prefill request stops one prompt token short (docs/vllm.md)."""
+        self._scheduler_side("on_new_request").on_new_request(request)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         self._scheduler_side("update_state_after_alloc").update_state_after_alloc(

@@ -14,6 +14,16 @@ Producer (prefill) side: a request sent with ``{"do_remote_decode": True}`` keep
 blocks after it finishes (``request_finished`` returns True) until every worker reports
 that its consumer is done or the lease ends; the returned dict is
 :class:`~kvlc.engines.vllm.connector.params.RemotePrefill`.
+
+Hybrids with Mamba-2 / Gated-DeltaNet state groups: a state block holds the state after
+every token computed so far, and the decode engine always computes the last prompt token
+itself (vLLM never schedules a request with nothing to compute), so the state it loads must
+stop one token short of the prompt: the producer drops a remote-decode request's last prompt
+token when it arrives (:meth:`SchedulerSide.on_new_request`; it answers ``remote_num_tokens = n
+- 1``) and the consumer loads tokens ``[cached, n - 1)`` plus each state group's one state
+block (its last block id, before vLLM's speculative scratch blocks), whatever the cached prefix.
+A consumer refuses (computes locally) params whose tokens cover its whole prompt: that state
+would count the last token twice. vLLM's NixlConnector does the same (``_prefill_backoff``).
 """
 
 from __future__ import annotations
@@ -33,6 +43,7 @@ from kvlc.errors import KvlcError
 
 log = logging.getLogger("vllm.kvlc")  # under vLLM's logger: its handlers and levels apply
 _DONE = "_kvlc_loaded"  # set in a request's params once its load is planned (loaded once)
+_SHORT = "_kvlc_one_short"  # set once a hybrid producer dropped the request's last prompt token
 
 
 def _per_group(block_ids: Any) -> tuple[tuple[int, ...], ...]:
@@ -42,16 +53,36 @@ def _per_group(block_ids: Any) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(int(b) for b in g) for g in block_ids)
 
 
-def _touched(per_group: Any, tokens: TokenRange, block_size: int) -> tuple[tuple[int, ...], ...]:
-    """Each group's blocks (of ``block_size`` tokens) that ``tokens`` touches."""
+def _state_block(ids: tuple[int, ...], scratch: int) -> tuple[int, ...]:
+    """A state group's block holding the running state: the last id before ``scratch`` speculative ones.
+
+    >>> _state_block((0, 0, 7, 8, 9), scratch=2), _state_block((5,), scratch=2)
+    ((7,), (5,))
+    """
+    return ids[:len(ids) - min(scratch, len(ids) - 1)][-1:]
+
+
+def _touched(per_group: Any, tokens: TokenRange, block_size: int,
+             state: Mapping[int, int]) -> tuple[tuple[int, ...], ...]:
+    """Each group's blocks (of ``block_size`` tokens) that ``tokens`` touches; a state group (index in
+    ``state``, with its count of speculative scratch blocks) gives its one state block."""
     first, end = tokens.start // block_size, -(-tokens.stop // block_size)
-    return tuple(g[first:end] for g in _per_group(per_group))
+    return tuple(_state_block(g, state[i]) if i in state else g[first:end]
+                 for i, g in enumerate(_per_group(per_group)))
+
+
+def state_groups(kv_cache_config: Any) -> dict[int, int]:
+    """vLLM's Mamba / linear-attention groups: group index -> speculative scratch blocks per request."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+    return {i: int(g.kv_cache_spec.num_speculative_blocks) for i, g in enumerate(groups)
+            if isinstance(g.kv_cache_spec, MambaSpec)}
 
 
 class SchedulerSide:
     """Scheduler-side state (see the module docstring); its hooks keep vLLM's names."""
 
-    def __init__(self, vllm_config, settings: ConnectorSettings):
+    def __init__(self, vllm_config, settings: ConnectorSettings, kv_cache_config: Any = None):
         ktc = vllm_config.kv_transfer_config
         self.engine_id = str(ktc.engine_id)
         self.settings = settings
@@ -66,6 +97,10 @@ class SchedulerSide:
         self._holds: list[Hold] = []
         self._dropped: list[str] = []
         self._stats = KvlcConnectorStats()  # requests computed locally despite a remote prefill
+        self.state = state_groups(kv_cache_config)  # hybrids: state group index -> scratch blocks
+        # vLLM zeroes new blocks (hybrids, mixed precision), except those a connector loads: loads then end
+        # at a block end, so a partly filled last block holds the producer's zeros, not another request's bytes
+        self.whole_blocks = bool(getattr(kv_cache_config, "needs_kv_cache_zeroing", False))
 
     def set_xfer_handshake_metadata(self, metadata: Mapping[int, Any]) -> None:
         for rank, md in metadata.items():
@@ -109,6 +144,14 @@ class SchedulerSide:
             self._stats.record_recompute()
             return 0, False
         n = min(remote.remote_num_tokens, request.num_prompt_tokens)
+        if self.state and n >= request.num_prompt_tokens:
+            log.error("kvlc: request %s computes its prompt locally: the prefill engine's state covers all %d "
+                      "prompt tokens, but this hybrid engine computes the last one itself, so that state would "
+                      "count it twice; fix: prefill on a KvlcConnector engine of the same model (it stops one "
+                      "token short)", request.request_id, n)
+            request.kv_transfer_params[_DONE] = True
+            self._stats.record_recompute()
+            return 0, False
         count = n - num_computed_tokens   # a hit may end anywhere in the producer's blocks: a token range
         return (count, True) if count > 0 else (0, False)
 
@@ -124,10 +167,11 @@ class SchedulerSide:
         if num_external_tokens <= 0:
             return
         n = min(remote.remote_num_tokens, request.num_prompt_tokens)
-        tokens = TokenRange(n - num_external_tokens, n)
+        tokens = TokenRange(n - num_external_tokens, self._load_stop(n, remote.remote_block_size))
         groups = self.ranks[0].groups
-        local = _touched(blocks.get_block_ids(), tokens, self.block_size)
-        theirs = _touched(remote.remote_block_ids, tokens, remote.remote_block_size)
+        local = _touched(blocks.get_block_ids(), tokens, self.block_size, self.state)
+        theirs = _touched(remote.remote_block_ids, tokens, remote.remote_block_size,
+                          dict.fromkeys(self.state, 0))   # the producer sent each state group's one block
         self._loads.append(Load(
             req_id=request.request_id,
             remote=remote,
@@ -138,11 +182,30 @@ class SchedulerSide:
             consumer_addresses=self._addresses()[0],
         ))
 
+    def _load_stop(self, n: int, remote_block: int) -> int:
+        """Where a load of ``n`` tokens ends: ``n``, or with :attr:`whole_blocks` the first block end at or
+        after ``n`` of either engine (the tokens past ``n`` are the producer's zeroed slots)."""
+        if not self.whole_blocks:
+            return n
+        return min(-(-n // self.block_size) * self.block_size, -(-n // remote_block) * remote_block)
+
     def get_kv_connector_stats(self) -> KvlcConnectorStats | None:
         """Requests computed locally since vLLM last asked (None: none); vLLM adds the workers' stats."""
         return None if self._stats.is_empty() else self._stats.clone_and_reset()
 
     # ------------------------------------------------------------------ producer
+    def on_new_request(self, request) -> None:
+        """A hybrid's remote-decode request stops one prompt token short (see the module docstring)."""
+        params = request.kv_transfer_params
+        if (not self.state or not wants_remote_decode(params) or params.get(_SHORT)
+                or request.num_prompt_tokens < 2 or request.prompt_token_ids is None):
+            return
+        del request.prompt_token_ids[-1]
+        del request._all_token_ids[-1]   # vLLM's own token list of the request (NixlConnector trims it too)
+        request.num_prompt_tokens -= 1
+        request.max_tokens = 1
+        params[_SHORT] = True   # once, also when vLLM preempts and reschedules the request
+
     def _sources(self, scheduler_output, kv_cache_manager) -> list[Source]:
         out = []
         scheduled = scheduler_output.num_scheduled_tokens or {}
@@ -151,7 +214,8 @@ class SchedulerSide:
                 continue
             after = min(req.num_computed_tokens + scheduled[req_id], req.num_prompt_tokens)
             complete = after >= req.num_prompt_tokens
-            ids = _per_group(kv_cache_manager.get_block_ids(req_id))
+            ids = tuple(_state_block(g, self.state[i]) if i in self.state else g
+                        for i, g in enumerate(_per_group(kv_cache_manager.get_block_ids(req_id))))
             out.append(Source(req_id, ids, after, complete))
             if complete:
                 del self._producing[req_id]
@@ -198,7 +262,8 @@ class SchedulerSide:
         return True, RemotePrefill(
             remote_engine_id=self.engine_id,
             remote_request_id=request.request_id,
-            remote_block_ids=tuple(g[:nblocks] for g in groups),
+            remote_block_ids=tuple(_state_block(g, self.state[i]) if i in self.state else g[:nblocks]
+                                   for i, g in enumerate(groups)),
             remote_num_tokens=n,
             remote_host=host,
             remote_port=int(port),

@@ -108,9 +108,11 @@ def cpu_exact_plan(view: EngineView, plan):
     if view.kv_packing != KvPacking.PER_HEAD_BLOCK:
         return plan
     layout = isa_layout(view.cpu_isa)
-    regions = tuple(r.model_copy(update={"fields": _fields(r, layout, view.model.head_dim),
+    regions = tuple(r if r.is_state else   # a hybrid's state regions hold no K/V: as derived
+                    r.model_copy(update={"fields": _fields(r, layout, view.model.head_dim),
                                          "tokens_per_entry": layout.tokens_per_entry}) for r in plan.regions)
-    groups = tuple(g.model_copy(update={"tokens_per_entry": layout.tokens_per_entry}) for g in plan.groups)
+    groups = tuple(g if g.is_state else g.model_copy(update={"tokens_per_entry": layout.tokens_per_entry})
+                   for g in plan.groups)
     return plan.model_copy(update={"regions": regions, "groups": groups, "name": plan.name + "-exact"})
 
 

@@ -15,7 +15,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvlc.engines.vllm.derive.view import (Axis, EngineView, GroupKind, GroupView, KvPacking, LayerTensor,
-                                           ModelIdentity, ParallelView, Provenance, ViewError, layer_index)
+                                           ModelIdentity, ParallelView, Provenance, StateLayout, StateTensors,
+                                           ViewError, layer_index)
 
 TORCH_DTYPES = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32",
                 "torch.float8_e4m3fn": "fp8_e4m3", "torch.float8_e5m2": "fp8_e5m2", "torch.int8": "int8",
@@ -103,13 +104,36 @@ def _layout(vllm_config: Any, kv_cache_config: Any) -> str:
     return str(getattr(layout, "name", layout))
 
 
+def _tensor(name: str, t: Any, axes: tuple[Axis, ...], dtype: str) -> LayerTensor:
+    st = t.untyped_storage()
+    return LayerTensor(name=name, axes=axes,
+                       shape=tuple(int(x) for x in t.shape), strides=tuple(int(x) for x in t.stride()),
+                       dtype=dtype, itemsize=int(t.element_size()),
+                       data_ptr=int(t.data_ptr()), nbytes=int(t.numel() * t.element_size()),
+                       storage_ptr=int(st.data_ptr()), storage_nbytes=int(st.nbytes()), device=str(t.device))
+
+
+def is_state_entry(t: Any) -> bool:
+    """Whether a ``kv_caches`` entry is a Mamba / linear-attention layer's state tensors (a list or tuple)."""
+    return isinstance(t, (list, tuple))
+
+
+def state_tensors(name: str, parts: Any) -> StateTensors:
+    """A :class:`StateTensors` from a state layer's ``[conv, ssm]`` tensors (each ``[blocks, ...]``)."""
+    if len(parts) != 2 or not all(hasattr(p, "untyped_storage") for p in parts):
+        raise ViewError(f"kv_caches['{name}'] holds {len(parts)} state part(s) "
+                        f"({', '.join(type(p).__name__ for p in parts)}); kvlc knows Mamba-2 and Gated-DeltaNet "
+                        "layers, whose state vLLM 0.32 hands as [conv, ssm] tensors; fix: report this model's "
+                        "layer type (Mamba-1, short-conv and KDA states are not derived yet)")
+    return StateTensors(name, tuple(_tensor(name, p, (Axis.BLOCK,) + (Axis.STATE,) * (p.dim() - 1),
+                                            kv_dtype(str(p.dtype), None)) for p in parts))
+
+
 def layer_tensor(name: str, t: Any, mla: bool = False, cache_dtype: str | None = None) -> LayerTensor:
     """A :class:`LayerTensor` from a torch tensor of vLLM's logical [blocks, heads, tokens, content] view."""
     if not hasattr(t, "untyped_storage"):
-        raise ViewError(f"kv_caches['{name}'] is a {type(t).__name__} of state tensors, not one KV tensor: a "
-                        "Mamba / linear-attention layer; kvlc cannot derive those from live tensors yet, so "
-                        "KvlcConnector cannot serve this hybrid engine (vLLM's NixlConnector can); "
-                        "`kvlc init CONFIG.json --engine vllm` writes its spec offline (for kvlc pair / explain)")
+        raise ViewError(f"kv_caches['{name}'] is a {type(t).__name__}, not a tensor; vLLM 0.32 hands an "
+                        "attention layer's KV as one tensor (a state layer's as a list: see state_tensors)")
     if mla and t.dim() == 3:  # an MLA layer's own [blocks, tokens, latent] view (vLLM squeezes the head)
         axes = (Axis.BLOCK, Axis.TOKEN, Axis.LATENT)
     elif t.dim() == 4:
@@ -117,12 +141,68 @@ def layer_tensor(name: str, t: Any, mla: bool = False, cache_dtype: str | None =
     else:
         raise ViewError(f"kv_caches['{name}'] has shape {tuple(t.shape)}; vLLM 0.32 hands connectors a "
                         "4-dim [blocks, heads, tokens, content] view per layer")
-    st = t.untyped_storage()
-    return LayerTensor(name=name, axes=axes,
-                       shape=tuple(int(x) for x in t.shape), strides=tuple(int(x) for x in t.stride()),
-                       dtype=kv_dtype(str(t.dtype), cache_dtype), itemsize=int(t.element_size()),
-                       data_ptr=int(t.data_ptr()), nbytes=int(t.numel() * t.element_size()),
-                       storage_ptr=int(st.data_ptr()), storage_nbytes=int(st.nbytes()), device=str(t.device))
+    return _tensor(name, t, axes, kv_dtype(str(t.dtype), cache_dtype))
+
+
+def _state_layer_names(kv_cache_config: Any) -> set[str]:
+    """The layers of the engine's Mamba / linear-attention (``MambaSpec``) groups."""
+    from vllm.v1 import kv_cache_interface as kci
+    return {n for g in kv_cache_config.kv_cache_groups if isinstance(g.kv_cache_spec, kci.MambaSpec)
+            for n in g.layer_names}
+
+
+def _state_parts(vllm_config: Any, name: str, t: Any) -> Any:
+    """A state layer's ``[conv, ssm]`` tensors. vLLM 0.32 hands ``register_kv_caches`` each state layer
+    as one raw ``[blocks, 1, 1, state bytes]`` view of its pages; the layer's own views (its ``kv_cache``
+    in the forward context) say where conv and ssm lie, and must start where that raw view starts."""
+    if is_state_entry(t):
+        return t
+    ctx = getattr(getattr(vllm_config, "compilation_config", None), "static_forward_context", {}) or {}
+    parts = getattr(ctx.get(name), "kv_cache", None)
+    if not is_state_entry(parts) or not parts or parts[0].data_ptr() != t.data_ptr():
+        found = "none" if parts is None else (f"{type(parts).__name__} at {parts[0].data_ptr():#x}"
+                                              if is_state_entry(parts) and parts else type(parts).__name__)
+        raise ViewError(f"state layer '{name}': kv_caches gives a tensor at {t.data_ptr():#x}; expected the layer's "
+                        f"own [conv, ssm] views (its kv_cache in the forward context) to start there, found "
+                        f"{found}; fix: derive from the kv_caches of the engine's own register_kv_caches")
+    return parts
+
+
+_STATE_KINDS = {"MAMBA2": "mamba", "GDN_ATTN": "linear"}   # vLLM's MambaSpec.mamba_type -> kvlc init's kind
+
+
+def _state_kind(kv_cache_config: Any) -> str | None:
+    """``mamba`` or ``linear``: the kind of the engine's state groups (None: it has none)."""
+    from vllm.v1 import kv_cache_interface as kci
+    types = {getattr(g.kv_cache_spec.mamba_type, "name", str(g.kv_cache_spec.mamba_type))
+             for g in kv_cache_config.kv_cache_groups if isinstance(g.kv_cache_spec, kci.MambaSpec)}
+    if not types:
+        return None
+    unknown = types - set(_STATE_KINDS)
+    if unknown or len(types) > 1:
+        raise ViewError(f"the engine's state groups are of vLLM mamba_type {sorted(types)}; kvlc derives "
+                        f"{sorted(_STATE_KINDS)} (Mamba-2, Gated DeltaNet), one kind per engine; fix: report "
+                        "this model's state layout (Mamba-1, short-conv and KDA are not derived yet)")
+    return _STATE_KINDS[types.pop()]
+
+
+def _state_layout(mc: Any, kv_cache_config: Any, states: tuple[StateTensors, ...]) -> StateLayout | None:
+    """The model's state layer (section and head sizes from its config), in the dtypes of the live tensors."""
+    from kvlc.engines.vllm.derive.state import state_layout
+    kind = _state_kind(kv_cache_config)
+    if kind is None or not states:
+        return None
+    conv, ssm = states[0].parts
+    config = {**mc.hf_text_config.to_dict(), "torch_dtype": _TORCH[conv.dtype],
+              "mamba_ssm_cache_dtype": _TORCH[ssm.dtype]}
+    try:
+        return state_layout(config, kind)
+    except KeyError as exc:
+        raise ViewError(f"the model config has no {exc.args[0]!r}, which a {kind} state layer needs; "
+                        "kvlc reads the state's sections and heads from the HuggingFace config") from None
+
+
+_TORCH = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
 def _backend(vllm_config: Any, layers: tuple[LayerTensor, ...]) -> str:
@@ -157,7 +237,11 @@ def read_engine_view(vllm_config: Any, kv_cache_config: Any, kv_caches: Mapping[
     mc, cc = vllm_config.model_config, vllm_config.cache_config
     mla = bool(getattr(mc, "use_mla", False))
     cache_dtype = getattr(cc, "cache_dtype", None)
-    layers = tuple(layer_tensor(n, t, mla, cache_dtype) for n, t in kv_caches.items())
+    stateful = _state_layer_names(kv_cache_config)
+    layers = tuple(layer_tensor(n, t, mla, cache_dtype) for n, t in kv_caches.items()
+                   if n not in stateful and not is_state_entry(t))
+    states = tuple(state_tensors(n, _state_parts(vllm_config, n, t)) for n, t in kv_caches.items()
+                   if n in stateful or is_state_entry(t))
     if not layers:
         raise ViewError("kv_caches is empty; call engine_view from register_kv_caches")
     backend = _backend(vllm_config, layers)
@@ -168,4 +252,5 @@ def read_engine_view(vllm_config: Any, kv_cache_config: Any, kv_caches: Mapping[
                       kernel_block_size=kernel, num_blocks=int(kv_cache_config.num_blocks),
                       groups=tuple(_group(g) for g in kv_cache_config.kv_cache_groups), layers=layers,
                       provenance=Provenance.LIVE,
-                      cpu_isa=_cpu_isa(vllm_config, [t.name for t in layers]) if backend == "CPU_ATTN" else "")
+                      cpu_isa=_cpu_isa(vllm_config, [t.name for t in layers]) if backend == "CPU_ATTN" else "",
+                      state=_state_layout(mc, kv_cache_config, states), states=states)

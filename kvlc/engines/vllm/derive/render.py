@@ -88,6 +88,8 @@ def render_spec(spec: dict, view: EngineView) -> str:
         out.append("    fields:")
         for f in layout["fields"]:
             out.append(f"      - name: {f['name']}")
+            if "kind" in f:   # a Mamba conv state's x|B|C (or q|k|v) sections
+                out.append(f"        kind: {f['kind']}")
             out.append(f"        dtype: {f['dtype']}")
             out.append("        dims:                  # outermost first")
             out.extend(f"          - {dump(_Flow(d)).strip()}" for d in f["dims"])

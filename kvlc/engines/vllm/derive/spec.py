@@ -38,6 +38,7 @@ from kvlc.engines.vllm.derive.cpu import cpu_exact_plan, tokens_per_entry
 from kvlc.engines.vllm.derive.layout import LayerGeometry, layer_geometry
 from kvlc.engines.vllm.derive.read import read_engine_view
 from kvlc.engines.vllm.derive.render import render_spec
+from kvlc.engines.vllm.derive.state import placements, state_region, storage_of_state
 from kvlc.engines.vllm.derive.storages import allocations
 from kvlc.engines.vllm.derive.view import (Axis, EngineView, GroupKind, GroupView, LayerTensor, ViewError,
                                            heads_per_rank)
@@ -58,18 +59,27 @@ def engine_view(vllm_config: Any, kv_cache_config: Any, kv_caches: Mapping[str, 
 
 
 # ---------------------------------------------------------------- the spec
+def _state_kind(view: EngineView) -> str | None:
+    """``mamba`` (Mamba-2) or ``linear`` (Gated DeltaNet): the kind of the view's state groups."""
+    if view.state is None:
+        return None
+    return "mamba" if view.state.name == "mamba2_state" else "linear"
+
+
 def group_names(view: EngineView) -> tuple[str, ...]:
-    """Stable group names by kind: ``full``, ``sliding.{window}``, ``chunked.{chunk}``, ``mla`` (+ ``.N``)."""
+    """Stable group names by kind: ``full``, ``sliding.{window}``, ``chunked.{chunk}``, ``mla``, ``mamba``,
+    ``linear`` (+ ``.N``)."""
     out: list[str] = []
     for g in view.groups:
         base = {GroupKind.FULL_ATTENTION: "full", GroupKind.SLIDING_WINDOW: f"sliding.{g.window}",
-                GroupKind.CHUNKED_LOCAL: f"chunked.{g.chunk}", GroupKind.MLA: "mla"}.get(g.kind)
+                GroupKind.CHUNKED_LOCAL: f"chunked.{g.chunk}", GroupKind.MLA: "mla",
+                GroupKind.MAMBA: _state_kind(view)}.get(g.kind)
         if base is None:
             raise ViewError(f"KV-cache group of kind '{g.kind.value}' ({g.spec_type or 'unknown spec'}, layers "
                             f"{', '.join(g.layer_names[:3])}...) cannot be derived yet from live tensors, so "
-                            "KvlcConnector cannot serve this engine (it serves full, sliding-window, chunked-local "
-                            "and MLA groups, also under vLLM's hybrid manager); use vLLM's NixlConnector for it. "
-                            "Its spec (the hybrid page pool, for kvlc pair / explain) comes offline from the "
+                            "KvlcConnector cannot serve this engine (it serves full, sliding-window, chunked-local, "
+                            "MLA, Mamba-2 and Gated-DeltaNet groups, also under vLLM's hybrid manager); use vLLM's "
+                            "NixlConnector for it. Its spec (for kvlc pair / explain) comes offline from the "
                             "model's config.json: `kvlc init CONFIG.json --engine vllm --backend B`")
         n = sum(1 for x in out if x == base or x.startswith(base + "."))
         out.append(base if n == 0 else f"{base}.{n}")
@@ -77,6 +87,8 @@ def group_names(view: EngineView) -> tuple[str, ...]:
 
 
 def _group_entry(name: str, g: GroupView, view: EngineView) -> dict:
+    if g.kind == GroupKind.MAMBA:   # per-request state: one block per request, no tokens
+        return {"name": name, "kind": "mamba" if _state_kind(view) == "mamba" else "linear_attention"}
     entry: dict[str, Any] = {"name": name, "kind": _KVLC_GROUP_KIND[g.kind]}
     if g.kind == GroupKind.SLIDING_WINDOW:
         entry["window"] = g.window
@@ -127,17 +139,17 @@ def _check_layer(t: LayerTensor, geo: LayerGeometry, view: EngineView) -> None:
 def _aliases(view: EngineView) -> dict[str, str]:
     """Layer name -> the first layer whose tensor it shares (vLLM's hybrid KV-cache manager: the k-th
     layers of all groups lie over one page pool, page for page); sharing inside one group is refused."""
-    first: dict[tuple[str, int], LayerTensor] = {}
+    first: dict[tuple[str, int], str] = {}
     out: dict[str, str] = {}
-    for t in sorted(view.layers, key=lambda t: t.layer_index):
-        other = first.setdefault((t.device, t.data_ptr), t)
-        if other is t:
+    for name, _, device, ptr in placements(view):   # attention and state layers, in layer order
+        other = first.setdefault((device, ptr), name)
+        if other == name:
             continue
-        if view.group_of(other.name) == view.group_of(t.name):
-            raise ViewError(f"layers '{other.name}' and '{t.name}' of one KV-cache group share one tensor at "
-                            f"{t.data_ptr:#x}; vLLM's hybrid manager shares pages only between groups, so "
+        if view.group_of(other) == view.group_of(name):
+            raise ViewError(f"layers '{other}' and '{name}' of one KV-cache group share one tensor at "
+                            f"{ptr:#x}; vLLM's hybrid manager shares pages only between groups, so "
                             "kvlc cannot tell their blocks apart; fix: report this engine's KVCacheConfig")
-        out[t.name] = other.name
+        out[name] = other
     return out
 
 
@@ -167,7 +179,7 @@ def _regions(view: EngineView) -> tuple[dict, list[dict], int | None]:
     regions: list[dict] = []
     latent = None
     aliases = _aliases(view)
-    index = {t.name: t.layer_index for t in view.layers}
+    index = {name: i for name, i, _, _ in placements(view)}
     for t in sorted(view.layers, key=lambda t: t.layer_index):
         geo = layer_geometry(t, view)
         _check_layer(t, geo, view)
@@ -181,7 +193,22 @@ def _regions(view: EngineView) -> tuple[dict, list[dict], int | None]:
                             "block_stride": geo.block_stride, "groups": [names[view.group_of(t.name)]]})
             if t.name in aliases:   # the hybrid manager's page pool: these pages serve another group too
                 regions[-1]["aliases"] = [f"layer.{index[aliases[t.name]]}{part.suffix}"]
+    if view.states:
+        layouts[view.state.name] = view.state.layout()
+        regions = sorted(regions + _state_regions(view, names, storage_of, aliases, index),
+                         key=lambda r: int(r["name"].split(".")[1]))
     return layouts, regions, latent
+
+
+def _state_regions(view: EngineView, names, storage_of, aliases, index) -> list[dict]:
+    """One region per Mamba / linear-attention layer, in the page pool of the attention layers."""
+    pools = {(t.device, t.storage_ptr): storage_of[t.name] for t in view.layers}
+    out = []
+    for s in view.states:
+        out.append(state_region(s, view, storage_of_state(s, pools), names[view.group_of(s.name)]))
+        if s.name in aliases:
+            out[-1]["aliases"] = [f"layer.{index[aliases[s.name]]}"]
+    return out
 
 
 def _parallel_entry(view: EngineView) -> dict:

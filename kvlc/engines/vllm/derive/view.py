@@ -21,6 +21,7 @@ import re
 from enum import Enum
 from typing import Any, Mapping, get_args, get_origin, get_type_hints
 
+from kvlc.compiler.spec.dtypes import DTYPE_SIZES
 from kvlc.errors import KvlcError, did_you_mean
 
 
@@ -50,6 +51,7 @@ class Axis(str, Enum):
     CONTENT = "content"      # K|V packed: 2 * head_dim elements (see KvPacking)
     LATENT = "latent"        # MLA: kv_lora_rank + rope elements, one per token
     CELL = "cell"            # CPU_ATTN: one head's K or V of a block, N * D elements in the kernel's order
+    STATE = "state"          # a dim of one request's Mamba / linear-attention state (conv taps, channels, heads)
 
 
 class KvPacking(str, Enum):
@@ -117,6 +119,20 @@ class GroupView:
 
 
 @dataclasses.dataclass(frozen=True)
+class StateTensors:
+    """One Mamba / linear-attention layer as vLLM hands it to a connector: its state tensors, conv first
+    (each ``[blocks, ...]``, one block per request, all blocks of the layer over one page slab)."""
+
+    name: str
+    parts: tuple["LayerTensor", ...]
+
+    @property
+    def layer_index(self) -> int:
+        """The model layer number parsed from the name."""
+        return layer_index(self.name)
+
+
+@dataclasses.dataclass(frozen=True)
 class LayerTensor:
     """One layer's KV tensor: element shape/strides with the meaning of each dim, and its allocation."""
 
@@ -144,6 +160,35 @@ class LayerTensor:
 
 
 @dataclasses.dataclass(frozen=True)
+class StateLayout:
+    """One state layer's fields (whole-model sizes; TP splits ``head`` dims and conv sections)."""
+
+    name: str                                     # the spec's layout name: mamba2_state, gdn_state
+    conv_taps: int
+    sections: tuple[tuple[str, int], ...]
+    conv_dtype: str
+    rec_field: str
+    rec_dims: tuple[tuple[str, int, bool], ...]   # (name, size, sharded by TP)
+    rec_dtype: str
+
+    def bytes_per_rank(self, tp: int) -> int:
+        conv = self.conv_taps * sum(size // tp for _, size in self.sections) * DTYPE_SIZES[self.conv_dtype]
+        rec = DTYPE_SIZES[self.rec_dtype]
+        for _, size, sharded in self.rec_dims:
+            rec *= size // tp if sharded else size
+        return conv + rec
+
+    def layout(self) -> dict:
+        conv = {"name": "conv", "kind": "sections", "dtype": self.conv_dtype, "dims": [
+            {"name": "conv_tap", "size": self.conv_taps},
+            {"name": "channel", "role": "head", "sections": dict(self.sections)}]}
+        rec = {"name": self.rec_field, "dtype": self.rec_dtype, "dims": [
+            {"name": n, "role": "head", "size": s} if sharded else {"name": n, "size": s}
+            for n, s, sharded in self.rec_dims]}
+        return {"fields": [conv, rec]}
+
+
+@dataclasses.dataclass(frozen=True)
 class EngineView:
     """Everything :func:`~kvlc.engines.vllm.derive.spec.derive_spec` needs, as frozen plain data."""
 
@@ -159,6 +204,8 @@ class EngineView:
     layers: tuple[LayerTensor, ...]
     provenance: Provenance = Provenance.LIVE
     cpu_isa: str = ""  # CPU_ATTN: the attention layers' kernel ISA ("vec", "amx", "vec16", ...)
+    state: StateLayout | None = None      # hybrids: the model's state layer (Mamba-2, Gated DeltaNet)
+    states: tuple[StateTensors, ...] = ()   # hybrids: each state layer's tensors
 
     def group_of(self, layer_name: str) -> int:
         """Index of the group holding ``layer_name``."""
