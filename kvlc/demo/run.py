@@ -210,9 +210,9 @@ def _start(pproc, cproc, plans: tuple[Plan, Plan], cfg, *, fill: str, seed: int,
     """Every rank of the producer and consumer ``plans``, ready and connected (``cfg`` makes a rank's
     config; ``fill``: the producer's; ``seed``: the consumers' noise)."""
     prod_plan, cons_plan = plans
-    prods = [pproc.add_async(cfg(prod_plan, r, fill, 0, "demo-producer")) for r in range(prod_plan.parallel.tp_size)]
+    prods = [pproc.add_async(cfg(prod_plan, r, fill, 0, "demo-producer")) for r in range(prod_plan.parallel.ranks)]
     cons = [cproc.add_async(cfg(cons_plan, r, "random", seed + r, "demo-consumer"))
-            for r in range(cons_plan.parallel.tp_size)]
+            for r in range(cons_plan.parallel.ranks)]
     _ready(prods + cons, start_timeout)
     return _connect(pproc, cproc, prods, cons, mode, direct, batch, start_timeout)
 

@@ -50,7 +50,7 @@ def check_pair(consumer: Plan, producer: Plan) -> None:
     """Pair every consumer rank with the producer before any engine starts (``CompatError`` with the report)."""
     from kvlc.compiler.pairing.pair import pair
 
-    for r in range(consumer.parallel.tp_size):
+    for r in range(consumer.parallel.ranks):
         pair(consumer, producer, local_rank=r, direction="READ")
 
 

@@ -36,6 +36,11 @@ def check_agent_args(plan: Plan, rank, progress, timeout, lease) -> None:
     for what, v in (("timeout", timeout), ("lease", lease)):
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 86400:
             raise KvlcError(f"{what} {v!r}: give seconds, more than 0 and at most 86400")
-    tp = plan.parallel.tp_size
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < tp:
-        raise KvlcError(f"rank {rank} outside plan '{plan.name}' (tp_size {tp}); use 0..{tp - 1}")
+    n = plan.parallel.ranks  # tp_size x pcp_size
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < n:
+        raise KvlcError(f"rank {rank} outside plan '{plan.name}' ({_ranks_text(plan)}); use 0..{n - 1}")
+
+
+def _ranks_text(plan: Plan) -> str:
+    p = plan.parallel
+    return f"tp_size {p.tp_size}" + (f" x pcp_size {p.pcp_size} = {p.ranks} ranks" if p.pcp_size > 1 else "")

@@ -82,3 +82,22 @@ def test_run_demo_end_to_end():
     assert res.ok, (res.mismatches, res.failed)
     assert res.requests == 6 and res.checked_bytes > 0 and res.gbps > 0 and res.descriptors_per_request > 0
     assert seen and seen[-1][0] == 6 and seen[-1][1] == 6
+
+
+@pytest.mark.parametrize("prod,cons,mode", [("mla-pcp2-dcp2", "mla-tp1", "pull"), ("mla-tp1", "mla-tp2-pcp2", "pull"),
+                                            ("mla-pcp2-dcp2", "mla-tp2-pcp2", "push"),
+                                            ("mla-tp2-pcp2", "mla-tp1", "pull_via_push")])
+def test_pcp_engines_move_every_byte(prod, cons, mode):
+    """Engines of tp_size x pcp_size ranks (an agent per rank, PCP ranks from tp_size up): a PCP x DCP
+    producer's tokens split over its DCP ranks, a replicated PCP engine on either side; real NIXL agents,
+    every byte of every consumer rank checked."""
+    pytest.importorskip("nixl")
+    from kvlc.demo.run import run_demo
+
+    res = run_demo(TEST_LAYOUTS / f"{prod}.yaml", TEST_LAYOUTS / f"{cons}.yaml", mode=mode, requests=6,
+                   max_bytes=1 << 20)
+    assert res.ok and res.requests == 6 and res.verified_requests == 6, (res.mismatches, res.failed)
+    # every consumer rank holds the whole latent (64 bytes per token and layer, 2 layers): a PCP consumer's
+    # 4 ranks are 4 replicas, each filled and checked; every byte moved was checked
+    ranks = 4 if cons == "mla-tp2-pcp2" else 1
+    assert res.checked_bytes == res.nbytes and res.nbytes % (ranks * 6 * 2 * 64) == 0

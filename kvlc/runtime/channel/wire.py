@@ -263,10 +263,11 @@ def check_record(rec: Record) -> Plan:
             f"record of agent '{rec.agent}': plan JSON is not in canonical form "
             f"(its canonical digest is {plan.digest[:16]}...)"
         )
-    tp = plan.parallel.tp_size
-    if rec.rank >= tp:
+    n = plan.parallel.ranks  # tp_size x pcp_size
+    if rec.rank >= n:
         raise HandshakeError(
-            f"record of agent '{rec.agent}': rank {rec.rank} outside plan '{plan.name}' (tp_size {tp})"
+            f"record of agent '{rec.agent}': rank {rec.rank} outside plan '{plan.name}' "
+            f"({n} ranks: tp_size {plan.parallel.tp_size} x pcp_size {plan.parallel.pcp_size})"
         )
     want = [s.name for s in plan.storages]
     got = [s.name for s in rec.storages]

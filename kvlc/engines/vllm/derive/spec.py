@@ -191,6 +191,8 @@ def _regions(view: EngineView) -> tuple[dict, list[dict], int | None]:
             regions.append({"name": f"layer.{t.layer_index}{part.suffix}", "storage": storage_of[t.name],
                             "layout": lname, "num_blocks": geo.num_blocks, "offset": t.offset + part.offset,
                             "block_stride": geo.block_stride, "groups": [names[view.group_of(t.name)]]})
+            if part.suffix:   # K and V in tensors of their own: parts of the layer's region (pairs with joint K/V)
+                regions[-1]["part_of"] = f"layer.{t.layer_index}"
             if t.name in aliases:   # the hybrid manager's page pool: these pages serve another group too
                 regions[-1]["aliases"] = [f"layer.{index[aliases[t.name]]}{part.suffix}"]
     if view.states:
