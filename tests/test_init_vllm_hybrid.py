@@ -195,8 +195,9 @@ def test_stage_without_state_layers_keeps_the_models_page():
      "replicates B/C groups across ranks (extra groups per shard), which kvlc's evenly split conv sections cannot "
      "state; fix: a tp_size that divides 8"),
     (QWEN_NEXT, dict(kernel_block_size=8), "engine 'vllm', linear-hybrid model: --kernel-block-size 8 would split "
-     "attention pages that state pages alias, which kvlc's page-for-page alias check cannot state; fix: drop "
-     "--kernel-block-size"),
+     "the attention pages that state pages alias; the language states such pools (an alias compares pages of "
+     "kernel blocks) but kvlc init does not write them for vLLM yet; fix: drop --kernel-block-size, or write the "
+     "attention regions' kernel blocks by hand"),
     ({**NEMOTRON, "torch_dtype": "float64"}, {}, "engine 'vllm': config.json: torch_dtype 'float64' is not a dtype "
      "kvlc knows; expected one of ['bf16', 'bfloat16', 'float16', 'float32', 'fp16', 'fp32']"),
 ])

@@ -64,8 +64,9 @@ def _refuse(m: Model, opts: EngineOptions) -> None:
                         "is a region per layer in a group of its own) or write the spec by hand")
     if m.family in HYBRID_FAMILIES and opts.kernel_block_size not in (None, opts.block_size):
         raise InitError(f"engine 'vllm', {m.family.value} model: --kernel-block-size {opts.kernel_block_size} "
-                        "would split attention pages that state pages alias, which kvlc's page-for-page alias "
-                        "check cannot state; fix: drop --kernel-block-size")
+                        "would split the attention pages that state pages alias; the language states such pools (an alias "
+                        "compares pages of kernel blocks) but kvlc init does not write them for vLLM yet; fix: drop "
+                        "--kernel-block-size, or write the attention regions' kernel blocks by hand")
     if opts.sliding_blocks is not None or opts.state_slots is not None:
         raise InitError("engine 'vllm' gives every KV-cache group the same block count; "
                         "fix: drop --sliding-blocks / --state-slots and set --num-blocks")
