@@ -75,6 +75,14 @@ def for_decode(params: dict) -> dict:
     return {k: v for k, v in params.items() if k != "remote_prefill_cached_tokens"}
 
 
+def prefill(engine, p) -> dict:
+    """Prefill prompt ``p`` on ``engine`` as a P/D proxy does (one token, ``do_remote_decode``): the params
+    a decode engine is given."""
+    (out,) = engine.generate([p], 1, [{"do_remote_decode": True}])
+    assert out.kv_transfer_params and out.kv_transfer_params["do_remote_prefill"], out
+    return for_decode(out.kv_transfer_params)
+
+
 class Run:
     """One command started now, its output in files (a full pipe would stall it while another is read):
     slow one-off engine commands of a module start together and their tests take the results."""

@@ -20,7 +20,7 @@ from kvlc.engines.vllm.derive.spec import derive_plan
 from kvlc.engines.vllm.derive.view import EngineView
 from kvlc.init import EngineOptions, init_yaml
 from testkit.vllm_engines import EngineSpec, tiny_gemma3
-from tests.engines.conftest import Engines, Run, engine_env, for_decode, kvlc_config, prompt
+from tests.engines.conftest import Engines, Run, engine_env, kvlc_config, prefill, prompt
 
 pytestmark = pytest.mark.engine
 MAX_TOKENS = 12
@@ -80,12 +80,6 @@ def engines(model, tmp_path_factory):
     e.close()
 
 
-def _prefill(engine, p) -> dict:
-    (out,) = engine.generate([p], 1, [{"do_remote_decode": True}])
-    assert out.kv_transfer_params and out.kv_transfer_params["do_remote_prefill"], out
-    return for_decode(out.kv_transfer_params)
-
-
 def _window_tokens(n: int, block: int) -> int:
     """Tokens a sliding group moves to a decode engine of ``block``-token blocks: from the block of the first
     token the window still needs (vLLM skips ``n - window + 1`` tokens) to the end of the prompt."""
@@ -96,7 +90,7 @@ def test_hybrid_manager_stays_on(engines):
     """vLLM keeps its hybrid manager for KvlcConnector: no 'Turning off' warning, and the prefill engine's
     params carry one block list per KV-cache group (three sliding, one full), the sliding ones
     starting with vLLM's null block 0 where the window has moved on."""
-    params = _prefill(engines["p32"], prompt(200, seed=1))
+    params = prefill(engines["p32"], prompt(200, seed=1))
     ids = params["remote_block_ids"]
     assert len(ids) == 4 and all(len(g) == 7 for g in ids), ids
     assert all(g[:4] == [0, 0, 0, 0] and 0 not in g[4:] for g in ids[:3]) and 0 not in ids[3], ids
@@ -111,7 +105,7 @@ def test_sliding_window_model_decodes_the_same_tokens(engines, prod, cons):
     n = 200
     p = prompt(n, seed=2)
     ref = engines[cons].generate([p], MAX_TOKENS)[0].tokens
-    params = _prefill(engines[prod], p)
+    params = prefill(engines[prod], p)
     before = engines[cons].stats()["bytes"]
     (out,) = engines[cons].generate([p], MAX_TOKENS, [params])
     moved = engines[cons].stats()["bytes"] - before
@@ -126,7 +120,7 @@ def test_wrong_sliding_blocks_change_the_tokens(engines):
     tokens (the window's KV decides the decode)."""
     p = prompt(200, seed=3)
     ref = engines["d32"].generate([p], MAX_TOKENS)[0].tokens
-    params = _prefill(engines["p32"], p)
+    params = prefill(engines["p32"], p)
     ids = params["remote_block_ids"]
     params["remote_block_ids"] = [ids[1], ids[2], ids[0], ids[3]]
     (out,) = engines["d32"].generate([p], MAX_TOKENS, [params])

@@ -22,7 +22,7 @@ from __future__ import annotations
 import pytest
 
 from testkit.vllm_engines import EngineSpec, tiny_nemotron_h, tiny_qwen3_next
-from tests.engines.conftest import Engines, engine_env, for_decode, kvlc_config, prompt
+from tests.engines.conftest import Engines, engine_env, kvlc_config, prefill, prompt
 from tests.engines.test_hybrid_engine import torch_has_avx512_bf16
 
 pytestmark = pytest.mark.engine
@@ -71,17 +71,11 @@ def engines(tmp_path_factory):
     e.close()
 
 
-def _prefill(engine, p) -> dict:
-    (out,) = engine.generate([p], 1, [{"do_remote_decode": True}])
-    assert out.kv_transfer_params and out.kv_transfer_params["do_remote_prefill"], out
-    return for_decode(out.kv_transfer_params)
-
-
 def _oracle(engines, name: str, p) -> tuple[int, ...]:
     """Nemotron-H (fp32): the decode engine alone. Qwen3-Next (bf16): the same P/D through NixlConnector."""
     if name == "nemotron-h":
         return engines[f"{name}-d"].generate([p], MAX_TOKENS)[0].tokens
-    (out,) = engines["nixl-d"].generate([p], MAX_TOKENS, [_prefill(engines["nixl-p"], p)])
+    (out,) = engines["nixl-d"].generate([p], MAX_TOKENS, [prefill(engines["nixl-p"], p)])
     assert out.num_cached_tokens == len(p) - 1   # NixlConnector also loads n - 1 tokens
     return out.tokens
 
@@ -95,7 +89,7 @@ def test_hybrid_decodes_the_same_tokens(engines, name, seed):
     _, _, _, n, state_groups, block, token_bytes, attn_layers, state_layers, state_bytes = MODELS[name]
     p = prompt(n, seed=seed)
     want = _oracle(engines, name, p)
-    params = _prefill(engines[f"{name}-p"], p)
+    params = prefill(engines[f"{name}-p"], p)
     assert params["remote_num_tokens"] == n - 1
     ids = params["remote_block_ids"]
     assert [len(ids[g]) for g in state_groups] == [1] * len(state_groups), ids
@@ -115,7 +109,7 @@ def test_push_modes_decode_the_same_tokens(engines, mode):
     name = "nemotron-h"
     p = prompt(MODELS[name][3], seed=8)
     want = _oracle(engines, name, p)
-    params = {**_prefill(engines[f"{name}-p"], p), "mode": mode}
+    params = {**prefill(engines[f"{name}-p"], p), "mode": mode}
     (out,) = engines[f"{name}-d"].generate([p], MAX_TOKENS, [params])
     assert out.tokens == want and out.num_cached_tokens == len(p) - 1
 
@@ -127,7 +121,7 @@ def test_wrong_state_changes_the_tokens(engines, name):
     _, _, _, n, state_groups, *_rest = MODELS[name]
     p = prompt(n, seed=5)
     want = _oracle(engines, name, p)
-    params = _prefill(engines[f"{name}-p"], p)
+    params = prefill(engines[f"{name}-p"], p)
     ids = list(params["remote_block_ids"])
     rolled = [ids[g] for g in state_groups[1:] + state_groups[:1]]
     for g, new in zip(state_groups, rolled):
@@ -143,7 +137,7 @@ def test_state_of_the_whole_prompt_is_refused(engines):
     decode engine count the last token twice: it computes the prompt locally instead (no tokens loaded)."""
     name = "nemotron-h"
     p = prompt(MODELS[name][3], seed=7)
-    params = _prefill(engines[f"{name}-p"], p)
+    params = prefill(engines[f"{name}-p"], p)
     short = p[:-1]   # the decode engine's prompt is the producer's n - 1 tokens
     before = len(engines[f"{name}-d"].stats()["load_seconds"])
     (out,) = engines[f"{name}-d"].generate([short], MAX_TOKENS, [params])
