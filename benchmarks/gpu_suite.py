@@ -291,14 +291,15 @@ def plot(doc: dict, path: Path) -> None:
 
 
 def _expect_ipc(groups: list, gpu: bool) -> dict:
-    """Groups where KVLC_IPC=auto must copy: one memory type on both sides, VRAM (CUDA IPC) or DRAM the
-    engines share (kvlc's shared-memory DRAM, when this kvlc has it)."""
+    """Groups where KVLC_IPC=auto must copy: on a GPU every group (VRAM through CUDA IPC; the mixed
+    group's pinned DRAM read in place by the initiator's kernel), on the CPU one memory type on both
+    sides in DRAM the engines share (kvlc's shared-memory DRAM, when this kvlc has it)."""
     import dataclasses
 
     from kvlc.demo.procs import EngineConfig
 
     shared = "shared" in {f.name for f in dataclasses.fields(EngineConfig)}
-    return {g.name: bool(g.plans) and g.same_memory and (gpu or shared) for g in groups}
+    return {g.name: bool(g.plans) and (gpu or (g.same_memory and shared)) for g in groups}
 
 
 def main(argv=None) -> int:

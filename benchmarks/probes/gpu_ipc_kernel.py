@@ -6,14 +6,17 @@ handover from an engine's pool after warm-up looks like), timed with CUDA events
 (median of ``--reps``), every destination block checked and the rest of the destination pool
 unchanged:
 
-* ``kernel``: :class:`kvlc.runtime.ipc.copy.GpuCopy` (row table upload + ONE Triton kernel), for a
-  few program sizes (``BLOCK_WORDS``) and warp counts, host work included (a request's real cost);
-  ``host us``: the host's time to start it; ``gpu only``: from the copy stream's first work to its end;
-  ``kernel``: the general row kernel (``copy_rows``), ``chunks``: rows cut into equal chunks (``copy_chunks``);
+* ``grid <bytes> x<warps>``: :class:`kvlc.runtime.ipc.copy.GpuCopy` (row table upload + ONE Triton
+  kernel, a program per ``<bytes>`` of a row), host work included (a request's real cost); ``host us``:
+  the host's time to start it; ``gpu only``: from the copy stream's first work to its end;
+* ``loop (before)``: the kernel before the grid (a program per 256 KiB looping over 8 KiB steps);
 * ``torch``: ``index_select`` into a scratch buffer + ``index_copy_`` out of it, on int64 rows;
 * ``d2d``: one contiguous ``copy_`` of the same number of bytes (the ceiling).
 
-Run (from the repository root):  python3 benchmarks/probes/gpu_ipc_kernel.py [--out OUT.json]
+Also the host's time in each stage of ``GpuCopy.start`` (``host stages``), and with ``--host-mib``
+rows read from a pinned host pool through unified addressing (``h2d``: one pinned ``copy_``).
+
+Run (from the repository root):  python3 benchmarks/probes/gpu_ipc_kernel.py [--host-mib 2048] [--out OUT.json]
 """
 
 from __future__ import annotations
@@ -29,8 +32,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-CASES = ((16 << 10, 16384), (32 << 10, 8192), (64 << 10, 4096), (64 << 10, 16384), (2 << 20, 128), (64 << 20, 32))
-VARIANTS = ((1024, 4, False), (2048, 8, False), (0, 4, True), (0, 8, True))  # (rows kernel's words, warps, chunks)
+CASES = ((16 << 10, 16384), (32 << 10, 8192), (64 << 10, 2048), (64 << 10, 4096), (64 << 10, 16384),
+         (2 << 20, 128), (64 << 20, 32))
+VARIANTS = ((4 << 10, 4), (8 << 10, 4), (16 << 10, 4), (8 << 10, 8), (16 << 10, 8), (32 << 10, 8))  # (bytes, warps)
 
 
 def _time(fn, reps: int, torch) -> list[float]:
@@ -46,68 +50,163 @@ def _time(fn, reps: int, torch) -> list[float]:
     return out
 
 
-def one_case(block: int, count: int, pools, reps: int, torch) -> dict:
-    import kvlc.runtime.ipc.copy as ipc_copy
-    from kvlc.runtime.ipc.copy import GpuCopy
+_LOOP = None
+
+
+def _loop_kernel():
+    """The row kernel before the grid (one program per 256 KiB chunk looping over 8 KiB steps), for
+    comparison in the same run."""
+    global _LOOP
+    if _LOOP is None:
+        import triton
+        import triton.language as tl
+
+        @triton.jit(do_not_specialize=["n"])
+        def copy_rows(table, n, BLOCK: tl.constexpr):
+            r = tl.program_id(0)
+            s = tl.multiple_of(tl.load(table + r), 16).to(tl.pointer_type(tl.int64))
+            d = tl.multiple_of(tl.load(table + n + r), 16).to(tl.pointer_type(tl.int64))
+            size = tl.multiple_of(tl.load(table + 2 * n + r), 16) // 8
+            offs = tl.arange(0, BLOCK)
+            for start in range(0, size, BLOCK):
+                o = start + offs
+                m = o < size
+                tl.store(d + o, tl.load(s + o, mask=m), mask=m)
+
+        _LOOP = copy_rows
+    return _LOOP
+
+
+def _timed_copy(torch, cp, fn, reps: int) -> tuple[list[float], list[float], list]:
+    host, gpu = [], []
+
+    def go():
+        e0 = torch.cuda.Event(enable_timing=True)
+        e0.record(cp.stream)
+        t0 = time.perf_counter()
+        ev = fn()
+        host.append(time.perf_counter() - t0)
+        e1 = torch.cuda.Event(enable_timing=True)
+        e1.record(cp.stream)
+        torch.cuda.current_stream().wait_event(ev)
+        gpu.append((e0, e1))
+
+    for _ in range(3):
+        go()
+    host.clear()
+    gpu.clear()
+    ts = _time(go, reps, torch)
+    torch.cuda.synchronize()
+    return ts, host, [a.elapsed_time(b) / 1e3 for a, b in gpu]
+
+
+def one_case(block: int, count: int, pools, reps: int, torch, src_host=None) -> dict:
+    from kvlc.runtime.ipc.copy import GpuCopy, split
 
     src, dst = pools
-    nblocks = src.numel() // block
+    if src_host is not None:
+        src = src_host
+    nblocks = min(src.numel(), dst.numel()) // block
     rng = np.random.default_rng(block + count)
     s_ids = rng.choice(nblocks, count, replace=False)
     d_ids = rng.choice(nblocks, count, replace=False)
     nbytes = block * count
-    row = {"block": block, "count": count, "mib": nbytes / 2**20}
+    row = {"block": block, "count": count, "mib": nbytes / 2**20, "source": "pinned host" if src_host is not None else "vram"}
     srcs = (src.data_ptr() + s_ids.astype(np.uint64) * block).astype(np.uint64)
     dsts = (dst.data_ptr() + d_ids.astype(np.uint64) * block).astype(np.uint64)
     lens = np.full(count, block, dtype=np.uint64)
     cp = GpuCopy(0)
-    for words, warps, chunked in VARIANTS:
-        cp.block_words, cp.num_warps, cp.chunked = words or ipc_copy.BLOCK_WORDS, warps, chunked
-        name = f"chunks x{warps}" if chunked else f"kernel {words}w x{warps}"
-        host, gpu = [], []
-
-        def go():
-            e0 = torch.cuda.Event(enable_timing=True)
-            e0.record(cp.stream)
-            t0 = time.perf_counter()
-            launch = cp.start(srcs, dsts, lens)
-            host.append(time.perf_counter() - t0)
-            e1 = torch.cuda.Event(enable_timing=True)
-            e1.record(cp.stream)
-            torch.cuda.current_stream().wait_event(launch.event)
-            gpu.append((e0, e1))
-
-        for _ in range(3):
-            go()
-        host.clear()
-        gpu.clear()
-        ts = _time(go, reps, torch)
-        torch.cuda.synchronize()
+    cp.warm()
+    row["direct launch"] = cp.direct
+    for bb, warps in VARIANTS:
+        cp.block_bytes, cp.num_warps = bb, warps
+        name = f"grid {bb >> 10}k x{warps}"
+        ts, host, gpu = _timed_copy(torch, cp, lambda: cp.start(srcs, dsts, lens).event, reps)
         row[name] = nbytes / statistics.median(ts) / 1e9
         row[f"{name} host us"] = statistics.median(host) * 1e6
-        row[f"{name} gpu only"] = nbytes / statistics.median(a.elapsed_time(b) / 1e3 for a, b in gpu) / 1e9
-    cp.block_words, cp.num_warps, cp.chunked = ipc_copy.BLOCK_WORDS, ipc_copy.NUM_WARPS, False
+        row[f"{name} gpu only"] = nbytes / statistics.median(gpu) / 1e9
+    cp.block_bytes, cp.num_warps = 8 << 10, 4
+    if src_host is None:  # the kernel before the grid, same rows, same stream
+        s2, d2, l2 = split(srcs, dsts, lens, 256 << 10)
+        table = torch.from_numpy(np.concatenate([s2, d2, l2]).view(np.int64)).cuda()
+        k = _loop_kernel()
+
+        def loop():
+            with torch.cuda.stream(cp.stream):
+                k[(len(l2),)](table, len(l2), BLOCK=1024)
+                ev = torch.cuda.Event()
+                ev.record(cp.stream)
+            return ev
+
+        ts, host, gpu = _timed_copy(torch, cp, loop, reps)
+        row["loop (before)"] = nbytes / statistics.median(ts) / 1e9
+        row["loop (before) gpu only"] = nbytes / statistics.median(gpu) / 1e9
     dst.zero_()
     cp.start(srcs, dsts, lens).event.synchronize()
     sv, dv = src.view(-1, block), dst.view(-1, block)
-    si, di = torch.from_numpy(s_ids).cuda(), torch.from_numpy(d_ids).cuda()
-    ok = bool(torch.equal(dv[di], sv[si]))
+    si, di = torch.from_numpy(s_ids).to(sv.device), torch.from_numpy(d_ids).cuda()
+    ok = bool(torch.equal(dv[di].cpu(), sv[si].cpu()))
     mask = torch.ones(dv.shape[0], dtype=torch.bool, device="cuda")
     mask[di] = False
     row["content ok"] = ok and not bool(dv[mask].any())
-    s64, d64 = src.view(torch.int64).view(-1, block // 8), dst.view(torch.int64).view(-1, block // 8)
-    scratch = torch.empty(count, block // 8, dtype=torch.int64, device="cuda")
+    if src_host is None:
+        s64, d64 = src.view(torch.int64).view(-1, block // 8), dst.view(torch.int64).view(-1, block // 8)
+        scratch = torch.empty(count, block // 8, dtype=torch.int64, device="cuda")
+        si = si.cuda()
 
-    def tcopy():
-        torch.index_select(s64, 0, si, out=scratch)
-        d64.index_copy_(0, di, scratch)
+        def tcopy():
+            torch.index_select(s64, 0, si, out=scratch)
+            d64.index_copy_(0, di, scratch)
 
-    row["torch index"] = nbytes / statistics.median(_time(tcopy, reps, torch)) / 1e9
+        row["torch index"] = nbytes / statistics.median(_time(tcopy, reps, torch)) / 1e9
     a, b = src[:nbytes], dst[:nbytes]
-    row["d2d"] = nbytes / statistics.median(_time(lambda: b.copy_(a), reps, torch)) / 1e9
-    best = max(v for k, v in row.items() if k.endswith(("x4", "x8")))
-    row["kernel / d2d"] = best / row["d2d"]
+    ceiling = "h2d" if src_host is not None else "d2d"
+    row[ceiling] = nbytes / statistics.median(_time(lambda: b.copy_(a, non_blocking=True), reps, torch)) / 1e9
+    best = max(v for k, v in row.items() if k.startswith("grid") and k.endswith(("x4", "x8")))
+    row[f"grid / {ceiling}"] = best / row[ceiling]
     return row
+
+
+def host_stages(torch, pools, count: int, block: int = 64 << 10, reps: int = 200) -> dict:
+    """Host µs of each stage of GpuCopy.start (median of ``reps``, GPU idle between calls), direct
+    launch on and off."""
+    from kvlc.runtime.ipc.copy import GpuCopy, grid_table
+
+    src, dst = pools
+    rng = np.random.default_rng(count)
+    nblocks = src.numel() // block
+    srcs = (src.data_ptr() + rng.choice(nblocks, count, replace=False).astype(np.uint64) * block).astype(np.uint64)
+    dsts = (dst.data_ptr() + rng.choice(nblocks, count, replace=False).astype(np.uint64) * block).astype(np.uint64)
+    lens = np.full(count, block, dtype=np.uint64)
+    cp = GpuCopy(0)
+    cp.warm()
+    out = {"rows": count, "block": block, "direct launch": cp.direct}
+    stages: dict[str, list] = {}
+
+    def t(name, fn):
+        t0 = time.perf_counter()
+        r = fn()
+        stages.setdefault(name, []).append(time.perf_counter() - t0)
+        return r
+
+    for _ in range(reps):
+        g = t("grid_table", lambda: grid_table(srcs, dsts, lens, cp.block_bytes))
+        t("device ctx + wait_stream", lambda: cp.stream.wait_stream(torch.cuda.current_stream(0)))
+        with torch.cuda.stream(cp.stream):
+            at, table, keep = t("upload", lambda: cp._upload(g.table))
+            t("launch", lambda: cp._launch(g, table))
+            ev = t("event", lambda: (lambda e: (e.record(cp.stream), e)[1])(torch.cuda.Event()))
+        cp.ring.used(at, len(g.table), ev)
+        t("event.query (running)", ev.query)
+        ev.synchronize()
+        t("event.query (done)", ev.query)
+        t("start (whole)", lambda: cp.start(srcs, dsts, lens)).event.synchronize()
+        cp.direct = not cp.direct
+        t("start (whole, other launch)", lambda: cp.start(srcs, dsts, lens)).event.synchronize()
+        cp.direct = not cp.direct
+    for k, v in stages.items():
+        out[k] = statistics.median(v) * 1e6
+    return out
 
 
 def main(argv=None) -> int:
@@ -115,19 +214,32 @@ def main(argv=None) -> int:
     ap.add_argument("--pool-mib", type=int, default=4096)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--host-mib", type=int, default=0, help="also copy rows from a pinned host pool of this size")
     args = ap.parse_args(argv)
     import torch
 
     n = args.pool_mib << 20
     pools = (torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda"),
              torch.zeros(n, dtype=torch.uint8, device="cuda"))
-    rows = []
-    for block, count in CASES:
-        r = one_case(block, count, pools, args.reps, torch)
-        rows.append(r)
+    rows, stages = [], []
+
+    def say(r):
         print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in r.items()}), flush=True)
+
+    for count in (2048, 8192):
+        stages.append(host_stages(torch, pools, count))
+        say(stages[-1])
+    for block, count in CASES:
+        rows.append(one_case(block, count, pools, args.reps, torch))
+        say(rows[-1])
+    if args.host_mib:
+        host = torch.randint(0, 256, (args.host_mib << 20,), dtype=torch.uint8).pin_memory()
+        for block, count in ((64 << 10, 2048), (656 * 64, 4096), (2 << 20, 64)):
+            rows.append(one_case(block, count, pools, args.reps, torch, src_host=host))
+            say(rows[-1])
     if args.out:
-        args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
+        args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows,
+                                        "host stages": stages}, indent=1))
     return 0 if all(r["content ok"] for r in rows) else 1
 
 

@@ -40,6 +40,7 @@ def _driver():
                 raise IpcError(f"no CUDA driver here (libcuda.so.1: {exc})") from exc
             lib.cuIpcOpenMemHandle_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), _Handle, ctypes.c_uint]
             lib.cuGetErrorName.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+            lib.cuPointerGetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64]
             _lib = lib
         return _lib
 
@@ -102,3 +103,21 @@ def uuid(device: int) -> str:
     import torch
 
     return str(torch.cuda.get_device_properties(device).uuid)
+
+
+_DEVICE_POINTER = 3  # CU_POINTER_ATTRIBUTE_DEVICE_POINTER
+
+
+def host_mapped(addr: int, size: int, device: int) -> bool:
+    """Whether host memory ``[addr, addr + size)`` is page-locked and mapped for GPU ``device`` at the
+    same address (pinned memory under unified addressing: a kernel there reads and writes it in
+    place). Memory that is not (pageable, or no driver here) is False, never an error."""
+    try:
+        with _on(device) as lib:
+            for a in (addr, addr + max(size, 1) - 1):
+                ptr = ctypes.c_uint64()
+                if lib.cuPointerGetAttribute(ctypes.byref(ptr), _DEVICE_POINTER, ctypes.c_uint64(a)) or ptr.value != a:
+                    return False
+    except IpcError:
+        return False
+    return True

@@ -2,8 +2,9 @@
 
 :class:`IpcRoute` has the interface the :class:`~kvlc.runtime.transfer.Executor` uses of a NIXL
 agent (``initialize``, ``make_prepped``, ``post``, ``state``, ``send_notif``). A part whose peer
-agent's storages are mapped here (:mod:`kvlc.runtime.ipc.memory`) and whose two memory types both
-are mapped ones (VRAM ↔ VRAM with CUDA IPC, DRAM ↔ DRAM with shared files) becomes an
+agent's storages are mapped here (:mod:`kvlc.runtime.ipc.memory`) and whose two memory types this
+side can copy between (VRAM ↔ VRAM with CUDA IPC, DRAM ↔ DRAM with shared files, and this side's
+pinned DRAM ↔ the peer's VRAM through unified addressing, one kernel reading host memory) becomes an
 :class:`IpcXfer`: created, posted (ONE copy launch), polled (done once its event says every byte
 landed) and released like a NIXL request, so the executor's rules hold unchanged: nothing is
 posted after a refusal or past the deadline, a copy in flight cannot be recalled and holds its
@@ -22,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from kvlc.runtime.ipc import cuda
 from kvlc.runtime.ipc.copy import GpuCopy, HostCopy, Launch
 from kvlc.runtime.ipc.cuda import IpcError
 from kvlc.runtime.ipc.memory import Mapped, Window
@@ -40,7 +42,8 @@ class IpcXfer:
     src: np.ndarray
     dst: np.ndarray
     lens: np.ndarray
-    mem: str  # the memory both sides hold ("VRAM": a kernel on ``device``; "DRAM": torch on the CPU)
+    mem: str  # this side's memory
+    remote_mem: str  # the peer's ("VRAM" on either side: a kernel on ``device``; DRAM both: memmove on the CPU)
     device: int
     route: Any = field(repr=False, default=None)
     windows: Any = field(repr=False, default=None)  # the peer's _Windows it copies through
@@ -105,6 +108,7 @@ class IpcRoute:
         self.local = list(bindings.values())
         self.gpu = next((b.device for b in self.local if b.mem == "VRAM"), None)
         self._gpu_copy: GpuCopy | None = None
+        self._dram_reach: bool | None = None  # see _gpu_reaches_dram
         self.copies = 0  # parts moved here
 
     # ------------------------------------------------------------------ peers
@@ -139,9 +143,23 @@ class IpcRoute:
             w.mapped.close()
 
     def covers(self, peer: str, local_mem: str, remote_mem: str) -> bool:
-        """Whether a part to ``peer`` between these memory types is copied here."""
+        """Whether a part to ``peer`` between these memory types is copied here: equal types the peer
+        shared, or this side's DRAM and the peer's VRAM where this side's GPU reaches its DRAM."""
         w = self.peers.get(peer)
-        return w is not None and local_mem == remote_mem and remote_mem in w.mems
+        if w is None or remote_mem not in w.mems:
+            return False
+        if local_mem == remote_mem:
+            return True
+        return local_mem == "DRAM" and remote_mem == "VRAM" and self._gpu_reaches_dram()
+
+    def _gpu_reaches_dram(self) -> bool:
+        """Whether this side's GPU copies its DRAM storages in place: each one pinned and mapped at its
+        own address (what ``allocate(pin=True)`` gives), so one kernel reads DRAM and writes a peer's VRAM."""
+        if self._dram_reach is None:
+            dram = [b for b in self.local if b.mem == "DRAM"]
+            self._dram_reach = self.gpu is not None and bool(dram) and all(
+                cuda.host_mapped(b.addr, b.nbytes, self.gpu) for b in dram)
+        return self._dram_reach
 
     def close(self) -> None:
         """Unmap every peer (the agent closes: nothing is in flight any more)."""
@@ -162,7 +180,7 @@ class IpcRoute:
         src, dst = (mine, mapped) if op == "WRITE" else (mapped, mine)
         w.users += 1
         return IpcXfer(f"{op} {what} to {remote_agent!r} (same host)", remote_agent, src, dst, lens,
-                       local_mem, self.gpu or 0, route=self, windows=w)
+                       local_mem, remote_mem, self.gpu or 0, route=self, windows=w)
 
     def make_prepped(self, *args, **kwargs) -> Any:
         return self.nixl.make_prepped(*args, **kwargs)
@@ -171,7 +189,8 @@ class IpcRoute:
         if not isinstance(xfer, IpcXfer):
             return self.nixl.post(xfer, notif)
         try:
-            copier = self._gpu() if xfer.mem == "VRAM" else xfer.windows.host_copy(self.local)
+            gpu = "VRAM" in (xfer.mem, xfer.remote_mem)
+            copier = self._gpu() if gpu else xfer.windows.host_copy(self.local)
             xfer.launch = copier.start(xfer.src, xfer.dst, xfer.lens)
         except Exception as exc:  # a launch that fails moved nothing of this part
             xfer.state, xfer.error = XferState.ERR, f"{xfer.what}: the copy could not start: {exc}"
