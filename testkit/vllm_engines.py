@@ -1,13 +1,14 @@
 """Run vLLM engines in child processes and talk to them over a pipe (tests, benchmark, example).
 
 :func:`tiny_llama` writes a small Llama with random weights (transformers, safetensors;
-:func:`tiny_gemma3` and :func:`tiny_deepseek_v2` a sliding-window and an MLA model) that greedy decoding turns into varied, KV-sensitive tokens. :class:`EngineProcess`
-starts one ``vllm.LLM`` in a spawned child (each engine needs its own process: vLLM
-keeps one KV connector per process) and runs ``generate`` there; with ``preload=True`` the child is
-forked from a server that imported vLLM once (:data:`PRELOAD`), so an engine skips the 10-20 s import a
-spawned one pays on a small machine. Each engine's vLLM IPC sockets go into a folder of its own
-(``VLLM_RPC_BASE_PATH``, unless the spec or the environment sets it), removed when the engine is
-closed or killed: vLLM leaves them in ``/tmp`` otherwise.
+:func:`tiny_gemma3`, :func:`tiny_deepseek_v2`, :func:`tiny_nemotron_h`, :func:`tiny_falcon_h1` and
+:func:`tiny_qwen3_next` a sliding-window, an MLA and three hybrid models) that greedy decoding turns into
+varied, KV-sensitive tokens. :class:`EngineProcess` starts one ``vllm.LLM`` in a spawned child (each
+engine needs its own process: vLLM keeps one KV connector per process) and runs ``generate`` there; with
+``preload=True`` the child is forked from a server that imported vLLM once (:data:`PRELOAD`), so an engine
+skips the 10-20 s import a spawned one pays on a small machine. Each engine's vLLM IPC sockets go into a
+folder of its own (``VLLM_RPC_BASE_PATH``, unless the spec or the environment sets it), removed when the
+engine is closed or killed: vLLM leaves them in ``/tmp`` otherwise.
 """
 
 from __future__ import annotations
@@ -212,6 +213,8 @@ def _serve(spec: EngineSpec, conn) -> None:
             conn.send(_sleep_or_wake(cmd))
         elif cmd == "transfer_metrics":
             conn.send(("ok", _transfer_metrics(llm)))
+        elif cmd == "view":
+            conn.send(_engine_view(llm))
         else:
             conn.send(_generate(llm, arg))
     del llm
@@ -237,6 +240,22 @@ def _generate(llm, arg) -> tuple:
                           int(o.num_cached_tokens or 0), o.outputs[0].finish_reason, dt,
                           getattr(o.metrics, "first_token_latency", None))
                    for o in outs])
+
+
+def _engine_view(llm) -> tuple:
+    """Single-process engines: the engine view kvlc derives from the worker's live KV-cache tensors (what
+    KvlcConnector and ``kvlc from-vllm --from-engine`` read), as plain data."""
+    try:
+        return ("ok", llm.collective_rpc(_worker_view)[0])
+    except Exception as exc:
+        return ("error", f"{type(exc).__name__}: {exc}")
+
+
+def _worker_view(worker) -> dict:
+    from kvlc.engines.vllm.derive.engine import worker_kv_caches
+    from kvlc.engines.vllm.derive.spec import engine_view
+
+    return engine_view(*worker_kv_caches(worker)).to_dict()
 
 
 def _kv_blocks(block_ids) -> dict:
@@ -409,6 +428,15 @@ class EngineProcess:
                 self.proc.join(5)
                 raise EngineDied(f"engine process {self.proc.pid} is gone (exit code {self.proc.exitcode})") from None
             return self._recv(timeout)
+
+    def view(self, timeout: float = 60.0):
+        """The engine's :class:`~kvlc.engines.vllm.derive.view.EngineView`, derived live (single-process mode)."""
+        from kvlc.engines.vllm.derive.view import EngineView
+
+        status, out = self._ask("view", None, timeout)
+        if status != "ok":
+            raise RuntimeError(out)
+        return EngineView.from_dict(out)
 
     def transfer_metrics(self, timeout: float = 60.0) -> dict:
         """The connector stats as vLLM's stats logger aggregated them (see :func:`_transfer_metrics`)."""
