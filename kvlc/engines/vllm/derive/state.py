@@ -202,11 +202,24 @@ def _problems(s: StateTensors, state: StateLayout, view: EngineView) -> list[str
     return out
 
 
+def _refuse_dim_first_conv(s: StateTensors, state: StateLayout, tp: int) -> None:
+    """vLLM 0.32 keeps conv states ``(taps, channels)`` ("SD"), or ``(channels, taps)`` ("DS") when
+    ``VLLM_SSM_CONV_STATE_LAYOUT=DS`` (``model_executor/layers/mamba/mamba_utils.py``), which its CPU platform
+    sets for NixlConnector engines only (``platforms/cpu.py``); kvlc states the SD layout."""
+    conv, want = tuple(s.parts[0].shape[1:]), _want_shapes(state, tp)[0]
+    if conv != want and conv == want[::-1]:
+        raise ViewError(f"state layer '{s.name}': conv state shape {conv} is channels first, vLLM's 'DS' conv "
+                        f"layout (VLLM_SSM_CONV_STATE_LAYOUT=DS); kvlc states the 'SD' layout {want} (taps outer) "
+                        "vLLM's CPU platform picks for engines without NixlConnector; fix: start the engine "
+                        "without VLLM_SSM_CONV_STATE_LAYOUT=DS (or with SD), on both sides")
+
+
 def check_state_tensors(s: StateTensors, view: EngineView) -> None:
     """Raise :class:`ViewError` naming every way the layer's tensors differ from the model's state layout."""
     if view.state is None:
         raise ViewError(f"kv_caches['{s.name}'] is a state layer but the engine has no Mamba / linear-attention "
                         "KV-cache group; fix: derive from the kv_caches of the engine's own register_kv_caches")
+    _refuse_dim_first_conv(s, view.state, view.parallel.tp_size)
     problems = _problems(s, view.state, view)
     if problems:
         raise ViewError(f"state layer '{s.name}' is not laid out as vLLM 0.32 lays out a {view.state.name} "
