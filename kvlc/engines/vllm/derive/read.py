@@ -216,27 +216,27 @@ def _backend(vllm_config: Any, layers: tuple[LayerTensor, ...]) -> str:
     return backends.pop() if backends else ("CPU_ATTN" if layers[0].device == "cpu" else "unknown")
 
 
-def _num_layers(mc: Any, pc: Any, names: list[str]) -> int:
-    """The model's cache layers as vLLM numbers them: its decoder layers, or more where a decoder layer's
-    second mixer is numbered past them (vLLM's falcon_h1.py names layer ``i``'s Mamba-2 mixer
-    ``model.{num_hidden_layers + i}.mixer``: ``2 x num_hidden_layers`` cache layers, as ``kvlc init`` counts)."""
+def _num_layers(mc: Any, pc: Any, states: tuple[StateTensors, ...]) -> int:
+    """The model's cache layers as vLLM numbers them: its decoder layers, or more where a decoder layer's state
+    mixer is numbered past them (vLLM's falcon_h1.py names layer ``i``'s Mamba-2 mixer
+    ``model.{num_hidden_layers + i}.mixer``: ``2 x num_hidden_layers`` cache layers, as ``kvlc init`` counts).
+    Draft (MTP) attention layers numbered past them do not count, as in ``kvlc init``."""
     total = int(mc.get_total_num_hidden_layers())
-    top = 1 + max(layer_index(n) for n in names)
-    if top <= total:
+    past = [s.name for s in states if layer_index(s.name) >= total]
+    if not past:
         return total
     if int(pc.pipeline_parallel_size) > 1:
-        raise ViewError(f"layer '{max(names, key=layer_index)}' is numbered past the model's {total} decoder layers "
-                        "(a second mixer per decoder layer, as vLLM numbers Falcon-H1's Mamba-2 mixers): a pipeline "
-                        "stage then holds two windows of cache layers, which parallel.layers cannot state; fix: "
+        raise ViewError(f"state layer '{past[0]}' is numbered past the model's {total} decoder layers (a second "
+                        "mixer per decoder layer, as vLLM numbers Falcon-H1's Mamba-2 mixers): a pipeline stage "
+                        "then holds two windows of cache layers, which parallel.layers cannot state; fix: "
                         "pipeline_parallel_size 1")
-    return top
+    return 1 + max(layer_index(n) for n in past)
 
 
 def _model_identity(mc: Any, pc: Any, layers: tuple[LayerTensor, ...], states: tuple[StateTensors, ...],
                     mla: bool) -> ModelIdentity:
     text = mc.hf_text_config
-    num_layers = _num_layers(mc, pc, [t.name for t in layers] + [s.name for s in states])
-    return ModelIdentity(name=str(mc.model), num_layers=num_layers,
+    return ModelIdentity(name=str(mc.model), num_layers=_num_layers(mc, pc, states),
                          num_kv_heads=1 if mla else int(mc.get_total_num_kv_heads()),
                          head_dim=int(mc.get_head_size()), dtype=layers[0].dtype,
                          kv_lora_rank=getattr(text, "kv_lora_rank", None) if mla else None,
