@@ -1,13 +1,14 @@
 """Run vLLM engines in child processes and talk to them over a pipe (tests, benchmark, example).
 
 :func:`tiny_llama` writes a small Llama with random weights (transformers, safetensors;
-:func:`tiny_gemma3` and :func:`tiny_deepseek_v2` a sliding-window and an MLA model) that greedy decoding turns into varied, KV-sensitive tokens. :class:`EngineProcess`
-starts one ``vllm.LLM`` in a spawned child (each engine needs its own process: vLLM
-keeps one KV connector per process) and runs ``generate`` there; with ``preload=True`` the child is
-forked from a server that imported vLLM once (:data:`PRELOAD`), so an engine skips the 10-20 s import a
-spawned one pays on a small machine. Each engine's vLLM IPC sockets go into a folder of its own
-(``VLLM_RPC_BASE_PATH``, unless the spec or the environment sets it), removed when the engine is
-closed or killed: vLLM leaves them in ``/tmp`` otherwise.
+:func:`tiny_gemma3`, :func:`tiny_deepseek_v2`, :func:`tiny_nemotron_h`, :func:`tiny_falcon_h1` and
+:func:`tiny_qwen3_next` a sliding-window, an MLA and three hybrid models) that greedy decoding turns into
+varied, KV-sensitive tokens. :class:`EngineProcess` starts one ``vllm.LLM`` in a spawned child (each
+engine needs its own process: vLLM keeps one KV connector per process) and runs ``generate`` there; with
+``preload=True`` the child is forked from a server that imported vLLM once (:data:`PRELOAD`), so an engine
+skips the 10-20 s import a spawned one pays on a small machine. Each engine's vLLM IPC sockets go into a
+folder of its own (``VLLM_RPC_BASE_PATH``, unless the spec or the environment sets it), removed when the
+engine is closed or killed: vLLM leaves them in ``/tmp`` otherwise.
 """
 
 from __future__ import annotations
@@ -107,6 +108,27 @@ def tiny_nemotron_h(path: str | Path, seed: int = 0, pattern: str = "M*MM*M", dt
     return path
 
 
+def tiny_falcon_h1(path: str | Path, seed: int = 0, layers: int = 2, dtype: str = "float32") -> Path:
+    """Write a random-weight Falcon-H1: attention (4 heads, 2 KV heads x 64) and a Mamba-2 mixer (8 heads x 32,
+    2 groups x 16 states, conv 4) side by side in each of ``layers`` decoder layers; vLLM names the mixer of
+    layer ``i`` as cache layer ``layers + i`` and gives it a Mamba-2 state group of its own."""
+    import torch
+    from transformers import FalconH1Config, FalconH1ForCausalLM
+
+    path = Path(path)
+    if (path / "config.json").exists():
+        return path
+    torch.manual_seed(seed)
+    cfg = FalconH1Config(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, mamba_d_ssm=256, mamba_n_heads=8,
+                         mamba_d_head=32, mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4, mamba_chunk_size=64,
+                         max_position_embeddings=1024, initializer_range=0.2, tie_word_embeddings=False,
+                         torch_dtype=dtype)
+    cfg.architectures = ["FalconH1ForCausalLM"]
+    FalconH1ForCausalLM(cfg).to(getattr(torch, dtype)).save_pretrained(path, safe_serialization=True)
+    return path
+
+
 def tiny_qwen3_next(path: str | Path, seed: int = 0, dtype: str = "bfloat16") -> Path:
     """Write a random-weight Qwen3-Next: 8 layers, full attention every 4th, Gated DeltaNet (2 key heads x 64,
     4 value heads x 64: vLLM's CPU kernels refuse head dims of 16 and 32; conv 4) otherwise, 4 experts;
@@ -191,6 +213,8 @@ def _serve(spec: EngineSpec, conn) -> None:
             conn.send(_sleep_or_wake(cmd))
         elif cmd == "transfer_metrics":
             conn.send(("ok", _transfer_metrics(llm)))
+        elif cmd == "view":
+            conn.send(_engine_view(llm))
         else:
             conn.send(_generate(llm, arg))
     del llm
@@ -216,6 +240,22 @@ def _generate(llm, arg) -> tuple:
                           int(o.num_cached_tokens or 0), o.outputs[0].finish_reason, dt,
                           getattr(o.metrics, "first_token_latency", None))
                    for o in outs])
+
+
+def _engine_view(llm) -> tuple:
+    """Single-process engines: the engine view kvlc derives from the worker's live KV-cache tensors (what
+    KvlcConnector and ``kvlc from-vllm --from-engine`` read), as plain data."""
+    try:
+        return ("ok", llm.collective_rpc(_worker_view)[0])
+    except Exception as exc:
+        return ("error", f"{type(exc).__name__}: {exc}")
+
+
+def _worker_view(worker) -> dict:
+    from kvlc.engines.vllm.derive.engine import worker_kv_caches
+    from kvlc.engines.vllm.derive.spec import engine_view
+
+    return engine_view(*worker_kv_caches(worker)).to_dict()
 
 
 def _kv_blocks(block_ids) -> dict:
@@ -388,6 +428,15 @@ class EngineProcess:
                 self.proc.join(5)
                 raise EngineDied(f"engine process {self.proc.pid} is gone (exit code {self.proc.exitcode})") from None
             return self._recv(timeout)
+
+    def view(self, timeout: float = 60.0):
+        """The engine's :class:`~kvlc.engines.vllm.derive.view.EngineView`, derived live (single-process mode)."""
+        from kvlc.engines.vllm.derive.view import EngineView
+
+        status, out = self._ask("view", None, timeout)
+        if status != "ok":
+            raise RuntimeError(out)
+        return EngineView.from_dict(out)
 
     def transfer_metrics(self, timeout: float = 60.0) -> dict:
         """The connector stats as vLLM's stats logger aggregated them (see :func:`_transfer_metrics`)."""

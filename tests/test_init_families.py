@@ -158,6 +158,33 @@ def test_falcon_h1_on_vllm_shares_pages_and_keeps_the_model_dtype():
     assert state.block_bytes == 3 * (3072 + 2 * 256) * 2 + 24 * 128 * 256 * 2
 
 
+def test_falcon_h1_field_spellings_are_translated_in_one_place():
+    """derive.state.mamba2_fields (used by kvlc init and by the live reader) reads Falcon-H1's fields as vLLM's
+    get_mamba_state_shape_from_config does: a null mamba_d_ssm is mamba_expand * hidden_size, an "auto"
+    mamba_d_head is channels / heads; the state init writes has those sizes; Nemotron-H's spelling is kept."""
+    from kvlc.engines.vllm.derive.state import mamba2_fields, state_layout
+
+    cfg = {**config("falcon-h1-7b"), "mamba_d_ssm": None, "mamba_d_head": "auto"}   # 2 x 3072 channels, 24 heads
+    t = mamba2_fields(cfg)
+    assert [t[k] for k in ("conv_kernel", "n_groups", "mamba_num_heads", "mamba_head_dim", "ssm_state_size")] == \
+        [4, 1, 24, 256, 256]
+    state = plan(cfg, TP1_VLLM).region("layer.44")
+    dims = {f.name: [(d.name, d.size) for d in f.dims] for f in state.fields}
+    assert dims["conv.x"] == [("conv_tap", 3), ("channel", 6144)]
+    assert dims["ssm"] == [("ssm_head", 24), ("mamba_head_dim", 256), ("ssm_state", 256)]
+    assert state_layout(t, "mamba2").sections == (("x", 6144), ("B", 256), ("C", 256))
+    nemotron = config("nemotron-h-8b-transformers5")
+    assert mamba2_fields(nemotron) is nemotron
+
+
+def test_falcon_h1_heads_that_do_not_fill_the_channels_are_refused():
+    """mamba_n_heads x mamba_d_head must be the mixer's channels (FalconH1Config checks it too): refused, both named."""
+    bad = {**config("falcon-h1-7b"), "mamba_d_head": 100}
+    with pytest.raises(InitError, match=r"mamba_n_heads 24 x mamba_d_head 100 must equal the Mamba intermediate "
+                                        r"size 3072 .* fix: give the model's values"):
+        init_spec(bad, TP1_VLLM)
+
+
 def test_falcon_h1_pipeline_stage_refused():
     """A stage of decoder layers holds two windows of cache layers, which parallel.layers cannot state."""
     with pytest.raises(InitError, match=r"^--layers / --pp-size with a parallel-hybrid model: .* fix: drop"):

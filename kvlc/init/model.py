@@ -44,6 +44,7 @@ from enum import Enum
 from typing import Any
 
 from kvlc.engines.vllm.derive.offline import chunk_size, layer_types
+from kvlc.engines.vllm.derive.state import mamba2_fields
 from kvlc.engines.vllm.derive.view import ViewError
 from kvlc.errors import KvlcError
 
@@ -220,13 +221,20 @@ def _mamba(c: Mapping, name: str, n: int) -> Model:
         raise InitError(f"config.json: hybrid_override_pattern must have {n} letters of M, *, -, E, "
                         f"found {len(pattern)} letters{' with ' + repr(''.join(bad)) if bad else ''}; "
                         "fix: one letter per layer")
-    m = Mamba2(_int(c, "conv_kernel"), _int(c, "mamba_num_heads") * _int(c, "mamba_head_dim"),
-               _int(c, "n_groups") * _int(c, "ssm_state_size"), _int(c, "mamba_num_heads"),
-               _int(c, "mamba_head_dim"), _int(c, "ssm_state_size"))
-    sizes = {"conv_tap": m.conv_kernel - 1, "ssm_head": m.heads, "mamba_head_dim": m.head_dim,
-             "ssm_state": m.state}
+    m = _mamba2_sizes(c)
     return Model(name, Family.MAMBA, n, tuple(_PATTERN[x] for x in pattern), _kv_heads(c),
-                 _head_dim(c, "attention_head_dim", "head_dim"), mamba=m, sizes=sizes)
+                 _head_dim(c, "attention_head_dim", "head_dim"), mamba=m, sizes=_mamba2_dims(m))
+
+
+def _mamba2_sizes(c: Mapping) -> Mamba2:
+    """A Mamba-2 mixer's sizes from Nemotron-H's field names (Falcon-H1's translated by ``mamba2_fields``)."""
+    return Mamba2(_int(c, "conv_kernel"), _int(c, "mamba_num_heads") * _int(c, "mamba_head_dim"),
+                  _int(c, "n_groups") * _int(c, "ssm_state_size"), _int(c, "mamba_num_heads"),
+                  _int(c, "mamba_head_dim"), _int(c, "ssm_state_size"))
+
+
+def _mamba2_dims(m: Mamba2) -> dict:
+    return {"conv_tap": m.conv_kernel - 1, "ssm_head": m.heads, "mamba_head_dim": m.head_dim, "ssm_state": m.state}
 
 
 def jamba_kinds(period: int, offset: int, n: int) -> tuple[LayerKind, ...]:
@@ -269,21 +277,14 @@ def _linear(c: Mapping, name: str, n: int) -> Model:
 def _parallel_hybrid(c: Mapping, name: str, n: int) -> Model:
     """Falcon-H1: attention and a Mamba-2 mixer side by side in every layer. vLLM gives the mixer of layer ``i``
     the index ``n + i`` (every cache layer needs its own), so the model has ``2n`` cache layers: attention
-    ``0 .. n-1``, Mamba-2 state ``n .. 2n-1`` (vLLM's falcon_h1.py; state sizes from its
-    ``get_mamba_state_shape_from_config``: ``mamba_d_ssm`` or ``mamba_expand * hidden_size`` channels)."""
-    d_ssm = _int(c, "mamba_d_ssm") if c.get("mamba_d_ssm") is not None else \
-        _int(c, "mamba_expand") * _int(c, "hidden_size")
-    heads = _int(c, "mamba_n_heads")
-    head_dim = d_ssm // heads if c.get("mamba_d_head", "auto") == "auto" and heads else _int(c, "mamba_d_head")
-    if heads * head_dim != d_ssm:
-        raise InitError(f"config.json: mamba_n_heads {heads} x mamba_d_head {head_dim} must equal the Mamba "
-                        f"intermediate size {d_ssm} (mamba_d_ssm, or mamba_expand * hidden_size), as transformers' "
-                        "FalconH1Config requires; fix: give the model's values")
-    state = _int(c, "mamba_d_state")
-    m = Mamba2(_int(c, "mamba_d_conv"), d_ssm, _int(c, "mamba_n_groups") * state, heads, head_dim, state)
-    sizes = {"conv_tap": m.conv_kernel - 1, "ssm_head": m.heads, "mamba_head_dim": m.head_dim, "ssm_state": m.state}
+    ``0 .. n-1``, Mamba-2 state ``n .. 2n-1`` (vLLM's falcon_h1.py; the mixer's fields are read as
+    :func:`~kvlc.engines.vllm.derive.state.mamba2_fields` translates them, for init and the live engine alike)."""
+    try:
+        m = _mamba2_sizes(mamba2_fields(c))
+    except ViewError as exc:
+        raise InitError(str(exc)) from None
     return Model(name, Family.PARALLEL, 2 * n, (LayerKind.FULL,) * n + (LayerKind.MAMBA,) * n, _kv_heads(c),
-                 _head_dim(c), mamba=m, sizes=sizes)
+                 _head_dim(c), mamba=m, sizes=_mamba2_dims(m))
 
 
 # config fields that mean layers of a kind init reads only with the fields it dispatches on

@@ -26,6 +26,7 @@ from typing import Any
 from kvlc.engines.vllm.derive.hybrid import hybrid_spec
 from kvlc.engines.vllm.derive.offline import ATTENTION_BACKENDS, CPU_BACKENDS, MLA_BACKENDS, published_view
 from kvlc.engines.vllm.derive.spec import derive_spec
+from kvlc.engines.vllm.derive.state import mamba2_fields
 from kvlc.engines.vllm.derive.view import ViewError
 from kvlc.errors import did_you_mean
 from kvlc.init.ds_mla import DS_MLA
@@ -112,22 +113,13 @@ def _hybrid(config: Mapping[str, Any], m: Model, opts: EngineOptions, window: tu
     layers = [(i, HYBRID[m.kinds[i]]) for i in range(*window) if m.kinds[i] in HYBRID]
     cpu_avx512_bf16 = opts.backend == "CPU_ATTN" and _avx512_bf16(opts)   # vLLM's CPU platform only
     try:
-        return hybrid_spec(_state_config(config.get("text_config", config), m), opts.model_name or m.name, layers,
+        return hybrid_spec(mamba2_fields(config.get("text_config", config)), opts.model_name or m.name, layers,
                            state_kind=HYBRID_FAMILIES[m.family], backend=opts.backend,
                            block_size=opts.block_size, num_blocks=opts.num_blocks, tp_size=opts.tp_size,
                            kv_dtype=opts.kv_dtype, device=device, num_layers=m.num_layers,
                            ssm_cache_dtype=opts.mamba_ssm_cache_dtype, cpu_avx512_bf16=cpu_avx512_bf16)
     except ViewError as exc:
         raise InitError(f"engine 'vllm': {exc}") from None
-
-
-def _state_config(text: Mapping[str, Any], m: Model) -> Mapping[str, Any]:
-    """The text config with Falcon-H1's Mamba-2 fields spelled as the hybrid pool reads them (Nemotron-H's)."""
-    if m.family != Family.PARALLEL or m.mamba is None:
-        return text
-    s = m.mamba
-    return {**text, "conv_kernel": s.conv_kernel, "n_groups": s.d_bc // s.state, "mamba_num_heads": s.heads,
-            "mamba_head_dim": s.head_dim, "ssm_state_size": s.state}
 
 
 def _avx512_bf16(opts: EngineOptions) -> bool:

@@ -187,19 +187,21 @@ def _state_kind(kv_cache_config: Any) -> str | None:
 
 
 def _state_layout(mc: Any, kv_cache_config: Any, states: tuple[StateTensors, ...]) -> StateLayout | None:
-    """The model's state layer (section and head sizes from its config), in the dtypes of the live tensors."""
-    from kvlc.engines.vllm.derive.state import state_layout
+    """The model's state layer (section and head sizes from its config, Falcon-H1's field names translated as
+    ``kvlc init`` translates them), in the dtypes of the live tensors."""
+    from kvlc.engines.vllm.derive.state import mamba2_fields, state_layout
     kind = _state_kind(kv_cache_config)
     if kind is None or not states:
         return None
     conv, ssm = states[0].parts
-    config = {**mc.hf_text_config.to_dict(), "torch_dtype": _TORCH[conv.dtype],
-              "mamba_ssm_cache_dtype": _TORCH[ssm.dtype]}
     try:
-        return state_layout(config, kind)
+        config = mamba2_fields({**mc.hf_text_config.to_dict(), "torch_dtype": _TORCH[conv.dtype]})
+        return state_layout(config, kind, requested=_TORCH[ssm.dtype])
     except KeyError as exc:
         raise ViewError(f"the model config has no {exc.args[0]!r}, which a {kind} state layer needs; "
-                        "kvlc reads the state's sections and heads from the HuggingFace config") from None
+                        "kvlc reads the state's sections and heads from the HuggingFace config (Nemotron-H's "
+                        "field names, or Falcon-H1's mamba_n_heads / mamba_d_head / mamba_n_groups / mamba_d_state "
+                        "/ mamba_d_conv)") from None
 
 
 _TORCH = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -214,9 +216,27 @@ def _backend(vllm_config: Any, layers: tuple[LayerTensor, ...]) -> str:
     return backends.pop() if backends else ("CPU_ATTN" if layers[0].device == "cpu" else "unknown")
 
 
-def _model_identity(mc: Any, layers: tuple[LayerTensor, ...], mla: bool) -> ModelIdentity:
+def _num_layers(mc: Any, pc: Any, states: tuple[StateTensors, ...]) -> int:
+    """The model's cache layers as vLLM numbers them: its decoder layers, or more where a decoder layer's state
+    mixer is numbered past them (vLLM's falcon_h1.py names layer ``i``'s Mamba-2 mixer
+    ``model.{num_hidden_layers + i}.mixer``: ``2 x num_hidden_layers`` cache layers, as ``kvlc init`` counts).
+    Draft (MTP) attention layers numbered past them do not count, as in ``kvlc init``."""
+    total = int(mc.get_total_num_hidden_layers())
+    past = [s.name for s in states if layer_index(s.name) >= total]
+    if not past:
+        return total
+    if int(pc.pipeline_parallel_size) > 1:
+        raise ViewError(f"state layer '{past[0]}' is numbered past the model's {total} decoder layers (a second "
+                        "mixer per decoder layer, as vLLM numbers Falcon-H1's Mamba-2 mixers): a pipeline stage "
+                        "then holds two windows of cache layers, which parallel.layers cannot state; fix: "
+                        "pipeline_parallel_size 1")
+    return 1 + max(layer_index(n) for n in past)
+
+
+def _model_identity(mc: Any, pc: Any, layers: tuple[LayerTensor, ...], states: tuple[StateTensors, ...],
+                    mla: bool) -> ModelIdentity:
     text = mc.hf_text_config
-    return ModelIdentity(name=str(mc.model), num_layers=int(mc.get_total_num_hidden_layers()),
+    return ModelIdentity(name=str(mc.model), num_layers=_num_layers(mc, pc, states),
                          num_kv_heads=1 if mla else int(mc.get_total_num_kv_heads()),
                          head_dim=int(mc.get_head_size()), dtype=layers[0].dtype,
                          kv_lora_rank=getattr(text, "kv_lora_rank", None) if mla else None,
@@ -246,7 +266,8 @@ def read_engine_view(vllm_config: Any, kv_cache_config: Any, kv_caches: Mapping[
         raise ViewError("kv_caches is empty; call engine_view from register_kv_caches")
     backend = _backend(vllm_config, layers)
     kernel = layers[0].shape[layers[0].axes.index(Axis.TOKEN)]
-    return EngineView(model=_model_identity(mc, layers, mla), parallel=_parallel(vllm_config.parallel_config, layers),
+    pc = vllm_config.parallel_config
+    return EngineView(model=_model_identity(mc, pc, layers, states, mla), parallel=_parallel(pc, layers),
                       backend=backend, kv_cache_layout=_layout(vllm_config, kv_cache_config),
                       kv_packing=packing_for(backend, mla), block_size=int(cc.block_size),
                       kernel_block_size=kernel, num_blocks=int(kv_cache_config.num_blocks),

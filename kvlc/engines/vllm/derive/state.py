@@ -79,6 +79,44 @@ def _cpu_platform_ssm_dtype(kind: str, want: str | None) -> str:
     return "fp32"
 
 
+def _count(c: Mapping[str, Any], key: str) -> int:
+    value = c.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ViewError(f"config.json: '{key}' must be a non-negative integer, found {value!r}; "
+                        f"fix: give the model's {key} as in its HuggingFace config.json")
+    return value
+
+
+def mamba2_fields(c: Mapping[str, Any]) -> Mapping[str, Any]:
+    """Text config ``c`` with a Falcon-H1 Mamba-2 mixer's fields spelled as Nemotron-H's, which
+    :func:`state_layout` and :func:`check_state_split` read; a config without ``mamba_n_heads`` (or with
+    Nemotron-H's ``mamba_num_heads``) unchanged. ``kvlc init`` and the live derivation both translate here.
+
+    As vLLM 0.32's ``FalconH1ForCausalLM.get_mamba_state_shape_from_config`` reads them: ``mamba_d_ssm``
+    channels (``mamba_expand * hidden_size`` when it is null), ``mamba_n_heads`` heads of ``mamba_d_head``
+    (``"auto"``: channels / heads, as transformers' FalconH1Config resolves it), ``mamba_n_groups`` groups of
+    ``mamba_d_state`` states, ``mamba_d_conv`` taps.
+
+    >>> t = mamba2_fields({"hidden_size": 256, "mamba_d_ssm": None, "mamba_expand": 2, "mamba_n_heads": 16,
+    ...                    "mamba_d_head": "auto", "mamba_n_groups": 2, "mamba_d_state": 16, "mamba_d_conv": 4})
+    >>> [t[k] for k in ("conv_kernel", "n_groups", "mamba_num_heads", "mamba_head_dim", "ssm_state_size")]
+    [4, 2, 16, 32, 16]
+    """
+    if c.get("mamba_n_heads") is None or "mamba_num_heads" in c:
+        return c
+    d_ssm = _count(c, "mamba_d_ssm") if c.get("mamba_d_ssm") is not None else \
+        _count(c, "mamba_expand") * _count(c, "hidden_size")
+    heads = _count(c, "mamba_n_heads")
+    auto = c.get("mamba_d_head", "auto") == "auto"
+    head_dim = d_ssm // heads if auto and heads else _count(c, "mamba_d_head")
+    if heads * head_dim != d_ssm:
+        raise ViewError(f"config.json: mamba_n_heads {heads} x mamba_d_head {head_dim} must equal the Mamba "
+                        f"intermediate size {d_ssm} (mamba_d_ssm, or mamba_expand * hidden_size), as transformers' "
+                        "FalconH1Config requires; fix: give the model's values")
+    return {**c, "conv_kernel": _count(c, "mamba_d_conv"), "n_groups": _count(c, "mamba_n_groups"),
+            "mamba_num_heads": heads, "mamba_head_dim": head_dim, "ssm_state_size": _count(c, "mamba_d_state")}
+
+
 def state_layout(c: Mapping[str, Any], kind: str, *, requested: str = "auto",
                  cpu_avx512_bf16: bool = False) -> StateLayout:
     """The state of one layer of kind ``mamba`` / ``mamba2`` (Mamba-2), ``mamba1`` or ``linear`` of text config ``c`` as vLLM 0.32
@@ -164,11 +202,24 @@ def _problems(s: StateTensors, state: StateLayout, view: EngineView) -> list[str
     return out
 
 
+def _refuse_dim_first_conv(s: StateTensors, state: StateLayout, tp: int) -> None:
+    """vLLM 0.32 keeps conv states ``(taps, channels)`` ("SD"), or ``(channels, taps)`` ("DS") when
+    ``VLLM_SSM_CONV_STATE_LAYOUT=DS`` (``model_executor/layers/mamba/mamba_utils.py``), which its CPU platform
+    sets for NixlConnector engines only (``platforms/cpu.py``); kvlc states the SD layout."""
+    conv, want = tuple(s.parts[0].shape[1:]), _want_shapes(state, tp)[0]
+    if conv != want and conv == want[::-1]:
+        raise ViewError(f"state layer '{s.name}': conv state shape {conv} is channels first, vLLM's 'DS' conv "
+                        f"layout (VLLM_SSM_CONV_STATE_LAYOUT=DS); kvlc states the 'SD' layout {want} (taps outer) "
+                        "vLLM's CPU platform picks for engines without NixlConnector; fix: start the engine "
+                        "without VLLM_SSM_CONV_STATE_LAYOUT=DS (or with SD), on both sides")
+
+
 def check_state_tensors(s: StateTensors, view: EngineView) -> None:
     """Raise :class:`ViewError` naming every way the layer's tensors differ from the model's state layout."""
     if view.state is None:
         raise ViewError(f"kv_caches['{s.name}'] is a state layer but the engine has no Mamba / linear-attention "
                         "KV-cache group; fix: derive from the kv_caches of the engine's own register_kv_caches")
+    _refuse_dim_first_conv(s, view.state, view.parallel.tp_size)
     problems = _problems(s, view.state, view)
     if problems:
         raise ViewError(f"state layer '{s.name}' is not laid out as vLLM 0.32 lays out a {view.state.name} "
