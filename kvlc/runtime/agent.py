@@ -586,10 +586,11 @@ class KvAgent:
     def progress_turn(self) -> bool:
         """The progress thread's turn: fills gaps between the engine's polls, never waits for the engine's lock.
 
-        Returns whether staged chunks are in flight: the thread then comes back every
-        :attr:`PUMP_BUSY_S` and takes its turn even right after an engine poll (a chunk's scatter, its
-        FREE and the next chunk's WRITE each wait on some agent's turn)."""
-        hot = self.stager is not None and self.stager.endpoint.hot
+        Returns whether staged chunks or same-host copies are in flight: the thread then comes back
+        every :attr:`PUMP_BUSY_S` and takes its turn even right after an engine poll (a chunk's
+        scatter, its FREE and the next chunk's WRITE each wait on some agent's turn; a copy's end is
+        seen, and its peer told, within that time rather than a whole ``progress_interval`` later)."""
+        hot = self._hot()
         engine_active = time.monotonic() - self._polled < self.PUMP_SKIP_S
         if (engine_active and not hot) or not self._lock.acquire(blocking=False):
             return hot
@@ -598,7 +599,11 @@ class KvAgent:
                 self._pump()
         finally:
             self._lock.release()
-        return self.stager is not None and self.stager.endpoint.hot
+        return self._hot()
+
+    def _hot(self) -> bool:
+        return bool((self.stager is not None and self.stager.endpoint.hot)
+                    or (self.route is not None and self.route.in_flight))
 
     def _pump(self) -> None:
         self.advance()

@@ -158,8 +158,12 @@ def test_route_copies_any_rows_like_the_reference(data):
         else:
             want_theirs[256 * o:256 * o + ln] = want_mine[256 * s:256 * s + ln]
     x = route.initialize(op, local, "DRAM", remote, "DRAM", "peer", "rows")
+    assert route.in_flight == 0
     assert route.post(x) is XferState.DONE
+    assert route.in_flight == 1  # until released: the progress thread keeps its short interval meanwhile
     x.release()
+    x.release()
+    assert route.in_flight == 0
     assert (mine.numpy() == want_mine).all() and (theirs.numpy() == want_theirs).all()
     route.close()
 
@@ -186,6 +190,16 @@ def test_route_unmaps_a_dropped_peer_after_its_last_copy():
     route.post(x)
     x.release()
     assert w.mapped.closed and route.retired == []
+
+
+def test_pinned_dram_to_vram_needs_a_gpu_that_reaches_it():
+    """This side's DRAM to a peer's VRAM is copied here only where this side's GPU reads its DRAM in
+    place; without a GPU (or with pageable DRAM) NIXL moves such parts."""
+    route, _, _, _ = _route_pair(4096)
+    route.peers["peer"].mems.add("VRAM")  # as if the peer had shared a VRAM storage
+    assert route.gpu is None and not route.covers("peer", "DRAM", "VRAM")
+    assert not route.covers("peer", "VRAM", "DRAM")
+    route.close()
 
 
 def test_another_host_is_not_mapped():

@@ -50,6 +50,7 @@ class IpcXfer:
     state: XferState = XferState.PROC
     error: str | None = None
     released: bool = False
+    posted: bool = False  # a copy was launched (the route counts it in flight until released)
     launch: Launch | None = field(repr=False, default=None)
 
     def release(self) -> None:
@@ -110,6 +111,7 @@ class IpcRoute:
         self._gpu_copy: GpuCopy | None = None
         self._dram_reach: bool | None = None  # see _gpu_reaches_dram
         self.copies = 0  # parts moved here
+        self.in_flight = 0  # copies posted and not released yet
 
     # ------------------------------------------------------------------ peers
     def devices(self) -> dict[str, int]:
@@ -196,6 +198,8 @@ class IpcRoute:
             xfer.state, xfer.error = XferState.ERR, f"{xfer.what}: the copy could not start: {exc}"
             return xfer.state
         self.copies += 1
+        self.in_flight += 1
+        xfer.posted = True
         return self.state(xfer)
 
     def state(self, xfer: Any) -> XferState:
@@ -213,6 +217,8 @@ class IpcRoute:
 
     def ended(self, xfer: IpcXfer) -> None:
         """A copy was released: a retired peer none uses any more is unmapped now."""
+        if xfer.posted:
+            self.in_flight -= 1
         w = xfer.windows
         w.users -= 1
         if w.retired and w.users <= 0 and w in self.retired:
