@@ -586,10 +586,11 @@ class KvAgent:
     def progress_turn(self) -> bool:
         """The progress thread's turn: fills gaps between the engine's polls, never waits for the engine's lock.
 
-        Returns whether staged chunks or same-host copies are in flight: the thread then comes back
-        every :attr:`PUMP_BUSY_S` and takes its turn even right after an engine poll (a chunk's
-        scatter, its FREE and the next chunk's WRITE each wait on some agent's turn; a copy's end is
-        seen, and its peer told, within that time rather than a whole ``progress_interval`` later)."""
+        Returns whether staged chunks, same-host copies or WRITEs a pull-via-push consumer asked for
+        are in flight: the thread then comes back every :attr:`PUMP_BUSY_S` and takes its turn even
+        right after an engine poll (a chunk's scatter, its FREE and the next chunk's WRITE each wait
+        on some agent's turn; the end of a copy or of a WRITE served for a consumer, who waits on this
+        side to hear ``done``, is seen within that time rather than a whole ``progress_interval`` later)."""
         hot = self._hot()
         engine_active = time.monotonic() - self._polled < self.PUMP_SKIP_S
         if (engine_active and not hot) or not self._lock.acquire(blocking=False):
@@ -603,7 +604,8 @@ class KvAgent:
 
     def _hot(self) -> bool:
         return bool((self.stager is not None and self.stager.endpoint.hot)
-                    or (self.route is not None and self.route.in_flight))
+                    or (self.route is not None and self.route.in_flight)
+                    or any(k[0] == "pvp" for k in tuple(self.executor.active)))  # a copy: no lock held here
 
     def _pump(self) -> None:
         self.advance()

@@ -32,9 +32,24 @@ from kvlc.runtime.channel.sessions import RemoteEngine, Session
 from kvlc.runtime.tracking import Incoming
 from kvlc.runtime.channel.notifs import agents_of
 from kvlc.runtime.transfer import Outgoing, PreparedPart, Target
-from kvlc.runtime.channel.wire import Fetch, PullRequest, Record, Reply, decode, encode
+from kvlc.runtime.channel.wire import MAX_PULLS, Fetch, PullRequest, Pulls, Record, Replies, Reply, decode, encode
+from kvlc.runtime.pump import Combine
 
 log = logging.getLogger(__name__)
+
+
+def _split_replies(reply, n: int) -> list:
+    """One answer per request of a :class:`Pulls` frame: the producer's :class:`Replies`, in order; a
+    single refusal (the producer could not take the frame) answers every one."""
+    if isinstance(reply, Replies) and len(reply.items) == n:
+        return list(reply.items)
+    if isinstance(reply, Reply) and not reply.ok:
+        return [reply] * n
+    return [HandshakeError(f"the producer answered {n} pull requests with one '{reply.t}' message")] * n
+
+
+# pull requests queued together for one producer rank travel in one frame (one round trip)
+PULLS = Combine(MAX_PULLS, encode, lambda msgs: encode(Pulls(items=tuple(msgs))), _split_replies)
 
 
 def _ids(block_ids: Mapping[str, Sequence[int]]) -> dict[str, tuple[int, ...]]:
@@ -366,9 +381,9 @@ class Peer:
                 sealed = client.sealed
                 off, err = (sealed.clock_offset, sealed.clock_error) if sealed else (0.0, 0.0)
                 budget = max(0.0, deadline - time.monotonic())
-                return encode(PullRequest(req=request_id, consumer_blocks=cblocks, producer_blocks=pblocks,
-                                          start=start, stop=stop, until=deadline + off - err, budget_s=budget))
-            a.sender.send(client, payload, ("pull", request_id, r, self.sessions[r].conn_id))
+                return PullRequest(req=request_id, consumer_blocks=cblocks, producer_blocks=pblocks,
+                                   start=start, stop=stop, until=deadline + off - err, budget_s=budget)
+            a.sender.send(client, payload, ("pull", request_id, r, self.sessions[r].conn_id), PULLS)
         return None
 
     def _still_held(self, request_id: str, produced_at: float) -> None:

@@ -18,6 +18,7 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from kvlc.errors import KvlcError
@@ -55,13 +56,30 @@ class Pump:
             stop.wait(busy_interval if busy else interval)
 
 
+@dataclass(frozen=True)
+class Combine:
+    """How queued jobs of one kind travel together (:meth:`Sender.send`): their payloads are message
+    objects; ``one`` frames a job sent alone, ``many`` frames up to ``most`` of them at once, ``split``
+    turns the decoded answer to ``many`` into one result per job, in order."""
+
+    most: int
+    one: Callable[[Any], bytes]
+    many: Callable[[list], bytes]
+    split: Callable[[Any, int], list]
+
+
+_NOTHING = object()
+
+
 class Sender:
     """Side-channel frames that must not block the engine, sent in order per connection, one thread per
     connection (a stopped peer delays only its own frames); replies go to :attr:`replies`.
 
     A job is ``(client, make_payload, context)``: ``make_payload()`` runs at send time (so a
     deadline's remaining budget is computed then), the reply (decoded by ``decode``) or the
-    exception lands in ``replies`` as ``(context, reply_or_exception)``.
+    exception lands in ``replies`` as ``(context, reply_or_exception)``. Jobs sent with the same
+    :class:`Combine` that wait in a connection's queue together go in one frame (one round trip),
+    in order; a job of another kind ends the group and is sent after it.
     """
 
     def __init__(self, decode: Callable[[bytes], Any], stop: threading.Event, name: str):
@@ -72,7 +90,7 @@ class Sender:
         self._lanes: dict[int, tuple[queue.Queue, threading.Thread]] = {}
         self._lock = threading.Lock()
 
-    def send(self, client, make_payload: Callable[[], bytes], context: Any) -> None:
+    def send(self, client, make_payload: Callable[[], Any], context: Any, combine: Combine | None = None) -> None:
         with self._lock:
             lane = self._lanes.get(id(client))
             if lane is None:
@@ -81,7 +99,7 @@ class Sender:
                                      name=f"{self._name}-{len(self._lanes)}")
                 lane = self._lanes[id(client)] = (q, t)
                 t.start()
-        lane[0].put((make_payload, context))
+        lane[0].put((make_payload, context, combine))
 
     def retire(self, client) -> None:
         """``client``'s connection is done: its lane sends what it has queued, then its thread ends."""
@@ -95,19 +113,41 @@ class Sender:
         return sum(q.qsize() for q, _ in self._lanes.values())
 
     def _loop(self, client, jobs: queue.Queue) -> None:
+        held: Any = _NOTHING  # a job taken while gathering a group it does not belong to: next
         while not self._stop.is_set():
-            try:
-                job = jobs.get(timeout=0.1)
-            except queue.Empty:
-                continue
+            if held is not _NOTHING:
+                job, held = held, _NOTHING
+            else:
+                try:
+                    job = jobs.get(timeout=0.1)
+                except queue.Empty:
+                    continue
             if job is None:
                 return
-            make_payload, context = job
-            try:
-                result = self._decode(client.request(make_payload()))
-            except Exception as exc:  # ChannelError, HandshakeError, a refused connection
-                result = exc
-            self.replies.append((context, result))
+            group = [job]
+            combine = job[2]
+            while combine is not None and len(group) < combine.most:
+                try:
+                    nxt = jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None or nxt[2] is not combine:
+                    held = nxt
+                    break
+                group.append(nxt)
+            for context, result in zip((j[1] for j in group), self._run(client, group)):
+                self.replies.append((context, result))
+
+    def _run(self, client, group: list) -> list:
+        combine = group[0][2]
+        try:
+            if combine is None:
+                return [self._decode(client.request(group[0][0]()))]
+            if len(group) == 1:
+                return [self._decode(client.request(combine.one(group[0][0]())))]
+            return combine.split(self._decode(client.request(combine.many([j[0]() for j in group]))), len(group))
+        except Exception as exc:  # ChannelError, HandshakeError, a refused connection: every job of the frame
+            return [exc] * len(group)
 
     def close(self) -> None:
         with self._lock:

@@ -18,13 +18,17 @@ from kvlc.runtime.channel.tcp import Conn
 from kvlc.runtime.errors import HandshakeError
 from kvlc.runtime.kinds import Direction, ConnectionMode, Status
 from kvlc.runtime.channel.sessions import Session
-from kvlc.runtime.channel.wire import Cancel, Fetch, Introduce, PullRequest, Reply, decode, encode
+from kvlc.runtime.channel.wire import Cancel, Fetch, Introduce, PullRequest, Pulls, Replies, Reply, decode, encode
 
 log = logging.getLogger("kvlc.runtime.server")
 
 
 def error_reply(text: str) -> bytes:
-    return encode(Reply(ok=False, error=text[:4000]))
+    return encode(_error(text))
+
+
+def _error(text: str) -> Reply:
+    return Reply(ok=False, error=text[:4000])
 
 
 def handle(agent, conn: Conn, frame: bytes) -> bytes:
@@ -42,11 +46,22 @@ def handle(agent, conn: Conn, frame: bytes) -> bytes:
         if isinstance(msg, PullRequest):
             pull_request(agent, conn, msg)
             return encode(Reply(ok=True))
+        if isinstance(msg, Pulls):
+            return encode(Replies(items=tuple(_pull_one(agent, conn, m) for m in msg.items)))
         if isinstance(msg, Cancel):
             return encode(Reply(ok=True, status=cancel(agent, conn, msg).value))
         return error_reply(f"unexpected '{msg.t}' message on a server")
     except KvlcError as exc:
         return error_reply(str(exc))
+
+
+def _pull_one(agent, conn: Conn, msg: PullRequest) -> Reply:
+    """One request of a :class:`Pulls` frame: its own answer (a refusal refuses only it)."""
+    try:
+        pull_request(agent, conn, msg)
+        return Reply(ok=True)
+    except KvlcError as exc:
+        return _error(str(exc))
 
 
 def introduce(agent, conn: Conn, msg: Introduce) -> Reply:

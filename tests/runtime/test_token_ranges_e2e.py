@@ -98,6 +98,36 @@ def test_pull_via_push_range_is_checked_by_the_producer(plans):
         assert not prod.executor.active and not prod.tallies
 
 
+def test_pulls_in_one_frame_are_answered_each_on_its_own(plans):
+    """Several pull requests in one frame (what a consumer's sender does with requests queued together):
+    the producer answers each in order; a refused one refuses only itself, the others start."""
+    import time
+
+    from kvlc.runtime import KvAgent, allocate
+    from kvlc.runtime.channel.wire import PullRequest, Pulls, Replies, decode, encode
+    from runtime_engines import SECRET
+
+    prod = KvAgent(plans["x"], 0, allocate(plans["x"]), AgentSettings(secret=SECRET, engine_id="pulls-producer"))
+    cons = KvAgent(plans["z"], 0, allocate(plans["z"]), AgentSettings(secret=SECRET, engine_id="pulls-consumer"))
+    with prod, cons:
+        prod.serve()
+        peer = cons.connect(prod.address, mode="pull_via_push")
+        client = next(iter(peer._clients.values()))
+        until = time.monotonic() + 10
+
+        def pull(req, cblocks, pblocks, start, stop):
+            return PullRequest(req=req, consumer_blocks={"full": cblocks}, producer_blocks={"full": pblocks},
+                               start=start, stop=stop, until=until, budget_s=10.0)
+
+        frame = Pulls(items=(pull("bad-1", (1,), (2, 3), 20, 30), pull("good", (4,), (5,), 0, 16),
+                             pull("bad-2", (1, 2, 3), (2,), 0, 16)))
+        reply = decode(client.request(encode(frame)))
+        assert isinstance(reply, Replies) and [r.ok for r in reply.items] == [False, True, False]
+        assert "2 local block ids for tokens [20, 30); expected 1" in reply.items[0].error
+        assert "3 " in reply.items[2].error and "expected 1" in reply.items[2].error
+        assert prod.stats["requests"] == 1  # only the good one was started
+
+
 def test_sliding_window_moves_only_kept_blocks():
     """Hybrid TP2 producer -> TP1 consumer, 150 tokens: the 64-token window group moves blocks 5..9 only.
 

@@ -206,6 +206,19 @@ class PullRequest(_Strict):
     budget_s: Annotated[float, Field(ge=0, le=86400)]
 
 
+MAX_PULLS = 64  # pull requests one Pulls frame carries
+
+
+class Pulls(_Strict):
+    """Several :class:`PullRequest` of one session in one frame: the consumer had them queued together
+    (one round trip instead of one each). The producer handles them in order, each as if it came
+    alone (one refusal refuses only its own), and answers with one :class:`Replies`, in order."""
+
+    t: Literal["pulls"] = "pulls"
+    version: Literal[3] = WIRE_VERSION
+    items: Annotated[tuple[PullRequest, ...], Field(min_length=2, max_length=MAX_PULLS)]
+
+
 class Cancel(_Strict):
     """Stop request ``req`` for the sender's session. Over the session's own connection no ``conn``
     is needed; a push consumer cancels over its own connection to the producer, naming the
@@ -234,7 +247,15 @@ class Reply(_Strict):
         return self.proof is not None and verify(server.key, self.proof, msg)
 
 
-Message = Annotated[Union[Fetch, Record, Introduce, PullRequest, Cancel, Reply], Field(discriminator="t")]
+class Replies(_Strict):
+    """The answers to a :class:`Pulls`, one per request, in its order."""
+
+    t: Literal["replies"] = "replies"
+    items: Annotated[tuple[Reply, ...], Field(min_length=2, max_length=MAX_PULLS)]
+
+
+Message = Annotated[Union[Fetch, Record, Introduce, PullRequest, Pulls, Cancel, Reply, Replies],
+                    Field(discriminator="t")]
 _MESSAGE = TypeAdapter(Message)
 
 
@@ -330,10 +351,10 @@ def encode(msg: BaseModel) -> bytes:
 
 def decode(
     data: bytes, limit: int = MAX_FRAME_BYTES
-) -> Fetch | Record | Introduce | PullRequest | Cancel | Reply:
+) -> Fetch | Record | Introduce | PullRequest | Pulls | Cancel | Reply | Replies:
     """Validate a side-channel frame into its message model; records are fully checked."""
     obj = unpack(data, limit, "side-channel message")
-    if obj.get("t") != "reply":
+    if obj.get("t") not in ("reply", "replies"):
         check_version(obj, "version", f"'{str(obj.get('t'))[:20]}' message")
     try:
         msg = _MESSAGE.validate_python(obj, strict=True)
