@@ -151,6 +151,27 @@ def tiny_qwen3_next(path: str | Path, seed: int = 0, dtype: str = "bfloat16") ->
     return path
 
 
+def tiny_llama4(path: str | Path, seed: int = 0, chunk: int = 32, dtype: str = "float32") -> Path:
+    """Write a random-weight Llama-4 text model: 4 layers, RoPE layers 0-2 with chunked local attention of
+    ``chunk`` tokens and a NoPE full-attention layer 3 (``no_rope_layers`` [1, 1, 1, 0], Scout's 3 of 4), dense
+    feed-forward only (``interleave_moe_layer_step`` 5: no MoE layer); vLLM 0.32 (``llama4.py``) gives the RoPE
+    layers ``ChunkedLocalAttention``, its hybrid KV-cache manager a chunked-local and a full group."""
+    import torch
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+    path = Path(path)
+    if (path / "config.json").exists():
+        return path
+    torch.manual_seed(seed)
+    cfg = Llama4TextConfig(**{**TINY, "num_hidden_layers": 4}, intermediate_size_mlp=512, num_local_experts=2,
+                           num_experts_per_tok=1, interleave_moe_layer_step=5, no_rope_layers=[1, 1, 1, 0],
+                           attention_chunk_size=chunk, use_qk_norm=True, attn_temperature_tuning=True,
+                           initializer_range=0.2, tie_word_embeddings=False, torch_dtype=dtype)
+    cfg.architectures = ["Llama4ForCausalLM"]
+    Llama4ForCausalLM(cfg).to(getattr(torch, dtype)).save_pretrained(path, safe_serialization=True)
+    return path
+
+
 @dataclass(frozen=True)
 class Output:
     """One request's result: generated tokens, the returned kv_transfer_params, cached tokens."""
