@@ -172,6 +172,28 @@ def tiny_llama4(path: str | Path, seed: int = 0, chunk: int = 32, dtype: str = "
     return path
 
 
+def tiny_jamba(path: str | Path, seed: int = 0, dtype: str = "float32") -> Path:
+    """Write a random-weight Jamba: 4 layers, attention at layer 2 (``attn_layer_period`` 4, offset 2), Mamba-1
+    mixers (``mamba_expand`` 2 x 256 channels, 16 states, conv 4) otherwise, one expert (no MoE); vLLM 0.32
+    (``jamba.py``) gives its mixers ``MambaMixer`` (``mamba_type`` MAMBA1)."""
+    import torch
+    from transformers import JambaConfig, JambaForCausalLM
+
+    path = Path(path)
+    if (path / "config.json").exists():
+        return path
+    torch.manual_seed(seed)
+    cfg = JambaConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, attn_layer_period=4, attn_layer_offset=2,
+                      expert_layer_period=2, expert_layer_offset=1, num_experts=1, num_experts_per_tok=1,
+                      mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=16, use_mamba_kernels=False,
+                      max_position_embeddings=1024, initializer_range=0.2, tie_word_embeddings=False,
+                      torch_dtype=dtype)
+    cfg.architectures = ["JambaForCausalLM"]
+    JambaForCausalLM(cfg).to(getattr(torch, dtype)).save_pretrained(path, safe_serialization=True)
+    return path
+
+
 @dataclass(frozen=True)
 class Output:
     """One request's result: generated tokens, the returned kv_transfer_params, cached tokens."""
