@@ -258,6 +258,8 @@ def _serve(spec: EngineSpec, conn) -> None:
             conn.send(("ok", _transfer_metrics(llm)))
         elif cmd == "view":
             conn.send(_engine_view(llm))
+        elif cmd == "reset_prefix_cache":
+            conn.send(("ok", bool(llm.reset_prefix_cache())))
         else:
             conn.send(_generate(llm, arg))
     del llm
@@ -480,6 +482,13 @@ class EngineProcess:
         if status != "ok":
             raise RuntimeError(out)
         return EngineView.from_dict(out)
+
+    def reset_prefix_cache(self, timeout: float = 60.0) -> bool:
+        """Empty the engine's prefix cache (vLLM's ``LLM.reset_prefix_cache``); whether vLLM did."""
+        status, out = self._ask("reset_prefix_cache", None, timeout)
+        if status != "ok":
+            raise RuntimeError(out)
+        return out
 
     def transfer_metrics(self, timeout: float = 60.0) -> dict:
         """The connector stats as vLLM's stats logger aggregated them (see :func:`_transfer_metrics`)."""
