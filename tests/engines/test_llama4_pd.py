@@ -117,3 +117,26 @@ def test_params_covering_the_whole_prompt_are_computed_locally(engines):
     assert out.tokens == ref and out.num_cached_tokens == 0
     assert engines["d"].stats()["bytes"] == before
     assert "vLLM freed its chunked-local blocks before the last token's chunk" in engines.log("d")
+
+
+@pytest.mark.parametrize("stop,read", [(149, 1), (127, 1), (128, 0), (33, 1), (32, 0)])
+def test_chunked_groups_read_only_the_current_chunk(model, stop, read):
+    """The request rule on init's plan of the same model (no engine): tokens [0, stop) move every full block and,
+    per chunked group, only the blocks of the chunk of token ``stop`` (none when ``stop`` starts a chunk); the
+    null-block placeholders (0, repeated) before them are neither read nor refused as duplicates."""
+    from kvlc import compile_spec, pair
+    from kvlc.compiler.request.check import check_request
+    from kvlc.init import EngineOptions, init_yaml
+
+    plan = compile_spec(init_yaml(json.loads((Path(model) / "config.json").read_text()), EngineOptions(
+        engine="vllm", backend="CPU_ATTN", mem="DRAM", block_size=BLOCK, num_blocks=64, kv_dtype="fp32")))
+    prog = pair(plan, plan, local_rank=0)
+    n = -(-stop // BLOCK)
+    skipped = stop // CHUNK * CHUNK // BLOCK
+    chunked = {g: [0] * skipped + list(range(first, first + n - skipped))   # each group its own pages of the pool
+               for g, first in (("chunked.32", 10), ("chunked.32.1", 30), ("chunked.32.2", 40))}
+    ids = {"full": list(range(50, 50 + n)), **chunked}
+    req = check_request(prog, ids, ids, stop)
+    assert req.local["full"].tolist() == list(range(50, 50 + n))
+    for g, want in chunked.items():
+        assert req.local[g].tolist() == want[skipped:][:read] and req.remote[g].tolist() == req.local[g].tolist()
