@@ -151,6 +151,49 @@ def tiny_qwen3_next(path: str | Path, seed: int = 0, dtype: str = "bfloat16") ->
     return path
 
 
+def tiny_llama4(path: str | Path, seed: int = 0, chunk: int = 32, dtype: str = "float32") -> Path:
+    """Write a random-weight Llama-4 text model: 4 layers, RoPE layers 0-2 with chunked local attention of
+    ``chunk`` tokens and a NoPE full-attention layer 3 (``no_rope_layers`` [1, 1, 1, 0], Scout's 3 of 4), dense
+    feed-forward only (``interleave_moe_layer_step`` 5: no MoE layer); vLLM 0.32 (``llama4.py``) gives the RoPE
+    layers ``ChunkedLocalAttention``, its hybrid KV-cache manager a chunked-local and a full group."""
+    import torch
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+    path = Path(path)
+    if (path / "config.json").exists():
+        return path
+    torch.manual_seed(seed)
+    cfg = Llama4TextConfig(**{**TINY, "num_hidden_layers": 4}, intermediate_size_mlp=512, num_local_experts=2,
+                           num_experts_per_tok=1, interleave_moe_layer_step=5, no_rope_layers=[1, 1, 1, 0],
+                           attention_chunk_size=chunk, use_qk_norm=True, attn_temperature_tuning=True,
+                           initializer_range=0.2, tie_word_embeddings=False, torch_dtype=dtype)
+    cfg.architectures = ["Llama4ForCausalLM"]
+    Llama4ForCausalLM(cfg).to(getattr(torch, dtype)).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def tiny_jamba(path: str | Path, seed: int = 0, dtype: str = "float32") -> Path:
+    """Write a random-weight Jamba: 4 layers, attention at layer 2 (``attn_layer_period`` 4, offset 2), Mamba-1
+    mixers (``mamba_expand`` 2 x 256 channels, 16 states, conv 4) otherwise, one expert (no MoE); vLLM 0.32
+    (``jamba.py``) gives its mixers ``MambaMixer`` (``mamba_type`` MAMBA1)."""
+    import torch
+    from transformers import JambaConfig, JambaForCausalLM
+
+    path = Path(path)
+    if (path / "config.json").exists():
+        return path
+    torch.manual_seed(seed)
+    cfg = JambaConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, attn_layer_period=4, attn_layer_offset=2,
+                      expert_layer_period=2, expert_layer_offset=1, num_experts=1, num_experts_per_tok=1,
+                      mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=16, use_mamba_kernels=False,
+                      max_position_embeddings=1024, initializer_range=0.2, tie_word_embeddings=False,
+                      torch_dtype=dtype)
+    cfg.architectures = ["JambaForCausalLM"]
+    JambaForCausalLM(cfg).to(getattr(torch, dtype)).save_pretrained(path, safe_serialization=True)
+    return path
+
+
 @dataclass(frozen=True)
 class Output:
     """One request's result: generated tokens, the returned kv_transfer_params, cached tokens."""
@@ -215,6 +258,8 @@ def _serve(spec: EngineSpec, conn) -> None:
             conn.send(("ok", _transfer_metrics(llm)))
         elif cmd == "view":
             conn.send(_engine_view(llm))
+        elif cmd == "reset_prefix_cache":
+            conn.send(("ok", bool(llm.reset_prefix_cache())))
         else:
             conn.send(_generate(llm, arg))
     del llm
@@ -437,6 +482,13 @@ class EngineProcess:
         if status != "ok":
             raise RuntimeError(out)
         return EngineView.from_dict(out)
+
+    def reset_prefix_cache(self, timeout: float = 60.0) -> bool:
+        """Empty the engine's prefix cache (vLLM's ``LLM.reset_prefix_cache``); whether vLLM did."""
+        status, out = self._ask("reset_prefix_cache", None, timeout)
+        if status != "ok":
+            raise RuntimeError(out)
+        return out
 
     def transfer_metrics(self, timeout: float = 60.0) -> dict:
         """The connector stats as vLLM's stats logger aggregated them (see :func:`_transfer_metrics`)."""

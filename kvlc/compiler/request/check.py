@@ -8,7 +8,8 @@ local group and its remote ids those of its remote group. Block ids must be inte
 numpy array; never bool, float, str or None): on each side, the logical blocks of that
 side that the range touches, in order (``start // bs .. ceil(stop / bs) - 1``, block size
 ``bs`` of that side's group; :mod:`kvlc.compiler.request.tokens`). A sliding-window group takes the
-same ids and moves only the blocks its window still needs; the ids of the blocks before
+same ids and moves only the blocks its window still needs, a chunked-local group only those of the
+receiver's current chunk; the ids of the blocks before
 them are placeholders kvlc never reads (vLLM's null block may repeat there). Ids that are
 read must lie inside every region of the group and be distinct on the receiving side.
 Every refusal is a :class:`~kvlc.errors.TransferError` that says which side, group and value.
@@ -27,7 +28,7 @@ from kvlc.compiler.plan.aliases import pools
 from kvlc.compiler.request import native
 from kvlc.compiler.request.index import Block
 from kvlc.compiler.request.rules import GroupRule, SideRule, request_rules
-from kvlc.compiler.request.tokens import TileSpan, TokenRange, block_span, tile_spans, window_start
+from kvlc.compiler.request.tokens import TileSpan, TokenRange, block_span, chunk_start, tile_spans, window_start
 from kvlc.errors import TransferError, did_you_mean, type_name
 
 ID_MAX = (1 << 63) - 1
@@ -153,7 +154,10 @@ def _repeats(arr: np.ndarray, small: list | None) -> bool:
 
 
 def _moved(rule: GroupRule, span: TokenRange) -> TokenRange:
-    """The part of ``span`` a group moves: all of it, or what a sliding window still needs."""
+    """The part of ``span`` a group moves: all of it, or what a sliding window or the current chunk of a
+    chunked-local group still needs (possibly nothing)."""
+    if rule.chunk is not None:
+        return TokenRange(chunk_start(span, rule.chunk, rule.window_block), span.stop)
     if rule.window is None:
         return span
     return TokenRange(window_start(span, rule.window, rule.window_block), span.stop)

@@ -46,8 +46,8 @@ class WholeBlock:
 @dataclass(frozen=True)
 class GroupRule:
     """One group link's request rules (``name``: the link, :attr:`~kvlc.compiler.pairing.program.Entry.link`;
-    each side's group is its :class:`SideRule`'s): state or tokens, the receiver's sliding window (None: the
-    whole range moves), and the regions a range may not start inside a block of."""
+    each side's group is its :class:`SideRule`'s): state or tokens, the receiver's sliding window or
+    chunked-local chunk (None: the whole range moves), and the regions a range may not start inside a block of."""
 
     name: str
     state: bool
@@ -56,6 +56,7 @@ class GroupRule:
     local: SideRule
     remote: SideRule
     whole_blocks: tuple[WholeBlock, ...] = ()
+    chunk: int | None = None
 
 
 @dataclass(frozen=True)
@@ -105,8 +106,9 @@ def _rules_of(prog: TransferProgram) -> RequestRules:
         g = recv.group(lname if local_receives else rname)  # the receiver's window (pairing checked the sender)
         window = g.window if g.kind == "sliding_window" else None
         per_id = g.block_size * recv.group_dcp(g.name)
+        chunk = g.window if g.kind == "chunked_local" else None   # the plan keeps a chunk as the group's window
         groups.append(GroupRule(name, regions.is_state, window, per_id,
-                                *sides, () if regions.is_state else _whole_blocks(prog, regions.local)))
+                                *sides, () if regions.is_state else _whole_blocks(prog, regions.local), chunk))
     return RequestRules(tuple(groups), tuple(dict.fromkeys(links[n][0] for n in program_index(prog).groups)),
                         frozenset(g.name for g in prog.local.groups),
                         frozenset(g.name for g in prog.remote.groups), any(r.aliases for r in recv.regions))

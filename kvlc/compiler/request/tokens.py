@@ -147,6 +147,25 @@ def window_start(span: TokenRange, window: int, block_size: int) -> int:
     return max(span.start, skipped // block_size * block_size)
 
 
+def chunk_start(span: TokenRange, chunk: int, block_size: int) -> int:
+    """First token a chunked-local group of ``chunk`` tokens still needs after ``span``, at the receiver.
+
+    vLLM computes token ``stop`` next; it attends only inside its own chunk, from ``stop // chunk * chunk``
+    (``ChunkedLocalAttentionManager.get_num_skipped_tokens`` in
+    vllm/v1/core/single_type_kv_cache_manager.py), and frees (replaces by the null block) only blocks
+    whose tokens are all skipped; so the range starts at the receiver's block holding the chunk's first
+    token, never before the request's own ``start``. It equals ``stop`` (nothing moves) when ``stop``
+    starts a chunk on a block boundary.
+
+    >>> chunk_start(TokenRange(0, 149), 32, 32), chunk_start(TokenRange(0, 149), 48, 32)   # chunk 4; chunk 3 from 144
+    (128, 128)
+    >>> chunk_start(TokenRange(0, 128), 32, 32), chunk_start(TokenRange(130, 149), 32, 32)
+    (128, 130)
+    """
+    skipped = span.stop // chunk * chunk
+    return min(span.stop, max(span.start, skipped // block_size * block_size))
+
+
 @dataclass(frozen=True)
 class PartialTile:
     """Tokens ``[lo, hi)`` (offsets in the tile) of tile ``tile``: a tile the range covers only partly."""

@@ -16,6 +16,7 @@ from typing import Any
 
 from kvlc.compiler import compile_spec
 from kvlc.compiler.plan.model import Plan
+from kvlc.errors import KvlcError
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,29 @@ class EnginePlan:
 # than its own prefill gives it, so a decode engine's tokens differ from the engine alone (docs/vllm.md,
 # "MLA on CPU"); vLLM turns prefix caching and chunked prefill off for them for the same reason.
 CPU_MLA_BACKENDS = frozenset({"CPU_MLA", "AMX_MLA"})
+
+
+def runnable_state(kv_cache_config) -> None:
+    """Refuse, at start, an engine whose state layers vLLM cannot compute on this platform: Mamba-1 (vLLM's
+    ``mamba_type`` MAMBA1: Jamba) on vLLM's CPU platform, whose ``vllm._C`` has no ``selective_scan_fwd``
+    (``mamba_ssm.selective_scan_fn`` calls it for every prefill, so the engine's first request fails there,
+    whatever connector it has). Checked by asking for the op, so a CPU build that has it passes."""
+    from vllm.platforms import current_platform
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    types = {getattr(g.kv_cache_spec.mamba_type, "name", str(g.kv_cache_spec.mamba_type))
+             for g in getattr(kv_cache_config, "kv_cache_groups", None) or () if isinstance(g.kv_cache_spec, MambaSpec)}
+    if "MAMBA1" not in types or not current_platform.is_cpu():
+        return
+    import torch
+    try:
+        torch.ops._C.selective_scan_fwd
+    except (AttributeError, RuntimeError):
+        raise KvlcError("this engine's state layers are vLLM mamba_type MAMBA1 (Mamba-1, e.g. Jamba), which vLLM's "
+                        "CPU platform cannot compute: its vllm._C has no selective_scan_fwd (the first prefill fails "
+                        "with \"'_OpNamespace' '_C' object has no attribute 'selective_scan_fwd'\", with or without a "
+                        "KV connector); fix: serve this model on a GPU build of vLLM (kvlc derives its Mamba-1 state, "
+                        "`kvlc from-vllm --from-engine` writes it)") from None
 
 
 def engine_plan(vllm_config, kv_cache_config, kv_caches: Mapping[str, Any], rank: int,

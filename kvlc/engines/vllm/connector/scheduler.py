@@ -24,6 +24,12 @@ token when it arrives (:meth:`SchedulerSide.on_new_request`; it answers ``remote
 block (its last block id, before vLLM's speculative scratch blocks), whatever the cached prefix.
 A consumer refuses (computes locally) params whose tokens cover its whole prompt: that state
 would count the last token twice. vLLM's NixlConnector does the same (``_prefill_backoff``).
+
+Chunked-local attention (Llama-4) stops one token short too: vLLM frees a request's blocks before the chunk
+of the next token it would compute (``ChunkedLocalAttentionManager.get_num_skipped_tokens``), so a producer
+that computed all ``n`` prompt tokens has freed, when ``n`` starts a chunk, the chunk that the consumer's
+own last token ``n - 1`` attends to. Stopping at ``n - 1`` keeps exactly that chunk, and the consumer loads
+only its blocks for those groups (:func:`kvlc.compiler.request.tokens.chunk_start`).
 """
 
 from __future__ import annotations
@@ -71,6 +77,14 @@ def _touched(per_group: Any, tokens: TokenRange, block_size: int,
                  for i, g in enumerate(_per_group(per_group)))
 
 
+def chunked_groups(kv_cache_config: Any) -> dict[int, int]:
+    """vLLM's chunked-local attention groups (Llama-4): group index -> tokens per chunk."""
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+    return {i: int(g.kv_cache_spec.attention_chunk_size) for i, g in enumerate(groups)
+            if isinstance(g.kv_cache_spec, ChunkedLocalAttentionSpec)}
+
+
 def state_groups(kv_cache_config: Any) -> dict[int, int]:
     """vLLM's Mamba / linear-attention groups: group index -> speculative scratch blocks per request."""
     from vllm.v1.kv_cache_interface import MambaSpec
@@ -98,6 +112,10 @@ class SchedulerSide:
         self._dropped: list[str] = []
         self._stats = KvlcConnectorStats()  # requests computed locally despite a remote prefill
         self.state = state_groups(kv_cache_config)  # hybrids: state group index -> scratch blocks
+        self.chunked = chunked_groups(kv_cache_config)  # Llama-4: chunked-local group index -> chunk
+        # the producer stops one prompt token short: state groups (the state after n - 1 tokens), chunked-local
+        # groups (vLLM frees the blocks before token n's chunk, which the consumer's last token may still need)
+        self.one_short = bool(self.state or self.chunked)
         # vLLM zeroes new blocks (hybrids, mixed precision), except those a connector loads: loads then end
         # at a block end, so a partly filled last block holds the producer's zeros, not another request's bytes
         self.whole_blocks = bool(getattr(kv_cache_config, "needs_kv_cache_zeroing", False))
@@ -144,11 +162,14 @@ class SchedulerSide:
             self._stats.record_recompute()
             return 0, False
         n = min(remote.remote_num_tokens, request.num_prompt_tokens)
-        if self.state and n >= request.num_prompt_tokens:
-            log.error("kvlc: request %s computes its prompt locally: the prefill engine's state covers all %d "
-                      "prompt tokens, but this hybrid engine computes the last one itself, so that state would "
-                      "count it twice; fix: prefill on a KvlcConnector engine of the same model (it stops one "
-                      "token short)", request.request_id, n)
+        if self.one_short and n >= request.num_prompt_tokens:
+            why = ("state covers all %d prompt tokens, but this hybrid engine computes the last one itself, so "
+                   "that state would count it twice" if self.state else
+                   "KV covers all %d prompt tokens, so vLLM freed its chunked-local blocks before the last "
+                   "token's chunk, which this engine needs to compute the last token itself")
+            log.error("kvlc: request %s computes its prompt locally: the prefill engine's " + why + "; fix: "
+                      "prefill on a KvlcConnector engine of the same model (it stops one token short)",
+                      request.request_id, n)
             request.kv_transfer_params[_DONE] = True
             self._stats.record_recompute()
             return 0, False
@@ -195,9 +216,10 @@ class SchedulerSide:
 
     # ------------------------------------------------------------------ producer
     def on_new_request(self, request) -> None:
-        """A hybrid's remote-decode request stops one prompt token short (see the module docstring)."""
+        """A hybrid's (state or chunked-local groups) remote-decode request stops one prompt token short (see
+        the module docstring)."""
         params = request.kv_transfer_params
-        if (not self.state or not wants_remote_decode(params) or params.get(_SHORT)
+        if (not self.one_short or not wants_remote_decode(params) or params.get(_SHORT)
                 or request.num_prompt_tokens < 2 or request.prompt_token_ids is None):
             return
         del request.prompt_token_ids[-1]

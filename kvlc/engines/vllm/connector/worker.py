@@ -26,7 +26,7 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from kvlc.engines.vllm.connector.config import ConnectorSettings
-from kvlc.engines.vllm.connector.layout import CPU_MLA_BACKENDS, engine_plan
+from kvlc.engines.vllm.connector.layout import CPU_MLA_BACKENDS, engine_plan, runnable_state
 from kvlc.engines.vllm.connector.metadata import KvlcConnectorMetadata, KvlcHandshake, Load, plan_block_ids
 from kvlc.engines.vllm.connector.stats import KvlcConnectorStats
 from kvlc.engines.vllm.connector.transport import Transport
@@ -126,6 +126,7 @@ class WorkerSide:
 
         self.rank = int(get_tensor_model_parallel_rank())
         self.kv_caches = dict(kv_caches)
+        runnable_state(self.kv_cache_config)
         self.transport = self._bind(None)
         log.info("kvlc: rank %d bound plan %s (%s) at %s", self.rank, self.transport.ep.plan.name,
                  self.transport.ep.plan.digest[:12], self.transport.address)

@@ -168,11 +168,11 @@ def _state_parts(vllm_config: Any, name: str, t: Any) -> Any:
     return parts
 
 
-_STATE_KINDS = {"MAMBA2": "mamba", "GDN_ATTN": "linear"}   # vLLM's MambaSpec.mamba_type -> kvlc init's kind
+_STATE_KINDS = {"MAMBA1": "mamba1", "MAMBA2": "mamba", "GDN_ATTN": "linear"}   # vLLM's MambaSpec.mamba_type -> init's kind
 
 
 def _state_kind(kv_cache_config: Any) -> str | None:
-    """``mamba`` or ``linear``: the kind of the engine's state groups (None: it has none)."""
+    """``mamba1``, ``mamba`` or ``linear``: the kind of the engine's state groups (None: it has none)."""
     from vllm.v1 import kv_cache_interface as kci
     types = {getattr(g.kv_cache_spec.mamba_type, "name", str(g.kv_cache_spec.mamba_type))
              for g in kv_cache_config.kv_cache_groups if isinstance(g.kv_cache_spec, kci.MambaSpec)}
@@ -181,8 +181,8 @@ def _state_kind(kv_cache_config: Any) -> str | None:
     unknown = types - set(_STATE_KINDS)
     if unknown or len(types) > 1:
         raise ViewError(f"the engine's state groups are of vLLM mamba_type {sorted(types)}; kvlc derives "
-                        f"{sorted(_STATE_KINDS)} (Mamba-2, Gated DeltaNet), one kind per engine; fix: report "
-                        "this model's state layout (Mamba-1, short-conv and KDA are not derived yet)")
+                        f"{sorted(_STATE_KINDS)} (Mamba-1, Mamba-2, Gated DeltaNet), one kind per engine; fix: report "
+                        "this model's state layout (short-conv and KDA are not derived yet)")
     return _STATE_KINDS[types.pop()]
 
 

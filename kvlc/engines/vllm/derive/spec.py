@@ -60,10 +60,11 @@ def engine_view(vllm_config: Any, kv_cache_config: Any, kv_caches: Mapping[str, 
 
 # ---------------------------------------------------------------- the spec
 def _state_kind(view: EngineView) -> str | None:
-    """``mamba`` (Mamba-2) or ``linear`` (Gated DeltaNet): the kind of the view's state groups."""
+    """``mamba`` (Mamba-2 or Mamba-1, as kvlc init names both) or ``linear`` (Gated DeltaNet): the kind of the
+    view's state groups."""
     if view.state is None:
         return None
-    return "mamba" if view.state.name == "mamba2_state" else "linear"
+    return "mamba" if view.state.name in ("mamba2_state", "mamba1_state") else "linear"
 
 
 def group_names(view: EngineView) -> tuple[str, ...]:
@@ -78,7 +79,7 @@ def group_names(view: EngineView) -> tuple[str, ...]:
             raise ViewError(f"KV-cache group of kind '{g.kind.value}' ({g.spec_type or 'unknown spec'}, layers "
                             f"{', '.join(g.layer_names[:3])}...) cannot be derived yet from live tensors, so "
                             "KvlcConnector cannot serve this engine (it serves full, sliding-window, chunked-local, "
-                            "MLA, Mamba-2 and Gated-DeltaNet groups, also under vLLM's hybrid manager); use vLLM's "
+                            "MLA, Mamba-1, Mamba-2 and Gated-DeltaNet groups, also under vLLM's hybrid manager); use vLLM's "
                             "NixlConnector for it. Its spec (for kvlc pair / explain) comes offline from the "
                             "model's config.json: `kvlc init CONFIG.json --engine vllm --backend B`")
         n = sum(1 for x in out if x == base or x.startswith(base + "."))
