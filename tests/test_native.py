@@ -68,6 +68,7 @@ def _same(got: dict, want: dict) -> None:
         assert got[key].local.dtype == want[key].local.dtype == np.uint64
         assert np.array_equal(got[key].local, want[key].local), f"part {key}: local rows differ"
         assert np.array_equal(got[key].remote, want[key].remote), f"part {key}: remote rows differ"
+        assert got[key].nbytes == want[key].nbytes == int(want[key].local[:, 1].sum())
 
 
 def _ranged(plan, ids: dict, start: int) -> dict:

@@ -124,6 +124,7 @@ class Layout:
     starts: np.ndarray                  # int64 (start, 0) per part
     where: dict                         # group -> (local at, n, remote at, n) in the id area
     nids: int
+    nbytes: dict = field(default_factory=dict)  # part key -> its bytes (the same for every request of a shape)
 
 
 SHAPES = 256  # request shapes a table remembers (the oldest goes first)
@@ -185,7 +186,12 @@ def _emit(table: NativeTable, req: Request) -> dict[PartKey, Part]:
     for k in lay.keys:
         j = 2 * lay.number[k]
         s, m = left[j], left[j + 1]
-        out[k] = Part(view[0, s:s + m], view[1, s:s + m])
+        part = out[k] = Part(view[0, s:s + m], view[1, s:s + m])
+        known = lay.nbytes.get(k)
+        if known is None:
+            lay.nbytes[k] = part.nbytes
+        else:  # a shape's bytes do not depend on its ids: Part.nbytes (a cached property) given, not summed
+            part.__dict__["nbytes"] = known
     return out
 
 
