@@ -17,15 +17,24 @@ uses the same UCX worker). ``--inflight`` requests per round, ``--rounds`` round
 alternated (raw, kvlc, raw, ...) after two warm-up rounds; medians of µs per request. ``--gpu``
 puts both caches in VRAM on cuda:0 (a GPU machine). Writes ``results/overhead.json``.
 
-``--latency 1024,4096`` instead times ONE request at a time (what a decode handover waits for), kvlc
-against raw NIXL on the same descriptors, alternated request by request (raw first on even turns,
-kvlc first on odd ones), p50 and p99 of each: ``raw`` creates, posts, spins on the state and releases
-(the producer's own NIXL agent and connection, as above); ``kvlc`` is ``Peer.write`` and then
-``poll()`` in a loop until it reports the request finished (spinning, as raw does). Then a breakdown of
-kvlc's stages over ``--breakdown`` more requests: the ``write()`` call, the time from its return to
-the poll that reports the request, the polls it took and their cost, NIXL notification fetches and
-progress-thread turns during it. ``--kvlc-root`` runs another checkout's kvlc (before / after in one
-run: the same command twice with two roots, alternated by the caller).
+``--latency 1024,4096`` instead times ONE request at a time (what a decode handover waits for), on three
+kinds taken in turn request by request (each first, second and third in rotation), each to its own
+consumer agent (all hosted in one consumer process, one polling loop), p50 and p99 of each:
+
+* ``raw``: create, post, spin on the state, release (the producer's own NIXL agent, as above);
+* ``raw+notif``: the same, then kvlc's ``done`` notification (built before the clock) sent with NIXL's
+  ``send_notif``: what any runtime that tells the consumer pays;
+* ``kvlc``: ``Peer.write``, then ``poll()`` in a loop until it reports the request finished (spinning).
+
+Each kind has its own UCX endpoint because NIXL's WRITE ends with a flush of its endpoint, and that
+flush waits until the consumer's worker took the notification sent on it before: a notification
+delays the next WRITE on that endpoint by up to one consumer polling interval. Then a breakdown of
+kvlc's stages over ``--breakdown`` more requests (the ``write()`` call, from its return to the poll
+that reports the request, the polls and their cost, NIXL notification fetches, progress-thread
+turns), and kvlc's own host work alone (``--host-rounds``: ``write()`` + ``poll()`` with NIXL's create,
+post, state, release and send_notif stubbed out). ``--gap`` sleeps before each request.
+``--kvlc-root`` runs another checkout's kvlc (before / after in one run: the same command with two
+roots, alternated by the caller).
 
 Run:  python3 benchmarks/probes/bench_overhead.py [--tokens 16] [--inflight 32] [--rounds 40] [--progress manual] [--gpu]
       python3 benchmarks/probes/bench_overhead.py --latency 1024,4096 --requests 400 [--full] [--kvlc-root DIR]
@@ -211,6 +220,76 @@ def breakdown(prod, peer, cids, pids, tokens: int, count: int, tag: str, gap: fl
 KINDS = ("raw", "raw+notif", "kvlc")
 
 
+class _NoNixl:
+    """The executor's NIXL agent with create, post, state, release and send_notif doing nothing (every
+    transfer DONE at once): what is left of a request is kvlc's own host work (``--host``)."""
+
+    class Xfer:
+        __slots__ = ("released", "error", "state", "what")
+
+        def __init__(self, what: str):
+            from kvlc.runtime.nixl.core import XferState
+            self.released, self.error, self.state, self.what = False, None, XferState.PROC, what
+
+        def release(self) -> None:
+            self.released = True
+
+    def __init__(self, real):
+        self.real = real
+
+    def initialize(self, op, local_rows, local_mem, remote_rows, remote_mem, remote_agent, what="transfer"):
+        return self.Xfer(what)
+
+    def post(self, xfer, notif: bytes = b""):
+        from kvlc.runtime.nixl.core import XferState
+        xfer.state = XferState.DONE
+        return xfer.state
+
+    def state(self, xfer):
+        return xfer.state
+
+    def send_notif(self, agent_name: str, message: bytes) -> None:
+        pass
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+def host_cost(prod, peer, plan, sizes: list[int], rounds: int, per_round: int) -> list[dict]:
+    """kvlc's own host work per request (``Peer.write`` + ``poll()`` until finished, NIXL's calls stubbed
+    out; the agent's own notification fetch stays real), median µs over ``rounds`` rounds."""
+    real = prod.executor.agent
+    prod.executor.agent = _NoNixl(real)
+    out = []
+    try:
+        for tokens in sizes:
+            _, cids, pids, n = make_workload(plan, plan, 1, tokens, ids="contiguous")[0][0]
+            per, write, done = [], [], []
+            for r in range(-1, rounds):
+                t0 = time.perf_counter()
+                for i in range(per_round):
+                    rid = f"h{tokens}-{r}-{i}"
+                    a = time.perf_counter()
+                    peer.write(rid, pids, cids, n)
+                    b = time.perf_counter()
+                    while rid not in prod.poll().finished:
+                        pass
+                    write.append(b - a)
+                    done.append(time.perf_counter() - b)
+                if r >= 0:
+                    per.append((time.perf_counter() - t0) / per_round)
+            out.append({"tokens": tokens, "request_us": statistics.median(per) * 1e6, "request_min_us": min(per) * 1e6,
+                        "write_us": statistics.median(write) * 1e6, "to_finished_us": statistics.median(done) * 1e6,
+                        "idle_poll_us": per_call(prod.poll, 2000) * 1e6})
+            o = out[-1]
+            print(f"  host only, {tokens} tokens: {o['request_us']:.1f} us per request (min {o['request_min_us']:.1f}): "
+                  f"write() {o['write_us']:.1f}, polls to finished {o['to_finished_us']:.1f}; idle poll "
+                  f"{o['idle_poll_us']:.1f}", flush=True)
+    finally:
+        prod.executor.agent = real
+    return out
+
+
 def latency(args) -> int:
     """One request at a time, kvlc vs raw NIXL alternated (see the module docstring)."""
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
@@ -283,6 +362,7 @@ def latency(args) -> int:
                   f"({b['polls']:.0f} polls of {b['poll_each']:.1f} us); notification fetches {b['notif_fetches']:.0f} "
                   f"of {b['notif_fetch_each']:.1f} us; progress-thread turns {b['thread_turns']:.0f} "
                   f"of {b['thread_turn_each']:.1f} us", flush=True)
+        host = host_cost(prod, peers["kvlc"], plan, sizes, args.host_rounds, 500) if args.host_rounds else []
         for p in peers.values():
             p.close()
         prod.close()
@@ -290,7 +370,7 @@ def latency(args) -> int:
         proc.stop()
     doc = {"plan": plan.name, "kvlc_root": str(Path(kvlc.__file__).resolve().parents[1]), "full_bytes": args.full,
            "gpu": args.gpu, "progress": args.progress, "ipc": args.ipc, "requests": args.requests,
-           "warm": args.warm, "gap_s": args.gap, "cases": cases, "load_end": os.getloadavg()[0]}
+           "warm": args.warm, "gap_s": args.gap, "cases": cases, "host_only": host, "load_end": os.getloadavg()[0]}
     print(f"wrote {write_results(args.out, doc)}; load {doc['load_end']:.2f}")
     return 0
 
@@ -321,6 +401,8 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=400, help="--latency: requests of each kind per size")
     ap.add_argument("--warm", type=int, default=20, help="--latency: uncounted requests of each kind first")
     ap.add_argument("--breakdown", type=int, default=100, help="--latency: requests in kvlc's stage breakdown")
+    ap.add_argument("--host-rounds", type=int, default=7, help="--latency: rounds of 500 requests with NIXL's "
+                    "calls stubbed out (kvlc's own host work alone; 0: skip)")
     ap.add_argument("--gap", type=float, default=0.0, help="--latency: seconds slept before each request")
     ap.add_argument("--full", action="store_true", help="--latency: the plan's real bytes (else one tiny KV head)")
     ap.add_argument("--ipc", default="off", help="--latency: AgentSettings.ipc of both sides (default off: NIXL)")
