@@ -580,16 +580,28 @@ class KvAgent:
             return self.events.drain()
 
     _polled = 0.0  # when poll() last advanced everything, or the engine submitted a request (monotonic s)
+    _heard = float("-inf")  # when a pump last fetched a NIXL notification (monotonic s)
     PUMP_SKIP_S = 0.001  # the progress thread skips a turn when the engine was this recently active
     PUMP_BUSY_S = 0.00005  # its interval while staged chunks are in flight (each waits on a turn here)
+    PUMP_HEARD_S = 0.005  # for this long after a notification came, the thread comes every PUMP_HEARD_EVERY_S
+    PUMP_HEARD_EVERY_S = 0.0002
 
-    def progress_turn(self) -> bool:
+    def _hot(self) -> bool | float:
+        """How soon the progress thread should come back: True (every :attr:`PUMP_BUSY_S`) while staged
+        chunks are in flight; :attr:`PUMP_HEARD_EVERY_S` within :attr:`PUMP_HEARD_S` of a notification
+        (a peer's next WRITE waits on this side: NIXL's UCX WRITE ends with a flush of its endpoint, which
+        waits until this side's worker took the notification sent on it before); else False (the interval)."""
+        if self.stager is not None and self.stager.endpoint.hot:
+            return True
+        return self.PUMP_HEARD_EVERY_S if time.monotonic() - self._heard < self.PUMP_HEARD_S else False
+
+    def progress_turn(self) -> bool | float:
         """The progress thread's turn: fills gaps between the engine's polls, never waits for the engine's lock.
 
-        Returns whether staged chunks are in flight: the thread then comes back every
-        :attr:`PUMP_BUSY_S` and takes its turn even right after an engine poll (a chunk's scatter, its
-        FREE and the next chunk's WRITE each wait on some agent's turn)."""
-        hot = self.stager is not None and self.stager.endpoint.hot
+        Returns how soon it should come back (:meth:`_hot`): while a peer may be waiting on this side's
+        turns it takes its turn even right after an engine poll (a chunk's scatter, its FREE, the next
+        chunk's WRITE, a peer's next request each wait on some agent's turn)."""
+        hot = self._hot()
         engine_active = time.monotonic() - self._polled < self.PUMP_SKIP_S
         if (engine_active and not hot) or not self._lock.acquire(blocking=False):
             return hot
@@ -598,11 +610,14 @@ class KvAgent:
                 self._pump()
         finally:
             self._lock.release()
-        return self.stager is not None and self.stager.endpoint.hot
+        return self._hot()
 
     def _pump(self) -> None:
         self.advance()
-        _replies.notifs(self, self.nixl.notifs())
+        got = self.nixl.notifs()
+        if any(got.values()):
+            self._heard = time.monotonic()
+        _replies.notifs(self, got)
         _replies.drain(self, self.sender.replies)
         self._deadlines(time.monotonic())
 
