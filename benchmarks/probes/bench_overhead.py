@@ -34,10 +34,13 @@ that reports the request, the polls and their cost, NIXL notification fetches, p
 turns), and kvlc's own host work alone (``--host-rounds``: ``write()`` + ``poll()`` with NIXL's create,
 post, state, release and send_notif stubbed out). ``--gap`` sleeps before each request.
 ``--kvlc-root`` runs another checkout's kvlc (before / after in one run: the same command with two
-roots, alternated by the caller).
+roots, alternated by the caller). ``--flush-probe`` shows that flush with bare NIXL agents (no kvlc): one
+8 KiB WRITE at a time, with and without a notification after each, to a consumer that fetches its
+notifications every ``--flush-every`` seconds.
 
 Run:  python3 benchmarks/probes/bench_overhead.py [--tokens 16] [--inflight 32] [--rounds 40] [--progress manual] [--gpu]
       python3 benchmarks/probes/bench_overhead.py --latency 1024,4096 --requests 400 [--full] [--kvlc-root DIR]
+      python3 benchmarks/probes/bench_overhead.py --flush-probe --requests 300
 """
 
 from __future__ import annotations
@@ -375,6 +378,73 @@ def latency(args) -> int:
     return 0
 
 
+def _flush_consumer(conn, every: str) -> None:  # pragma: no cover - runs in the child process
+    """A bare NIXL agent that fetches its notifications in a loop (``every``: "spin", or seconds between)."""
+    import numpy as np
+    from kvlc.runtime.nixl.core import Agent
+
+    a = Agent(f"flush-consumer-{os.getpid()}")
+    buf = np.zeros(1 << 20, dtype=np.uint8)
+    a.register(np.array([[buf.ctypes.data, buf.nbytes, 0]], dtype=np.uint64), "DRAM")
+    conn.send((a.name, a.metadata(), buf.ctypes.data))
+    a.add_remote(conn.recv())
+    while not any(b"stop" in m for v in a.notifs().values() for m in v):
+        if every != "spin":
+            time.sleep(float(every))
+    conn.send("bye")
+    conn.recv()
+
+
+def flush_probe(args) -> int:
+    """``--flush-probe``: bare NIXL (no kvlc), one 8 KiB WRITE at a time to a consumer that fetches its
+    notifications every ``--flush-every`` seconds, with and without a notification after each WRITE."""
+    import multiprocessing as mp
+    import numpy as np
+    from kvlc.runtime.nixl.core import Agent, XferState
+
+    out = []
+    for every in args.flush_every.split(","):
+        ctx = mp.get_context("spawn")
+        here, there = ctx.Pipe()
+        child = ctx.Process(target=_flush_consumer, args=(there, every), daemon=True)
+        child.start()
+        a = Agent(f"flush-producer-{os.getpid()}")
+        buf = np.ones(1 << 20, dtype=np.uint8)
+        a.register(np.array([[buf.ctypes.data, buf.nbytes, 0]], dtype=np.uint64), "DRAM")
+        name, md, base = here.recv()
+        a.add_remote(md)
+        here.send(a.metadata())
+        time.sleep(0.5)
+
+        def write(notify: bool) -> float:
+            t0 = time.perf_counter()
+            x = a.initialize("WRITE", np.array([[buf.ctypes.data, 8192, 0]], dtype=np.uint64), "DRAM",
+                             np.array([[base, 8192, 0]], dtype=np.uint64), "DRAM", name)
+            state = a.post(x)
+            while state is XferState.PROC:
+                state = a.state(x)
+            x.release()
+            if notify:
+                a.send_notif(name, b"done " * 16)
+            return time.perf_counter() - t0
+
+        row = {"consumer_fetches_every": every}
+        for notify in (False, True, False):
+            t = [write(notify) for _ in range(args.requests)]
+            row.setdefault("with_notif" if notify else "without_notif", []).append(statistics.median(t) * 1e6)
+        a.send_notif(name, b"stop")
+        here.recv()
+        here.send("ok")
+        child.join(10)
+        a.close()
+        out.append({"consumer_fetches_every": every, "without_notif_p50_us": min(row["without_notif"]),
+                    "with_notif_p50_us": row["with_notif"][0]})
+        print(f"consumer fetching every {every}: one WRITE at a time p50 {out[-1]['without_notif_p50_us']:.1f} us; "
+              f"with a notification after each {out[-1]['with_notif_p50_us']:.1f} us", flush=True)
+    print(f"wrote {write_results(args.out, {'flush_probe': out, 'requests': args.requests, 'load_end': os.getloadavg()[0]})}")
+    return 0
+
+
 def per_call(fn, repeat: int = 200) -> float:
     fn()
     t0 = time.perf_counter()
@@ -407,7 +477,14 @@ def main(argv=None) -> int:
     ap.add_argument("--full", action="store_true", help="--latency: the plan's real bytes (else one tiny KV head)")
     ap.add_argument("--ipc", default="off", help="--latency: AgentSettings.ipc of both sides (default off: NIXL)")
     ap.add_argument("--kvlc-root", default="", help="import kvlc from this checkout (before / after runs)")
+    ap.add_argument("--flush-probe", action="store_true", help="bare NIXL: a WRITE after a notification waits "
+                    "for the consumer's next fetch (see --flush-every)")
+    ap.add_argument("--flush-every", default="spin,0.0002,0.001,0.005",
+                    help="--flush-probe: the consumer's seconds between notification fetches, comma-separated")
     args = ap.parse_args(argv)
+    if args.flush_probe:
+        os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+        return flush_probe(args)
     if args.latency:
         return latency(args)
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
