@@ -28,7 +28,7 @@ log = logging.getLogger("kvlc.runtime.pump")
 class Pump:
     """Call ``ref().<method>()`` every ``interval`` seconds until the agent is gone or ``stop`` is set;
     every ``busy_interval`` seconds instead while the method returns True (work that waits on this
-    side's turns is in flight, e.g. staged chunks to scatter or to send); a number it returns is the
+    side's turns is in flight, e.g. staged chunks to scatter or to send); a float it returns is the
     wait before the next call (at most ``interval``)."""
 
     def __init__(self, agent: Any, method: str, interval: float, stop: threading.Event, name: str,
@@ -53,10 +53,10 @@ class Pump:
                 log.exception("progress thread")
                 stop.wait(0.1)
             del agent
-            if busy is True or busy is False or busy is None:
-                stop.wait(busy_interval if busy else interval)
+            if isinstance(busy, float):  # how soon to come back
+                stop.wait(min(busy, interval))
             else:
-                stop.wait(min(float(busy), interval))
+                stop.wait(busy_interval if busy else interval)
 
 
 class Sender:
