@@ -68,6 +68,7 @@ def _same(got: dict, want: dict) -> None:
         assert got[key].local.dtype == want[key].local.dtype == np.uint64
         assert np.array_equal(got[key].local, want[key].local), f"part {key}: local rows differ"
         assert np.array_equal(got[key].remote, want[key].remote), f"part {key}: remote rows differ"
+        assert got[key].nbytes == want[key].nbytes == int(want[key].local[:, 1].sum())
 
 
 def _ranged(plan, ids: dict, start: int) -> dict:
@@ -109,8 +110,36 @@ def test_native_rows_equal_the_reference(case, data):
             if req is None:
                 continue
             _same(emit_native(bound, req), _reference(bound, req))
+            again = _request(prog, _reversed(lids), _reversed(rids), tokens)  # same shape: its cached layout
+            if again is not None:
+                _same(emit_native(bound, again), _reference(bound, again))
             checked += 1
     assume(checked)
+
+
+def _reversed(ids: dict) -> dict:
+    """Other ids of the same counts (each group's in reverse order): a request of the same shape."""
+    return {g: list(v)[::-1] for g, v in ids.items()}
+
+
+@needs_native
+@settings(deadline=None, max_examples=60)
+@given(data=st.data())
+def test_requests_of_one_shape_share_a_layout(data):
+    """Requests of one shape (token range, id counts) reuse one piece layout; each one's rows still equal
+    the reference's, whatever its ids."""
+    plan, bound = _llama()
+    cap = plan.regions[0].capacity
+    n = data.draw(st.integers(1, 300))
+    start = data.draw(st.integers(0, 15))
+    stop = data.draw(st.integers(max(start + 1, 16 * (n - 1) + 1), 16 * n))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    for _ in range(3):
+        lids, rids = rng.permutation(cap)[:n], rng.permutation(cap)[:n]
+        if data.draw(st.booleans()):
+            lids = np.arange(n) + int(rng.integers(0, cap - n + 1))
+        req = check_request(bound.program, {"full": lids}, {"full": rids}, tokens=(start, stop))
+        _same(emit_native(bound, req), _reference(bound, req))
 
 
 def _llama():
@@ -133,6 +162,19 @@ def test_large_scattered_requests(data):
     rids = np.sort(rng.permutation(cap)[:n]) if data.draw(st.booleans()) else rng.permutation(cap)[:n]
     req = check_request(bound.program, {"full": lids}, {"full": rids}, stop)
     _same(emit_native(bound, req), _reference(bound, req))
+
+
+@needs_native
+def test_a_table_keeps_a_bounded_number_of_shapes(monkeypatch):
+    """Past SHAPES request shapes the oldest layout is forgotten; rows stay the reference's."""
+    from kvlc.compiler.request import native_rows
+
+    monkeypatch.setattr(native_rows, "SHAPES", 4)
+    plan, bound = _llama()
+    for n in list(range(1, 10)) + [2, 3]:
+        req = check_request(bound.program, {"full": list(range(n))}, {"full": list(range(5, 5 + n))}, 16 * n - 3)
+        _same(emit_native(bound, req), _reference(bound, req))
+        assert len(native_rows.native_table(bound).shapes) <= 4
 
 
 @needs_native

@@ -31,9 +31,9 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common, the suite
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # probes/
+for _p in (Path(__file__).resolve().parents[2], Path(__file__).resolve().parents[1], Path(__file__).resolve().parent):
+    if str(_p) not in sys.path:  # (a caller may have put another checkout's kvlc first: bench_overhead --kvlc-root)
+        sys.path.insert(0, str(_p))  # the repository, benchmarks/ (common, the suite), probes/
 
 from kvlc.demo.run import DEFAULT_LAYOUT, make_workload  # noqa: E402
 

@@ -580,17 +580,32 @@ class KvAgent:
             return self.events.drain()
 
     _polled = 0.0  # when poll() last advanced everything, or the engine submitted a request (monotonic s)
+    _heard = float("-inf")  # when a pump last fetched a NIXL notification (monotonic s)
     PUMP_SKIP_S = 0.001  # the progress thread skips a turn when the engine was this recently active
     PUMP_BUSY_S = 0.00005  # its interval while staged chunks are in flight (each waits on a turn here)
+    PUMP_HEARD_S = 0.005  # for this long after a notification came, the thread comes every PUMP_HEARD_EVERY_S
+    PUMP_HEARD_EVERY_S = 0.0002
 
-    def progress_turn(self) -> bool:
+    def _hot(self) -> bool | float:
+        """How soon the progress thread should come back: True (every :attr:`PUMP_BUSY_S`) while staged
+        chunks, same-host copies or WRITEs served for a pull-via-push consumer are in flight;
+        :attr:`PUMP_HEARD_EVERY_S` within :attr:`PUMP_HEARD_S` of a notification (a peer's next WRITE waits on this side: NIXL's UCX WRITE ends with a flush of its endpoint, which
+        waits until this side's worker took the notification sent on it before); else False (the interval)."""
+        if self.stager is not None and self.stager.endpoint.hot:
+            return True
+        if self.route is not None and self.route.in_flight:  # a copy's end: seen within PUMP_BUSY_S
+            return True
+        if any(k[0] == "pvp" for k in tuple(self.executor.active)):  # a copy of the keys: no lock held here
+            return True  # WRITEs a pull-via-push consumer asked for: it hears done once this side sees them end
+        return self.PUMP_HEARD_EVERY_S if time.monotonic() - self._heard < self.PUMP_HEARD_S else False
+
+    def progress_turn(self) -> bool | float:
         """The progress thread's turn: fills gaps between the engine's polls, never waits for the engine's lock.
 
-        Returns whether staged chunks, same-host copies or WRITEs a pull-via-push consumer asked for
-        are in flight: the thread then comes back every :attr:`PUMP_BUSY_S` and takes its turn even
-        right after an engine poll (a chunk's scatter, its FREE and the next chunk's WRITE each wait
-        on some agent's turn; the end of a copy or of a WRITE served for a consumer, who waits on this
-        side to hear ``done``, is seen within that time rather than a whole ``progress_interval`` later)."""
+        Returns how soon it should come back (:meth:`_hot`): while a peer may be waiting on this side's
+        turns it takes its turn even right after an engine poll (a chunk's scatter, its FREE, the next
+        chunk's WRITE, a peer's next request, the end of a same-host copy or of a WRITE a pull-via-push
+        consumer asked for, who waits on this side to hear ``done``, each wait on some agent's turn)."""
         hot = self._hot()
         engine_active = time.monotonic() - self._polled < self.PUMP_SKIP_S
         if (engine_active and not hot) or not self._lock.acquire(blocking=False):
@@ -602,14 +617,12 @@ class KvAgent:
             self._lock.release()
         return self._hot()
 
-    def _hot(self) -> bool:
-        return bool((self.stager is not None and self.stager.endpoint.hot)
-                    or (self.route is not None and self.route.in_flight)
-                    or any(k[0] == "pvp" for k in tuple(self.executor.active)))  # a copy: no lock held here
-
     def _pump(self) -> None:
         self.advance()
-        _replies.notifs(self, self.nixl.notifs())
+        got = self.nixl.notifs()
+        if any(got.values()):
+            self._heard = time.monotonic()
+        _replies.notifs(self, got)
         _replies.drain(self, self.sender.replies)
         self._deadlines(time.monotonic())
 

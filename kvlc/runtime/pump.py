@@ -29,7 +29,8 @@ log = logging.getLogger("kvlc.runtime.pump")
 class Pump:
     """Call ``ref().<method>()`` every ``interval`` seconds until the agent is gone or ``stop`` is set;
     every ``busy_interval`` seconds instead while the method returns True (work that waits on this
-    side's turns is in flight, e.g. staged chunks to scatter or to send)."""
+    side's turns is in flight, e.g. staged chunks to scatter or to send); a float it returns is the
+    wait before the next call (at most ``interval``)."""
 
     def __init__(self, agent: Any, method: str, interval: float, stop: threading.Event, name: str,
                  busy_interval: float | None = None):
@@ -48,12 +49,15 @@ class Pump:
                 return
             busy = False
             try:
-                busy = bool(getattr(agent, method)())
+                busy = getattr(agent, method)()
             except Exception:  # keep progressing; poll() surfaces real failures
                 log.exception("progress thread")
                 stop.wait(0.1)
             del agent
-            stop.wait(busy_interval if busy else interval)
+            if isinstance(busy, float):  # how soon to come back
+                stop.wait(min(busy, interval))
+            else:
+                stop.wait(busy_interval if busy else interval)
 
 
 @dataclass(frozen=True)

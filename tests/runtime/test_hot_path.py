@@ -74,6 +74,44 @@ def test_progress_turn_never_waits_for_the_lock(kv_agent, monkeypatch):
     assert calls == [1]
 
 
+def test_progress_turn_comes_sooner_after_a_notification(kv_agent, monkeypatch):
+    """A notification just fetched (a peer's next WRITE waits until this side's worker took it): the
+    progress thread takes its turn even right after a poll and comes back within PUMP_HEARD_EVERY_S;
+    PUMP_HEARD_S later it is back to skipping after polls and to its interval."""
+    calls = _counting(kv_agent, monkeypatch)
+    monkeypatch.setattr(kv_agent, "PUMP_HEARD_S", 0.3)  # (the default is a few ms: too short for a loaded test host)
+    real = kv_agent.nixl.notifs
+    monkeypatch.setattr(kv_agent.nixl, "notifs", lambda: {"a-peer": [b"not a kvlc notification"]})
+    kv_agent.poll()  # fetches one (dropped: no session signs it), and counts as heard
+    monkeypatch.setattr(kv_agent.nixl, "notifs", real)
+    assert kv_agent.progress_turn() == kv_agent.PUMP_HEARD_EVERY_S
+    assert len(calls) == 2  # the poll's pump, then the turn right after it
+    time.sleep(kv_agent.PUMP_HEARD_S + kv_agent.PUMP_SKIP_S * 3)
+    kv_agent.poll()
+    assert kv_agent.progress_turn() is False and len(calls) == 3  # the poll just ran: skipped
+
+
+def test_pump_waits_what_its_method_returns():
+    """Pump: True waits busy_interval, False the interval, a number that long (at most the interval)."""
+    from kvlc.runtime.pump import Pump
+
+    class Turns:
+        def __init__(self):
+            self.at = []
+
+        def turn(self):
+            self.at.append(time.monotonic())
+            return 0.002 if len(self.at) < 6 else False
+
+    t, stop = Turns(), threading.Event()
+    pump = Pump(t, "turn", 0.2, stop, "test-pump-number")
+    time.sleep(0.15)
+    stop.set()
+    pump.thread.join(5)
+    gaps = [b - a for a, b in zip(t.at, t.at[1:])]
+    assert len(t.at) == 6 and max(gaps) < 0.1  # five quick turns, then the 0.2 s interval
+
+
 # ------------------------------------------------------------------ post / state
 class _Raw:
     """Stands in for nixl_agent: transfer/check_xfer_state return or raise what a test scripts."""

@@ -6,10 +6,13 @@ import json
 
 import msgpack
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from runtime_engines import TEST_LAYOUTS
 
 from kvlc import compile_spec
 from kvlc.runtime.errors import HandshakeError
+from kvlc.runtime.kinds import Status
 from kvlc.runtime.channel.notifs import MAX_NOTIF_BYTES, decode_notif, encode_notif
 from kvlc.runtime.channel.wire import (
     MAX_RECORD_BYTES,
@@ -234,6 +237,30 @@ def test_notification_format():
     assert len(encode_notif("r" * 128, 3, "failed", T, "\u2603" * 300)) <= MAX_NOTIF_BYTES
     n = decode_notif(done)
     assert (n.req, n.rank, n.status, n.tag) == ("req-7", 3, "done", T)
+
+
+_NOTIF_FIELDS = dict(
+    req=st.one_of(st.text(st.characters(min_codepoint=0x21, max_codepoint=0x7e), min_size=1, max_size=128),
+                  st.text(max_size=140), st.just("req\n"), st.integers()),
+    rank=st.one_of(st.integers(-2, 70000), st.booleans(), st.just(1.0)),
+    status=st.sampled_from(["done", "failed", "cancelled", Status.DONE, Status.FAILED]),
+    tag=st.one_of(st.just(T), st.text("0123456789abcdefABCDEF", min_size=23, max_size=25)),
+    why=st.text(max_size=400))
+
+
+@settings(max_examples=400, deadline=None)
+@given(**_NOTIF_FIELDS)
+def test_notification_fast_path_equals_the_model(req, rank, status, tag, why):
+    """encode_notif's path without the model gives the model's bytes, and refuses what the model refuses."""
+    from kvlc.runtime.channel.notifs import _encode_checked
+
+    try:
+        want = _encode_checked(req, rank, str(status), tag, why[:200])
+    except Exception as exc:  # the model refuses: so does encode_notif, with the same error
+        with pytest.raises(type(exc)):
+            encode_notif(req, rank, status, tag, why)
+        return
+    assert encode_notif(req, rank, status, tag, why) == want
 
 
 def test_batch_notification_format():

@@ -45,6 +45,7 @@ class NativeTable:
     words: list[int]
     slots: tuple[Slot, ...]                     # aligned with index.blocks
     tails: dict = field(default_factory=dict)   # (block, hi, lo) -> offset of its clipped runs
+    shapes: dict = field(default_factory=dict)  # request shape -> its Layout (see _layout)
     array: np.ndarray | None = None
     _address: int = 0
     # held from a request's first tail lookup to the end of its native call: another thread's request
@@ -110,7 +111,43 @@ def emit_native(bound: BoundProgram, req: Request) -> dict[PartKey, Part]:
         return _emit(table, req)
 
 
-def _emit(table: NativeTable, req: Request) -> dict[PartKey, Part]:
+@dataclass(frozen=True, eq=False)
+class Layout:
+    """Everything of one request's native call that does not depend on its id values: the piece records,
+    the parts (number, rows before coalescing), where each group's ids go. Requests of one shape (the
+    same token spans and id counts: an engine's repeated lengths) share it (:attr:`NativeTable.shapes`)."""
+
+    records: np.ndarray                 # int64, the piece records
+    number: dict                        # part key -> its number
+    keys: tuple                         # the parts that get rows, in order
+    rows: int                           # rows of every part before coalescing
+    starts: np.ndarray                  # int64 (start, 0) per part
+    where: dict                         # group -> (local at, n, remote at, n) in the id area
+    nids: int
+    nbytes: dict = field(default_factory=dict)  # part key -> its bytes (the same for every request of a shape)
+
+
+SHAPES = 256  # request shapes a table remembers (the oldest goes first)
+
+
+def _shape(req: Request) -> tuple:
+    """What a request's :class:`Layout` depends on: its token spans and the number of ids per group."""
+    return (tuple(req.spans.items()),
+            tuple((g, len(kl), len(req.remote[g])) for g, kl in req.local.items()))
+
+
+def _layout(table: NativeTable, req: Request) -> Layout:
+    key = _shape(req)
+    got = table.shapes.get(key)
+    if got is None:
+        got = _plan_layout(table, req)
+        if len(table.shapes) >= SHAPES:
+            del table.shapes[next(iter(table.shapes))]
+        table.shapes[key] = got
+    return got
+
+
+def _plan_layout(table: NativeTable, req: Request) -> Layout:
     nids, where = _id_slots(req)
     records: list[int] = []
     rows: dict[PartKey, int] = {}   # part -> rows before coalescing (room to leave for it)
@@ -120,31 +157,41 @@ def _emit(table: NativeTable, req: Request) -> dict[PartKey, Part]:
         width = _pieces(records, table, i, b, req, where[b.group], part)
         if width:
             rows[b.key] = rows.get(b.key, 0) + width * len(b.entries)
-    keys = [k for k in number if rows.get(k)]
-    n = sum(rows.values())
-    o = 6 * n
-    p0 = o + len(records)
-    i0 = p0 + 2 * len(number)
-    buf = np.empty(i0 + nids, dtype=np.int64)
-    buf[o:p0] = records
     starts, at = [], 0
     for k in number:
         starts += (at, 0)
         at += rows.get(k, 0)
-    buf[p0:i0] = starts
-    for g, (la, ln, ra, rn) in where.items():
+    return Layout(np.array(records, dtype=np.int64), number, tuple(k for k in number if rows.get(k)),
+                  sum(rows.values()), np.array(starts, dtype=np.int64), where, nids)
+
+
+def _emit(table: NativeTable, req: Request) -> dict[PartKey, Part]:
+    lay = _layout(table, req)
+    n = lay.rows
+    o = 6 * n
+    p0 = o + len(lay.records)
+    i0 = p0 + 2 * len(lay.number)
+    buf = np.empty(i0 + lay.nids, dtype=np.int64)
+    buf[o:p0] = lay.records
+    buf[p0:i0] = lay.starts
+    for g, (la, ln, ra, rn) in lay.where.items():
         buf[i0 + la:i0 + la + ln] = req.local[g]
         buf[i0 + ra:i0 + ra + rn] = req.remote[g]
     base = native.address(buf)
-    native.emit(table.address(), base, n, base + 8 * o, len(records) // native.PIECE, base + 8 * i0, base + 8 * p0,
-                len(number))
+    native.emit(table.address(), base, n, base + 8 * o, len(lay.records) // native.PIECE, base + 8 * i0,
+                base + 8 * p0, len(lay.number))
     left = buf[p0:i0].tolist()
     view = buf[:o].view(np.uint64).reshape(2, n, 3)
     out = {}
-    for k in keys:
-        j = 2 * number[k]
+    for k in lay.keys:
+        j = 2 * lay.number[k]
         s, m = left[j], left[j + 1]
-        out[k] = Part(view[0, s:s + m], view[1, s:s + m])
+        part = out[k] = Part(view[0, s:s + m], view[1, s:s + m])
+        known = lay.nbytes.get(k)
+        if known is None:
+            lay.nbytes[k] = part.nbytes
+        else:  # a shape's bytes do not depend on its ids: Part.nbytes (a cached property) given, not summed
+            part.__dict__["nbytes"] = known
     return out
 
 

@@ -53,7 +53,7 @@ _CLOCK = struct.Struct(">d")
 
 
 def _mac(key: bytes, *parts: bytes) -> bytes:
-    return hmac.new(key, b"".join(parts), hashlib.sha256).digest()
+    return hmac.digest(key, b"".join(parts), "sha256")  # one call: HMAC-SHA256, as hmac.new(...).digest()
 
 
 def derive_key(secret: bytes) -> bytes:

@@ -28,6 +28,7 @@ Decoding refuses anything else with a :class:`~kvlc.runtime.errors.HandshakeErro
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
@@ -82,9 +83,31 @@ def encode_notif(req: str, rank: int, status: str, tag: str, why: str = "") -> b
     >>> encode_notif("r1", 0, "done", "0" * 24)
     b'{"v":3,"req":"r1","rank":0,"status":"done","why":"","tag":"000000000000000000000000"}'
     """
-    why = why[:200]
+    why, status = why[:200], str(status)
+    if _plain(req, rank, status, tag, why):  # fields a Notif takes as they are: no model to build (the hot path)
+        data = _COMPACT.encode({"v": WIRE_VERSION, "req": req, "rank": rank, "status": status, "why": why,
+                                "tag": tag}).encode()
+        if len(data) <= MAX_NOTIF_BYTES:
+            return data
+    return _encode_checked(req, rank, status, tag, why)
+
+
+_PLAIN_REQ = re.compile(r"[\x21-\x7e]{1,128}")  # RequestId
+_PLAIN_TAG = re.compile(r"[0-9a-f]{24}")
+
+
+def _plain(req, rank, status: str, tag, why) -> bool:
+    """Whether :class:`Notif` would take these fields unchanged (exact types, every constraint met)."""
+    return (type(req) is str and _PLAIN_REQ.fullmatch(req) is not None and type(rank) is int
+            and 0 <= rank < 1 << 16 and status in ("done", "failed") and type(tag) is str
+            and _PLAIN_TAG.fullmatch(tag) is not None and type(why) is str and len(why) <= 200)
+
+
+def _encode_checked(req, rank, status: str, tag, why: str) -> bytes:
+    """:func:`encode_notif` through the :class:`Notif` model (what it refuses raises; ``why`` halved until
+    the notification fits): the reference the hot path equals."""
     while True:
-        n = Notif(req=req, rank=rank, status=str(status), why=why, tag=tag)
+        n = Notif(req=req, rank=rank, status=status, why=why, tag=tag)
         data = _COMPACT.encode({"v": n.v, "req": n.req, "rank": n.rank, "status": n.status, "why": n.why,
                                 "tag": n.tag}).encode()  # the fields of n.model_dump(), in order
         if len(data) <= MAX_NOTIF_BYTES:
@@ -190,7 +213,8 @@ def tell_done(agent: Any, rank: int, outs: list) -> None:
     for target, members in _by_target(outs).items():
         members = [(o, r) for o, r in members if not o.reason]
         at = 0
-        for chunk in batches([o.req for o, _ in members]):
+        ids = [o.req for o, _ in members]
+        for chunk in (batches(ids) if len(ids) > 1 else [ids] if ids else []):  # (one id: one notification)
             share, at = members[at:at + len(chunk)], at + len(chunk)
             try:
                 agent.send_notif(target.agent, target.done(chunk, rank))

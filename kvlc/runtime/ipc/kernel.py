@@ -7,7 +7,7 @@ addressing), so one launch moves rows between any storages of both sides.
 
 Program ``(r, c)`` moves units ``[c * BLOCK, (c + 1) * BLOCK)`` of row ``r``: no loop, so every
 program is short and the GPU keeps many of them in flight (a program per 8 KiB moved 0.82-0.86
-of the device-to-device copy in the H200 probe of issue 28, where one program looping over a
+of the device-to-device copy in an H200 probe (benchmarks/README.md), where one program looping over a
 whole row moved 0.35-0.63). ``VEC``: every address and length is a multiple of 16 bytes, which
 the compiler is told, so that a thread moves 16 bytes per load and store; ``EVEN``: every length
 is a multiple of ``BLOCK`` units, so no program needs a mask. ``n`` is not specialized on (one
