@@ -143,14 +143,14 @@ def one_case(block: int, count: int, pools, reps: int, torch, src_host=None) -> 
         row["loop (before) gpu only"] = nbytes / statistics.median(gpu) / 1e9
     dst.zero_()
     cp.start(srcs, dsts, lens).event.synchronize()
-    sv, dv = src.view(-1, block), dst.view(-1, block)
+    sv, dv = src[:nblocks * block].view(-1, block), dst[:nblocks * block].view(-1, block)
     si, di = torch.from_numpy(s_ids).to(sv.device), torch.from_numpy(d_ids).cuda()
     ok = bool(torch.equal(dv[di].cpu(), sv[si].cpu()))
     mask = torch.ones(dv.shape[0], dtype=torch.bool, device="cuda")
     mask[di] = False
     row["content ok"] = ok and not bool(dv[mask].any())
     if src_host is None:
-        s64, d64 = src.view(torch.int64).view(-1, block // 8), dst.view(torch.int64).view(-1, block // 8)
+        s64, d64 = (t[:nblocks * block].view(torch.int64).view(-1, block // 8) for t in (src, dst))
         scratch = torch.empty(count, block // 8, dtype=torch.int64, device="cuda")
         si = si.cuda()
 
