@@ -336,6 +336,8 @@ def sever_turn(agent) -> None:
     """Held pull-via-push requests whose producer's side channel is lost end that session (its sockets are
     shut, :func:`_end_incoming`); a rank whose shut sockets are all closed now answers: no byte can land."""
     for req, inc in list(agent.incoming.items()):
+        if not (inc.held or inc.severing):
+            continue
         if inc.held:
             for rank, (s, client) in list(inc.via.items()):
                 if s.live and rank not in inc.answers and client.lost():
