@@ -5,7 +5,8 @@ Two network namespaces (testkit.netns), each side in a PID namespace of its own,
 The producer posts one WRITE of SIZE bytes into the consumer's buffer over an 8 Mbit/s link; after 1.5 s the
 link goes down; the consumer then does ACTION (none | remove | dereg | remove+dereg), waits; the link comes
 back (and the rate limit goes) with the producer still progressing its request; the consumer counts the
-bytes of its buffer that changed after ACTION (every byte compared). Run as root:
+bytes of its buffer that changed after ACTION (every byte compared). SAME_HOST=1: both processes in one
+namespace (UCX may use CMA), the producer SIGSTOPped right after it posted and resumed later. Run as root:
   PYTHONPATH=. python3 benchmarks/probes/late_put_after_remove.py remove
 """
 
@@ -13,14 +14,16 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 
-SIZE = 16 << 20
+SIZE = int(os.environ.get("SIZE_MIB", "16")) << 20
+SAME_HOST = os.environ.get("SAME_HOST") == "1"  # both in this namespace, UCX picks CMA; the producer is SIGSTOPped
 
 
-PEER_IP = "10.90.0.1"
+PEER_IP = "127.0.0.1" if SAME_HOST else "10.90.0.1"
 
 
 def _sockets_to(ip: str) -> list[int]:
@@ -78,6 +81,7 @@ def side(role: str, d: str, action: str) -> None:  # runs inside a namespace
         caddr = int(open(f"{d}/c.addr").read())
         rdescs = ag.get_xfer_descs(np.array([[caddr, SIZE, 0]], dtype=np.uint64), "DRAM")
         h = ag.initialize_xfer("WRITE", descs, rdescs, "c", b"")
+        open(f"{d}/p.pid", "w").write(str(os.getpid()))
         log(post=ag.transfer(h))
         open(f"{d}/posted", "w").write("1")
         end = time.time() + 120
@@ -142,21 +146,34 @@ def main(action: str) -> None:
     with Network(2, subnet=90) as net:
         a, b = net.hosts
         env = dict(os.environ, UCX_TLS="tcp", NIXL_LOG_LEVEL="WARN")
-        run = lambda h, r: subprocess.Popen(["ip", "netns", "exec", h.ns, "unshare", "--pid", "--fork",
-                                            sys.executable, __file__, "--side", r, d, action], env=env)
+        if SAME_HOST:
+            env.pop("UCX_TLS")
+        run = lambda h, r: subprocess.Popen(
+            ([] if SAME_HOST else ["ip", "netns", "exec", h.ns, "unshare", "--pid", "--fork"])
+            + [sys.executable, __file__, "--side", r, d, action], env=env)
         net.rate_limit(b, "8mbit")
         procs = [run(b, "c"), run(a, "p")]
-        _wait(f"{d}/posted", procs)
-        time.sleep(1.5)
-        net.link_down(b)
-        print("link down", flush=True)
+        if SAME_HOST:  # stop the producer as soon as it posted (its CMA writes are its own system calls)
+            _wait(f"{d}/p.pid", procs)
+            ppid = int(open(f"{d}/p.pid").read())
+            while not os.path.exists(f"{d}/posted"):
+                pass
+            os.kill(ppid, signal.SIGSTOP)
+            print("producer stopped", flush=True)
+        else:
+            _wait(f"{d}/posted", procs)
+            time.sleep(1.5)
+            net.link_down(b)
+            print("link down", flush=True)
         time.sleep(1.0)
         open(f"{d}/act", "w").write("1")
         _wait(f"{d}/acted", procs)
         time.sleep(float(os.environ.get("DOWN_S", "5")))
         net.link_up(b)
         net.unlimit(b)
-        print("link up, unlimited", flush=True)
+        if SAME_HOST:
+            os.kill(ppid, signal.SIGCONT)
+        print("link up, unlimited (same host: producer resumed)", flush=True)
         time.sleep(float(os.environ.get("AFTER_S", "15")))
         open(f"{d}/stop", "w").write("1")
         for p in procs:
