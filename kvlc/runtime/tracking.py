@@ -68,7 +68,7 @@ class Incoming:
     why_held: str = ""
     # conn id → (session, host, socket inodes shut, why): that session ended while it could still write here
     # over TCP; its rank is answered once none of those sockets is left (kvlc.runtime.nixl.sever)
-    severing: dict[int, tuple] = field(default_factory=dict)
+    severing: dict[str, tuple] = field(default_factory=dict)
 
     @property
     def expected(self) -> frozenset[int] | None:
