@@ -635,6 +635,7 @@ class KvAgent:
             if inc.deadline is not None and now >= inc.deadline and not inc.held:
                 missing = inc.missing() if inc.engine is not None else "every producer rank"
                 _replies.hold_and_cancel(self, inc, f"timed out waiting for {missing}")
+        _replies.sever_turn(self)
         for key, t in list(self.tallies.items()):
             if now >= t.lease_until:
                 del self.tallies[key]

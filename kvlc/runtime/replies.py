@@ -19,6 +19,7 @@ import time
 from kvlc.runtime.channel.auth import notif_tag, tag_ok
 from kvlc.runtime.errors import ChannelError, HandshakeError, NixlError
 from kvlc.runtime.kinds import Direction, ConnectionMode, Status
+from kvlc.runtime.nixl import sever
 from kvlc.runtime.staging.copy import StagingError
 from kvlc.runtime.staging.wire import Kind, decode as decode_staging, is_staging, verify
 from kvlc.runtime.tracking import Incoming, hold, settle
@@ -299,11 +300,58 @@ def _revoke(agent, name: str) -> None:
 
 def _end_incoming(agent, s, why: str, still: bool) -> None:
     """Requests that session ``s`` could write here: its rank's share ends cancelled (``still``: another
-    session of that engine rank is live, so only requests asked over ``s`` end)."""
+    session of that engine rank is live, so only requests asked over ``s`` end). From another host its
+    TCP connections are shut first and the share ends once they are closed (:func:`sever_turn`)."""
     for req, inc in list(agent.incoming.items()):
-        inc.cancel_wait.pop(s.conn_id, None)
+        asked = inc.cancel_wait.pop(s.conn_id, None) is not None
         hit = inc.via[s.rank][0] is s if s.rank in inc.via else (inc.engine is s.engine and not still)
-        if hit and s.rank not in inc.answers:
-            inc.answer(s.rank, Status.CANCELLED, f"session ended ({why}); it can no longer write here")
+        unknown = asked and inc.engine is None  # push, no answer yet: any producer asked to cancel may write
+        if (hit and s.rank not in inc.answers or unknown) and s.conn_id not in inc.severing:
+            host = _host_of(inc, s)
+            if host is None:  # this host's own address (CMA / shared memory) or unknown: the session's end is it
+                if hit:
+                    inc.answer(s.rank, Status.CANCELLED, f"session ended ({why}); it can no longer write here")
+            else:  # over TCP queued bytes still land: close the sockets first (answered by sever_turn)
+                inc.severing[s.conn_id] = (s, host, sever.shut(host), why)
+                agent.stats["severed"] = agent.stats.get("severed", 0) + 1
+                log.warning("request %s: session of %s rank %d ended (%s); closing this process's TCP "
+                            "connections to %s so that no byte of it lands", req[:40], s.engine_id, s.rank, why, host)
         if _settle(agent, inc):
             del agent.incoming[req]
+
+
+def _host_of(inc: Incoming, s) -> str | None:
+    """The other host that session ``s`` writes ``inc`` from (its side-channel address), None when it is
+    this host or unknown."""
+    if s.rank in inc.via and inc.via[s.rank][0] is s:
+        host = inc.via[s.rank][1].address[0]
+    elif s.address:
+        host = s.address.rsplit(":", 1)[0].strip("[]")
+    else:
+        return None
+    return sever.remote_host(host)
+
+
+def sever_turn(agent) -> None:
+    """Held pull-via-push requests whose producer's side channel is lost end that session (its sockets are
+    shut, :func:`_end_incoming`); a rank whose shut sockets are all closed now answers: no byte can land."""
+    for req, inc in list(agent.incoming.items()):
+        if not (inc.held or inc.severing):
+            continue
+        if inc.held:
+            for rank, (s, client) in list(inc.via.items()):
+                if s.live and rank not in inc.answers and client.lost():
+                    agent.drop_session(s, "its side channel is lost (host cut off or gone)")
+        if not inc.severing:
+            continue
+        for conn_id, (s, host, shut, why) in list(inc.severing.items()):
+            if not shut & sever.socket_inodes(host):
+                del inc.severing[conn_id]
+                end = (f"session ended ({why}); this process's TCP connections to {host} are closed: "
+                       "no byte of it can land")
+                if inc.engine is s.engine:
+                    inc.answer(s.rank, Status.CANCELLED, end)
+                elif inc.engine is None:
+                    inc.why_held = f"{inc.why_held}; then {end}"
+        if _settle(agent, inc):
+            agent.incoming.pop(req, None)

@@ -66,6 +66,9 @@ class Incoming:
     asked: bool = True  # False: its first answer came before expect() (see settle)
     held: bool = False
     why_held: str = ""
+    # conn id → (session, host, socket inodes shut, why): that session ended while it could still write here
+    # over TCP; its rank is answered once none of those sockets is left (kvlc.runtime.nixl.sever)
+    severing: dict[str, tuple] = field(default_factory=dict)
 
     @property
     def expected(self) -> frozenset[int] | None:
@@ -81,16 +84,16 @@ class Incoming:
     @property
     def complete(self) -> bool:
         if self.engine is None:  # push, no rank heard of yet: complete once every cancel was answered
-            return self.held and not self.cancel_wait
-        return not self.missing() and not self.cancel_wait
+            return self.held and not self.cancel_wait and not self.severing
+        return not self.missing() and not self.cancel_wait and not self.severing
 
     def reason(self) -> str:
-        if self.why_held:
-            return self.why_held
+        """Why it failed: why it was held, then the first rank's answer that was not done."""
         for rank, (status, why) in sorted(self.answers.items()):
             if status is not Status.DONE:
-                return f"rank {rank}: {status.value}" + (f": {why}" if why else "")
-        return ""
+                answer = f"rank {rank}: {status.value}" + (f": {why}" if why else "")
+                return f"{self.why_held}; then {answer}" if self.why_held else answer
+        return self.why_held
 
 
 @dataclass(eq=False)
