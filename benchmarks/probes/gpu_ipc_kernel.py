@@ -6,10 +6,10 @@ handover from an engine's pool after warm-up looks like), timed with CUDA events
 (median of ``--reps``), every destination block checked and the rest of the destination pool
 unchanged:
 
-* ``grid <bytes> x<warps>``: :class:`kvlc.runtime.ipc.copy.GpuCopy` (row table upload + ONE Triton
-  kernel, a program per ``<bytes>`` of a row), host work included (a request's real cost); ``host us``:
-  the host's time to start it; ``gpu only``: from the copy stream's first work to its end;
-* ``loop (before)``: the kernel before the grid (a program per 256 KiB looping over 8 KiB steps);
+* ``rows <words>w x<warps>``: :class:`kvlc.runtime.ipc.copy.GpuCopy` (row table upload + ONE Triton
+  kernel, a program per row cut at 256 KiB, looping ``<words>`` 8-byte words at a time), host work
+  included (a request's real cost); ``host us``: the host's time to start it; ``gpu only``: from
+  the copy stream's first work to its end;
 * ``torch``: ``index_select`` into a scratch buffer + ``index_copy_`` out of it, on int64 rows;
 * ``d2d``: one contiguous ``copy_`` of the same number of bytes (the ceiling).
 
@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 CASES = ((16 << 10, 16384), (32 << 10, 8192), (64 << 10, 2048), (64 << 10, 4096), (64 << 10, 16384),
          (2 << 20, 128), (64 << 20, 32))
-VARIANTS = ((4 << 10, 4), (8 << 10, 4), (16 << 10, 4), (8 << 10, 8), (16 << 10, 8), (32 << 10, 8))  # (bytes, warps)
+VARIANTS = ((512, 4), (1024, 4), (2048, 4), (1024, 8), (2048, 8))  # (8-byte words per step, warps)
 
 
 def _time(fn, reps: int, torch) -> list[float]:
@@ -48,33 +48,6 @@ def _time(fn, reps: int, torch) -> list[float]:
         b.synchronize()
         out.append(a.elapsed_time(b) / 1e3)
     return out
-
-
-_LOOP = None
-
-
-def _loop_kernel():
-    """The row kernel before the grid (one program per 256 KiB chunk looping over 8 KiB steps), for
-    comparison in the same run."""
-    global _LOOP
-    if _LOOP is None:
-        import triton
-        import triton.language as tl
-
-        @triton.jit(do_not_specialize=["n"])
-        def copy_rows(table, n, BLOCK: tl.constexpr):
-            r = tl.program_id(0)
-            s = tl.multiple_of(tl.load(table + r), 16).to(tl.pointer_type(tl.int64))
-            d = tl.multiple_of(tl.load(table + n + r), 16).to(tl.pointer_type(tl.int64))
-            size = tl.multiple_of(tl.load(table + 2 * n + r), 16) // 8
-            offs = tl.arange(0, BLOCK)
-            for start in range(0, size, BLOCK):
-                o = start + offs
-                m = o < size
-                tl.store(d + o, tl.load(s + o, mask=m), mask=m)
-
-        _LOOP = copy_rows
-    return _LOOP
 
 
 def _timed_copy(torch, cp, fn, reps: int) -> tuple[list[float], list[float], list]:
@@ -101,7 +74,7 @@ def _timed_copy(torch, cp, fn, reps: int) -> tuple[list[float], list[float], lis
 
 
 def one_case(block: int, count: int, pools, reps: int, torch, src_host=None) -> dict:
-    from kvlc.runtime.ipc.copy import GpuCopy, split
+    from kvlc.runtime.ipc.copy import GpuCopy
 
     src, dst = pools
     if src_host is not None:
@@ -118,29 +91,14 @@ def one_case(block: int, count: int, pools, reps: int, torch, src_host=None) -> 
     cp = GpuCopy(0)
     cp.warm()
     row["direct launch"] = cp.direct
-    for bb, warps in VARIANTS:
-        cp.block_bytes, cp.num_warps = bb, warps
-        name = f"grid {bb >> 10}k x{warps}"
+    for words, warps in VARIANTS:
+        cp.block_words, cp.num_warps = words, warps
+        name = f"rows {words}w x{warps}"
         ts, host, gpu = _timed_copy(torch, cp, lambda: cp.start(srcs, dsts, lens).event, reps)
         row[name] = nbytes / statistics.median(ts) / 1e9
         row[f"{name} host us"] = statistics.median(host) * 1e6
         row[f"{name} gpu only"] = nbytes / statistics.median(gpu) / 1e9
-    cp.block_bytes, cp.num_warps = 8 << 10, 4
-    if src_host is None:  # the kernel before the grid, same rows, same stream
-        s2, d2, l2 = split(srcs, dsts, lens, 256 << 10)
-        table = torch.from_numpy(np.concatenate([s2, d2, l2]).view(np.int64)).cuda()
-        k = _loop_kernel()
-
-        def loop():
-            with torch.cuda.stream(cp.stream):
-                k[(len(l2),)](table, len(l2), BLOCK=1024)
-                ev = torch.cuda.Event()
-                ev.record(cp.stream)
-            return ev
-
-        ts, host, gpu = _timed_copy(torch, cp, loop, reps)
-        row["loop (before)"] = nbytes / statistics.median(ts) / 1e9
-        row["loop (before) gpu only"] = nbytes / statistics.median(gpu) / 1e9
+    cp.block_words, cp.num_warps = 1024, 4
     dst.zero_()
     cp.start(srcs, dsts, lens).event.synchronize()
     sv, dv = src[:nblocks * block].view(-1, block), dst[:nblocks * block].view(-1, block)
@@ -162,15 +120,15 @@ def one_case(block: int, count: int, pools, reps: int, torch, src_host=None) -> 
     a, b = src[:nbytes], dst[:nbytes]
     ceiling = "h2d" if src_host is not None else "d2d"
     row[ceiling] = nbytes / statistics.median(_time(lambda: b.copy_(a, non_blocking=True), reps, torch)) / 1e9
-    best = max(v for k, v in row.items() if k.startswith("grid") and k.endswith(("x4", "x8")))
-    row[f"grid / {ceiling}"] = best / row[ceiling]
+    best = max(v for k, v in row.items() if k.startswith("rows") and k.endswith(("x4", "x8")))
+    row[f"rows / {ceiling}"] = best / row[ceiling]
     return row
 
 
 def host_stages(torch, pools, count: int, block: int = 64 << 10, reps: int = 200) -> dict:
     """Host µs of each stage of GpuCopy.start (median of ``reps``, GPU idle between calls), direct
     launch on and off."""
-    from kvlc.runtime.ipc.copy import GpuCopy, grid_table
+    from kvlc.runtime.ipc.copy import GpuCopy, row_table
 
     src, dst = pools
     rng = np.random.default_rng(count)
@@ -190,7 +148,7 @@ def host_stages(torch, pools, count: int, block: int = 64 << 10, reps: int = 200
         return r
 
     for _ in range(reps):
-        g = t("grid_table", lambda: grid_table(srcs, dsts, lens, cp.block_bytes))
+        g = t("row_table", lambda: row_table(srcs, dsts, lens))
         t("device ctx + wait_stream", lambda: cp.stream.wait_stream(torch.cuda.current_stream(0)))
         with torch.cuda.stream(cp.stream):
             at, table, keep = t("upload", lambda: cp._upload(g.table))
@@ -215,6 +173,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", type=Path)
     ap.add_argument("--host-mib", type=int, default=0, help="also copy rows from a pinned host pool of this size")
+    ap.add_argument("--cases", default="", help="BLOCK:COUNT,... instead of the default cases")
     args = ap.parse_args(argv)
     import torch
 
@@ -229,7 +188,8 @@ def main(argv=None) -> int:
     for count in (2048, 8192):
         stages.append(host_stages(torch, pools, count))
         say(stages[-1])
-    for block, count in CASES:
+    cases = [tuple(int(x) for x in c.split(":")) for c in args.cases.split(",")] if args.cases else CASES
+    for block, count in cases:
         rows.append(one_case(block, count, pools, args.reps, torch))
         say(rows[-1])
     if args.host_mib:

@@ -1,8 +1,8 @@
 """The same-host copy kernel (kvlc.runtime.ipc.kernel), run by Triton's interpreter on the CPU.
 
 The kernel a GPU runs for every same-host request, with the row table the runtime builds for it
-(:func:`kvlc.runtime.ipc.copy.grid_table`: a program per block of a row, long rows cut, 8-byte
-words when every address and length allows, bytes otherwise), on random rows between two buffers: every
+(:func:`kvlc.runtime.ipc.copy.row_table`: long rows cut into chunks, 8-byte words when every
+address and length allows, bytes otherwise), on random rows between two buffers: every
 destination row must equal its source, every other byte stay as it was.
 """
 
@@ -19,7 +19,7 @@ from hypothesis import given, settings, strategies as st
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
-from kvlc.runtime.ipc.copy import grid_table  # noqa: E402
+from kvlc.runtime.ipc.copy import row_table  # noqa: E402
 
 KERNEL = Path(__file__).resolve().parents[2] / "kvlc" / "runtime" / "ipc" / "kernel.py"
 
@@ -53,45 +53,36 @@ def test_kernel_copies_random_rows(interpreted, data):
     n = data.draw(st.integers(1, 12))
     s_slots = data.draw(st.permutations(range(size // slot)))[:n]
     d_slots = data.draw(st.permutations(range(size // slot)))[:n]
-    even = data.draw(st.booleans())  # every length one size (an engine's blocks) or any
-    one = unit * data.draw(st.integers(1, (slot // 2) // unit))
-    lens = [one if even else unit * data.draw(st.integers(1, (slot // 2) // unit)) for _ in range(n)]
+    lens = [unit * data.draw(st.integers(1, (slot // 2) // unit)) for _ in range(n)]
     s_off = [unit * data.draw(st.integers(0, (slot // 2) // unit - 1)) for _ in range(n)]
     d_off = [unit * data.draw(st.integers(0, (slot // 2) // unit - 1)) for _ in range(n)]
-    block = data.draw(st.sampled_from([16, 64, 256]))  # small programs: rows take several
+    chunk = data.draw(st.sampled_from([64, 256, 1 << 18]))  # small chunks: long rows are cut
     srcs = np.array([src.data_ptr() + s * slot + o for s, o in zip(s_slots, s_off)], dtype=np.uint64)
     dsts = np.array([dst.data_ptr() + d * slot + o for d, o in zip(d_slots, d_off)], dtype=np.uint64)
     want = dst.numpy().copy()
     for s, so, d, do, ln in zip(s_slots, s_off, d_slots, d_off, lens):
         want[d * slot + do:d * slot + do + ln] = src.numpy()[s * slot + so:s * slot + so + ln]
-    g = grid_table(srcs, dsts, np.array(lens, dtype=np.uint64), block)
+    g = row_table(srcs, dsts, np.array(lens, dtype=np.uint64), chunk)
     values = [int(v) for v in np.concatenate([srcs, dsts, lens])]
     assert g.vec == all(v % 16 == 0 for v in values)
     assert g.wide == all(v % 8 == 0 for v in values)
-    unit_bytes = 8 if g.wide else 1
-    assert g.block * unit_bytes == block
-    assert g.even == all(v % block == 0 for v in lens)
-    assert g.programs * block >= sum(lens)
-    assert g.programs * block <= 3 * sum(lens) + g.rows * block  # programs past a row's end stay few
-    interpreted.copy_grid[(g.rows, g.chunks)](torch.from_numpy(g.table), g.rows, BLOCK=g.block, WIDE=g.wide,
-                                              VEC=g.vec, EVEN=g.even)
+    assert g.rows == sum(-(-ln // chunk) for ln in lens)  # every row cut at ``chunk`` bytes
+    interpreted.copy_rows[(g.rows,)](torch.from_numpy(g.table), g.rows, BLOCK=16 if g.wide else 128,
+                                     WIDE=g.wide, VEC=g.vec)
     assert (dst.numpy() == want).all()
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.integers(1, 1 << 22), min_size=1, max_size=40), st.sampled_from([16, 8192]))
-def test_grid_covers_every_byte_once(lens, block):
-    """The launch's rows (after cutting long ones) cover each row's bytes exactly once, in order,
-    and the grid has a program for every ``block`` of the longest."""
+@given(st.lists(st.integers(1, 1 << 22), min_size=1, max_size=40), st.sampled_from([16, 1 << 18]))
+def test_cut_rows_cover_every_byte_once(lens, chunk):
+    """The launch's rows (long ones cut) cover each row's bytes exactly once, in order, none longer
+    than ``chunk``."""
     lens = np.array(lens, dtype=np.uint64)
     src = np.cumsum(np.concatenate([[0], lens[:-1]])).astype(np.uint64) + np.uint64(1 << 40)
     dst = src + np.uint64(1 << 44)
-    g = grid_table(src, dst, lens, block)
+    g = row_table(src, dst, lens, chunk)
     n = g.rows
     s, d, u = (g.table[i * n:(i + 1) * n].view(np.uint64) for i in range(3))
-    nbytes = u * np.uint64(8 if g.wide else 1)
-    assert int(nbytes.sum()) == int(lens.sum())
+    assert int(u.sum()) == int(lens.sum()) and int(u.max()) <= chunk
     assert (d - s == np.uint64(1 << 44)).all()
-    assert (s[1:] == s[:-1] + nbytes[:-1]).all() and int(s[0]) == 1 << 40  # contiguous source, in order
-    assert g.chunks * g.block >= int(u.max()) > (g.chunks - 1) * g.block
-    assert g.chunks <= 65535
+    assert (s[1:] == s[:-1] + u[:-1]).all() and int(s[0]) == 1 << 40  # contiguous source, in order

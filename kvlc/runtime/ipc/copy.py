@@ -4,9 +4,9 @@ The rows arrive as three arrays, source address, destination address and length 
 descriptors :func:`kvlc.compiler.request.instantiate.instantiate` built, the peer's side already
 moved into its mapped window): no layout arithmetic here.
 
-* GPU (:class:`GpuCopy`): the table goes up in one host-to-device copy, and ONE Triton kernel
-  (:mod:`kvlc.runtime.ipc.kernel`) moves every row, one program per 8 KiB of a row, on a stream of
-  its own; an event recorded after it says when every byte landed.
+* GPU (:class:`GpuCopy`): rows longer than :data:`CHUNK` are cut, the table goes up in one
+  host-to-device copy, and ONE Triton kernel (:mod:`kvlc.runtime.ipc.kernel`) moves every row, one
+  program per row, on a stream of its own; an event recorded after it says when every byte landed.
 * CPU (:class:`HostCopy`): the same rows, one ``memmove`` each, synchronously (every row checked
   against the regions first). Triton's interpreter runs the GPU kernel itself on the CPU in the tests.
 """
@@ -25,12 +25,13 @@ from kvlc.runtime.staging.copy import Regions
 
 log = logging.getLogger(__name__)
 
-BLOCK_BYTES = 8 << 10  # bytes one kernel program moves (a program per 8 KiB keeps the GPU busy)
+CHUNK = 256 << 10  # bytes one kernel program moves at most (long rows are cut so every SM gets work)
+BLOCK_WORDS = 1024  # 8-byte words one program moves per step
 NUM_WARPS = 4
-MAX_ROW = 256 << 20  # longest row one program column covers (the grid's second dimension stays small)
 
 
-def split(src: np.ndarray, dst: np.ndarray, lens: np.ndarray, chunk: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def split(src: np.ndarray, dst: np.ndarray, lens: np.ndarray, chunk: int = CHUNK
+          ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The rows cut into pieces of at most ``chunk`` bytes, in order (``chunk`` a multiple of 16)."""
     n = ((lens + np.uint64(chunk - 1)) // np.uint64(chunk)).astype(np.int64)
     if not len(lens) or int(n.max()) <= 1:
@@ -42,43 +43,21 @@ def split(src: np.ndarray, dst: np.ndarray, lens: np.ndarray, chunk: int) -> tup
 
 
 @dataclass(frozen=True)
-class Grid:
-    """One launch of :func:`kvlc.runtime.ipc.kernel.copy_grid`: its row table and constants."""
+class Rows:
+    """One launch of :func:`kvlc.runtime.ipc.kernel.copy_rows`: its row table and constants."""
 
-    table: np.ndarray  # int64: sources, destinations, lengths in units (``rows`` of each)
-    rows: int
-    chunks: int        # programs per row: the grid is (rows, chunks)
-    block: int         # units one program moves
-    wide: bool         # units are 8-byte words (else bytes)
-    vec: bool          # every address and length a multiple of 16 bytes
-    even: bool         # every length a multiple of ``block`` units: no program needs a mask
-
-    @property
-    def programs(self) -> int:
-        return self.rows * self.chunks
+    table: np.ndarray  # int64: sources, destinations, lengths in bytes (``rows`` of each)
+    rows: int          # programs: one per row after cutting rows at ``chunk`` bytes
+    wide: bool         # every address and length a multiple of 8: 8-byte words (else bytes)
+    vec: bool          # ... and of 16
 
 
-def grid_table(src: np.ndarray, dst: np.ndarray, lens: np.ndarray, block_bytes: int = BLOCK_BYTES) -> Grid:
-    """The launch that copies rows ``(src, dst, lens)`` (uint64 arrays), one program per ``block_bytes``.
-
-    Rows far longer than the mean are cut (at the power of two at or above the mean, at least one
-    program's bytes, at most :data:`MAX_ROW` and 32,768 programs), so programs past a short row's end, which do nothing,
-    stay fewer than three times the programs that copy."""
-    n = len(lens)
-    low = int(np.bitwise_or.reduce(np.concatenate([src, dst, lens]))) & 15 if n else 0
-    align = 16 if not low else 8 if not low & 7 else 1
-    unit = 8 if align >= 8 else 1
-    if n:
-        mean = max(1, int(lens.sum()) // n)
-        cap = min(MAX_ROW, block_bytes << 15, max(block_bytes, 1 << (mean - 1).bit_length()))  # grid y < 65536
-        if int(lens.max()) > cap:
-            src, dst, lens = split(src, dst, lens, cap)
-    units = lens // np.uint64(unit) if unit > 1 else lens
-    block = block_bytes // unit
-    longest = int(units.max()) if len(units) else 0
-    table = np.concatenate([src, dst, units]).view(np.int64)
-    return Grid(table, len(units), max(1, -(-longest // block)), block, unit == 8, align >= 16,
-                bool(len(units)) and not int(np.bitwise_or.reduce(units % np.uint64(block))))
+def row_table(src: np.ndarray, dst: np.ndarray, lens: np.ndarray, chunk: int = CHUNK) -> Rows:
+    """The launch that copies rows ``(src, dst, lens)`` (uint64 arrays): rows cut at ``chunk`` bytes."""
+    src, dst, lens = split(src, dst, lens, chunk)
+    table = np.concatenate([src, dst, lens])
+    low = int(np.bitwise_or.reduce(table)) & 15 if len(table) else 0
+    return Rows(table.view(np.int64), len(lens), not low & 7, not low)
 
 
 @dataclass
@@ -131,14 +110,14 @@ class GpuCopy:
 
     RING_WORDS = 1 << 20  # 8 MiB of row tables (~350,000 rows) in flight at most before waiting
 
-    def __init__(self, device: int, block_bytes: int = BLOCK_BYTES, num_warps: int = NUM_WARPS):
+    def __init__(self, device: int, block_words: int = BLOCK_WORDS, num_warps: int = NUM_WARPS):
         import torch
 
         from kvlc.runtime.ipc import kernel  # Triton: only where a GPU copies
 
         self.torch, self.kernel, self.device = torch, kernel, device
         self.stream = torch.cuda.Stream(device=device)
-        self.block_bytes, self.num_warps = block_bytes, num_warps
+        self.block_words, self.num_warps = block_words, num_warps
         self.ring = _Ring(torch, device, self.RING_WORDS)
         self.vec = True  # 16-byte hints (off where this Triton cannot compile them: see warm)
         self.direct = True  # launch the kept compiled kernels directly (off where warm finds that wrong)
@@ -146,7 +125,7 @@ class GpuCopy:
 
     def start(self, src: np.ndarray, dst: np.ndarray, lens: np.ndarray) -> Launch:
         torch = self.torch
-        g = grid_table(src, dst, lens, self.block_bytes)
+        g = row_table(src, dst, lens)
         with torch.cuda.device(self.device):
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.stream):
@@ -158,16 +137,16 @@ class GpuCopy:
             self.ring.used(at, len(g.table), ev)
         return Launch(ev, keep + (table,))
 
-    def _launch(self, g: Grid, table) -> None:
-        consts = (g.block, g.wide, self.vec and g.vec, g.even)
+    def _launch(self, g: Rows, table) -> None:
+        block = self.block_words if g.wide else 8 * self.block_words
+        consts = (block, g.wide, self.vec and g.vec)
         key = (*consts, self.num_warps)
-        grid = (g.rows, g.chunks, 1)
         compiled = self._compiled.get(key) if self.direct else None
         if compiled is not None:
-            compiled[grid](table, g.rows, *consts, stream=self.stream.cuda_stream)
+            compiled[(g.rows, 1, 1)](table, g.rows, *consts, stream=self.stream.cuda_stream)
             return
-        k = self.kernel.copy_grid[grid](table, g.rows, BLOCK=g.block, WIDE=g.wide, VEC=self.vec and g.vec,
-                                        EVEN=g.even, num_warps=self.num_warps)
+        k = self.kernel.copy_rows[(g.rows,)](table, g.rows, BLOCK=block, WIDE=g.wide, VEC=self.vec and g.vec,
+                                             num_warps=self.num_warps)
         if k is not None and hasattr(k, "__getitem__"):
             self._compiled[key] = k
 
@@ -184,15 +163,15 @@ class GpuCopy:
         return at, table, ()
 
     def warm(self) -> None:
-        """Compile the kernel's variants now (16-byte, 8-byte and byte rows, with and without masks) on
+        """Compile the kernel's variants now (16-byte, 8-byte and byte rows, short and cut ones) on
         a scratch buffer of its own, not at the first request. Every copy is checked by content: first
         through Triton's call (which compiles), then through the direct launch, which is dropped
         where it does not copy the same."""
         torch = self.torch
-        n = 4 * self.block_bytes
+        n = 4 * CHUNK
         scratch = torch.zeros(2 * n, dtype=torch.uint8, device=f"cuda:{self.device}")
         pattern = torch.arange(n, dtype=torch.int64, device=scratch.device).remainder_(251).to(torch.uint8)
-        lengths = (16, 8, 3, self.block_bytes, 2 * self.block_bytes + 16)
+        lengths = (16, 8, 3, 8 * self.block_words + 16, CHUNK + 24)
         direct, self.direct = self.direct, False
         try:
             for length in lengths:

@@ -1,17 +1,17 @@
-"""The GPU copy of a request's rows: ONE Triton kernel over a grid of (row, chunk) programs.
+"""The GPU copy of a request's rows: ONE Triton kernel, one program per row (rows cut at 256 KiB).
 
 The row table is one int64 tensor: source addresses, then destination addresses, then lengths in
-the kernel's units (8-byte words when ``WIDE``, else bytes), ``n`` of each. Addresses are plain
-device addresses (a peer's mapped through CUDA IPC, ours, or pinned host memory through unified
-addressing), so one launch moves rows between any storages of both sides.
+bytes, ``n`` of each. Addresses are plain device addresses (a peer's mapped through CUDA IPC, ours,
+or pinned host memory through unified addressing), so one launch moves rows between any storages
+of both sides. A program loops over its row ``BLOCK`` units at a time. ``WIDE``: every address and
+length is a multiple of 8, so the program moves 8-byte words, else bytes; ``VEC``: of 16 as well,
+which the compiler is told, so that a thread moves 16 bytes per load and store. ``n`` is not
+specialized on (one compiled kernel serves every row count).
 
-Program ``(r, c)`` moves units ``[c * BLOCK, (c + 1) * BLOCK)`` of row ``r``: no loop, so every
-program is short and the GPU keeps many of them in flight (a program per 8 KiB moved 0.82-0.86
-of the device-to-device copy in an H200 probe (benchmarks/README.md), where one program looping over a
-whole row moved 0.35-0.63). ``VEC``: every address and length is a multiple of 16 bytes, which
-the compiler is told, so that a thread moves 16 bytes per load and store; ``EVEN``: every length
-is a multiple of ``BLOCK`` units, so no program needs a mask. ``n`` is not specialized on (one
-compiled kernel serves every row count).
+A grid of one program per 8 KiB of a row, tried instead, moved 0.34-0.52 of the device-to-device
+copy on an H200 where this kernel moved 0.67-0.83 in the same run (every program of the grid
+waits for its row's three table entries before it moves 8 KiB; here one wait serves 256 KiB):
+benchmarks/README.md, run 4.
 """
 
 from __future__ import annotations
@@ -21,26 +21,24 @@ import triton.language as tl
 
 
 @triton.jit(do_not_specialize=["n"])
-def copy_grid(table, n, BLOCK: tl.constexpr, WIDE: tl.constexpr, VEC: tl.constexpr, EVEN: tl.constexpr):
+def copy_rows(table, n, BLOCK: tl.constexpr, WIDE: tl.constexpr, VEC: tl.constexpr):
     r = tl.program_id(0)
-    start = tl.program_id(1).to(tl.int64) * BLOCK
     src = tl.load(table + r)
     dst = tl.load(table + n + r)
     size = tl.load(table + 2 * n + r)
     if VEC:
         src = tl.multiple_of(src, 16)
         dst = tl.multiple_of(dst, 16)
-        size = tl.multiple_of(size, 2)  # units: 16 bytes are 2 words
+        size = tl.multiple_of(size, 16)
+    offs = tl.arange(0, BLOCK)
     if WIDE:
         s = src.to(tl.pointer_type(tl.int64))
         d = dst.to(tl.pointer_type(tl.int64))
+        size = size // 8
     else:
         s = src.to(tl.pointer_type(tl.uint8))
         d = dst.to(tl.pointer_type(tl.uint8))
-    if start < size:
-        o = start + tl.arange(0, BLOCK)
-        if EVEN:
-            tl.store(d + o, tl.load(s + o))
-        else:
-            m = o < size
-            tl.store(d + o, tl.load(s + o, mask=m), mask=m)
+    for start in range(0, size, BLOCK):
+        o = start + offs
+        m = o < size
+        tl.store(d + o, tl.load(s + o, mask=m), mask=m)
