@@ -8,7 +8,6 @@ layout) is refused with the setting named.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -17,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from testkit.vllm_engines import tiny_falcon_h1
-from tests.engines.conftest import ROOT
+from tests.engines.conftest import ROOT, init_plan_like
 
 pytestmark = pytest.mark.engine
 
@@ -40,14 +39,11 @@ def test_from_engine_writes_kvlc_inits_spec(model):
     """The live spec of a tiny Falcon-H1 (2 decoder layers) compiles to kvlc init --engine vllm's plan: attention
     layer.0-1 in group full, the mixers layer.2-3 in group mamba over their pages, 4 cache layers."""
     from kvlc.compiler import compile_spec
-    from kvlc.init import EngineOptions, init_yaml
 
     out = _from_engine(model)
     assert out.returncode == 0, out.stderr[-3000:]
     live = compile_spec(out.stdout)
-    init = compile_spec(init_yaml(json.loads((model / "config.json").read_text()), EngineOptions(
-        engine="vllm", backend="CPU_ATTN", mem="DRAM", block_size=32, kv_dtype="fp32",
-        num_blocks=live.regions[0].num_blocks, name=live.name, model_name=live.model.name)))
+    init = init_plan_like(live, model)
     assert live.digest == init.digest, (live.text(), init.text())
     assert live.model.num_layers == 4
     assert [(r.name, r.groups, r.aliases) for r in live.regions] == [

@@ -11,7 +11,6 @@ at start, naming the ``mamba_type`` and the missing op, instead of the first req
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -19,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from testkit.vllm_engines import EngineProcess, EngineSpec, tiny_jamba
-from tests.engines.conftest import Run, engine_env, kvlc_config
+from tests.engines.conftest import Run, engine_env, init_plan_like, kvlc_config
 
 pytestmark = pytest.mark.engine
 
@@ -69,14 +68,11 @@ def test_from_engine_writes_kvlc_inits_spec(model, from_engine):
     given): three Mamba-1 state groups (conv 3 taps x 512 channels, SSM 512 x 16, fp32) and a full group, all
     over one page pool (vLLM raised the block to 64 tokens so that a page holds a state)."""
     from kvlc.compiler import compile_spec
-    from kvlc.init import EngineOptions, init_yaml
 
     out = from_engine.result()
     assert out.returncode == 0, out.stderr[-3000:]
     live = compile_spec(out.stdout)
-    init = compile_spec(init_yaml(json.loads((model / "config.json").read_text()), EngineOptions(
-        engine="vllm", backend="CPU_ATTN", mem="DRAM", block_size=32, kv_dtype="fp32",
-        num_blocks=live.regions[0].num_blocks, name=live.name, model_name=live.model.name)))
+    init = init_plan_like(live, model)
     assert live.digest == init.digest, (live.text(), init.text())
     assert [(r.name, r.groups, r.aliases) for r in live.regions] == [
         ("layer.0", ("mamba",), ()), ("layer.1", ("mamba.1",), ("layer.0",)),
