@@ -1,0 +1,197 @@
+"""Where one push request's time goes, stage by stage, on the same-host copy path and on NIXL.
+
+The producer KvAgent runs in this process, the consumer in a spawned engine process
+(:mod:`kvlc.demo.procs`); Llama-3.1-8B scaled to ``--pool-mib`` per side, requests of ``--tokens``
+with contiguous or random block ids, one at a time. The producer's own methods are wrapped with
+time stamps (nothing else changes), so every request gives, from ``Peer.write``:
+
+* ``posting``: until the first part's ``post`` began (checks, rows, NIXL create: kvlc's host work);
+* ``post``: until that ``post`` returned (for the copy path: row table, upload, launch);
+* ``write``: until ``write()`` returned;
+* ``seen``: until a progress step first saw every part done (copy event or NIXL state);
+* ``told``: until the ``done`` notification went out (``tell_done`` returned), and how long that call took;
+* ``finished``: until ``poll()`` handed the request back as finished (what an engine sees).
+
+Modes (``--modes``): ``ipc`` (``KVLC_IPC=auto``), ``nixl`` (``KVLC_IPC=off``), alternated per round so
+both see the same machine. DRAM shared-memory pools on a CPU host, VRAM on ``cuda:0`` with ``--gpu``.
+Prints p50 / p90 of each stage and writes the JSON (``--out``).
+
+Run:  python3 benchmarks/probes/ipc_timeline.py [--gpu] [--tokens 1024] [--rounds 50] [--ids random]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+for _p in (Path(__file__).resolve().parents[2], Path(__file__).resolve().parents[1], Path(__file__).resolve().parent):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+from kvlc.demo.run import DEFAULT_LAYOUT, make_workload, scaled_plan  # noqa: E402
+
+STAGES = ("posting", "post", "write", "seen", "told", "finished")
+
+
+class Stamps:
+    """Per request id: stage -> seconds since its ``write()`` began (first occurrence kept)."""
+
+    def __init__(self):
+        self.t0: dict[str, float] = {}
+        self.at: dict[str, dict[str, float]] = {}
+        self.current: str | None = None  # the request whose write() is running (post happens inside it)
+        self.notif_s: list[float] = []
+
+    def mark(self, req: str | None, stage: str) -> None:
+        if req is None or req not in self.t0:
+            return
+        self.at[req].setdefault(stage, time.perf_counter() - self.t0[req])
+
+    def begin(self, req: str) -> None:
+        self.t0[req], self.at[req], self.current = time.perf_counter(), {}, req
+
+
+def instrument(stamps: Stamps) -> None:
+    """Wrap the producer-side methods that mark each stage (class level: this process only)."""
+    from kvlc.runtime import transfer
+    from kvlc.runtime.ipc.route import IpcRoute
+    from kvlc.runtime.nixl.core import Agent
+
+    def wrap_post(cls):
+        orig = cls.post
+
+        def post(self, xfer, notif=b""):
+            stamps.mark(stamps.current, "posting")
+            out = orig(self, xfer, notif)
+            stamps.mark(stamps.current, "post")
+            return out
+        cls.post = post
+
+    wrap_post(IpcRoute)
+    wrap_post(Agent)
+
+    orig_progress = transfer.Executor.progress
+
+    def progress(self):
+        ended = orig_progress(self)
+        for out in ended:
+            stamps.mark(out.req, "seen")
+        return ended
+    transfer.Executor.progress = progress
+
+    orig_done = transfer.Executor._notify_done
+
+    def notify_done(self):
+        pending = [o.req for o in self._done]
+        for req in pending:
+            stamps.mark(req, "seen")
+        t = time.perf_counter()
+        orig_done(self)
+        if pending:
+            stamps.notif_s.append(time.perf_counter() - t)
+        for req in pending:
+            stamps.mark(req, "told")
+    transfer.Executor._notify_done = notify_done
+
+
+def run_mode(mode: str, args, plan, batches, stamps: Stamps) -> dict:
+    from kvlc.demo.procs import EngineConfig, EngineProcess
+    from kvlc.runtime.agent import KvAgent
+    from kvlc.runtime.binding import allocate
+    from kvlc.runtime.settings import AgentSettings
+
+    os.environ["KVLC_IPC"] = "auto" if mode == "ipc" else "off"
+    secret = secrets.token_hex(32)
+    proc = EngineProcess()
+    shared = {} if args.gpu else {"shared": True}
+    try:
+        cons = proc.add(EngineConfig(plan.to_json(), 0, fill="zeros", secret=secret, engine_id=f"tl-cons-{mode}",
+                                     pin=args.gpu, **shared))
+        tensors = allocate(plan, pin=args.gpu, shared=not args.gpu)
+        prod = KvAgent(plan, 0, tensors, AgentSettings(secret=secret, engine_id=f"tl-prod-{mode}"))
+        try:
+            peer = prod.connect(cons.address, direction="WRITE")
+            rows = []
+            for i, (_, cids, pids, n) in enumerate(batches):
+                req = f"{mode}-{i}"
+                stamps.begin(req)
+                peer.write(req, pids, cids, n, timeout=60.0)
+                stamps.mark(req, "write")
+                stamps.current = None
+                _wait(prod, req)
+                stamps.mark(req, "finished")
+                rows.append(stamps.at[req])
+            ipc = prod.stats.get("ipc_requests")
+        finally:
+            prod.close()
+    finally:
+        proc.stop()
+    skip = min(args.warmup, len(rows) - 1)
+    return {"rows": rows[skip:], "ipc_requests": ipc}
+
+
+def _wait(agent, req: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        c = agent.poll()
+        if c.failed:
+            raise RuntimeError(f"failed: {c.failed}")
+        if req in c.finished:
+            return
+        time.sleep(0)
+    raise RuntimeError(f"{req} still open after {timeout}s")
+
+
+def summary(rows: list[dict]) -> dict:
+    out = {}
+    for s in STAGES:
+        v = np.array([r[s] for r in rows if s in r]) * 1e6
+        if len(v):
+            out[s] = {"p50_us": float(np.percentile(v, 50)), "p90_us": float(np.percentile(v, 90)), "n": len(v)}
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gpu", action="store_true", help="VRAM on cuda:0 on both sides")
+    ap.add_argument("--pool-mib", type=int, default=256)
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--ids", choices=("contiguous", "random"), default="contiguous")
+    ap.add_argument("--rounds", type=int, default=40)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--modes", default="ipc,nixl")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args(argv)
+
+    plan = scaled_plan(DEFAULT_LAYOUT, args.pool_mib << 20, to_dram=not args.gpu)
+    batches = [make_workload(plan, plan, 1, args.tokens, ids=args.ids, seed=i)[0][0] for i in range(args.rounds)]
+    stamps = Stamps()
+    instrument(stamps)
+    doc = {"command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]), "gpu": args.gpu,
+           "tokens": args.tokens, "ids": args.ids, "modes": {}}
+    for mode in args.modes.split(","):
+        got = run_mode(mode, args, plan, batches, stamps)
+        doc["modes"][mode] = {"stages": summary(got["rows"]), "ipc_requests": got["ipc_requests"]}
+        st = doc["modes"][mode]["stages"]
+        line = ", ".join(f"{s} {st[s]['p50_us']:,.0f}/{st[s]['p90_us']:,.0f}" for s in STAGES if s in st)
+        print(f"{mode:5s} ({args.tokens} tokens, {args.ids}; ipc requests {got['ipc_requests']}): "
+              f"us since write(), p50/p90: {line}", flush=True)
+    if stamps.notif_s:
+        print(f"tell_done calls: p50 {np.percentile(stamps.notif_s, 50) * 1e6:,.0f} us, "
+              f"p90 {np.percentile(stamps.notif_s, 90) * 1e6:,.0f} us")
+        doc["tell_done_us"] = {"p50": float(np.percentile(stamps.notif_s, 50) * 1e6),
+                               "p90": float(np.percentile(stamps.notif_s, 90) * 1e6)}
+    if args.out:
+        args.out.write_text(json.dumps(doc, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
