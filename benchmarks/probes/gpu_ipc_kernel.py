@@ -6,8 +6,9 @@ handover from an engine's pool after warm-up looks like), timed with CUDA events
 (median of ``--reps``), every destination block checked and the rest of the destination pool
 unchanged:
 
-* ``rows <words>w x<warps>``: :class:`kvlc.runtime.ipc.copy.GpuCopy` (row table upload + ONE Triton
-  kernel, a program per row cut at 256 KiB, looping ``<words>`` 8-byte words at a time), host work
+* ``rows <words>w x<warps>[ host table]``: :class:`kvlc.runtime.ipc.copy.GpuCopy` (row table read in
+  place from pinned host memory, or uploaded first + ONE Triton kernel, a program per row cut at
+  256 KiB, looping ``<words>`` 8-byte words at a time), host work
   included (a request's real cost); ``host us``: the host's time to start it; ``gpu only``: from
   the copy stream's first work to its end;
 * ``torch``: ``index_select`` into a scratch buffer + ``index_copy_`` out of it, on int64 rows;
@@ -34,7 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 CASES = ((16 << 10, 16384), (32 << 10, 8192), (64 << 10, 2048), (64 << 10, 4096), (64 << 10, 16384),
          (2 << 20, 128), (64 << 20, 32))
-VARIANTS = ((512, 4), (1024, 4), (2048, 4), (1024, 8), (2048, 8))  # (8-byte words per step, warps)
+VARIANTS = ((1024, 4, True), (1024, 4, False), (512, 4, True), (2048, 8, True))  # (8-byte words per step,
+# warps, row table read in place from pinned host memory: else uploaded to the device first)
 
 
 def _time(fn, reps: int, torch) -> list[float]:
@@ -90,15 +92,15 @@ def one_case(block: int, count: int, pools, reps: int, torch, src_host=None) -> 
     lens = np.full(count, block, dtype=np.uint64)
     cp = GpuCopy(0)
     cp.warm()
-    row["direct launch"] = cp.direct
-    for words, warps in VARIANTS:
-        cp.block_words, cp.num_warps = words, warps
-        name = f"rows {words}w x{warps}"
+    row["direct launch"], row["host table"], row["vec"] = cp.direct, cp.host_table, cp.vec
+    for words, warps, host_table in VARIANTS:
+        cp.block_words, cp.num_warps, cp.host_table = words, warps, host_table and cp.host_table
+        name = f"rows {words}w x{warps}{' host table' if cp.host_table else ''}"
         ts, host, gpu = _timed_copy(torch, cp, lambda: cp.start(srcs, dsts, lens).event, reps)
         row[name] = nbytes / statistics.median(ts) / 1e9
         row[f"{name} host us"] = statistics.median(host) * 1e6
         row[f"{name} gpu only"] = nbytes / statistics.median(gpu) / 1e9
-    cp.block_words, cp.num_warps = 1024, 4
+    cp.block_words, cp.num_warps, cp.host_table = 1024, 4, row["host table"]
     dst.zero_()
     cp.start(srcs, dsts, lens).event.synchronize()
     sv, dv = src[:nblocks * block].view(-1, block), dst[:nblocks * block].view(-1, block)
@@ -120,7 +122,7 @@ def one_case(block: int, count: int, pools, reps: int, torch, src_host=None) -> 
     a, b = src[:nbytes], dst[:nbytes]
     ceiling = "h2d" if src_host is not None else "d2d"
     row[ceiling] = nbytes / statistics.median(_time(lambda: b.copy_(a, non_blocking=True), reps, torch)) / 1e9
-    best = max(v for k, v in row.items() if k.startswith("rows") and k.endswith(("x4", "x8")))
+    best = max(v for k, v in row.items() if k.startswith("rows") and k.endswith(("x4", "x8", "table")))
     row[f"rows / {ceiling}"] = best / row[ceiling]
     return row
 
@@ -138,7 +140,7 @@ def host_stages(torch, pools, count: int, block: int = 64 << 10, reps: int = 200
     lens = np.full(count, block, dtype=np.uint64)
     cp = GpuCopy(0)
     cp.warm()
-    out = {"rows": count, "block": block, "direct launch": cp.direct}
+    out = {"rows": count, "block": block, "direct launch": cp.direct, "host table": cp.host_table}
     stages: dict[str, list] = {}
 
     def t(name, fn):
@@ -149,11 +151,11 @@ def host_stages(torch, pools, count: int, block: int = 64 << 10, reps: int = 200
 
     for _ in range(reps):
         g = t("row_table", lambda: row_table(srcs, dsts, lens))
-        t("device ctx + wait_stream", lambda: cp.stream.wait_stream(torch.cuda.current_stream(0)))
-        with torch.cuda.stream(cp.stream):
-            at, table, keep = t("upload", lambda: cp._upload(g.table))
-            t("launch", lambda: cp._launch(g, table))
-            ev = t("event", lambda: (lambda e: (e.record(cp.stream), e)[1])(torch.cuda.Event()))
+        t("wait for the caller's stream", lambda: (cp._waited.record(torch.cuda.current_stream(0)),
+                                                   cp.stream.wait_event(cp._waited)))
+        at, table, keep = t("table (ring write" + (")" if cp.host_table else " + upload)"), lambda: cp._upload(g.table))
+        t("launch", lambda: cp._launch(g, table))
+        ev = t("event", lambda: (lambda e: (e.record(cp.stream), e)[1])(torch.cuda.Event()))
         cp.ring.used(at, len(g.table), ev)
         t("event.query (running)", ev.query)
         ev.synchronize()

@@ -173,9 +173,11 @@ def test_route_refuses_rows_outside_the_peer_memory():
 
     route, mine, theirs, base = _route_pair(4096)
     local = np.array([[mine.data_ptr(), 64, 0]], dtype=np.uint64)
-    for addr, ln in ((base + 4090, 64), (base - 8, 16)):  # past the end; before the start
+    # past the end; before the start; a length that wraps around the address space; one good row, one bad
+    for rows in ([(base + 4090, 64)], [(base - 8, 16)], [(base + 64, 2**64 - 32)], [(base, 64), (base + 4064, 64)]):
         with pytest.raises(IpcError, match="outside every storage it shared; nothing moved"):
-            route.initialize("WRITE", local, "DRAM", np.array([[addr, ln, 0]], dtype=np.uint64), "DRAM", "peer")
+            route.initialize("WRITE", np.repeat(local, len(rows), axis=0), "DRAM",
+                             np.array([[a, n, 0] for a, n in rows], dtype=np.uint64), "DRAM", "peer")
     assert not theirs.any()
     route.close()
 

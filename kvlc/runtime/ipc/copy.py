@@ -33,9 +33,9 @@ NUM_WARPS = 4
 def split(src: np.ndarray, dst: np.ndarray, lens: np.ndarray, chunk: int = CHUNK
           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The rows cut into pieces of at most ``chunk`` bytes, in order (``chunk`` a multiple of 16)."""
-    n = ((lens + np.uint64(chunk - 1)) // np.uint64(chunk)).astype(np.int64)
-    if not len(lens) or int(n.max()) <= 1:
+    if not len(lens) or int(lens.max()) <= chunk:  # no row to cut (the usual case: blocks of up to 256 KiB)
         return src, dst, lens
+    n = ((lens + np.uint64(chunk - 1)) // np.uint64(chunk)).astype(np.int64)
     which = np.repeat(np.arange(len(lens)), n)
     k = np.arange(len(which), dtype=np.uint64) - np.repeat(np.cumsum(n) - n, n).astype(np.uint64)
     off = k * np.uint64(chunk)
@@ -120,69 +120,90 @@ class GpuCopy:
         self.block_words, self.num_warps = block_words, num_warps
         self.ring = _Ring(torch, device, self.RING_WORDS)
         self.vec = True  # 16-byte hints (off where this Triton cannot compile them: see warm)
+        self.host_table = True  # the kernel reads the row table in the pinned ring (off where that fails: see warm)
+        self._waited = torch.cuda.Event()  # recorded on the caller's stream at each start, waited for by ours
         self.direct = True  # launch the kept compiled kernels directly (off where warm finds that wrong)
         self._compiled: dict[tuple, Any] = {}
 
     def start(self, src: np.ndarray, dst: np.ndarray, lens: np.ndarray) -> Launch:
         torch = self.torch
         g = row_table(src, dst, lens)
-        with torch.cuda.device(self.device):
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self.stream):
-                at, table, keep = self._upload(g.table)
+        self._waited.record(torch.cuda.current_stream(self.device))  # what the engine queued before asking
+        self.stream.wait_event(self._waited)
+        at, table, keep = self._upload(g.table)
+        if self._compiled.get(self._key(g)) is not None and self.direct:
+            self._launch(g, table)  # the stream is passed: no stream or device context needed
+        else:
+            with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
                 self._launch(g, table)
-                ev = torch.cuda.Event()
-                ev.record(self.stream)
+        ev = torch.cuda.Event()
+        ev.record(self.stream)
         if at is not None:
             self.ring.used(at, len(g.table), ev)
         return Launch(ev, keep + (table,))
 
-    def _launch(self, g: Rows, table) -> None:
+    def _key(self, g: Rows) -> tuple:
         block = self.block_words if g.wide else 8 * self.block_words
-        consts = (block, g.wide, self.vec and g.vec)
-        key = (*consts, self.num_warps)
+        return (block, g.wide, self.vec and g.vec, self.num_warps)
+
+    def _launch(self, g: Rows, table) -> None:
+        key = self._key(g)
+        block, wide, vec, _ = key
         compiled = self._compiled.get(key) if self.direct else None
         if compiled is not None:
-            compiled[(g.rows, 1, 1)](table, g.rows, *consts, stream=self.stream.cuda_stream)
+            compiled[(g.rows, 1, 1)](table, g.rows, block, wide, vec, stream=self.stream.cuda_stream)
             return
-        k = self.kernel.copy_rows[(g.rows,)](table, g.rows, BLOCK=block, WIDE=g.wide, VEC=self.vec and g.vec,
+        k = self.kernel.copy_rows[(g.rows,)](table, g.rows, BLOCK=block, WIDE=wide, VEC=vec,
                                              num_warps=self.num_warps)
         if k is not None and hasattr(k, "__getitem__"):
             self._compiled[key] = k
 
     def _upload(self, rows: np.ndarray):
-        """(ring offset or None, the table on the GPU, what the copy keeps alive): on the copy stream."""
+        """(ring offset or None, the table the kernel reads, what the copy keeps alive).
+
+        With :attr:`host_table` the kernel reads the table where it was written, in the pinned ring
+        (unified addressing: no copy to the device, no call on the stream); else it goes up to the
+        device ring on the copy stream first."""
         torch = self.torch
         at = self.ring.take(len(rows))
         if at is None:  # larger than the ring: a table of its own
             host = torch.from_numpy(rows).pin_memory()
-            return None, host.to(f"cuda:{self.device}", non_blocking=True), (host,)
+            if self.host_table:
+                return None, host, (host,)
+            with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+                return None, host.to(f"cuda:{self.device}", non_blocking=True), (host,)
         self.ring.host_np[at:at + len(rows)] = rows
+        if self.host_table:
+            return at, self.ring.host[at:at + len(rows)], ()
         table = self.ring.dev[at:at + len(rows)]
-        table.copy_(self.ring.host[at:at + len(rows)], non_blocking=True)
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            table.copy_(self.ring.host[at:at + len(rows)], non_blocking=True)
         return at, table, ()
 
     def warm(self) -> None:
         """Compile the kernel's variants now (16-byte, 8-byte and byte rows, short and cut ones) on
         a scratch buffer of its own, not at the first request. Every copy is checked by content: first
-        through Triton's call (which compiles), then through the direct launch, which is dropped
-        where it does not copy the same."""
+        through Triton's call (which compiles), then through the direct launch. Each optimisation is
+        dropped where its copies are not right here, in this order: the table read in place from
+        pinned host memory, the 16-byte hints, the direct launch."""
         torch = self.torch
         n = 4 * CHUNK
         scratch = torch.zeros(2 * n, dtype=torch.uint8, device=f"cuda:{self.device}")
         pattern = torch.arange(n, dtype=torch.int64, device=scratch.device).remainder_(251).to(torch.uint8)
         lengths = (16, 8, 3, 8 * self.block_words + 16, CHUNK + 24)
         direct, self.direct = self.direct, False
-        try:
-            for length in lengths:
-                self._warm_one(scratch, pattern, length)
-        except Exception:  # noqa: BLE001 - the hints are an optimisation: without them the kernel is the same
-            if not self.vec:
-                raise
-            self.vec = False
-            log.warning("the copy kernel's 16-byte hints do not compile here; 8-byte words it is", exc_info=True)
-            for length in lengths:
-                self._warm_one(scratch, pattern, length)
+        tried = [(h, v) for h in (self.host_table, False) for v in (self.vec, False)]
+        for i, (self.host_table, self.vec) in enumerate(dict.fromkeys(tried)):
+            try:
+                for length in lengths:
+                    self._warm_one(scratch, pattern, length)
+                break
+            except Exception:  # noqa: BLE001 - each is an optimisation: without it the copy is the same
+                if i == len(dict.fromkeys(tried)) - 1:
+                    raise
+                self._compiled.clear()
+                log.warning("the copy kernel does not copy right with the table in pinned host memory=%s and "
+                            "16-byte hints=%s here; trying without", self.host_table, self.vec, exc_info=True)
         self.direct = direct
         if not direct:
             return

@@ -26,15 +26,15 @@ def copy_rows(table, n, BLOCK: tl.constexpr, WIDE: tl.constexpr, VEC: tl.constex
     src = tl.load(table + r)
     dst = tl.load(table + n + r)
     size = tl.load(table + 2 * n + r)
-    if VEC:
-        src = tl.multiple_of(src, 16)
-        dst = tl.multiple_of(dst, 16)
-        size = tl.multiple_of(size, 16)
     offs = tl.arange(0, BLOCK)
     if WIDE:
         s = src.to(tl.pointer_type(tl.int64))
         d = dst.to(tl.pointer_type(tl.int64))
         size = size // 8
+        if VEC:  # told on the pointers and on the word count, so that loads and stores go 16 bytes at a time
+            s = tl.multiple_of(s, 16)
+            d = tl.multiple_of(d, 16)
+            size = tl.multiple_of(size, 2)
     else:
         s = src.to(tl.pointer_type(tl.uint8))
         d = dst.to(tl.pointer_type(tl.uint8))

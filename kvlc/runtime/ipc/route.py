@@ -31,6 +31,7 @@ from kvlc.runtime.nixl.core import XferState
 from kvlc.runtime.staging.copy import Region, Regions, flat_bytes
 
 log = logging.getLogger(__name__)
+_U64 = (1 << 64) - 1  # a shift as the uint64 that adds it modulo 2**64
 
 
 @dataclass
@@ -78,13 +79,18 @@ class _Windows:
     def translate(self, rows: np.ndarray, mem: str, what: str) -> np.ndarray:
         """The peer's row addresses as this process sees them; IpcError if any row lies outside a window."""
         addr = rows[:, 0].astype(np.uint64, copy=False)
-        end = addr + rows[:, 1].astype(np.uint64, copy=False)
+        lens = rows[:, 1].astype(np.uint64, copy=False)
+        end = addr + lens
+        if len(addr):  # the usual case first: every row in one window, one shift for all (no search per row)
+            k = int(np.searchsorted(self.starts, addr.min(), side="right")) - 1
+            if k >= 0 and self.mem_of[k] == mem and int(end.max()) <= int(self.stops[k]) and not (end < addr).any():
+                return addr + np.uint64(int(self.shifts[k]) & _U64)
         i = np.searchsorted(self.starts, addr, side="right").astype(np.int64) - 1
         j = np.maximum(i, 0)
-        ok = (i >= 0) & (end <= self.stops[j]) & (self.mem_of[j] == mem)
+        ok = (i >= 0) & (end <= self.stops[j]) & (end >= addr) & (self.mem_of[j] == mem)
         if not bool(ok.all()):
             bad = int(np.flatnonzero(~ok)[0])
-            raise IpcError(f"{what}: row {bad} ([{int(addr[bad]):#x}, +{int(rows[bad, 1])}) of the peer's "
+            raise IpcError(f"{what}: row {bad} ([{int(addr[bad]):#x}, +{int(lens[bad])}) of the peer's "
                            f"{mem}) lies outside every storage it shared; nothing moved")
         return (addr.astype(np.int64) + self.shifts[j]).astype(np.uint64)
 
