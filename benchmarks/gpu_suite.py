@@ -130,7 +130,10 @@ def annotate(doc: dict, expect_ipc: dict) -> None:
             r["d2d_gbps"] = ceiling[key(r)]
             r["fraction_of_d2d"] = r["gbps"] / r["d2d_gbps"]
         if r["mode"].startswith("kvlc") and "error" not in r:
-            r["ipc_ok"] = _ipc_ok(r, expect_ipc.get(r["group"], False))
+            want = expect_ipc.get(r["group"], False)  # True, False, or the fewest rows a copied request has
+            if not isinstance(want, bool):
+                want = r.get("descriptors_per_request", want) >= want
+            r["ipc_ok"] = _ipc_ok(r, want)
         r["ok"] = "error" not in r and r.get("check", "pass") in ("pass", "-") and r.get("ipc_ok", True)
 
 
@@ -293,13 +296,21 @@ def plot(doc: dict, path: Path) -> None:
 def _expect_ipc(groups: list, gpu: bool) -> dict:
     """Groups where KVLC_IPC=auto must copy: on a GPU every group (VRAM through CUDA IPC; the mixed
     group's pinned DRAM read in place by the initiator's kernel), on the CPU one memory type on both
-    sides in DRAM the engines share (kvlc's shared-memory DRAM, when this kvlc has it)."""
+    sides in DRAM the engines share (kvlc's shared-memory DRAM, when this kvlc has it). On a GPU, a
+    VRAM-to-VRAM request of fewer rows than ``AgentSettings.ipc_min_rows`` goes through NIXL: for
+    those groups the value is that row count (requests from it up must copy)."""
     import dataclasses
 
     from kvlc.demo.procs import EngineConfig
+    from kvlc.runtime.settings import AgentSettings
 
     shared = "shared" in {f.name for f in dataclasses.fields(EngineConfig)}
-    return {g.name: bool(g.plans) and (gpu or (g.same_memory and shared)) for g in groups}
+    floor = getattr(AgentSettings.model_fields.get("ipc_min_rows"), "default", 0) or 0
+    out = {}
+    for g in groups:
+        want = bool(g.plans) and (gpu or (g.same_memory and shared))
+        out[g.name] = floor if want and gpu and g.same_memory and floor else want
+    return out
 
 
 def main(argv=None) -> int:

@@ -67,6 +67,11 @@ def test_targets_and_ipc_flags():
     assert [r["ok"] for r in rows[-2:]] == [False, False]  # ipc used with KVLC_IPC=off; a failed check
     assert all(r["ok"] for r in rows[:-2])
     assert rows[3]["fraction_of_d2d"] == 0.75
+    # a group where requests of fewer than 64 rows go through NIXL: 0 copies is right for them only
+    few = [_row(llama, "kvlc ipc", kind="bulk", tokens=t, ids="contiguous", gbps=1.0, ipc=ipc, check="pass",
+                descriptors_per_request=d) for t, d, ipc in ((1, 32, 0), (2, 2048, 55), (3, 2048, 0))]
+    gpu_suite.annotate({"rows": few, "checks": []}, {llama: 64})
+    assert [r["ok"] for r in few] == [True, True, False]
 
 
 def test_mixed_memory_verdict_against_its_pinned_copy():

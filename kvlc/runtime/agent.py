@@ -102,7 +102,7 @@ class KvAgent:
             self.nixl.close()
             raise
         self.bases = {b.name: (b.addr, b.device) for b in self.bindings.values()}
-        self.route = self._res.route = IpcRoute(self.nixl, self.bindings) if cfg.ipc == "auto" else None
+        self.route = self._res.route = IpcRoute(self.nixl, self.bindings, cfg.ipc_min_rows) if cfg.ipc == "auto" else None
         self._shared: Any = False  # what same-host peers may map of this agent (made on first need)
         self.executor = self._res.executor = Executor(self.route or self.nixl, rank, stager=self.stager)
         self._res.stager = self.stager
@@ -393,11 +393,11 @@ class KvAgent:
             if self.stager is None:
                 return {}
             if self.route is not None:  # same-host copies move these in one pass: never staged
-                parts = {k: p for k, p in parts.items() if not self._copied(getattr(p, "key", k), agents)}
+                parts = {k: p for k, p in parts.items() if not self._copied(getattr(p, "key", k), len(p), agents)}
             return self.stager.pick(op, parts, agents)
 
-    def _copied(self, pk, agents: Mapping[int, str]) -> bool:
-        return self.route.covers(agents[pk.peer_rank], pk.local_mem, pk.remote_mem)
+    def _copied(self, pk, rows: int, agents: Mapping[int, str]) -> bool:
+        return self.route.copies_part(agents[pk.peer_rank], pk.local_mem, pk.remote_mem, rows)
 
     def copies_to(self, peers: Iterable[str]) -> bool:
         """Whether every one of these NIXL agents is copied to and from through its mapped memory."""

@@ -213,3 +213,24 @@ def test_another_host_is_not_mapped():
         name="kv", addr=4096, size=4096, mem="DRAM", device=0, fd=3),))
     with pytest.raises(IpcError, match="another host"):
         open_offer("peer", offer, {"DRAM": 0})
+
+
+def test_few_vram_rows_go_through_nixl_many_through_the_copy():
+    """VRAM-to-VRAM parts of fewer than ``min_rows`` rows go through NIXL (UCX moves a few large rows on
+    the copy engines without the kernel's start); DRAM parts and parts of more rows are copied here."""
+    from types import SimpleNamespace
+
+    from kvlc.runtime.ipc.route import IpcRoute
+
+    calls = []
+    nixl = SimpleNamespace(initialize=lambda op, lr, lm, rr, rm, peer, what: calls.append((lm, rm, len(lr))) or "nixl")
+    route = IpcRoute(nixl=nixl, bindings={}, min_rows=64)
+    route.peers["peer"] = SimpleNamespace(mems={"VRAM", "DRAM"})
+    assert not route.copies_part("peer", "VRAM", "VRAM", 63)
+    assert route.copies_part("peer", "VRAM", "VRAM", 64)
+    assert route.copies_part("peer", "DRAM", "DRAM", 1)
+    assert not route.copies_part("elsewhere", "VRAM", "VRAM", 1000)  # not mapped: NIXL whatever the rows
+    rows = np.zeros((63, 3), dtype=np.uint64)
+    assert route.initialize("WRITE", rows, "VRAM", rows, "VRAM", "peer") == "nixl"
+    assert calls == [("VRAM", "VRAM", 63)]
+    assert IpcRoute(nixl=nixl, bindings={}).min_rows == 0  # 0: every part of a mapped peer is copied

@@ -106,10 +106,12 @@ class _Windows:
 class IpcRoute:
     """The executor's agent: same-host copies for mapped peers, NIXL (``nixl``) for everything else.
 
-    ``bindings``: this agent's bound storages (the local side of every copy)."""
+    ``bindings``: this agent's bound storages (the local side of every copy); ``min_rows``: a part
+    between VRAM on both sides with fewer rows goes through NIXL (``AgentSettings.ipc_min_rows``)."""
 
-    def __init__(self, nixl: Any, bindings: dict):
+    def __init__(self, nixl: Any, bindings: dict, min_rows: int = 0):
         self.nixl = nixl
+        self.min_rows = min_rows
         self.peers: dict[str, _Windows] = {}
         self.retired: list[_Windows] = []  # unmapped once no copy in flight uses them
         self.local = list(bindings.values())
@@ -160,6 +162,12 @@ class IpcRoute:
             return True
         return local_mem == "DRAM" and remote_mem == "VRAM" and self._gpu_reaches_dram()
 
+    def copies_part(self, peer: str, local_mem: str, remote_mem: str, rows: int) -> bool:
+        """Whether a part of ``rows`` rows to ``peer`` is copied here (:meth:`covers`, and not a VRAM-to-VRAM
+        part of fewer than :attr:`min_rows` rows: NIXL moves those)."""
+        few = local_mem == remote_mem == "VRAM" and rows < self.min_rows
+        return not few and self.covers(peer, local_mem, remote_mem)
+
     def _gpu_reaches_dram(self) -> bool:
         """Whether this side's GPU copies its DRAM storages in place: each one pinned and mapped at its
         own address (what ``allocate(pin=True)`` gives), so one kernel reads DRAM and writes a peer's VRAM."""
@@ -179,7 +187,7 @@ class IpcRoute:
     # ------------------------------------------------------------------ transfers
     def initialize(self, op: str, local_rows: np.ndarray, local_mem: str, remote_rows: np.ndarray,
                    remote_mem: str, remote_agent: str, what: str = "transfer") -> Any:
-        if not self.covers(remote_agent, local_mem, remote_mem):
+        if not self.copies_part(remote_agent, local_mem, remote_mem, len(local_rows)):
             return self.nixl.initialize(op, local_rows, local_mem, remote_rows, remote_mem, remote_agent, what)
         w = self.peers[remote_agent]
         mapped = w.translate(np.asarray(remote_rows), remote_mem, f"{op} {what}")
