@@ -131,8 +131,8 @@ class GpuCopy:
         self._waited.record(torch.cuda.current_stream(self.device))  # what the engine queued before asking
         self.stream.wait_event(self._waited)
         at, table, keep = self._upload(g.table)
-        if self._compiled.get(self._key(g)) is not None and self.direct:
-            self._launch(g, table)  # the stream is passed: no stream or device context needed
+        if self._compiled.get(self._key(g)) is not None and self.direct and torch.cuda.current_device() == self.device:
+            self._launch(g, table)  # the stream is passed and the device is current: no context to enter
         else:
             with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
                 self._launch(g, table)
