@@ -113,3 +113,139 @@ def test_kernel_compiles_to_the_widest_accesses_its_rows_allow(wide, vec, want):
     loads = set(re.findall(r"ld\.global\.([\w.]+)", ptx)) - {"b64"}  # (the table's three entries are b64 loads)
     assert stores == {want}, stores
     assert loads <= {want}, loads
+
+
+class _CudaStandIn:
+    """What GpuCopy uses of ``torch.cuda``, on a CPU: streams and events of a device whose work is done
+    when launched (the interpreted kernel copies at once), so every event has completed."""
+
+    class Stream:
+        def __init__(self, device=0):
+            self.cuda_stream = 0
+
+        def wait_event(self, event):
+            pass
+
+    class Event:
+        def record(self, stream=None):
+            pass
+
+        def query(self):
+            return True
+
+        def synchronize(self):
+            pass
+
+    def __init__(self):
+        self.launches = 0
+
+    def current_stream(self, device=None):
+        return self.Stream()
+
+    def current_device(self):
+        return 0
+
+    def device(self, device):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    stream = device
+
+
+class _TorchStandIn:
+    """torch with ``cuda`` replaced (tensors stay real CPU tensors; "pinned" and "cuda" ones are plain)."""
+
+    def __init__(self):
+        self.cuda = _CudaStandIn()
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    def empty(self, *shape, dtype=None, pin_memory=False, device=None):
+        return torch.empty(*shape, dtype=dtype)
+
+    def zeros(self, *shape, dtype=None, device=None):
+        return torch.zeros(*shape, dtype=dtype)
+
+    def arange(self, *args, dtype=None, device=None):
+        return torch.arange(*args, dtype=dtype)
+
+
+class _Kernel:
+    """The interpreted kernel behind ``copy_rows[grid](...)``, counting launches; ``fail_host_table``:
+    refuse tables that lie in the (stand-in) pinned ring, as a GPU that cannot read host memory would."""
+
+    def __init__(self, interpreted, ring_of=None):
+        self.interpreted, self.launches, self.ring_of = interpreted, 0, ring_of
+
+    @property
+    def copy_rows(self):
+        outer = self
+
+        class _Grid:
+            def __getitem__(self, grid):
+                def run(table, n, **kw):
+                    kw.pop("num_warps", None)
+                    cp = outer.ring_of() if outer.ring_of else None
+                    if cp is not None and cp.host_table:
+                        raise RuntimeError("pointer argument cannot be accessed from Triton (cpu tensor?)")
+                    outer.launches += 1
+                    outer.interpreted.copy_rows[grid](table, n, **kw)
+                return run
+        return _Grid()
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.data())
+def test_gpu_copy_moves_every_row_through_its_ring(interpreted, data):
+    """GpuCopy's own logic on a CPU (Triton's interpreter as the GPU, torch.cuda stood in for): warm-up,
+    the row table written into the ring and read there by the kernel, the ring wrapping around over
+    many requests, tables larger than the ring: every destination row equals its source, nothing else
+    changes."""
+    from kvlc.runtime.ipc.copy import GpuCopy
+
+    class Small(GpuCopy):
+        RING_WORDS = 256  # wraps after a few requests; a request of more than 85 rows gets its own table
+
+    kern = _Kernel(interpreted)
+    cp = Small(0, block_words=16, torch=_TorchStandIn(), kernel=kern)
+    cp.warm()
+    # two passes over five warm-up lengths (Triton's call, then the direct launch, which the interpreter has
+    # no compiled kernel for: Triton's call again)
+    assert cp.host_table and cp.vec and kern.launches == 10
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    size, slot = 1 << 16, 512
+    src = torch.from_numpy(rng.integers(0, 256, size, dtype=np.uint8))
+    dst = torch.from_numpy(rng.integers(0, 256, size, dtype=np.uint8))
+    want = dst.numpy().copy()
+    for _ in range(data.draw(st.integers(1, 8))):
+        n = data.draw(st.integers(1, 120))
+        s_slots = rng.choice(size // slot, n, replace=False)
+        d_slots = rng.choice(size // slot, n, replace=False)
+        unit = data.draw(st.sampled_from([1, 8, 16]))
+        lens = rng.integers(1, slot // unit + 1, n) * unit
+        for s, d, ln in zip(s_slots, d_slots, lens):
+            want[d * slot:d * slot + ln] = src.numpy()[s * slot:s * slot + ln]
+        cp.start((src.data_ptr() + s_slots * slot).astype(np.uint64), (dst.data_ptr() + d_slots * slot).astype(np.uint64),
+                 lens.astype(np.uint64))
+        assert (dst.numpy() == want).all()
+
+
+def test_gpu_copy_warm_up_drops_the_host_table_where_the_kernel_cannot_read_it(interpreted):
+    """Where the kernel cannot read its table in pinned host memory, warm-up says so once and uploads
+    tables instead; copies stay right."""
+    from kvlc.runtime.ipc.copy import GpuCopy
+
+    holder = {}
+    kern = _Kernel(interpreted, ring_of=lambda: holder.get("cp"))
+    cp = GpuCopy.__new__(GpuCopy)
+    holder["cp"] = cp
+    GpuCopy.__init__(cp, 0, block_words=16, torch=_TorchStandIn(), kernel=kern)
+    cp.warm()
+    assert not cp.host_table and cp.vec
+    a = torch.arange(64, dtype=torch.uint8)
+    b = torch.zeros(64, dtype=torch.uint8)
+    one = lambda v: np.array([v], dtype=np.uint64)  # noqa: E731
+    cp.start(one(a.data_ptr()), one(b.data_ptr()), one(48))
+    assert (b.numpy()[:48] == a.numpy()[:48]).all() and not b.numpy()[48:].any()

@@ -110,10 +110,12 @@ class GpuCopy:
 
     RING_WORDS = 1 << 20  # 8 MiB of row tables (~350,000 rows) in flight at most before waiting
 
-    def __init__(self, device: int, block_words: int = BLOCK_WORDS, num_warps: int = NUM_WARPS):
-        import torch
-
-        from kvlc.runtime.ipc import kernel  # Triton: only where a GPU copies
+    def __init__(self, device: int, block_words: int = BLOCK_WORDS, num_warps: int = NUM_WARPS, *,
+                 torch: Any = None, kernel: Any = None):
+        if torch is None:  # (the tests pass stand-ins for torch.cuda and Triton's interpreted kernel on a CPU)
+            import torch
+        if kernel is None:
+            from kvlc.runtime.ipc import kernel  # Triton: only where a GPU copies
 
         self.torch, self.kernel, self.device = torch, kernel, device
         self.stream = torch.cuda.Stream(device=device)
@@ -167,7 +169,8 @@ class GpuCopy:
         torch = self.torch
         at = self.ring.take(len(rows))
         if at is None:  # larger than the ring: a table of its own
-            host = torch.from_numpy(rows).pin_memory()
+            host = torch.empty(len(rows), dtype=torch.int64, pin_memory=True)
+            host.numpy()[:] = rows
             if self.host_table:
                 return None, host, (host,)
             with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
