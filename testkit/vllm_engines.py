@@ -108,10 +108,11 @@ def tiny_nemotron_h(path: str | Path, seed: int = 0, pattern: str = "M*MM*M", dt
     return path
 
 
-def tiny_falcon_h1(path: str | Path, seed: int = 0, layers: int = 2, dtype: str = "float32") -> Path:
+def tiny_falcon_h1(path: str | Path, seed: int = 0, layers: int = 2, dtype: str = "float32", **overrides: Any) -> Path:
     """Write a random-weight Falcon-H1: attention (4 heads, 2 KV heads x 64) and a Mamba-2 mixer (8 heads x 32,
     2 groups x 16 states, conv 4) side by side in each of ``layers`` decoder layers; vLLM names the mixer of
-    layer ``i`` as cache layer ``layers + i`` and gives it a Mamba-2 state group of its own."""
+    layer ``i`` as cache layer ``layers + i`` and gives it a Mamba-2 state group of its own. ``overrides``:
+    FalconH1Config fields (e.g. ``mamba_n_groups=1``, as the released Falcon-H1 models have)."""
     import torch
     from transformers import FalconH1Config, FalconH1ForCausalLM
 
@@ -119,11 +120,11 @@ def tiny_falcon_h1(path: str | Path, seed: int = 0, layers: int = 2, dtype: str 
     if (path / "config.json").exists():
         return path
     torch.manual_seed(seed)
-    cfg = FalconH1Config(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, mamba_d_ssm=256, mamba_n_heads=8,
-                         mamba_d_head=32, mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4, mamba_chunk_size=64,
-                         max_position_embeddings=1024, initializer_range=0.2, tie_word_embeddings=False,
-                         torch_dtype=dtype)
+    kw = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=layers,
+              num_attention_heads=4, num_key_value_heads=2, mamba_d_ssm=256, mamba_n_heads=8, mamba_d_head=32,
+              mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4, mamba_chunk_size=64, max_position_embeddings=1024,
+              initializer_range=0.2, tie_word_embeddings=False, torch_dtype=dtype)
+    cfg = FalconH1Config(**{**kw, **overrides})
     cfg.architectures = ["FalconH1ForCausalLM"]
     FalconH1ForCausalLM(cfg).to(getattr(torch, dtype)).save_pretrained(path, safe_serialization=True)
     return path
