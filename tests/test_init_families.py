@@ -158,6 +158,19 @@ def test_falcon_h1_on_vllm_shares_pages_and_keeps_the_model_dtype():
     assert state.block_bytes == 3 * (3072 + 2 * 256) * 2 + 24 * 128 * 256 * 2
 
 
+@pytest.mark.parametrize("opts", [KVLC, VLLM], ids=["kvlc", "vllm"])
+def test_falcon_h1_one_group_b_and_c_are_whole_on_every_rank(opts):
+    """Falcon-H1-7B has mamba_n_groups 1: at TP 2 every rank holds half of x (3072 channels) and the SSM heads
+    (24), but the whole B and C (256 each), as vLLM's MambaMixer2 gives them (conv.B/conv.C: plain dims)."""
+    state = plan(config("falcon-h1-7b"), opts).region("layer.44")
+    dims = {f.name: [(d.name, d.role, d.size) for d in f.dims] for f in state.fields}
+    assert dims["conv.x"] == [("conv_tap", "", 3), ("channel", "head", 1536)]
+    assert dims["conv.B"] == dims["conv.C"] == [("conv_tap", "", 3), ("channel", "", 256)]
+    assert dims["ssm"][0] == ("ssm_head", "head", 12)
+    if opts.engine == "vllm":   # bf16: no config hook keeps the SSM state in fp32
+        assert state.block_bytes == 3 * (1536 + 2 * 256) * 2 + 12 * 128 * 256 * 2
+
+
 def test_falcon_h1_field_spellings_are_translated_in_one_place():
     """derive.state.mamba2_fields (used by kvlc init and by the live reader) reads Falcon-H1's fields as vLLM's
     get_mamba_state_shape_from_config does: a null mamba_d_ssm is mamba_expand * hidden_size, an "auto"
@@ -255,8 +268,6 @@ def test_header_counts_equal_the_regions(name, opts):
     cfg = config(name)
     if opts.engine == "vllm" and name == "deepseek-v2-lite":
         opts = EngineOptions(**{**opts.__dict__, "backend": "FLASHMLA", "block_size": 64})
-    if name == "falcon-h1-7b":   # mamba_n_groups 1: vLLM replicates B/C groups over TP ranks (refused)
-        opts = EngineOptions(**{**opts.__dict__, "tp_size": 1})
     m = read_model(cfg)
     p = plan(cfg, opts)
     word = {"full": "full_attention", "sliding": "sliding_window", "chunked": "chunked_local", "mamba": "mamba"}
