@@ -57,7 +57,8 @@ def test_repeat_needs_exactly_one_source():
 
 
 def one_group_mamba(tp: int, replicated: tuple[str, ...] = ("B", "C")) -> str:
-    """A Mamba-2 state layer of a one-group model (x 8 channels, B and C 2 each, 3 taps; 4 SSM heads x 2) at TP ``tp``."""
+    """A Mamba-2 state layer of a one-group model at TP ``tp``: x 8 channels, B and C 2 each, 3 taps;
+    4 SSM heads x 2."""
     rep = f"        replicated: [{', '.join(replicated)}]\n" if replicated else ""
     return f"""kvlc: 1
 name: g1-tp{tp}
@@ -89,7 +90,8 @@ def test_replicated_sections_are_whole_on_every_rank():
     """replicated: [B, C] at TP 2: conv.x holds 4 of 8 channels (head role), conv.B and conv.C all 2 (plain dims),
     packed x|B|C per tap as vLLM keeps a one-group Mamba-2 conv state; the SSM state stays split by heads."""
     r = kvlc.compile_spec(one_group_mamba(2)).region("layer.0")
-    got = {f.name: (f.offset, [(d.name, d.role, d.size, d.global_size, d.stride) for d in f.dims]) for f in r.fields}
+    got = {f.name: (f.offset, [(d.name, d.role, d.size, d.global_size, d.stride) for d in f.dims])
+           for f in r.fields}
     assert got == {"conv.x": (0, [("conv_tap", "", 3, 3, 32), ("channel", "head", 4, 8, 4)]),
                    "conv.B": (16, [("conv_tap", "", 3, 3, 32), ("channel", "", 2, 2, 4)]),
                    "conv.C": (24, [("conv_tap", "", 3, 3, 32), ("channel", "", 2, 2, 4)]),

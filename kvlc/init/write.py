@@ -52,8 +52,8 @@ def _state_layout(m: Model) -> tuple[str, dict]:
         conv = {"name": "channel", "role": "head", "sections": {"q": d.key_dim, "k": d.key_dim, "v": d.value_dim}}
         rec = _field("recurrent", "fp32", [{"name": "v_head", "role": "head"}, {"name": "k_dim"}, {"name": "v_dim"}])
         name = "gdn_state"
-    return name, {"fields": [{**_field("conv", "bf16", [{"name": "conv_tap"}, conv], kind="sections"), **replicated},
-                             rec]}
+    conv_field = {**_field("conv", "bf16", [{"name": "conv_tap"}, conv], kind="sections"), **replicated}
+    return name, {"fields": [conv_field, rec]}
 
 
 def layouts(m: Model, b: Backend, opts: EngineOptions) -> dict:

@@ -252,14 +252,15 @@ def _check_replicated(f: SectionsField, d: Dim) -> None:
     if not f.replicated:
         return
     if d.role != "head":
-        raise spec_error(f"sections field '{f.name}' replicates sections of dim '{d.name}', which TP does not shard",
-                         expected="'replicated' only where the split dim has role head",
+        raise spec_error(f"sections field '{f.name}' replicates sections of dim '{d.name}', which TP does "
+                         "not shard", expected="'replicated' only where the split dim has role head",
                          found=f"role: {d.role or 'none'}", at=("replicated",),
-                         fix="remove 'replicated' (every rank holds all of a plain dim), or give the dim role head")
+                         fix="remove 'replicated' (every rank holds all of a plain dim), or give the dim "
+                             "role head")
     for i, name in enumerate(f.replicated):
         if name not in d.sections:
-            raise spec_error(f"'{name}' is not a section of dim '{d.name}'", expected=f"one of {list(d.sections)}",
-                             found=repr(name), at=("replicated", i),
+            raise spec_error(f"'{name}' is not a section of dim '{d.name}'",
+                             expected=f"one of {list(d.sections)}", found=repr(name), at=("replicated", i),
                              fix=did_you_mean(name, list(d.sections)))
         if name in f.replicated[:i]:
             raise spec_error(f"section '{name}' is replicated twice", expected="each section once",

@@ -107,9 +107,9 @@ FIELD_DOCS: dict[tuple[str, str], str] = {
     ("SectionsField", "dtype"): "Element type, as for an array field.",
     ("SectionsField", "offset"): "Byte offset in the block; default right after the previous field.",
     ("SectionsField", "dims"): "Dims outermost first; exactly one carries `sections`.",
-    ("SectionsField", "replicated"): "Sections of the split (`head`) dim that every TP rank holds whole instead of "
-                                     "a slice: vLLM's Mamba-2 `B` and `C` when the model has one group "
-                                     "(`n_groups: 1`).",
+    ("SectionsField", "replicated"): "Sections of the split (`head`) dim that every TP rank holds whole "
+                                     "instead of a slice: vLLM's Mamba-2 `B` and `C` when the model has one "
+                                     "group (`n_groups: 1`).",
     ("BlockLayout", "fields"): "The fields of one kernel block, in order.",
     ("BlockLayout", "size"): "Bytes of one block (padding after the fields); default the end of the last field.",
     ("Region", "kind"): "`region` (implied; may be omitted).",
