@@ -108,10 +108,12 @@ def tiny_nemotron_h(path: str | Path, seed: int = 0, pattern: str = "M*MM*M", dt
     return path
 
 
-def tiny_falcon_h1(path: str | Path, seed: int = 0, layers: int = 2, dtype: str = "float32") -> Path:
+def tiny_falcon_h1(path: str | Path, seed: int = 0, layers: int = 2, dtype: str = "float32",
+                   **overrides: Any) -> Path:
     """Write a random-weight Falcon-H1: attention (4 heads, 2 KV heads x 64) and a Mamba-2 mixer (8 heads x 32,
     2 groups x 16 states, conv 4) side by side in each of ``layers`` decoder layers; vLLM names the mixer of
-    layer ``i`` as cache layer ``layers + i`` and gives it a Mamba-2 state group of its own."""
+    layer ``i`` as cache layer ``layers + i`` and gives it a Mamba-2 state group of its own. ``overrides``:
+    FalconH1Config fields (e.g. ``mamba_n_groups=1``, as the released Falcon-H1 models have)."""
     import torch
     from transformers import FalconH1Config, FalconH1ForCausalLM
 
@@ -119,11 +121,11 @@ def tiny_falcon_h1(path: str | Path, seed: int = 0, layers: int = 2, dtype: str 
     if (path / "config.json").exists():
         return path
     torch.manual_seed(seed)
-    cfg = FalconH1Config(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, mamba_d_ssm=256, mamba_n_heads=8,
-                         mamba_d_head=32, mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4, mamba_chunk_size=64,
-                         max_position_embeddings=1024, initializer_range=0.2, tie_word_embeddings=False,
-                         torch_dtype=dtype)
+    kw = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=layers,
+              num_attention_heads=4, num_key_value_heads=2, mamba_d_ssm=256, mamba_n_heads=8, mamba_d_head=32,
+              mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4, mamba_chunk_size=64,
+              max_position_embeddings=1024, initializer_range=0.2, tie_word_embeddings=False, torch_dtype=dtype)
+    cfg = FalconH1Config(**{**kw, **overrides})
     cfg.architectures = ["FalconH1ForCausalLM"]
     FalconH1ForCausalLM(cfg).to(getattr(torch, dtype)).save_pretrained(path, safe_serialization=True)
     return path
@@ -220,14 +222,19 @@ class EngineSpec:
     prefix_caching: bool = False
     max_num_seqs: int = 4
     log_stats: bool = False  # vLLM's per-request timings (Output.first_token_s) and connector stats
+    derive_extension: bool = False  # kvlc's DeriveExtension in each worker: view() of a multi-process engine
 
     def llm_kwargs(self) -> dict:
-        return dict(model=self.model, load_format="safetensors", enforce_eager=True,
-                    skip_tokenizer_init=True, dtype=self.dtype, max_model_len=512, seed=0,
-                    max_num_seqs=self.max_num_seqs, max_num_batched_tokens=512,
-                    kv_cache_memory_bytes=self.kv_cache_bytes, block_size=self.block_size,
-                    tensor_parallel_size=self.tp, enable_prefix_caching=self.prefix_caching,
-                    disable_log_stats=not self.log_stats)
+        kw = dict(model=self.model, load_format="safetensors", enforce_eager=True,
+                  skip_tokenizer_init=True, dtype=self.dtype, max_model_len=512, seed=0,
+                  max_num_seqs=self.max_num_seqs, max_num_batched_tokens=512,
+                  kv_cache_memory_bytes=self.kv_cache_bytes, block_size=self.block_size,
+                  tensor_parallel_size=self.tp, enable_prefix_caching=self.prefix_caching,
+                  disable_log_stats=not self.log_stats)
+        if self.derive_extension:
+            from kvlc.engines.vllm.derive.engine import EXTENSION
+            kw["worker_extension_cls"] = EXTENSION
+        return kw
 
 
 def _serve(spec: EngineSpec, conn) -> None:
@@ -288,10 +295,14 @@ def _generate(llm, arg) -> tuple:
 
 
 def _engine_view(llm) -> tuple:
-    """Single-process engines: the engine view kvlc derives from the worker's live KV-cache tensors (what
-    KvlcConnector and ``kvlc from-vllm --from-engine`` read), as plain data."""
+    """The engine view kvlc derives from rank 0's live KV-cache tensors (what KvlcConnector and ``kvlc from-vllm
+    --from-engine`` read), as plain data: through a function (single-process engines), or by the name of
+    kvlc's DeriveExtension method where the spec asked for it (a function does not cross processes)."""
+    from kvlc.engines.vllm.derive.engine import EXTENSION
+
+    named = llm.llm_engine.vllm_config.parallel_config.worker_extension_cls == EXTENSION
     try:
-        return ("ok", llm.collective_rpc(_worker_view)[0])
+        return ("ok", llm.collective_rpc("kvlc_engine_view" if named else _worker_view)[0])
     except Exception as exc:
         return ("error", f"{type(exc).__name__}: {exc}")
 
@@ -475,7 +486,8 @@ class EngineProcess:
             return self._recv(timeout)
 
     def view(self, timeout: float = 60.0):
-        """The engine's :class:`~kvlc.engines.vllm.derive.view.EngineView`, derived live (single-process mode)."""
+        """The engine's (rank 0's) :class:`~kvlc.engines.vllm.derive.view.EngineView`, derived live (single-process
+        mode, or ``EngineSpec(derive_extension=True)``)."""
         from kvlc.engines.vllm.derive.view import EngineView
 
         status, out = self._ask("view", None, timeout)

@@ -158,6 +158,38 @@ def test_falcon_h1_on_vllm_shares_pages_and_keeps_the_model_dtype():
     assert state.block_bytes == 3 * (3072 + 2 * 256) * 2 + 24 * 128 * 256 * 2
 
 
+@pytest.mark.parametrize("opts", [KVLC, VLLM], ids=["kvlc", "vllm"])
+def test_falcon_h1_one_group_b_and_c_are_whole_on_every_rank(opts):
+    """Falcon-H1-7B has mamba_n_groups 1: at TP 2 every rank holds half of x (3072 channels) and the SSM heads
+    (24), but the whole B and C (256 each), as vLLM's MambaMixer2 gives them (conv.B/conv.C: plain dims)."""
+    state = plan(config("falcon-h1-7b"), opts).region("layer.44")
+    dims = {f.name: [(d.name, d.role, d.size) for d in f.dims] for f in state.fields}
+    assert dims["conv.x"] == [("conv_tap", "", 3), ("channel", "head", 1536)]
+    assert dims["conv.B"] == dims["conv.C"] == [("conv_tap", "", 3), ("channel", "", 256)]
+    assert dims["ssm"][0] == ("ssm_head", "head", 12)
+    if opts.engine == "vllm":   # bf16: no config hook keeps the SSM state in fp32
+        assert state.block_bytes == 3 * (1536 + 2 * 256) * 2 + 12 * 128 * 256 * 2
+
+
+def test_one_group_state_the_live_check_expects():
+    """The live reader's per-rank expectation (derive.state) for a one-group Mamba-2 at TP 2: conv (taps, x / 2 + B + C)
+    as vLLM's tensors are; two groups at TP 4 are refused with vLLM's own rule, naming both numbers."""
+    from kvlc.engines.vllm.derive.state import _want_shapes, check_state_split, conv_bytes, mamba2_fields, state_layout
+    from kvlc.engines.vllm.derive.view import ViewError
+
+    cfg = mamba2_fields(config("falcon-h1-7b"))
+    state = state_layout(cfg, "mamba2")
+    assert state.replicated == ("B", "C")
+    check_state_split(state, cfg, 2)
+    assert _want_shapes(state, 2) == ((3, 1536 + 256 + 256), (12, 128, 256))
+    assert conv_bytes(state, 2) == 3 * (1536 + 512) * 2
+    two = {**cfg, "n_groups": 2}
+    assert state_layout(two, "mamba2").replicated == ()
+    with pytest.raises(ViewError, match=r"tp_size 4 does not divide the model's n_groups 2, which is not 1; vLLM 0.32 "
+                                        r"refuses it too .* fix: a tp_size that divides 2"):
+        check_state_split(state_layout(two, "mamba2"), two, 4)
+
+
 def test_falcon_h1_field_spellings_are_translated_in_one_place():
     """derive.state.mamba2_fields (used by kvlc init and by the live reader) reads Falcon-H1's fields as vLLM's
     get_mamba_state_shape_from_config does: a null mamba_d_ssm is mamba_expand * hidden_size, an "auto"
@@ -255,8 +287,6 @@ def test_header_counts_equal_the_regions(name, opts):
     cfg = config(name)
     if opts.engine == "vllm" and name == "deepseek-v2-lite":
         opts = EngineOptions(**{**opts.__dict__, "backend": "FLASHMLA", "block_size": 64})
-    if name == "falcon-h1-7b":   # mamba_n_groups 1: vLLM replicates B/C groups over TP ranks (refused)
-        opts = EngineOptions(**{**opts.__dict__, "tp_size": 1})
     m = read_model(cfg)
     p = plan(cfg, opts)
     word = {"full": "full_attention", "sliding": "sliding_window", "chunked": "chunked_local", "mamba": "mamba"}

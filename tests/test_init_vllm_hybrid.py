@@ -191,9 +191,9 @@ def test_stage_without_state_layers_keeps_the_models_page():
 
 
 @pytest.mark.parametrize("cfg, opts, message", [
-    (NEMOTRON, dict(tp_size=16), "engine 'vllm': tp_size 16 does not divide the model's n_groups 8: vLLM then "
-     "replicates B/C groups across ranks (extra groups per shard), which kvlc's evenly split conv sections cannot "
-     "state; fix: a tp_size that divides 8"),
+    (NEMOTRON, dict(tp_size=16), "engine 'vllm': tp_size 16 does not divide the model's n_groups 8, which is not 1; "
+     "vLLM 0.32 refuses it too (MambaMixer2 wants n_groups % tp_size == 0 or n_groups == 1); fix: a tp_size that "
+     "divides 8"),
     (QWEN_NEXT, dict(kernel_block_size=8), "engine 'vllm', linear-hybrid model: --kernel-block-size 8 would split "
      "the attention pages that state pages alias; the language states such pools (an alias compares pages of "
      "kernel blocks) but kvlc init does not write them for vLLM yet; fix: drop --kernel-block-size, or write the "

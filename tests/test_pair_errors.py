@@ -465,3 +465,15 @@ def test_state_group_needs_one_block_per_side(no_descriptors):
     with pytest.raises(TransferError, match="capacity 2"):
         instantiate(bind(prog, bases(a), {0: bases(b)}),
                     {"full": [0], "mamba": [2]}, {"full": [0], "mamba": [0]}, 4)
+
+
+def test_replicated_section_vs_split_section():
+    """A one-group Mamba-2 conv state whose B and C one engine states replicated and the other split by TP:
+    'dim-role' on conv.B and conv.C (the same bytes mean other channels), not a silent mix."""
+    from tests.test_compile_basic import one_group_mamba
+
+    a = kvlc.compile_spec(one_group_mamba(2))
+    b = kvlc.compile_spec(one_group_mamba(2, replicated=()))
+    rep = check_pair(a, b, local_rank=0, direction="READ")
+    found = {(f.field, f.local, f.remote) for f in rep.findings if f.code == "dim-role"}
+    assert not rep.ok and found == {("conv.B", "plain", "head"), ("conv.C", "plain", "head")}

@@ -61,6 +61,7 @@ class DimT:
     role: str = ""                   # "token" | "head" | ""
     size: int | None = None          # global size; None: token (kernel block) or from the model
     sections: tuple = ()             # ((name, global size), ...) for a sections dim
+    replicated: tuple = ()           # sections every rank holds whole (the field's `replicated`)
 
 
 @dataclass(frozen=True)
@@ -123,7 +124,7 @@ def shard_ok(heads: int, tp: int) -> bool:
 
 def dim_local(d: DimT, model: Model, tp: int, tokens: int) -> int:
     if d.sections:
-        return sum(s // tp for _, s in d.sections)
+        return sum(s if n in d.replicated else s // tp for n, s in d.sections)
     if d.role == "token":
         return tokens
     size = d.size if d.size is not None else {"head": model.heads, "head_dim": model.head_dim}[d.name]
@@ -173,15 +174,16 @@ def side_layouts(draw, model: Model, side: Side) -> tuple[dict, dict]:
             fy: dict = {"name": f.name, "dtype": f.dtype, "dims": [dim_yaml(d) for d in dims]}
             if f.sections:
                 fy["kind"] = "sections"
+                fy.update({"replicated": list(d.replicated) for d in dims if d.replicated})
             if explicit:
                 fy["offset"] = start
             fields_y.append(fy)
 
-            def plan_dims(split_local=None, split_global=None):
+            def plan_dims(split_local=None, split_global=None, split_role="head"):
                 out = []
                 for d, n, s in zip(dims, local, strides):
                     if d.sections:
-                        out.append((d.name, "head", split_local, split_global, s))
+                        out.append((d.name, split_role, split_local, split_global, s))
                     else:
                         glob = n
                         if d.role == "head":
@@ -192,9 +194,11 @@ def side_layouts(draw, model: Model, side: Side) -> tuple[dict, dict]:
             if f.sections:
                 i = next(i for i, d in enumerate(dims) if d.sections)
                 at = 0
-                for sec, g in dims[i].sections:
-                    geo[f"{f.name}.{sec}"] = (start + at * strides[i], plan_dims(g // side.tp, g))
-                    at += g // side.tp
+                for sec, g in dims[i].sections:   # a replicated section: whole on every rank, no head role
+                    n = g if sec in dims[i].replicated else g // side.tp
+                    geo[f"{f.name}.{sec}"] = (start + at * strides[i],
+                                              plan_dims(n, g, "" if sec in dims[i].replicated else "head"))
+                    at += n
             else:
                 geo[f.name] = (start, plan_dims())
         size = cursor
@@ -340,10 +344,12 @@ def pair_case(draw, tps=None, heads=None, blocks=None, kv=None, swa=None, mla=No
             regions.append(RegionT("shared.0", "kv", ("full", "swa")))
     if mamba:
         u = lcm_tp * draw(st.integers(1, 2))
-        secs = (("x", u * draw(st.integers(2, 3))), ("B", u), ("C", u * draw(st.integers(1, 2))))
+        rep = draw(st.sampled_from(((), ("B", "C"))))   # one Mamba-2 group: B and C on every rank whole
+        bc = draw(st.integers(1, 3)) if rep else u       # replicated: any size, no TP need divide it
+        secs = (("x", u * draw(st.integers(2, 3))), ("B", bc), ("C", bc * draw(st.integers(1, 2))))
         ok_ssm = [h for h in range(1, 9) if shard_ok(h, tp_c) and shard_ok(h, tp_p)]
         conv = FieldT("conv", dt(), (DimT("conv_tap", size=draw(st.integers(1, 3))),
-                                     DimT("channel", "head", sections=secs)), sections=True)
+                                     DimT("channel", "head", sections=secs, replicated=rep)), sections=True)
         ssm = FieldT("ssm", dt(), (DimT("ssm_head", "head", size=draw(st.sampled_from(ok_ssm))),
                                    DimT("ssm_dim", size=draw(st.integers(1, 2))),
                                    DimT("ssm_state", size=draw(st.integers(1, 3)))))
@@ -696,7 +702,8 @@ def test_block_size_pairs(blocks, data):
 @settings(PROPS, max_examples=30)
 @given(data=st.data())
 def test_hybrid_mamba_mla_swa(data):
-    """Mamba sections x|B|C + SSM, an MLA latent and a sliding-window group (own, shared regions) together."""
+    """Mamba sections x|B|C (B and C sharded, or replicated on every rank) + SSM, an MLA latent and a
+    sliding-window group (own, shared regions) together."""
     run_case(data.draw(pair_case(mamba=True, mla=True, swa=data.draw(st.sampled_from(("own", "shared"))))))
 
 

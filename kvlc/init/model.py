@@ -86,6 +86,11 @@ class Mamba2:
     head_dim: int
     state: int
 
+    @property
+    def one_group(self) -> bool:
+        """``n_groups`` is 1: engines give every TP rank the whole group's B and C (vLLM's ``MambaMixer2``)."""
+        return self.d_bc == self.state
+
 
 @dataclass(frozen=True)
 class Mamba1:

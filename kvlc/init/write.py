@@ -39,18 +39,21 @@ def _state_layout(m: Model) -> tuple[str, dict]:
         conv = _field("conv", "bf16", [{"name": "conv_tap"}, {"name": "channel", "role": "head"}])
         ssm = _field("ssm", "fp32", [{"name": "channel", "role": "head"}, {"name": "ssm_state"}])
         return "mamba1_state", {"fields": [conv, ssm]}
+    replicated: dict = {}
     if m.mamba is not None:
         s = m.mamba
         conv = {"name": "channel", "role": "head", "sections": {"x": s.d_inner, "B": s.d_bc, "C": s.d_bc}}
         rec = _field("ssm", "fp32", [{"name": "ssm_head", "role": "head"}, {"name": "mamba_head_dim"},
                                      {"name": "ssm_state"}])
         name = "mamba2_state"
+        replicated = {"replicated": ["B", "C"]} if s.one_group else {}
     else:
         d = m.deltanet
         conv = {"name": "channel", "role": "head", "sections": {"q": d.key_dim, "k": d.key_dim, "v": d.value_dim}}
         rec = _field("recurrent", "fp32", [{"name": "v_head", "role": "head"}, {"name": "k_dim"}, {"name": "v_dim"}])
         name = "gdn_state"
-    return name, {"fields": [_field("conv", "bf16", [{"name": "conv_tap"}, conv], kind="sections"), rec]}
+    conv_field = {**_field("conv", "bf16", [{"name": "conv_tap"}, conv], kind="sections"), **replicated}
+    return name, {"fields": [conv_field, rec]}
 
 
 def layouts(m: Model, b: Backend, opts: EngineOptions) -> dict:

@@ -112,8 +112,8 @@ class Run:
 
 
 def init_plan_like(live, model: Path, kv_dtype: str = "fp32"):
-    """kvlc init --engine vllm's plan for ``model``'s config.json, named and sized like ``live`` (a plan
-    derived from a running engine), for comparing digests."""
+    """kvlc init --engine vllm's plan for ``model``'s config.json, named, sized and TP-split like ``live`` (a
+    plan derived from a running engine), for comparing digests."""
     import json
 
     from kvlc.compiler import compile_spec
@@ -121,4 +121,5 @@ def init_plan_like(live, model: Path, kv_dtype: str = "fp32"):
 
     return compile_spec(init_yaml(json.loads((Path(model) / "config.json").read_text()), EngineOptions(
         engine="vllm", backend="CPU_ATTN", mem="DRAM", block_size=32, kv_dtype=kv_dtype,
-        num_blocks=live.regions[0].num_blocks, name=live.name, model_name=live.model.name)))
+        tp_size=live.parallel.tp_size, num_blocks=live.regions[0].num_blocks, name=live.name,
+        model_name=live.model.name)))

@@ -20,7 +20,8 @@ starts the next):
   24 prompts equal here).
 
 Each engine's live derivation equals ``kvlc init --engine vllm``'s plan for the same config.json
-(digest, names given).
+(digest, names given); the NixlConnector engines' conv states are channels first (vLLM's CPU platform sets
+``VLLM_SSM_CONV_STATE_LAYOUT=DS`` for them), which the live derivation refuses, the setting named.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ class Pair:
     blocks: tuple[int, int]
     model: str
     nixl: dict | None      # prompt -> tokens of the NixlConnector P/D; None: the decode engine alone is the oracle
+    channels_first: str = ""   # why the live derivation refused the NixlConnector prefill engine (DS conv states)
 
     def oracle(self, p: list[int]) -> tuple[int, ...]:
         if self.nixl is None:
@@ -79,8 +81,20 @@ class Pair:
         return self.nixl[tuple(p)]
 
 
-def _nixl_tokens(root: Path, model: str, dtype: str, blocks: tuple[int, int]) -> dict:
-    """The P/D of every :data:`SEEDS` prompt through vLLM's own NixlConnector; its engines closed on return."""
+def _refusal(engine) -> str:
+    """Why kvlc's live derivation refuses ``engine`` ("" if it does not)."""
+    from kvlc.engines.vllm.derive.spec import derive_plan
+
+    try:
+        derive_plan(engine.view())
+    except Exception as exc:   # the view's own check (RuntimeError from the engine) or derive_plan's ViewError
+        return str(exc)
+    return ""
+
+
+def _nixl_tokens(root: Path, model: str, dtype: str, blocks: tuple[int, int]) -> tuple[dict, str]:
+    """The P/D of every :data:`SEEDS` prompt through vLLM's own NixlConnector, and why kvlc's live derivation
+    refuses its prefill engine; its engines closed on return."""
     root.mkdir()
     e = Engines(root)
     for side, role, core, block, port in (("p", "kv_producer", 0, blocks[0], 25621),
@@ -94,7 +108,7 @@ def _nixl_tokens(root: Path, model: str, dtype: str, blocks: tuple[int, int]) ->
             (o,) = e["d"].generate([p], MAX_TOKENS, [prefill(e["p"], p)])
             assert o.num_cached_tokens == N - 1     # NixlConnector loads n - 1 tokens too
             out[tuple(p)] = o.tokens
-        return out
+        return out, _refusal(e["p"])
     finally:
         e.close()
 
@@ -106,17 +120,18 @@ def pair(request, tmp_path_factory) -> Pair:
     dtype, bp, bd, oracle = PAIRS[request.param]
     root = tmp_path_factory.mktemp(f"falcon-h1-{request.param}")
     model = str(tiny_falcon_h1(root / "model", dtype=dtype))
-    nixl = _nixl_tokens(root / "nixl", model, dtype, (bp, bd)) if oracle == "nixl" else None
+    nixl, refused = _nixl_tokens(root / "nixl", model, dtype, (bp, bd)) if oracle == "nixl" else (None, "")
     e = Engines(root)
     for side, role, core, block in (("p", "kv_producer", 0, bp), ("d", "kv_consumer", 1, bd)):
         e.start(side, EngineSpec(model, block, dtype=dtype, connector=kvlc_config(role), env=engine_env(core)))
-    yield Pair(e, dtype, (bp, bd), model, nixl)
+    yield Pair(e, dtype, (bp, bd), model, nixl, refused)
     e.close()
 
 
 def test_live_derivation_equals_kvlc_init(pair):
-    """Each engine's live view (KvlcConnector's derivation) compiles to kvlc init --engine vllm's plan for the
-    same config.json: four cache layers, the mixer of layer i is layer.{2 + i} over layer i's pages."""
+    """Each engine's live view (KvlcConnector's derivation, ``kvlc from-vllm --from-engine``'s spec) compiles to
+    kvlc init --engine vllm's plan for the same config.json: four cache layers, the mixer of layer i is
+    layer.{2 + i} over layer i's pages. A NixlConnector engine (channels-first conv states) is refused."""
     from kvlc.compiler import compile_spec
     from kvlc.engines.vllm.derive.spec import derive_plan
     from kvlc.init import EngineOptions, init_yaml
@@ -135,6 +150,9 @@ def test_live_derivation_equals_kvlc_init(pair):
                                                               "layer.2": ("mamba",), "layer.3": ("mamba",)}
         assert [live.region(f"layer.{2 + i}").aliases for i in range(2)] == [("layer.0",), ("layer.1",)]
         assert next(g.block_size for g in live.groups if g.kind == "full_attention") == _block(dtype, block_size)
+    if pair.nixl is not None:   # the NixlConnector engines: DS conv states, refused with the setting named
+        assert "conv state shape (320, 3) is channels first" in pair.channels_first, pair.channels_first
+        assert "fix: start the engine without VLLM_SSM_CONV_STATE_LAYOUT=DS" in pair.channels_first
 
 
 @pytest.mark.parametrize("seed", SEEDS)

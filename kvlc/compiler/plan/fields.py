@@ -2,7 +2,8 @@
 
 Field dims are laid out row-major (last dim innermost, :func:`kvlc.compiler.algebra.layout.row_major`)
 on per-rank sizes; a ``head`` dim is divided by the TP size (:func:`~kvlc.compiler.algebra.layout.shard`);
-a ``sections`` dim becomes one field per section sharing the parent's strides.
+a ``sections`` dim becomes one field per section sharing the parent's strides (a ``replicated`` section
+keeps its whole size on every rank).
 """
 
 from __future__ import annotations
@@ -144,7 +145,7 @@ class LayoutResolver:
             where = format_path(fpath + ("dims", di))
             if d.sections:
                 locs = [self.per_rank(f"{d.name}.{s}", g, f"{where}.sections.{s}", problems, False)
-                        if d.role == "head" else g for s, g in d.sections.items()]
+                        if d.role == "head" and s not in f.replicated else g for s, g in d.sections.items()]
                 if None in locs:
                     ok = False
                 else:
@@ -172,13 +173,16 @@ class LayoutResolver:
 
     def _sections(self, f, sizes: list[SizedDim], start: int, strides: tuple, item: int) -> list[PlanField]:
         """A sectioned field (Mamba conv x|B|C) as one plan field ``name.section`` per section, in order,
-        each at the offset where the previous section ends along the split dim."""
+        each at the offset where the previous section ends along the split dim. A ``replicated`` section's
+        split dim is a plain dim of its whole size: every rank holds all of it, like a field without heads."""
         split = next(i for i, s in enumerate(sizes) if s.dim.sections)
         d_split = sizes[split].dim
         out, at = [], 0
         for sec, g in d_split.sections.items():
-            local = g // self.tp if d_split.role == "head" else g
-            dims = tuple(PlanDim(name=s.dim.name, role=s.dim.role or "", size=(local if i == split else s.local),
+            sharded = d_split.role == "head" and sec not in f.replicated
+            local = g // self.tp if sharded else g
+            dims = tuple(PlanDim(name=s.dim.name, size=(local if i == split else s.local),
+                                 role=("head" if sharded else "") if i == split else s.dim.role or "",
                                  global_size=(g if i == split else s.global_size), stride=strides[i])
                          for i, s in enumerate(sizes))
             out.append(PlanField(name=f"{f.name}.{sec}", dtype=f.dtype, itemsize=item,

@@ -19,6 +19,7 @@ from kvlc.compiler.algebra.sharding import check_interleave, check_parallel
 from kvlc.compiler.frozen import FrozenMap
 from kvlc.compiler.spec.bounds import check_spec_bounds
 from kvlc.compiler.spec.dtypes import DTYPE_SIZES, PACKED, DType
+from kvlc.errors import did_you_mean
 
 MemType = Literal["DRAM", "VRAM"]
 Name = Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z_][A-Za-z0-9_.\-{}]*$")]
@@ -207,7 +208,8 @@ class ArrayField(Frozen):
 class SectionsField(Frozen):
     """An array one of whose dims is split into named sections (Mamba conv x|B|C).
 
-    Each section becomes its own field ``<name>.<section>``, sharded by TP on its own.
+    Each section becomes its own field ``<name>.<section>``, sharded by TP on its own; a section
+    named in ``replicated`` is held whole by every rank (vLLM's Mamba-2 B and C when ``n_groups`` is 1).
     """
 
     kind: Literal["sections"]
@@ -215,6 +217,7 @@ class SectionsField(Frozen):
     dtype: DType
     offset: NonNegative | None = None
     dims: tuple[Dim, ...] = Field(min_length=1)
+    replicated: tuple[Name, ...] = ()
 
     @model_validator(mode="after")
     def _one_split(self):
@@ -240,7 +243,28 @@ class SectionsField(Frozen):
             raise spec_error(f"dim '{d.name}' has sections, so its size is their sum",
                              expected=f"no 'size' (the sections add up to {sum(d.sections.values())})",
                              found=f"size: {d.size}", at=("dims", split[0], "size"), fix="remove 'size'")
+        _check_replicated(self, d)
         return self
+
+
+def _check_replicated(f: SectionsField, d: Dim) -> None:
+    """``replicated`` names distinct sections of the split dim ``d``, which TP shards (role ``head``)."""
+    if not f.replicated:
+        return
+    if d.role != "head":
+        raise spec_error(f"sections field '{f.name}' replicates sections of dim '{d.name}', which TP does "
+                         "not shard", expected="'replicated' only where the split dim has role head",
+                         found=f"role: {d.role or 'none'}", at=("replicated",),
+                         fix="remove 'replicated' (every rank holds all of a plain dim), or give the dim "
+                             "role head")
+    for i, name in enumerate(f.replicated):
+        if name not in d.sections:
+            raise spec_error(f"'{name}' is not a section of dim '{d.name}'",
+                             expected=f"one of {list(d.sections)}", found=repr(name), at=("replicated", i),
+                             fix=did_you_mean(name, list(d.sections)))
+        if name in f.replicated[:i]:
+            raise spec_error(f"section '{name}' is replicated twice", expected="each section once",
+                             found=f"{list(f.replicated)}", at=("replicated", i), fix=f"drop the second '{name}'")
 
 
 def _check_strides(dims) -> None:

@@ -92,7 +92,8 @@ FIELD_DOCS: dict[tuple[str, str], str] = {
                        "none. With strides, fields of different dtypes interleave in one per-token record "
                        "(checked byte-exactly for overlap); without, dims are row-major over per-rank sizes.",
     ("Dim", "sections"): "Only in a `kind: sections` field: `{NAME: SIZE, ...}` splits this dim into named "
-                         "parts, each sharded by TP on its own (Mamba conv x|B|C).",
+                         "parts, each sharded by TP on its own (Mamba conv x|B|C), unless the field's "
+                         "`replicated` names it.",
     ("ArrayField", "kind"): "`array` (the default; may be omitted).",
     ("ArrayField", "name"): "The field's name (`k`, `v`, `latent`, ...); matched by name across engines.",
     ("ArrayField", "dtype"): "Element type: `bf16 fp16 fp32 fp8_e4m3 fp8_e5m2 ue8m0 int8 uint8 fp4_e2m1` "
@@ -106,6 +107,9 @@ FIELD_DOCS: dict[tuple[str, str], str] = {
     ("SectionsField", "dtype"): "Element type, as for an array field.",
     ("SectionsField", "offset"): "Byte offset in the block; default right after the previous field.",
     ("SectionsField", "dims"): "Dims outermost first; exactly one carries `sections`.",
+    ("SectionsField", "replicated"): "Sections of the split (`head`) dim that every TP rank holds whole "
+                                     "instead of a slice: vLLM's Mamba-2 `B` and `C` when the model has one "
+                                     "group (`n_groups: 1`).",
     ("BlockLayout", "fields"): "The fields of one kernel block, in order.",
     ("BlockLayout", "size"): "Bytes of one block (padding after the fields); default the end of the last field.",
     ("Region", "kind"): "`region` (implied; may be omitted).",

@@ -91,6 +91,8 @@ def render_spec(spec: dict, view: EngineView) -> str:
             if "kind" in f:   # a Mamba conv state's x|B|C (or q|k|v) sections
                 out.append(f"        kind: {f['kind']}")
             out.append(f"        dtype: {f['dtype']}")
+            if f.get("replicated"):   # a one-group Mamba-2's B and C: whole on every TP rank
+                out.append(f"        replicated: [{', '.join(f['replicated'])}]")
             out.append("        dims:                  # outermost first")
             out.extend(f"          - {dump(_Flow(d)).strip()}" for d in f["dims"])
     out.append("regions:")

@@ -36,6 +36,9 @@ def _dtype(value: Any, where: str) -> str:
 
 
 SSM_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")   # vLLM's --mamba-ssm-cache-dtype
+# A one-group Mamba-2 (n_groups 1, e.g. Falcon-H1): vLLM 0.32 gives every TP rank the whole group's B and C
+# (MambaMixer2's extra_groups_for_head_shards), so a rank's conv channels are x / tp | B | C.
+ONE_GROUP = ("B", "C")
 
 
 def ssm_dtype(c: Mapping[str, Any], kind: str, model: str, *, requested: str = "auto",
@@ -133,7 +136,8 @@ def state_layout(c: Mapping[str, Any], kind: str, *, requested: str = "auto",
                            (("x", int(c["mamba_num_heads"]) * int(c["mamba_head_dim"])), ("B", bc), ("C", bc)),
                            model, "ssm", (("ssm_head", int(c["mamba_num_heads"]), True),
                                           ("mamba_head_dim", int(c["mamba_head_dim"]), False),
-                                          ("ssm_state", int(c["ssm_state_size"]), False)), ssm)
+                                          ("ssm_state", int(c["ssm_state_size"]), False)), ssm,
+                           ONE_GROUP if int(c["n_groups"]) == 1 else ())
     kd = int(c["linear_num_key_heads"]) * int(c["linear_key_head_dim"])
     return StateLayout("gdn_state", int(c["linear_conv_kernel_dim"]) - 1,
                        (("q", kd), ("k", kd), ("v", int(c["linear_num_value_heads"]) * int(c["linear_value_head_dim"]))),
@@ -143,13 +147,15 @@ def state_layout(c: Mapping[str, Any], kind: str, *, requested: str = "auto",
 
 
 def check_state_split(state: StateLayout, c: Mapping[str, Any], tp: int) -> None:
-    """vLLM replicates Mamba-2 B/C groups when ``n_groups`` is not a multiple of TP; kvlc splits sections evenly."""
+    """TP splits every state section and head count evenly, except a one-group Mamba-2's B and C, which every
+    rank holds whole (``replicated``); vLLM 0.32's ``MambaMixer2`` allows no other ``n_groups``."""
     groups = c.get("n_groups")
-    if state.name == "mamba2_state" and int(groups) % tp:
-        raise ViewError(f"tp_size {tp} does not divide the model's n_groups {groups}: vLLM then replicates B/C "
-                        "groups across ranks (extra groups per shard), which kvlc's evenly split conv sections "
-                        f"cannot state; fix: a tp_size that divides {groups}")
-    for name, size in state.sections + tuple((n, s) for n, s, sharded in state.rec_dims if sharded):
+    if state.name == "mamba2_state" and int(groups) % tp and int(groups) != 1:
+        raise ViewError(f"tp_size {tp} does not divide the model's n_groups {groups}, which is not 1; vLLM 0.32 "
+                        "refuses it too (MambaMixer2 wants n_groups % tp_size == 0 or n_groups == 1); fix: a "
+                        f"tp_size that divides {groups}")
+    sections = tuple((n, s) for n, s in state.sections if n not in state.replicated)
+    for name, size in sections + tuple((n, s) for n, s, sharded in state.rec_dims if sharded):
         if size % tp:
             raise ViewError(f"tp_size {tp} does not divide the state's '{name}' ({size}); vLLM refuses it too; "
                             "fix: a tp_size that divides every state section and head count")
@@ -157,11 +163,11 @@ def check_state_split(state: StateLayout, c: Mapping[str, Any], tp: int) -> None
 
 def conv_bytes(state: StateLayout, tp: int) -> int:
     """Bytes of one request's conv state on one TP rank (taps x this rank's channels)."""
-    return state.conv_taps * sum(size // tp for _, size in state.sections) * DTYPE_SIZES[state.conv_dtype]
+    return state.conv_taps * sum(size for _, size in state.section_sizes(tp)) * DTYPE_SIZES[state.conv_dtype]
 
 
 def _want_shapes(state: StateLayout, tp: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    conv = (state.conv_taps, sum(size // tp for _, size in state.sections))
+    conv = (state.conv_taps, sum(size for _, size in state.section_sizes(tp)))
     rec = tuple(size // tp if sharded else size for _, size, sharded in state.rec_dims)
     return conv, rec
 

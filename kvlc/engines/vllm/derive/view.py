@@ -170,9 +170,18 @@ class StateLayout:
     rec_field: str
     rec_dims: tuple[tuple[str, int, bool], ...]   # (name, size, sharded by TP)
     rec_dtype: str
+    replicated: tuple[str, ...] = ()              # conv sections every rank holds whole (one-group B, C)
+
+    def section_sizes(self, tp: int) -> tuple[tuple[str, int], ...]:
+        """Each conv section's channels on one rank: split by ``tp``, or whole where replicated.
+
+        >>> StateLayout("s", 3, (("x", 8), ("B", 2)), "bf16", "ssm", (), "fp32", ("B",)).section_sizes(2)
+        (('x', 4), ('B', 2))
+        """
+        return tuple((n, size if n in self.replicated else size // tp) for n, size in self.sections)
 
     def bytes_per_rank(self, tp: int) -> int:
-        conv = self.conv_taps * sum(size // tp for _, size in self.sections) * DTYPE_SIZES[self.conv_dtype]
+        conv = self.conv_taps * sum(size for _, size in self.section_sizes(tp)) * DTYPE_SIZES[self.conv_dtype]
         rec = DTYPE_SIZES[self.rec_dtype]
         for _, size, sharded in self.rec_dims:
             rec *= size // tp if sharded else size
@@ -182,6 +191,8 @@ class StateLayout:
         conv = {"name": "conv", "kind": "sections", "dtype": self.conv_dtype, "dims": [
             {"name": "conv_tap", "size": self.conv_taps},
             {"name": "channel", "role": "head", "sections": dict(self.sections)}]}
+        if self.replicated:
+            conv["replicated"] = list(self.replicated)
         rec = {"name": self.rec_field, "dtype": self.rec_dtype, "dims": [
             {"name": n, "role": "head", "size": s} if sharded else {"name": n, "size": s}
             for n, s, sharded in self.rec_dims]}
