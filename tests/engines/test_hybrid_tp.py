@@ -8,8 +8,9 @@ state's B and C channels:
   and half of x (vLLM's ``MambaMixer2``); kvlc states them ``replicated`` and reads them from one rank;
 * ``two-groups`` (2): each rank holds one group's B and C and half of x; kvlc splits every section.
 
-Per model a TP 2 engine (vLLM's multi-process executor, one worker per rank, workers forked:
-``VLLM_WORKER_MULTIPROC_METHOD=fork`` starts it about 9 s sooner than spawned ones here) and a TP 1
+Per model a TP 2 engine (vLLM's multi-process executor, one worker per rank; the engines ask for forked
+workers, ``VLLM_WORKER_MULTIPROC_METHOD=fork``, which one probe here found 9 s quicker to start, though
+vLLM 0.32's CPU platform sets ``spawn`` in its own config step: which one runs was not checked) and a TP 1
 engine, both ``kv_both``, so one engine pair runs TP 2 -> TP 1 and TP 1 -> TP 2; the four start at once.
 TP 2 -> TP 2 gave equal tokens in a probe (two more TP 2 engines; not run here). In float32 a TP 2
 engine's greedy tokens equal a TP 1 engine's, so the oracle is the decode engine alone.
