@@ -195,7 +195,7 @@ class GpuCopy:
         pattern = torch.arange(n, dtype=torch.int64, device=scratch.device).remainder_(251).to(torch.uint8)
         lengths = (16, 8, 3, 8 * self.block_words + 16, CHUNK + 24)
         direct, self.direct = self.direct, False
-        tried = [(h, v) for h in (self.host_table, False) for v in (self.vec, False)]
+        tried = [(h, v) for v in (self.vec, False) for h in (self.host_table, False)]  # host table dropped first
         for i, (self.host_table, self.vec) in enumerate(dict.fromkeys(tried)):
             try:
                 for length in lengths:
