@@ -22,7 +22,7 @@ from kvlc.runtime.kinds import Direction, ConnectionMode, Status
 from kvlc.runtime.nixl import sever
 from kvlc.runtime.staging.copy import StagingError
 from kvlc.runtime.staging.wire import Kind, decode as decode_staging, is_staging, verify
-from kvlc.runtime.tracking import Incoming, hold, settle
+from kvlc.runtime.tracking import Incoming, Severing, hold, settle
 from kvlc.runtime.channel.notifs import NotifBatch, decode_notif
 from kvlc.runtime.channel.wire import Cancel, Reply, encode
 
@@ -312,7 +312,7 @@ def _end_incoming(agent, s, why: str, still: bool) -> None:
                 if hit:
                     inc.answer(s.rank, Status.CANCELLED, f"session ended ({why}); it can no longer write here")
             else:  # over TCP queued bytes still land: close the sockets first (answered by sever_turn)
-                inc.severing[s.conn_id] = (s, host, sever.shut(host), why)
+                inc.severing[s.conn_id] = Severing(s, host, sever.shut(host), why)
                 agent.stats["severed"] = agent.stats.get("severed", 0) + 1
                 log.warning("request %s: session of %s rank %d ended (%s); closing this process's TCP "
                             "connections to %s so that no byte of it lands", req[:40], s.engine_id, s.rank, why, host)
@@ -344,10 +344,11 @@ def sever_turn(agent) -> None:
                     agent.drop_session(s, "its side channel is lost (host cut off or gone)")
         if not inc.severing:
             continue
-        for conn_id, (s, host, shut, why) in list(inc.severing.items()):
-            if not shut & sever.socket_inodes(host):
+        for conn_id, cut in list(inc.severing.items()):
+            if not cut.sockets & sever.socket_inodes(cut.host):
                 del inc.severing[conn_id]
-                end = (f"session ended ({why}); this process's TCP connections to {host} are closed: "
+                s = cut.session
+                end = (f"session ended ({cut.why}); this process's TCP connections to {cut.host} are closed: "
                        "no byte of it can land")
                 if inc.engine is s.engine:
                     inc.answer(s.rank, Status.CANCELLED, end)

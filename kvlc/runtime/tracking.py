@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvlc.runtime.kinds import Event, Status
 
@@ -51,6 +52,16 @@ class Completions:
         return bool(self.finished or self.failed or self.held or self.freeable)
 
 
+@dataclass(frozen=True)
+class Severing:
+    """A session of a producer on another host that ended while it could still write here over TCP."""
+
+    session: Any
+    host: str                  # the producer's host, whose TCP sockets this process shut
+    sockets: frozenset[str]    # those sockets (``socket:[inode]``): none may be left before its rank answers
+    why: str                   # why the session ended
+
+
 @dataclass(eq=False)
 class Incoming:
     """A request whose bytes remote ranks move into this agent (see the module docstring)."""
@@ -66,9 +77,9 @@ class Incoming:
     asked: bool = True  # False: its first answer came before expect() (see settle)
     held: bool = False
     why_held: str = ""
-    # conn id → (session, host, socket inodes shut, why): that session ended while it could still write here
-    # over TCP; its rank is answered once none of those sockets is left (kvlc.runtime.nixl.sever)
-    severing: dict[str, tuple] = field(default_factory=dict)
+    # conn id → the session that ended while it could still write here over TCP; its rank is answered once
+    # none of the sockets shut for it is left (kvlc.runtime.nixl.sever)
+    severing: dict[str, Severing] = field(default_factory=dict)
 
     @property
     def expected(self) -> frozenset[int] | None:
