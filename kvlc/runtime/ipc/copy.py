@@ -4,9 +4,10 @@ The rows arrive as three arrays, source address, destination address and length 
 descriptors :func:`kvlc.compiler.request.instantiate.instantiate` built, the peer's side already
 moved into its mapped window): no layout arithmetic here.
 
-* GPU (:class:`GpuCopy`): rows longer than :data:`CHUNK` are cut, the table goes up in one
-  host-to-device copy, and ONE Triton kernel (:mod:`kvlc.runtime.ipc.kernel`) moves every row, one
-  program per row, on a stream of its own; an event recorded after it says when every byte landed.
+* GPU (:class:`GpuCopy`): rows longer than :data:`CHUNK` are cut, the table is written into a pinned
+  ring that the kernel reads in place (uploaded first where warm-up found that it cannot), and ONE
+  Triton kernel (:mod:`kvlc.runtime.ipc.kernel`) moves every row, one program per row, on a stream of
+  its own; an event recorded after it says when every byte landed.
 * CPU (:class:`HostCopy`): the same rows, one ``memmove`` each, synchronously (every row checked
   against the regions first). Triton's interpreter runs the GPU kernel itself on the CPU in the tests.
 """
