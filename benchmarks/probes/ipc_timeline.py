@@ -5,6 +5,10 @@ The producer KvAgent runs in this process, the consumer in a spawned engine proc
 with contiguous or random block ids, one at a time. The producer's own methods are wrapped with
 time stamps (nothing else changes), so every request gives, from ``Peer.write``:
 
+* ``checked``: until the request's check returned (types, counts, bounds, repeats of the ids);
+* ``rows``: until its descriptor rows were written (``emit``);
+* ``created``: until the first part was created (the copy path: the peer's rows translated into its
+  mapped window; NIXL: its descriptor lists and ``initialize_xfer``);
 * ``posting``: until the first part's ``post`` began (checks, rows, NIXL create: kvlc's host work);
 * ``post``: until that ``post`` returned (for the copy path: row table, upload, launch);
 * ``write``: until ``write()`` returned;
@@ -15,6 +19,9 @@ time stamps (nothing else changes), so every request gives, from ``Peer.write``:
 Modes (``--modes``): ``ipc`` (``KVLC_IPC=auto``), ``nixl`` (``KVLC_IPC=off``), alternated per round so
 both see the same machine. DRAM shared-memory pools on a CPU host, VRAM on ``cuda:0`` with ``--gpu``.
 Prints p50 / p90 of each stage and writes the JSON (``--out``).
+
+``--batches K`` cycles K sets of ids (many rounds without as many workloads: for a profiler run
+around this script, e.g. ``py-spy record -f raw -- python3 ...``).
 
 Run:  python3 benchmarks/probes/ipc_timeline.py [--gpu] [--tokens 1024] [--rounds 50] [--ids random]
 """
@@ -37,7 +44,7 @@ for _p in (Path(__file__).resolve().parents[2], Path(__file__).resolve().parents
 
 from kvlc.demo.run import DEFAULT_LAYOUT, make_workload, scaled_plan  # noqa: E402
 
-STAGES = ("posting", "post", "write", "seen", "told", "finished")
+STAGES = ("checked", "rows", "created", "posting", "post", "write", "seen", "told", "finished")
 
 
 class Stamps:
@@ -60,9 +67,24 @@ class Stamps:
 
 def instrument(stamps: Stamps) -> None:
     """Wrap the producer-side methods that mark each stage (class level: this process only)."""
+    from kvlc.compiler.request import instantiate as inst
     from kvlc.runtime import transfer
     from kvlc.runtime.ipc.route import IpcRoute
     from kvlc.runtime.nixl.core import Agent
+
+    def after(owner, name: str, stage: str) -> None:
+        orig = getattr(owner, name)
+
+        def wrapped(*a, **k):
+            out = orig(*a, **k)
+            stamps.mark(stamps.current, stage)
+            return out
+        setattr(owner, name, wrapped)
+
+    after(inst, "check_request", "checked")  # the names instantiate() calls, in its module
+    after(inst, "emit", "rows")
+    after(IpcRoute, "initialize", "created")
+    after(Agent, "initialize", "created")
 
     def wrap_post(cls):
         orig = cls.post
@@ -167,11 +189,14 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=40)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--modes", default="ipc,nixl")
+    ap.add_argument("--batches", type=int, default=0, help="sets of ids to cycle (default: one per round)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
 
     plan = scaled_plan(DEFAULT_LAYOUT, args.pool_mib << 20, to_dram=not args.gpu)
-    batches = [make_workload(plan, plan, 1, args.tokens, ids=args.ids, seed=i)[0][0] for i in range(args.rounds)]
+    sets = [make_workload(plan, plan, 1, args.tokens, ids=args.ids, seed=i)[0][0]
+            for i in range(min(args.batches or args.rounds, args.rounds))]
+    batches = [sets[i % len(sets)] for i in range(args.rounds)]
     stamps = Stamps()
     instrument(stamps)
     doc = {"command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]), "gpu": args.gpu,

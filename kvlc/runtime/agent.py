@@ -420,7 +420,9 @@ class KvAgent:
             out = self.submit(("pvp", s.conn_id, req), req, "WRITE", parts, {s.rank: Target(s.agent, s.notif_key)},
                               timeout, ("pvp", s), refuse=refuse, engine=False)
             self.tally(s.engine, req)
-            return out
+        if self._res.pump is not None:  # no engine call follows this one: its end is seen on the next turn
+            self._res.pump.wake()
+        return out
 
     def session_on(self, conn_id: str) -> Session | None:
         """The session introduced on side-channel connection ``conn_id`` (None: none, or it ended)."""

@@ -30,24 +30,33 @@ class Pump:
     """Call ``ref().<method>()`` every ``interval`` seconds until the agent is gone or ``stop`` is set;
     every ``busy_interval`` seconds instead while the method returns True (work that waits on this
     side's turns is in flight, e.g. staged chunks to scatter or to send); a float it returns is the
-    wait before the next call (at most ``interval``)."""
+    wait before the next call (at most ``interval``). :meth:`wake` ends the current wait at once: work
+    that no engine call follows (a transfer started for a peer's request) gets its turn now, not up to
+    ``interval`` later."""
 
     def __init__(self, agent: Any, method: str, interval: float, stop: threading.Event, name: str,
                  busy_interval: float | None = None):
         ref = weakref.ref(agent)
         busy = interval if busy_interval is None else min(interval, busy_interval)
+        self._wake = threading.Event()
         self.thread = threading.Thread(
-            target=self._loop, args=(ref, method, interval, busy, stop), name=name, daemon=True
+            target=self._loop, args=(ref, method, interval, busy, stop, self._wake), name=name, daemon=True
         )
         self.thread.start()
 
+    def wake(self) -> None:
+        """Take the next turn now (or right after the one running: a wake during a turn is kept)."""
+        self._wake.set()
+
     @staticmethod
-    def _loop(ref, method: str, interval: float, busy_interval: float, stop: threading.Event) -> None:
+    def _loop(ref, method: str, interval: float, busy_interval: float, stop: threading.Event,
+              wake: threading.Event) -> None:
         while not stop.is_set():
             agent = ref()
             if agent is None:
                 return
             busy = False
+            wake.clear()  # before the turn: a wake() during it makes the wait below return at once
             try:
                 busy = getattr(agent, method)()
             except Exception:  # keep progressing; poll() surfaces real failures
@@ -55,9 +64,9 @@ class Pump:
                 stop.wait(0.1)
             del agent
             if isinstance(busy, float):  # how soon to come back
-                stop.wait(min(busy, interval))
+                wake.wait(min(busy, interval))
             else:
-                stop.wait(busy_interval if busy else interval)
+                wake.wait(busy_interval if busy else interval)
 
 
 @dataclass(frozen=True)
@@ -184,6 +193,8 @@ class Resources:
             return
         self.closed = True
         self.stop.set()
+        if self.pump is not None:
+            self.pump.wake()  # its wait ends now; it sees stop
         if self.server is not None:
             self.server.close()
         if self.sender is not None:

@@ -112,6 +112,39 @@ def test_pump_waits_what_its_method_returns():
     assert len(t.at) == 6 and max(gaps) < 0.1  # five quick turns, then the 0.2 s interval
 
 
+def test_pump_wake_takes_the_next_turn_now():
+    """Pump.wake: the turn comes at once, not an interval later (a transfer started for a peer's request,
+    which no engine call follows); a wake during a turn is kept for right after it."""
+    from kvlc.runtime.pump import Pump
+
+    class Turns:
+        def __init__(self):
+            self.at, self.pump = [], None
+
+        def turn(self):
+            self.at.append(time.monotonic())
+            if len(self.at) == 2:
+                self.pump.wake()  # during the second turn: a third follows at once
+            return False
+
+    t, stop = Turns(), threading.Event()
+    t.pump = pump = Pump(t, "turn", 30.0, stop, "test-pump-wake")
+    time.sleep(0.2)
+    assert len(t.at) == 1  # the first turn, then the 30 s interval
+    woke = time.monotonic()
+    pump.wake()
+    deadline = time.monotonic() + 5
+    while len(t.at) < 3 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert len(t.at) == 3 and t.at[1] - woke < 2 and t.at[2] - t.at[1] < 2
+    time.sleep(0.1)
+    assert len(t.at) == 3  # then the interval again
+    stop.set()
+    pump.wake()
+    pump.thread.join(5)
+    assert not pump.thread.is_alive()
+
+
 # ------------------------------------------------------------------ post / state
 class _Raw:
     """Stands in for nixl_agent: transfer/check_xfer_state return or raise what a test scripts."""

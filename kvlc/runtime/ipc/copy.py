@@ -58,7 +58,13 @@ def row_table(src: np.ndarray, dst: np.ndarray, lens: np.ndarray, chunk: int = C
     src, dst, lens = split(src, dst, lens, chunk)
     table = np.concatenate([src, dst, lens])
     low = int(np.bitwise_or.reduce(table)) & 15 if len(table) else 0
-    return Rows(table.view(np.int64), len(lens), not low & 7, not low)
+    return launch_rows(table.view(np.int64), low)
+
+
+def launch_rows(table: np.ndarray, low: int) -> Rows:
+    """The launch of a built table (int64: sources, destinations, lengths; ``low``: the OR of its words'
+    low four bits)."""
+    return Rows(table, len(table) // 3, not low & 7, not low)
 
 
 @dataclass
@@ -129,8 +135,12 @@ class GpuCopy:
         self._compiled: dict[tuple, Any] = {}
 
     def start(self, src: np.ndarray, dst: np.ndarray, lens: np.ndarray) -> Launch:
+        """Copy rows ``(src, dst, lens)`` (uint64 arrays): :meth:`start_rows` of their :func:`row_table`."""
+        return self.start_rows(row_table(src, dst, lens))
+
+    def start_rows(self, g: Rows) -> Launch:
+        """Launch the copy of a built row table (:func:`row_table`, or the route's native builder)."""
         torch = self.torch
-        g = row_table(src, dst, lens)
         self._waited.record(torch.cuda.current_stream(self.device))  # what the engine queued before asking
         self.stream.wait_event(self._waited)
         at, table, keep = self._upload(g.table)
@@ -237,6 +247,11 @@ class HostCopy:
 
     def __init__(self, regions: Regions):
         self.regions = regions
+
+    def start_rows(self, g: Rows) -> Launch:
+        """Copy a built row table's rows (cut rows copy as their pieces, in order)."""
+        t = g.table.view(np.uint64)
+        return self.start(t[:g.rows], t[g.rows:2 * g.rows], t[2 * g.rows:])
 
     def start(self, src: np.ndarray, dst: np.ndarray, lens: np.ndarray) -> Launch:
         self.regions.locate(np.stack([src, lens], axis=1), "copy source")

@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from kvlc.runtime.ipc import cuda
-from kvlc.runtime.ipc.copy import GpuCopy, HostCopy, Launch
+from kvlc.runtime.ipc import cuda, native
+from kvlc.runtime.ipc.copy import CHUNK, GpuCopy, HostCopy, Launch, Rows, launch_rows, row_table
 from kvlc.runtime.ipc.cuda import IpcError
 from kvlc.runtime.ipc.memory import Mapped, Window
 from kvlc.runtime.nixl.core import XferState
@@ -40,9 +40,7 @@ class IpcXfer:
 
     what: str
     peer: str
-    src: np.ndarray
-    dst: np.ndarray
-    lens: np.ndarray
+    rows: Rows  # the launch's row table: sources, destinations (the peer's in its mapped window), lengths
     mem: str  # this side's memory
     remote_mem: str  # the peer's ("VRAM" on either side: a kernel on ``device``; DRAM both: memmove on the CPU)
     device: int
@@ -72,6 +70,8 @@ class _Windows:
         self.shifts = np.array([w.shift for w in ws], dtype=np.int64)
         self.mem_of = np.array([w.mem for w in ws])
         self.mems = {w.mem for w in ws}
+        self.native = native.Windows.of(self.starts, self.stops, self.shifts,
+                                        {m: self.mem_of == m for m in self.mems})  # what table.c reads
         self.users = 0  # copies created and not released yet
         self.retired = False
         self._host: HostCopy | None = None
@@ -83,16 +83,32 @@ class _Windows:
         end = addr + lens
         if len(addr):  # the usual case first: every row in one window, one shift for all (no search per row)
             k = int(np.searchsorted(self.starts, addr.min(), side="right")) - 1
-            if k >= 0 and self.mem_of[k] == mem and int(end.max()) <= int(self.stops[k]) and not (end < addr).any():
+            stop = int(self.stops[k])
+            if (k >= 0 and self.mem_of[k] == mem and int(end.max()) <= stop and int(addr.max()) < stop
+                    and not (end < addr).any()):  # (an empty row at a window's end: the search below places it)
                 return addr + np.uint64(int(self.shifts[k]) & _U64)
         i = np.searchsorted(self.starts, addr, side="right").astype(np.int64) - 1
         j = np.maximum(i, 0)
         ok = (i >= 0) & (end <= self.stops[j]) & (end >= addr) & (self.mem_of[j] == mem)
         if not bool(ok.all()):
-            bad = int(np.flatnonzero(~ok)[0])
-            raise IpcError(f"{what}: row {bad} ([{int(addr[bad]):#x}, +{int(lens[bad])}) of the peer's "
-                           f"{mem}) lies outside every storage it shared; nothing moved")
+            raise _outside(rows, int(np.flatnonzero(~ok)[0]), mem, what)
         return (addr.astype(np.int64) + self.shifts[j]).astype(np.uint64)
+
+    def table(self, local_rows: np.ndarray, remote_rows: np.ndarray, mem: str, write: bool, what: str,
+              chunk: int = CHUNK) -> Rows:
+        """A part's launch: its rows with the peer's side translated (:meth:`translate`), sources first
+        (``write``: this side's), cut at ``chunk`` bytes (:func:`~kvlc.runtime.ipc.copy.row_table`); one
+        pass in C where it is built (:mod:`kvlc.runtime.ipc.native`), the same table and refusal."""
+        local_rows, remote_rows = np.asarray(local_rows), np.asarray(remote_rows)
+        if native.library() is None or mem not in self.mems:
+            mapped = self.translate(remote_rows, mem, what)
+            mine = np.ascontiguousarray(local_rows[:, 0], dtype=np.uint64)
+            lens = np.ascontiguousarray(local_rows[:, 1], dtype=np.uint64)
+            return row_table(*((mine, mapped) if write else (mapped, mine)), lens, chunk)
+        table, got = native.build(local_rows, remote_rows, write, self.native, mem, chunk)
+        if table is None:
+            raise _outside(remote_rows, got, mem, what)
+        return launch_rows(table, got)
 
     def host_copy(self, local: list) -> HostCopy:
         """The CPU copier over this side's DRAM storages and the peer's mapped DRAM windows."""
@@ -101,6 +117,12 @@ class _Windows:
             regions += [Region(w.base, w.size, w.tensor) for w in self.windows if w.mem == "DRAM"]
             self._host = HostCopy(Regions(regions))
         return self._host
+
+
+def _outside(rows: np.ndarray, bad: int, mem: str, what: str) -> IpcError:
+    addr, n = int(rows[bad, 0]) & _U64, int(rows[bad, 1]) & _U64
+    return IpcError(f"{what}: row {bad} ([{addr:#x}, +{n}) of the peer's {mem}) lies outside every storage it "
+                    "shared; nothing moved")
 
 
 class IpcRoute:
@@ -190,12 +212,9 @@ class IpcRoute:
         if not self.copies_part(remote_agent, local_mem, remote_mem, len(local_rows)):
             return self.nixl.initialize(op, local_rows, local_mem, remote_rows, remote_mem, remote_agent, what)
         w = self.peers[remote_agent]
-        mapped = w.translate(np.asarray(remote_rows), remote_mem, f"{op} {what}")
-        mine = np.ascontiguousarray(np.asarray(local_rows)[:, 0], dtype=np.uint64)
-        lens = np.ascontiguousarray(np.asarray(local_rows)[:, 1], dtype=np.uint64)
-        src, dst = (mine, mapped) if op == "WRITE" else (mapped, mine)
+        rows = w.table(local_rows, remote_rows, remote_mem, op == "WRITE", f"{op} {what}")
         w.users += 1
-        return IpcXfer(f"{op} {what} to {remote_agent!r} (same host)", remote_agent, src, dst, lens,
+        return IpcXfer(f"{op} {what} to {remote_agent!r} (same host)", remote_agent, rows,
                        local_mem, remote_mem, self.gpu or 0, route=self, windows=w)
 
     def make_prepped(self, *args, **kwargs) -> Any:
@@ -207,7 +226,7 @@ class IpcRoute:
         try:
             gpu = "VRAM" in (xfer.mem, xfer.remote_mem)
             copier = self._gpu() if gpu else xfer.windows.host_copy(self.local)
-            xfer.launch = copier.start(xfer.src, xfer.dst, xfer.lens)
+            xfer.launch = copier.start_rows(xfer.rows)
         except Exception as exc:  # a launch that fails moved nothing of this part
             xfer.state, xfer.error = XferState.ERR, f"{xfer.what}: the copy could not start: {exc}"
             return xfer.state

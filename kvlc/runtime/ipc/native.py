@@ -1,0 +1,100 @@
+"""The same-host copy's row table in C (``table.c``), loaded through ctypes; the numpy code it mirrors
+is the reference (:func:`reference_table`).
+
+``table.c`` is a plain C library (no Python API), built by ``pip install`` (setup.py, an optional
+extension) and loaded with ctypes, so one build loads on any CPython (a GPU host can carry it).
+:func:`library` is None when it is not built or when ``KVLC_NATIVE=0``; the reference then runs,
+with the same tables and refusals (``tests/runtime/test_ipc_table.py``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+ABI_VERSION = 1
+_I64 = ctypes.c_int64
+_PTR = ctypes.c_void_p
+
+
+@lru_cache(maxsize=1)
+def _load() -> tuple[ctypes.CDLL | None, str]:
+    if os.environ.get("KVLC_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
+        return None, "off (KVLC_NATIVE=0): numpy builds the row table"
+    here = Path(__file__).resolve().parent
+    found = sorted(here.glob("_table*.so")) + sorted(here.glob("_table*.dylib")) + sorted(here.glob("_table*.pyd"))
+    if not found:
+        return None, ("not built (no _table library next to kvlc/runtime/ipc/table.c; reinstall with a C "
+                      "compiler: pip install -e .): numpy builds the row table")
+    try:
+        lib = ctypes.CDLL(str(found[0]))
+    except OSError as exc:
+        return None, f"{found[0].name} does not load ({exc}): numpy builds the row table"
+    if lib.kvlc_ipc_abi_version() != ABI_VERSION:
+        return None, (f"{found[0].name} is ABI {lib.kvlc_ipc_abi_version()}, this kvlc wants {ABI_VERSION} "
+                      "(a stale build: pip install -e . again): numpy builds the row table")
+    lib.kvlc_ipc_table.argtypes = (_PTR, _PTR, _I64, ctypes.c_int, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64,
+                                   _PTR, _PTR)
+    lib.kvlc_ipc_table.restype = _I64
+    return lib, f"native ({found[0].name})"
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded C library, or None (numpy builds the table; :func:`status` says why)."""
+    return _load()[0]
+
+
+def status() -> str:
+    """One line: which row-table builder runs, and why."""
+    return _load()[1]
+
+
+def _rows(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a).view(np.int64).reshape(-1, 3)
+
+
+@dataclass(frozen=True)
+class Windows:
+    """A peer's mapped windows as ``table.c`` reads them: addresses of C-contiguous arrays, sorted by start
+    (uint64 starts and stops, int64 shifts; per memory type, int64 0/1 whether each window holds it)."""
+
+    count: int
+    starts: int
+    stops: int
+    shifts: int
+    usable: dict  # memory type -> address of its 0/1 array
+    keep: tuple   # the arrays themselves (alive as long as this)
+
+    @classmethod
+    def of(cls, starts: np.ndarray, stops: np.ndarray, shifts: np.ndarray, usable: dict) -> "Windows":
+        arrays = [np.ascontiguousarray(a) for a in (starts, stops, shifts)]
+        ok = {m: np.ascontiguousarray(a, dtype=np.int64) for m, a in usable.items()}
+        return cls(len(starts), *(a.ctypes.data for a in arrays), {m: a.ctypes.data for m, a in ok.items()},
+                   (*arrays, *ok.values()))
+
+
+def build(local: np.ndarray, remote: np.ndarray, write: bool, windows: Windows, mem: str,
+          chunk: int) -> tuple[np.ndarray | None, int]:
+    """``table.c``'s launch table of a part: ``(table, low bits)``, or ``(None, index of the first peer row
+    outside every window holding ``mem``)``. ``local`` / ``remote``: the part's (n, 3) rows; ``write``:
+    the local rows are the sources. One pass where no row is longer than ``chunk`` (the usual case)."""
+    lib = library()
+    local, remote = _rows(local), _rows(remote)
+    n, la, ra = len(local), local.ctypes.data, remote.ctypes.data
+    info = np.empty(2, dtype=np.int64)  # the table's rows, the OR of its words' low bits
+    cap = n
+    while True:
+        table = np.empty(3 * cap, dtype=np.int64)
+        got = lib.kvlc_ipc_table(la, ra, n, 1 if write else 0, windows.starts, windows.stops, windows.shifts,
+                                 windows.usable[mem], windows.count, chunk, cap, table.ctypes.data, info.ctypes.data)
+        if got >= 0:
+            return None, int(got)
+        rows = int(info[0])
+        if got == -1:
+            return (table if rows == cap else table.reshape(3, cap)[:, :rows].reshape(-1)), int(info[1])
+        cap = rows  # rows cut at the chunk: room for every piece

@@ -1,0 +1,101 @@
+/*
+ * The same-host copy's row table in one pass: a part's descriptor rows, the peer's side moved into its
+ * mapped window, cut into pieces of at most `chunk` bytes, written as the kernel reads them.
+ *
+ * A plain C library (no Python API), loaded through ctypes by kvlc/runtime/ipc/native.py, so one build
+ * loads on any CPython. The numpy code it mirrors is the reference (kvlc.runtime.ipc.route._Windows.translate
+ * and kvlc.runtime.ipc.copy.row_table with KVLC_NATIVE=0); tests/runtime/test_ipc_table.py proves them
+ * identical with hypothesis. Rows are C-contiguous int64 (addr, len, dev) triples.
+ */
+#include <stdint.h>
+
+int kvlc_ipc_abi_version(void) { return 1; }
+
+/* The window holding [addr, addr + len): its index, or -1. Windows sorted by start; `hint` is tried first
+ * (consecutive rows mostly lie in one window). */
+static int64_t window_of(uint64_t addr, uint64_t len, const uint64_t *starts, const uint64_t *stops,
+                         const int64_t *ok, int64_t nwin, int64_t hint)
+{
+    uint64_t end = addr + len;
+    if (end < addr)
+        return -1;
+    int64_t k = hint;
+    if (k < 0 || k >= nwin || addr < starts[k] || (k + 1 < nwin && addr >= starts[k + 1])) {
+        int64_t lo = 0, hi = nwin; /* the last window whose start is <= addr */
+        while (lo < hi) {
+            int64_t mid = lo + (hi - lo) / 2;
+            if (starts[mid] <= addr)
+                lo = mid + 1;
+            else
+                hi = mid;
+        }
+        k = lo - 1;
+    }
+    if (k < 0 || end > stops[k] || !ok[k])
+        return -1;
+    return k;
+}
+
+/* A part's launch table at `out` (3 * cap int64: sources, destinations, lengths, `cap` of each), in one
+ * pass: every peer row checked against the windows (`ok[k]`: window k holds this part's memory type) and
+ * moved by its window's shift (modulo 2**64); `write` != 0: the local rows are the sources (a WRITE), else
+ * the peer's. Rows longer than `chunk` are cut into pieces of at most `chunk` bytes, in order (a row of 0
+ * bytes then gives none), as the reference's split; `cap` must hold them.
+ *
+ * Returns -1 when the table is written (`info[0]`: its rows, `info[1]`: the OR of its words' low four
+ * bits); the index of the first peer row outside every usable window (nothing written is to be used);
+ * or -2 when a row is longer than `chunk` and the table needs `info[0]` > `cap` rows: call again with
+ * that room (the rows are checked in full before -2 is returned). */
+int64_t kvlc_ipc_table(const int64_t *local, const int64_t *remote, int64_t n, int write, const uint64_t *starts,
+                       const uint64_t *stops, const int64_t *shifts, const int64_t *ok, int64_t nwin, int64_t chunk,
+                       int64_t cap, int64_t *out, int64_t *info)
+{
+    uint64_t *src = (uint64_t *)out, *dst = src + cap, *lens = dst + cap;
+    uint64_t c = (uint64_t)chunk, bits = 0, lo = 1, hi = 0, shift = 0; /* the current window: [lo, hi) */
+    int64_t k = -1, w = 0, cut = 0;
+    for (int64_t i = 0; i < n; i++) {
+        uint64_t ra = (uint64_t)remote[3 * i], end = ra + (uint64_t)remote[3 * i + 1];
+        if (!(ra >= lo && ra < hi && end <= hi && end >= ra)) { /* not inside the window of the row before */
+            k = window_of(ra, (uint64_t)remote[3 * i + 1], starts, stops, ok, nwin, k);
+            if (k < 0)
+                return i;
+            lo = starts[k], hi = stops[k], shift = (uint64_t)shifts[k];
+            if (k + 1 < nwin && starts[k + 1] < hi)
+                hi = starts[k + 1]; /* (never for real windows: they do not overlap) */
+            if (ra >= hi) /* an empty row at the window's end: place it, but keep the next rows searching */
+                lo = 1, hi = 0;
+        }
+        uint64_t mine = (uint64_t)local[3 * i], len = (uint64_t)local[3 * i + 1];
+        uint64_t theirs = ra + shift;
+        uint64_t s = write ? mine : theirs, d = write ? theirs : mine;
+        if (len <= c && !cut) {
+            if (w < cap)
+                src[w] = s, dst[w] = d, lens[w] = len;
+            bits |= s | d | len;
+            w++;
+            continue;
+        }
+        if (!cut) { /* the first row to cut: the rows before it (all written: w <= i <= cap) each stay one
+                     * piece, but empty ones go */
+            cut = 1;
+            int64_t kept = 0;
+            bits = 0;
+            for (int64_t j = 0; j < w; j++)
+                if (lens[j]) {
+                    src[kept] = src[j], dst[kept] = dst[j], lens[kept] = lens[j], kept++;
+                    bits |= src[j] | dst[j] | lens[j];
+                }
+            w = kept;
+        }
+        for (uint64_t off = 0; off < len; off += c) {
+            uint64_t m = len - off < c ? len - off : c;
+            if (w < cap)
+                src[w] = s + off, dst[w] = d + off, lens[w] = m;
+            bits |= (s + off) | (d + off) | m;
+            w++;
+        }
+    }
+    info[0] = w;
+    info[1] = (int64_t)(bits & 15);
+    return w > cap ? -2 : -1;
+}
