@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import secrets
 import sys
 import time
@@ -141,6 +142,7 @@ def run_mode(mode: str, args, plan, batches, stamps: Stamps) -> dict:
         try:
             peer = prod.connect(cons.address, direction="WRITE")
             rows = []
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             for i, (_, cids, pids, n) in enumerate(batches):
                 req = f"{mode}-{i}"
                 stamps.begin(req)
@@ -150,13 +152,14 @@ def run_mode(mode: str, args, plan, batches, stamps: Stamps) -> dict:
                 _wait(prod, req)
                 stamps.mark(req, "finished")
                 rows.append(stamps.at[req])
+            faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / max(1, len(batches))
             ipc = prod.stats.get("ipc_requests")
         finally:
             prod.close()
     finally:
         proc.stop()
     skip = min(args.warmup, len(rows) - 1)
-    return {"rows": rows[skip:], "ipc_requests": ipc}
+    return {"rows": rows[skip:], "ipc_requests": ipc, "faults": faults}
 
 
 def _wait(agent, req: str, timeout: float = 60.0) -> None:
@@ -203,11 +206,13 @@ def main(argv=None) -> int:
            "tokens": args.tokens, "ids": args.ids, "modes": {}}
     for mode in args.modes.split(","):
         got = run_mode(mode, args, plan, batches, stamps)
-        doc["modes"][mode] = {"stages": summary(got["rows"]), "ipc_requests": got["ipc_requests"]}
+        doc["modes"][mode] = {"stages": summary(got["rows"]), "ipc_requests": got["ipc_requests"],
+                              "page_faults_per_request": got["faults"]}
         st = doc["modes"][mode]["stages"]
         line = ", ".join(f"{s} {st[s]['p50_us']:,.0f}/{st[s]['p90_us']:,.0f}" for s in STAGES if s in st)
-        print(f"{mode:5s} ({args.tokens} tokens, {args.ids}; ipc requests {got['ipc_requests']}): "
-              f"us since write(), p50/p90: {line}", flush=True)
+        print(f"{mode:5s} ({args.tokens} tokens, {args.ids}; ipc requests {got['ipc_requests']}; "
+              f"{got['faults']:.1f} page faults per request in this process): us since write(), p50/p90: {line}",
+              flush=True)
     if stamps.notif_s:
         print(f"tell_done calls: p50 {np.percentile(stamps.notif_s, 50) * 1e6:,.0f} us, "
               f"p90 {np.percentile(stamps.notif_s, 90) * 1e6:,.0f} us")

@@ -249,3 +249,24 @@ def test_gpu_copy_warm_up_drops_the_host_table_where_the_kernel_cannot_read_it(i
     one = lambda v: np.array([v], dtype=np.uint64)  # noqa: E731
     cp.start(one(a.data_ptr()), one(b.data_ptr()), one(48))
     assert (b.numpy()[:48] == a.numpy()[:48]).all() and not b.numpy()[48:].any()
+
+
+def test_gpu_copy_keeps_the_callers_stream_object_while_the_stream_stays(interpreted):
+    """The caller's stream is asked by its raw handle each start; the Stream object is built again only when
+    the handle changes (an engine that switched streams gets its new stream waited for)."""
+    from types import SimpleNamespace
+
+    from kvlc.runtime.ipc.copy import GpuCopy
+
+    t = _TorchStandIn()
+    handle = {"now": 7}
+    t._C = SimpleNamespace(_cuda_getCurrentRawStream=lambda device: handle["now"])
+    built = []
+    make = t.cuda.current_stream
+    t.cuda.current_stream = lambda device=None: built.append(make(device)) or built[-1]
+    cp = GpuCopy(0, block_words=16, torch=t, kernel=_Kernel(interpreted))
+    first = cp._caller_stream()
+    assert cp._caller_stream() is first and len(built) == 1
+    handle["now"] = 9
+    second = cp._caller_stream()
+    assert second is not first and len(built) == 2 and cp._caller_stream() is second

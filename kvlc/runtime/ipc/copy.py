@@ -131,6 +131,7 @@ class GpuCopy:
         self.vec = True  # 16-byte hints (off where this Triton cannot compile them: see warm)
         self.host_table = True  # the kernel reads the row table in the pinned ring (off where that fails: see warm)
         self._waited = torch.cuda.Event()  # recorded on the caller's stream at each start, waited for by ours
+        self._caller: tuple = (None, None)  # (raw handle, Stream) of the caller's stream last seen
         self.direct = True  # launch the kept compiled kernels directly (off where warm finds that wrong)
         self._compiled: dict[tuple, Any] = {}
 
@@ -141,7 +142,7 @@ class GpuCopy:
     def start_rows(self, g: Rows) -> Launch:
         """Launch the copy of a built row table (:func:`row_table`, or the route's native builder)."""
         torch = self.torch
-        self._waited.record(torch.cuda.current_stream(self.device))  # what the engine queued before asking
+        self._waited.record(self._caller_stream())  # what the engine queued before asking
         self.stream.wait_event(self._waited)
         at, table, keep = self._upload(g.table)
         if self._compiled.get(self._key(g)) is not None and self.direct and torch.cuda.current_device() == self.device:
@@ -154,6 +155,18 @@ class GpuCopy:
         if at is not None:
             self.ring.used(at, len(g.table), ev)
         return Launch(ev, keep + (table,))
+
+    def _caller_stream(self):
+        """The calling thread's current stream on this device: the Stream object is kept while the stream
+        stays the same (building one cost more than the event record itself on an H100 host)."""
+        torch = self.torch
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        if raw is None:
+            return torch.cuda.current_stream(self.device)
+        handle = raw(self.device)
+        if handle != self._caller[0]:
+            self._caller = (handle, torch.cuda.current_stream(self.device))
+        return self._caller[1]
 
     def _key(self, g: Rows) -> tuple:
         block = self.block_words if g.wide else 8 * self.block_words

@@ -101,14 +101,17 @@ class _Windows:
         pass in C where it is built (:mod:`kvlc.runtime.ipc.native`), the same table and refusal."""
         local_rows, remote_rows = np.asarray(local_rows), np.asarray(remote_rows)
         if native.library() is None or mem not in self.mems:
-            mapped = self.translate(remote_rows, mem, what)
-            mine = np.ascontiguousarray(local_rows[:, 0], dtype=np.uint64)
-            lens = np.ascontiguousarray(local_rows[:, 1], dtype=np.uint64)
-            return row_table(*((mine, mapped) if write else (mapped, mine)), lens, chunk)
+            return self._reference(local_rows, remote_rows, mem, write, what, chunk)
         table, got = native.build(local_rows, remote_rows, write, self.native, mem, chunk)
         if table is None:
             raise _outside(remote_rows, got, mem, what)
         return launch_rows(table, got)
+
+    def _reference(self, local_rows, remote_rows, mem: str, write: bool, what: str, chunk: int) -> Rows:
+        mapped = self.translate(remote_rows, mem, what)
+        mine = np.ascontiguousarray(local_rows[:, 0], dtype=np.uint64)
+        lens = np.ascontiguousarray(local_rows[:, 1], dtype=np.uint64)
+        return row_table(*((mine, mapped) if write else (mapped, mine)), lens, chunk)
 
     def host_copy(self, local: list) -> HostCopy:
         """The CPU copier over this side's DRAM storages and the peer's mapped DRAM windows."""

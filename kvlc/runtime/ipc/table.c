@@ -44,8 +44,8 @@ static int64_t window_of(uint64_t addr, uint64_t len, const uint64_t *starts, co
  *
  * Returns -1 when the table is written (`info[0]`: its rows, `info[1]`: the OR of its words' low four
  * bits); the index of the first peer row outside every usable window (nothing written is to be used);
- * or -2 when a row is longer than `chunk` and the table needs `info[0]` > `cap` rows: call again with
- * that room (the rows are checked in full before -2 is returned). */
+ * or -2 when the table needs `info[0]` > `cap` rows: call again with that room (the rows are checked
+ * in full before -2 is returned; `cap` 0 and `out` NULL check and size a table without writing it). */
 int64_t kvlc_ipc_table(const int64_t *local, const int64_t *remote, int64_t n, int write, const uint64_t *starts,
                        const uint64_t *stops, const int64_t *shifts, const int64_t *ok, int64_t nwin, int64_t chunk,
                        int64_t cap, int64_t *out, int64_t *info)
@@ -75,16 +75,20 @@ int64_t kvlc_ipc_table(const int64_t *local, const int64_t *remote, int64_t n, i
             w++;
             continue;
         }
-        if (!cut) { /* the first row to cut: the rows before it (all written: w <= i <= cap) each stay one
-                     * piece, but empty ones go */
+        if (!cut) { /* the first row to cut: the rows before it each stay one piece, but empty ones go */
             cut = 1;
             int64_t kept = 0;
             bits = 0;
-            for (int64_t j = 0; j < w; j++)
-                if (lens[j]) {
-                    src[kept] = src[j], dst[kept] = dst[j], lens[kept] = lens[j], kept++;
-                    bits |= src[j] | dst[j] | lens[j];
-                }
+            if (w <= cap) { /* all written: keep the non-empty ones in place */
+                for (int64_t j = 0; j < w; j++)
+                    if (lens[j]) {
+                        src[kept] = src[j], dst[kept] = dst[j], lens[kept] = lens[j], kept++;
+                        bits |= src[j] | dst[j] | lens[j];
+                    }
+            } else { /* counted only (the table is sized first): count the non-empty ones */
+                for (int64_t j = 0; j < i; j++)
+                    kept += local[3 * j + 1] != 0;
+            }
             w = kept;
         }
         for (uint64_t off = 0; off < len; off += c) {
