@@ -10,12 +10,13 @@ with the same tables and refusals (``tests/runtime/test_ipc_table.py``).
 from __future__ import annotations
 
 import ctypes
-import os
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
+
+from kvlc import clib
 
 ABI_VERSION = 1
 _I64 = ctypes.c_int64
@@ -24,24 +25,14 @@ _PTR = ctypes.c_void_p
 
 @lru_cache(maxsize=1)
 def _load() -> tuple[ctypes.CDLL | None, str]:
-    if os.environ.get("KVLC_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
-        return None, "off (KVLC_NATIVE=0): numpy builds the row table"
-    here = Path(__file__).resolve().parent
-    found = sorted(here.glob("_table*.so")) + sorted(here.glob("_table*.dylib")) + sorted(here.glob("_table*.pyd"))
-    if not found:
-        return None, ("not built (no _table library next to kvlc/runtime/ipc/table.c; reinstall with a C "
-                      "compiler: pip install -e .): numpy builds the row table")
-    try:
-        lib = ctypes.CDLL(str(found[0]))
-    except OSError as exc:
-        return None, f"{found[0].name} does not load ({exc}): numpy builds the row table"
-    if lib.kvlc_ipc_abi_version() != ABI_VERSION:
-        return None, (f"{found[0].name} is ABI {lib.kvlc_ipc_abi_version()}, this kvlc wants {ABI_VERSION} "
-                      "(a stale build: pip install -e . again): numpy builds the row table")
+    lib, why = clib.load(Path(__file__).resolve().parent, "_table", "kvlc/runtime/ipc/table.c",
+                         "kvlc_ipc_abi_version", ABI_VERSION, "numpy builds the row table")
+    if lib is None:
+        return None, why
     lib.kvlc_ipc_table.argtypes = (_PTR, _PTR, _I64, ctypes.c_int, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64,
                                    _PTR, _PTR)
     lib.kvlc_ipc_table.restype = _I64
-    return lib, f"native ({found[0].name})"
+    return lib, why
 
 
 def library() -> ctypes.CDLL | None:

@@ -10,11 +10,12 @@ with the same results: ``tests/test_native.py`` proves them identical); :func:`s
 from __future__ import annotations
 
 import ctypes
-import os
 from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
+
+from kvlc import clib
 
 ABI_VERSION = 3
 PIECE = 14  # int64s per piece record (rows.c)
@@ -23,31 +24,17 @@ _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 
 
-def _candidates() -> list[Path]:
-    here = Path(__file__).resolve().parent
-    return sorted(here.glob("_rows*.so")) + sorted(here.glob("_rows*.dylib")) + sorted(here.glob("_rows*.pyd"))
-
-
 @lru_cache(maxsize=1)
 def _load() -> tuple[ctypes.CDLL | None, str]:
-    if os.environ.get("KVLC_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
-        return None, "off (KVLC_NATIVE=0): the Python reference runs"
-    found = _candidates()
-    if not found:
-        return None, ("not built (no _rows library next to kvlc/compiler/request/native/rows.c; "
-                      "reinstall with a C compiler: pip install -e .): the Python reference runs")
-    try:
-        lib = ctypes.CDLL(str(found[0]))
-    except OSError as exc:
-        return None, f"{found[0].name} does not load ({exc}): the Python reference runs"
-    if lib.kvlc_abi_version() != ABI_VERSION:
-        return None, (f"{found[0].name} is ABI {lib.kvlc_abi_version()}, this kvlc wants {ABI_VERSION} "
-                      "(a stale build: pip install -e . again): the Python reference runs")
+    lib, why = clib.load(Path(__file__).resolve().parent, "_rows", "kvlc/compiler/request/native/rows.c",
+                         "kvlc_abi_version", ABI_VERSION, "the Python reference runs")
+    if lib is None:
+        return None, why
     lib.kvlc_ids_ok.argtypes = (_PTR, _I64, _I64, ctypes.c_int)
     lib.kvlc_ids_ok.restype = ctypes.c_int
     lib.kvlc_emit.argtypes = (_PTR, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64)
     lib.kvlc_emit.restype = _I64
-    return lib, f"native ({found[0].name})"
+    return lib, why
 
 
 def library() -> ctypes.CDLL | None:
