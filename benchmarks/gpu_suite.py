@@ -276,8 +276,13 @@ def plot(doc: dict, path: Path) -> None:
     rows = sorted((r for r in doc["rows"] if r.get("gbps")), key=lambda r: (names.index(r["case"]),
                                                                             order.get(r["mode"], 99)))
     lat = [r for r in rows if r.get("p50_us")]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(16, max(5, 0.22 * len(rows) + 2)))
-    for ax, sel, key in ((a, lat, "p50_us"), (b, rows, "gbps")):
+    labels = {"p50_us": "latency per request, µs (bar p50, whisker p99; log)",
+              "gbps": "GB/s (bytes once; log): at p50, median round, all rounds (mixed)"}
+    panels = [(sel, key) for sel, key in ((lat, "p50_us"), (rows, "gbps")) if sel]  # (only bulk cases: no latency)
+    if not panels:
+        raise ValueError("no row has a rate to plot")
+    fig, axes = plt.subplots(1, len(panels), figsize=(8 * len(panels), max(5, 0.22 * len(rows) + 2)), squeeze=False)
+    for ax, (sel, key) in zip(axes[0], panels):
         whisker = None if key != "p50_us" else [[0] * len(sel), [max(0.0, r["p99_us"] - r["p50_us"])
                                                                for r in sel]]
         ax.barh(range(len(sel)), [r[key] for r in sel], color=[colors.get(r["mode"], "#9467bd") for r in sel],
@@ -285,8 +290,7 @@ def plot(doc: dict, path: Path) -> None:
         ax.set_yticks(range(len(sel)), [f"{r['case'][:60]} [{r['mode']}]" for r in sel], fontsize=6)
         ax.invert_yaxis()
         ax.set_xscale("log")
-    a.set_xlabel("latency per request, µs (bar p50, whisker p99; log)")
-    b.set_xlabel("GB/s (bytes once; log): at p50, median round, all rounds (mixed)")
+        ax.set_xlabel(labels[key])
     fig.suptitle(f"gpu suite: {doc['machine']['gpu']}, {doc['when']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
