@@ -1,4 +1,4 @@
-"""A Mamba-2 hybrid at tensor parallelism 2 through KvlcConnector (real vLLM 0.32 CPU engines, float32).
+"""Mamba-2 hybrids at tensor parallelism 2 through KvlcConnector (real vLLM 0.32 CPU engines, float32).
 
 Two tiny random-weight Falcon-H1 (attention and a Mamba-2 mixer in each of 2 decoder layers; 8 Mamba heads
 x 32, 16 states; prefix caching off) that differ in ``mamba_n_groups`` only, so in how vLLM shards the conv
@@ -10,6 +10,9 @@ state's B and C channels:
   Not started by default (the suite's time): set ``KVLC_TEST_TWO_GROUPS=1`` to run it too. Probed live
   when this module was written: tokens equal on 2 of 2 prompts for each of TP 2 -> 1, 1 -> 2 and 2 -> 2;
   split sections across TP sizes are also drawn by tests/test_pair_properties.py, without an engine.
+
+And a tiny Nemotron-H (Mamba-2 and attention in separate layers, ``M*MM*M``; two groups): each rank holds
+one group's B and C and half of x and of the SSM heads, the attention layers half the KV heads.
 
 Per model a TP 2 engine (vLLM's multi-process executor, one worker per rank; the engines ask for forked
 workers, ``VLLM_WORKER_MULTIPROC_METHOD=fork``, which one probe here found 9 s quicker to start, though
@@ -27,21 +30,30 @@ from pathlib import Path
 
 import pytest
 
-from testkit.vllm_engines import EngineSpec, tiny_falcon_h1
+from testkit.vllm_engines import EngineSpec, tiny_falcon_h1, tiny_nemotron_h
 from tests.engines.conftest import Engines, engine_env, init_plan_like, kvlc_config, prefill, prompt
 
 pytestmark = pytest.mark.engine
 MAX_TOKENS = 12
 N = 150                                       # prompt tokens: the producer hands over 149
-GROUPS = {"one-group": 1, **({"two-groups": 2} if os.environ.get("KVLC_TEST_TWO_GROUPS") == "1" else {})}
-# model -> mamba_n_groups
+GROUPS = {"one-group": 1, **({"two-groups": 2} if os.environ.get("KVLC_TEST_TWO_GROUPS") == "1" else {}),
+          "nemotron-h": 2}
+# model -> mamba_n_groups (Falcon-H1's, or Nemotron-H's n_groups)
+NEMOTRON = "nemotron-h"
 PAIRS = [("t2", "t1"), ("t1", "t2")]          # (prefill, decode) engines of one model
 SEEDS = (4, 6)
 
 
 def _state_bytes(groups: int) -> int:
-    """One mixer's whole state (fp32): conv 3 taps x (256 x + 2 x groups x 16 B/C) channels, SSM 8 x 32 x 16."""
+    """One mixer's whole state (fp32): conv 3 taps x (256 x + 2 x groups x 16 B/C) channels, SSM 8 x 32 x 16
+    (both models: 8 heads x 32, 16 states, conv kernel 4)."""
     return 3 * (256 + 2 * groups * 16) * 4 + 8 * 32 * 16 * 4
+
+
+def _mixers(model: str) -> int:
+    """State layers (Falcon-H1: a mixer in each of 2 layers; Nemotron-H ``M*MM*M``: 4); both have 2 attention
+    layers of 2 KV heads x 64."""
+    return 4 if model == NEMOTRON else 2
 
 
 @dataclass
@@ -60,10 +72,11 @@ def models(tmp_path_factory) -> Models:
     root = tmp_path_factory.mktemp("hybrid-tp")
     e = Engines(root)
     dirs = {}
-    for model, groups in GROUPS.items():
-        dirs[model] = tiny_falcon_h1(root / model, dtype="float32", mamba_n_groups=groups)
+    for i, (model, groups) in enumerate(GROUPS.items()):
+        dirs[model] = (tiny_nemotron_h(root / model) if model == NEMOTRON
+                       else tiny_falcon_h1(root / model, dtype="float32", mamba_n_groups=groups))
         tp2 = {**engine_env("0|1", single_process=False), "VLLM_WORKER_MULTIPROC_METHOD": "fork"}
-        for name, tp, env in (("t2", 2, tp2), ("t1", 1, engine_env(groups - 1))):
+        for name, tp, env in (("t2", 2, tp2), ("t1", 1, engine_env(i % 2))):
             e.start(f"{model}-{name}", EngineSpec(str(dirs[model]), 32, dtype="float32", tp=tp, env=env,
                                                   connector=kvlc_config("kv_both"), derive_extension=tp > 1))
     yield Models(e, dirs)
@@ -81,7 +94,7 @@ def test_tp2_live_plan_is_kvlc_inits(models, model):
     init = init_plan_like(live, models.dirs[model])
     assert live.digest == init.digest, (live.text(), init.text())
     dims = {f.name: [(d.role, d.size, d.global_size) for d in f.dims if d.name == "channel"][0]
-            for f in live.region("layer.2").fields if f.name.startswith("conv.")}
+            for f in live.region("layer.2").fields if f.name.startswith("conv.")}   # (a Mamba layer of both)
     bc = ("", 16, 16) if GROUPS[model] == 1 else ("head", 16, 32)
     assert dims == {"conv.x": ("head", 128, 256), "conv.B": bc, "conv.C": bc}
 
@@ -91,7 +104,8 @@ def test_tp2_live_plan_is_kvlc_inits(models, model):
 def test_tokens_equal_the_decode_engine_alone(models, model, prod, cons):
     """Prefill at one TP size, decode at the other: the decode engine loads 149 tokens (K/V and both mixers'
     states, each rank's x and SSM heads from the rank that holds them) and its tokens equal its own, 2 prompts;
-    where the decode engine is TP 1 it moved exactly 160 tokens of K/V and two whole states (B and C once)."""
+    where the decode engine is TP 1 it moved exactly 160 tokens of K/V and every mixer's whole state (B and C
+    once)."""
     p_eng, d_eng = models.engine(model, prod), models.engine(model, cons)
     for seed in SEEDS:
         p = prompt(N, seed=seed)
@@ -104,7 +118,7 @@ def test_tokens_equal_the_decode_engine_alone(models, model, prod, cons):
         assert out.tokens == want, (seed, out.tokens, want)
         if cons == "t1":
             moved = d_eng.stats()["bytes"] - before
-            assert moved == 160 * 2 * 2 * 64 * 4 * 2 + _state_bytes(GROUPS[model]) * 2
+            assert moved == 160 * 2 * 2 * 64 * 4 * 2 + _state_bytes(GROUPS[model]) * _mixers(model)
 
 
 @pytest.mark.parametrize("prod,cons", PAIRS, ids=["tp2-to-tp1", "tp1-to-tp2"])
