@@ -1,5 +1,5 @@
 """The same-host copy's row table in C (``table.c``), loaded through ctypes; the numpy code it mirrors
-is the reference (:func:`reference_table`).
+is the reference (``kvlc.runtime.ipc.route._Windows.translate``, then :func:`kvlc.runtime.ipc.copy.row_table`).
 
 ``table.c`` is a plain C library (no Python API), built by ``pip install`` (setup.py, an optional
 extension) and loaded with ctypes, so one build loads on any CPython (a GPU host can carry it).

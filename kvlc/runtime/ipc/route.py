@@ -83,7 +83,7 @@ class _Windows:
         end = addr + lens
         if len(addr):  # the usual case first: every row in one window, one shift for all (no search per row)
             k = int(np.searchsorted(self.starts, addr.min(), side="right")) - 1
-            stop = int(self.stops[k])
+            stop = int(self.stops[k]) if k >= 0 else 0
             if (k >= 0 and self.mem_of[k] == mem and int(end.max()) <= stop and int(addr.max()) < stop
                     and not (end < addr).any()):  # (an empty row at a window's end: the search below places it)
                 return addr + np.uint64(int(self.shifts[k]) & _U64)
