@@ -97,6 +97,8 @@ int64_t kvlc_ipc_table(const int64_t *local, const int64_t *remote, int64_t n, i
                 src[w] = s + off, dst[w] = d + off, lens[w] = m;
             bits |= (s + off) | (d + off) | m;
             w++;
+            if (off > UINT64_MAX - c) /* (a length near 2**64: the next step would wrap) */
+                break;
         }
     }
     info[0] = w;
