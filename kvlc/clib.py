@@ -2,21 +2,46 @@
 loaded with ctypes so that one build loads under any CPython of its platform.
 
 Each library has a Python reference that runs where it is not loaded; ``KVLC_NATIVE=0`` turns every one
-off. :func:`load` says why a library is not used, in one line, for the callers' ``status()``.
+off. :class:`Library` loads one on first use and says, in one line, which path runs and why.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import threading
 from pathlib import Path
 
 
-def load(folder: Path, stem: str, source: str, abi_symbol: str, abi: int, fallback: str
-         ) -> tuple[ctypes.CDLL | None, str]:
-    """The library ``<stem>*.so`` (or .dylib / .pyd) in ``folder`` built from ``source`` whose ``abi_symbol()``
-    returns ``abi``, and ``"native (<file>)"``; or None and why not (each reason ends in ``fallback``:
-    what runs instead)."""
+class Library:
+    """The library ``<stem>*.so`` (or .dylib / .pyd) in ``folder``, built from ``source``, whose ``abi_symbol()``
+    returns ``abi``; ``signatures``: function name -> (argument types, result type). ``fallback`` says what runs
+    where it is not loaded (the end of every reason :meth:`status` gives)."""
+
+    def __init__(self, folder: Path, stem: str, source: str, abi_symbol: str, abi: int, fallback: str,
+                 signatures: dict[str, tuple[tuple, type]]):
+        self._args = (folder, stem, source, abi_symbol, abi, fallback, signatures)
+        self._loaded: tuple[ctypes.CDLL | None, str] | None = None
+        self._lock = threading.Lock()
+
+    def library(self) -> ctypes.CDLL | None:
+        """The loaded C library, or None (the reference runs; :meth:`status` says why)."""
+        return self._load()[0]
+
+    def status(self) -> str:
+        """One line: which path runs, and why."""
+        return self._load()[1]
+
+    def _load(self) -> tuple[ctypes.CDLL | None, str]:
+        if self._loaded is None:
+            with self._lock:
+                if self._loaded is None:
+                    self._loaded = _open(*self._args)
+        return self._loaded
+
+
+def _open(folder: Path, stem: str, source: str, abi_symbol: str, abi: int, fallback: str,
+          signatures: dict[str, tuple[tuple, type]]) -> tuple[ctypes.CDLL | None, str]:
     if os.environ.get("KVLC_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
         return None, f"off (KVLC_NATIVE=0): {fallback}"
     found = [p for ext in ("so", "dylib", "pyd") for p in sorted(folder.glob(f"{stem}*.{ext}"))]
@@ -30,4 +55,7 @@ def load(folder: Path, stem: str, source: str, abi_symbol: str, abi: int, fallba
     got = getattr(lib, abi_symbol)()
     if got != abi:
         return None, f"{found[0].name} is ABI {got}, this kvlc wants {abi} (a stale build: pip install -e . again): {fallback}"
+    for name, (args, result) in signatures.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, result
     return lib, f"native ({found[0].name})"

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -23,26 +22,12 @@ _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 
 
-@lru_cache(maxsize=1)
-def _load() -> tuple[ctypes.CDLL | None, str]:
-    lib, why = clib.load(Path(__file__).resolve().parent, "_table", "kvlc/runtime/ipc/table.c",
-                         "kvlc_ipc_abi_version", ABI_VERSION, "numpy builds the row table")
-    if lib is None:
-        return None, why
-    lib.kvlc_ipc_table.argtypes = (_PTR, _PTR, _I64, ctypes.c_int, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64,
-                                   _PTR, _PTR)
-    lib.kvlc_ipc_table.restype = _I64
-    return lib, why
-
-
-def library() -> ctypes.CDLL | None:
-    """The loaded C library, or None (numpy builds the table; :func:`status` says why)."""
-    return _load()[0]
-
-
-def status() -> str:
-    """One line: which row-table builder runs, and why."""
-    return _load()[1]
+_LIB = clib.Library(Path(__file__).resolve().parent, "_table", "kvlc/runtime/ipc/table.c", "kvlc_ipc_abi_version",
+                   ABI_VERSION, "numpy builds the row table",
+                   {"kvlc_ipc_table": ((_PTR, _PTR, _I64, ctypes.c_int, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64,
+                                        _PTR, _PTR), _I64)})
+library = _LIB.library  # the loaded C library, or None (numpy builds the table; status() says why)
+status = _LIB.status    # one line: which row-table builder runs, and why
 
 
 def _rows(a: np.ndarray) -> np.ndarray:

@@ -10,7 +10,6 @@ with the same results: ``tests/test_native.py`` proves them identical); :func:`s
 from __future__ import annotations
 
 import ctypes
-from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -24,27 +23,12 @@ _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 
 
-@lru_cache(maxsize=1)
-def _load() -> tuple[ctypes.CDLL | None, str]:
-    lib, why = clib.load(Path(__file__).resolve().parent, "_rows", "kvlc/compiler/request/native/rows.c",
-                         "kvlc_abi_version", ABI_VERSION, "the Python reference runs")
-    if lib is None:
-        return None, why
-    lib.kvlc_ids_ok.argtypes = (_PTR, _I64, _I64, ctypes.c_int)
-    lib.kvlc_ids_ok.restype = ctypes.c_int
-    lib.kvlc_emit.argtypes = (_PTR, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64)
-    lib.kvlc_emit.restype = _I64
-    return lib, why
-
-
-def library() -> ctypes.CDLL | None:
-    """The loaded C library, or None (the Python reference runs; :func:`status` says why)."""
-    return _load()[0]
-
-
-def status() -> str:
-    """One line: which per-request path runs, and why."""
-    return _load()[1]
+_LIB = clib.Library(Path(__file__).resolve().parent, "_rows", "kvlc/compiler/request/native/rows.c",
+                   "kvlc_abi_version", ABI_VERSION, "the Python reference runs",
+                   {"kvlc_ids_ok": ((_PTR, _I64, _I64, ctypes.c_int), ctypes.c_int),
+                    "kvlc_emit": ((_PTR, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64), _I64)})
+library = _LIB.library  # the loaded C library, or None (the Python reference runs; status() says why)
+status = _LIB.status    # one line: which per-request path runs, and why
 
 
 def address(a: np.ndarray) -> int:
