@@ -40,12 +40,12 @@ static int64_t window_of(uint64_t addr, uint64_t len, const uint64_t *starts, co
  * pass: every peer row checked against the windows (`ok[k]`: window k holds this part's memory type) and
  * moved by its window's shift (modulo 2**64); `write` != 0: the local rows are the sources (a WRITE), else
  * the peer's. Rows longer than `chunk` are cut into pieces of at most `chunk` bytes, in order (a row of 0
- * bytes then gives none), as the reference's split; `cap` must hold them.
+ * bytes then gives none), as the reference's split; `cap` (at least `n`) must hold them.
  *
  * Returns -1 when the table is written (`info[0]`: its rows, `info[1]`: the OR of its words' low four
  * bits); the index of the first peer row outside every usable window (nothing written is to be used);
- * or -2 when the table needs `info[0]` > `cap` rows: call again with that room (the rows are checked
- * in full before -2 is returned; `cap` 0 and `out` NULL check and size a table without writing it). */
+ * or -2 when the table needs `info[0]` > `cap` rows (cut rows): call again with that room (the rows
+ * are checked in full before -2 is returned). */
 int64_t kvlc_ipc_table(const int64_t *local, const int64_t *remote, int64_t n, int write, const uint64_t *starts,
                        const uint64_t *stops, const int64_t *shifts, const int64_t *ok, int64_t nwin, int64_t chunk,
                        int64_t cap, int64_t *out, int64_t *info)
@@ -53,6 +53,10 @@ int64_t kvlc_ipc_table(const int64_t *local, const int64_t *remote, int64_t n, i
     uint64_t *src = (uint64_t *)out, *dst = src + cap, *lens = dst + cap;
     uint64_t c = (uint64_t)chunk, bits = 0, lo = 1, hi = 0, shift = 0; /* the current window: [lo, hi) */
     int64_t k = -1, w = 0, cut = 0;
+    if (cap < n) { /* the room every uncut row needs */
+        info[0] = n;
+        return -2;
+    }
     for (int64_t i = 0; i < n; i++) {
         uint64_t ra = (uint64_t)remote[3 * i], end = ra + (uint64_t)remote[3 * i + 1];
         if (!(ra >= lo && ra < hi && end <= hi && end >= ra)) { /* not inside the window of the row before */
@@ -75,20 +79,16 @@ int64_t kvlc_ipc_table(const int64_t *local, const int64_t *remote, int64_t n, i
             w++;
             continue;
         }
-        if (!cut) { /* the first row to cut: the rows before it each stay one piece, but empty ones go */
+        if (!cut) { /* the first row to cut: the rows before it (all written: w <= i < n <= cap) each stay
+                     * one piece, but empty ones go */
             cut = 1;
             int64_t kept = 0;
             bits = 0;
-            if (w <= cap) { /* all written: keep the non-empty ones in place */
-                for (int64_t j = 0; j < w; j++)
-                    if (lens[j]) {
-                        src[kept] = src[j], dst[kept] = dst[j], lens[kept] = lens[j], kept++;
-                        bits |= src[j] | dst[j] | lens[j];
-                    }
-            } else { /* counted only (the table is sized first): count the non-empty ones */
-                for (int64_t j = 0; j < i; j++)
-                    kept += local[3 * j + 1] != 0;
-            }
+            for (int64_t j = 0; j < w; j++)
+                if (lens[j]) {
+                    src[kept] = src[j], dst[kept] = dst[j], lens[kept] = lens[j], kept++;
+                    bits |= src[j] | dst[j] | lens[j];
+                }
             w = kept;
         }
         for (uint64_t off = 0; off < len; off += c) {
