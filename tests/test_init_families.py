@@ -239,17 +239,61 @@ def test_unknown_hybrid_fields_are_refused_with_the_field(cfg, field):
     assert field in str(exc.value) and "fix: " in str(exc.value)
 
 
-DENSE = {"qwen2-7b": 28, "qwen2.5-0.5b": 24, "phi-3-mini-4k": 32, "olmo-2-7b": 32, "mistral-7b-v0.1": 32}
+DENSE = {"qwen2-7b": 28, "qwen2.5-0.5b": 24, "olmo-2-7b": 32}
 
 
 @pytest.mark.parametrize("name", sorted(DENSE))
 def test_dense_families_stay_full_attention(name):
-    """Qwen2, Qwen2.5 (use_sliding_window false), Phi-3, OLMo-2, Mistral v0.1 (sliding_window, no per-layer
-    pattern): every layer full attention, one group, as before."""
+    """Qwen2, Qwen2.5 (a sliding_window, but use_sliding_window false: Qwen2Config drops it), OLMo-2: every
+    layer full attention, one group."""
     m = read_model(config(name))
     assert m.family.value == "dense" and m.kinds == (LayerKind.FULL,) * DENSE[name]
     for opts in (KVLC, VLLM):
         assert {g.kind for g in plan(config(name), opts).groups} == {"full_attention"}
+
+
+@pytest.mark.parametrize("name, window", [("mistral-7b-v0.1", 4096), ("phi-3-mini-4k", 2047)])
+def test_a_model_wide_window_slides_every_layer(name, window):
+    """A sliding_window and nothing per layer: vLLM 0.32 makes it CacheConfig.sliding_window, which every layer
+    without a window of its own takes (seen live: tiny Mistral and Phi-3 engines keep one sliding group)."""
+    assert kinds(name) == "s" * 32
+    for opts in (KVLC, VLLM):
+        assert [(g.kind, g.window) for g in plan(config(name), opts).groups] == [("sliding_window", window)]
+
+
+TINY = {"num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 64}
+
+
+@pytest.mark.parametrize("extra, letters, window", [
+    ({"model_type": "mistral"}, "ssss", 4096),                          # MistralConfig's default window
+    ({"model_type": "mistral", "sliding_window": None}, "ffff", 0),     # v0.2 / v0.3: null, no window
+    ({"model_type": "phi3", "sliding_window": 0}, "ffff", 0),           # vLLM reads 0 as none
+    ({"model_type": "qwen3", "sliding_window": 64}, "ffff", 0),         # use_sliding_window defaults to false
+    ({"model_type": "qwen2", "sliding_window": 64, "use_sliding_window": True, "max_window_layers": 2}, "ffss", 64),
+    ({"model_type": "cohere2", "sliding_window": 48}, "sssf", 49),      # period 4; vLLM's Cohere layers see w + 1
+    ({"model_type": "cohere2", "sliding_window": 48,
+      "layer_types": ["sliding_attention", "full_attention"] * 2}, "sfsf", 49),
+])
+def test_windows_as_vllm_reads_them(extra, letters, window):
+    cfg = {**TINY, **extra}
+    assert "".join(k.value[0] for k in read_model(cfg).kinds) == letters
+    assert {g.window for g in plan(cfg, TP1_VLLM).groups if g.kind == "sliding_window"} == ({window} if window else set())
+
+
+@pytest.mark.parametrize("types", [["mamba", "attention", "mamba", "mamba"],
+                                   ["linear_attention", "full_attention", "linear_attention", "linear_attention"]])
+def test_granite4_mamba2_hybrid_by_layer_types(types):
+    """Granite-4 (granitemoehybrid): Mamba-2 or attention per layer_types (its public spelling, and the one
+    transformers 5.x writes), the mixer spelled as Falcon-H1's: a Mamba-2 hybrid, not a parallel one."""
+    cfg = {**TINY, "model_type": "granitemoehybrid", "layer_types": types, "mamba_n_heads": 8, "mamba_d_head": 64,
+           "mamba_d_state": 64, "mamba_n_groups": 1, "mamba_d_conv": 4, "mamba_expand": 2}
+    m = read_model(cfg)
+    assert m.family.value == "mamba-hybrid" and "".join(k.value[0] for k in m.kinds) == "mfmm"
+    assert (m.mamba.heads, m.mamba.head_dim, m.mamba.state) == (8, 64, 64)
+    assert sorted(g.kind for g in plan(cfg, TP1_VLLM).groups) == ["full_attention", "mamba", "mamba", "mamba"]
+    with pytest.raises(InitError, match=r"layer_types names 'conv'.*GraniteMoeHybridConfig"):
+        read_model({**cfg, "layer_types": ["mamba", "conv", "mamba", "attention"]})
 
 
 def test_deepseek_v2_lite_stays_mla():

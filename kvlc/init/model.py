@@ -9,7 +9,9 @@
   cache layer ``num_hidden_layers + i``;
 * ``hybrid_override_pattern`` (``M`` Mamba, ``*`` attention, ``-`` / ``E`` MLP), or the
   ``layers_block_type`` list transformers 5.x writes instead (then without
-  ``num_hidden_layers``) → Mamba-2 hybrid (Nemotron-H);
+  ``num_hidden_layers``) → Mamba-2 hybrid (Nemotron-H); ``mamba_n_heads`` with a ``layer_types`` list of
+  ``mamba`` / ``attention`` (or ``linear_attention`` / ``full_attention``) → the same, the mixer spelled as
+  Falcon-H1's (Granite-4);
 * ``attn_layer_period`` / ``attn_layer_offset`` (with ``mamba_d_state`` …) → Mamba-1 hybrid (Jamba:
   attention where ``i % period == offset``, Mamba-1 elsewhere);
 * ``linear_num_value_heads`` with ``layer_types`` or ``full_attention_interval`` →
@@ -43,7 +45,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from kvlc.engines.vllm.derive.offline import chunk_size, layer_types
+from kvlc.engines.vllm.derive.offline import chunk_size, layer_types, sliding_window
 from kvlc.engines.vllm.derive.state import mamba2_fields
 from kvlc.engines.vllm.derive.view import ViewError
 from kvlc.errors import KvlcError
@@ -184,7 +186,7 @@ def _attention_kinds(c: Mapping, n: int) -> tuple[LayerKind, ...] | None:
                         f"cannot tell (it knows {', '.join(ATTENTION_TYPES)} here and the hybrids' fields in "
                         "kvlc.init.model); it writes no attention in its place; fix: write the spec by hand")
     kinds = tuple(ATTENTION_TYPES[t] for t in types)
-    if LayerKind.SLIDING in kinds and not c.get("sliding_window"):
+    if LayerKind.SLIDING in kinds and not sliding_window(c):
         kinds = tuple(LayerKind.FULL if k == LayerKind.SLIDING else k for k in kinds)  # no window: all tokens
     return kinds
 
@@ -207,15 +209,18 @@ BLOCK_TYPES = {"mamba": "M", "linear_attention": "M", "attention": "*", "full_at
 
 
 def _block_pattern(c: Mapping, n: int) -> str:
-    """``hybrid_override_pattern``, or the ``layers_block_type`` list spelled as one."""
+    """``hybrid_override_pattern``, or the ``layers_block_type`` list (Nemotron-H, transformers 5.x) or the
+    ``layer_types`` list (Granite-4: ``mamba`` / ``attention``, transformers 5.x ``linear_attention`` /
+    ``full_attention``) spelled as one."""
     if c.get("hybrid_override_pattern"):
         return str(c["hybrid_override_pattern"])
-    types = c["layers_block_type"]
+    key = "layers_block_type" if isinstance(c.get("layers_block_type"), list) else "layer_types"
+    types = c[key]
     bad = sorted({str(t) for t in types} - set(BLOCK_TYPES))
     if bad:
-        raise InitError(f"config.json: layers_block_type names {', '.join(map(repr, bad))}; expected one of "
-                        f"{', '.join(BLOCK_TYPES)} per layer (transformers' NemotronHConfig); fix: one of those "
-                        "per layer")
+        raise InitError(f"config.json: {key} names {', '.join(map(repr, bad))}; expected one of "
+                        f"{', '.join(BLOCK_TYPES)} per layer (a Mamba-2 hybrid: transformers' NemotronHConfig, "
+                        "GraniteMoeHybridConfig); fix: one of those per layer")
     return "".join(BLOCK_TYPES[t] for t in types)
 
 
@@ -226,7 +231,10 @@ def _mamba(c: Mapping, name: str, n: int) -> Model:
         raise InitError(f"config.json: hybrid_override_pattern must have {n} letters of M, *, -, E, "
                         f"found {len(pattern)} letters{' with ' + repr(''.join(bad)) if bad else ''}; "
                         "fix: one letter per layer")
-    m = _mamba2_sizes(c)
+    try:
+        m = _mamba2_sizes(mamba2_fields(c))  # Granite-4 spells its mixer as Falcon-H1 does
+    except ViewError as exc:
+        raise InitError(str(exc)) from None
     return Model(name, Family.MAMBA, n, tuple(_PATTERN[x] for x in pattern), _kv_heads(c),
                  _head_dim(c, "attention_head_dim", "head_dim"), mamba=m, sizes=_mamba2_dims(m))
 
@@ -330,9 +338,10 @@ def _state_or_latent_model(c: Mapping, name: str, n: int) -> Model | None:
     """An MLA model or a hybrid with state layers, by the fields that declare them; None: neither."""
     if c.get("kv_lora_rank"):
         return _mla(c, name, n)
-    if "mamba_d_ssm" in c or (c.get("mamba_n_heads") and "attn_layer_indices" not in c):
+    per_layer = c.get("layer_types") if c.get("mamba_n_heads") else None  # Granite-4: Mamba-2 or attention
+    if "mamba_d_ssm" in c or (c.get("mamba_n_heads") and "attn_layer_indices" not in c and not per_layer):
         return _parallel_hybrid(c, name, n)
-    if c.get("hybrid_override_pattern") or isinstance(c.get("layers_block_type"), list):
+    if c.get("hybrid_override_pattern") or isinstance(c.get("layers_block_type"), list) or per_layer:
         return _mamba(c, name, n)
     if "attn_layer_period" in c or "attn_layer_offset" in c:
         return _mamba1(c, name, n)
@@ -348,5 +357,5 @@ def _attention_model(c: Mapping, name: str, n: int) -> Model:
     if kinds is not None and LayerKind.CHUNKED in kinds:
         return Model(name, Family.CHUNKED, n, kinds, _kv_heads(c), _head_dim(c), chunk=chunk_size(c))
     if kinds is not None and LayerKind.SLIDING in kinds:
-        return Model(name, Family.SLIDING, n, kinds, _kv_heads(c), _head_dim(c), window=_int(c, "sliding_window"))
+        return Model(name, Family.SLIDING, n, kinds, _kv_heads(c), _head_dim(c), window=sliding_window(c))
     return Model(name, Family.DENSE, n, (LayerKind.FULL,) * n, _kv_heads(c), _head_dim(c))

@@ -96,7 +96,7 @@ def _groups(config: Mapping, block_size: int, names: list[str], mla: bool,
         groups = vllm_groups(kinds)
     else:
         groups = [(kind, tuple(i for i, k in kinds if k == kind)) for kind in ("sliding", "chunked", "full")]
-    window = int(text.get("sliding_window") or 0)
+    window = sliding_window(text)
     return tuple(_group(kind, block_size, tuple(names[i] for i in members), window, chunk_size(text))
                  for kind, members in groups if members)
 
@@ -110,14 +110,50 @@ def _layer_kinds(text: Mapping[str, Any], n: int) -> list[tuple[int, str]]:
                         "K/V or of a kind the offline view does not derive (it derives full, sliding and chunked "
                         "attention); fix: `kvlc init CONFIG --engine vllm` writes the hybrid page pool of Mamba-2, "
                         "Mamba-1 and Gated-DeltaNet hybrids")
-    window = text.get("sliding_window")
+    window = sliding_window(text)
     return [(i, "full" if _KINDS[t] == "sliding" and not window else _KINDS[t]) for i, t in enumerate(types[:n])]
+
+
+# The window vLLM 0.32 gives a sliding layer, from what transformers' config class makes of config.json:
+# a class default where the key is absent, none where a ``use_sliding_window`` switch is off (the Qwen
+# classes null it then), and one token more for Cohere-2 (commandr.py / cohere2_moe.py: its sliding layers
+# see [pos - window, pos]).
+_WINDOW_DEFAULTS = {"mistral": 4096, "gemma2": 4096, "gemma3": 4096, "gemma3_text": 4096, "cohere2": 4096}
+_WINDOW_SWITCHED = {"qwen2", "qwen3", "qwen3_moe", "qwen2_moe"}   # model types with ``use_sliding_window``
+_WINDOW_EXTRA = {"cohere2": 1, "cohere2_moe": 1}
+
+
+def sliding_window(text: Mapping[str, Any]) -> int:
+    """Tokens a sliding-window layer of this text config attends to in vLLM 0.32 (0: no window).
+
+    >>> sliding_window({"model_type": "mistral"}), sliding_window({"model_type": "mistral", "sliding_window": None})
+    (4096, 0)
+    >>> sliding_window({"model_type": "qwen2", "sliding_window": 32768}), sliding_window({"model_type": "cohere2"})
+    (0, 4097)
+    """
+    kind = str(text.get("model_type", ""))
+    value = text["sliding_window"] if "sliding_window" in text else _WINDOW_DEFAULTS.get(kind)
+    if (kind in _WINDOW_SWITCHED or "use_sliding_window" in text) and not text.get("use_sliding_window"):
+        return 0
+    if value is None or value == 0:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ViewError(f"config.json: sliding_window must be a positive integer or null, found {value!r}; "
+                        "fix: give the model's value")
+    return value + _WINDOW_EXTRA.get(kind, 0)
+
+
+def _switched_types(text: Mapping[str, Any], n: int) -> list[str]:
+    """transformers' Qwen2 / Qwen3 layer types with ``use_sliding_window`` on: sliding from layer
+    ``max_window_layers`` (28 by default) on."""
+    first = int(text.get("max_window_layers", 28))
+    return ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
 
 
 # transformers' defaults where config.json has no ``layer_types`` (what vLLM then reads): Gemma-2 / Gemma-3
 # layer i slides unless (i + 1) is a multiple of the period; Llama-4 (Llama4TextConfig) chunks attention over
 # 8192 tokens on its RoPE layers and has a NoPE (full-attention) layer every 4th
-_PERIODS = {"gemma2": lambda c: 2, "gemma3": lambda c: c.get("sliding_window_pattern", 6),
+_PERIODS = {"gemma2": lambda c: 2, "cohere2": lambda c: 4, "gemma3": lambda c: c.get("sliding_window_pattern", 6),
             "gemma3_text": lambda c: c.get("sliding_window_pattern", 6)}
 _CHUNK_DEFAULTS = {"llama4_text": (8192, 4)}   # model_type -> (attention_chunk_size, no_rope_layer_interval)
 
@@ -156,8 +192,9 @@ def _chunked_types(text: Mapping[str, Any], n: int) -> list[str] | None:
 
 def layer_types(text: Mapping[str, Any]) -> list[str] | None:
     """``layer_types`` of a text config, or transformers' default: chunked / full from ``attention_chunk_size``
-    and ``no_rope_layers`` (Llama-4), sliding / full every ``sliding_window_pattern``-th layer, or the
-    Gemma-2 / Gemma-3 default period; None: the config says nothing of per-layer attention kinds.
+    and ``no_rope_layers`` (Llama-4), sliding / full every ``sliding_window_pattern``-th layer, the
+    Gemma-2 / Gemma-3 default period, Qwen's ``max_window_layers``, or (a window and nothing per layer, as
+    Mistral's) every layer sliding: vLLM gives such a model-wide window to every layer; None: all full.
 
     >>> layer_types({"model_type": "gemma2", "num_hidden_layers": 4, "sliding_window": 4096})
     ['sliding_attention', 'full_attention', 'sliding_attention', 'full_attention']
@@ -170,11 +207,17 @@ def layer_types(text: Mapping[str, Any]) -> list[str] | None:
     chunked = _chunked_types(text, n)
     if chunked is not None:
         return chunked
-    period = _PERIODS.get(str(text.get("model_type", "")))
+    window = sliding_window(text)
+    if not window:
+        return None
+    kind = str(text.get("model_type", ""))
+    if kind in _WINDOW_SWITCHED:
+        return _switched_types(text, n)
+    period = _PERIODS.get(kind)
     if text.get("sliding_window_pattern"):
         period = lambda c: c["sliding_window_pattern"]  # noqa: E731 - any model type that states its period
-    if period is None or not text.get("sliding_window"):
-        return None
+    if period is None:  # vLLM's CacheConfig.sliding_window: one model-wide window, on every layer
+        return ["sliding_attention"] * n
     p = int(period(text))
     return ["sliding_attention" if (i + 1) % p else "full_attention" for i in range(n)]
 
