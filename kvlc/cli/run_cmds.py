@@ -55,7 +55,9 @@ def from_vllm(model_dir: str, backend: str, block_size: int | None, kernel_block
     """
     import json
 
-    block_size = block_size or (128 if backend == "CPU_ATTN" else 16)
+    from kvlc.init import default_block_size
+
+    block_size = block_size or default_block_size("vllm", backend)
     hybrid = None
     try:
         if from_engine:

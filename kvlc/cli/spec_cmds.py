@@ -18,7 +18,7 @@ from kvlc.errors import KvlcError
 from kvlc.explain.docs import check_doc, problem_doc
 from kvlc.compiler.spec.dtypes import DTYPE_SIZES
 from kvlc.engines.vllm.derive.offline import ATTENTION_BACKENDS, MLA_BACKENDS
-from kvlc.init import ENGINES, EngineOptions, InitError, init_checked, init_spec
+from kvlc.init import ENGINES, EngineOptions, InitError, default_block_size, init_checked, init_spec
 from kvlc.init.ds_mla import DS_MLA
 
 
@@ -134,7 +134,8 @@ INIT_KV_DTYPES = [*DTYPE_SIZES, DS_MLA]
 @click.option("--dcp-size", type=int, default=1, show_default=True, help="Decode context parallel ranks.")
 @click.option("--dcp-interleave", type=int, default=1, show_default=True,
               help="Tokens a DCP rank stores in a row (vLLM's cp_kv_cache_interleave_size).")
-@click.option("--block-size", type=int, default=16, show_default=True, help="Tokens per scheduler block.")
+@click.option("--block-size", type=int, default=None,
+              help="Tokens per scheduler block (default: the engine's own: 128 on vLLM's CPU_ATTN, else 16).")
 @click.option("--kernel-block-size", type=int, default=None, help="Tokens per attention-kernel block.")
 @click.option("--kv-dtype", type=Choice(INIT_KV_DTYPES), default="bf16", show_default=True,
               help="K/V (or MLA latent) dtype; fp8_ds_mla: vLLM's packed MLA record.")
@@ -154,7 +155,8 @@ INIT_KV_DTYPES = [*DTYPE_SIZES, DS_MLA]
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write the spec here.")
 @click.option("--json", "as_json", is_flag=True, help="Write the spec as JSON instead of commented YAML.")
 def init_cmd(config: str, engine: str, backend: str, tp_size: int, pp_size: int, pp_rank: int, layers: str | None,
-             pcp_size: int, dcp_size: int, dcp_interleave: int, block_size: int, kernel_block_size: int | None,
+             pcp_size: int, dcp_size: int, dcp_interleave: int, block_size: int | None,
+             kernel_block_size: int | None,
              kv_dtype: str,
              mem: str, device: int, num_blocks: int, sliding_blocks: int | None, state_slots: int | None,
              mtp: bool, ssm_dtype: str, avx512_bf16: bool | None, name: str, model_name: str, output: str | None,
@@ -166,7 +168,8 @@ def init_cmd(config: str, engine: str, backend: str, tp_size: int, pp_size: int,
         opts = EngineOptions(engine=engine, backend=backend, tp_size=tp_size, pp_size=pp_size, pp_rank=pp_rank,
                              layers=_layer_window(layers), pcp_size=pcp_size, dcp_size=dcp_size,
                              dcp_interleave=dcp_interleave,
-                             block_size=block_size, kernel_block_size=kernel_block_size, kv_dtype=kv_dtype,
+                             block_size=block_size or default_block_size(engine, backend),
+                             kernel_block_size=kernel_block_size, kv_dtype=kv_dtype,
                              mem=mem, device=device, num_blocks=num_blocks, sliding_blocks=sliding_blocks,
                              state_slots=state_slots, draft_layers=mtp, mamba_ssm_cache_dtype=ssm_dtype,
                              cpu_avx512_bf16=avx512_bf16, name=name, model_name=model_name)

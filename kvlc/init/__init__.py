@@ -25,7 +25,8 @@ from kvlc.compiler import compile_spec
 from kvlc.compiler.spec.dtypes import DTYPE_SIZES
 from kvlc.errors import Problem, SpecError, did_you_mean, format_path
 from kvlc.init.ds_mla import DS_MLA, ds_mla_record
-from kvlc.init.engines import ENGINES, MEMS, EngineOptions, backend_of, dcp_parallel, stage_layers
+from kvlc.init.engines import (ENGINES, MEMS, EngineOptions, backend_of, dcp_parallel, default_block_size,
+                               stage_layers)
 from kvlc.init.model import Family, InitError, LayerKind, Model, read_model
 from kvlc.init.vllm import vllm_spec
 from kvlc.init.write import GroupNames, Layer, groups, layouts, regions, storages
@@ -227,4 +228,5 @@ def init_checked(config: Mapping[str, Any], opts: EngineOptions = EngineOptions(
     return text
 
 
-__all__ = ["init_spec", "init_yaml", "init_checked", "EngineOptions", "GroupNames", "InitError", "ENGINES", "read_model"]
+__all__ = ["init_spec", "init_yaml", "init_checked", "EngineOptions", "GroupNames", "InitError", "ENGINES", "read_model",
+           "default_block_size"]

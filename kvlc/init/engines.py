@@ -97,6 +97,16 @@ class EngineOptions:
     model_name: str = ""
 
 
+def default_block_size(engine: str, backend: str) -> int:
+    """Tokens per block an engine takes when not told: vLLM 0.32's CPU platform picks 128 for CPU_ATTN
+    (``platforms/cpu.py``), its other backends (CPU_MLA's reference path included) 16, as kvlc's engines.
+
+    >>> default_block_size("vllm", "CPU_ATTN"), default_block_size("vllm", "FLASH_ATTN")
+    (128, 16)
+    """
+    return 128 if (engine, backend) == ("vllm", "CPU_ATTN") else 16
+
+
 def backend_of(opts: EngineOptions) -> Backend:
     """The backend an engine description names, or an :class:`InitError` saying which exist."""
     if opts.engine not in ENGINES:

@@ -99,10 +99,13 @@ def vllm_spec(config: Mapping[str, Any], m: Model, opts: EngineOptions) -> dict:
     device = "cpu" if opts.mem == "DRAM" else f"cuda:{opts.device}"
     if m.family in HYBRID_FAMILIES:
         return _finish(_hybrid(config, m, opts, (start, stop), device), opts, window, renumber=False)
-    view = published_view(vllm_config(config, m, (start, stop)), opts.model_name or m.name,
-                          backend=opts.backend, block_size=opts.block_size, num_blocks=opts.num_blocks,
-                          tp_size=opts.tp_size, kv_dtype=opts.kv_dtype, kernel_block_size=opts.kernel_block_size,
-                          device=device)
+    try:
+        view = published_view(vllm_config(config, m, (start, stop)), opts.model_name or m.name,
+                              backend=opts.backend, block_size=opts.block_size, num_blocks=opts.num_blocks,
+                              tp_size=opts.tp_size, kv_dtype=opts.kv_dtype, kernel_block_size=opts.kernel_block_size,
+                              device=device)
+    except ViewError as exc:
+        raise InitError(f"engine 'vllm': {exc}") from None
     spec = derive_spec(view)
     spec["model"]["num_layers"] = m.num_layers
     return _finish(spec, opts, window, renumber=True)

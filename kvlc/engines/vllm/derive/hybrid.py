@@ -19,9 +19,10 @@ What vLLM 0.32 allocates for a hybrid model (restated from its ``kv_cache_utils`
   Gated-DeltaNet state kept in bf16 / fp16 by an explicit dtype (its accelerated kernel). A bf16
   / fp16 Mamba-2 state there is refused: vLLM keeps it or not by how the engine's transformers
   names Mamba layers, which the config does not say.
-* **One page size.** The attention block grows to ``B * ceil(state / (B * token bytes))``
-  tokens (``B`` = ``--block-size``) so one attention page holds a state; state pages are
-  padded to the attention page.
+* **One page size.** The attention block grows to ``A * ceil(state / (A * token bytes))``
+  tokens, ``A`` = the larger of ``--block-size`` and the backend's smallest kernel block (32 on
+  CPU_ATTN, 16 on the GPU backends), rounded up to a multiple of that kernel block, so one attention
+  page holds a state; state pages are padded to the attention page.
 * **Groups.** Layers are bucketed by kind in layer order; the group size is the smallest
   bucket (the largest when it is under 1.5 times the smallest); a bucket of ``n`` layers
   makes ``ceil(n / size)`` groups, group ``i`` taking every ``ceil(n / size)``-th layer from ``i``.
@@ -50,9 +51,22 @@ GROUP_KIND = {"attention": "full_attention", "mamba": "mamba", "linear": "linear
 GROUP_NAME = {"attention": "full", "mamba": "mamba", "linear": "linear"}
 
 
-def hybrid_block_size(block_size: int, token_bytes: int, state_bytes: int) -> int:
-    """The attention block (tokens) vLLM picks so one page holds a state: a multiple of ``block_size``."""
-    return block_size * -(-state_bytes // (block_size * token_bytes))
+# The smallest kernel block of each attention backend (vLLM 0.32's get_supported_kernel_block_sizes):
+# CPU_ATTN's kernels take multiples of 32 tokens, the GPU backends' of 16.
+KERNEL_ALIGN = {"CPU_ATTN": 32}
+
+
+def hybrid_block_size(block_size: int, token_bytes: int, state_bytes: int, kernel: int = 16) -> int:
+    """The attention block (tokens) vLLM picks so one page holds a state (``_align_hybrid_block_size``): a
+    multiple of ``align = max(kernel, block_size)`` tokens whose page holds the state, rounded up to a multiple
+    of the backend's smallest kernel block ``kernel``.
+
+    >>> hybrid_block_size(16, token_bytes=1024, state_bytes=40000, kernel=32)  # CPU_ATTN: 32-token alignment
+    64
+    """
+    align = max(kernel, block_size)
+    tokens = align * -(-state_bytes // (align * token_bytes))
+    return kernel * -(-tokens // kernel)
 
 
 def attention_token_bytes(kv_heads: int, head_dim: int, tp: int, kv_dtype: str) -> int:
@@ -120,7 +134,7 @@ def hybrid_spec(c: Mapping[str, Any], name: str, layers: Sequence[tuple[int, str
     head_dim = attention_head_dim(c)
     kv_heads = int(c.get("num_key_value_heads") or c["num_attention_heads"])
     token = attention_token_bytes(kv_heads, head_dim, tp_size, kv_dtype)
-    block = hybrid_block_size(block_size, token, state.bytes_per_rank(tp_size))
+    block = hybrid_block_size(block_size, token, state.bytes_per_rank(tp_size), KERNEL_ALIGN.get(backend, 16))
     attn = _attention_part(c, name, backend=backend, block=block, num_blocks=num_blocks, tp=tp_size,
                            kv_dtype=kv_dtype, device=device)
     (template,) = attn["regions"]

@@ -51,6 +51,7 @@ MLA_BACKENDS = {"FLASHMLA", "FLASHINFER_MLA", "CUTLASS_MLA", "TRITON_MLA", "FLAS
                 "ROCM_AITER_MLA", "FLASHMLA_SPARSE"}
 ATTENTION_BACKENDS = {"CPU_ATTN", "FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION"}
 CPU_BACKENDS = ("CPU_ATTN", "CPU_MLA")  # vLLM's CPU platform: the cache is in host memory
+CPU_ATTN_BLOCK = 32  # CPU_ATTN's kernel block sizes: MultipleOf(32) (cpu_attn.py)
 DEFAULT_LAYOUT = {"CPU_ATTN": "LBHNC"}  # the CPU kernels read head-major blocks only; vLLM's default: LBNHC
 
 
@@ -315,6 +316,12 @@ def published_view(config: Mapping[str, Any], name: str, *, backend: str, block_
     kernel = kernel_block_size or block_size
     if block_size % kernel:
         raise ViewError(f"kernel block size {kernel} does not divide block size {block_size}")
+    if backend == "CPU_ATTN" and kernel % CPU_ATTN_BLOCK:
+        raise ViewError(f"--block-size {block_size}: vLLM 0.32's CPU attention kernels take blocks of a multiple of "
+                        f"{CPU_ATTN_BLOCK} tokens (CPU_ATTN's kernel block sizes: MultipleOf({CPU_ATTN_BLOCK})); an "
+                        "engine asked for another size refuses to start (\"No common block size\"), or, with only "
+                        "sliding-window layers, runs another size than asked; fix: --block-size 32 (or 64, 96, 128, "
+                        "...) here and in the engine")
     heads = heads_per_rank(m.num_kv_heads, tp_size)
     if heads is None:
         raise ViewError(f"{m.num_kv_heads} KV heads cannot be split over tp_size {tp_size}")
