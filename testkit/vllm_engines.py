@@ -2,7 +2,8 @@
 
 :func:`tiny_llama` writes a small Llama with random weights (transformers, safetensors;
 :func:`tiny_gemma3`, :func:`tiny_deepseek_v2`, :func:`tiny_nemotron_h`, :func:`tiny_falcon_h1` and
-:func:`tiny_qwen3_next` a sliding-window, an MLA and three hybrid models) that greedy decoding turns into
+:func:`tiny_qwen3_next` a sliding-window, an MLA and three hybrid models; :func:`tiny_family` one of
+:data:`FAMILIES` through transformers' own classes) that greedy decoding turns into
 varied, KV-sensitive tokens. :class:`EngineProcess` starts one ``vllm.LLM`` in a spawned child (each
 engine needs its own process: vLLM keeps one KV connector per process) and runs ``generate`` there; with
 ``preload=True`` the child is forked from a server that imported vLLM once (:data:`PRELOAD`), so an engine
@@ -193,6 +194,57 @@ def tiny_jamba(path: str | Path, seed: int = 0, dtype: str = "float32") -> Path:
                       torch_dtype=dtype)
     cfg.architectures = ["JambaForCausalLM"]
     JambaForCausalLM(cfg).to(getattr(torch, dtype)).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+# model_type (a "+variant" names another set of the same type): config fields that make it tiny and exercise its
+# kind of cache; the rest of the config is transformers' own defaults for that type
+FAMILIES = {
+    "qwen2": dict(num_hidden_layers=2),
+    "qwen3": dict(num_hidden_layers=2),
+    "mistral": dict(num_hidden_layers=2, sliding_window=48),          # a model-wide window: every layer slides
+    "mistral+default": dict(num_hidden_layers=2),                     # no sliding_window key: MistralConfig's 4096
+    "phi3": dict(num_hidden_layers=2),
+    "phi3+window": dict(num_hidden_layers=2, sliding_window=48),
+    "gemma2": dict(num_hidden_layers=4, sliding_window=48, query_pre_attn_scalar=64, tie_word_embeddings=True),
+    "olmo2": dict(num_hidden_layers=2),
+    "qwen3_moe": dict(num_hidden_layers=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128),
+    "cohere2": dict(num_hidden_layers=4, sliding_window=48,          # vLLM's sliding layers see window + 1
+                    layer_types=["sliding_attention"] * 3 + ["full_attention"]),
+    "granitemoehybrid": dict(num_hidden_layers=4, layer_types=["mamba", "attention", "mamba", "mamba"],
+                             mamba_n_heads=8, mamba_d_head=64, mamba_n_groups=1, mamba_d_state=64,
+                             mamba_expand=2, mamba_d_conv=4, mamba_chunk_size=64, num_local_experts=0,
+                             shared_intermediate_size=512),
+    "gpt_oss": dict(num_hidden_layers=2, sliding_window=48, num_local_experts=4, num_experts_per_tok=2,
+                    layer_types=["sliding_attention", "full_attention"]),
+}
+
+
+def tiny_family(path: str | Path, family: str, dtype: str = "bfloat16", seed: int = 0) -> Path:
+    """Write a random-weight model of ``family`` (a key of :data:`FAMILIES`) with transformers' own config class
+    and model class for its ``model_type`` (``AutoConfig.for_model``), ``TINY``-sized, in ``dtype``."""
+    import json
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = Path(path)
+    if (path / "config.json").exists():
+        return path
+    torch.manual_seed(seed)
+    model_type = family.split("+")[0]
+    over = {**TINY, "initializer_range": 0.2, "tie_word_embeddings": False, **FAMILIES[family]}
+    if model_type == "phi3":  # head size from hidden / heads; its default pad id lies outside a tiny vocabulary
+        over.pop("head_dim")
+        over["pad_token_id"] = 0
+    cfg = AutoConfig.for_model(model_type, **over, torch_dtype=dtype)
+    model = AutoModelForCausalLM.from_config(cfg)
+    cfg.architectures = [type(model).__name__]
+    model.to(getattr(torch, dtype)).save_pretrained(path, safe_serialization=True)
+    if family == "mistral+default":  # config.json without the key: the class default applies when read
+        written = json.loads((path / "config.json").read_text())
+        written.pop("sliding_window")
+        (path / "config.json").write_text(json.dumps(written))
     return path
 
 

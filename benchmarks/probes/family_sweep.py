@@ -9,7 +9,8 @@ result on stdout; an engine that fails to start prints its log's last lines.
 
     python benchmarks/probes/family_sweep.py --dtype bfloat16 --blocks 32,64 qwen2 qwen3 mistral phi3 gemma2
 
-Families: see ``FAMILIES`` (model_type: config overrides that make it tiny and exercise its kind).
+Families: ``testkit.vllm_engines.FAMILIES`` (model_type, or model_type+variant: the config fields that make
+it tiny and exercise its kind of cache).
 """
 
 from __future__ import annotations
@@ -25,62 +26,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-SMALL = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-             vocab_size=1024, max_position_embeddings=1024, initializer_range=0.2, tie_word_embeddings=False)
-FAMILIES = {
-    "qwen2": dict(num_hidden_layers=2),
-    "qwen3": dict(num_hidden_layers=2),
-    "mistral": dict(num_hidden_layers=2, sliding_window=48),
-    "phi3": dict(num_hidden_layers=2),
-    "gemma2": dict(num_hidden_layers=4, sliding_window=48, query_pre_attn_scalar=64),
-    "olmo2": dict(num_hidden_layers=2),
-    "qwen3_moe": dict(num_hidden_layers=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128),
-    "cohere2": dict(num_hidden_layers=4, sliding_window=48, layer_types=["sliding_attention"] * 3 + ["full_attention"]),
-    "granitemoehybrid": dict(num_hidden_layers=4, layer_types=["mamba", "attention", "mamba", "mamba"],
-                             mamba_n_heads=8, mamba_d_head=64, mamba_n_groups=1, mamba_d_state=64,
-                             mamba_expand=2, mamba_d_conv=4, mamba_chunk_size=64, num_local_experts=0,
-                             shared_intermediate_size=512),
-    "phi3+window": dict(num_hidden_layers=2, sliding_window=48),       # a model-wide window, no layer_types
-    "mistral+default": dict(num_hidden_layers=2),                     # MistralConfig's default window (4096)
-    "gemma2+tied": dict(num_hidden_layers=4, sliding_window=48, query_pre_attn_scalar=64, tie_word_embeddings=True),
-    "gpt_oss": dict(num_hidden_layers=2, sliding_window=48, num_local_experts=4, num_experts_per_tok=2,
-                    layer_types=["sliding_attention", "full_attention"]),
-}
 PROMPTS = (33, 64, 97, 150)
 MAX_TOKENS = 10
-
-
-def write_model(family: str, path: Path, dtype: str) -> Path:
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    if (path / "config.json").exists():
-        return path
-    torch.manual_seed(0)
-    over = dict(SMALL, **FAMILIES[family])
-    variant, family = family, family.split("+")[0]  # a variant of a model type
-    if family == "phi3":  # head size from hidden / heads; its default pad id lies outside a tiny vocabulary
-        over.pop("head_dim")
-        over["pad_token_id"] = 0
-    cfg = AutoConfig.for_model(family, **over, torch_dtype=dtype)
-    model = AutoModelForCausalLM.from_config(cfg)
-    cfg.architectures = [type(model).__name__]
-    model.to(getattr(torch, dtype)).save_pretrained(path, safe_serialization=True)
-    if variant == "mistral+default":  # config.json without the key: the class default applies when read
-        written = json.loads((path / "config.json").read_text())
-        written.pop("sliding_window")
-        (path / "config.json").write_text(json.dumps(written))
-    return path
 
 
 def run(family: str, dtype: str, pb: int, db: int, root: Path) -> None:
     from kvlc.compiler import compile_spec
     from kvlc.engines.vllm.derive.spec import derive_plan
     from kvlc.init import EngineOptions, init_yaml
-    from testkit.vllm_engines import EngineSpec
+    from testkit.vllm_engines import EngineSpec, tiny_family
     from tests.engines.conftest import Engines, engine_env, kvlc_config, prefill, prompt
 
-    model = write_model(family, root / family, dtype)
+    model = tiny_family(root / family, family, dtype)
     e = Engines(root / f"{family}-{pb}-{db}")
     (root / f"{family}-{pb}-{db}").mkdir(exist_ok=True)
     base = dict(family=family, dtype=dtype, pb=pb, db=db)
@@ -122,6 +79,8 @@ def run(family: str, dtype: str, pb: int, db: int, root: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from testkit.vllm_engines import FAMILIES
+
     ap.add_argument("families", nargs="+", choices=sorted(FAMILIES))
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     ap.add_argument("--blocks", default="32,32", help="prefill,decode block sizes")
