@@ -198,6 +198,67 @@ def test_refusals_are_the_reference_words(monkeypatch, bad, words):
     assert str(native_err.value) == str(ref_err.value)
 
 
+needs_ids = pytest.mark.skipif(native.ids_library() is None, reason=f"ids.c: {native.ids_status()}")
+
+
+def _outcome(prog, lids, rids, tokens):
+    """check_request's kernel ids per side and link, or its refusal's words."""
+    try:
+        req = check_request(prog, lids, rids, tokens=tokens)
+    except TransferError as exc:
+        return str(exc)
+    return {side: {k: v.tolist() for k, v in getattr(req, side).items()} for side in ("local", "remote")}
+
+
+_ITEM = st.one_of(st.sampled_from([-1, 0, 63, 64, 65, 2**63 - 1, 2**63, -2**63, -2**63 - 1, True, False, 3.0, None,
+                                   "7", np.int64(5), np.uint8(64)]), st.integers(-2**66, 2**66))
+
+
+@needs_ids
+@settings(deadline=None, max_examples=250)
+@given(data=st.data())
+def test_ids_read_in_c_equal_the_reference(data):
+    """ids.c reads the engine's lists (or tuples) of block ids: for ids of any value and type (plain ints of
+    every size, repeats, bools, numpy ints, floats, None, str), any count and any token range, the kernel ids
+    or the refusal's words are the reference's (check.py's, with ids.c off). Both sides, both directions,
+    token groups of a sliding-window plan (ids before the window are placeholders) and state groups."""
+    name = data.draw(st.sampled_from(["llama-3.1-8b", "gpt-oss-120b-tp4", "nemotron-h-8b-tp2"]))
+    plan = kvlc.compile_spec(ROOT / f"layouts/{name}.yaml")
+    plan = plan.model_copy(update={"regions": tuple(r.model_copy(update={"num_blocks": 64}) for r in plan.regions)})
+    prog = pair(plan, plan, local_rank=0, direction=data.draw(st.sampled_from(["READ", "WRITE"])))
+    stop = data.draw(st.integers(1, 64 * min(g.block_size for g in plan.groups if g.block_size)))
+    start = data.draw(st.integers(0, stop - 1))
+    sides = []
+    for _ in range(2):
+        ids = {}
+        for g in plan.groups:
+            n = -(-stop // g.block_size) - start // g.block_size if g.kind != "mamba" else data.draw(st.integers(1, 4))
+            n = max(0, n + data.draw(st.sampled_from([0, 0, 0, 0, -1, 1])))
+            top = data.draw(st.sampled_from([63, 64]))  # 64 blocks a region: id 64 is the first out of range
+            plain = data.draw(st.lists(st.integers(0, top), min_size=n, max_size=n, unique=data.draw(st.booleans())))
+            if n and data.draw(st.integers(0, 3)) == 0:  # an odd item somewhere
+                plain[data.draw(st.integers(0, n - 1))] = data.draw(_ITEM)
+            ids[g.name] = tuple(plain) if data.draw(st.booleans()) else plain
+        sides.append(ids)
+    got = _outcome(prog, *sides, (start, stop))
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(native, "ids_library", lambda: None)
+        want = _outcome(prog, *sides, (start, stop))
+    assert got == want
+
+
+@needs_ids
+def test_ids_bitmap_is_clear_between_calls():
+    """A repeat found early leaves no bit set: the next list with those ids is not taken for a repeat."""
+    cap = 1 << 16
+    ids = list(range(100, 200)) + [150] + list(range(300, 400))
+    assert native.seq_ids(ids, 0, len(ids), cap, True) is None          # 150 twice
+    again = list(range(100, 200)) + list(range(300, 400))
+    assert native.seq_ids(again, 0, len(again), cap, True).tolist() == again
+    assert native.seq_ids(again + [cap], 0, len(again) + 1, cap, True) is None   # out of range
+    assert native.seq_ids(again + [cap], 0, len(again), cap, True).tolist() == again + [cap]  # outside [lo, hi)
+
+
 @needs_native
 @pytest.mark.parametrize("n, cap, distinct, want", [
     (0, 1, True, True), (5, 5, True, True), (5, 4, False, False), (300, 1 << 20, True, True)])

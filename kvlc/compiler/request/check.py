@@ -186,22 +186,39 @@ def _token_group(rule: GroupRule, ids: tuple, span: TokenRange):
 
 def _side_ids(rule: SideRule, raw, span: TokenRange, moved: TokenRange) -> tuple[np.ndarray, int]:
     """One side's ids checked: kernel ids of the blocks read, and the kernel block number of the first."""
-    arr = block_ids(raw, rule.where)
-    _count(arr, rule.side, rule.group, span, rule.block_size, rule.dcp)
     per = rule.block_size * rule.dcp  # tokens per block id
     first, n = block_span(moved, per) if len(moved) else (span.start // per, 0)
     skip = first - span.start // per
-    if skip or n != len(arr):
-        arr = arr[skip:][:n]
-    _check_ids(rule, arr)
+    arr = _native_ids(rule, raw, span, skip, n)
+    if arr is None:  # the reference: every refusal is worded here
+        arr = block_ids(raw, rule.where)
+        _count(arr, rule.side, rule.group, span, rule.block_size, rule.dcp)
+        if skip or n != len(arr):
+            arr = arr[skip:][:n]
+        _check_ids(rule, arr)
+    elif skip or n != len(arr):
+        arr = arr[skip:skip + n]
     return kernel_ids(arr, rule.kernel_blocks), first * rule.kernel_blocks
+
+
+def _native_ids(rule: SideRule, raw, span: TokenRange, skip: int, n: int) -> np.ndarray | None:
+    """A list or tuple of plain ints, of the count the range needs, read and checked in one C pass (ids.c:
+    converted, ``[skip, skip + n)`` bounded and, receiving, distinct); None where the reference must look."""
+    if type(raw) not in _SEQ or len(raw) != block_span(span, rule.block_size * rule.dcp)[1]:
+        return None
+    return native.seq_ids(raw, skip, skip + n, rule.bound.capacity, rule.receiving)
+
+
+_SEQ = (list, tuple)
 
 
 def _state_group(rule: GroupRule, ids: tuple):
     out = []
     for side, raw in ((rule.local, ids[0]), (rule.remote, ids[1])):
-        arr = block_ids(raw, side.where)
-        _check_ids(side, arr)
+        arr = native.seq_ids(raw, 0, len(raw), side.bound.capacity, side.receiving) if type(raw) in _SEQ else None
+        if arr is None:  # the reference words every refusal
+            arr = block_ids(raw, side.where)
+            _check_ids(side, arr)
         out.append(arr)
     if len(out[0]) != len(out[1]):
         raise TransferError(f"group '{rule.name}': {len(out[0])} local vs {len(out[1])} "

@@ -1,8 +1,10 @@
-"""The per-request hot path in C (``rows.c``), loaded through ctypes; the Python code it mirrors is the reference.
+"""The per-request hot path in C (``rows.c``, ``ids.c``), loaded through ctypes; the Python code it mirrors is the
+reference.
 
-``rows.c`` is a plain C library (no Python API), built by ``pip install`` (setup.py, an optional
-extension: a machine without a C compiler installs and runs on the reference) and loaded with
-ctypes, so one build loads on any CPython; a GPU host without a compiler can carry it.
+``rows.c`` is a plain C library (no Python API); ``ids.c`` reads the engine's lists of block ids through
+Python's limited C API (one build for every CPython from 3.11). Both are built by ``pip install`` (setup.py,
+optional extensions: a machine without a C compiler installs and runs on the reference) and loaded with
+ctypes, so one build loads on any CPython; a GPU host without a compiler can carry them.
 :func:`library` is None when it is not built, or when ``KVLC_NATIVE=0`` (the reference then runs,
 with the same results: ``tests/test_native.py`` proves them identical); :func:`status` says which.
 """
@@ -29,6 +31,30 @@ _LIB = clib.Library(Path(__file__).resolve().parent, "_rows", "kvlc/compiler/req
                     "kvlc_emit": ((_PTR, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64), _I64)})
 library = _LIB.library  # the loaded C library, or None (the Python reference runs; status() says why)
 status = _LIB.status    # one line: which per-request path runs, and why
+
+
+_IDS = clib.Library(Path(__file__).resolve().parent, "_ids", "kvlc/compiler/request/native/ids.c",
+                    "kvlc_ids_abi_version", 1, "the Python reference reads the ids",
+                    {"kvlc_seq_ids": ((ctypes.py_object, ctypes.c_int, _I64, _PTR, _I64, _I64, _I64, ctypes.c_int),
+                                      ctypes.c_int)}, python_api=True)
+ids_library = _IDS.library  # ids.c loaded, or None (check.py's reference reads every list)
+ids_status = _IDS.status
+_SEQ_KIND = {list: 0, tuple: 1}
+
+
+def seq_ids(seq, lo: int, hi: int, capacity: int, distinct: bool) -> np.ndarray | None:
+    """The ids of a list or tuple of plain ints as int64, ``[lo, hi)`` of them checked (each in
+    ``[0, capacity)``; none twice if ``distinct``); None where the reference must decide (another type, an
+    item that is not a plain int or does not fit, an id out of range or repeated: it words the refusal)."""
+    kind = _SEQ_KIND.get(type(seq))
+    lib = ids_library()
+    if kind is None or lib is None:
+        return None
+    out = np.empty(len(seq), dtype=np.int64)
+    got = lib.kvlc_seq_ids(seq, kind, len(out), out.ctypes.data, lo, hi, capacity, 1 if distinct else 0)
+    if got < 0:
+        raise MemoryError(f"no memory for a bitmap of {capacity} block ids")
+    return out if got == 0 else None
 
 
 def address(a: np.ndarray) -> int:
