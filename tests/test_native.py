@@ -257,6 +257,9 @@ def test_ids_bitmap_is_clear_between_calls():
     assert native.seq_ids(again, 0, len(again), cap, True).tolist() == again
     assert native.seq_ids(again + [cap], 0, len(again) + 1, cap, True) is None   # out of range
     assert native.seq_ids(again + [cap], 0, len(again), cap, True).tolist() == again + [cap]  # outside [lo, hi)
+    # a region of more blocks than the bitmap keeps (2**26): repeats are left to the reference
+    assert native.seq_ids(again, 0, len(again), 1 << 30, True) is None
+    assert native.seq_ids(again, 0, len(again), 1 << 30, False).tolist() == again
 
 
 @needs_native

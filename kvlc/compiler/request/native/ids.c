@@ -19,7 +19,9 @@ int kvlc_ids_abi_version(void) { return 1; }
  * held throughout every call, serialises its users. */
 static uint64_t *seen;
 static uint64_t seen_words;
+#define BITMAP_WORDS_MAX (1ull << 20)  /* 8 MiB: regions of up to 2**26 blocks */
 
+/* 1: an id repeats; 0: none does; 2: not decided here (the reference looks); -1: no memory. */
 static int repeats(const int64_t *ids, int64_t n, int64_t capacity)
 {
     if (n <= 32) {  /* a few ids: compare them pairwise, no bitmap */
@@ -30,6 +32,8 @@ static int repeats(const int64_t *ids, int64_t n, int64_t capacity)
         return 0;
     }
     uint64_t words = ((uint64_t)capacity + 63) / 64;
+    if (words > BITMAP_WORDS_MAX)
+        return 2;  /* a region of more blocks than the bitmap keeps: the reference sorts them */
     if (words > seen_words) {
         uint64_t *grown = calloc(words, sizeof(uint64_t));
         if (!grown)
@@ -85,7 +89,7 @@ int kvlc_seq_ids(PyObject *seq, int kind, int64_t n, int64_t *out, int64_t lo, i
     if (distinct && hi - lo > 1) {
         int r = repeats(out + lo, hi - lo, capacity);
         if (r)
-            return r < 0 ? -1 : 2;
+            return r < 0 ? -1 : 2;  /* a repeat, or too many blocks for the bitmap: the reference decides */
     }
     return 0;
 }
