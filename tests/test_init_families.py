@@ -494,3 +494,32 @@ def test_vllm_pipeline_stage_of_a_pooled_model_pairs_with_the_whole(name):
     assert {int(r.name.split(".")[1]) for r in stage.regions} == set(range(start, stop))
     assert all(int(a.split(".")[1]) in range(start, stop) for r in stage.regions for a in r.aliases)
     assert {e.region for e in pair(whole, stage, local_rank=0).entries} == {r.name for r in stage.regions}
+
+
+# ---------------------------------------------------------------- CPU_ATTN block sizes as the engine takes them
+@pytest.mark.parametrize("block", [16, 48, 80])
+def test_cpu_attn_block_sizes_the_kernels_cannot_take_are_refused(tmp_path, block):
+    """vLLM 0.32's CPU kernels take multiples of 32 tokens: an engine asked for 16, 48 or 80 refuses to start, or
+    (sliding layers only) runs 32 or 64; init and offline from-vllm refuse with the option and the fix."""
+    cfg = {**TINY, "model_type": "mistral"}
+    with pytest.raises(InitError, match=rf"^engine 'vllm': --block-size {block}: .*MultipleOf\(32\).*fix: --block-size 32"):
+        init_spec(cfg, EngineOptions(engine="vllm", backend="CPU_ATTN", mem="DRAM", block_size=block))
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(cfg))
+    res = CliRunner().invoke(cli, ["from-vllm", str(d), "--block-size", str(block)])
+    assert res.exit_code != 0 and f"--block-size {block}: vLLM 0.32's CPU attention kernels" in res.output
+    for ok in (32, 96):  # multiples of 32 are written as asked; GPU backends take 16
+        assert plan(cfg, EngineOptions(engine="vllm", backend="CPU_ATTN", mem="DRAM", block_size=ok)).groups[0].block_size == ok
+    assert plan(cfg, EngineOptions(engine="vllm", backend="FLASH_ATTN", block_size=16)).groups[0].block_size == 16
+
+
+def test_cli_block_size_defaults_to_the_engines(tmp_path):
+    """Without --block-size, init takes the engine's own default: 128 on vLLM's CPU_ATTN, 16 elsewhere."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**TINY, "model_type": "qwen3"}))
+    for args, want in ((["--engine", "vllm", "--backend", "CPU_ATTN", "--mem", "DRAM"], 128),
+                       (["--engine", "vllm", "--backend", "FLASH_ATTN"], 16), ([], 16)):
+        res = CliRunner().invoke(cli, ["init", str(path), "--json", *args])
+        assert res.exit_code == 0, res.output
+        assert json.loads(res.output)["block_size"] == want

@@ -12,7 +12,8 @@ from kvlc.cli.base import EXIT_SPEC, Choice, _fail, emit, main, write_atomic
 from kvlc.compiler import compile_spec
 from kvlc.compiler.spec.dtypes import DTYPE_SIZES
 from kvlc.engines.vllm.derive.state import SSM_CACHE_DTYPES
-from kvlc.engines.vllm.derive.offline import ATTENTION_BACKENDS, CPU_BACKENDS, MLA_BACKENDS, published_view
+from kvlc.engines.vllm.derive.offline import (ATTENTION_BACKENDS, CPU_BACKENDS, MLA_BACKENDS, check_engine_block,
+                                               published_view)
 from kvlc.engines.vllm.derive.spec import derive_spec, spec_yaml
 from kvlc.errors import KvlcError
 from kvlc.init import EngineOptions, init_checked, read_model
@@ -108,6 +109,7 @@ def _offline(model_dir: str, *, backend: str, block_size: int, num_blocks: int, 
                         "fix: point MODEL_DIR at a HuggingFace model folder") from None
     m = read_model(config)
     if m.family not in HYBRID_FAMILIES:
+        check_engine_block(backend, block_size, kernel_block_size)
         return published_view(vllm_config(config, m), model_dir, backend=backend, block_size=block_size,
                               num_blocks=num_blocks, tp_size=tp_size, tp_rank=tp_rank, kv_dtype=kv_dtype,
                               layout=layout, kernel_block_size=kernel_block_size), None

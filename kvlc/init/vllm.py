@@ -24,7 +24,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvlc.engines.vllm.derive.hybrid import hybrid_spec
-from kvlc.engines.vllm.derive.offline import ATTENTION_BACKENDS, CPU_BACKENDS, MLA_BACKENDS, published_view
+from kvlc.engines.vllm.derive.offline import (ATTENTION_BACKENDS, CPU_BACKENDS, MLA_BACKENDS, check_engine_block,
+                                               published_view)
 from kvlc.engines.vllm.derive.spec import derive_spec
 from kvlc.engines.vllm.derive.state import mamba2_fields
 from kvlc.engines.vllm.derive.view import ViewError
@@ -100,6 +101,7 @@ def vllm_spec(config: Mapping[str, Any], m: Model, opts: EngineOptions) -> dict:
     if m.family in HYBRID_FAMILIES:
         return _finish(_hybrid(config, m, opts, (start, stop), device), opts, window, renumber=False)
     try:
+        check_engine_block(opts.backend, opts.block_size, opts.kernel_block_size)
         view = published_view(vllm_config(config, m, (start, stop)), opts.model_name or m.name,
                               backend=opts.backend, block_size=opts.block_size, num_blocks=opts.num_blocks,
                               tp_size=opts.tp_size, kv_dtype=opts.kv_dtype, kernel_block_size=opts.kernel_block_size,

@@ -303,6 +303,19 @@ def _pick_layout(backend: str, layout: str | None, mla: bool) -> str:
     return layout
 
 
+def check_engine_block(backend: str, block_size: int, kernel_block_size: int | None = None) -> None:
+    """A :class:`ViewError` with the fix where no vLLM 0.32 engine of ``backend`` runs ``block_size``-token blocks
+    as asked: CPU_ATTN's kernels take multiples of 32 tokens. (:func:`published_view` itself computes any
+    geometry; ``kvlc init`` and ``from-vllm`` call this first.)"""
+    kernel = kernel_block_size or block_size
+    if backend == "CPU_ATTN" and kernel % CPU_ATTN_BLOCK:
+        raise ViewError(f"--block-size {block_size}: vLLM 0.32's CPU attention kernels take blocks of a multiple of "
+                        f"{CPU_ATTN_BLOCK} tokens (CPU_ATTN's kernel block sizes: MultipleOf({CPU_ATTN_BLOCK})); an "
+                        "engine asked for another size refuses to start (\"No common block size\"), or, with only "
+                        "sliding-window layers, runs another size than asked; fix: --block-size 32 (or 64, 96, 128, "
+                        "...) here and in the engine")
+
+
 def published_view(config: Mapping[str, Any], name: str, *, backend: str, block_size: int, num_blocks: int,
                    tp_size: int = 1, tp_rank: int = 0, kv_dtype: str = "bf16", layout: str | None = None,
                    kernel_block_size: int | None = None, device: str | None = None,
@@ -316,12 +329,6 @@ def published_view(config: Mapping[str, Any], name: str, *, backend: str, block_
     kernel = kernel_block_size or block_size
     if block_size % kernel:
         raise ViewError(f"kernel block size {kernel} does not divide block size {block_size}")
-    if backend == "CPU_ATTN" and kernel % CPU_ATTN_BLOCK:
-        raise ViewError(f"--block-size {block_size}: vLLM 0.32's CPU attention kernels take blocks of a multiple of "
-                        f"{CPU_ATTN_BLOCK} tokens (CPU_ATTN's kernel block sizes: MultipleOf({CPU_ATTN_BLOCK})); an "
-                        "engine asked for another size refuses to start (\"No common block size\"), or, with only "
-                        "sliding-window layers, runs another size than asked; fix: --block-size 32 (or 64, 96, 128, "
-                        "...) here and in the engine")
     heads = heads_per_rank(m.num_kv_heads, tp_size)
     if heads is None:
         raise ViewError(f"{m.num_kv_heads} KV heads cannot be split over tp_size {tp_size}")
