@@ -215,7 +215,7 @@ _ITEM = st.one_of(st.sampled_from([-1, 0, 63, 64, 65, 2**63 - 1, 2**63, -2**63, 
 
 
 @needs_ids
-@settings(deadline=None, max_examples=250)
+@settings(deadline=None, max_examples=150)
 @given(data=st.data())
 def test_ids_read_in_c_equal_the_reference(data):
     """ids.c reads the engine's lists (or tuples) of block ids: for ids of any value and type (plain ints of
