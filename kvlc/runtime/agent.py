@@ -605,12 +605,15 @@ class KvAgent:
         """The progress thread's turn: fills gaps between the engine's polls, never waits for the engine's lock.
 
         Returns how soon it should come back (:meth:`_hot`): while a peer may be waiting on this side's
-        turns it takes its turn even right after an engine poll (a chunk's scatter, its FREE, the next
-        chunk's WRITE, a peer's next request, the end of a same-host copy or of a WRITE a pull-via-push
-        consumer asked for, who waits on this side to hear ``done``, each wait on some agent's turn)."""
+        turns (a chunk's scatter, its FREE, the next chunk's WRITE, a peer's next request, the end of a
+        same-host copy or of a WRITE a pull-via-push consumer asked for, who waits on this side to hear
+        ``done``) it comes at that cadence. An engine poll does what a turn does, so a turn is skipped
+        within one cadence of the engine's last poll (:attr:`PUMP_SKIP_S` when nothing waits on this
+        side): an engine that polls that often leaves no gap to fill, and a turn then only contends for
+        the agent's lock and the GIL (run 12: 30-50 µs of a 4k same-host request)."""
         hot = self._hot()
-        engine_active = time.monotonic() - self._polled < self.PUMP_SKIP_S
-        if (engine_active and not hot) or not self._lock.acquire(blocking=False):
+        cadence = self.PUMP_SKIP_S if hot is False else self.PUMP_BUSY_S if hot is True else hot
+        if time.monotonic() - self._polled < cadence or not self._lock.acquire(blocking=False):
             return hot
         try:
             if not self.closed:

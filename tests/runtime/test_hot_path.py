@@ -76,8 +76,9 @@ def test_progress_turn_never_waits_for_the_lock(kv_agent, monkeypatch):
 
 def test_progress_turn_comes_sooner_after_a_notification(kv_agent, monkeypatch):
     """A notification just fetched (a peer's next WRITE waits until this side's worker took it): the
-    progress thread takes its turn even right after a poll and comes back within PUMP_HEARD_EVERY_S;
-    PUMP_HEARD_S later it is back to skipping after polls and to its interval."""
+    progress thread comes back within PUMP_HEARD_EVERY_S and takes its turn once the engine has not polled
+    for that long (within it, the engine's poll did the turn's work); PUMP_HEARD_S later it is back to
+    skipping for PUMP_SKIP_S after polls and to its interval."""
     calls = _counting(kv_agent, monkeypatch)
     monkeypatch.setattr(kv_agent, "PUMP_HEARD_S", 0.3)  # (the default is a few ms: too short for a loaded test host)
     real = kv_agent.nixl.notifs
@@ -85,10 +86,26 @@ def test_progress_turn_comes_sooner_after_a_notification(kv_agent, monkeypatch):
     kv_agent.poll()  # fetches one (dropped: no session signs it), and counts as heard
     monkeypatch.setattr(kv_agent.nixl, "notifs", real)
     assert kv_agent.progress_turn() == kv_agent.PUMP_HEARD_EVERY_S
-    assert len(calls) == 2  # the poll's pump, then the turn right after it
+    assert len(calls) == 1  # right after the poll: skipped, the poll just did it
+    time.sleep(kv_agent.PUMP_HEARD_EVERY_S * 3)
+    assert kv_agent.progress_turn() == kv_agent.PUMP_HEARD_EVERY_S
+    assert len(calls) == 2  # a gap between the engine's polls: the turn fills it
     time.sleep(kv_agent.PUMP_HEARD_S + kv_agent.PUMP_SKIP_S * 3)
     kv_agent.poll()
     assert kv_agent.progress_turn() is False and len(calls) == 3  # the poll just ran: skipped
+
+
+def test_progress_turn_while_busy_fills_only_the_gaps_between_polls(kv_agent, monkeypatch):
+    """Work in flight that waits on this side's turns (a same-host copy's end, staged chunks: _hot True):
+    the thread comes every PUMP_BUSY_S, but an engine that polled within that long already did the turn's
+    work, so the thread skips it (run 12: its turns cost a 4k same-host request 30-50 us of lock and GIL)."""
+    calls = _counting(kv_agent, monkeypatch)
+    monkeypatch.setattr(kv_agent, "_hot", lambda: True)
+    monkeypatch.setattr(kv_agent, "PUMP_BUSY_S", 0.05)  # (the default is 50 us: too short for a loaded test host)
+    kv_agent.poll()
+    assert kv_agent.progress_turn() is True and len(calls) == 1  # the engine just polled: nothing to fill
+    time.sleep(0.15)
+    assert kv_agent.progress_turn() is True and len(calls) == 2  # the engine went quiet: the thread takes over
 
 
 def test_pump_waits_what_its_method_returns():
