@@ -16,7 +16,7 @@ from kvlc.engines.vllm.derive.offline import (ATTENTION_BACKENDS, CPU_BACKENDS, 
                                                published_view)
 from kvlc.engines.vllm.derive.spec import derive_spec, spec_yaml
 from kvlc.errors import KvlcError
-from kvlc.init import EngineOptions, init_checked, read_model
+from kvlc.init import EngineOptions, default_block_size, init_checked, read_model
 from kvlc.init.vllm import HYBRID_FAMILIES, vllm_config
 
 
@@ -55,8 +55,6 @@ def from_vllm(model_dir: str, backend: str, block_size: int | None, kernel_block
     real CPU engine's live KV-cache tensors.
     """
     import json
-
-    from kvlc.init import default_block_size
 
     block_size = block_size or default_block_size("vllm", backend)
     hybrid = None

@@ -189,7 +189,8 @@ def _side_ids(rule: SideRule, raw, span: TokenRange, moved: TokenRange) -> tuple
     per = rule.block_size * rule.dcp  # tokens per block id
     first, n = block_span(moved, per) if len(moved) else (span.start // per, 0)
     skip = first - span.start // per
-    arr = _native_ids(rule, raw, span, skip, n)
+    arr = native.seq_ids(raw, skip, skip + n, rule.bound.capacity, rule.receiving,  # in C, where it can
+                         count=block_span(span, per)[1])
     if arr is None:  # the reference: every refusal is worded here
         arr = block_ids(raw, rule.where)
         _count(arr, rule.side, rule.group, span, rule.block_size, rule.dcp)
@@ -201,21 +202,10 @@ def _side_ids(rule: SideRule, raw, span: TokenRange, moved: TokenRange) -> tuple
     return kernel_ids(arr, rule.kernel_blocks), first * rule.kernel_blocks
 
 
-def _native_ids(rule: SideRule, raw, span: TokenRange, skip: int, n: int) -> np.ndarray | None:
-    """A list or tuple of plain ints, of the count the range needs, read and checked in one C pass (ids.c:
-    converted, ``[skip, skip + n)`` bounded and, receiving, distinct); None where the reference must look."""
-    if type(raw) not in _SEQ or len(raw) != block_span(span, rule.block_size * rule.dcp)[1]:
-        return None
-    return native.seq_ids(raw, skip, skip + n, rule.bound.capacity, rule.receiving)
-
-
-_SEQ = (list, tuple)
-
-
 def _state_group(rule: GroupRule, ids: tuple):
     out = []
     for side, raw in ((rule.local, ids[0]), (rule.remote, ids[1])):
-        arr = native.seq_ids(raw, 0, len(raw), side.bound.capacity, side.receiving) if type(raw) in _SEQ else None
+        arr = native.seq_ids(raw, 0, None, side.bound.capacity, side.receiving)
         if arr is None:  # the reference words every refusal
             arr = block_ids(raw, side.where)
             _check_ids(side, arr)

@@ -42,14 +42,17 @@ ids_status = _IDS.status
 _SEQ_KIND = {list: 0, tuple: 1}
 
 
-def seq_ids(seq, lo: int, hi: int, capacity: int, distinct: bool) -> np.ndarray | None:
-    """The ids of a list or tuple of plain ints as int64, ``[lo, hi)`` of them checked (each in
-    ``[0, capacity)``; none twice if ``distinct``); None where the reference must decide (another type, an
-    item that is not a plain int or does not fit, an id out of range or repeated: it words the refusal)."""
+def seq_ids(seq, lo: int, hi: int | None, capacity: int, distinct: bool, count: int | None = None
+            ) -> np.ndarray | None:
+    """The ids of a list or tuple of plain ints as int64, ``[lo, hi)`` of them checked (``hi`` None: to the end;
+    each in ``[0, capacity)``; none twice if ``distinct``); None where the reference must decide (another type,
+    not ``count`` items where one is given, an item that is not a plain int or does not fit, an id out of range
+    or repeated: it words the refusal)."""
     kind = _SEQ_KIND.get(type(seq))
     lib = ids_library()
-    if kind is None or lib is None:
+    if kind is None or lib is None or (count is not None and len(seq) != count):
         return None
+    hi = len(seq) if hi is None else hi
     out = np.empty(len(seq), dtype=np.int64)
     got = lib.kvlc_seq_ids(seq, kind, len(out), out.ctypes.data, lo, hi, capacity, 1 if distinct else 0)
     if got < 0:

@@ -44,16 +44,12 @@ from typing import Any
 
 from kvlc.compiler.spec.dtypes import DTYPE_SIZES
 from kvlc.engines.vllm.derive.groups import vllm_groups
+from kvlc.engines.vllm.derive.offline import kernel_block
 from kvlc.engines.vllm.derive.state import check_state_split, state_layout
 from kvlc.engines.vllm.derive.view import ViewError, heads_per_rank
 
 GROUP_KIND = {"attention": "full_attention", "mamba": "mamba", "linear": "linear_attention"}
 GROUP_NAME = {"attention": "full", "mamba": "mamba", "linear": "linear"}
-
-
-# The smallest kernel block of each attention backend (vLLM 0.32's get_supported_kernel_block_sizes):
-# CPU_ATTN's kernels take multiples of 32 tokens, the GPU backends' of 16.
-KERNEL_ALIGN = {"CPU_ATTN": 32}
 
 
 def hybrid_block_size(block_size: int, token_bytes: int, state_bytes: int, kernel: int = 16) -> int:
@@ -134,7 +130,7 @@ def hybrid_spec(c: Mapping[str, Any], name: str, layers: Sequence[tuple[int, str
     head_dim = attention_head_dim(c)
     kv_heads = int(c.get("num_key_value_heads") or c["num_attention_heads"])
     token = attention_token_bytes(kv_heads, head_dim, tp_size, kv_dtype)
-    block = hybrid_block_size(block_size, token, state.bytes_per_rank(tp_size), KERNEL_ALIGN.get(backend, 16))
+    block = hybrid_block_size(block_size, token, state.bytes_per_rank(tp_size), kernel_block(backend))
     attn = _attention_part(c, name, backend=backend, block=block, num_blocks=num_blocks, tp=tp_size,
                            kv_dtype=kv_dtype, device=device)
     (template,) = attn["regions"]

@@ -51,7 +51,15 @@ MLA_BACKENDS = {"FLASHMLA", "FLASHINFER_MLA", "CUTLASS_MLA", "TRITON_MLA", "FLAS
                 "ROCM_AITER_MLA", "FLASHMLA_SPARSE"}
 ATTENTION_BACKENDS = {"CPU_ATTN", "FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION"}
 CPU_BACKENDS = ("CPU_ATTN", "CPU_MLA")  # vLLM's CPU platform: the cache is in host memory
-CPU_ATTN_BLOCK = 32  # CPU_ATTN's kernel block sizes: MultipleOf(32) (cpu_attn.py)
+# The smallest kernel block of each attention backend (vLLM 0.32's get_supported_kernel_block_sizes): CPU_ATTN's
+# kernels take multiples of 32 tokens (cpu_attn.py: MultipleOf(32)), the GPU backends' multiples of 16.
+KERNEL_BLOCK = {"CPU_ATTN": 32}
+
+
+def kernel_block(backend: str) -> int:
+    """Tokens of ``backend``'s smallest kernel block (block sizes are multiples of it; 16 unless listed)."""
+    return KERNEL_BLOCK.get(backend, 16)
+
 DEFAULT_LAYOUT = {"CPU_ATTN": "LBHNC"}  # the CPU kernels read head-major blocks only; vLLM's default: LBNHC
 
 
@@ -307,10 +315,10 @@ def check_engine_block(backend: str, block_size: int, kernel_block_size: int | N
     """A :class:`ViewError` with the fix where no vLLM 0.32 engine of ``backend`` runs ``block_size``-token blocks
     as asked: CPU_ATTN's kernels take multiples of 32 tokens. (:func:`published_view` itself computes any
     geometry; ``kvlc init`` and ``from-vllm`` call this first.)"""
-    kernel = kernel_block_size or block_size
-    if backend == "CPU_ATTN" and kernel % CPU_ATTN_BLOCK:
+    kernel, base = kernel_block_size or block_size, kernel_block(backend)
+    if backend == "CPU_ATTN" and kernel % base:
         raise ViewError(f"--block-size {block_size}: vLLM 0.32's CPU attention kernels take blocks of a multiple of "
-                        f"{CPU_ATTN_BLOCK} tokens (CPU_ATTN's kernel block sizes: MultipleOf({CPU_ATTN_BLOCK})); an "
+                        f"{base} tokens (CPU_ATTN's kernel block sizes: MultipleOf({base})); an "
                         "engine asked for another size refuses to start (\"No common block size\"), or, with only "
                         "sliding-window layers, runs another size than asked; fix: --block-size 32 (or 64, 96, 128, "
                         "...) here and in the engine")
