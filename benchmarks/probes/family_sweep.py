@@ -31,11 +31,9 @@ MAX_TOKENS = 10
 
 
 def run(family: str, dtype: str, pb: int, db: int, root: Path) -> None:
-    from kvlc.compiler import compile_spec
     from kvlc.engines.vllm.derive.spec import derive_plan
-    from kvlc.init import EngineOptions, init_yaml
     from testkit.vllm_engines import EngineSpec, tiny_family
-    from tests.engines.conftest import Engines, engine_env, kvlc_config, prefill, prompt
+    from tests.engines.conftest import Engines, engine_env, init_plan_like, kvlc_config, prefill, prompt
 
     model = tiny_family(root / family, family, dtype)
     e = Engines(root / f"{family}-{pb}-{db}")
@@ -52,16 +50,12 @@ def run(family: str, dtype: str, pb: int, db: int, root: Path) -> None:
                 tail = e.log(side).splitlines()[-12:]
                 print(json.dumps({**base, "side": side, "start_error": str(exc)[-300:], "log": tail}))
             return
-        config = json.loads((model / "config.json").read_text())
         kv = {"float32": "fp32", "bfloat16": "bf16"}[dtype]
         for side, block in (("p", pb), ("d", db)):
             view = e[side].view()
             live = derive_plan(view)
             try:
-                init = compile_spec(init_yaml(config, EngineOptions(
-                    engine="vllm", backend="CPU_ATTN", mem="DRAM", block_size=block, num_blocks=view.num_blocks,
-                    kv_dtype=kv, name=live.name, model_name=view.model.name)))
-                same = live.digest == init.digest
+                same = live.digest == init_plan_like(live, model, kv, block).digest
             except Exception as exc:  # noqa: BLE001
                 same = f"init failed: {exc}"[:300]
             print(json.dumps({**base, "side": side, "groups": [g.name for g in live.groups],

@@ -111,15 +111,15 @@ class Run:
         self._err.close()
 
 
-def init_plan_like(live, model: Path, kv_dtype: str = "fp32"):
+def init_plan_like(live, model: Path, kv_dtype: str = "fp32", block_size: int = 32):
     """kvlc init --engine vllm's plan for ``model``'s config.json, named, sized and TP-split like ``live`` (a
-    plan derived from a running engine), for comparing digests."""
+    plan derived from a running engine started with ``block_size``), for comparing digests."""
     import json
 
     from kvlc.compiler import compile_spec
     from kvlc.init import EngineOptions, init_yaml
 
     return compile_spec(init_yaml(json.loads((Path(model) / "config.json").read_text()), EngineOptions(
-        engine="vllm", backend="CPU_ATTN", mem="DRAM", block_size=32, kv_dtype=kv_dtype,
+        engine="vllm", backend="CPU_ATTN", mem="DRAM", block_size=block_size, kv_dtype=kv_dtype,
         tp_size=live.parallel.tp_size, num_blocks=live.regions[0].num_blocks, name=live.name,
         model_name=live.model.name)))

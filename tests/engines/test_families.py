@@ -15,12 +15,9 @@ live plan has the digest ``kvlc init --engine vllm`` gives offline for the same 
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 
-from tests.engines.conftest import Engines, engine_env, kvlc_config, prefill, prompt
+from tests.engines.conftest import Engines, engine_env, init_plan_like, kvlc_config, prefill, prompt
 
 pytestmark = pytest.mark.engine
 
@@ -60,16 +57,9 @@ def test_tokens_equal_the_decode_engine_alone(pair):
 
 
 def test_live_plan_equals_kvlc_init(pair):
-    from kvlc.compiler import compile_spec
     from kvlc.engines.vllm.derive.spec import derive_plan
-    from kvlc.init import EngineOptions, init_yaml
 
     family, model, e = pair
-    config = json.loads((Path(model) / "config.json").read_text())
     for side, block in BLOCKS.items():
-        view = e[side].view()
-        live = derive_plan(view)
-        offline = compile_spec(init_yaml(config, EngineOptions(
-            engine="vllm", backend="CPU_ATTN", mem="DRAM", block_size=block, num_blocks=view.num_blocks,
-            kv_dtype="fp32", name=live.name, model_name=view.model.name)))
-        assert live.digest == offline.digest, (family, side, [g.name for g in live.groups])
+        live = derive_plan(e[side].view())
+        assert live.digest == init_plan_like(live, model, "fp32", block).digest, (family, side)
