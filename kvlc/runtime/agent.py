@@ -7,8 +7,9 @@ Roles (:func:`~kvlc.compiler.pairing.pair.pair`): the **consumer** receives byte
                           indices into lists prepared at connect), then notifies each; or the
                           producer connects with ``direction="WRITE"`` and :meth:`Peer.write` pushes.
 ``pull_via_push``         the consumer connects with ``direction="READ", mode="pull_via_push"``;
-                          :meth:`Peer.read` hands its block ids to a background sender, each
-                          producer rank WRITEs (before the consumer's deadline) and notifies.
+                          :meth:`Peer.read` asks each producer rank (the frame written at once,
+                          its reply read by a background sender), each producer rank WRITEs
+                          (before the consumer's deadline) and notifies.
 
 :meth:`Peer.write_many` / :meth:`Peer.read_many` share NIXL requests among several (:mod:`kvlc.runtime.batch`).
 Options are one :class:`~kvlc.runtime.settings.AgentSettings` (explicit > ``KVLC_*`` > default).
@@ -42,7 +43,8 @@ from kvlc.errors import TransferError
 import kvlc.runtime.server as _server
 from kvlc.runtime.arguments import check_agent_args, check_request_id, valid_name
 from kvlc.runtime.binding import Bound, bind
-from kvlc.runtime.channel.tcp import ChannelClient, ChannelServer
+from kvlc.runtime.channel.client import ChannelClient
+from kvlc.runtime.channel.tcp import ChannelServer
 from kvlc.runtime.errors import HandshakeError, NixlError
 from kvlc.runtime.kinds import ConnectionMode, Direction, Event, Status
 from kvlc.runtime.nixl.core import Agent

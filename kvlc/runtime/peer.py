@@ -4,8 +4,9 @@
 plans (``CompatError`` here, not per request), checks that every rank this rank exchanges
 bytes with is served, loads the NIXL agents it will initiate transfers to, introduces itself,
 and opens one session per remote rank. :meth:`Peer.read` and :meth:`Peer.write` never wait on
-the network: direct modes post NIXL requests; pull via push hands its frames to the agent's
-background sender.
+the network: direct modes post NIXL requests; pull via push writes its ask to each producer rank
+at once where the socket takes it without waiting (else the agent's background sender does), and
+the sender reads the replies.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from kvlc.errors import KvlcError, TransferError
 import kvlc.runtime.batch as _batch
 from kvlc.runtime.arguments import check_request_id
 from kvlc.runtime.batch import BlockRequest
-from kvlc.runtime.channel.tcp import ChannelClient
+from kvlc.runtime.channel.client import ChannelClient
 from kvlc.runtime.errors import HandshakeError
 from kvlc.runtime.kinds import Direction, ConnectionMode
 from kvlc.runtime.channel.sessions import RemoteEngine, Session
@@ -383,7 +384,7 @@ class Peer:
                 budget = max(0.0, deadline - time.monotonic())
                 return PullRequest(req=request_id, consumer_blocks=cblocks, producer_blocks=pblocks,
                                    start=start, stop=stop, until=deadline + off - err, budget_s=budget)
-            a.sender.send(client, payload, ("pull", request_id, r, self.sessions[r].conn_id), PULLS)
+            a.sender.send_now(client, payload, ("pull", request_id, r, self.sessions[r].conn_id), PULLS)
         return None
 
     def _still_held(self, request_id: str, produced_at: float) -> None:

@@ -84,6 +84,24 @@ class Combine:
 _NOTHING = object()
 
 
+@dataclass(frozen=True)
+class _Posted:
+    """A frame already written (:meth:`Sender.send_now`): the lane finishes its write, reads its reply."""
+
+    ticket: Any
+    context: Any
+
+
+class _Lane:
+    """One connection's queue and thread; ``unsent`` counts the jobs queued whose frames are not written
+    yet (under the sender's lock): a frame written at once must not pass them."""
+
+    def __init__(self, jobs: queue.Queue, thread: threading.Thread):
+        self.jobs = jobs
+        self.thread = thread
+        self.unsent = 0
+
+
 class Sender:
     """Side-channel frames that must not block the engine, sent in order per connection, one thread per
     connection (a stopped peer delays only its own frames); replies go to :attr:`replies`.
@@ -92,7 +110,9 @@ class Sender:
     deadline's remaining budget is computed then), the reply (decoded by ``decode``) or the
     exception lands in ``replies`` as ``(context, reply_or_exception)``. Jobs sent with the same
     :class:`Combine` that wait in a connection's queue together go in one frame (one round trip),
-    in order; a job of another kind ends the group and is sent after it.
+    in order; a job of another kind ends the group and is sent after it. :meth:`send_now` writes the
+    frame on the caller's thread where that never waits (the lane only reads the reply): the engine's
+    thread then does not wait for the lane's turn at the interpreter.
     """
 
     def __init__(self, decode: Callable[[bytes], Any], stop: threading.Event, name: str):
@@ -100,30 +120,56 @@ class Sender:
         self._decode = decode
         self._stop = stop
         self._name = name
-        self._lanes: dict[int, tuple[queue.Queue, threading.Thread]] = {}
+        self._lanes: dict[int, _Lane] = {}
         self._lock = threading.Lock()
+
+    def _lane(self, client) -> _Lane:
+        """``client``'s lane, started on first use (the caller holds the lock)."""
+        lane = self._lanes.get(id(client))
+        if lane is None:
+            q: queue.Queue = queue.Queue()
+            lane = _Lane(q, threading.Thread(target=self._loop, args=(client, q), daemon=True,
+                                             name=f"{self._name}-{len(self._lanes)}"))
+            self._lanes[id(client)] = lane
+            lane.thread.start()
+        return lane
 
     def send(self, client, make_payload: Callable[[], Any], context: Any, combine: Combine | None = None) -> None:
         with self._lock:
-            lane = self._lanes.get(id(client))
-            if lane is None:
-                q: queue.Queue = queue.Queue()
-                t = threading.Thread(target=self._loop, args=(client, q), daemon=True,
-                                     name=f"{self._name}-{len(self._lanes)}")
-                lane = self._lanes[id(client)] = (q, t)
-                t.start()
-        lane[0].put((make_payload, context, combine))
+            lane = self._lane(client)
+            lane.unsent += 1
+            lane.jobs.put((make_payload, context, combine))
+
+    def send_now(self, client, make_payload: Callable[[], Any], context: Any, combine: Combine | None = None) -> None:
+        """As :meth:`send`, but the frame is written here and now where that cannot wait (nothing of this
+        connection queued before it, no other writer, room in the socket); else it is queued."""
+        with self._lock:
+            lane = self._lane(client)
+            ticket = None
+            if lane.unsent == 0:
+                payload = make_payload()
+                try:
+                    ticket = client.post(payload if combine is None else combine.one(payload), block=False)
+                except Exception as exc:  # ChannelError: the connection broke; reported as the lane reports it
+                    self.replies.append((context, exc))
+                    return
+            if ticket is None:
+                lane.unsent += 1
+                lane.jobs.put((make_payload, context, combine))
+                return
+            lane.unsent += bool(ticket.rest)
+            lane.jobs.put(_Posted(ticket, context))
 
     def retire(self, client) -> None:
         """``client``'s connection is done: its lane sends what it has queued, then its thread ends."""
         with self._lock:
             lane = self._lanes.pop(id(client), None)
         if lane is not None:
-            lane[0].put(None)
+            lane.jobs.put(None)
 
     @property
     def pending(self) -> int:
-        return sum(q.qsize() for q, _ in self._lanes.values())
+        return sum(lane.jobs.qsize() for lane in self._lanes.values())
 
     def _loop(self, client, jobs: queue.Queue) -> None:
         held: Any = _NOTHING  # a job taken while gathering a group it does not belong to: next
@@ -137,6 +183,9 @@ class Sender:
                     continue
             if job is None:
                 return
+            if isinstance(job, _Posted):
+                self.replies.append((job.context, self._answer(client, job.ticket)))
+                continue
             group = [job]
             combine = job[2]
             while combine is not None and len(group) < combine.most:
@@ -144,32 +193,58 @@ class Sender:
                     nxt = jobs.get_nowait()
                 except queue.Empty:
                     break
-                if nxt is None or nxt[2] is not combine:
+                if nxt is None or isinstance(nxt, _Posted) or nxt[2] is not combine:
                     held = nxt
                     break
                 group.append(nxt)
             for context, result in zip((j[1] for j in group), self._run(client, group)):
                 self.replies.append((context, result))
 
+    def _written(self, client, n: int) -> None:
+        """``n`` queued frames of ``client`` are written (or failed): frames may go at once again."""
+        with self._lock:
+            lane = self._lanes.get(id(client))
+            if lane is not None:
+                lane.unsent -= n
+
+    def _answer(self, client, ticket) -> Any:
+        """The decoded reply to a frame written by :meth:`send_now` (its rest written first), or the error."""
+        try:
+            if ticket.rest:
+                try:
+                    client.finish(ticket)
+                finally:
+                    self._written(client, 1)
+            return self._decode(client.wait(ticket))
+        except Exception as exc:
+            return exc
+
     def _run(self, client, group: list) -> list:
         combine = group[0][2]
         try:
-            if combine is None:
-                return [self._decode(client.request(group[0][0]()))]
-            if len(group) == 1:
-                return [self._decode(client.request(combine.one(group[0][0]())))]
-            return combine.split(self._decode(client.request(combine.many([j[0]() for j in group]))), len(group))
+            try:
+                if combine is None:
+                    frame = group[0][0]()
+                elif len(group) == 1:
+                    frame = combine.one(group[0][0]())
+                else:
+                    frame = combine.many([j[0]() for j in group])
+                ticket = client.post(frame)
+            finally:
+                self._written(client, len(group))
+            reply = self._decode(client.wait(ticket))
+            return [reply] if combine is None or len(group) == 1 else combine.split(reply, len(group))
         except Exception as exc:  # ChannelError, HandshakeError, a refused connection: every job of the frame
             return [exc] * len(group)
 
     def close(self) -> None:
         with self._lock:
             lanes = list(self._lanes.values())
-        for q, _ in lanes:
-            q.put(None)
-        for _, t in lanes:
-            if t is not threading.current_thread():
-                t.join(timeout=5)
+        for lane in lanes:
+            lane.jobs.put(None)
+        for lane in lanes:
+            if lane.thread is not threading.current_thread():
+                lane.thread.join(timeout=5)
 
 
 class Resources:

@@ -14,7 +14,8 @@ from kvlc import compile_spec
 from kvlc.errors import CompatError, TransferError
 from kvlc.runtime.settings import AgentSettings
 from kvlc.runtime import BindingError, HandshakeError, KvAgent, allocate
-from kvlc.runtime.channel.tcp import ChannelClient, ChannelServer
+from kvlc.runtime.channel.client import ChannelClient
+from kvlc.runtime.channel.tcp import ChannelServer
 from kvlc.runtime.errors import ChannelError
 from kvlc.runtime.nixl.core import Registration, Xfer
 from kvlc.runtime.staging.endpoint import StagingPolicy

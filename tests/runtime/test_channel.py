@@ -11,7 +11,8 @@ import time
 import pytest
 
 from kvlc.runtime.channel import auth
-from kvlc.runtime.channel.tcp import ChannelClient, ChannelServer, Limits, parse_address, read_frame, write_frame
+from kvlc.runtime.channel.client import ChannelClient
+from kvlc.runtime.channel.tcp import ChannelServer, Limits, parse_address, read_frame, write_frame
 from kvlc.runtime.errors import AuthError, ChannelError
 
 pytestmark = pytest.mark.runtime
@@ -94,19 +95,19 @@ def test_replayed_or_changed_frames_end_the_connection(echo):
     c.request(b"first")
     sealed = c.sealed
     replay = sealed.seal(b"again")
-    write_frame(c._sock, replay)
-    assert sealed.open(read_frame(c._sock)) == b"echo:again"
-    write_frame(c._sock, replay)  # the same bytes again: sequence number already used
+    write_frame(c._link.sock, replay)
+    assert sealed.open(read_frame(c._link.sock)) == b"echo:again"
+    write_frame(c._link.sock, replay)  # the same bytes again: sequence number already used
     with pytest.raises(ChannelError):
-        read_frame(c._sock, 1024, 2.0, 2.0)
+        read_frame(c._link.sock, 1024, 2.0, 2.0)
     c.close()
     c = ChannelClient(echo.address, KEY)
     c.request(b"ok")
     bad = bytearray(c.sealed.seal(b"change me"))
     bad[10] ^= 1
-    write_frame(c._sock, bytes(bad))
+    write_frame(c._link.sock, bytes(bad))
     with pytest.raises(ChannelError):
-        read_frame(c._sock, 1024, 2.0, 2.0)
+        read_frame(c._link.sock, 1024, 2.0, 2.0)
     c.close()
     assert echo.seen.count(echo.seen[0]) == 2 and len(echo.seen) == 3
 
@@ -120,15 +121,15 @@ def test_slow_frames_are_cut_at_the_frame_deadline(echo):
     closed = False
     for b in frame[:20]:
         try:
-            c._sock.sendall(bytes([b]))
+            c._link.sock.sendall(bytes([b]))
             time.sleep(0.3)
         except OSError:
             closed = True
             break
     if not closed:
-        c._sock.settimeout(3)
+        c._link.sock.settimeout(3)
         try:
-            closed = c._sock.recv(1) == b""
+            closed = c._link.sock.recv(1) == b""
         except OSError:
             closed = True
     assert closed and time.monotonic() - t0 < 8
@@ -247,3 +248,71 @@ def test_secret_sources_in_order(tmp_path, monkeypatch):
     monkeypatch.setenv("KVLC_SECRET", "env-secret-0123456789")
     assert auth.resolve_secret() == auth.derive_key(b"env-secret-0123456789")
     assert auth.resolve_secret("arg-secret-0123456789") == auth.derive_key(b"arg-secret-0123456789")
+
+
+def test_pipelined_frames_get_their_own_replies_in_any_wait_order(echo):
+    """Frames written before any reply is read are answered in order; each ticket gets its own reply
+    whichever is waited for first, and a request between them still gets its own."""
+    with ChannelClient(echo.address, KEY) as c:
+        tickets = [c.post(b"p%d" % i) for i in range(5)]
+        assert c.request(b"between") == b"echo:between"
+        for i in (4, 0, 2, 3, 1):
+            assert c.wait(tickets[i]) == b"echo:p%d" % i
+
+
+def test_a_post_that_must_not_wait_refuses_rather_than_waits(echo):
+    """block=False never waits: not connected, or another writer busy -> None (nothing written)."""
+    c = ChannelClient(echo.address, KEY)
+    assert c.post(b"x", block=False) is None  # not connected yet: connecting waits
+    c.connect()
+    c._write.acquire()  # another thread is writing
+    try:
+        assert c.post(b"x", block=False) is None
+    finally:
+        c._write.release()
+    t = c.post(b"y", block=False)
+    assert t is not None and not t.rest and c.wait(t) == b"echo:y"
+    assert echo.seen.count(c.sealed.id) == 1
+    c.close()
+
+
+def test_a_frame_the_socket_takes_in_part_is_finished_later_and_nothing_passes_it():
+    """A frame larger than the socket's room: a non-blocking post writes what fits and leaves the rest
+    (and the writer's lock) on its ticket; finish() writes it; every reply then arrives in order."""
+    go = threading.Event()
+
+    def handler(conn, frame: bytes) -> bytes:
+        go.wait(10)
+        return b"%d" % len(frame)
+
+    server = ChannelServer(handler, lambda text: text.encode(), KEY, limits=Limits(max_frame=8 << 20))
+    c = ChannelClient(server.address, KEY, max_frame=8 << 20)
+    try:
+        c.connect()
+        c._link.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 16)
+        big = c.post(b"z" * (4 << 20), block=False)
+        assert big is not None and 0 < len(big.rest) < (4 << 20)
+        assert c.post(b"late", block=False) is None  # the partial frame holds the writer's lock
+        finisher = threading.Thread(target=c.finish, args=(big,))
+        finisher.start()
+        go.set()
+        finisher.join(10)
+        assert not big.rest
+        assert c.request(b"after") == b"5"
+        assert c.wait(big) == b"%d" % (4 << 20)
+    finally:
+        c.close()
+        server.close()
+
+
+def test_a_broken_connection_fails_every_ticket_it_owes(echo):
+    """A connection that breaks with replies owed fails each waiting ticket once; the next request connects anew."""
+    c = ChannelClient(echo.address, KEY)
+    tickets = [c.post(b"a"), c.post(b"b")]
+    first = c.sealed.id
+    c.close()
+    for t in tickets:
+        with pytest.raises(ChannelError):
+            c.wait(t)
+    assert c.request(b"again") == b"echo:again" and c.sealed.id != first
+    c.close()

@@ -20,7 +20,8 @@ from kvlc import compile_spec
 from kvlc.runtime.settings import AgentSettings
 from kvlc.runtime import AuthError, HandshakeError, KvAgent, allocate
 from kvlc.runtime.channel.auth import resolve_secret
-from kvlc.runtime.channel.tcp import ChannelClient, Limits, write_frame
+from kvlc.runtime.channel.client import ChannelClient
+from kvlc.runtime.channel.tcp import Limits, write_frame
 from kvlc.runtime.nixl.core import Agent, Xfer
 from kvlc.runtime.channel.auth import notif_tag
 from kvlc.runtime.channel.notifs import batch_fields, encode_notif, encode_notif_batch

@@ -19,17 +19,16 @@ host connects from, cannot lock that address out); an authenticated one over its
 A peer whose host goes silent (link down, host lost) is given up after ``peer_timeout`` seconds on
 both ends, also on a connection with no frame in flight (TCP keepalive probes and
 ``TCP_USER_TIMEOUT``, :func:`keep_alive`): the server ends the session the connection carried and
-the client sees the connection lost (:meth:`ChannelClient.lost`), so a peer reconnects after an
+the client sees the connection lost (:meth:`kvlc.runtime.channel.client.ChannelClient.lost`), so a peer reconnects after an
 outage longer than that instead of carrying on with a session the other side ended.
 
 Closing the server cuts its open connections too, so clients see the close at once, as after
-a crash (:meth:`ChannelClient.lost`), instead of at their next request.
+a crash (:meth:`kvlc.runtime.channel.client.ChannelClient.lost`), instead of at their next request.
 """
 
 from __future__ import annotations
 
 import logging
-import select
 import socket
 import socketserver
 import struct
@@ -107,10 +106,15 @@ def read_frame(
     return _recv_exact(sock, n, deadline)
 
 
-def write_frame(sock: socket.socket, payload: bytes, max_frame: int = MAX_FRAME_BYTES) -> None:
+def frame_bytes(payload: bytes, max_frame: int = MAX_FRAME_BYTES) -> bytes:
+    """``payload`` as one frame on the wire (its length first)."""
     if len(payload) > max_frame:
         raise ChannelError(f"frame of {len(payload)} bytes is over the {max_frame}-byte limit")
-    sock.sendall(_HEADER.pack(len(payload)) + payload)
+    return _HEADER.pack(len(payload)) + payload
+
+
+def write_frame(sock: socket.socket, payload: bytes, max_frame: int = MAX_FRAME_BYTES) -> None:
+    sock.sendall(frame_bytes(payload, max_frame))
 
 
 def keep_alive(sock: socket.socket, seconds: float | None) -> None:
@@ -344,124 +348,3 @@ class ChannelServer:
         for _, thread in conns:
             if thread is not threading.current_thread():
                 thread.join(timeout=max(0.0, deadline - time.monotonic()))
-
-
-class ChannelClient:
-    """A persistent authenticated connection to one server; :meth:`request` sends a frame, returns the reply.
-
-    A failed request closes the connection (a later request reconnects and authenticates again,
-    as a new connection: what the server kept for the old one is gone) and raises :class:`ChannelError` (:class:`AuthError` when the server does not prove the secret);
-    requests are not retried (they may not be idempotent).
-    """
-
-    def __init__(
-        self, address: str | tuple[str, int], key: bytes, *, timeout: float = 10.0,
-        max_frame: int = MAX_FRAME_BYTES, peer_timeout: float | None = Limits.peer_timeout,
-    ):
-        self.address = parse_address(address)
-        self.timeout = timeout
-        self.peer_timeout = peer_timeout
-        self.max_frame = max_frame
-        self._key = key
-        self._sock: socket.socket | None = None
-        self.sealed: auth.Sealed | None = None
-        self._lock = threading.Lock()
-
-    def _where(self) -> str:
-        return f"side channel {self.address[0]}:{self.address[1]}"
-
-    def _connect(self) -> socket.socket:
-        if self._sock is None:
-            try:
-                sock = socket.create_connection(self.address, timeout=self.timeout)
-            except OSError as exc:
-                raise ChannelError(f"cannot reach {self._where()}: {exc}") from None
-            try:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                keep_alive(sock, self.peer_timeout)
-                self.sealed = self._authenticate(sock)
-            except BaseException:
-                sock.close()
-                raise
-            self._sock = sock
-        return self._sock
-
-    def _authenticate(self, sock: socket.socket) -> auth.Sealed:
-        nc = auth.new_nonce()
-        t0 = time.monotonic()
-        try:
-            write_frame(sock, auth.client_hello(nc))
-            ns, t_server = auth.check_challenge(self._key, nc, read_frame(sock, 1024, self.timeout, self.timeout))
-            t1 = time.monotonic()
-            write_frame(sock, auth.client_proof(self._key, nc, ns))
-            sealed = auth.Sealed(self._key, nc, ns, "client")
-            if sealed.open(read_frame(sock, 1024, self.timeout, self.timeout)) != b"ok":
-                raise AuthError("the server did not confirm the session")
-        except AuthError as exc:
-            raise AuthError(f"{self._where()}: {exc}") from None
-        except (OSError, ChannelError) as exc:
-            raise AuthError(
-                f"{self._where()}: authentication refused ({exc}); the peer may use another secret"
-            ) from None
-        sealed.clock_offset = t_server - (t0 + t1) / 2
-        sealed.clock_error = (t1 - t0) / 2
-        return sealed
-
-    def request(self, payload: bytes) -> bytes:
-        with self._lock:
-            sock = self._connect()
-            try:
-                write_frame(sock, self.sealed.seal(payload), self.max_frame)
-                return self.sealed.open(read_frame(sock, self.max_frame, self.timeout, self.timeout))
-            except (OSError, ChannelError) as exc:
-                self._close()
-                raise ChannelError(f"{self._where()}: {exc}") from None
-
-    def connect(self) -> None:
-        """Open and authenticate the connection now (a request does it too); :attr:`sealed` is then set."""
-        with self._lock:
-            self._connect()
-
-    @property
-    def connected(self) -> bool:
-        """Whether this client holds an open connection now."""
-        return self._sock is not None
-
-    def lost(self) -> bool:
-        """Whether the connection this client authenticated is gone (the peer closed it, or a failed
-        request did); never blocks: a connection busy with a request counts as alive."""
-        if not self._lock.acquire(blocking=False):
-            return False
-        try:
-            if self._sock is None:
-                return self.sealed is not None
-            try:
-                if not select.select([self._sock], [], [], 0)[0]:
-                    return False  # nothing to read: open (a reply never comes unasked)
-                data = self._sock.recv(1, socket.MSG_PEEK)  # readable: b"" when the peer closed it
-            except OSError:
-                data = b""
-            if data == b"":  # orderly close or reset by the peer
-                self._close()
-                return True
-            return False
-        finally:
-            self._lock.release()
-
-    def _close(self) -> None:
-        if self._sock is not None:
-            try:
-                self._sock.close()
-            except OSError:
-                pass
-            self._sock = None
-
-    def close(self) -> None:
-        with self._lock:
-            self._close()
-
-    def __enter__(self) -> ChannelClient:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()

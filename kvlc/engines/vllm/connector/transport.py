@@ -31,7 +31,8 @@ from kvlc.runtime import Completions, KvAgent, Peer
 from kvlc.runtime.transfer import Outgoing
 from kvlc.runtime.settings import AgentSettings
 from kvlc.runtime.channel.auth import resolve_secret
-from kvlc.runtime.channel.tcp import ChannelClient, ChannelServer
+from kvlc.runtime.channel.client import ChannelClient
+from kvlc.runtime.channel.tcp import ChannelServer
 
 log = logging.getLogger("vllm.kvlc")  # under vLLM's logger: its handlers and levels apply
 
