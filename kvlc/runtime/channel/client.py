@@ -21,6 +21,8 @@ idempotent).
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 import select
 import socket
@@ -129,14 +131,14 @@ class ChannelClient:
 
     def post(self, payload: bytes, *, block: bool = True) -> Ticket | None:
         """Write one frame; its reply is read by :meth:`wait`. ``block=False``: never waits (None where it
-        would: another thread is writing, the connection is not open, or its socket has no room now);
-        a frame the socket takes only part of is finished by :meth:`finish`."""
+        would: another thread is writing, or the connection is not open); what the socket does not take
+        now (all of the frame, where it has no room) stays on the ticket for :meth:`finish`."""
         if not self._write.acquire(blocking=block):
             return None
         link, keep = None, False
         try:
             link = self._open() if block else self._link
-            if link is None or link.broken or not (block or _room(link.sock)):
+            if link is None or link.broken:
                 return None
             frame = frame_bytes(link.sealed.seal(payload), self.max_frame)
             ticket = Ticket(link)
@@ -253,16 +255,21 @@ class ChannelClient:
         self.close()
 
 
-def _room(sock: socket.socket) -> bool:
-    """Whether ``sock`` takes bytes now."""
-    return bool(select.select([], [sock], [], 0)[1])
+# The process's C library through ctypes.PyDLL: the interpreter stays held during a call. A write to a
+# non-blocking socket returns at once; letting the interpreter go for it (as os.write does) would put the
+# engine's thread behind every other thread of the process that wants it, for as long as they keep it.
+_libc = ctypes.PyDLL(None, use_errno=True)
+_libc.write.argtypes, _libc.write.restype = (ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t), ctypes.c_ssize_t
 
 
 def _send_now(sock: socket.socket, frame: bytes) -> int:
-    """Bytes of ``frame`` the socket takes without waiting. A client socket always has a timeout, so
-    its descriptor is non-blocking: a plain write returns at once (the socket module's own send would
-    first wait up to that timeout for room)."""
-    try:
-        return os.write(sock.fileno(), frame)
-    except BlockingIOError:
+    """Bytes of ``frame`` the socket takes without waiting (0: no room now). A client socket always has a
+    timeout, so its descriptor is non-blocking: the write returns at once (the socket module's own send
+    would first wait up to that timeout for room)."""
+    n = _libc.write(sock.fileno(), frame, len(frame))
+    if n >= 0:
+        return n
+    err = ctypes.get_errno()
+    if err in (errno.EAGAIN, errno.EWOULDBLOCK):
         return 0
+    raise OSError(err, os.strerror(err))
