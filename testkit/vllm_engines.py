@@ -217,6 +217,22 @@ FAMILIES = {
                              shared_intermediate_size=512),
     "gpt_oss": dict(num_hidden_layers=2, sliding_window=48, num_local_experts=4, num_experts_per_tok=2,
                     layer_types=["sliding_attention", "full_attention"]),
+    "olmo3": dict(num_hidden_layers=4, sliding_window=48),                 # its default pattern: S,S,S,F
+    "exaone4": dict(num_hidden_layers=4, sliding_window=48),               # S,S,S,F
+    "starcoder2": dict(num_hidden_layers=2, sliding_window=48),            # a model-wide window
+    "dots1": dict(num_hidden_layers=2, sliding_window=48, first_k_dense_replace=2),  # a window, every layer full
+    "smollm3": dict(num_hidden_layers=4, pad_token_id=0),                  # NoPE layers: a cache like any other
+    "glm4": dict(num_hidden_layers=2, pad_token_id=0),
+    "granite": dict(num_hidden_layers=2),
+    "stablelm": dict(num_hidden_layers=2),
+    "gpt_neox": dict(num_hidden_layers=2),
+    "falcon": dict(num_hidden_layers=2, new_decoder_architecture=True, num_kv_heads=1),  # one KV head
+    "qwen2_moe": dict(num_hidden_layers=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
+                      shared_expert_intermediate_size=128),
+    "lfm2": dict(num_hidden_layers=4, layer_types=["conv", "full_attention", "conv", "full_attention"],
+                 conv_dim=256, block_ff_dim=512),                          # short-convolution state + attention
+    "bamba": dict(num_hidden_layers=4, attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=64, mamba_n_groups=1,
+                  mamba_d_state=64, mamba_expand=2, mamba_d_conv=4, mamba_chunk_size=64),
 }
 
 
@@ -237,6 +253,8 @@ def tiny_family(path: str | Path, family: str, dtype: str = "bfloat16", seed: in
     if model_type == "phi3":  # head size from hidden / heads; its default pad id lies outside a tiny vocabulary
         over.pop("head_dim")
         over["pad_token_id"] = 0
+    if model_type == "falcon":  # head size from hidden / heads (a read-only property there)
+        over.pop("head_dim")
     cfg = AutoConfig.for_model(model_type, **over, torch_dtype=dtype)
     model = AutoModelForCausalLM.from_config(cfg)
     cfg.architectures = [type(model).__name__]

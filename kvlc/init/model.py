@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from kvlc.engines.vllm.derive.offline import chunk_size, layer_types, sliding_window
+from kvlc.engines.vllm.derive.offline import KV_HEAD_KEYS, chunk_size, kv_heads, layer_types, sliding_window
 from kvlc.engines.vllm.derive.state import mamba2_fields
 from kvlc.engines.vllm.derive.view import ViewError
 from kvlc.errors import KvlcError
@@ -160,8 +160,9 @@ def _head_dim(c: Mapping, *keys: str) -> int:
 
 
 def _kv_heads(c: Mapping) -> int:
-    return _int(c, "num_key_value_heads") if c.get("num_key_value_heads") is not None \
-        else _int(c, "num_attention_heads")
+    """vLLM's count (:func:`~kvlc.engines.vllm.derive.offline.kv_heads`), the key it reads checked first."""
+    _int(c, next((k for k in KV_HEAD_KEYS if c.get(k) is not None), "num_attention_heads"))
+    return kv_heads(c)
 
 
 ATTENTION_TYPES = {"full_attention": LayerKind.FULL, "sliding_attention": LayerKind.SLIDING,

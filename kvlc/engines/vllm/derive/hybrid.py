@@ -44,7 +44,7 @@ from typing import Any
 
 from kvlc.compiler.spec.dtypes import DTYPE_SIZES
 from kvlc.engines.vllm.derive.groups import vllm_groups
-from kvlc.engines.vllm.derive.offline import kernel_block
+from kvlc.engines.vllm.derive.offline import kernel_block, kv_heads
 from kvlc.engines.vllm.derive.state import check_state_split, state_layout
 from kvlc.engines.vllm.derive.view import ViewError, heads_per_rank
 
@@ -112,7 +112,7 @@ def _attention_part(c: Mapping[str, Any], name: str, *, backend: str, block: int
     from kvlc.engines.vllm.derive.spec import derive_spec
     from kvlc.engines.vllm.derive.offline import published_view
     one = {"num_hidden_layers": 1, "num_attention_heads": c["num_attention_heads"],
-           "num_key_value_heads": c.get("num_key_value_heads") or c["num_attention_heads"],
+           "num_key_value_heads": kv_heads(c),
            "head_dim": attention_head_dim(c)}
     return derive_spec(published_view(one, name, backend=backend, block_size=block, num_blocks=num_blocks,
                                       tp_size=tp, kv_dtype=kv_dtype, device=device))
@@ -128,8 +128,7 @@ def hybrid_spec(c: Mapping[str, Any], name: str, layers: Sequence[tuple[int, str
     state = state_layout(c, state_kind, requested=ssm_cache_dtype, cpu_avx512_bf16=cpu_avx512_bf16)
     check_state_split(state, c, tp_size)
     head_dim = attention_head_dim(c)
-    kv_heads = int(c.get("num_key_value_heads") or c["num_attention_heads"])
-    token = attention_token_bytes(kv_heads, head_dim, tp_size, kv_dtype)
+    token = attention_token_bytes(kv_heads(c), head_dim, tp_size, kv_dtype)
     block = hybrid_block_size(block_size, token, state.bytes_per_rank(tp_size), kernel_block(backend))
     attn = _attention_part(c, name, backend=backend, block=block, num_blocks=num_blocks, tp=tp_size,
                            kv_dtype=kv_dtype, device=device)

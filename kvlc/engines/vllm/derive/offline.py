@@ -68,6 +68,35 @@ STATE_FIELDS = ("hybrid_override_pattern", "layers_block_type", "linear_num_valu
                 "mamba_d_ssm", "mamba_n_heads", "mamba_num_heads", "mamba_d_state", "ssm_state_size")
 
 
+# vLLM 0.32's reading of a config's KV heads (ModelArchConfigConvertorBase.get_total_num_kv_heads): the first of
+# these keys the text config sets, else one per attention head; Falcon's multi-query without its new decoder
+# architecture has one; DBRX keeps its count in attn_config
+KV_HEAD_KEYS = ("n_head_kv", "num_kv_heads", "num_key_value_heads", "multi_query_group_num", "num_attention_groups")
+_FALCON_TYPES = {"falcon", "RefinedWeb", "RefinedWebModel"}
+
+
+def kv_heads(text: Mapping[str, Any]) -> int:
+    """The KV heads of a text config, as vLLM 0.32 counts them (see :data:`KV_HEAD_KEYS`).
+
+    >>> kv_heads({"model_type": "falcon", "num_attention_heads": 8, "num_key_value_heads": 8, "num_kv_heads": 1,
+    ...           "new_decoder_architecture": True})
+    1
+    >>> kv_heads({"model_type": "falcon", "num_attention_heads": 71, "multi_query": True})
+    1
+    >>> kv_heads({"model_type": "chatglm", "num_attention_heads": 32, "multi_query_group_num": 2})
+    2
+    """
+    if text.get("model_type") in _FALCON_TYPES and not text.get("new_decoder_architecture") \
+            and text.get("multi_query"):
+        return 1
+    if text.get("model_type") == "dbrx" and isinstance(text.get("attn_config"), Mapping):
+        return int(text["attn_config"].get("kv_n_heads") or text["num_attention_heads"])
+    for key in KV_HEAD_KEYS:
+        if text.get(key) is not None:
+            return int(text[key])
+    return int(text["num_attention_heads"])
+
+
 def _model(config: Mapping, name: str, kv_dtype: str) -> ModelIdentity:
     text = config.get("text_config", config)
     state = [k for k in STATE_FIELDS if text.get(k)]
@@ -80,12 +109,12 @@ def _model(config: Mapping, name: str, kv_dtype: str) -> ModelIdentity:
         heads = int(text["num_attention_heads"])
     except KeyError as exc:
         raise ViewError(f"config.json has no {exc.args[0]!r}; expected a HuggingFace model config") from None
-    kv_heads = int(text.get("num_key_value_heads") or heads)
+    n_kv = kv_heads(text)
     head_dim = int(text.get("head_dim") or text["hidden_size"] // heads)
     rank, rope = text.get("kv_lora_rank"), text.get("qk_rope_head_dim")
     if rank:
         return ModelIdentity(name, layers, 1, int(rank) + int(rope or 0), kv_dtype, int(rank), int(rope or 0))
-    return ModelIdentity(name, layers, kv_heads, head_dim, kv_dtype)
+    return ModelIdentity(name, layers, n_kv, head_dim, kv_dtype)
 
 
 _KINDS = {"full_attention": "full", "sliding_attention": "sliding", "chunked_attention": "chunked"}
