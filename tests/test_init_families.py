@@ -296,6 +296,36 @@ def test_granite4_mamba2_hybrid_by_layer_types(types):
         read_model({**cfg, "layer_types": ["mamba", "conv", "mamba", "attention"]})
 
 
+def test_lfm2_short_convolutions_and_attention():
+    """LFM2 (1.2B's shape): attention where full_attn_idxs (or layer_types) say, a short convolution elsewhere,
+    whose state is its conv taps alone (vLLM's short_conv_state_shape: conv_L_cache - 1 taps over conv_dim
+    channels, split by TP, the model dtype), over vLLM's hybrid page pool."""
+    cfg = config("lfm2-1.2b")
+    m = read_model(cfg)
+    assert m.family.value == "conv-hybrid" and "".join(k.value[0] for k in m.kinds) == "mmfmmfmmfmfmfmfm"
+    types = ["full_attention" if k.value == "full" else "conv" for k in m.kinds]
+    assert read_model({**cfg, "full_attn_idxs": None, "layer_types": types}).kinds == m.kinds
+    p = plan(cfg, VLLM)
+    state = p.region("layer.0")
+    assert [(f.name, [(d.name, d.size) for d in f.dims], f.dtype) for f in state.fields] == \
+        [("conv.x", [("conv_tap", 2), ("channel", 1024)], "bf16")]
+    assert state.block_bytes == 2 * 1024 * 2
+    assert [(g.name, g.kind) for g in p.groups] == [("mamba", "mamba"), ("mamba.1", "mamba"), ("full", "full_attention")]
+    assert {f.name for f in plan(cfg).region("layer.0").fields} == {"conv"}   # --engine kvlc: the taps alone
+    with pytest.raises(InitError, match=r"layer_types must name 16 layers.*'mamba'"):
+        read_model({**cfg, "full_attn_idxs": None, "layer_types": ["mamba"] + types[1:]})
+    with pytest.raises(InitError, match="'conv_dim' must be a non-negative integer"):
+        read_model({k: v for k, v in cfg.items() if k != "conv_dim"})
+
+
+def test_offline_from_vllm_lfm2_is_inits_hybrid_pool(tmp_path):
+    """Offline from-vllm of LFM2 is kvlc init --engine vllm's spec, with the short-convolution state."""
+    out = from_vllm(tmp_path, config("lfm2-1.2b"), "--backend", "CPU_ATTN", "--block-size", "32", "--num-blocks", "8")
+    want = plan(config("lfm2-1.2b"), EngineOptions(engine="vllm", backend="CPU_ATTN", block_size=32, num_blocks=8,
+                                                   mem="DRAM", model_name=str(tmp_path / "model")))
+    assert compile_spec(out).digest == want.digest and "short_conv_state" in out
+
+
 def test_deepseek_v2_lite_stays_mla():
     m = read_model(config("deepseek-v2-lite"))
     assert m.family.value == "mla" and m.latent == 576 and m.kinds == (LayerKind.FULL,) * 27

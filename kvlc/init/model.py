@@ -61,7 +61,7 @@ class LayerKind(str, Enum):
     FULL = "full"            # paged K/V (or an MLA latent) over all tokens
     SLIDING = "sliding"      # paged K/V, a window of tokens
     CHUNKED = "chunked"      # paged K/V, the tokens of the current chunk (chunked local attention)
-    MAMBA = "mamba"          # Mamba-2 (or Mamba-1) conv + SSM state per request
+    MAMBA = "mamba"          # Mamba-2 (or Mamba-1) conv + SSM state, or a short convolution's taps, per request
     LINEAR = "linear"        # Gated DeltaNet conv + recurrent state per request
     NONE = "none"            # MLP / MoE only: no cache
 
@@ -75,6 +75,7 @@ class Family(str, Enum):
     MAMBA1 = "mamba1-hybrid"
     PARALLEL = "parallel-hybrid"     # attention and Mamba-2 side by side in every layer (Falcon-H1)
     LINEAR = "linear-hybrid"
+    CONV = "conv-hybrid"             # short-convolution layers and attention (LFM2)
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,14 @@ class Mamba1:
     conv_kernel: int
     d_inner: int
     state: int
+
+
+@dataclass(frozen=True)
+class ShortConv:
+    """A short convolution's state (vLLM's ``short_conv_state_shape``): ``conv_kernel - 1`` taps over ``channels``."""
+
+    conv_kernel: int
+    channels: int
 
 
 @dataclass(frozen=True)
@@ -134,6 +143,7 @@ class Model:
     mamba: Mamba2 | None = None
     mamba1: Mamba1 | None = None
     deltanet: DeltaNet | None = None
+    short_conv: ShortConv | None = None
     sizes: dict = field(default_factory=dict)
 
 
@@ -301,6 +311,31 @@ def _parallel_hybrid(c: Mapping, name: str, n: int) -> Model:
                  _head_dim(c), mamba=m, sizes=_mamba2_dims(m))
 
 
+CONV_TYPES = {"conv": LayerKind.MAMBA, "full_attention": LayerKind.FULL}   # LFM2's layer_types
+
+
+def _short_conv(c: Mapping, name: str, n: int) -> Model:
+    """LFM2: short-convolution layers (``layer_types`` ``conv``) and attention (``full_attention``); older
+    configs list the attention layers as ``full_attn_idxs`` instead."""
+    types = c.get("layer_types")
+    if isinstance(types, list):
+        bad = sorted({str(t) for t in types} - set(CONV_TYPES))
+        if bad or len(types) != n:
+            raise InitError(f"config.json: layer_types must name {n} layers, each one of {', '.join(CONV_TYPES)} "
+                            f"(an LFM2), found {len(types)}{' with ' + ', '.join(map(repr, bad)) if bad else ''}; "
+                            "fix: one of those per layer")
+        kinds = tuple(CONV_TYPES[t] for t in types)
+    else:
+        full = c.get("full_attn_idxs")
+        if not isinstance(full, list) or not all(isinstance(i, int) and 0 <= i < n for i in full):
+            raise InitError(f"config.json (LFM2) has neither layer_types nor full_attn_idxs as a list of layer "
+                            f"indices below {n}, found {full!r}; fix: give the model's layer_types")
+        kinds = tuple(LayerKind.FULL if i in full else LayerKind.MAMBA for i in range(n))
+    s = ShortConv(_int(c, "conv_L_cache"), _int(c, "conv_dim"))
+    return Model(name, Family.CONV, n, kinds, _kv_heads(c), _head_dim(c), short_conv=s,
+                 sizes={"conv_tap": s.conv_kernel - 1, "channel": s.channels})
+
+
 # config fields that mean layers of a kind init reads only with the fields it dispatches on
 HYBRID_PREFIXES = ("mamba", "ssm_", "linear_", "attn_layer_", "hybrid_", "layers_block_type", "block_type",
                    "full_attention_interval", "conv_kernel", "time_step")
@@ -348,6 +383,8 @@ def _state_or_latent_model(c: Mapping, name: str, n: int) -> Model | None:
         return _mamba1(c, name, n)
     if c.get("linear_num_value_heads"):
         return _linear(c, name, n)
+    if "conv_L_cache" in c:
+        return _short_conv(c, name, n)
     return None
 
 

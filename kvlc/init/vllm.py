@@ -39,7 +39,7 @@ _LAYER = re.compile(r"^layer\.(\d+)")
 
 HYBRID = {LayerKind.FULL: "attention", LayerKind.MAMBA: "mamba", LayerKind.LINEAR: "linear"}
 HYBRID_FAMILIES = {Family.MAMBA: "mamba", Family.MAMBA1: "mamba1", Family.LINEAR: "linear",
-                   Family.PARALLEL: "mamba2"}  # -> the state kind of kvlc.engines.vllm.derive.hybrid
+                   Family.PARALLEL: "mamba2", Family.CONV: "short_conv"}  # -> kvlc.engines.vllm.derive.hybrid's kind
 _TYPES = {LayerKind.SLIDING: "sliding_attention", LayerKind.CHUNKED: "chunked_attention"}
 
 

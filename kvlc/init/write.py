@@ -35,6 +35,9 @@ def _kv_fields(names: tuple[str, ...], b: Backend, dtype: str) -> dict:
 
 
 def _state_layout(m: Model) -> tuple[str, dict]:
+    if m.short_conv is not None:   # vLLM's short_conv_state_shape: conv taps (taps, channels) alone
+        conv = _field("conv", "bf16", [{"name": "conv_tap"}, {"name": "channel", "role": "head"}])
+        return "short_conv_state", {"fields": [conv]}
     if m.mamba1 is not None:   # vLLM's mamba1_state_shape: conv (taps, channels), SSM (channels, state)
         conv = _field("conv", "bf16", [{"name": "conv_tap"}, {"name": "channel", "role": "head"}])
         ssm = _field("ssm", "fp32", [{"name": "channel", "role": "head"}, {"name": "ssm_state"}])

@@ -6,7 +6,8 @@ blocks and a decode engine of 64-token blocks:
 
 * Mistral with a model-wide ``sliding_window`` and no ``layer_types``: vLLM slides every layer;
 * Cohere-2 (three sliding layers, one full): vLLM's sliding layers see ``sliding_window + 1`` tokens;
-* Granite-4 (``granitemoehybrid``: Mamba-2 or attention by ``layer_types``, the mixer spelled as Falcon-H1's).
+* Granite-4 (``granitemoehybrid``: Mamba-2 or attention by ``layer_types``, the mixer spelled as Falcon-H1's);
+* LFM2 (short-convolution layers, whose state is the conv taps alone, and attention by ``layer_types``).
 
 Per family: the decode engine's greedy tokens after the transfer equal the decode engine alone for prompts
 around the block and window edges, the loaded tokens are what the prefill engine sent, and each engine's
@@ -21,7 +22,7 @@ from tests.engines.conftest import Engines, engine_env, init_plan_like, kvlc_con
 
 pytestmark = pytest.mark.engine
 
-FAMILIES = ("mistral", "cohere2", "granitemoehybrid")
+FAMILIES = ("mistral", "cohere2", "granitemoehybrid", "lfm2")
 PROMPTS = (33, 64, 150)  # inside a block, a block's end, past the window (48) and several blocks
 BLOCKS = {"p": 32, "d": 64}
 

@@ -63,9 +63,10 @@ def kernel_block(backend: str) -> int:
 DEFAULT_LAYOUT = {"CPU_ATTN": "LBHNC"}  # the CPU kernels read head-major blocks only; vLLM's default: LBNHC
 
 
-# fields that declare layers keeping a state (Mamba-1/2, Gated DeltaNet) instead of, or beside, paged K/V
+# fields that declare layers keeping a state (Mamba-1/2, Gated DeltaNet, short convolutions) instead of, or beside,
+# paged K/V
 STATE_FIELDS = ("hybrid_override_pattern", "layers_block_type", "linear_num_value_heads", "attn_layer_period",
-                "mamba_d_ssm", "mamba_n_heads", "mamba_num_heads", "mamba_d_state", "ssm_state_size")
+                "mamba_d_ssm", "mamba_n_heads", "mamba_num_heads", "mamba_d_state", "ssm_state_size", "conv_L_cache")
 
 
 # vLLM 0.32's reading of a config's KV heads (ModelArchConfigConvertorBase.get_total_num_kv_heads): the first of

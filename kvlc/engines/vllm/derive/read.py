@@ -119,12 +119,14 @@ def is_state_entry(t: Any) -> bool:
 
 
 def state_tensors(name: str, parts: Any) -> StateTensors:
-    """A :class:`StateTensors` from a state layer's ``[conv, ssm]`` tensors (each ``[blocks, ...]``)."""
-    if len(parts) != 2 or not all(hasattr(p, "untyped_storage") for p in parts):
+    """A :class:`StateTensors` from a state layer's ``[conv, ssm]`` tensors, or its ``[conv]`` alone (a short
+    convolution's), each ``[blocks, ...]``."""
+    if len(parts) not in (1, 2) or not all(hasattr(p, "untyped_storage") for p in parts):
         raise ViewError(f"kv_caches['{name}'] holds {len(parts)} state part(s) "
-                        f"({', '.join(type(p).__name__ for p in parts)}); kvlc knows Mamba-2 and Gated-DeltaNet "
-                        "layers, whose state vLLM 0.32 hands as [conv, ssm] tensors; fix: report this model's "
-                        "layer type (Mamba-1, short-conv and KDA states are not derived yet)")
+                        f"({', '.join(type(p).__name__ for p in parts)}); kvlc knows Mamba-1, Mamba-2, "
+                        "Gated-DeltaNet and short-convolution layers, whose state vLLM 0.32 hands as [conv, ssm] "
+                        "tensors, or [conv] alone; fix: report this model's layer type (KDA states are not "
+                        "derived yet)")
     return StateTensors(name, tuple(_tensor(name, p, (Axis.BLOCK,) + (Axis.STATE,) * (p.dim() - 1),
                                             kv_dtype(str(p.dtype), None)) for p in parts))
 
@@ -168,7 +170,8 @@ def _state_parts(vllm_config: Any, name: str, t: Any) -> Any:
     return parts
 
 
-_STATE_KINDS = {"MAMBA1": "mamba1", "MAMBA2": "mamba", "GDN_ATTN": "linear"}   # vLLM's MambaSpec.mamba_type -> init's kind
+# vLLM's MambaSpec.mamba_type -> the state kind of kvlc.engines.vllm.derive.state
+_STATE_KINDS = {"MAMBA1": "mamba1", "MAMBA2": "mamba", "GDN_ATTN": "linear", "SHORT_CONV": "short_conv"}
 
 
 def _state_kind(kv_cache_config: Any) -> str | None:
@@ -181,8 +184,8 @@ def _state_kind(kv_cache_config: Any) -> str | None:
     unknown = types - set(_STATE_KINDS)
     if unknown or len(types) > 1:
         raise ViewError(f"the engine's state groups are of vLLM mamba_type {sorted(types)}; kvlc derives "
-                        f"{sorted(_STATE_KINDS)} (Mamba-1, Mamba-2, Gated DeltaNet), one kind per engine; fix: report "
-                        "this model's state layout (short-conv and KDA are not derived yet)")
+                        f"{sorted(_STATE_KINDS)} (Mamba-1, Mamba-2, Gated DeltaNet, short convolution), one kind per "
+                        "engine; fix: report this model's state layout (KDA is not derived yet)")
     return _STATE_KINDS[types.pop()]
 
 
@@ -193,10 +196,10 @@ def _state_layout(mc: Any, kv_cache_config: Any, states: tuple[StateTensors, ...
     kind = _state_kind(kv_cache_config)
     if kind is None or not states:
         return None
-    conv, ssm = states[0].parts
+    conv, rec = states[0].parts[0], states[0].parts[-1]
     try:
         config = mamba2_fields({**mc.hf_text_config.to_dict(), "torch_dtype": _TORCH[conv.dtype]})
-        return state_layout(config, kind, requested=_TORCH[ssm.dtype])
+        return state_layout(config, kind, requested=_TORCH[rec.dtype])
     except KeyError as exc:
         raise ViewError(f"the model config has no {exc.args[0]!r}, which a {kind} state layer needs; "
                         "kvlc reads the state's sections and heads from the HuggingFace config (Nemotron-H's "

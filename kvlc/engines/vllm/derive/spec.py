@@ -60,11 +60,11 @@ def engine_view(vllm_config: Any, kv_cache_config: Any, kv_caches: Mapping[str, 
 
 # ---------------------------------------------------------------- the spec
 def _state_kind(view: EngineView) -> str | None:
-    """``mamba`` (Mamba-2 or Mamba-1, as kvlc init names both) or ``linear`` (Gated DeltaNet): the kind of the
-    view's state groups."""
+    """``mamba`` (Mamba-2, Mamba-1 or a short convolution, as kvlc init names them: vLLM's MambaSpec groups) or
+    ``linear`` (Gated DeltaNet): the kind of the view's state groups."""
     if view.state is None:
         return None
-    return "mamba" if view.state.name in ("mamba2_state", "mamba1_state") else "linear"
+    return "linear" if view.state.name == "gdn_state" else "mamba"
 
 
 def group_names(view: EngineView) -> tuple[str, ...]:

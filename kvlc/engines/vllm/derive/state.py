@@ -122,9 +122,20 @@ def mamba2_fields(c: Mapping[str, Any]) -> Mapping[str, Any]:
 
 def state_layout(c: Mapping[str, Any], kind: str, *, requested: str = "auto",
                  cpu_avx512_bf16: bool = False) -> StateLayout:
-    """The state of one layer of kind ``mamba`` / ``mamba2`` (Mamba-2), ``mamba1`` or ``linear`` of text config ``c`` as vLLM 0.32
-    keeps it (``requested`` and ``cpu_avx512_bf16``: see :func:`ssm_dtype`)."""
+    """The state of one layer of kind ``mamba`` / ``mamba2`` (Mamba-2), ``mamba1``, ``linear`` or ``short_conv`` of text
+    config ``c`` as vLLM 0.32 keeps it (``requested`` and ``cpu_avx512_bf16``: see :func:`ssm_dtype`).
+
+    A short convolution (LFM2, vLLM's ``short_conv_state_shape``) keeps only its conv taps: ``conv_L_cache - 1``
+    taps over ``conv_dim`` channels, in the model dtype.
+
+    >>> s = state_layout({"conv_L_cache": 3, "conv_dim": 256, "torch_dtype": "float32"}, "short_conv")
+    >>> s.layout()["fields"][0]["dims"], s.bytes_per_rank(2)
+    ([{'name': 'conv_tap', 'size': 2}, {'name': 'channel', 'role': 'head', 'sections': {'x': 256}}], 1024)
+    """
     model = _dtype(c.get("torch_dtype") or c.get("dtype") or "bfloat16", "torch_dtype")
+    if kind == "short_conv":
+        return StateLayout("short_conv_state", int(c["conv_L_cache"]) - 1, (("x", int(c["conv_dim"])),), model,
+                           "", (), model)
     ssm = ssm_dtype(c, kind, model, requested=requested, cpu_avx512_bf16=cpu_avx512_bf16)
     if kind == "mamba1":
         d_inner = int(c["mamba_expand"]) * int(c["hidden_size"])
@@ -183,12 +194,15 @@ def _dense(t) -> bool:
 
 
 def _problems(s: StateTensors, state: StateLayout, view: EngineView) -> list[str]:
-    conv, rec = s.parts
+    if len(s.parts) != state.parts:
+        return [f"{len(s.parts)} tensor(s), a {state.name} has {state.parts}"]
     tp = view.parallel.tp_size
     want_conv, want_rec = _want_shapes(state, tp)
+    checks = ((s.parts[0], want_conv, state.conv_dtype, "conv"),)
+    if state.rec_field:
+        checks += ((s.parts[1], want_rec, state.rec_dtype, state.rec_field),)
     out = []
-    for t, shape, dtype, what in ((conv, want_conv, state.conv_dtype, "conv"),
-                                  (rec, want_rec, state.rec_dtype, state.rec_field)):
+    for t, shape, dtype, what in checks:
         if tuple(t.shape[1:]) != shape:
             out.append(f"{what} state shape {t.shape[1:]}, the config says {shape} per rank (tp_size {tp})")
         if t.dtype != dtype:
@@ -197,6 +211,12 @@ def _problems(s: StateTensors, state: StateLayout, view: EngineView) -> list[str
             out.append(f"{what} state strides {t.strides} are not dense inside a block")
         if t.shape[0] != view.num_blocks:
             out.append(f"{what} state has {t.shape[0]} blocks, the engine {view.num_blocks}")
+    return out + (_packed(*s.parts, state, tp) if state.rec_field else [])
+
+
+def _packed(conv, rec, state: StateLayout, tp: int) -> list[str]:
+    """How a layer's recurrent state does not follow its conv taps in one page (nothing: it does)."""
+    out = []
     page = conv.strides[0] * conv.itemsize
     if rec.strides[0] * rec.itemsize != page:
         out.append(f"conv and {state.rec_field} pages differ ({page} vs {rec.strides[0] * rec.itemsize} bytes)")

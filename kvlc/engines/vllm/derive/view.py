@@ -163,11 +163,11 @@ class LayerTensor:
 class StateLayout:
     """One state layer's fields (whole-model sizes; TP splits ``head`` dims and conv sections)."""
 
-    name: str                                     # the spec's layout name: mamba2_state, gdn_state
+    name: str                                     # the spec's layout name: mamba2_state, gdn_state, short_conv_state
     conv_taps: int
     sections: tuple[tuple[str, int], ...]
     conv_dtype: str
-    rec_field: str
+    rec_field: str                                # "" where the layer keeps only its conv taps (a short convolution)
     rec_dims: tuple[tuple[str, int, bool], ...]   # (name, size, sharded by TP)
     rec_dtype: str
     replicated: tuple[str, ...] = ()              # conv sections every rank holds whole (one-group B, C)
@@ -180,8 +180,15 @@ class StateLayout:
         """
         return tuple((n, size if n in self.replicated else size // tp) for n, size in self.sections)
 
+    @property
+    def parts(self) -> int:
+        """The tensors vLLM hands per layer: conv and the recurrent state, or the conv taps alone."""
+        return 2 if self.rec_field else 1
+
     def bytes_per_rank(self, tp: int) -> int:
         conv = self.conv_taps * sum(size for _, size in self.section_sizes(tp)) * DTYPE_SIZES[self.conv_dtype]
+        if not self.rec_field:
+            return conv
         rec = DTYPE_SIZES[self.rec_dtype]
         for _, size, sharded in self.rec_dims:
             rec *= size // tp if sharded else size
@@ -193,6 +200,8 @@ class StateLayout:
             {"name": "channel", "role": "head", "sections": dict(self.sections)}]}
         if self.replicated:
             conv["replicated"] = list(self.replicated)
+        if not self.rec_field:
+            return {"fields": [conv]}
         rec = {"name": self.rec_field, "dtype": self.rec_dtype, "dims": [
             {"name": n, "role": "head", "size": s} if sharded else {"name": n, "size": s}
             for n, s, sharded in self.rec_dims]}
