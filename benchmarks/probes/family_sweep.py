@@ -8,6 +8,7 @@ and compare its digest with ``kvlc init --engine vllm``'s for the model's config
 result on stdout; an engine that fails to start prints its log's last lines.
 
     python benchmarks/probes/family_sweep.py --dtype bfloat16 --blocks 32,64 qwen2 qwen3 mistral phi3 gemma2
+    python benchmarks/probes/family_sweep.py --dtype float32 --prefix-control gpt_neox   # vLLM alone, cached KV
 
 Families: ``testkit.vllm_engines.FAMILIES`` (model_type, or model_type+variant: the config fields that make
 it tiny and exercise its kind of cache).
@@ -71,6 +72,28 @@ def run(family: str, dtype: str, pb: int, db: int, root: Path) -> None:
         e.close()
 
 
+def prefix_control(family: str, dtype: str, block: int, root: Path) -> None:
+    """The engine alone, no connector, prefix caching on: each prompt twice, the second after its blocks were
+    cached. Tokens that change say vLLM computes a token after cached KV otherwise than in one pass (a
+    transfer then changes them too, through no fault of its own)."""
+    from testkit.vllm_engines import EngineSpec, tiny_family
+    from tests.engines.conftest import Engines, engine_env, prompt
+
+    model = tiny_family(root / family, family, dtype)
+    (root / f"{family}-control").mkdir(exist_ok=True)
+    e = Engines(root / f"{family}-control")
+    e.start("a", EngineSpec(str(model), block, dtype=dtype, prefix_caching=True, env=engine_env(0)))
+    try:
+        for i, n in enumerate(PROMPTS):
+            p = prompt(n, seed=i)
+            first = e["a"].generate([p], MAX_TOKENS)[0]
+            again = e["a"].generate([p], MAX_TOKENS)[0]
+            print(json.dumps({"family": family, "dtype": dtype, "control": "prefix cache", "n": n,
+                              "cached": again.num_cached_tokens, "equal": first.tokens == again.tokens}))
+    finally:
+        e.close()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     from testkit.vllm_engines import FAMILIES
@@ -78,12 +101,17 @@ def main() -> None:
     ap.add_argument("families", nargs="+", choices=sorted(FAMILIES))
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     ap.add_argument("--blocks", default="32,32", help="prefill,decode block sizes")
+    ap.add_argument("--prefix-control", action="store_true",
+                    help="instead: the engine alone with prefix caching, each prompt twice (a negative control)")
     args = ap.parse_args()
     pb, db = map(int, args.blocks.split(","))
     root = Path(tempfile.mkdtemp(prefix="kvlc-sweep-"))
     for family in args.families:
         try:
-            run(family, args.dtype, pb, db, root)
+            if args.prefix_control:
+                prefix_control(family, args.dtype, pb, root)
+            else:
+                run(family, args.dtype, pb, db, root)
         except Exception:  # noqa: BLE001
             print(json.dumps({"family": family, "error": traceback.format_exc()[-1500:]}))
         sys.stdout.flush()
