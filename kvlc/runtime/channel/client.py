@@ -32,7 +32,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from kvlc.runtime.channel import auth
-from kvlc.runtime.channel.tcp import Limits, frame_bytes, keep_alive, parse_address, read_frame, write_frame
+from kvlc.runtime.channel.tcp import FrameReader, Limits, frame_bytes, keep_alive, parse_address, read_frame, write_frame
 from kvlc.runtime.channel.wire import MAX_FRAME_BYTES
 from kvlc.runtime.errors import AuthError, ChannelError
 
@@ -57,6 +57,7 @@ class _Link:
     def __init__(self, sock: socket.socket, sealed: auth.Sealed):
         self.sock = sock
         self.sealed = sealed
+        self.frames = FrameReader(sock)
         self.pending: deque[Ticket] = deque()
         self.broken = False
 
@@ -175,7 +176,7 @@ class ChannelClient:
             link = ticket.link
             while not ticket.done:
                 try:
-                    payload = link.sealed.open(read_frame(link.sock, self.max_frame, self.timeout, self.timeout))
+                    payload = link.sealed.open(link.frames.read(self.max_frame, self.timeout, self.timeout))
                 except (OSError, ChannelError) as exc:
                     self._break(link, f"{exc}")
                     break
