@@ -183,14 +183,19 @@ def summary(rows: list[dict]) -> dict:
     return out
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def workload_args(ap: argparse.ArgumentParser) -> None:
+    """The options of a one-request-at-a-time probe over a scaled Llama-3.1-8B pool (this one, pvp_timeline.py)."""
     ap.add_argument("--gpu", action="store_true", help="VRAM on cuda:0 on both sides")
     ap.add_argument("--pool-mib", type=int, default=256)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--ids", choices=("contiguous", "random"), default="contiguous")
     ap.add_argument("--rounds", type=int, default=40)
     ap.add_argument("--warmup", type=int, default=5)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    workload_args(ap)
     ap.add_argument("--modes", default="ipc,nixl")
     ap.add_argument("--batches", type=int, default=0, help="sets of ids to cycle (default: one per round)")
     ap.add_argument("--out", type=Path)

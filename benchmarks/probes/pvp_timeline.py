@@ -38,6 +38,7 @@ for _p in (Path(__file__).resolve().parents[2], Path(__file__).resolve().parent)
         sys.path.insert(0, str(_p))
 
 from kvlc.demo.run import DEFAULT_LAYOUT, make_workload, scaled_plan  # noqa: E402
+from ipc_timeline import workload_args  # noqa: E402
 
 REMOTE = ("arrived", "instantiated", "submitted", "seen", "told")
 STAGES = ("asked", *REMOTE, "finished")
@@ -177,12 +178,7 @@ def _stages(out: dict, stamps: dict, warmup: int) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--gpu", action="store_true", help="VRAM on cuda:0 on both sides")
-    ap.add_argument("--pool-mib", type=int, default=256)
-    ap.add_argument("--tokens", type=int, default=256)
-    ap.add_argument("--ids", choices=("contiguous", "random"), default="contiguous")
-    ap.add_argument("--rounds", type=int, default=40)
-    ap.add_argument("--warmup", type=int, default=5)
+    workload_args(ap)
     ap.add_argument("--nap", type=float, default=0.0, help="seconds the engine thread sleeps after an empty poll")
     ap.add_argument("--order", default="push,pvp", help="modes, in the order they run")
     ap.add_argument("--out", type=Path)
