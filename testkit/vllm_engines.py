@@ -231,8 +231,9 @@ FAMILIES = {
                       shared_expert_intermediate_size=128),
     "lfm2": dict(num_hidden_layers=4, layer_types=["conv", "full_attention", "conv", "full_attention"],
                  conv_dim=256, block_dim=256, block_ff_dim=512),           # short-convolution state + attention
-    "bamba": dict(num_hidden_layers=4, attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=64, mamba_n_groups=1,
-                  mamba_d_state=64, mamba_expand=2, mamba_d_conv=4, mamba_chunk_size=64),
+    "olmoe": dict(num_hidden_layers=2, num_experts=4, num_experts_per_tok=2),
+    "exaone_moe": dict(num_hidden_layers=4, sliding_window=48, num_experts=4, num_experts_per_tok=2,
+                       moe_intermediate_size=128, mlp_layer_types=["dense", "sparse", "sparse", "sparse"]),
 }
 
 
