@@ -142,7 +142,8 @@ class Sender:
 
     def send_now(self, client, make_payload: Callable[[], Any], context: Any, combine: Combine | None = None) -> None:
         """As :meth:`send`, but the frame is written here and now where that cannot wait (nothing of this
-        connection queued before it, no other writer, room in the socket); else it is queued."""
+        connection queued unwritten before it, no other writer, the connection open), else it is queued; what
+        of it the socket does not take at once, the lane writes. The lane reads the reply either way."""
         with self._lock:
             lane = self._lane(client)
             ticket = None
