@@ -422,6 +422,7 @@ class KvAgent:
             out = self.submit(("pvp", s.conn_id, req), req, "WRITE", parts, {s.rank: Target(s.agent, s.notif_key)},
                               timeout, ("pvp", s), refuse=refuse, engine=False)
             self.tally(s.engine, req)
+            self.advance()  # a copy that ended inside its post (host memory on one host) is told done now
         if self._res.pump is not None:  # no engine call follows this one: its end is seen on the next turn
             self._res.pump.wake()
         return out
