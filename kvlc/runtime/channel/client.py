@@ -4,10 +4,10 @@ The server answers the frames of one connection one at a time, in order (:mod:`k
 so a client may write several frames before the first reply comes back: each written frame is a
 :class:`Ticket` in the connection's queue, and each frame read answers the oldest ticket still open.
 :meth:`ChannelClient.request` is a post and a wait; :meth:`ChannelClient.post` with ``block=False``
-writes from a thread that must never wait (an engine's): it writes only when the connection is open,
-nobody else is writing and the socket takes the frame now, and leaves the reply to be read by another
-thread (:meth:`ChannelClient.wait`). A frame the socket takes only part of keeps the writer's lock on
-its ticket; :meth:`ChannelClient.finish` writes the rest from a thread that may wait.
+writes from a thread that must never wait (an engine's): only when the connection is open and nobody
+else is writing, and only what the socket takes at once; the reply is read by another thread
+(:meth:`ChannelClient.wait`). A frame the socket takes only part of (or none of) keeps the writer's lock
+on its ticket; :meth:`ChannelClient.finish` writes the rest from a thread that may wait.
 
 A failed write or read closes the connection and fails every ticket still open on it (their frames
 may or may not have been handled); a later post connects and authenticates again, as a new

@@ -64,68 +64,39 @@ def parse_address(address: str | tuple[str, int]) -> Address:
     return str(host), int(port)
 
 
-def _recv_exact(sock: socket.socket, n: int, deadline: float | None) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise ChannelError(f"frame incomplete at its deadline ({len(buf)} of {n} bytes)")
-            sock.settimeout(left)
-        try:
-            chunk = sock.recv(min(n - len(buf), 1 << 20))
-        except TimeoutError:
-            raise ChannelError(f"frame incomplete at its deadline ({len(buf)} of {n} bytes)") from None
-        if not chunk:
-            raise ChannelError(f"connection closed after {len(buf)} of {n} bytes")
-        buf += chunk
-    return bytes(buf)
-
-
 def read_frame(
     sock: socket.socket,
     max_frame: int = MAX_FRAME_BYTES,
     frame_timeout: float | None = None,
     idle_timeout: float | None = None,
 ) -> bytes:
-    """Read one frame; :class:`ChannelError` when oversize, truncated, too slow or the peer closed.
-
-    ``idle_timeout`` bounds the wait for the first byte, ``frame_timeout`` the rest of the frame.
-    """
-    sock.settimeout(idle_timeout)
-    try:
-        first = sock.recv(1)
-    except TimeoutError:
-        raise ChannelError("idle: no frame started in time") from None
-    if not first:
-        raise ChannelError("connection closed after 0 of 4 bytes")
-    deadline = None if frame_timeout is None else time.monotonic() + frame_timeout
-    (n,) = _HEADER.unpack(first + _recv_exact(sock, _HEADER.size - 1, deadline))
-    if n > max_frame:
-        raise ChannelError(f"frame of {n} bytes is over the {max_frame}-byte limit")
-    return _recv_exact(sock, n, deadline)
+    """Read exactly one frame (nothing past it: the handshake's frames); :class:`ChannelError` when oversize,
+    truncated, too slow or the peer closed. ``idle_timeout`` bounds the wait for the first byte,
+    ``frame_timeout`` the rest of the frame."""
+    return FrameReader(sock, ahead=False).read(max_frame, frame_timeout, idle_timeout)
 
 
 class FrameReader:
-    """The frames of one authenticated connection, read ahead: one ``recv`` usually brings a whole frame (and
-    whatever of the next one has come), where :func:`read_frame` makes three, each letting the interpreter go
-    and waiting to get it back behind the process's busy threads. The bounds are :func:`read_frame`'s: the
-    first byte within ``idle_timeout``, the rest of the frame within ``frame_timeout`` of the call that
-    waits for it. One reader per socket (what it read ahead is its own)."""
+    """The frames of one connection: the first byte within ``idle_timeout``, the rest of the frame within
+    ``frame_timeout`` of the call that waits for it. ``ahead`` (an authenticated connection's reader): one
+    ``recv`` of up to a chunk usually brings a whole frame (and whatever of the next one has come), where
+    exact reads make three, each letting the interpreter go and waiting to get it back behind the process's
+    busy threads; one reader per socket then (what it read ahead is its own)."""
 
     CHUNK = 1 << 16
 
-    def __init__(self, sock: socket.socket):
+    def __init__(self, sock: socket.socket, ahead: bool = True):
         self.sock = sock
+        self._chunk = self.CHUNK if ahead else 0
         self._buf = bytearray()
 
     def read(self, max_frame: int = MAX_FRAME_BYTES, frame_timeout: float | None = None,
              idle_timeout: float | None = None) -> bytes:
         if not self._buf:
-            self._recv(idle_timeout, 0, _HEADER.size, idle=True)
+            self._recv(idle_timeout, 0, _HEADER.size, idle=True, want=_HEADER.size)
         deadline = None if frame_timeout is None else time.monotonic() + frame_timeout
         while len(self._buf) < _HEADER.size:
-            self._recv(deadline, len(self._buf), _HEADER.size)
+            self._recv(deadline, len(self._buf), _HEADER.size, want=_HEADER.size - len(self._buf))
         (n,) = _HEADER.unpack_from(self._buf)
         if n > max_frame:
             raise ChannelError(f"frame of {n} bytes is over the {max_frame}-byte limit")
@@ -136,8 +107,9 @@ class FrameReader:
         del self._buf[:end]
         return frame
 
-    def _recv(self, limit: float | None, have: int, of: int, idle: bool = False, want: int = 0) -> None:
-        """Read what has come (up to a chunk, or ``want`` bytes if more); ``limit``: the idle wait, or the deadline."""
+    def _recv(self, limit: float | None, have: int, of: int, want: int, idle: bool = False) -> None:
+        """Read what has come, up to ``want`` bytes (the rest of the piece being read) or a chunk ahead if
+        more; ``limit``: the idle wait, or the deadline."""
         if idle:
             self.sock.settimeout(limit)
         elif limit is not None:
@@ -146,7 +118,7 @@ class FrameReader:
                 raise ChannelError(f"frame incomplete at its deadline ({have} of {of} bytes)")
             self.sock.settimeout(left)
         try:
-            chunk = self.sock.recv(min(max(self.CHUNK, want), 1 << 20))
+            chunk = self.sock.recv(min(max(self._chunk, want), 1 << 20))
         except TimeoutError:
             if idle:
                 raise ChannelError("idle: no frame started in time") from None
