@@ -264,9 +264,9 @@ def test_sliding_window_hybrid_offline_equals_the_live_engine():
     assert [r.aliases for r in want.regions] == [(), ("layer.0",), ("layer.0",), ("layer.0",)]
     init = compile_spec(init_yaml(cfg, EngineOptions(engine="vllm", backend="CPU_ATTN", mem="DRAM", block_size=32,
                                                      num_blocks=live.num_blocks, name=want.name,
-                                                     model_name=live.model.name)))
+                                                     model_name=live.model.name, cpu_isa=live.cpu_isa)))
     offline = derive_plan(published_view(cfg, live.model.name, backend="CPU_ATTN", block_size=32,
-                                         num_blocks=live.num_blocks))
+                                         num_blocks=live.num_blocks, cpu_isa=live.cpu_isa))
     assert init.digest == offline.digest == want.digest
 
 
@@ -325,7 +325,8 @@ def test_mamba_hybrid_live_view_equals_kvlc_init():
         ("layer.0", True, ("mamba",)), ("layer.1", False, ("full",)), ("layer.2", True, ("mamba.1",))]
     init = compile_spec(init_yaml(cfg, EngineOptions(engine="vllm", backend="CPU_ATTN", mem="DRAM", block_size=32,
                                                      num_blocks=live.num_blocks, name=want.name,
-                                                     model_name=live.model.name, cpu_avx512_bf16=True)))
+                                                     model_name=live.model.name, cpu_avx512_bf16=True,
+                                                     cpu_isa=live.cpu_isa)))  # the view's host: vec, not AMX
     assert init.digest == want.digest
 
 

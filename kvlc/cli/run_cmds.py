@@ -11,6 +11,7 @@ import yaml
 from kvlc.cli.base import EXIT_SPEC, Choice, _fail, emit, main, write_atomic
 from kvlc.compiler import compile_spec
 from kvlc.compiler.spec.dtypes import DTYPE_SIZES
+from kvlc.engines.vllm.derive.cpu import ISA_CHOICES, resolve_isa
 from kvlc.engines.vllm.derive.state import SSM_CACHE_DTYPES
 from kvlc.engines.vllm.derive.offline import (ATTENTION_BACKENDS, CPU_BACKENDS, MLA_BACKENDS, check_engine_block,
                                                published_view)
@@ -42,11 +43,14 @@ from kvlc.init.vllm import HYBRID_FAMILIES, vllm_config
 @click.option("--cpu-avx512-bf16/--no-cpu-avx512-bf16", "avx512_bf16", default=None,
               help="Offline CPU_ATTN hybrid: the engine's host has AVX-512 BF16 (vLLM then keeps SSM state in "
                    "fp32); default: whether this host has it.")
+@click.option("--cpu-isa", type=Choice(ISA_CHOICES), default="auto", show_default=True,
+              help="Offline CPU_ATTN: the attention ISA vLLM picks, which orders each block (amx: bf16 on a host "
+                   "with AMX); auto: as vLLM picks on this host (with --from-engine: the engine's own).")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write the YAML here.")
 @click.option("--json", "as_json", is_flag=True, help="Write the spec as JSON instead of commented YAML.")
 def from_vllm(model_dir: str, backend: str, block_size: int | None, kernel_block_size: int | None, tp_size: int,
               tp_rank: int, kv_dtype: str, num_blocks: int | None, layout: str | None, from_engine: bool,
-              kv_cache_mib: int, save_view: str | None, ssm_dtype: str, avx512_bf16: bool | None,
+              kv_cache_mib: int, save_view: str | None, ssm_dtype: str, avx512_bf16: bool | None, cpu_isa: str,
               output: str | None, as_json: bool) -> None:
     """The kvlc spec of a vLLM engine serving MODEL_DIR, as commented YAML.
 
@@ -62,6 +66,9 @@ def from_vllm(model_dir: str, backend: str, block_size: int | None, kernel_block
         if from_engine:
             from kvlc.engines.vllm.derive.engine import live_views
             dtypes = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+            if cpu_isa != "auto":
+                raise KvlcError(f"--from-engine --cpu-isa {cpu_isa}: a live engine's ISA is the one vLLM picked "
+                                "on this host; fix: drop --cpu-isa")
             if num_blocks or kv_dtype not in dtypes:
                 raise KvlcError("--from-engine: the engine sizes its cache from --kv-cache-mib (drop --num-blocks) "
                                 f"and runs in {', '.join(dtypes)} (got --kv-dtype {kv_dtype})")
@@ -73,7 +80,7 @@ def from_vllm(model_dir: str, backend: str, block_size: int | None, kernel_block
             view, hybrid = _offline(model_dir, backend=backend, block_size=block_size, num_blocks=num_blocks or 1024,
                                     tp_size=tp_size, tp_rank=tp_rank, kv_dtype=kv_dtype, layout=layout,
                                     kernel_block_size=kernel_block_size, save_view=save_view,
-                                    state=(ssm_dtype, avx512_bf16))
+                                    state=(ssm_dtype, avx512_bf16), cpu_isa=cpu_isa)
         if hybrid is not None:   # a hybrid page pool: derived from config.json, no engine view
             text = json.dumps(yaml.safe_load(hybrid), indent=2) + "\n" if as_json else hybrid
         else:
@@ -93,12 +100,15 @@ def from_vllm(model_dir: str, backend: str, block_size: int | None, kernel_block
 
 def _offline(model_dir: str, *, backend: str, block_size: int, num_blocks: int, tp_size: int, tp_rank: int,
              kv_dtype: str, layout: str | None, kernel_block_size: int | None, save_view: str | None,
-             state: tuple[str, bool | None] = ("auto", None)):
+             state: tuple[str, bool | None] = ("auto", None), cpu_isa: str = "auto"):
     """``(view, None)`` of MODEL_DIR/config.json on these options, or ``(None, spec YAML)`` for a hybrid with
     state layers: the layer kinds are kvlc init's reader's (:func:`kvlc.init.read_model`), so from-vllm and
     ``kvlc init --engine vllm`` write the same spec; a config whose layer kinds it cannot tell is refused."""
     import json
 
+    if backend != "CPU_ATTN" and cpu_isa != "auto":
+        raise KvlcError(f"--cpu-isa {cpu_isa}: only vLLM's CPU_ATTN backend has a CPU attention ISA (--backend "
+                        f"{backend}); fix: drop --cpu-isa")
     config_path = Path(model_dir) / "config.json"
     try:
         config = json.loads(config_path.read_text())
@@ -108,9 +118,13 @@ def _offline(model_dir: str, *, backend: str, block_size: int, num_blocks: int, 
     m = read_model(config)
     if m.family not in HYBRID_FAMILIES:
         check_engine_block(backend, block_size, kernel_block_size)
-        return published_view(vllm_config(config, m), model_dir, backend=backend, block_size=block_size,
+        view = published_view(vllm_config(config, m), model_dir, backend=backend, block_size=block_size,
                               num_blocks=num_blocks, tp_size=tp_size, tp_rank=tp_rank, kv_dtype=kv_dtype,
-                              layout=layout, kernel_block_size=kernel_block_size), None
+                              layout=layout, kernel_block_size=kernel_block_size,
+                              cpu_isa=cpu_isa if backend == "CPU_ATTN" else "")
+        if backend == "CPU_ATTN":
+            resolve_isa(cpu_isa, kv_dtype=kv_dtype, block_size=view.kernel_block_size, head_size=view.model.head_dim)
+        return view, None
     for flag, value in (("--layout", layout), ("--save-view", save_view)):
         if value:
             raise KvlcError(f"{flag} {value}: {model_dir} is a {m.family.value} model, whose spec (vLLM's hybrid page "
@@ -119,11 +133,11 @@ def _offline(model_dir: str, *, backend: str, block_size: int, num_blocks: int, 
     opts = EngineOptions(engine="vllm", backend=backend, tp_size=tp_size, block_size=block_size,
                          kernel_block_size=kernel_block_size, kv_dtype=kv_dtype, num_blocks=num_blocks,
                          mem="DRAM" if backend in CPU_BACKENDS else "VRAM", model_name=model_dir,
-                         mamba_ssm_cache_dtype=state[0], cpu_avx512_bf16=state[1])
+                         mamba_ssm_cache_dtype=state[0], cpu_avx512_bf16=state[1], cpu_isa=cpu_isa)
     text = init_checked(config, opts)
     return None, (f"# kvlc from-vllm (offline), {m.family.value} model: vLLM 0.32's hybrid page pool as `kvlc init "
                   "--engine vllm` derives it from config.json (kvlc/engines/vllm/derive/hybrid.py);\n# not read from "
-                  "a live engine (KvlcConnector serves attention groups only).\n" + text)
+                  "a live engine (`--from-engine` reads one).\n" + text)
 
 
 @main.command()

@@ -13,6 +13,7 @@ from kvlc.compiler.spec.schema import schema_json
 from kvlc.compiler.spec.source import load_config, parse_yaml, rendered_name
 from kvlc.compiler.spec.template import render_template
 from kvlc.compiler.spec.validate import validate
+from kvlc.engines.vllm.derive.cpu import ISA_CHOICES
 from kvlc.engines.vllm.derive.state import SSM_CACHE_DTYPES   # vLLM's choices, one list
 from kvlc.errors import KvlcError
 from kvlc.explain.docs import check_doc, problem_doc
@@ -150,6 +151,9 @@ INIT_KV_DTYPES = [*DTYPE_SIZES, DS_MLA]
 @click.option("--cpu-avx512-bf16/--no-cpu-avx512-bf16", "avx512_bf16", default=None,
               help="vLLM CPU_ATTN engine: its host has AVX-512 BF16 (vLLM then keeps SSM state in fp32); "
                    "default: whether this host has it.")
+@click.option("--cpu-isa", type=Choice(ISA_CHOICES), default="auto", show_default=True,
+              help="vLLM CPU_ATTN engine: the attention ISA vLLM picks, which orders each block (amx: bf16 "
+                   "on a host with AMX, tokens in entries of 16); auto: as vLLM picks on this host.")
 @click.option("--name", default="", help="Spec name (default: from the model, TP, layers and block size).")
 @click.option("--model-name", default="", help="model.name (default: config's _name_or_path or model_type).")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write the spec here.")
@@ -159,8 +163,8 @@ def init_cmd(config: str, engine: str, backend: str, tp_size: int, pp_size: int,
              kernel_block_size: int | None,
              kv_dtype: str,
              mem: str, device: int, num_blocks: int, sliding_blocks: int | None, state_slots: int | None,
-             mtp: bool, ssm_dtype: str, avx512_bf16: bool | None, name: str, model_name: str, output: str | None,
-             as_json: bool) -> None:
+             mtp: bool, ssm_dtype: str, avx512_bf16: bool | None, cpu_isa: str, name: str, model_name: str,
+             output: str | None, as_json: bool) -> None:
     """Write the spec of a HuggingFace CONFIG (config.json) on the engine the options describe."""
     import json as _json
 
@@ -172,7 +176,7 @@ def init_cmd(config: str, engine: str, backend: str, tp_size: int, pp_size: int,
                              kernel_block_size=kernel_block_size, kv_dtype=kv_dtype,
                              mem=mem, device=device, num_blocks=num_blocks, sliding_blocks=sliding_blocks,
                              state_slots=state_slots, draft_layers=mtp, mamba_ssm_cache_dtype=ssm_dtype,
-                             cpu_avx512_bf16=avx512_bf16, name=name, model_name=model_name)
+                             cpu_avx512_bf16=avx512_bf16, cpu_isa=cpu_isa, name=name, model_name=model_name)
         cfg = load_config(config)
         text = init_checked(cfg, opts)  # what init writes always compiles; a bad combination names its option
         if as_json:

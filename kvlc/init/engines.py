@@ -70,7 +70,9 @@ class EngineOptions:
     and ``pp_rank`` give an even split instead). ``sliding_blocks`` / ``state_slots``
     default to ``num_blocks``. ``mamba_ssm_cache_dtype`` is vLLM's flag of that name (the
     dtype of a hybrid's SSM state); ``cpu_avx512_bf16`` says whether a vLLM CPU engine's host
-    has AVX-512 BF16, which changes that dtype (None: whether the host running init has it).
+    has AVX-512 BF16, which changes that dtype (None: whether the host running init has it); ``cpu_isa``
+    is a vLLM CPU_ATTN engine's attention ISA, which orders its blocks (``auto``: what vLLM 0.32 picks
+    on the host running init: ``amx`` for bf16 where it has AMX).
     """
 
     engine: str = "kvlc"
@@ -93,6 +95,7 @@ class EngineOptions:
     draft_layers: bool = True
     mamba_ssm_cache_dtype: str = "auto"
     cpu_avx512_bf16: bool | None = None
+    cpu_isa: str = "auto"
     name: str = ""
     model_name: str = ""
 

@@ -23,6 +23,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from kvlc.engines.vllm.derive.cpu import host_flags, resolve_isa
 from kvlc.engines.vllm.derive.hybrid import hybrid_spec
 from kvlc.engines.vllm.derive.offline import (ATTENTION_BACKENDS, CPU_BACKENDS, MLA_BACKENDS, check_engine_block,
                                                published_view)
@@ -99,16 +100,19 @@ def vllm_spec(config: Mapping[str, Any], m: Model, opts: EngineOptions) -> dict:
     start, stop = window or (0, m.num_layers)
     device = "cpu" if opts.mem == "DRAM" else f"cuda:{opts.device}"
     if m.family in HYBRID_FAMILIES:
-        return _finish(_hybrid(config, m, opts, (start, stop), device), opts, window, renumber=False)
+        spec = _hybrid(config, m, opts, (start, stop), device)
+        _check_isa(spec, opts)
+        return _finish(spec, opts, window, renumber=False)
     try:
         check_engine_block(opts.backend, opts.block_size, opts.kernel_block_size)
         view = published_view(vllm_config(config, m, (start, stop)), opts.model_name or m.name,
                               backend=opts.backend, block_size=opts.block_size, num_blocks=opts.num_blocks,
                               tp_size=opts.tp_size, kv_dtype=opts.kv_dtype, kernel_block_size=opts.kernel_block_size,
-                              device=device)
+                              device=device, cpu_isa=_cpu_isa(opts))
     except ViewError as exc:
         raise InitError(f"engine 'vllm': {exc}") from None
     spec = derive_spec(view)
+    _check_isa(spec, opts)
     spec["model"]["num_layers"] = m.num_layers
     return _finish(spec, opts, window, renumber=True)
 
@@ -122,20 +126,38 @@ def _hybrid(config: Mapping[str, Any], m: Model, opts: EngineOptions, window: tu
                            state_kind=HYBRID_FAMILIES[m.family], backend=opts.backend,
                            block_size=opts.block_size, num_blocks=opts.num_blocks, tp_size=opts.tp_size,
                            kv_dtype=opts.kv_dtype, device=device, num_layers=m.num_layers,
-                           ssm_cache_dtype=opts.mamba_ssm_cache_dtype, cpu_avx512_bf16=cpu_avx512_bf16)
+                           ssm_cache_dtype=opts.mamba_ssm_cache_dtype, cpu_avx512_bf16=cpu_avx512_bf16,
+                           cpu_isa=_cpu_isa(opts))
     except ViewError as exc:
         raise InitError(f"engine 'vllm': {exc}") from None
+
+
+def _check_isa(spec: dict, opts: EngineOptions) -> None:
+    """A ``--cpu-isa`` asked for is one vLLM 0.32 picks for the spec's dtype, block and head size on some host."""
+    if opts.backend == "CPU_ATTN" and opts.cpu_isa != "auto":
+        try:
+            resolve_isa(opts.cpu_isa, kv_dtype=opts.kv_dtype, block_size=opts.kernel_block_size or spec["block_size"],
+                        head_size=spec["model"]["head_dim"])
+        except ViewError as exc:
+            raise InitError(f"engine 'vllm': {exc}") from None
 
 
 def _avx512_bf16(opts: EngineOptions) -> bool:
     """Whether the engine's CPU has AVX-512 BF16: as told, else this host's ``/proc/cpuinfo`` flags."""
     if opts.cpu_avx512_bf16 is not None:
         return opts.cpu_avx512_bf16
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            return any(line.startswith("flags") and "avx512_bf16" in line.split() for line in f)
-    except OSError:
-        return False
+    return "avx512_bf16" in host_flags()
+
+
+def _cpu_isa(opts: EngineOptions) -> str:
+    """The attention ISA a CPU_ATTN engine is described with (``auto``: picked as vLLM does on this host, by the
+    adapter); ``--cpu-isa`` on another backend is refused."""
+    if opts.backend == "CPU_ATTN":
+        return opts.cpu_isa
+    if opts.cpu_isa != "auto":
+        raise InitError(f"--cpu-isa {opts.cpu_isa}: only vLLM's CPU_ATTN backend has a CPU attention ISA "
+                        f"(--backend {opts.backend}); fix: drop --cpu-isa")
+    return ""
 
 
 def _finish(spec: dict, opts: EngineOptions, window: tuple[int, int] | None, renumber: bool) -> dict:

@@ -148,3 +148,27 @@ def test_vllm_picks_the_isas_this_module_knows():
         for head in (64, 80):
             assert _get_attn_isa(dtype, 32, head) in ISA_LAYOUTS
     assert _get_attn_isa(torch.float32, 32, 80) == "vec16"
+
+
+@pytest.mark.parametrize("amx", [False, True], ids=["no-amx", "amx"])
+def test_pick_isa_is_vllms_own_choice_on_hosts_with_and_without_amx(monkeypatch, amx):
+    """kvlc's offline ISA choice (``derive.cpu.pick_isa``, what ``kvlc init --cpu-isa auto`` writes) equals vLLM
+    0.32's ``cpu_attn._get_attn_isa`` for every dtype, block size and head size tried, with the host's AMX
+    answer set both ways (vLLM asks torch at each call), so it holds on hosts this suite never ran on."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from kvlc.engines.vllm.derive.cpu import pick_isa
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    seen = set()
+    for kv, dtype in dtypes.items():
+        for block in (16, 32, 48, 64, 96, 128, 160, 3200):
+            for head in (32, 48, 64, 80, 96, 112, 128, 256):
+                want = _get_attn_isa(dtype, block, head)
+                assert pick_isa(kv, block, head, amx) == want, (kv, block, head)
+                seen.add(want)
+    for block in (32, 64, 128):  # an fp8 cache of a bf16 model (vLLM tests the model dtype)
+        for head in (64, 128):
+            assert pick_isa("fp8_e4m3", block, head, amx) == _get_attn_isa(torch.bfloat16, block, head, "fp8")
+    assert seen == ({"vec", "vec16", "amx"} if amx else {"vec", "vec16"})

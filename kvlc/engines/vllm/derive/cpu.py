@@ -78,6 +78,63 @@ def isa_layout(isa: str) -> IsaLayout:
                     "engines of the same ISA and block size")
 
 
+ISA_CHOICES = ("auto", "vec", "vec16", "amx")  # what ``kvlc init`` / ``from-vllm`` take as ``--cpu-isa``
+_AMX_DTYPES = ("bf16", "fp8_e4m3", "fp8_e5m2")  # KV dtypes of a bf16 model (vLLM's dtype test is the model's)
+
+
+def pick_isa(kv_dtype: str, block_size: int, head_size: int, amx: bool) -> str:
+    """The ISA vLLM 0.32 picks on an x86 host (``cpu_attn._get_attn_isa``) for a KV-cache group of
+    ``block_size`` tokens and ``head_size``; ``amx``: the host has AMX tiles. The model dtype it tests is
+    taken as the KV dtype (an fp8 cache counts as a bf16 model's).
+
+    >>> pick_isa("bf16", 32, 128, amx=True), pick_isa("bf16", 128, 128, amx=False), pick_isa("bf16", 16, 128, amx=True)
+    ('amx', 'vec', 'vec16')
+    >>> pick_isa("fp32", 32, 128, amx=True), pick_isa("bf16", 32, 80, amx=True)
+    ('vec', 'vec16')
+    """
+    if head_size % 32 and head_size % 16 == 0:
+        return "vec16"
+    if amx and kv_dtype in _AMX_DTYPES and block_size % 32 == 0:
+        return "amx"
+    return "vec" if block_size % 32 == 0 else "vec16"
+
+
+def host_flags() -> frozenset[str]:
+    """This host's CPU flags (``/proc/cpuinfo``; empty where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[-1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def host_amx() -> bool:
+    """Whether this host has AMX tiles (``amx_tile``; vLLM asks ``torch.cpu._is_amx_tile_supported()``)."""
+    return "amx_tile" in host_flags()
+
+
+def resolve_isa(asked: str, *, kv_dtype: str, block_size: int, head_size: int, option: str = "--cpu-isa") -> str:
+    """The ISA of an engine described offline: ``asked`` ``auto`` is what vLLM 0.32 picks on this host
+    (:func:`pick_isa`, :func:`host_amx`); another is checked to be one it picks for these on some x86 host (a
+    :class:`ViewError` naming ``option`` otherwise)."""
+    if asked == "auto":
+        return pick_isa(kv_dtype, block_size, head_size, host_amx())
+    if asked not in ISA_LAYOUTS:
+        raise ViewError(f"{option} '{asked}': kvlc knows the CPU attention ISAs {', '.join(ISA_CHOICES)}; "
+                        f"fix: one of them (auto: as vLLM picks on this host)")
+    possible = {pick_isa(kv_dtype, block_size, head_size, amx) for amx in (False, True)}
+    if asked not in possible:
+        raise ViewError(f"{option} '{asked}': vLLM 0.32 picks {' or '.join(sorted(possible))} for a {kv_dtype} "
+                        f"cache of {block_size}-token blocks and head size {head_size} (amx: bf16, blocks a "
+                        "multiple of 32, on a host with AMX; vec16: head sizes a multiple of 16 but not of 32, "
+                        f"or blocks not a multiple of 32); fix: {option} auto (this host) or "
+                        f"{' / '.join(sorted(possible))}")
+    return asked
+
+
 def tokens_per_entry(view: EngineView) -> int:
     """Tokens one entry of a CPU block covers for the view's ISA (1 for other backends and unknown ISAs)."""
     if view.kv_packing != KvPacking.PER_HEAD_BLOCK or view.cpu_isa not in ISA_LAYOUTS:

@@ -107,7 +107,7 @@ def attention_head_dim(c: Mapping[str, Any]) -> int:
 
 
 def _attention_part(c: Mapping[str, Any], name: str, *, backend: str, block: int, num_blocks: int, tp: int,
-                    kv_dtype: str, device: str) -> dict:
+                    kv_dtype: str, device: str, cpu_isa: str = "") -> dict:
     """The adapter's spec of one attention layer at the pool's block size (layout, page, group entry)."""
     from kvlc.engines.vllm.derive.spec import derive_spec
     from kvlc.engines.vllm.derive.offline import published_view
@@ -115,23 +115,34 @@ def _attention_part(c: Mapping[str, Any], name: str, *, backend: str, block: int
            "num_key_value_heads": kv_heads(c),
            "head_dim": attention_head_dim(c)}
     return derive_spec(published_view(one, name, backend=backend, block_size=block, num_blocks=num_blocks,
-                                      tp_size=tp, kv_dtype=kv_dtype, device=device))
+                                      tp_size=tp, kv_dtype=kv_dtype, device=device, cpu_isa=cpu_isa))
+
+
+def _group(name: str, kind: str, attention: Mapping[str, Any]) -> dict:
+    """A pool group's spec entry; attention groups take the attention template's tokens per entry (CPU
+    ISA amx: 16)."""
+    entry = {"name": name, "kind": GROUP_KIND[kind]}
+    if kind == "attention" and attention.get("tokens_per_entry", 1) > 1:
+        entry["tokens_per_entry"] = attention["tokens_per_entry"]
+    return entry
 
 
 def hybrid_spec(c: Mapping[str, Any], name: str, layers: Sequence[tuple[int, str]], *, state_kind: str,
                 backend: str, block_size: int, num_blocks: int, tp_size: int, kv_dtype: str, device: str,
-                num_layers: int, ssm_cache_dtype: str = "auto", cpu_avx512_bf16: bool = False) -> dict:
+                num_layers: int, ssm_cache_dtype: str = "auto", cpu_avx512_bf16: bool = False,
+                cpu_isa: str = "") -> dict:
     """The ``kvlc: 1`` spec of a hybrid vLLM 0.32 engine holding ``layers`` (``(index, kind)``, kinds
     ``attention`` / ``mamba`` / ``linear``) of text config ``c`` whose state layers are ``state_kind``
     (the model's, also on a pipeline stage that holds none; see the module docstring).
-    ``ssm_cache_dtype`` and ``cpu_avx512_bf16``: see :func:`ssm_dtype`."""
+    ``ssm_cache_dtype`` and ``cpu_avx512_bf16``: see :func:`ssm_dtype`; ``cpu_isa``: the attention layers'
+    CPU ISA at the pool's block size (``auto``: as vLLM picks on this host)."""
     state = state_layout(c, state_kind, requested=ssm_cache_dtype, cpu_avx512_bf16=cpu_avx512_bf16)
     check_state_split(state, c, tp_size)
     head_dim = attention_head_dim(c)
     token = attention_token_bytes(kv_heads(c), head_dim, tp_size, kv_dtype)
     block = hybrid_block_size(block_size, token, state.bytes_per_rank(tp_size), kernel_block(backend))
     attn = _attention_part(c, name, backend=backend, block=block, num_blocks=num_blocks, tp=tp_size,
-                           kv_dtype=kv_dtype, device=device)
+                           kv_dtype=kv_dtype, device=device, cpu_isa=cpu_isa)
     (template,) = attn["regions"]
     page = block * token
     groups = vllm_groups(layers)
@@ -151,7 +162,7 @@ def hybrid_spec(c: Mapping[str, Any], name: str, layers: Sequence[tuple[int, str
     used = {r["layout"] for r in out}
     spec = {"kvlc": 1, "name": attn["name"], "model": {**attn["model"], "num_layers": num_layers},
             "parallel": {"tp_size": tp_size}, "block_size": block,
-            "groups": [{"name": g, "kind": GROUP_KIND[k]} for g, k in seen.items()],
+            "groups": [_group(g, k, attn["groups"][0]) for g, k in seen.items()],
             "storages": [{**attn["storages"][0], "size": size}],
             "layouts": {n: lay for n, lay in layouts.items() if n in used}, "regions": out}
     return spec

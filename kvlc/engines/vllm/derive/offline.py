@@ -32,6 +32,7 @@ from math import prod
 from typing import Any
 
 from kvlc.compiler.spec.dtypes import DTYPE_SIZES
+from kvlc.engines.vllm.derive.cpu import resolve_isa
 from kvlc.engines.vllm.derive.groups import vllm_groups
 from kvlc.engines.vllm.derive.read import packing_for
 from kvlc.engines.vllm.derive.view import (Axis, EngineView, GroupKind, GroupView, KvPacking, LayerTensor,
@@ -358,7 +359,9 @@ def published_view(config: Mapping[str, Any], name: str, *, backend: str, block_
                    tp_size: int = 1, tp_rank: int = 0, kv_dtype: str = "bf16", layout: str | None = None,
                    kernel_block_size: int | None = None, device: str | None = None,
                    cpu_isa: str = "", hybrid_manager: bool = True) -> EngineView:
-    """The view an engine with these options would give (see the module docstring)."""
+    """The view an engine with these options would give (see the module docstring). ``cpu_isa``: a CPU_ATTN
+    engine's attention ISA (``auto``: what vLLM picks on this host; empty: not said, as ``vec``; another is taken
+    as given: :func:`~kvlc.engines.vllm.derive.cpu.resolve_isa` checks one a user asked for)."""
     if kv_dtype not in DTYPE_SIZES:
         raise ViewError(f"unknown KV dtype '{kv_dtype}'; {did_you_mean(kv_dtype, DTYPE_SIZES)}")
     m = _model(config, name, kv_dtype)
@@ -367,6 +370,8 @@ def published_view(config: Mapping[str, Any], name: str, *, backend: str, block_
     kernel = kernel_block_size or block_size
     if block_size % kernel:
         raise ViewError(f"kernel block size {kernel} does not divide block size {block_size}")
+    if backend == "CPU_ATTN" and cpu_isa == "auto":
+        cpu_isa = resolve_isa(cpu_isa, kv_dtype=kv_dtype, block_size=kernel, head_size=m.head_dim)
     heads = heads_per_rank(m.num_kv_heads, tp_size)
     if heads is None:
         raise ViewError(f"{m.num_kv_heads} KV heads cannot be split over tp_size {tp_size}")
