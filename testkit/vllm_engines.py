@@ -294,6 +294,7 @@ class EngineSpec:
     max_num_seqs: int = 4
     log_stats: bool = False  # vLLM's per-request timings (Output.first_token_s) and connector stats
     derive_extension: bool = False  # kvlc's DeriveExtension in each worker: view() of a multi-process engine
+    blocks_extension: bool = False  # BlocksExtension (DeriveExtension + block reads) in each worker: rank_blocks()
 
     def llm_kwargs(self) -> dict:
         kw = dict(model=self.model, load_format="safetensors", enforce_eager=True,
@@ -305,7 +306,35 @@ class EngineSpec:
         if self.derive_extension:
             from kvlc.engines.vllm.derive.engine import EXTENSION
             kw["worker_extension_cls"] = EXTENSION
+        if self.blocks_extension:
+            kw["worker_extension_cls"] = f"{__name__}.BlocksExtension"
         return kw
+
+
+class BlocksExtension:
+    """Mixed into each vLLM worker (``EngineSpec(blocks_extension=True)``; the workers import this module,
+    so the repository root is on their ``PYTHONPATH``): kvlc's DeriveExtension, and
+    ``collective_rpc("kvlc_test_blocks", args=(ids per KV-cache group,))``, which returns this rank's bytes of
+    those blocks for every layer of each group: per layer, per block, one ``(bytes, shape, dtype)`` per part
+    (an attention layer has one; a state layer its conv and SSM parts, in vLLM's order)."""
+
+    def kvlc_engine_view(self) -> dict:
+        from kvlc.engines.vllm.derive.engine import DeriveExtension
+        return DeriveExtension.kvlc_engine_view(self)
+
+    def kvlc_test_blocks(self, ids_per_group) -> dict:
+        import torch
+
+        from kvlc.engines.vllm.derive.engine import worker_kv_caches
+        _, kv_cache_config, caches = worker_kv_caches(self)
+        out = {}
+        for group, ids in zip(kv_cache_config.kv_cache_groups, ids_per_group):
+            for name in group.layer_names:
+                t = caches[name]
+                parts = t if isinstance(t, (list, tuple)) else [t]
+                out[name] = [[(bytes(p[i].contiguous().view(-1).view(torch.uint8).numpy()), tuple(p.shape[1:]),
+                               str(p.dtype).removeprefix("torch.")) for p in parts] for i in ids]
+        return {"rank": int(getattr(self, "rank", 0)), "blocks": out}
 
 
 def _serve(spec: EngineSpec, conn) -> None:
@@ -336,6 +365,10 @@ def _serve(spec: EngineSpec, conn) -> None:
             conn.send(("ok", _transfer_metrics(llm)))
         elif cmd == "view":
             conn.send(_engine_view(llm))
+        elif cmd == "rank_blocks":
+            conn.send(_rank_blocks(llm, arg))
+        elif cmd == "load_and_read":
+            conn.send(_load_and_read(llm, *arg))
         elif cmd == "reset_prefix_cache":
             conn.send(("ok", bool(llm.reset_prefix_cache())))
         else:
@@ -363,6 +396,51 @@ def _generate(llm, arg) -> tuple:
                           int(o.num_cached_tokens or 0), o.outputs[0].finish_reason, dt,
                           getattr(o.metrics, "first_token_latency", None))
                    for o in outs])
+
+
+def _rank_blocks(llm, ids_per_group) -> tuple:
+    """Every rank's bytes of ``ids_per_group`` (``EngineSpec(blocks_extension=True)``), rank order."""
+    try:
+        got = llm.collective_rpc("kvlc_test_blocks", args=(ids_per_group,))
+    except Exception as exc:
+        return ("error", f"{type(exc).__name__}: {exc}")
+    return ("ok", [g["blocks"] for g in sorted(got, key=lambda g: g["rank"])])
+
+
+def _load_and_read(llm, prompt, params) -> tuple:
+    """One decode request of ``prompt`` given ``params`` (``kv_transfer_params``), run step by step: the step
+    after which vLLM's scheduler holds the request's load as finished (it computes the request in the next
+    one), every rank's bytes of the request's blocks are read. Needs the engine core in this process
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and ``blocks_extension``. Returns ``(Output, block ids per group,
+    bytes per rank)``; the bytes are None where the load never finished (vLLM recomputed)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    engine = llm.llm_engine
+    core = getattr(getattr(engine.engine_core, "engine_core", None), "scheduler", None)
+    if core is None:
+        return ("error", "load_and_read needs the engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
+    rid = f"load-and-read-{time.monotonic_ns()}"
+    engine.add_request(rid, TokensPrompt(prompt_token_ids=list(prompt)),
+                       SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, detokenize=False,
+                                      extra_args={"kv_transfer_params": params}))
+    ids = read = out = None
+    deadline = time.monotonic() + 300
+    try:
+        while engine.has_unfinished_requests() and time.monotonic() < deadline:
+            for o in engine.step():
+                if o.finished:
+                    out = Output(tuple(o.outputs[0].token_ids), o.kv_transfer_params, int(o.num_cached_tokens or 0),
+                                 o.outputs[0].finish_reason)
+            held = [r for r in core.finished_recving_kv_req_ids if r.startswith(rid)]
+            if read is None and held:
+                ids = [list(b) for b in core.kv_cache_manager.get_block_ids(held[0])]
+                status, read = _rank_blocks(llm, ids)
+                if status != "ok":
+                    return (status, read)
+    except Exception as exc:
+        return ("error", f"{type(exc).__name__}: {exc}")
+    return ("ok", (out, ids, read))
 
 
 def _engine_view(llm) -> tuple:
@@ -528,6 +606,21 @@ class EngineProcess:
     def kv_blocks(self, block_ids, timeout: float = 60.0) -> dict:
         """Layer name → bytes of ``block_ids`` (in order), read in the engine (single-process mode)."""
         status, out = self._ask("kv", list(block_ids), timeout)
+        if status != "ok":
+            raise RuntimeError(out)
+        return out
+
+    def rank_blocks(self, ids_per_group, timeout: float = 120.0) -> list[dict]:
+        """Per rank: layer name -> the bytes of each block of ``ids_per_group`` (``blocks_extension``)."""
+        status, out = self._ask("rank_blocks", [list(map(int, g)) for g in ids_per_group], timeout)
+        if status != "ok":
+            raise RuntimeError(out)
+        return out
+
+    def load_and_read(self, prompt, params, timeout: float = 400.0) -> tuple:
+        """A decode request's output, its block ids per group and every rank's bytes of them, read after vLLM
+        took its load as finished and before it computed the request (:func:`_load_and_read`)."""
+        status, out = self._ask("load_and_read", (list(prompt), params), timeout)
         if status != "ok":
             raise RuntimeError(out)
         return out
