@@ -449,7 +449,7 @@ def _engine_view(llm) -> tuple:
     kvlc's DeriveExtension method where the spec asked for it (a function does not cross processes)."""
     from kvlc.engines.vllm.derive.engine import EXTENSION
 
-    named = llm.llm_engine.vllm_config.parallel_config.worker_extension_cls == EXTENSION
+    named = llm.llm_engine.vllm_config.parallel_config.worker_extension_cls in (EXTENSION, f"{__name__}.BlocksExtension")
     try:
         return ("ok", llm.collective_rpc("kvlc_engine_view" if named else _worker_view)[0])
     except Exception as exc:

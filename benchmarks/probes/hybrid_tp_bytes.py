@@ -14,9 +14,14 @@ prefill engine's bytes, read right after its prefill (``rank_blocks``):
   rank holds its share of each conv section (q | k | v channels, vLLM's sharded ``mixed_qkv``) and half
   of the recurrent state's value heads, sliced here from the TP 1 bytes by those rules, not by kvlc's plan.
 
+Engines of other block sizes (both TP 1) are compared token by token: each attention layer's K and V of the
+tokens the producer computed, read out of each side's blocks in the CPU_ATTN order (per head a K half
+``[head_dim][block]``, a V half ``[block][head_dim]``), must be equal; the states as above.
+
 A negative control per pair: the decode engine's bytes against another prompt's prefill bytes must
-differ (attention blocks and states). Three engines (two TP 2, one TP 1; all ``kv_both``, prefix caching on, ``--block-size`` 32,
-which vLLM raises to 160 so a page holds a state) give TP 2 -> TP 2, TP 1 -> TP 2 and TP 2 -> TP 1.
+differ (attention blocks and states). Four engines (two TP 2, two TP 1; all ``kv_both``, prefix caching on,
+``--block-size`` 32, which vLLM raises to 160 so a page holds a state, and 192 for ``t1b``, which it keeps) give
+TP 2 -> TP 2, TP 1 -> TP 2, TP 2 -> TP 1, and 160 -> 192 and 192 -> 160 tokens per block at TP 1.
 
 Run:  python3 benchmarks/probes/hybrid_tp_bytes.py [--prompts 2] [--tokens 400] [--out result.json]
 """
@@ -37,8 +42,9 @@ for _p in (ROOT,):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
-PAIRS = (("t2a", "t2b"), ("t1", "t2b"), ("t2a", "t1"))  # (prefill, decode)
-TP = {"t2a": 2, "t2b": 2, "t1": 1}
+PAIRS = (("t2a", "t2b"), ("t1", "t2b"), ("t2a", "t1"), ("t1", "t1b"), ("t1b", "t1"))  # (prefill, decode)
+TP = {"t2a": 2, "t2b": 2, "t1": 1, "t1b": 1}
+BLOCK = {"t1b": 192}  # --block-size asked (vLLM raises 32 to 160 so a page holds a state; 192 it keeps)
 
 
 def _array(part) -> np.ndarray:
@@ -104,9 +110,27 @@ def _where(layer: str, j: int, rank: int, got: list, want: list) -> dict:
             "last": bad[-1].tolist(), "shape": list(a.shape)}
 
 
+def _tokens(blocks: list, ids, upto: int) -> np.ndarray:
+    """One attention layer's K and V of tokens ``[0, upto)`` on a TP 1 engine, from its blocks in list order, as
+    ``[token, head, K or V, head_dim]`` words. CPU_ATTN blocks ``[heads][block][2 * head_dim]`` hold per head a K half
+    ``[head_dim][block]`` then a V half ``[block][head_dim]`` (ISA vec / vec16: docs/vllm.md, proven with vLLM's
+    own cache op by tests/engines/test_cpu_layout.py)."""
+    out = []
+    for j, _ in enumerate(ids):
+        a = _array(blocks[j][0])
+        heads, n, d = a.shape[0], a.shape[1], a.shape[2] // 2
+        halves = a.reshape(heads, 2, n * d)
+        k = halves[:, 0].reshape(heads, d, n).transpose(2, 0, 1)
+        v = halves[:, 1].reshape(heads, n, d).transpose(1, 0, 2)
+        out.append(np.stack([k, v], axis=2))
+    return np.concatenate(out)[:upto]
+
+
 def compare(prod: list[dict], cons: list[dict], p_ids, d_ids, state_groups: set[int], layers_of: dict,
-            sections) -> dict:
-    """Per layer kind: blocks compared and blocks equal; the state blocks' positions in the decode list."""
+            sections, tokens: int | None = None) -> dict:
+    """Per layer kind: blocks compared and blocks equal (``tokens``: engines of other block sizes, TP 1 both:
+    each attention layer's K and V of the first ``tokens`` tokens instead); the state blocks' positions in the
+    decode list."""
     report = {"attention_blocks": 0, "attention_equal": 0, "states": 0, "states_equal": 0, "state_at_last": 0}
     tp_to = len(cons)
     for g, layers in layers_of.items():
@@ -121,6 +145,13 @@ def compare(prod: list[dict], cons: list[dict], p_ids, d_ids, state_groups: set[
                     report["states"] += 1
                     report["states_equal"] += len(hits) == 1
                     report["state_at_last"] += hits == [last]
+            continue
+        if tokens is not None:
+            for layer in layers:
+                want, got = _tokens(prod[0][layer], p_ids[g], tokens), _tokens(cons[0][layer], d_ids[g], tokens)
+                report["attention_blocks"] += 1  # (a layer's tokens, compared as one)
+                report["attention_equal"] += bool(want.shape == got.shape == (tokens, *want.shape[1:]) and
+                                                  np.array_equal(want, got))
             continue
         for layer in layers:
             for j, b in enumerate(p_ids[g]):
@@ -159,7 +190,7 @@ def main(argv=None) -> int:
     for i, name in enumerate(n for n in TP if n in names):
         env = {**engine_env("0|1" if TP[name] == 2 else i % 2, single_process=TP[name] == 1),
                "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-        e.start(name, EngineSpec(str(model), 32, dtype="bfloat16", tp=TP[name], env=env, prefix_caching=True,
+        e.start(name, EngineSpec(str(model), BLOCK.get(name, 32), dtype="bfloat16", tp=TP[name], env=env, prefix_caching=True,
                                  connector=kvlc_config("kv_both"), blocks_extension=True))
     doc = {"command": " ".join(["hybrid_tp_bytes.py", *(argv or sys.argv[1:])]), "tokens": args.tokens, "pairs": []}
     try:
@@ -169,6 +200,7 @@ def main(argv=None) -> int:
         view = e[sorted(names)[0]].view()
         state_groups = {i for i, g in enumerate(view.groups) if g.kind.value == "mamba"}
         layers_of = {i: list(g.layer_names) for i, g in enumerate(view.groups)}
+        a = next(i for i in layers_of if i not in state_groups)  # an attention group
         for n, (src, dst) in enumerate(pair.split(":") for pair in args.pairs.split(",")):
             runs = []
             for seed in range(20 + 10 * n, 20 + 10 * n + args.prompts):  # prompts no engine has seen: a decode
@@ -178,13 +210,16 @@ def main(argv=None) -> int:
                 out, d_ids, cons = e[dst].load_and_read(p, params)
                 if cons is None:
                     raise RuntimeError(f"{src} -> {dst}: the load never finished (recomputed): {out}")
-                runs.append((params["remote_block_ids"], prod, d_ids, cons))
-                rep = compare(prod, cons, params["remote_block_ids"], d_ids, state_groups, layers_of, sections)
+                blocks = {_array(prod[0][layers_of[a][0]][0][0]).shape[1], _array(cons[0][layers_of[a][0]][0][0]).shape[1]}
+                upto = params["remote_num_tokens"] if len(blocks) > 1 else None  # other block sizes: by token
+                runs.append((params["remote_block_ids"], prod, d_ids, cons, upto))
+                rep = compare(prod, cons, params["remote_block_ids"], d_ids, state_groups, layers_of, sections, upto)
+                rep["attention_blocks_of"] = sorted(blocks)
                 rep.update(src=src, dst=dst, seed=seed, num_cached_tokens=out.num_cached_tokens if out else None)
                 doc["pairs"].append(rep)
             for k, rep in enumerate(doc["pairs"][-len(runs):]):  # control: another prompt's producer bytes
-                p_ids, prod, _, _ = runs[(k + 1) % len(runs)]
-                neg = compare(prod, runs[k][3], p_ids, runs[k][2], state_groups, layers_of, sections)
+                p_ids, prod, _, _, _ = runs[(k + 1) % len(runs)]
+                neg = compare(prod, runs[k][3], p_ids, runs[k][2], state_groups, layers_of, sections, runs[k][4])
                 rep["control_attention_equal"] = neg["attention_equal"] if len(runs) > 1 else None
                 rep["control_states_equal"] = neg["states_equal"] if len(runs) > 1 else None
                 print(json.dumps(rep), flush=True)
