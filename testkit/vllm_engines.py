@@ -25,6 +25,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from kvlc.engines.vllm.derive.engine import DeriveExtension, worker_kv_caches  # (imports no vLLM)
+
 TINY = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=64, vocab_size=1024, max_position_embeddings=1024)
 
@@ -311,21 +313,16 @@ class EngineSpec:
         return kw
 
 
-class BlocksExtension:
+class BlocksExtension(DeriveExtension):
     """Mixed into each vLLM worker (``EngineSpec(blocks_extension=True)``; the workers import this module,
     so the repository root is on their ``PYTHONPATH``): kvlc's DeriveExtension, and
     ``collective_rpc("kvlc_test_blocks", args=(ids per KV-cache group,))``, which returns this rank's bytes of
     those blocks for every layer of each group: per layer, per block, one ``(bytes, shape, dtype)`` per part
     (an attention layer has one; a state layer its conv and SSM parts, in vLLM's order)."""
 
-    def kvlc_engine_view(self) -> dict:
-        from kvlc.engines.vllm.derive.engine import DeriveExtension
-        return DeriveExtension.kvlc_engine_view(self)
-
     def kvlc_test_blocks(self, ids_per_group) -> dict:
         import torch
 
-        from kvlc.engines.vllm.derive.engine import worker_kv_caches
         _, kv_cache_config, caches = worker_kv_caches(self)
         out = {}
         for group, ids in zip(kv_cache_config.kv_cache_groups, ids_per_group):

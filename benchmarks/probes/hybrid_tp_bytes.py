@@ -54,10 +54,15 @@ def _array(part) -> np.ndarray:
     return np.frombuffer(raw, dtype=word).reshape(shape)
 
 
-def _conv_share(full: np.ndarray, shard: tuple, rank: int, tp: int, sections: tuple[int, ...]) -> np.ndarray:
-    """Rank ``rank`` of ``tp``'s conv state from the TP 1 one: each section of the channel axis (the axis whose
-    size differs) split ``tp`` ways, the rank's slices joined in section order."""
-    axis = next(i for i, (a, b) in enumerate(zip(full.shape, shard)) if a != b)
+def _channel_axis(conv: np.ndarray) -> int:
+    """The channel axis of a conv state: ``(taps, channels)``, or transposed (taps are always the fewer)."""
+    return 1 if conv.shape[0] < conv.shape[1] else 0
+
+
+def _conv_share(full: np.ndarray, rank: int, tp: int, sections: tuple[int, ...]) -> np.ndarray:
+    """Rank ``rank`` of ``tp``'s conv state from the TP 1 one: each section of the channel axis split ``tp``
+    ways, the rank's slices joined in section order."""
+    axis = _channel_axis(full)
     pieces, at = [], 0
     for size in sections:
         step = size // tp
@@ -83,14 +88,12 @@ def _expected(prod: list[dict], layer: str, j: int, tp_to: int, rank: int, secti
         if len(parts) == 1:
             return [_head_share(parts[0], rank, tp_to)]
         conv, ssm = parts
-        shard_conv = (conv.shape[0], conv.shape[1] // tp_to) if conv.shape[0] < conv.shape[1] else \
-            (conv.shape[0] // tp_to, conv.shape[1])
-        return [_conv_share(conv, shard_conv, rank, tp_to, sections), _head_share(ssm, rank, tp_to)]
+        return [_conv_share(conv, rank, tp_to, sections), _head_share(ssm, rank, tp_to)]
     ranks = [[_array(p) for p in prod[r][layer][j]] for r in range(tp_from)]
     if len(ranks[0]) == 1:
         return [np.concatenate([r[0] for r in ranks], axis=0)]
     convs = [r[0] for r in ranks]
-    axis = 1 if convs[0].shape[0] < convs[0].shape[1] else 0  # the channel axis: (taps, channels) or transposed
+    axis = _channel_axis(convs[0])
     joined = []
     for k, size in enumerate(sections):  # section k of every rank, in rank order
         step = size // tp_from

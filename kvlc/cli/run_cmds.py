@@ -11,7 +11,7 @@ import yaml
 from kvlc.cli.base import EXIT_SPEC, Choice, _fail, emit, main, write_atomic
 from kvlc.compiler import compile_spec
 from kvlc.compiler.spec.dtypes import DTYPE_SIZES
-from kvlc.engines.vllm.derive.cpu import ISA_CHOICES, resolve_isa
+from kvlc.engines.vllm.derive.cpu import ISA_CHOICES, backend_isa, resolve_isa
 from kvlc.engines.vllm.derive.state import SSM_CACHE_DTYPES
 from kvlc.engines.vllm.derive.offline import (ATTENTION_BACKENDS, CPU_BACKENDS, MLA_BACKENDS, check_engine_block,
                                                published_view)
@@ -106,9 +106,7 @@ def _offline(model_dir: str, *, backend: str, block_size: int, num_blocks: int, 
     ``kvlc init --engine vllm`` write the same spec; a config whose layer kinds it cannot tell is refused."""
     import json
 
-    if backend != "CPU_ATTN" and cpu_isa != "auto":
-        raise KvlcError(f"--cpu-isa {cpu_isa}: only vLLM's CPU_ATTN backend has a CPU attention ISA (--backend "
-                        f"{backend}); fix: drop --cpu-isa")
+    isa = backend_isa(cpu_isa, backend)
     config_path = Path(model_dir) / "config.json"
     try:
         config = json.loads(config_path.read_text())
@@ -120,10 +118,9 @@ def _offline(model_dir: str, *, backend: str, block_size: int, num_blocks: int, 
         check_engine_block(backend, block_size, kernel_block_size)
         view = published_view(vllm_config(config, m), model_dir, backend=backend, block_size=block_size,
                               num_blocks=num_blocks, tp_size=tp_size, tp_rank=tp_rank, kv_dtype=kv_dtype,
-                              layout=layout, kernel_block_size=kernel_block_size,
-                              cpu_isa=cpu_isa if backend == "CPU_ATTN" else "")
-        if backend == "CPU_ATTN":
-            resolve_isa(cpu_isa, kv_dtype=kv_dtype, block_size=view.kernel_block_size, head_size=view.model.head_dim)
+                              layout=layout, kernel_block_size=kernel_block_size, cpu_isa=isa)
+        if isa not in ("", "auto"):  # one asked for: one vLLM picks for these options on some host
+            resolve_isa(isa, kv_dtype=kv_dtype, block_size=view.kernel_block_size, head_size=view.model.head_dim)
         return view, None
     for flag, value in (("--layout", layout), ("--save-view", save_view)):
         if value:

@@ -23,7 +23,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from kvlc.engines.vllm.derive.cpu import host_flags, resolve_isa
+from kvlc.engines.vllm.derive.cpu import backend_isa, host_flags, resolve_isa
 from kvlc.engines.vllm.derive.hybrid import hybrid_spec
 from kvlc.engines.vllm.derive.offline import (ATTENTION_BACKENDS, CPU_BACKENDS, MLA_BACKENDS, check_engine_block,
                                                published_view)
@@ -152,12 +152,10 @@ def _avx512_bf16(opts: EngineOptions) -> bool:
 def _cpu_isa(opts: EngineOptions) -> str:
     """The attention ISA a CPU_ATTN engine is described with (``auto``: picked as vLLM does on this host, by the
     adapter); ``--cpu-isa`` on another backend is refused."""
-    if opts.backend == "CPU_ATTN":
-        return opts.cpu_isa
-    if opts.cpu_isa != "auto":
-        raise InitError(f"--cpu-isa {opts.cpu_isa}: only vLLM's CPU_ATTN backend has a CPU attention ISA "
-                        f"(--backend {opts.backend}); fix: drop --cpu-isa")
-    return ""
+    try:
+        return backend_isa(opts.cpu_isa, opts.backend)
+    except ViewError as exc:
+        raise InitError(str(exc)) from None
 
 
 def _finish(spec: dict, opts: EngineOptions, window: tuple[int, int] | None, renumber: bool) -> dict:

@@ -116,6 +116,17 @@ def host_amx() -> bool:
     return "amx_tile" in host_flags()
 
 
+def backend_isa(asked: str, backend: str) -> str:
+    """The ``cpu_isa`` an offline view of ``backend`` is given: ``asked`` on CPU_ATTN; elsewhere none, where only
+    ``auto`` may be asked (a :class:`ViewError` naming ``--cpu-isa`` otherwise)."""
+    if backend == "CPU_ATTN":
+        return asked
+    if asked != "auto":
+        raise ViewError(f"--cpu-isa {asked}: only vLLM's CPU_ATTN backend has a CPU attention ISA (--backend "
+                        f"{backend}); fix: drop --cpu-isa")
+    return ""
+
+
 def resolve_isa(asked: str, *, kv_dtype: str, block_size: int, head_size: int, option: str = "--cpu-isa") -> str:
     """The ISA of an engine described offline: ``asked`` ``auto`` is what vLLM 0.32 picks on this host
     (:func:`pick_isa`, :func:`host_amx`); another is checked to be one it picks for these on some x86 host (a
