@@ -11,11 +11,14 @@ Modes, side by side for each case (``--modes``):
   the other side) with ``KVLC_IPC=off``, then ``KVLC_IPC=auto`` (same-host copies where both sides
   can; ``ipc`` counts ``agent.stats["ipc_requests"]``, "not available" where kvlc has no such counter).
 
-Cases (``--only``: handover, deepseek, bulk, mixed, or 1-4): (1) Llama-3.1-8B handover of 1k, 2k and
+Cases (``--only``: handover, deepseek, bulk, mixed, flight, or 1-5): (1) Llama-3.1-8B handover of 1k, 2k and
 4k tokens, contiguous and random block ids, one request at a time: latency p50/p99 and GB/s at p50;
 (2) DeepSeek-V3 MLA handover, 4k tokens, random ids; (3) push and pull via push of 256 MiB and 2 GiB
 contiguous, rounds in flight: median GB/s; (4) DeepSeek-V3.2 HiSparse (latent in host memory) pushing
-into DeepSeek-V3.2 on the GPU, one request per round, every round counted (first round and overall).
+into DeepSeek-V3.2 on the GPU, one request per round, every round counted (first round and overall);
+(5) the random-id handovers of (1) and (2) four at a time, as an engine hands several over: each
+``write()`` issued as soon as the one before returned, then all four in one ``write_many``; median
+round GB/s (kvlc's host work for one request overlaps the copies of the others).
 Every mode of every group first moves one request of content-coded bytes on small pools and checks
 every destination byte and every byte around them (pass/FAIL in the table and the JSON).
 
@@ -51,7 +54,7 @@ MODES = {  # name: (row label, runner(group, gpu))
     "kvlc_nixl": ("kvlc nixl", lambda g, gpu: modes.kvlc_rows(g, gpu, "off", "kvlc nixl")),
     "kvlc_ipc": ("kvlc ipc", lambda g, gpu: modes.kvlc_rows(g, gpu, "auto", "kvlc ipc")),
 }
-SELECT = {"1": "handover", "2": "deepseek", "3": "bulk", "4": "mixed"}
+SELECT = {"1": "handover", "2": "deepseek", "3": "bulk", "4": "mixed", "5": "flight"}
 CEILINGS = ("d2d copy", "d2d gather+scatter", "h2d copy")
 
 
@@ -163,7 +166,8 @@ def _measured(*rows) -> bool:
 
 def targets(doc: dict, sc) -> list[dict]:
     rows = doc["rows"]
-    return [*_t_latency(rows, sc), *_t_pull_via_push(rows, sc), *_t_ipc(rows, sc), *_t_mixed(rows, sc)]
+    return [*_t_latency(rows, sc), *_t_pull_via_push(rows, sc), *_t_ipc(rows, sc), *_t_flight(rows, sc),
+            *_t_mixed(rows, sc)]
 
 
 def _t_latency(rows, sc) -> list[dict]:
@@ -214,6 +218,21 @@ def _t_ipc(rows, sc) -> list[dict]:
                         "kvlc ipc row or d2d copy missing or failed",
                         lambda k: f" (ipc requests: {k.get('ipc')})")
             for group, t in wanted]
+
+
+def _t_flight(rows, sc) -> list[dict]:
+    """The same-host target on the random-id handovers with ``sc.flight`` requests at once (case 5)."""
+    wanted = [("llama-3.1-8b", t) for t in sc.handover_tokens] + [("deepseek-v3 mla", sc.dsv3_tokens)]
+    out = []
+    for group, t in wanted:
+        for batched, how in ((False, "in flight, one write() each"), (True, "per write_many")):
+            k = _find(rows, group, "kvlc ipc", kind="bulk", tokens=t, ids="random", batched=batched)
+            if k is None:  # case 5 not selected
+                continue
+            out.append(_of_ceiling(f"same-host path >= 0.7x d2d copy, {group} {t} tokens random ids, {sc.flight} "
+                                   f"{how} (median round GB/s)", k, 0.7, "kvlc ipc row or d2d copy missing or failed",
+                                   lambda k: f" (ipc requests: {k.get('ipc')})"))
+    return out
 
 
 def _t_mixed(rows, sc) -> list[dict]:
@@ -323,7 +342,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", choices=("gpu", "cpu"), default="gpu",
                     help="cpu: a dry run on DRAM, tiny pools")
     ap.add_argument("--only", default="",
-                    help="comma-separated cases: handover, deepseek, bulk, mixed (or 1-4)")
+                    help="comma-separated cases: handover, deepseek, bulk, mixed, flight (or 1-5)")
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of: {', '.join(MODES)}")
     ap.add_argument("--quick", action="store_true", help="fewer requests and rounds")
     args = ap.parse_args(argv)

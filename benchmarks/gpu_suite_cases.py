@@ -39,6 +39,7 @@ class Scale:
     dsv3_tokens: int
     bulk: tuple[tuple[int, int], ...]  # (tokens per request, requests in flight per round)
     mixed_tokens: int
+    flight: int     # requests in flight per round (or per write_many batch) of the random-id "flight" cases
     n: int          # timed requests one at a time
     warm: int       # warm-up requests before them
     rounds: int     # timed rounds (bulk), after one warm round
@@ -49,16 +50,17 @@ class Scale:
 def scale(gpu: bool, quick: bool) -> Scale:
     if gpu:  # Llama-3.1-8B: 2,048 tokens are 256 MiB, 16,384 tokens 2 GiB
         return Scale(True, 8 * GiB, 4 * GiB, 1 * GiB, 64 * MiB, (1024, 2048, 4096), 4096,
-                     ((2048, 8), (16384, 2)), 2048, 20 if quick else 50, 3 if quick else 5,
+                     ((2048, 8), (16384, 2)), 2048, 4, 20 if quick else 50, 3 if quick else 5,
                      3 if quick else 7, 4 if quick else 8, 256)
-    return Scale(False, 64 * MiB, 64 * MiB, 64 * MiB, 64 * MiB, (64, 128, 256), 256, ((64, 4), (256, 1)), 128,
+    return Scale(False, 64 * MiB, 64 * MiB, 64 * MiB, 64 * MiB, (64, 128, 256), 256, ((64, 4), (256, 1)), 128, 2,
                  6 if quick else 10, 2, 2 if quick else 3, 3, 64)
 
 
 @dataclass
 class Case:
     """One measured thing of a group: ``kind`` "handover" (one request at a time: latency), "bulk"
-    (rounds of ``inflight`` requests: GB/s) or "rounds" (one request per round, every round counted)."""
+    (rounds of ``inflight`` requests: GB/s; ``batched``: each round one ``write_many`` of them) or "rounds"
+    (one request per round, every round counted)."""
 
     name: str
     select: str       # the --only word that picks it
@@ -67,6 +69,7 @@ class Case:
     ids: str = "contiguous"
     direction: str = "push"  # push | pull_via_push (the consumer asks, the producer writes)
     inflight: int = 1
+    batched: bool = False    # bulk: a round is one Peer.write_many of its requests (else one write() each)
     rounds: int = 0   # timed units: requests one at a time (handover), rounds (bulk, rounds)
     warm: int = 0     # warm-up requests before them (handover); bulk: one warm round
     requests: list = field(default_factory=list)  # (id, consumer ids, producer ids, tokens)
@@ -131,16 +134,27 @@ def groups(sc: Scale, only: set[str]) -> list[Group]:
              for ids in ("contiguous", "random") for t in sc.handover_tokens]
     llama += [Case(f"llama-8b {label}", "bulk", "bulk", t, direction=d, inflight=k, rounds=sc.rounds)
               for label, d, t, k in b]
+    llama += _flight("llama-8b", sc, sc.handover_tokens)
+    dsv3 = [Case(f"deepseek-v3 mla handover {sc.dsv3_tokens} tokens random ids", "deepseek", "handover",
+                 sc.dsv3_tokens, "random", rounds=sc.n, warm=sc.warm), *_flight("deepseek-v3 mla", sc, (sc.dsv3_tokens,))]
     out = [Group("llama-3.1-8b", LLAMA, LLAMA, sc.llama_pool, llama, sc.check_tokens),
-           Group("deepseek-v3 mla", DSV3, DSV3, sc.dsv3_pool,
-                 [Case(f"deepseek-v3 mla handover {sc.dsv3_tokens} tokens random ids", "deepseek", "handover",
-                       sc.dsv3_tokens, "random", rounds=sc.n, warm=sc.warm)], sc.check_tokens),
+           Group("deepseek-v3 mla", DSV3, DSV3, sc.dsv3_pool, dsv3, sc.check_tokens),
            Group("mixed dram->vram", *MIXED, sc.mixed_pool,
                  [Case(f"mixed dram->vram push {sc.mixed_tokens} tokens", "mixed", "rounds", sc.mixed_tokens,
                        rounds=sc.mixed_rounds)], sc.check_tokens)]
     for g in out:
         g.cases = [c for c in g.cases if not only or c.select in only]
     return [g for g in out if g.cases]
+
+
+def _flight(model: str, sc: Scale, tokens: tuple[int, ...]) -> list[Case]:
+    """Handovers of random ids with ``sc.flight`` requests at once: each written as soon as the one before
+    it was (one ``write()`` each, the engine not waiting in between), or all in one ``write_many``; GB/s
+    per round, so kvlc's host work for one request overlaps the copies of the others."""
+    k = sc.flight
+    return [Case(f"{model} handover {t} tokens random ids, {k} {how}", "flight", "bulk", t, "random",
+                 inflight=k, batched=batched, rounds=sc.rounds)
+            for t in tokens for batched, how in ((False, "in flight"), (True, "per write_many"))]
 
 
 def _mib(sc: Scale, tokens: int) -> str:
@@ -181,6 +195,12 @@ def _requests(g: Group, c: Case, seed: int) -> list:
     prod, cons = g.plans
     if c.kind == "handover":
         return [r for rnd in make_workload(cons, prod, c.warm + c.rounds, c.tokens, seed, c.ids) for r in rnd]
+    if c.kind == "bulk" and c.ids == "random":  # fresh random producer ids every round
+        got = [make_workload(cons, prod, c.inflight, c.tokens, seed + 1000 * r, "random")[0]
+               for r in range(c.rounds + 1)]
+        if any(len(one) != c.inflight for one in got):
+            raise RuntimeError(f"{c.name}: the pool holds fewer than {c.inflight} requests of {c.tokens} tokens")
+        return [r for one in got for r in one]
     if c.kind == "bulk":
         one = make_workload(cons, prod, c.inflight, c.tokens, seed, "contiguous")[0]
         if len(one) != c.inflight:

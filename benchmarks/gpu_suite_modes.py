@@ -55,7 +55,8 @@ def guarded(rows: list, c, mode: str, fn) -> None:
     """Run one case of a mode; an error is its row's (the suite goes on)."""
     t0 = time.time()
     base = {"case": c.name, "kind": c.kind, "mode": mode, "ids": c.ids, "tokens": c.tokens,
-            "direction": c.direction, "bytes_per_request": c.nbytes, "descriptors_per_request": c.descriptors}
+            "direction": c.direction, "bytes_per_request": c.nbytes, "descriptors_per_request": c.descriptors,
+            "batched": c.batched}
     try:
         row = {**base, **fn()}
     except Exception as exc:
@@ -97,7 +98,7 @@ def ceiling_rows(g, gpu: bool) -> tuple[list, list]:
     rows: list = []
     dev = "cuda:0" if gpu else "cpu"
     for c in g.cases:
-        if c.direction != "push":  # the same bytes as the push case of its size
+        if c.direction != "push" or c.batched:  # the same bytes as the push (in flight) case of its size
             continue
         if g.mixed:
             guarded(rows, c, "h2d copy", lambda: _copy_case(c, torch, "cpu", dev, pin=gpu))
@@ -197,7 +198,7 @@ def raw_rows(g, gpu: bool, env: dict, mode: str) -> tuple[list, list]:
                 pair = Pair(*_sides(g.plans, gpu, fill=False))
             pair.raw("WRITE", g.cases[0].ranges[0], reps=1, single=False)  # first use of the peer's memory
             for c in g.cases:
-                if c.direction != "push":
+                if c.direction != "push" or c.batched:  # (raw NIXL has no batches: the in-flight case is it)
                     continue
                 guarded(rows, c, mode, lambda: dict(_raw_case(pair, c), check=checks[0]["verdict"]))
         finally:
@@ -412,7 +413,13 @@ class _Kvlc:
         """Hand one request (or one round) over and wait until the initiator sees every one done."""
         ids = set()
         t0 = time.perf_counter()
-        for i in batch:
+        if c.batched:  # one write_many of the round's requests
+            from kvlc.runtime import BlockRequest
+
+            self._w.write_many([BlockRequest(f"{tag}-{i}", c.requests[i][2], c.requests[i][1], c.requests[i][3])
+                                for i in batch])
+            ids.update(f"{tag}-{i}" for i in batch)
+        for i in batch if not c.batched else ():
             rid, cids, pids, n = c.requests[i]
             ids.add(f"{tag}-{i}")
             if pv:

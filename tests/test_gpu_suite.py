@@ -88,3 +88,36 @@ def test_mixed_memory_verdict_against_its_pinned_copy():
     del rows[1]["d2d_gbps"]
     assert [v["verdict"] for v in gpu_suite.targets({"rows": rows}, sc) if "mixed" in v["target"]] == [
         "met", "not measured"]
+
+
+def test_flight_cases_draw_fresh_random_rounds():
+    """Case 5: per round ``flight`` requests of random producer ids (fresh each round, distinct within a
+    request), the consumer's destinations disjoint within a round; one write() each, then one write_many."""
+    sc = cases.scale(gpu=False, quick=True)
+    (g,) = [g for g in cases.groups(sc, {"flight"}) if g.name == "llama-3.1-8b"]
+    assert [(c.tokens, c.batched) for c in g.cases] == [(t, b) for t in sc.handover_tokens for b in (False, True)]
+    c = g.cases[0]
+    cases.prepare(g, sc)
+    assert c.kind == "bulk" and c.ids == "random" and c.inflight == sc.flight
+    rounds = c.batches()
+    assert len(rounds) == c.rounds + 1 and all(len(b) == sc.flight for b in rounds)
+    producer = [tuple(c.requests[i][2][grp]) for b in rounds for i in b for grp in c.requests[i][2]]
+    assert len(set(producer)) == len(producer)  # fresh ids every request of every round
+    for b in rounds:
+        dst = [x for i in b for ids in c.requests[i][1].values() for x in ids]
+        assert len(dst) == len(set(dst))
+
+
+def test_flight_verdicts_per_way_of_handing_over():
+    sc = cases.scale(gpu=True, quick=False)
+    llama, t = "llama-3.1-8b", sc.handover_tokens[0]
+    bulk = {"kind": "bulk", "tokens": t, "ids": "random"}
+    rows = [_row(llama, "d2d copy", gbps=2000.0, batched=False, **bulk),
+            _row(llama, "kvlc ipc", gbps=1500.0, batched=False, ipc=8, check="pass", **bulk),
+            _row(llama, "kvlc ipc", gbps=1000.0, batched=True, ipc=8, check="pass", **bulk)]
+    doc = {"rows": rows, "checks": []}
+    gpu_suite.annotate(doc, {llama: True})
+    got = [(v["verdict"], v["detail"]) for v in gpu_suite.targets(doc, sc) if "flight" in v["target"]
+           or "write_many" in v["target"]]
+    assert [v for v, _ in got] == ["met", "missed"]  # 0.75 and 0.5 of the copy beside them
+    assert got[0][1].startswith("1500.0 / 2000.0 GB/s = 0.75")
