@@ -60,7 +60,8 @@ from kvlc.runtime.transfer import Executor, Outgoing, Target
 from kvlc.runtime.channel.identity import Identity, introduction
 from kvlc.runtime.channel.wire import Introduce, Record, StorageBase, decode, make_record
 from kvlc.runtime.nixl.warmup import Warmer, warm_peers
-from kvlc.runtime.ipc.memory import host_key, offer, open_offer
+from kvlc.runtime.ipc import bell as _bell
+from kvlc.runtime.ipc.memory import host_key, offer, open_offer, with_bell
 from kvlc.runtime.ipc.route import IpcRoute, IpcXfer
 
 log = logging.getLogger("kvlc.runtime.agent")
@@ -119,7 +120,8 @@ class KvAgent:
         self.sender = self._res.sender = Sender(decode, self._res.stop, f"kvlc-sender-{self.name}")
         self._cancel_clients: dict = {}              # push consumer: producer address → client
         self.stats = {"dropped_notifs": 0, "fenced_chunks": 0, "requests": 0, "bytes": 0, "descriptors": 0,
-                      "nixl_requests": 0, "refused_hellos": 0, "ipc_requests": 0, "ipc_peers": 0}
+                      "nixl_requests": 0, "refused_hellos": 0, "ipc_requests": 0, "ipc_peers": 0,
+                      "bell_rung": 0, "bell_taken": 0}
         self._finalizer = weakref.finalize(self, self._res.close)
         if cfg.progress == "thread":
             self._res.pump = Pump(self, "progress_turn", cfg.progress_interval, self._res.stop,
@@ -192,7 +194,7 @@ class KvAgent:
         client.connect()
         msg = introduction(client.sealed.binding, server_agent, self.name, direction, mode)
         host = host_key() if self.route is not None else ""
-        shared = self.shared() if host and mode == ConnectionMode.PULL_VIA_PUSH else None
+        shared = self._offer_to(server_agent) if host and mode == ConnectionMode.PULL_VIA_PUSH else None
         return Introduce(record=self.record, direction=direction, mode=mode, address=self.address or "",
                          inbox=inbox, host=host, shared=shared, proof=self._identity.sign(msg))
 
@@ -205,11 +207,47 @@ class KvAgent:
             return self._shared
 
     def shared_for(self, hello: Introduce):
-        """The storages this side offers in answer to ``hello``: a direct-mode peer on this host that
-        can copy (it sent this host's key), when this side copies too; else None."""
+        """What this side offers in answer to ``hello`` (:meth:`_offer_to`): a direct-mode peer on this host
+        that can copy (it sent this host's key), when this side copies too; else None."""
         if self.route is None or hello.mode == ConnectionMode.PULL_VIA_PUSH or not hello.host:
             return None
-        return self.shared() if hello.host == host_key() else None
+        return self._offer_to(hello.record.agent) if hello.host == host_key() else None
+
+    def _offer_to(self, peer: str):
+        """What same-host NIXL agent ``peer`` may map here, for one session: the storages (:meth:`shared`) and
+        a doorbell of its own, where ``bell.c`` is built (its notifications to this side are written there,
+        not sent through NIXL; taken at every poll). None where nothing can be offered."""
+        shared = self.shared()
+        if _bell.library() is None:
+            return shared
+        try:
+            bell = _bell.Bell(peer)
+        except OSError as exc:
+            log.warning("no doorbell for %s, its notifications come through NIXL: %s", peer[:64], exc)
+            return shared
+        got = with_bell(shared, bell)
+        with self._lock:
+            if got is None or self.closed:
+                bell.close()
+                return shared
+            self._res.bells.setdefault(peer, []).append(bell)
+        return got
+
+    def drop_bells(self, peer: str) -> None:
+        """No session with NIXL agent ``peer`` is left: close the doorbells offered to it (caller holds the lock)."""
+        for bell in self._res.bells.pop(peer, ()):
+            bell.close()
+
+    def _take_bells(self, got: dict[str, list[bytes]]) -> None:
+        """Add what same-host peers rang since the last pump to ``got`` (sender → messages, as NIXL gives them)."""
+        for peer, bells in self._res.bells.items():
+            for bell in bells:
+                dropped = bell.dropped
+                msgs = bell.take()
+                if msgs:
+                    got.setdefault(peer, []).extend(msgs)
+                    self.stats["bell_taken"] += len(msgs)
+                self.stats["dropped_notifs"] += bell.dropped - dropped
 
     def map_peer(self, peer: str, shared) -> bool:
         """Copy to and from NIXL agent ``peer`` through its mapped storages (``shared``, its offer) from
@@ -630,6 +668,10 @@ class KvAgent:
         got = self.nixl.notifs()
         if any(got.values()):
             self._heard = time.monotonic()
+        if self._res.bells:
+            self._take_bells(got)
+        if self.route is not None:
+            self.stats["bell_rung"] = self.route.rung
         _replies.notifs(self, got)
         _replies.drain(self, self.sender.replies)
         self._deadlines(time.monotonic())

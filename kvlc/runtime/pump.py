@@ -262,6 +262,7 @@ class Resources:
         self.executor = None
         self.stager = None
         self.route = None  # same-host copies (kvlc.runtime.ipc.route): unmapped after the transfers end
+        self.bells: dict[str, list] = {}  # peer NIXL agent → the doorbells this agent offered it (ipc.bell)
         self.closed = False
 
     def close(self) -> None:
@@ -281,6 +282,10 @@ class Resources:
             self.executor.cancel_all(f"agent '{self.name}' closed")
         if self.route is not None:
             self.route.close()
+        for bells in self.bells.values():
+            for bell in bells:
+                bell.close()
+        self.bells.clear()
         for c in self.clients:
             c.close()
         if self.stager is not None:

@@ -291,6 +291,7 @@ def _revoke(agent, name: str) -> None:
         agent.stager.drop_peer(name)
     if agent.route is not None:
         agent.route.drop(name)  # its mapped memory goes once no copy uses it
+    agent.drop_bells(name)
     if name in agent.nixl.remotes:
         try:
             agent.nixl.remove_remote(name)

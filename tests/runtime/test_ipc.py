@@ -5,8 +5,9 @@ own process with its storages in shared-memory files, so every connection betwee
 the peer's storages and moves requests with one copy per part (a memmove per row on the CPU, the
 Triton kernel on a GPU). Every destination byte is checked against its content code and
 every other byte of the consumer against its value before; NIXL still carries the handshake's
-warm-up and every notification. A peer whose memory is private, or an agent with ``ipc="off"``,
-moves the same requests through NIXL.
+warm-up, and the initiator rings each ``done`` on the doorbell its peer offered for the session
+(kvlc.runtime.ipc.bell; NIXL's notifications where it offered none). A peer whose memory is
+private, or an agent with ``ipc="off"``, moves the same requests through NIXL.
 """
 
 from __future__ import annotations
@@ -43,6 +44,16 @@ def _ipc(h) -> int:
     return h.call("stats")["ipc_requests"]
 
 
+def _bells(*hs) -> list[tuple[int, int]]:
+    """Per engine: (notifications it rang on peers' doorbells, notifications it took from its own)."""
+    return [(st["bell_rung"], st["bell_taken"]) for st in (h.call("stats") for h in hs)]
+
+
+def _since(before: list[tuple[int, int]], *hs) -> list[tuple[int, int]]:
+    """:func:`_bells` of ``hs`` now, less ``before``."""
+    return [(r - r0, t - t0) for (r, t), (r0, t0) in zip(_bells(*hs), before)]
+
+
 @pytest.mark.parametrize("mode", ["direct", "prepped"])
 def test_pull_copies_through_the_mapped_producer(eng, plans, mode):
     x, z = eng["x"], eng["z"]
@@ -50,11 +61,13 @@ def test_pull_copies_through_the_mapped_producer(eng, plans, mode):
     reqs = [(f"ipc-pull-{mode}-1", {"full": [0]}, {"full": [7]}, 1),
             (f"ipc-pull-{mode}-2", {"full": [2, 3, 4]}, {"full": [63, 0, 9]}, 40),
             (f"ipc-pull-{mode}-3", {"full": list(range(5, 12))}, {"full": [11, 12, 13, 14, 15, 16, 17]}, 100)]
-    before, n = z.call("dump"), _ipc(z)
+    before, n, bells = z.call("dump"), _ipc(z), _bells(z, x)
     move(z, f"x-ipc-{mode}", "read", reqs)
     check_bytes(z, plans["z"], plans["x"], before, reqs)
     assert _ipc(z) == n + len(reqs)  # every request copied, none through NIXL
     assert sorted(r[0] for r in reqs) == sorted(x.call("events")["freeable"])  # the producer heard done
+    (z_rung, _), (_, x_taken) = _since(bells, z, x)
+    assert z_rung >= 1 and x_taken == z_rung  # ... rung on the doorbell x offered z: every one taken
 
 
 def test_push_and_pull_via_push_copy_into_the_mapped_consumer(eng, plans):
@@ -63,7 +76,7 @@ def test_push_and_pull_via_push_copy_into_the_mapped_consumer(eng, plans):
     z.connect([x.address], "READ", "pull_via_push", "x-ipc-pvp")
     pushed = [("ipc-push-1", {"full": [20, 21]}, {"full": [5, 6]}, 30)]
     pulled = [("ipc-pvp-1", {"full": [30, 31, 32]}, {"full": [1, 2, 3]}, 48)]
-    before, n = z.call("dump"), _ipc(x)
+    before, n, bells = z.call("dump"), _ipc(x), _bells(x, z)
     move(x, "z-ipc-push", "write", flip(pushed), waiters=[z])
     errors = z.call("submit", "x-ipc-pvp", "read", pulled, 30.0, 0, None)
     assert not errors, errors
@@ -71,6 +84,8 @@ def test_push_and_pull_via_push_copy_into_the_mapped_consumer(eng, plans):
     assert out["failed"] == {} and out["open"] == [], out
     check_bytes(z, plans["z"], plans["x"], before, pushed + pulled)
     assert _ipc(x) == n + 2  # the producer moved both (one push, one pull it was asked for)
+    (x_rung, _), (_, z_taken) = _since(bells, x, z)
+    assert x_rung >= 2 and z_taken == x_rung  # both ``done`` on the doorbells z offered x (reply, pvp hello)
 
 
 def test_tp2_producer_ranks_map_separately(eng, plans):

@@ -114,6 +114,9 @@ def test_two_producers_three_consumers_every_mode_bytes_checked(world):
             assert len(served) == 3 * len(MODES) and ev["failed"] == {} and ev["flips"] == []
 
 
+DOOMED_S = 6.0  # the deadline of requests whose producer is killed: those still asked end failed only then
+
+
 def test_restarted_producer_replaces_only_its_own_sessions(world, plans):
     """P1 is killed with requests in flight and restarted under the same engine id (a new epoch):
     its old in-flight requests end failed (none open, none finished), consumers reconnect, the new P1
@@ -121,9 +124,9 @@ def test_restarted_producer_replaces_only_its_own_sessions(world, plans):
     eng, procs = world["eng"], world["procs"]
     c1 = eng["C1"][0]
     inflight = [(f"old-{i}", {"full": [60, 61]}, {"full": [i, i + 1]}, 20) for i in range(20)]
-    c1.call("submit", "s-P1-pull_via_push", "read", inflight, TIMEOUT)
+    c1.call("submit", "s-P1-pull_via_push", "read", inflight, DOOMED_S)
     procs["P1"].kill()
-    out = c1.call("wait", [r[0] for r in inflight], TIMEOUT + 10)
+    out = c1.call("wait", [r[0] for r in inflight], DOOMED_S + 10)
     assert out["open"] == [] and len(out["failed"]) + len(out["finished"]) == len(inflight)
     procs["P1"] = EngineProcess()
     eng["P1"] = _engine(procs["P1"], plans["tp1"], "P1", "content")

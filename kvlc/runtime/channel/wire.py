@@ -143,14 +143,25 @@ class SharedStorage(_Strict):
     gpu: Annotated[str, StringConstraints(max_length=64)] = ""  # VRAM: the GPU's UUID
 
 
+class SharedBell(_Strict):
+    """A doorbell (:mod:`kvlc.runtime.ipc.bell`): a ring in the sender's shared-memory file ``fd`` (opened at
+    /proc/<pid>/fd/<fd>) of ``size`` bytes, made for the one peer it is offered to, which writes its
+    notifications there instead of sending them through NIXL."""
+
+    fd: Annotated[int, Field(ge=0, lt=1 << 31)]
+    size: Annotated[int, Field(ge=256, le=1 << 26)]
+
+
 class Shared(_Strict):
     """Storages a peer on the same host may map into its own address space and copy to or from
     directly: handed over an authenticated connection only, after its hello, and mapped only by
-    an agent on the same ``host`` (boot and PID namespace) as the sender ``pid``."""
+    an agent on the same ``host`` (boot and PID namespace) as the sender ``pid``; and a doorbell
+    of the session's own, where the sender has one (``bell``)."""
 
     host: Annotated[str, StringConstraints(min_length=1, max_length=128)]
     pid: Annotated[int, Field(ge=1, lt=1 << 31)]
     storages: Annotated[tuple[SharedStorage, ...], Field(max_length=1 << 16)]
+    bell: SharedBell | None = None
 
 
 class Fetch(_Strict):

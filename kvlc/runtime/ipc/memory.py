@@ -10,7 +10,9 @@ Private memory (an engine's own ``torch.zeros`` on the CPU) is not offered: NIXL
 
 An offer (:class:`~kvlc.runtime.channel.wire.Shared`) travels only over an authenticated
 connection, after the hello; a peer maps it (:func:`open_offer`) only when the host keys match,
-and unmaps it when the session ends (:meth:`Mapped.close`).
+and unmaps it when the session ends (:meth:`Mapped.close`). An offer made for one session also
+carries a doorbell of its own (:mod:`kvlc.runtime.ipc.bell`, :func:`with_bell`), which the peer
+maps with the storages: its notifications to this side are written there.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from dataclasses import dataclass, field
 
 from kvlc.runtime.channel.wire import Shared, SharedStorage
 from kvlc.runtime.ipc import cuda
+from kvlc.runtime.ipc.bell import Bell, BellWriter
 from kvlc.runtime.ipc.cuda import IpcError
 from kvlc.runtime.shm import file_of
 
@@ -52,6 +55,15 @@ def offer(bindings: Iterable) -> Shared | None:
         if s is not None:
             out.append(s)
     return Shared(host=host, pid=os.getpid(), storages=tuple(out)) if out else None
+
+
+def with_bell(shared: Shared | None, bell: Bell) -> Shared | None:
+    """``shared`` (what :func:`offer` gave: None where nothing can be mapped) with ``bell`` for the one peer
+    it goes to; None where this host has no key (a peer cannot tell it is on this host)."""
+    if shared is None:
+        host = host_key()
+        return Shared(host=host, pid=os.getpid(), storages=(), bell=bell.offer()) if host else None
+    return shared.model_copy(update={"bell": bell.offer()})
 
 
 def _one(b) -> SharedStorage | None:
@@ -96,13 +108,16 @@ class Mapped:
 
     peer: str
     windows: list[Window] = field(default_factory=list)
+    bell: BellWriter | None = None  # the peer's doorbell for this session, if it offered one
     closed: bool = False
 
     def close(self) -> None:
-        """Unmap every window (idempotent); a window that fails to unmap is logged."""
+        """Unmap every window and the doorbell (idempotent); a window that fails to unmap is logged."""
         if self.closed:
             return
         self.closed = True
+        if self.bell is not None:
+            self.bell.close()
         for w in self.windows:
             w.tensor = None  # DRAM: the mapping goes with the last reference to it
             try:
@@ -121,6 +136,8 @@ def open_offer(peer: str, shared: Shared, devices: dict[str, int]) -> Mapped:
     try:
         for s in shared.storages:
             m.windows.append(_map(s, shared.pid, devices))
+        if shared.bell is not None:
+            m.bell = BellWriter(shared.pid, shared.bell)
     except BaseException:
         m.close()
         raise

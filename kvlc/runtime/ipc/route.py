@@ -8,8 +8,9 @@ pinned DRAM ↔ the peer's VRAM through unified addressing, one kernel reading h
 :class:`IpcXfer`: created, posted (ONE copy launch), polled (done once its event says every byte
 landed) and released like a NIXL request, so the executor's rules hold unchanged: nothing is
 posted after a refusal or past the deadline, a copy in flight cannot be recalled and holds its
-request until it ends, the peer hears ``done`` (over NIXL's notifications, as always) only after
-every part ended. Everything else passes through to NIXL untouched.
+request until it ends, the peer hears ``done`` only after every part ended: rung on the doorbell
+the peer offered for the session (:mod:`kvlc.runtime.ipc.bell`), or through NIXL's notifications
+where it offered none or its ring is full. Everything else passes through to NIXL untouched.
 
 Every row is checked against the peer's mapped windows before anything moves: a row outside them
 refuses the part (:class:`~kvlc.runtime.ipc.cuda.IpcError`), nothing posted.
@@ -145,6 +146,7 @@ class IpcRoute:
         self._dram_reach: bool | None = None  # see _gpu_reaches_dram
         self.copies = 0  # parts moved here
         self.in_flight = 0  # copies posted and not released yet
+        self.rung = 0  # notifications written into peers' doorbells (not sent through NIXL)
 
     # ------------------------------------------------------------------ peers
     def devices(self) -> dict[str, int]:
@@ -249,6 +251,12 @@ class IpcRoute:
         return None if isinstance(xfer, IpcXfer) else self.nixl.telemetry(xfer)
 
     def send_notif(self, agent_name: str, message: bytes) -> None:
+        """Into the doorbell ``agent_name`` offered this side (if it did and the ring has room), else through NIXL."""
+        w = self.peers.get(agent_name)
+        bell = w.mapped.bell if w is not None else None
+        if bell is not None and bell.ring(message):
+            self.rung += 1
+            return
         self.nixl.send_notif(agent_name, message)
 
     def ended(self, xfer: IpcXfer) -> None:
