@@ -121,7 +121,7 @@ class KvAgent:
         self._cancel_clients: dict = {}              # push consumer: producer address → client
         self.stats = {"dropped_notifs": 0, "fenced_chunks": 0, "requests": 0, "bytes": 0, "descriptors": 0,
                       "nixl_requests": 0, "refused_hellos": 0, "ipc_requests": 0, "ipc_peers": 0,
-                      "bell_rung": 0, "bell_taken": 0}
+                      "bell_rung": 0, "bell_taken": 0, "bells": 0}
         self._finalizer = weakref.finalize(self, self._res.close)
         if cfg.progress == "thread":
             self._res.pump = Pump(self, "progress_turn", cfg.progress_interval, self._res.stop,
@@ -194,7 +194,8 @@ class KvAgent:
         client.connect()
         msg = introduction(client.sealed.binding, server_agent, self.name, direction, mode)
         host = host_key() if self.route is not None else ""
-        shared = self._offer_to(server_agent) if host and mode == ConnectionMode.PULL_VIA_PUSH else None
+        shared = (self._offer_to(server_agent, client.sealed.id) if host and mode == ConnectionMode.PULL_VIA_PUSH
+                  else None)
         return Introduce(record=self.record, direction=direction, mode=mode, address=self.address or "",
                          inbox=inbox, host=host, shared=shared, proof=self._identity.sign(msg))
 
@@ -206,22 +207,24 @@ class KvAgent:
                 self._shared = offer(self.bindings.values()) if self.route is not None else None
             return self._shared
 
-    def shared_for(self, hello: Introduce):
-        """What this side offers in answer to ``hello`` (:meth:`_offer_to`): a direct-mode peer on this host
-        that can copy (it sent this host's key), when this side copies too; else None."""
+    def shared_for(self, hello: Introduce, conn_id: str):
+        """What this side offers in answer to ``hello`` on connection ``conn_id`` (:meth:`_offer_to`): a
+        direct-mode peer on this host that can copy (it sent this host's key), when this side copies too;
+        else None."""
         if self.route is None or hello.mode == ConnectionMode.PULL_VIA_PUSH or not hello.host:
             return None
-        return self._offer_to(hello.record.agent) if hello.host == host_key() else None
+        return self._offer_to(hello.record.agent, conn_id) if hello.host == host_key() else None
 
-    def _offer_to(self, peer: str):
-        """What same-host NIXL agent ``peer`` may map here, for one session: the storages (:meth:`shared`) and
-        a doorbell of its own, where ``bell.c`` is built (its notifications to this side are written there,
-        not sent through NIXL; taken at every poll). None where nothing can be offered."""
+    def _offer_to(self, peer: str, conn_id: str):
+        """What same-host NIXL agent ``peer`` may map here, for the session on connection ``conn_id``: the
+        storages (:meth:`shared`) and a doorbell of that session's own, where ``bell.c`` is built (the
+        peer's notifications to this side are written there, not sent through NIXL; taken at every
+        poll; closed when the session ends). None where nothing can be offered."""
         shared = self.shared()
         if _bell.library() is None:
             return shared
         try:
-            bell = _bell.Bell(peer)
+            bell = _bell.Bell(peer, conn=conn_id)
         except OSError as exc:
             log.warning("no doorbell for %s, its notifications come through NIXL: %s", peer[:64], exc)
             return shared
@@ -231,12 +234,19 @@ class KvAgent:
                 bell.close()
                 return shared
             self._res.bells.setdefault(peer, []).append(bell)
+            self.stats["bells"] += 1
         return got
 
-    def drop_bells(self, peer: str) -> None:
-        """No session with NIXL agent ``peer`` is left: close the doorbells offered to it (caller holds the lock)."""
-        for bell in self._res.bells.pop(peer, ()):
+    def drop_bells(self, peer: str, conn_id: str | None = None) -> None:
+        """Close the doorbells offered to NIXL agent ``peer``: the one of the session on ``conn_id``, or
+        (None) every one, when no session with it is left (caller holds the lock)."""
+        bells = self._res.bells.get(peer, [])
+        for bell in [b for b in bells if conn_id is None or b.conn == conn_id]:
             bell.close()
+            bells.remove(bell)
+            self.stats["bells"] -= 1
+        if not bells:
+            self._res.bells.pop(peer, None)
 
     def _take_bells(self, got: dict[str, list[bytes]]) -> None:
         """Add what same-host peers rang since the last pump to ``got`` (sender → messages, as NIXL gives them)."""

@@ -259,6 +259,7 @@ def end_session(agent, s, why: str) -> None:
         if any(t.key == s.notif_key for t in out.notify.values()):
             agent.cancel_own(key, f"session of rank {s.rank} ended: {why}")
     if agent.sessions.drop(s):
+        agent.drop_bells(s.agent, s.conn_id)  # the doorbell offered for it, if any
         agent.retiring.add(s.agent)  # removed now, or once no request in flight uses it (revoke_retired)
         revoke_retired(agent)
     still = any(x.engine is s.engine and x.rank == s.rank for x in agent.sessions.all())

@@ -92,7 +92,7 @@ def introduce(agent, conn: Conn, msg: Introduce) -> Reply:
     if pvp:  # this side WRITEs the consumer's requests (through its mapped memory on this host), warm now
         agent.map_peer(rec.agent, msg.shared)
         agent.warm([rec])
-    return Reply(ok=True, inbox=inbox, shared=agent.shared_for(msg), proof=agent.welcome(conn.sealed.binding, rec.agent))
+    return Reply(ok=True, inbox=inbox, shared=agent.shared_for(msg, conn.id), proof=agent.welcome(conn.sealed.binding, rec.agent))
 
 
 def _session(conn: Conn, what: str) -> Session:

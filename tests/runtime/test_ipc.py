@@ -13,6 +13,7 @@ private, or an agent with ``ipc="off"``, moves the same requests through NIXL.
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 import pytest
@@ -86,6 +87,29 @@ def test_push_and_pull_via_push_copy_into_the_mapped_consumer(eng, plans):
     assert _ipc(x) == n + 2  # the producer moved both (one push, one pull it was asked for)
     (x_rung, _), (_, z_taken) = _since(bells, x, z)
     assert x_rung >= 2 and z_taken == x_rung  # both ``done`` on the doorbells z offered x (reply, pvp hello)
+
+
+def test_a_doorbell_lives_as_long_as_its_session(eng, plans):
+    """Each same-host hello gets a doorbell of its own; when that peer goes (its sessions end), the
+    doorbells offered to it are closed; the engine's others stay."""
+    z = eng["z"]
+    (w,) = start_engines([config(plans["x"], 0, "content", shared=True, engine_id="bell-churn")])
+    try:
+        open_before = z.call("stats")["bells"]
+        w.connect([z.address], "WRITE", "direct", "bell-z")
+        assert z.call("stats")["bells"] == open_before + 1
+        pushed = [("bell-push-1", {"full": [22]}, {"full": [7]}, 16)]
+        before = z.call("dump")
+        move(w, "bell-z", "write", flip(pushed), waiters=[z])
+        check_bytes(z, plans["z"], plans["x"], before, pushed)
+        (w_rung, _), = _since([(0, 0)], w)
+        assert w_rung == 1
+    finally:
+        stop_engines([w])
+    deadline = time.monotonic() + 20
+    while z.call("stats")["bells"] != open_before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert z.call("stats")["bells"] == open_before
 
 
 def test_tp2_producer_ranks_map_separately(eng, plans):

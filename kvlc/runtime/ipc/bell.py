@@ -57,13 +57,13 @@ class Bell:
 
     MAX_TAKE = 4096  # records one take() returns at most (the rest wait for the next)
 
-    def __init__(self, peer: str, size: int = SIZE):
+    def __init__(self, peer: str, size: int = SIZE, conn: str = ""):
         lib = library()
         if lib is None:
             raise IpcError(f"no doorbell: {status()}")
         if lib.kvlc_bell_most(size) < 0:
             raise ValueError(f"a doorbell of {size} bytes: give a multiple of 8 above 192")
-        self.peer, self.size, self._lib = peer, size, lib
+        self.peer, self.size, self.conn, self._lib = peer, size, conn, lib  # conn: its session's connection
         self.fd = os.memfd_create(f"kvlc-bell-{peer[:40]}", os.MFD_CLOEXEC)
         try:
             os.ftruncate(self.fd, size)
