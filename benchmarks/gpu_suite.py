@@ -171,18 +171,26 @@ def targets(doc: dict, sc) -> list[dict]:
 
 
 def _t_latency(rows, sc) -> list[dict]:
+    """kvlc against raw NIXL on the same rows, one contiguous handover at a time: with ``KVLC_IPC=off``
+    (every notification through NIXL), and as kvlc runs by default (``KVLC_IPC=auto``: these requests' few
+    rows still go through NIXL, below ``ipc_min_rows``, and ``done`` is rung on the peer's doorbell); a
+    default-mode row whose bytes the same-host copy moved compares nothing with NIXL and is not judged."""
     out = []
     for t in sc.handover_tokens:
-        k = _find(rows, "llama-3.1-8b", "kvlc nixl", kind="handover", tokens=t, ids="contiguous")
         raw = _find(rows, "llama-3.1-8b", "raw nixl", kind="handover", tokens=t, ids="contiguous")
-        name = f"kvlc <= 1.1x raw NIXL p50 and p99, Llama-3.1-8B {t} tokens contiguous, one at a time"
-        if not _measured(k, raw):
-            out.append(_verdict(name, None, "kvlc nixl or raw nixl row missing or failed"))
-            continue
-        r50, r99 = k["p50_us"] / raw["p50_us"], k["p99_us"] / raw["p99_us"]
-        out.append(_verdict(name, r50 <= 1.1 and r99 <= 1.1,
-                            f"p50 {k['p50_us']:.0f} / {raw['p50_us']:.0f} us = {r50:.2f}x, "
-                            f"p99 {k['p99_us']:.0f} / {raw['p99_us']:.0f} us = {r99:.2f}x"))
+        for mode, how in (("kvlc nixl", "KVLC_IPC=off"), ("kvlc ipc", "default: bytes through NIXL, done on the doorbell")):
+            k = _find(rows, "llama-3.1-8b", mode, kind="handover", tokens=t, ids="contiguous")
+            name = f"kvlc <= 1.1x raw NIXL p50 and p99, Llama-3.1-8B {t} tokens contiguous, one at a time [{how}]"
+            if not _measured(k, raw):
+                out.append(_verdict(name, None, f"{mode} or raw nixl row missing or failed"))
+                continue
+            if mode == "kvlc ipc" and k.get("ipc") != 0:
+                out.append(_verdict(name, None, f"the same-host copy moved these requests (ipc {k.get('ipc')})"))
+                continue
+            r50, r99 = k["p50_us"] / raw["p50_us"], k["p99_us"] / raw["p99_us"]
+            out.append(_verdict(name, r50 <= 1.1 and r99 <= 1.1,
+                                f"p50 {k['p50_us']:.0f} / {raw['p50_us']:.0f} us = {r50:.2f}x, "
+                                f"p99 {k['p99_us']:.0f} / {raw['p99_us']:.0f} us = {r99:.2f}x"))
     return out
 
 

@@ -49,7 +49,9 @@ def test_targets_and_ipc_flags():
         hand = {"kind": "handover", "tokens": t, "ids": "contiguous"}
         rows += [_row(llama, "raw nixl", p50_us=300.0, p99_us=400.0, gbps=1.0, **hand),
                  _row(llama, "kvlc nixl", p50_us=320.0, p99_us=600.0 if t == 4096 else 420.0, gbps=1.0, ipc=0,
-                      check="pass", **hand)]
+                      check="pass", **hand),
+                 _row(llama, "kvlc ipc", p50_us=340.0 if t == 1024 else 310.0, p99_us=400.0, gbps=1.0,
+                      ipc=55 if t == 4096 else 0, check="pass", descriptors_per_request=32, **hand)]
         rand = {"kind": "handover", "tokens": t, "ids": "random"}
         rows += [_row(llama, "d2d copy", gbps=2000.0, p50_us=1.0, **rand),
                  _row(llama, "kvlc ipc", gbps=1500.0 if t < 4096 else 1000.0, p50_us=1.0, ipc=55,
@@ -57,16 +59,21 @@ def test_targets_and_ipc_flags():
     rows.append(_row(llama, "kvlc nixl", kind="handover", tokens=1, ids="x", gbps=1.0, ipc=3, check="pass"))
     rows.append(_row(llama, "kvlc ipc", kind="handover", tokens=2, ids="x", gbps=1.0, ipc=0, check="FAIL"))
     doc = {"rows": rows, "checks": []}
-    gpu_suite.annotate(doc, {llama: True})
-    got = {v["target"]: v["verdict"] for v in gpu_suite.targets(doc, sc)}
-    lat = [v for k, v in got.items() if k.startswith("kvlc <= 1.1x")]
+    gpu_suite.annotate(doc, {llama: 64})  # (on a GPU: requests of fewer than 64 rows go through NIXL)
+    verdicts = gpu_suite.targets(doc, sc)
+    got = {v["target"]: v["verdict"] for v in verdicts}
+    lat = [v for k, v in got.items() if k.startswith("kvlc <= 1.1x") and "KVLC_IPC=off" in k]
     assert lat == ["met", "met", "missed"]  # p99 600 / 400 at 4k tokens
+    default = [(v["verdict"], v["detail"]) for v in verdicts if v["target"].startswith("kvlc <= 1.1x")
+               and "default" in v["target"]]
+    assert [v for v, _ in default] == ["missed", "met", "not measured"]  # 340 / 300 at 1k; copied at 4k
+    assert "same-host copy moved" in default[2][1]
     ipc = [v for k, v in got.items() if k.startswith("same-host path") and llama in k]
     assert ipc == ["met", "met", "missed"]  # 1000 / 2000 at 4k tokens
     assert all(v == "not measured" for k, v in got.items() if "pull_via_push" in k or "mixed" in k)
     assert [r["ok"] for r in rows[-2:]] == [False, False]  # ipc used with KVLC_IPC=off; a failed check
     assert all(r["ok"] for r in rows[:-2])
-    assert rows[3]["fraction_of_d2d"] == 0.75
+    assert rows[4]["fraction_of_d2d"] == 0.75
     # a group where requests of fewer than 64 rows go through NIXL: 0 copies is right for them only
     few = [_row(llama, "kvlc ipc", kind="bulk", tokens=t, ids="contiguous", gbps=1.0, ipc=ipc, check="pass",
                 descriptors_per_request=d) for t, d, ipc in ((1, 32, 0), (2, 2048, 55), (3, 2048, 0))]
