@@ -127,6 +127,16 @@ def resources(eng):
     return {f"{n}.r{h.config.rank}": h.call("resources") for n, hs in eng.items() for h in hs}
 
 
+def doorbells(eng) -> dict:
+    """Per rank: the same-host doorbells open here, the notifications it rang on peers' and took from its own."""
+    out = {}
+    for n, hs in eng.items():
+        for h in hs:
+            st = h.call("stats")
+            out[f"{n}.r{h.config.rank}"] = {k: st.get(k) for k in ("bells", "bell_rung", "bell_taken")}
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=10_000)
@@ -153,10 +163,12 @@ def main(argv=None) -> int:
         problems += p
         res1 = resources(eng)
         seconds = time.time() - t1
+        bells = doorbells(eng)
     finally:
         stop_engines([h for hs in eng.values() for h in hs])
     result = {"requests": done, "failed": len(failed), "mismatches": len(problems), "bytes_checked": checked,
-              "seconds": round(seconds, 1), "start": res0, "end": res1, "total_s": round(time.time() - t0, 1),
+              "seconds": round(seconds, 1), "start": res0, "end": res1, "doorbells": bells,
+              "total_s": round(time.time() - t0, 1),
               "command": " ".join(["benchmarks/checks/soak_sessions.py"] + (argv or sys.argv[1:]))}
     print(f"{done} requests in {seconds:.1f} s over 2x3 engines, {len(failed)} failed, {len(problems)} "
           f"mismatches, {checked:,} bytes checked (first and last rounds)")
@@ -166,6 +178,9 @@ def main(argv=None) -> int:
         print(f"{k:10} {a['fds']:>4}->{b['fds']:<4} {a['threads']:>4}->{b['threads']:<4} "
               f"{a['rss_kib'] / 1024:>7.1f}->{b['rss_kib'] / 1024:<7.1f} {a['nixl_handles']:>6}->{b['nixl_handles']:<6}"
               f" {a['sessions']:>4}->{b['sessions']:<4}")
+    rung, taken = (sum(v[k] or 0 for v in bells.values()) for k in ("bell_rung", "bell_taken"))
+    print(f"same-host doorbells: {sum(v['bells'] or 0 for v in bells.values())} open, {rung:,} notifications "
+          f"rung, {taken:,} taken")
     for f in list(failed.items())[:5]:
         print("  failed:", f)
     if args.out:
