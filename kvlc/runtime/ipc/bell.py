@@ -55,7 +55,8 @@ class Bell:
     """The receiving end: a ring in a new shared-memory file of this process (``os.memfd_create``), that
     the one peer it is offered to (:meth:`offer`) writes into; :meth:`take` reads what it wrote."""
 
-    MAX_TAKE = 4096  # records one take() returns at most (the rest wait for the next)
+    MAX_TAKE = 4096  # records one call of bell.c takes at most
+    ROUNDS = 8       # calls one take() makes at most: a full ring of the shortest records
 
     def __init__(self, peer: str, size: int = SIZE, conn: str = ""):
         lib = library()
@@ -94,7 +95,7 @@ class Bell:
         if self.closed or self._w[0] == self._r[0]:
             return []
         got: list[bytes] = []
-        while True:
+        for _ in range(self.ROUNDS):  # bounded: a peer that keeps ringing cannot hold this poll
             n = self._lib.kvlc_bell_take(self._base, self.size, self._out.ctypes.data, self.size,
                                          self._lens.ctypes.data, self.MAX_TAKE, self._bad.ctypes.data)
             at = 0
@@ -104,11 +105,13 @@ class Bell:
                 at += k
             if self._bad[0]:
                 self.dropped += 1
-                log.warning("the doorbell of %s held an impossible record or position: what followed was dropped",
-                            self.peer[:64])
+                (log.warning if self.dropped == 1 else log.debug)(
+                    "the doorbell of %s held an impossible record or position (%d times): what followed was "
+                    "dropped", self.peer[:64], self.dropped)
                 return got
             if n < self.MAX_TAKE or self._w[0] == self._r[0]:
                 return got
+        return got  # the rest at the next poll
 
     def close(self) -> None:
         """Unmap and close the file here (idempotent); a peer's mapping stays valid until it unmaps."""
