@@ -416,16 +416,17 @@ class _Kvlc:
         if c.batched:  # one write_many of the round's requests
             from kvlc.runtime import BlockRequest
 
+            ids.update(f"{tag}-{i}" for i in batch)
             self._w.write_many([BlockRequest(f"{tag}-{i}", c.requests[i][2], c.requests[i][1], c.requests[i][3])
                                 for i in batch])
-            ids.update(f"{tag}-{i}" for i in batch)
-        for i in batch if not c.batched else ():
-            rid, cids, pids, n = c.requests[i]
-            ids.add(f"{tag}-{i}")
-            if pv:
-                self._r.read(f"{tag}-{i}", cids, pids, n)
-            else:
-                self._w.write(f"{tag}-{i}", pids, cids, n)
+        else:
+            for i in batch:
+                rid, cids, pids, n = c.requests[i]
+                ids.add(f"{tag}-{i}")
+                if pv:
+                    self._r.read(f"{tag}-{i}", cids, pids, n)
+                else:
+                    self._w.write(f"{tag}-{i}", pids, cids, n)
         wait_finished(self.l_big, ids, TIMEOUT, nap=0.0 if self.gpu else 0.0002)
         return time.perf_counter() - t0
 

@@ -27,6 +27,7 @@ import numpy as np
 from kvlc import clib
 from kvlc.runtime.channel.wire import SharedBell
 from kvlc.runtime.ipc.cuda import IpcError
+from kvlc.runtime.shm import map_peer_file
 
 log = logging.getLogger(__name__)
 
@@ -135,17 +136,9 @@ class BellWriter:
         if lib.kvlc_bell_most(offer.size) < 0:
             raise IpcError(f"the peer offered a doorbell of {offer.size} bytes, which is no ring's size")
         try:
-            fd = os.open(f"/proc/{pid}/fd/{offer.fd}", os.O_RDWR)
+            self._map, _ = map_peer_file(pid, offer.fd, 0, offer.size, "the doorbell")
         except OSError as exc:
-            raise IpcError(f"cannot open the doorbell of process {pid}: {exc}") from exc
-        try:
-            if os.fstat(fd).st_size < offer.size:
-                raise IpcError(f"the doorbell of process {pid} holds fewer than the {offer.size} bytes offered")
-            self._map = mmap.mmap(fd, offer.size)
-        except (OSError, ValueError) as exc:
-            raise IpcError(f"cannot map the doorbell of process {pid}: {exc}") from exc
-        finally:
-            os.close(fd)
+            raise IpcError(str(exc)) from exc
         self._lib, self.size, self._base = lib, offer.size, _address(self._map)
         self.rung = 0  # notifications written
         self.closed = False

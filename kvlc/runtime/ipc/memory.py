@@ -18,7 +18,6 @@ maps with the storages: its notifications to this side are written there.
 from __future__ import annotations
 
 import logging
-import mmap
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -27,7 +26,7 @@ from kvlc.runtime.channel.wire import Shared, SharedStorage
 from kvlc.runtime.ipc import cuda
 from kvlc.runtime.ipc.bell import Bell, BellWriter
 from kvlc.runtime.ipc.cuda import IpcError
-from kvlc.runtime.shm import file_of
+from kvlc.runtime.shm import file_of, map_peer_file
 
 log = logging.getLogger(__name__)
 
@@ -158,20 +157,9 @@ def _map(s: SharedStorage, pid: int, devices: dict[str, int]) -> Window:
 def _map_dram(s: SharedStorage, pid: int) -> Window:
     import torch
 
-    page = mmap.ALLOCATIONGRANULARITY
-    start = s.offset - s.offset % page
     try:
-        fd = os.open(f"/proc/{pid}/fd/{s.fd}", os.O_RDWR)
+        m, at = map_peer_file(pid, s.fd, s.offset, s.size, f"storage '{s.name}'")
     except OSError as exc:
-        raise IpcError(f"cannot open storage '{s.name}' of process {pid}: {exc}") from exc
-    try:
-        if os.fstat(fd).st_size < s.offset + s.size:
-            raise IpcError(f"storage '{s.name}' of process {pid}: its file holds fewer than the "
-                           f"{s.offset + s.size} bytes offered")
-        m = mmap.mmap(fd, s.offset - start + s.size, offset=start)
-    except (OSError, ValueError) as exc:
-        raise IpcError(f"cannot map storage '{s.name}' of process {pid}: {exc}") from exc
-    finally:
-        os.close(fd)
-    t = torch.frombuffer(m, dtype=torch.uint8, count=s.size, offset=s.offset - start)
+        raise IpcError(str(exc)) from exc
+    t = torch.frombuffer(m, dtype=torch.uint8, count=s.size, offset=at)
     return Window(s.name, "DRAM", s.addr, s.size, t.data_ptr(), 0, tensor=t)
