@@ -151,7 +151,8 @@ def two_requests(tag: str) -> list:
     return [(f"{tag}-a", {"full": [1, 2]}, {"full": [5, 6]}, 30), (f"{tag}-b", {"full": [9]}, {"full": [3]}, 16)]
 
 
-def start_one(plan, fill: str, eid: str, seed: int = 0, port: int = 0):
-    """One engine process hosting one agent of ``plan`` (rank 0): (the process, the agent's handle)."""
+def start_one(plan, fill: str, eid: str, seed: int = 0, port: int = 0, **kw):
+    """One engine process hosting one agent of ``plan`` (rank 0): (the process, the agent's handle);
+    ``kw`` goes to the agent's config (``ipc="off"``, say)."""
     proc = EngineProcess()
-    return proc, proc.add(config(plan, 0, fill, seed=seed, engine_id=eid, port=port))
+    return proc, proc.add(config(plan, 0, fill, seed=seed, engine_id=eid, port=port, **kw))
