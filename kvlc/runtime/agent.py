@@ -120,7 +120,7 @@ class KvAgent:
         self.sender = self._res.sender = Sender(decode, self._res.stop, f"kvlc-sender-{self.name}")
         self._cancel_clients: dict = {}              # push consumer: producer address → client
         self.stats = {"dropped_notifs": 0, "fenced_chunks": 0, "requests": 0, "bytes": 0, "descriptors": 0,
-                      "nixl_requests": 0, "refused_hellos": 0, "ipc_requests": 0, "ipc_peers": 0,
+                      "nixl_requests": 0, "refused_hellos": 0, "ipc_requests": 0, "ipc_copies": 0, "ipc_peers": 0,
                       "bell_rung": 0, "bell_taken": 0, "bells": 0}
         self._finalizer = weakref.finalize(self, self._res.close)
         if cfg.progress == "thread":
@@ -449,6 +449,14 @@ class KvAgent:
     def _copied(self, pk, rows: int, agents: Mapping[int, str]) -> bool:
         return self.route.copies_part(agents[pk.peer_rank], pk.local_mem, pk.remote_mem, rows)
 
+    def copies_each(self, requests: Iterable[Mapping], agents: Mapping[int, str]) -> bool:
+        """Whether the same-host copy moves every part of each of these requests (parts as
+        :meth:`submit` takes them) on its own: a batch of them then goes request by request
+        (:mod:`kvlc.runtime.batch`), each copy starting as soon as its request is built."""
+        with self._lock:
+            return self.route is not None and all(
+                self._copied(getattr(p, "key", k), len(p), agents) for parts in requests for k, p in parts.items())
+
     def copies_to(self, peers: Iterable[str]) -> bool:
         """Whether every one of these NIXL agents is copied to and from through its mapped memory."""
         with self._lock:
@@ -505,6 +513,7 @@ class KvAgent:
         copied = sum(isinstance(r.xfer, IpcXfer) for r in outs[0].parts)  # a batch shares its parts
         self.stats["nixl_requests"] += sum(r.xfer is not None for r in outs[0].parts) - copied
         self.stats["ipc_requests"] += len(outs) if copied else 0
+        self.stats["ipc_copies"] += copied
         return outs
 
     def tally(self, engine: RemoteEngine, req: str) -> Tally:

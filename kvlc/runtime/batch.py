@@ -10,8 +10,12 @@ requests that end in the same progress turn share one ``done`` notification per 
 A batch moves and ends as one: its requests share one deadline, and a failure, a timeout or a
 cancel of any of them fails every one (each consumer hears ``failed``, after no byte can land
 any more). Where rows cannot be shared (a ``prepped`` connection, or a part the staging policy
-sends through bounce buffers), the checked requests are submitted one by one instead; a
-``pull_via_push`` connection checks every request, then asks the producer for each.
+sends through bounce buffers), the checked requests are submitted one by one instead; so they are
+where the same-host copy moves every part of each request on its own (:meth:`KvAgent.copies_each`):
+one joined copy would start only after every request's rows were built, while one copy per request
+starts as soon as its rows are (measured on an H100: four random-id Llama handovers of 4k tokens at
+0.67-0.69 of the device-to-device copy joined, 0.86-0.92 one by one). A ``pull_via_push``
+connection checks every request, then asks the producer for each.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from kvlc.compiler.pairing.program import join_parts
 from kvlc.compiler.request.check import check_request
 from kvlc.errors import TransferError
 from kvlc.runtime.arguments import check_request_id
+from kvlc.runtime.channel.notifs import agents_of
 from kvlc.runtime.kinds import Direction, ConnectionMode
 from kvlc.runtime.transfer import Member
 
@@ -92,7 +97,8 @@ def submit(peer, requests: Iterable[BlockRequest], direction: Direction, timeout
     op = direction.value
     peer._live()
     checked = _checked(peer, items, op, verb)
-    shareable = peer.mode is ConnectionMode.DIRECT and not any(staged for _, staged in checked)
+    shareable = (peer.mode is ConnectionMode.DIRECT and not any(staged for _, staged in checked)
+                 and not a.copies_each([p for p, _ in checked], agents_of(peer._targets())))
     if len(items) == 1 or not shareable:
         _one_by_one(peer, items, checked, op, verb, timeout)
     else:

@@ -123,6 +123,27 @@ def test_tp2_producer_ranks_map_separately(eng, plans):
     assert _ipc(z) == n + 1
 
 
+def test_a_batch_to_a_mapped_peer_goes_request_by_request(eng, plans):
+    """write_many / read_many where the same-host copy moves every part: one copy per request (each
+    starts as soon as its request is built), not one joined copy; every byte right, each request
+    reported on its own; no NIXL request."""
+    x, z = eng["x"], eng["z"]
+    x.connect([z.address], "WRITE", "direct", "z-ipc-batch")
+    z.connect([x.address], "READ", "direct", "x-ipc-batch")
+    pushed = [(f"ipc-bw-{i}", {"full": [100 + 2 * i, 101 + 2 * i]}, {"full": [40 + i, 50 + i]}, 20 + i)
+              for i in range(4)]
+    pulled = [(f"ipc-br-{i}", {"full": [120 + i]}, {"full": [60 - i]}, 1 + 5 * i) for i in range(3)]
+    before = z.call("dump")
+    sx, sz = x.call("stats"), z.call("stats")
+    move(x, "z-ipc-batch", "write_many", flip(pushed), waiters=[z])
+    move(z, "x-ipc-batch", "read_many", pulled)
+    check_bytes(z, plans["z"], plans["x"], before, pushed + pulled)
+    for h, s0, n in ((x, sx, len(pushed)), (z, sz, len(pulled))):
+        s1 = h.call("stats")
+        got = {k: s1[k] - s0[k] for k in ("requests", "ipc_requests", "ipc_copies", "nixl_requests")}
+        assert got == {"requests": n, "ipc_requests": n, "ipc_copies": n, "nixl_requests": 0}, got
+
+
 def test_private_memory_goes_through_nixl(eng, plans):
     """P's storages are private (not in shared files): nothing is offered, NIXL moves the bytes."""
     p, z = eng["p"], eng["z"]
