@@ -11,16 +11,19 @@ A batch moves and ends as one: its requests share one deadline, and a failure, a
 cancel of any of them fails every one (each consumer hears ``failed``, after no byte can land
 any more). Where rows cannot be shared (a ``prepped`` connection, or a part the staging policy
 sends through bounce buffers), the checked requests are submitted one by one instead; so they are
-where the same-host copy moves every part of each request on its own (:meth:`KvAgent.copies_each`):
-one joined copy would start only after every request's rows were built, while one copy per request
-starts as soon as its rows are (measured on an H100: four random-id Llama handovers of 4k tokens at
-0.67-0.69 of the device-to-device copy joined, 0.86-0.92 one by one). A ``pull_via_push``
-connection checks every request, then asks the producer for each.
+where the same-host copy moves the first request's every part on its own
+(:meth:`KvAgent.copies_each`), and there every request's ids are checked first and its rows built
+only just before it is submitted: one joined copy would start only after every request's rows were
+built, while one copy per request starts as soon as its rows are and runs while the next is built
+(measured on an H100: four random-id Llama handovers of 4k tokens at 0.67-0.69 of the
+device-to-device copy joined, 0.86-0.92 one ``write()`` each). A ``pull_via_push`` connection checks
+every request, then asks the producer for each.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import itertools
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,10 +66,9 @@ def _items(requests: Iterable[BlockRequest]) -> list[BlockRequest]:
     return items
 
 
-def _checked(peer, items: list[BlockRequest], op: str, verb: str) -> list[tuple[dict, dict]]:
-    """Each request's parts and staging decision (:meth:`Peer.parts`), or a refusal naming the request."""
+def _refused(peer, items: list[BlockRequest], op: str, verb: str) -> None:
+    """Refuse the batch where a request is in flight or (WRITE) cancelled by its consumer."""
     a = peer.agent
-    out = []
     for i, it in enumerate(items):
         if a.is_moving((verb, it.request_id)) or (op == "READ" and it.request_id in a.incoming):
             raise TransferError(f"batch item {i}: request '{it.request_id}' is already in flight; nothing moved")
@@ -74,11 +76,21 @@ def _checked(peer, items: list[BlockRequest], op: str, verb: str) -> list[tuple[
             for key, why in peer.cancelled(it.request_id).items():
                 if a.ended(key) is not None:
                     raise TransferError(f"batch item {i}: {why}")
+
+
+def _named(i: int, it: BlockRequest, exc: TransferError) -> TransferError:
+    return TransferError(f"batch item {i} (request '{it.request_id}'): {exc}; nothing moved")
+
+
+def _built(peer, items: list[BlockRequest], checked: list | None = None) -> Iterator[tuple[dict, dict]]:
+    """Each request's parts and staging decision (:meth:`Peer.parts`), built when asked for (from its
+    checked ids where ``checked`` has them), or a refusal naming the request."""
+    for i, it in enumerate(items):
         try:
-            out.append(peer.parts(it.local_block_ids, it.remote_block_ids, it.num_tokens, it.tokens))
+            yield peer.parts(it.local_block_ids, it.remote_block_ids, it.num_tokens, it.tokens,
+                             checked=None if checked is None else checked[i])
         except TransferError as exc:
-            raise TransferError(f"batch item {i} (request '{it.request_id}'): {exc}; nothing moved") from None
-    return out
+            raise _named(i, it, exc) from None
 
 
 def submit(peer, requests: Iterable[BlockRequest], direction: Direction, timeout: float | None) -> None:
@@ -96,13 +108,36 @@ def submit(peer, requests: Iterable[BlockRequest], direction: Direction, timeout
         return
     op = direction.value
     peer._live()
-    checked = _checked(peer, items, op, verb)
-    shareable = (peer.mode is ConnectionMode.DIRECT and not any(staged for _, staged in checked)
-                 and not a.copies_each([p for p, _ in checked], agents_of(peer._targets())))
-    if len(items) == 1 or not shareable:
-        _one_by_one(peer, items, checked, op, verb, timeout)
+    _refused(peer, items, op, verb)
+    if peer.mode is not ConnectionMode.DIRECT:  # prepared lists: nothing to share, each request built and submitted
+        _one_by_one(peer, items, list(_built(peer, items)), op, verb, timeout)
+        return
+    # Every request's ids checked first (nothing built); the first request's parts say whether the
+    # same-host copy moves it on its own: then each request is built just before it is submitted, so
+    # its copy starts while the next one is built.
+    checked = _checks(peer, items)
+    built = _built(peer, items, checked)
+    first = next(built)
+    if len(items) == 1 or first[1] or a.copies_each([first[0]], agents_of(peer._targets())):
+        _one_by_one(peer, items, itertools.chain([first], built), op, verb, timeout)
+        return
+    rest = [first, *built]
+    if any(staged for _, staged in rest):
+        _one_by_one(peer, items, rest, op, verb, timeout)
     else:
-        _shared(peer, items, [p for p, _ in checked], op, verb, timeout)
+        _shared(peer, items, [p for p, _ in rest], op, verb, timeout)
+
+
+def _checks(peer, items: list[BlockRequest]) -> list:
+    """Each request's ids checked (:func:`check_request`), or a refusal naming the request."""
+    out = []
+    for i, it in enumerate(items):
+        try:
+            out.append(check_request(peer.program, it.local_block_ids, it.remote_block_ids, it.num_tokens,
+                                     tokens=it.tokens))
+        except TransferError as exc:
+            raise _named(i, it, exc) from None
+    return out
 
 
 def _refusals(peer, items: list[BlockRequest], op: str) -> dict | None:
@@ -120,14 +155,15 @@ def _shared(peer, items: list[BlockRequest], parts: list[dict], op: str, verb: s
                            refuse=_refusals(peer, items, op))
 
 
-def _one_by_one(peer, items: list[BlockRequest], checked: list[tuple[dict, dict]], op: str, verb: str,
+def _one_by_one(peer, items: list[BlockRequest], built: Iterable[tuple[dict, dict]], op: str, verb: str,
                 timeout: float) -> None:
-    """Submit each checked request on its own; if one cannot start, the ones before it are cancelled
-    (their consumers hear ``failed``) and the error is raised."""
+    """Submit each request on its own (``built``: its parts and staging decision, in order, possibly built
+    only when reached); if one cannot be built or started, the ones before it are cancelled (their
+    consumers hear ``failed``) and the error is raised."""
     a = peer.agent
     done: list[str] = []
     try:
-        for it, (p, staged) in zip(items, checked):
+        for it, (p, staged) in zip(items, built):
             a.submit((verb, it.request_id), it.request_id, op, p, peer._targets(), timeout, staged=staged,
                      refuse=_refusals(peer, [it], op))
             done.append(it.request_id)
@@ -139,11 +175,6 @@ def _one_by_one(peer, items: list[BlockRequest], checked: list[tuple[dict, dict]
 
 def _ask_each(peer, items: list[BlockRequest], timeout: float) -> None:
     """pull_via_push: every request checked here first, then the producer is asked for each."""
-    for i, it in enumerate(items):
-        try:
-            check_request(peer.program, it.local_block_ids, it.remote_block_ids, it.num_tokens,
-                          tokens=it.tokens)
-        except TransferError as exc:
-            raise TransferError(f"batch item {i} (request '{it.request_id}'): {exc}; nothing moved") from None
+    _checks(peer, items)
     for it in items:
         peer.read(it.request_id, it.local_block_ids, it.remote_block_ids, it.num_tokens, timeout, tokens=it.tokens)

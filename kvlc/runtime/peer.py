@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvlc.compiler.pairing.program import TransferProgram
-from kvlc.compiler.request.check import check_request
-from kvlc.compiler.request.instantiate import instantiate
+from kvlc.compiler.request.check import Request, check_request
+from kvlc.compiler.request.instantiate import emit, instantiate
 from kvlc.compiler.request.tokens import TokenRange
 from kvlc.compiler.request.prepared import prepared_indices, prepared_rows
 from kvlc.errors import KvlcError, TransferError
@@ -286,13 +286,17 @@ class Peer:
             self.agent.sender.retire(c)
             c.close()
 
-    def parts(self, local_block_ids, remote_block_ids, num_tokens=None, tokens=None) -> tuple[dict, dict]:
+    def parts(self, local_block_ids, remote_block_ids, num_tokens=None, tokens=None, *,
+              checked: Request | None = None) -> tuple[dict, dict]:
         """One checked request's parts, and the staging decision made for it here, once: peer rank → the
-        keys of the parts staged (a prepared part the policy stages travels as rows of its token range)."""
+        keys of the parts staged (a prepared part the policy stages travels as rows of its token range).
+        ``checked``: the request as :func:`check_request` returned it for these ids (rows are built from
+        it, not checked again)."""
         op = "READ" if self.direction is Direction.READ else "WRITE"
         bound = self.agent.bound_program(self.engine)
         if self.mode is not ConnectionMode.PREPPED or self.agent.copies_to(agents_of(self._notify).values()):
-            parts = instantiate(bound, local_block_ids, remote_block_ids, num_tokens, tokens=tokens)
+            parts = (instantiate(bound, local_block_ids, remote_block_ids, num_tokens, tokens=tokens)
+                     if checked is None else emit(bound, checked))
             return parts, self.agent.staged_parts(op, parts, agents_of(self._notify))
         req = prepared_indices(bound, local_block_ids, remote_block_ids, num_tokens, tokens=tokens)
         lists = self._prepared(bound)

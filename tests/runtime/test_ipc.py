@@ -13,6 +13,7 @@ private, or an agent with ``ipc="off"``, moves the same requests through NIXL.
 from __future__ import annotations
 
 import os
+import re
 import time
 
 import numpy as np
@@ -142,6 +143,22 @@ def test_a_batch_to_a_mapped_peer_goes_request_by_request(eng, plans):
         s1 = h.call("stats")
         got = {k: s1[k] - s0[k] for k in ("requests", "ipc_requests", "ipc_copies", "nixl_requests")}
         assert got == {"requests": n, "ipc_requests": n, "ipc_copies": n, "nixl_requests": 0}, got
+
+
+def test_a_bad_request_refuses_a_batch_to_a_mapped_peer_before_any_copy(eng):
+    """Request by request still checks every request first: the last one's bad id refuses the batch,
+    naming it, before any request is built or copied; nothing changes in the consumer."""
+    x, z = eng["x"], eng["z"]
+    z.connect([x.address], "READ", "direct", "x-ipc-refuse")
+    bad = [(f"ipc-bad-{i}", {"full": [130 + i]}, {"full": [i]}, 10) for i in range(3)]
+    bad[2] = (bad[2][0], bad[2][1], {"full": [64]}, 10)
+    before, s0 = z.call("dump"), z.call("stats")
+    errors = z.call("submit", "x-ipc-refuse", "read_many", bad, 30.0)
+    assert set(errors) == {r[0] for r in bad}
+    assert all(re.search(r"batch item 2 \(request 'ipc-bad-2'\): .*out of range", e) for e in errors.values()), errors
+    after, s1 = z.call("dump"), z.call("stats")
+    assert all(np.array_equal(before[k], after[k]) for k in before)
+    assert [s1[k] - s0[k] for k in ("requests", "ipc_copies", "in_flight")] == [0, 0, 0]
 
 
 def test_private_memory_goes_through_nixl(eng, plans):
