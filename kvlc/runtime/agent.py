@@ -643,6 +643,7 @@ class KvAgent:
 
     _polled = 0.0  # when poll() last advanced everything, or the engine submitted a request (monotonic s)
     _heard = float("-inf")  # when a pump last fetched a NIXL notification (monotonic s)
+    channels_looked = float("-inf")  # when the asked pulls' side channels were last looked at (replies.sever_turn)
     PUMP_SKIP_S = 0.001  # the progress thread skips a turn when the engine was this recently active
     PUMP_BUSY_S = 0.00005  # its interval while staged chunks are in flight (each waits on a turn here)
     PUMP_HEARD_S = 0.005  # for this long after a notification came, the thread comes every PUMP_HEARD_EVERY_S

@@ -322,6 +322,18 @@ def _end_incoming(agent, s, why: str, still: bool) -> None:
             del agent.incoming[req]
 
 
+def _asked_over_lost(inc: Incoming, lost: dict[int, bool]) -> bool:
+    """Whether a rank that has not answered ``inc`` was asked over a live session whose side channel is lost."""
+    for rank, (s, client) in inc.via.items():
+        if s.live and rank not in inc.answers:
+            k = id(client)
+            if k not in lost:
+                lost[k] = client.lost()
+            if lost[k]:
+                return True
+    return False
+
+
 def _host_of(inc: Incoming, s) -> str | None:
     """The other host that session ``s`` writes ``inc`` from (its side-channel address), None when it is
     this host or unknown."""
@@ -334,12 +346,27 @@ def _host_of(inc: Incoming, s) -> str | None:
     return sever.remote_host(host)
 
 
+LOOK_EVERY_S = 0.05  # how often the side channels of asked pull-via-push requests are looked at
+
+
 def sever_turn(agent) -> None:
-    """Held pull-via-push requests whose producer's side channel is lost end that session (its sockets are
-    shut, :func:`_end_incoming`); a rank whose shut sockets are all closed now answers: no byte can land."""
+    """Pull-via-push requests whose producer's side channel is lost are held (a producer killed or cut off
+    with asks in flight: seen within :data:`LOOK_EVERY_S`, not at their deadline) and end that session (its
+    sockets are shut, :func:`_end_incoming`); a rank whose shut sockets are all closed now answers: no byte
+    can land."""
+    now = time.monotonic()
+    look = now - agent.channels_looked >= LOOK_EVERY_S
+    if look:
+        agent.channels_looked = now
+    lost: dict[int, bool] = {}  # id(client) -> whether its connection is gone (one look per client a turn)
     for req, inc in list(agent.incoming.items()):
         if not (inc.held or inc.severing):
-            continue
+            if not (look and inc.via and _asked_over_lost(inc, lost)):
+                continue
+            hold_and_cancel(agent, inc, "its producer's side channel is lost (the producer died or its host "
+                                        "is cut off)")
+            if req not in agent.incoming:
+                continue
         if inc.held:
             for rank, (s, client) in list(inc.via.items()):
                 if s.live and rank not in inc.answers and client.lost():

@@ -152,6 +152,37 @@ def test_a_producer_that_stays_down_refuses_the_request_with_why(plan):
         stop_engines([prod, cons])
 
 
+def test_asked_pulls_end_soon_after_their_producer_is_killed(plan):
+    """Pull via push: the producer is stopped (SIGSTOP) with the consumer's asks queued there, then
+    killed (kill -9). Its side channel's loss ends the asked requests failed within a few seconds,
+    not at their 30 s deadline, each reported once, with why; nothing lands in the consumer after
+    (or at all: the producer never ran again)."""
+    pproc, prod = start_one(plan, "content", "killed-p")
+    cproc, cons = start_one(plan, "random", "killed-c", seed=8)
+    try:
+        cons.connect([prod.address], "READ", "pull_via_push", "p")
+        move(cons, "p", "read", two_requests("k0"))
+        before = cons.call("dump")
+        pproc.signal(signal.SIGSTOP)
+        asked = [(f"k1-{i}", {"full": [10 + i]}, {"full": [20 + i]}, 16) for i in range(6)]
+        assert cons.call("submit", "p", "read", asked, 30.0) == {}
+        assert cons.call("wait", [r[0] for r in asked], 0.3)["open"] == [r[0] for r in asked]
+        t0 = time.monotonic()
+        pproc.kill()
+        out = cons.call("wait", [r[0] for r in asked], 30.0)
+        took = time.monotonic() - t0
+        assert out["open"] == [] and not out["finished"] and set(out["failed"]) == {r[0] for r in asked}, out
+        assert took < 5.0, f"the asked requests ended {took:.1f} s after the producer was killed"
+        assert all("side channel" in why for why in out["failed"].values()), out["failed"]
+        time.sleep(0.5)
+        after = cons.call("dump")
+        assert all(np.array_equal(before[k], after[k]) for k in before), "bytes landed"
+        ev = cons.call("events")
+        assert ev["flips"] == [] and not set(ev["finished"]) & {r[0] for r in asked}, ev
+    finally:
+        stop_engines([prod, cons])
+
+
 def test_kv_produced_before_a_restart_is_never_read(plan):
     """A read that says when its KV was produced (``produced_at``, the producer's clock) is refused once the
     producer rank restarted after that time, in every mode, even though the address answers again (the

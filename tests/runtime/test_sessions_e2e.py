@@ -114,7 +114,7 @@ def test_two_producers_three_consumers_every_mode_bytes_checked(world):
             assert len(served) == 3 * len(MODES) and ev["failed"] == {} and ev["flips"] == []
 
 
-DOOMED_S = 6.0  # the deadline of requests whose producer is killed: those still asked end failed only then
+DOOMED_S = 6.0  # the deadline of requests whose producer is killed (those asked end once its side channel is seen lost)
 
 
 def test_restarted_producer_replaces_only_its_own_sessions(world, plans):
