@@ -128,3 +128,18 @@ def test_flight_verdicts_per_way_of_handing_over():
            or "write_many" in v["target"]]
     assert [v for v, _ in got] == ["met", "missed"]  # 0.75 and 0.5 of the copy beside them
     assert got[0][1].startswith("1500.0 / 2000.0 GB/s = 0.75")
+
+
+def test_the_exit_status_counts_kvlc_failures_not_a_baselines_error():
+    """A raw NIXL error on a case (run 22: SGL on the mixed case) is reported, not counted; a kvlc mode's
+    error, a kvlc row not ok or any failed content check exits 1."""
+    ok_row = {"mode": "kvlc ipc", "ok": True}
+    passed = {"verdict": "pass"}
+    raw_error = {"group": "mixed", "mode": "raw nixl sgl", "error": "NIXL_ERR_REMOTE_DISCONNECT"}
+    doc = {"rows": [ok_row, {"mode": "raw nixl sgl", "ok": False}], "checks": [passed], "errors": [raw_error]}
+    assert gpu_suite.exit_status(doc) == 0
+    for bad in ({"errors": [raw_error, {"group": "mixed", "mode": "kvlc ipc", "error": "boom"}]},
+                {"errors": [{"group": "mixed", "mode": "prepare", "error": "no memory"}]},
+                {"rows": [{"mode": "kvlc nixl", "ok": False}]},
+                {"checks": [passed, {"verdict": "FAIL"}]}):
+        assert gpu_suite.exit_status({**doc, **bad}) == 1, bad
