@@ -368,20 +368,30 @@ def sever_turn(agent) -> None:
             if req not in agent.incoming:
                 continue
         if inc.held:
-            for rank, (s, client) in list(inc.via.items()):
-                if s.live and rank not in inc.answers and client.lost():
-                    agent.drop_session(s, "its side channel is lost (host cut off or gone)")
+            _drop_lost(agent, inc)
         if not inc.severing:
             continue
-        for conn_id, cut in list(inc.severing.items()):
-            if not cut.sockets & sever.socket_inodes(cut.host):
-                del inc.severing[conn_id]
-                s = cut.session
-                end = (f"session ended ({cut.why}); this process's TCP connections to {cut.host} are closed: "
-                       "no byte of it can land")
-                if inc.engine is s.engine:
-                    inc.answer(s.rank, Status.CANCELLED, end)
-                elif inc.engine is None:
-                    inc.why_held = f"{inc.why_held}; then {end}"
+        _severed(inc)
         if _settle(agent, inc):
             agent.incoming.pop(req, None)
+
+
+def _drop_lost(agent, inc: Incoming) -> None:
+    """Held ``inc``: each session it was asked over whose side channel is lost ends (:func:`end_session`)."""
+    for rank, (s, client) in list(inc.via.items()):
+        if s.live and rank not in inc.answers and client.lost():
+            agent.drop_session(s, "its side channel is lost (host cut off or gone)")
+
+
+def _severed(inc: Incoming) -> None:
+    """Each session ``inc`` waits to sever whose shut sockets to its host are all closed now answers."""
+    for conn_id, cut in list(inc.severing.items()):
+        if not cut.sockets & sever.socket_inodes(cut.host):
+            del inc.severing[conn_id]
+            s = cut.session
+            end = (f"session ended ({cut.why}); this process's TCP connections to {cut.host} are closed: "
+                   "no byte of it can land")
+            if inc.engine is s.engine:
+                inc.answer(s.rank, Status.CANCELLED, end)
+            elif inc.engine is None:
+                inc.why_held = f"{inc.why_held}; then {end}"
