@@ -36,7 +36,7 @@ status = _LIB.status    # one line: which per-request path runs, and why
 _IDS = clib.Library(Path(__file__).resolve().parent, "_ids", "kvlc/compiler/request/native/ids.c",
                     "kvlc_ids_abi_version", 1, "the Python reference reads the ids",
                     {"kvlc_seq_ids": ((ctypes.py_object, ctypes.c_int, _I64, _PTR, _I64, _I64, _I64, ctypes.c_int),
-                                      ctypes.c_int)}, python_api=True)
+                                      ctypes.c_int)})
 ids_library = _IDS.library  # ids.c loaded, or None (check.py's reference reads every list)
 ids_status = _IDS.status
 _SEQ_KIND = {list: 0, tuple: 1}
