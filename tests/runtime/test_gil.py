@@ -123,3 +123,21 @@ def test_the_doorbell_keeps_the_gil():
     finally:
         w.close()
         b.close()
+
+
+def test_same_host_dram_rows_keep_the_gil():
+    """HostCopy's rows (a peer's DRAM on this host), one memmove each: rows under 1 MiB keep the GIL (its
+    check of the rows against the regions, numpy's searchsorted, may release it: once per request)."""
+    from kvlc.runtime.ipc.copy import move_rows
+
+    buf = np.zeros(1 << 20, dtype=np.uint8)
+    base = buf.ctypes.data
+    src = np.arange(64, dtype=np.uint64) * np.uint64(4096) + np.uint64(base)
+    dst = src + np.uint64(len(buf) // 2)
+    lens = np.full(64, 2048, dtype=np.uint64)
+    buf[:len(buf) // 2] = np.arange(len(buf) // 2) % 251
+    with _Busy() as busy:
+        assert busy.handovers(lambda: move_rows(src, dst, lens), 50) == 0
+    half = len(buf) // 2
+    for s in range(0, 64 * 4096, 4096):  # and the rows moved: 2 KiB of each row's 4 KiB
+        assert np.array_equal(buf[half + s:half + s + 2048], buf[s:s + 2048])

@@ -269,7 +269,23 @@ class HostCopy:
     def start(self, src: np.ndarray, dst: np.ndarray, lens: np.ndarray) -> Launch:
         self.regions.locate(np.stack([src, lens], axis=1), "copy source")
         self.regions.locate(np.stack([dst, lens], axis=1), "copy destination")
-        move = ctypes.memmove
-        for s, d, n in zip(src.tolist(), dst.tolist(), lens.tolist()):
-            move(d, s, n)
+        move_rows(src, dst, lens)
         return Launch()
+
+
+# ``ctypes.memmove`` releases the GIL around every call: with another Python thread busy (an engine's loop),
+# each row would wait up to the switch interval (5 ms) to get it back. Rows shorter than RELEASE_FROM are
+# moved by libc's memmove through ctypes.PyDLL, which keeps it (tests/runtime/test_gil.py); a longer row's
+# copy lets the others run.
+RELEASE_FROM = 1 << 20
+
+
+def move_rows(src: np.ndarray, dst: np.ndarray, lens: np.ndarray) -> None:
+    """``memmove`` each row (uint64 arrays, checked by the caller), in order; rows under
+    :data:`RELEASE_FROM` bytes keep the GIL."""
+    for s, d, n in zip(src.tolist(), dst.tolist(), lens.tolist()):
+        (_move_holding if n < RELEASE_FROM else ctypes.memmove)(d, s, n)
+
+
+_move_holding = ctypes.PyDLL(None).memmove
+_move_holding.argtypes, _move_holding.restype = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t), ctypes.c_void_p
