@@ -20,6 +20,10 @@ Modes (``--modes``): ``ipc`` (``KVLC_IPC=auto``), ``nixl`` (``KVLC_IPC=off``), a
 both see the same machine. DRAM shared-memory pools on a CPU host, VRAM on ``cuda:0`` with ``--gpu``.
 Prints p50 / p90 of each stage and writes the JSON (``--out``).
 
+``--busy`` runs a Python thread that never blocks (an engine's own loop: its scheduler, its model
+runner's Python) beside the requests: every call that releases the GIL then waits until that thread is
+made to give it back (the switch interval, 5 ms).
+
 ``--batches K`` cycles K sets of ids (many rounds without as many workloads: for a profiler run
 around this script, e.g. ``py-spy record -f raw -- python3 ...``).
 
@@ -34,6 +38,7 @@ import os
 import resource
 import secrets
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -179,8 +184,16 @@ def summary(rows: list[dict]) -> dict:
     for s in STAGES:
         v = np.array([r[s] for r in rows if s in r]) * 1e6
         if len(v):
-            out[s] = {"p50_us": float(np.percentile(v, 50)), "p90_us": float(np.percentile(v, 90)), "n": len(v)}
+            out[s] = {"p50_us": float(np.percentile(v, 50)), "p90_us": float(np.percentile(v, 90)),
+                      "p99_us": float(np.percentile(v, 99)), "n": len(v)}
     return out
+
+
+def _busy() -> None:
+    """Pure Python work without a pause (it gives the GIL up only when made to)."""
+    n = 0
+    while True:
+        n = (n + 1) % 1_000_003
 
 
 def workload_args(ap: argparse.ArgumentParser) -> None:
@@ -198,8 +211,11 @@ def main(argv=None) -> int:
     workload_args(ap)
     ap.add_argument("--modes", default="ipc,nixl")
     ap.add_argument("--batches", type=int, default=0, help="sets of ids to cycle (default: one per round)")
+    ap.add_argument("--busy", action="store_true", help="a Python thread that never blocks runs beside the requests")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
+    if args.busy:
+        threading.Thread(target=_busy, daemon=True).start()
 
     plan = scaled_plan(DEFAULT_LAYOUT, args.pool_mib << 20, to_dram=not args.gpu)
     sets = [make_workload(plan, plan, 1, args.tokens, ids=args.ids, seed=i)[0][0]
@@ -208,7 +224,7 @@ def main(argv=None) -> int:
     stamps = Stamps()
     instrument(stamps)
     doc = {"command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]), "gpu": args.gpu,
-           "tokens": args.tokens, "ids": args.ids, "modes": {}}
+           "tokens": args.tokens, "ids": args.ids, "busy": args.busy, "modes": {}}
     for mode in args.modes.split(","):
         got = run_mode(mode, args, plan, batches, stamps)
         doc["modes"][mode] = {"stages": summary(got["rows"]), "ipc_requests": got["ipc_requests"],

@@ -104,3 +104,41 @@ def test_native_table_of_a_part_in_one_window():
     remote[1, 1] = 1 << 20  # past the window's end
     with pytest.raises(IpcError, match=r"row 1 \(\[0x10000001000, \+1048576\) of the peer's VRAM\)"):
         w.table(local, remote, "VRAM", False, "READ")
+
+
+@st.composite
+def _regions_and_rows(draw):
+    """Non-overlapping regions anywhere below 2**64 and rows in, across, beside and past them (zero lengths too)."""
+    cuts = sorted(draw(st.sets(st.integers(0, TOP), min_size=2, max_size=12)))
+    bounds = [(a, b) for a, b in zip(cuts[::2], cuts[1::2]) if b > a]
+    rows = []
+    for _ in range(draw(st.integers(1, 40))):
+        if bounds and draw(st.booleans()):
+            a, b = draw(st.sampled_from(bounds))
+            at = draw(st.integers(a, b - 1))
+            rows.append((at, draw(st.sampled_from([0, 1, b - at, b - at + 1, (b - at) // 2 + 1]))))
+        else:
+            rows.append((draw(st.integers(0, TOP)), draw(st.integers(0, TOP))))
+    return bounds, rows
+
+
+@settings(max_examples=300, deadline=None)
+@given(_regions_and_rows())
+def test_dram_rows_inside_regions_in_c_agree_with_the_reference(case):
+    """HostCopy's check in C (``native.first_outside``) against :meth:`Regions.locate`: the same verdict, and
+    the first row outside is the one the reference names."""
+    from kvlc.runtime.staging.copy import Region, Regions, StagingError
+
+    bounds, rows = case
+    regions = Regions([Region(a, b - a, None) for a, b in bounds])
+    addr = np.array([r[0] for r in rows], dtype=np.uint64)
+    lens = np.array([r[1] for r in rows], dtype=np.uint64)
+    starts = np.array([a for a, _ in bounds], dtype=np.uint64)
+    stops = np.array([b for _, b in bounds], dtype=np.uint64)
+    got = native.first_outside(addr, lens, starts, stops)
+    try:
+        regions.locate(np.stack([addr, lens], axis=1), "row")
+        want = -1
+    except StagingError as exc:
+        want = int(str(exc).split()[1])
+    assert got == want

@@ -22,7 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from kvlc.runtime.staging.copy import Regions
+from kvlc.runtime.ipc import native
+from kvlc.runtime.staging.copy import Regions, StagingError
 
 log = logging.getLogger(__name__)
 
@@ -260,6 +261,8 @@ class HostCopy:
 
     def __init__(self, regions: Regions):
         self.regions = regions
+        self._starts = np.array([r.base for r in regions.regions], dtype=np.uint64)
+        self._stops = np.array([r.end for r in regions.regions], dtype=np.uint64)
 
     def start_rows(self, g: Rows) -> Launch:
         """Copy a built row table's rows (cut rows copy as their pieces, in order)."""
@@ -267,10 +270,22 @@ class HostCopy:
         return self.start(t[:g.rows], t[g.rows:2 * g.rows], t[2 * g.rows:])
 
     def start(self, src: np.ndarray, dst: np.ndarray, lens: np.ndarray) -> Launch:
-        self.regions.locate(np.stack([src, lens], axis=1), "copy source")
-        self.regions.locate(np.stack([dst, lens], axis=1), "copy destination")
+        self._check(src, lens, "copy source")
+        self._check(dst, lens, "copy destination")
         move_rows(src, dst, lens)
         return Launch()
+
+    def _check(self, addr: np.ndarray, lens: np.ndarray, what: str) -> None:
+        """StagingError unless every row lies in a region: in C where ``table.c`` is built (numpy's
+        check releases the GIL at every step on a thousand rows), else :meth:`Regions.locate`."""
+        if native.library() is None:
+            self.regions.locate(np.stack([addr, lens], axis=1), what)
+            return
+        addr, lens = np.ascontiguousarray(addr, np.uint64), np.ascontiguousarray(lens, np.uint64)
+        bad = native.first_outside(addr, lens, self._starts, self._stops)
+        if bad >= 0:
+            self.regions.locate(np.stack([addr, lens], axis=1), what)  # the refusal, in the reference's words
+            raise StagingError(f"{what} {bad} [{int(addr[bad]):#x}, +{int(lens[bad])}) lies outside every region")
 
 
 # ``ctypes.memmove`` releases the GIL around every call: with another Python thread busy (an engine's loop),

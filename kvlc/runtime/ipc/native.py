@@ -17,7 +17,7 @@ import numpy as np
 
 from kvlc import clib
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 
@@ -25,7 +25,8 @@ _PTR = ctypes.c_void_p
 _LIB = clib.Library(Path(__file__).resolve().parent, "_table", "kvlc/runtime/ipc/table.c", "kvlc_ipc_abi_version",
                    ABI_VERSION, "numpy builds the row table",
                    {"kvlc_ipc_table": ((_PTR, _PTR, _I64, ctypes.c_int, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64,
-                                        _PTR, _PTR), _I64)})
+                                        _PTR, _PTR), _I64),
+                    "kvlc_ipc_inside": ((_PTR, _PTR, _I64, _PTR, _PTR, _I64), _I64)})
 library = _LIB.library  # the loaded C library, or None (numpy builds the table; status() says why)
 status = _LIB.status    # one line: which row-table builder runs, and why
 
@@ -74,3 +75,11 @@ def build(local: np.ndarray, remote: np.ndarray, write: bool, windows: Windows, 
         if got == -1:
             return (table if rows == cap else table.reshape(3, cap)[:, :rows].reshape(-1)), int(info[1])
         cap = rows  # rows cut at the chunk: room for every piece
+
+
+def first_outside(addr: np.ndarray, lens: np.ndarray, starts: np.ndarray, stops: np.ndarray) -> int:
+    """``table.c``'s check of DRAM rows against regions: -1 when every row (C-contiguous uint64 ``addr``,
+    ``lens``) has bytes and lies inside one region (``starts`` / ``stops``: C-contiguous uint64, sorted, not
+    overlapping), else the index of the first that does not."""
+    return int(library().kvlc_ipc_inside(addr.ctypes.data, lens.ctypes.data, len(addr), starts.ctypes.data,
+                                         stops.ctypes.data, len(starts)))

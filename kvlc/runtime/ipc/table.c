@@ -9,10 +9,10 @@
  */
 #include <stdint.h>
 
-int kvlc_ipc_abi_version(void) { return 1; }
+int kvlc_ipc_abi_version(void) { return 2; }
 
 /* The window holding [addr, addr + len): its index, or -1. Windows sorted by start; `hint` is tried first
- * (consecutive rows mostly lie in one window). */
+ * (consecutive rows mostly lie in one window); `ok` (NULL: every window) says which may hold it. */
 static int64_t window_of(uint64_t addr, uint64_t len, const uint64_t *starts, const uint64_t *stops,
                          const int64_t *ok, int64_t nwin, int64_t hint)
 {
@@ -31,9 +31,27 @@ static int64_t window_of(uint64_t addr, uint64_t len, const uint64_t *starts, co
         }
         k = lo - 1;
     }
-    if (k < 0 || end > stops[k] || !ok[k])
+    if (k < 0 || end > stops[k] || (ok && !ok[k]))
         return -1;
     return k;
+}
+
+/* -1 when every row [addr[i], addr[i] + lens[i]) has bytes and lies inside one of the `nwin` regions
+ * [starts, stops) (sorted by start, not overlapping), else the index of the first that does not: the
+ * same-host DRAM copy's check of both sides before its first memmove (the reference:
+ * kvlc.runtime.staging.copy.Regions.locate). */
+int64_t kvlc_ipc_inside(const uint64_t *addr, const uint64_t *lens, int64_t n, const uint64_t *starts,
+                        const uint64_t *stops, int64_t nwin)
+{
+    int64_t k = -1;
+    for (int64_t i = 0; i < n; i++) {
+        if (!lens[i])
+            return i;
+        k = window_of(addr[i], lens[i], starts, stops, 0, nwin, k);
+        if (k < 0)
+            return i;
+    }
+    return -1;
 }
 
 /* A part's launch table at `out` (3 * cap int64: sources, destinations, lengths, `cap` of each), in one
