@@ -146,3 +146,24 @@ def test_same_host_dram_rows_keep_the_gil():
         assert busy.handovers(lambda: copier.start(src, dst, lens), 20) == 0
     for s in range(0, rows * 4096, 4096):  # and the rows moved: 2 KiB of each row's 4 KiB
         assert np.array_equal(buf[half + s:half + s + 2048], buf[s:s + 2048])
+
+
+def test_a_look_at_a_side_channel_keeps_the_gil():
+    """Before each request a Peer looks whether its side channels are still open (``ChannelClient.lost``): a
+    peek that never waits, in C with the GIL held; open, open with a byte waiting, and closed are told apart."""
+    import socket
+
+    from kvlc.runtime.channel.client import _peer_closed
+
+    a, b = socket.socketpair()
+    try:
+        a.settimeout(5.0)  # a client socket has a timeout: its descriptor is non-blocking
+        with _Busy() as busy:
+            assert busy.handovers(lambda: _peer_closed(a)) == 0
+        assert not _peer_closed(a)
+        b.send(b"x")
+        assert not _peer_closed(a) and a.recv(1) == b"x"  # (a peek: the byte is still there)
+        b.close()
+        assert _peer_closed(a)
+    finally:
+        a.close()
