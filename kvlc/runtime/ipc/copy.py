@@ -200,7 +200,8 @@ class GpuCopy:
                 return None, host, (host,)
             with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
                 return None, host.to(f"cuda:{self.device}", non_blocking=True), (host,)
-        self.ring.host_np[at:at + len(rows)] = rows
+        rows = np.ascontiguousarray(rows, dtype=np.int64)  # (numpy's copy of a large table lets the GIL go)
+        _move_holding(self.ring.host_np.ctypes.data + 8 * at, rows.ctypes.data, 8 * len(rows))
         if self.host_table:
             return at, self.ring.host[at:at + len(rows)], ()
         table = self.ring.dev[at:at + len(rows)]
