@@ -5,8 +5,9 @@ objects, Python's limited C API.
 Every library is loaded with ``ctypes.PyDLL``: the GIL stays held during a call. kvlc's C calls are short
 (microseconds to a few milliseconds for the largest requests), and releasing the GIL around one hands it to
 any other Python thread that is busy (an engine's own loop, kvlc's progress thread) until that thread gives it
-back: up to the switch interval, 5 ms. Measured on this project's 2-core VM with one busy Python thread: a
-call of ``getpid`` through ``ctypes.CDLL`` took 5.2 ms at p90 (0.7 µs through ``PyDLL``).
+back: up to the switch interval, 5 ms. Measured on this project's 2-core VM with one busy Python thread: 25 of
+400 calls of ``getpid`` through ``ctypes.CDLL`` took over 1 ms (5.2 ms at p99); through ``PyDLL`` none (1 µs
+at p99).
 
 Each library has a Python reference that runs where it is not loaded; ``KVLC_NATIVE=0`` turns every one
 off. :class:`Library` loads one on first use and says, in one line, which path runs and why.

@@ -56,7 +56,7 @@ def _mac(key: bytes, *parts: bytes) -> bytes:
     """HMAC-SHA256. Through ``hmac.new``, which keeps the GIL for messages under 2 KiB (notifications, tags),
     not the one-shot ``hmac.digest``, which releases it around every call: then any busy Python thread of
     the engine holds it until the switch interval (5 ms) before this thread can go on (measured on this
-    project's VM with one busy thread: ``hmac.digest`` 5.2 ms at p90, ``hmac.new`` 3.6 µs)."""
+    project's VM with one busy thread: ``hmac.digest`` 5.2 ms at p50, ``hmac.new`` 1.6 µs, 4 µs at p99)."""
     return hmac.new(key, b"".join(parts), hashlib.sha256).digest()
 
 
