@@ -67,3 +67,11 @@ def _open(folder: Path, stem: str, source: str, abi_symbol: str, abi: int, fallb
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, result
     return lib, f"native ({found[0].name})"
+
+
+# The process's C library through ctypes.PyDLL (the GIL held during a call: see the module docstring), for the
+# few calls kvlc makes of it on its hot paths: a non-blocking socket's write and peek, a row's memmove.
+libc = ctypes.PyDLL(None, use_errno=True)
+libc.write.argtypes, libc.write.restype = (ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t), ctypes.c_ssize_t
+libc.recv.argtypes, libc.recv.restype = (ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int), ctypes.c_ssize_t
+libc.memmove.argtypes, libc.memmove.restype = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t), ctypes.c_void_p

@@ -322,16 +322,18 @@ def _end_incoming(agent, s, why: str, still: bool) -> None:
             del agent.incoming[req]
 
 
-def _asked_over_lost(inc: Incoming, lost: dict[int, bool]) -> bool:
-    """Whether a rank that has not answered ``inc`` was asked over a live session whose side channel is lost."""
+def _lost_sessions(inc: Incoming, lost: dict[int, bool]) -> list:
+    """The live sessions ``inc`` was asked over, by ranks that have not answered, whose side channel is lost
+    (``lost``: id(client) -> its look, one look per client a turn)."""
+    out = []
     for rank, (s, client) in inc.via.items():
         if s.live and rank not in inc.answers:
             k = id(client)
             if k not in lost:
                 lost[k] = client.lost()
             if lost[k]:
-                return True
-    return False
+                out.append(s)
+    return out
 
 
 def _host_of(inc: Incoming, s) -> str | None:
@@ -361,26 +363,20 @@ def sever_turn(agent) -> None:
     lost: dict[int, bool] = {}  # id(client) -> whether its connection is gone (one look per client a turn)
     for req, inc in list(agent.incoming.items()):
         if not (inc.held or inc.severing):
-            if not (look and inc.via and _asked_over_lost(inc, lost)):
+            if not (look and inc.via and _lost_sessions(inc, lost)):
                 continue
             hold_and_cancel(agent, inc, "its producer's side channel is lost (the producer died or its host "
                                         "is cut off)")
             if req not in agent.incoming:
                 continue
         if inc.held:
-            _drop_lost(agent, inc)
+            for s in _lost_sessions(inc, lost):
+                agent.drop_session(s, "its side channel is lost (host cut off or gone)")
         if not inc.severing:
             continue
         _severed(inc)
         if _settle(agent, inc):
             agent.incoming.pop(req, None)
-
-
-def _drop_lost(agent, inc: Incoming) -> None:
-    """Held ``inc``: each session it was asked over whose side channel is lost ends (:func:`end_session`)."""
-    for rank, (s, client) in list(inc.via.items()):
-        if s.live and rank not in inc.answers and client.lost():
-            agent.drop_session(s, "its side channel is lost (host cut off or gone)")
 
 
 def _severed(inc: Incoming) -> None:

@@ -30,6 +30,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from kvlc.clib import libc
 from kvlc.runtime.channel import auth
 from kvlc.runtime.channel.tcp import FrameReader, Limits, frame_bytes, keep_alive, parse_address, read_frame, write_frame
 from kvlc.runtime.channel.wire import MAX_FRAME_BYTES
@@ -249,12 +250,9 @@ class ChannelClient:
         self.close()
 
 
-# The process's C library through ctypes.PyDLL: the interpreter stays held during a call. A write to a
-# non-blocking socket returns at once; letting the interpreter go for it (as os.write does) would put the
-# engine's thread behind every other thread of the process that wants it, for as long as they keep it.
-_libc = ctypes.PyDLL(None, use_errno=True)
-_libc.write.argtypes, _libc.write.restype = (ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t), ctypes.c_ssize_t
-_libc.recv.argtypes, _libc.recv.restype = (ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int), ctypes.c_ssize_t
+# A write to a non-blocking socket returns at once; letting the interpreter go for it (as os.write does) would
+# put the engine's thread behind every other thread of the process that wants it, for as long as they keep it:
+# both calls go through kvlc.clib.libc, which keeps it.
 _PEEK = socket.MSG_PEEK | socket.MSG_DONTWAIT
 _ONE = ctypes.create_string_buffer(1)
 
@@ -264,7 +262,7 @@ def _peer_closed(sock: socket.socket) -> bool:
     interpreter held (a select and a recv through the socket module would let it go to any busy thread of
     the engine: up to the switch interval, 5 ms, before this request went on). 0 bytes: closed; a byte or
     nothing to read: open (a reply never comes unasked); an error other than "nothing now": gone."""
-    n = _libc.recv(sock.fileno(), _ONE, 1, _PEEK)
+    n = libc.recv(sock.fileno(), _ONE, 1, _PEEK)
     if n >= 0:
         return n == 0
     return ctypes.get_errno() not in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR)
@@ -274,7 +272,7 @@ def _send_now(sock: socket.socket, frame: bytes) -> int:
     """Bytes of ``frame`` the socket takes without waiting (0: no room now). A client socket always has a
     timeout, so its descriptor is non-blocking: the write returns at once (the socket module's own send
     would first wait up to that timeout for room)."""
-    n = _libc.write(sock.fileno(), frame, len(frame))
+    n = libc.write(sock.fileno(), frame, len(frame))
     if n >= 0:
         return n
     err = ctypes.get_errno()

@@ -78,8 +78,8 @@ class Regions:
         for a, b in zip(self.regions, self.regions[1:]):
             if b.base < a.end:
                 raise StagingError(f"regions overlap: [{a.base:#x}, {a.end:#x}) and [{b.base:#x}, {b.end:#x})")
-        self._bases = np.array([r.base for r in self.regions], dtype=np.uint64)
-        self._ends = np.array([r.end for r in self.regions], dtype=np.uint64)
+        self.bases = np.array([r.base for r in self.regions], dtype=np.uint64)  # uint64, sorted
+        self.ends = np.array([r.end for r in self.regions], dtype=np.uint64)
 
     @classmethod
     def of_tensors(cls, tensors: Sequence[Any]) -> Regions:
@@ -91,11 +91,11 @@ class Regions:
         """Index of the region holding each (addr, len) row; :class:`StagingError` if any lies outside."""
         addr = pieces[:, 0].astype(np.uint64, copy=False)
         length = pieces[:, 1].astype(np.uint64, copy=False)
-        idx = np.searchsorted(self._bases, addr, side="right").astype(np.int64) - 1
+        idx = np.searchsorted(self.bases, addr, side="right").astype(np.int64) - 1
         ok = idx >= 0
         safe = np.where(ok, idx, 0)
         if len(self.regions):
-            end = self._ends[safe]
+            end = self.ends[safe]
             # room = end - addr only where addr < end: no uint64 sum that could wrap past 2**64
             room = np.where(addr < end, end - np.minimum(addr, end), np.uint64(0))
             ok &= (length > 0) & (length <= room)
