@@ -40,10 +40,15 @@ class PartKey:
 
 @dataclass(frozen=True, eq=False)
 class Part:
-    """Row-aligned descriptors of one part: ``local[i]`` ↔ ``remote[i]``, (addr, len, dev) uint64."""
+    """Row-aligned descriptors of one part: ``local[i]`` ↔ ``remote[i]``, (addr, len, dev) uint64.
+
+    ``blocks``: the same part as block ids over fixed geometry, where it has that form and it was asked
+    for (:class:`kvlc.compiler.request.blocks.BlockCopy`: what a same-host copy kernel reads instead of rows).
+    """
 
     local: np.ndarray
     remote: np.ndarray
+    blocks: object = field(default=None, repr=False)
 
     @cached_property
     def nbytes(self) -> int:

@@ -17,6 +17,7 @@ from kvlc.compiler.pairing.program import Part, PartKey
 from kvlc.compiler.pairing.runs import Runs
 from kvlc.compiler.request import native
 from kvlc.compiler.request.bind import BoundProgram
+from kvlc.compiler.request.blocks import block_copies
 from kvlc.compiler.request.check import Request, block_tiles, check_request
 from kvlc.compiler.request.index import Block, ProgramIndex, program_index
 from kvlc.compiler.request.native_rows import emit_native
@@ -26,8 +27,8 @@ from kvlc.compiler.request.rows import Geometry, RowPiece, coalesce, write_rows
 def instantiate(bound: BoundProgram, local_block_ids: Mapping[str, Sequence[int]],
                 remote_block_ids: Mapping[str, Sequence[int]],
                 num_tokens: int | Mapping[str, int] | None = None, *, tokens=None,
-                coalesce: str = "order") -> dict[PartKey, Part]:
-    """Descriptors of one request, per part: :func:`check_request` then :func:`emit`.
+                coalesce: str = "order", blocks: bool = False) -> dict[PartKey, Part]:
+    """Descriptors of one request, per part: :func:`check_request` then :func:`emit` (``blocks``: as there).
 
     Block ids are logical, per group name; ``num_tokens=N`` (a count) moves tokens ``[0, N)``,
     ``tokens=(start, stop)`` moves ``[start, stop)`` (ids: the blocks the range touches on each
@@ -46,15 +47,20 @@ def instantiate(bound: BoundProgram, local_block_ids: Mapping[str, Sequence[int]
     [('peer0:VRAM->VRAM', 32, 4194304)]
     """
     req = check_request(bound.program, local_block_ids, remote_block_ids, num_tokens, tokens=tokens)
-    return emit(bound, req, coalesce=coalesce)
+    return emit(bound, req, coalesce=coalesce, blocks=blocks)
 
 
-def emit(bound: BoundProgram, req: Request, coalesce: str = "order") -> dict[PartKey, Part]:
-    """Descriptors of a checked request (:func:`check_request`), per part (see :func:`instantiate`)."""
+def emit(bound: BoundProgram, req: Request, coalesce: str = "order", *, blocks: bool = False
+         ) -> dict[PartKey, Part]:
+    """Descriptors of a checked request (:func:`check_request`), per part (see :func:`instantiate`).
+
+    ``blocks``: each part that has a block form (:mod:`kvlc.compiler.request.blocks`) carries it as well
+    (:attr:`Part.blocks`), for a same-host copy kernel."""
     if coalesce not in ("order", "sort"):
         raise ValueError(f"coalesce must be 'order' or 'sort', got {coalesce!r}")
+    forms = block_copies(bound, req) if blocks else {}
     if coalesce == "order" and native.library() is not None:
-        return emit_native(bound, req)
+        return emit_native(bound, req, forms)
     # Pass 1: per block, its row pieces (no rows yet) and the rows per part. Pass 2 writes
     # every piece straight into one (N, 3) array per side and part: no intermediate arrays,
     # no concatenation (fresh memory is what costs most here).
@@ -66,7 +72,7 @@ def emit(bound: BoundProgram, req: Request, coalesce: str = "order") -> dict[Par
             rows = len(b.entries) * sum(len(p) for p in pieces)
             jobs.append(_Job(b.key, len(b.entries), pieces, rows))
             sizes[b.key] = sizes.get(b.key, 0) + rows
-    return _finish(_write(jobs, sizes), coalesce)
+    return _finish(_write(jobs, sizes), coalesce, forms)
 
 
 def tile_rows(runs: Runs, first: int, count: int, b: Block, kl, kr, geometry: Geometry,
@@ -159,12 +165,12 @@ def _write(jobs: list[_Job], sizes: dict[PartKey, int]) -> dict[PartKey, tuple[n
     return {key: (buf[0], buf[1]) for key, buf in bufs.items()}
 
 
-def _finish(bufs, how: str) -> dict[PartKey, Part]:
+def _finish(bufs, how: str, forms: dict) -> dict[PartKey, Part]:
     out = {}
     for key, (local, remote) in bufs.items():
         if how == "sort" and len(local) > 1:
             order = np.lexsort((local[:, 0], local[:, 2]))
             local, remote = local[order], remote[order]
         local, remote = coalesce(local.view(np.uint64), remote.view(np.uint64))
-        out[key] = Part(local, remote)
+        out[key] = Part(local, remote, forms.get(key))
     return out

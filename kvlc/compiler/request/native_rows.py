@@ -99,16 +99,16 @@ def _id_slots(req: Request) -> tuple[int, dict[str, tuple[int, int, int, int]]]:
     return at, where
 
 
-def emit_native(bound: BoundProgram, req: Request) -> dict[PartKey, Part]:
+def emit_native(bound: BoundProgram, req: Request, forms: dict | None = None) -> dict[PartKey, Part]:
     """:func:`~kvlc.compiler.request.instantiate.emit` with ``coalesce="order"``, computed by rows.c.
 
     One int64 buffer per request holds, in order, room for the rows of every part (both sides,
     before coalescing), the piece records, the parts' (start, rows) pairs and the ids; the parts
-    returned are views of it.
+    returned are views of it. ``forms``: block forms of parts (:mod:`~kvlc.compiler.request.blocks`) they carry.
     """
     table = native_table(bound)
     with table.lock:
-        return _emit(table, req)
+        return _emit(table, req, forms or {})
 
 
 @dataclass(frozen=True, eq=False)
@@ -165,7 +165,7 @@ def _plan_layout(table: NativeTable, req: Request) -> Layout:
                   sum(rows.values()), np.array(starts, dtype=np.int64), where, nids)
 
 
-def _emit(table: NativeTable, req: Request) -> dict[PartKey, Part]:
+def _emit(table: NativeTable, req: Request, forms: dict) -> dict[PartKey, Part]:
     lay = _layout(table, req)
     n = lay.rows
     o = 6 * n
@@ -186,7 +186,7 @@ def _emit(table: NativeTable, req: Request) -> dict[PartKey, Part]:
     for k in lay.keys:
         j = 2 * lay.number[k]
         s, m = left[j], left[j + 1]
-        part = out[k] = Part(view[0, s:s + m], view[1, s:s + m])
+        part = out[k] = Part(view[0, s:s + m], view[1, s:s + m], forms.get(k))
         known = lay.nbytes.get(k)
         if known is None:
             lay.nbytes[k] = part.nbytes

@@ -1,0 +1,110 @@
+"""The block form of a request's parts (kvlc.compiler.request.blocks) against the rows it stands for.
+
+Hypothesis draws the engine pairs of test_pair_properties (TP, block sizes, dim orders, MLA, Mamba state,
+sliding windows, shared regions, fp4) and a request over a random token range; wherever a part has a
+block form, its rows (entry by entry, id by id) must move exactly the bytes of the part's rows as
+``emit`` writes them: both sorted and coalesced, row for row the same. Where a form is given, every
+entry's span must hold every one of its rows.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+import kvlc
+from kvlc import bind
+from kvlc.compiler.algebra.copies import coalesce_rows
+from kvlc.compiler.pairing.pair import pair
+from kvlc.compiler.request.blocks import block_copies, block_tables
+from kvlc.compiler.request.check import check_request
+from kvlc.compiler.request.instantiate import emit
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from memory_model import Engine  # noqa: E402
+from test_native import _ranged, _request  # noqa: E402
+from test_pair_properties import PROPS, pair_case  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _canonical(local: np.ndarray, remote: np.ndarray) -> np.ndarray:
+    """(addr, len) rows of both sides, sorted by the local address and merged where both continue."""
+    def rows(a):
+        out = np.zeros((len(a), 3), dtype=np.uint64)
+        out[:, :2] = np.asarray(a)[:, :2].astype(np.uint64)
+        return out
+    lo, re = rows(local), rows(remote)
+    order = np.argsort(lo[:, 0], kind="stable")
+    lo, re = coalesce_rows(lo[order], re[order])
+    return np.concatenate([lo[:, :2], re[:, :1]], axis=1)
+
+
+def _same_bytes(bound, req) -> int:
+    parts = emit(bound, req)
+    forms = block_copies(bound, req)
+    for key, form in forms.items():
+        assert key in parts, f"part {key} has a block form but no rows"
+        bl, br = form.rows()
+        want = _canonical(parts[key].local, parts[key].remote)
+        assert np.array_equal(_canonical(bl, br), want), f"part {key}: the block form moves other bytes"
+        lo, hi = form.remote_span()
+        for e, (a, b) in enumerate(zip(lo.tolist(), hi.tolist())):
+            mine = br[np.repeat(np.arange(form.table.entries), form.counts()[form.table.slot]) == e]
+            if len(mine):
+                assert a <= int(mine[:, 0].min()) and int((mine[:, 0] + mine[:, 1]).max()) <= b
+    return len(forms)
+
+
+@settings(PROPS, max_examples=150)
+@given(case=pair_case(), data=st.data())
+def test_block_form_moves_the_bytes_of_the_rows(case, data):
+    """Every part with a block form, for every rank and both directions, with counts and token ranges."""
+    cons, prod = kvlc.compile_spec(case.cons.text), kvlc.compile_spec(case.prod.text)
+    ranged = data.draw(st.booleans()) and not isinstance(case.tokens_arg, dict)
+    start = data.draw(st.integers(0, case.tokens_arg - 1)) if ranged else 0
+    tokens = (start, case.tokens_arg) if ranged else case.tokens_arg
+    C, P = Engine(cons, 0, False), Engine(prod, 1, True)
+    checked = 0
+    for local, remote, L, R, direction, lids, rids in (
+            (cons, prod, C, P, "READ", case.cids, case.pids), (prod, cons, P, C, "WRITE", case.pids, case.cids)):
+        lids, rids = (_ranged(local, lids, start), _ranged(remote, rids, start)) if ranged else (lids, rids)
+        for rank in range(local.parallel.tp_size):
+            prog = pair(local, remote, local_rank=rank, direction=direction)
+            bound = bind(prog, L.rank_bases(rank), {p: R.rank_bases(p) for p in prog.peer_ranks})
+            req = _request(prog, lids, rids, tokens)
+            if req is not None:
+                checked += 1 + _same_bytes(bound, req)
+    assume(checked)
+
+
+def _llama(path: str = "layouts/llama-3.1-8b.yaml"):
+    plan = kvlc.compile_spec(ROOT / path)
+    prog = pair(plan, plan, local_rank=0, direction="WRITE")
+    return plan, bind(prog, {s.name: 1 << 40 for s in plan.storages}, {0: {s.name: 2 << 40 for s in plan.storages}})
+
+
+@settings(deadline=None, max_examples=40)
+@given(data=st.data())
+def test_whole_blocks_of_a_same_layout_pair_have_a_block_form(data):
+    """A same-layout pair (Llama-3.1-8B, DeepSeek-V3 MLA) moving whole blocks: one block form per part, one id
+    slot per index block, as many ids as blocks; a partial last block: no form (the rows move it)."""
+    plan, bound = _llama(data.draw(st.sampled_from(["layouts/llama-3.1-8b.yaml", "layouts/deepseek-v3-tp1.yaml"])))
+    group = plan.groups[0]
+    bs, cap = group.block_size, plan.regions[0].capacity
+    n = data.draw(st.integers(1, 64))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    lids, rids = rng.permutation(cap)[:n].tolist(), rng.permutation(cap)[:n].tolist()
+    req = check_request(bound.program, {group.name: lids}, {group.name: rids}, n * bs)
+    forms = block_copies(bound, req)
+    assert set(forms) == set(block_tables(bound)) == set(emit(bound, req))
+    for form in forms.values():
+        assert form.count == n and (form.counts() == n).all()
+    assert _same_bytes(bound, req) == len(forms)
+    if bs > 1:
+        short = check_request(bound.program, {group.name: lids}, {group.name: rids}, n * bs - 1)
+        assert block_copies(bound, short) == {}
