@@ -462,6 +462,12 @@ class KvAgent:
         with self._lock:
             return self.route is not None and all(p in self.route.peers for p in peers)
 
+    def copies_blocks(self, peers: Iterable[str]) -> bool:
+        """Whether a GPU here copies to and from every one of these NIXL agents (:meth:`copies_to`): its kernel
+        reads a part's block form (:attr:`~kvlc.compiler.pairing.program.Part.blocks`) instead of its rows."""
+        with self._lock:
+            return self.route is not None and self.route.gpu is not None and all(p in self.route.peers for p in peers)
+
     def _refuse(self, key, req: str, op: str, refuse: Mapping[Any, str] | None) -> None:
         self.check_open()
         if key in self.executor.active or (op == "READ" and req in self.incoming):
@@ -692,6 +698,7 @@ class KvAgent:
             self._take_bells(got)
         if self.route is not None:
             self.stats["bell_rung"] = self.route.rung
+            self.stats["ipc_block_copies"] = self.route.block_copies
         _replies.notifs(self, got)
         _replies.drain(self, self.sender.replies)
         self._deadlines(time.monotonic())

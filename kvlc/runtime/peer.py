@@ -295,8 +295,9 @@ class Peer:
         op = "READ" if self.direction is Direction.READ else "WRITE"
         bound = self.agent.bound_program(self.engine)
         if self.mode is not ConnectionMode.PREPPED or self.agent.copies_to(agents_of(self._notify).values()):
-            parts = (instantiate(bound, local_block_ids, remote_block_ids, num_tokens, tokens=tokens)
-                     if checked is None else emit(bound, checked))
+            blocks = self.agent.copies_blocks(agents_of(self._notify).values())  # a GPU's kernel reads ids
+            parts = (instantiate(bound, local_block_ids, remote_block_ids, num_tokens, tokens=tokens, blocks=blocks)
+                     if checked is None else emit(bound, checked, blocks=blocks))
             return parts, self.agent.staged_parts(op, parts, agents_of(self._notify))
         req = prepared_indices(bound, local_block_ids, remote_block_ids, num_tokens, tokens=tokens)
         lists = self._prepared(bound)

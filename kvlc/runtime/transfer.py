@@ -220,8 +220,10 @@ class Executor:
             x = self.agent.make_prepped(op, part.local, part.local_idx, part.remote, part.remote_idx,
                                         what=f"request '{req}' part {pk} (prepared)")
         else:
+            blocks = getattr(part, "blocks", None)  # a part's block form: only the same-host route takes it
+            form = {} if blocks is None else {"blocks": blocks}
             x = self.agent.initialize(op, part.local, pk.local_mem, part.remote, pk.remote_mem, peer,
-                                      what=f"request '{req}' part {pk}")
+                                      what=f"request '{req}' part {pk}", **form)
         return PartRun(pk, x, len(part), int(part.nbytes), peer=peer)
 
     def _post(self, out: Outgoing, runs: list[PartRun]) -> None:

@@ -181,17 +181,24 @@ class _Kernel:
 
     @property
     def copy_rows(self):
+        return self._kernel("copy_rows")
+
+    @property
+    def copy_blocks(self):
+        return self._kernel("copy_blocks")
+
+    def _kernel(self, name: str):
         outer = self
 
         class _Grid:
             def __getitem__(self, grid):
-                def run(table, n, **kw):
+                def run(*args, **kw):
                     kw.pop("num_warps", None)
                     cp = outer.ring_of() if outer.ring_of else None
                     if cp is not None and cp.host_table:
                         raise RuntimeError("pointer argument cannot be accessed from Triton (cpu tensor?)")
                     outer.launches += 1
-                    outer.interpreted.copy_rows[grid](table, n, **kw)
+                    getattr(outer.interpreted, name)[grid](*args, **kw)
                 return run
         return _Grid()
 
@@ -212,8 +219,8 @@ def test_gpu_copy_moves_every_row_through_its_ring(interpreted, data):
     cp = Small(0, block_words=64, torch=_TorchStandIn(), kernel=kern)
     cp.warm()
     # two passes over five warm-up lengths (Triton's call, then the direct launch, which the interpreter has
-    # no compiled kernel for: Triton's call again)
-    assert cp.host_table and cp.vec and kern.launches == 10
+    # no compiled kernel for: Triton's call again), then the block kernel's three checks, twice
+    assert cp.host_table and cp.vec and cp.blocks and kern.launches == 16
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
     size, slot = 1 << 16, 512
     src = torch.from_numpy(rng.integers(0, 256, size, dtype=np.uint8))
@@ -270,3 +277,97 @@ def test_gpu_copy_keeps_the_callers_stream_object_while_the_stream_stays(interpr
     handle["now"] = 9
     second = cp._caller_stream()
     assert second is not first and len(built) == 2 and cp._caller_stream() is second
+
+
+def _block_case(data, rng, size: int, cell: int):
+    """A random part in block form over two buffers of ``size`` bytes: entries in cells of ``cell`` bytes (entry
+    ``e``, id ``i``: cell ``e * ids + i`` on each side, so no two rows overlap), one or two id slots."""
+    unit = data.draw(st.sampled_from([1, 8, 16]))
+    entries = data.draw(st.integers(1, 3))
+    nb = size // cell // entries  # ids per side
+    slots = data.draw(st.integers(1, 2))
+    counts = [data.draw(st.integers(0, min(nb, 5))) for _ in range(slots)]
+    head, ids, at = [], [], 3 * slots
+    for n in counts:
+        loc, rem = rng.permutation(nb)[:n], rng.permutation(nb)[:n]
+        head += [at, at + n, n]
+        ids += [*loc.tolist(), *rem.tolist()]
+        at += 2 * n
+    rows = []
+    for e in range(entries):
+        lo = unit * data.draw(st.integers(0, (cell // 2) // unit - 1))
+        ro = unit * data.draw(st.integers(0, (cell // 2) // unit - 1))
+        length = unit * data.draw(st.integers(1, (cell // 2) // unit))
+        rows.append((e * nb * cell + lo, cell, e * nb * cell + ro, cell, length, data.draw(st.integers(0, slots - 1))))
+    return unit, np.array(rows, dtype=np.int64), np.array(head + ids, dtype=np.int64)
+
+
+def _block_reference(src: np.ndarray, dst: np.ndarray, rows: np.ndarray, ids: np.ndarray, write: bool) -> np.ndarray:
+    """What the block kernel must leave in ``dst``: entry by entry, id by id (local side: offsets into the
+    written buffer when ``write`` is false)."""
+    out = dst.copy()
+    for lb, ls, rb, rs, length, slot in rows.tolist():
+        la, ra, n = ids[3 * slot:3 * slot + 3].tolist()
+        for il, ir in zip(ids[la:la + n].tolist(), ids[ra:ra + n].tolist()):
+            a, b = lb + il * ls, rb + ir * rs
+            s, d = (a, b) if write else (b, a)
+            out[d:d + length] = src[s:s + length]
+    return out
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_block_kernel_copies_random_forms(interpreted, data):
+    """copy_blocks on random entries and ids, both directions, rows cut into pieces: every destination row equals
+    its source (computed from the ids here, in numpy), every other byte unchanged."""
+    size, cell = 1 << 14, 1024
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    src = torch.from_numpy(rng.integers(0, 256, size, dtype=np.uint8))
+    dst = torch.from_numpy(rng.integers(0, 256, size, dtype=np.uint8))
+    unit, rows, ids = _block_case(data, rng, size, cell)
+    write = data.draw(st.booleans())
+    want = _block_reference(src.numpy(), dst.numpy(), rows, ids, write)
+    s_base, d_base = src.data_ptr(), dst.data_ptr()
+    moved = rows.copy()
+    moved[:, 0] += s_base if write else d_base   # the local side: the sources of a write
+    moved[:, 2] += d_base if write else s_base
+    chunk = data.draw(st.sampled_from([64, 256, 1 << 18]))
+    count = max(1, int(ids[2:ids[0]:3].max()))
+    pieces = -(-int(rows[:, 4].max()) // chunk)
+    interpreted.copy_blocks[(count, len(rows), pieces)](
+        torch.from_numpy(moved.reshape(-1)), torch.from_numpy(ids), int(write), CHUNK=chunk,
+        BLOCK=16 if unit > 1 else 128, WIDE=unit > 1, VEC=unit == 16)
+    assert (dst.numpy() == want).all()
+
+
+@settings(max_examples=4, deadline=None)
+@given(st.data())
+def test_gpu_copy_moves_block_forms_through_its_ring(interpreted, data):
+    """GpuCopy.start_blocks on a CPU (the interpreter as the GPU): warm-up checks the block kernel, the entries go
+    up once per table, each request's ids through the ring; every byte as the numpy reference says."""
+    from kvlc.runtime.ipc.copy import ENTRY, BlockLaunch, GpuCopy
+
+    class Small(GpuCopy):
+        RING_WORDS = 64
+
+    cp = Small(0, block_words=64, torch=_TorchStandIn(), kernel=_Kernel(interpreted))
+    cp.warm()
+    assert cp.blocks
+    size, cell = 1 << 14, 1024
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    src = torch.from_numpy(rng.integers(0, 256, size, dtype=np.uint8))
+    dst = torch.from_numpy(rng.integers(0, 256, size, dtype=np.uint8))
+    unit, rows, ids = _block_case(data, rng, size, cell)
+    moved = rows.copy()
+    moved[:, 0] += src.data_ptr()
+    moved[:, 2] += dst.data_ptr()
+    assert rows.shape[1] == ENTRY
+    kept: dict = {}  # what the route shares between the launches of one table and peer
+    count = max(1, int(ids[2:ids[0]:3].max()))
+    for _ in range(3):  # the same table again: its entries went up once
+        want = _block_reference(src.numpy(), dst.numpy(), rows, ids, True)
+        b = BlockLaunch(moved.reshape(-1), ids, count, 1, True, unit % 8 == 0, unit % 16 == 0, kept)
+        cp.start_blocks(b).event.synchronize()
+        assert (dst.numpy() == want).all()
+        assert list(kept) == [0]
+        src.copy_(torch.from_numpy(rng.integers(0, 256, size, dtype=np.uint8)))

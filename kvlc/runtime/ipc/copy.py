@@ -17,7 +17,7 @@ from __future__ import annotations
 import ctypes
 import logging
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -67,6 +67,24 @@ def launch_rows(table: np.ndarray, low: int) -> Rows:
     """The launch of a built table (int64: sources, destinations, lengths; ``low``: the OR of its words'
     low four bits)."""
     return Rows(table, len(table) // 3, not low & 7, not low)
+
+
+ENTRY = 6  # int64s per entry of a block launch: local base, stride; peer base (mapped), stride; length; id slot
+
+
+@dataclass(frozen=True, eq=False)
+class BlockLaunch:
+    """One launch of :func:`kvlc.runtime.ipc.kernel.copy_blocks`: a part in block form
+    (:class:`kvlc.compiler.request.blocks.BlockCopy`), the peer's bases moved into its mapped window."""
+
+    entries: np.ndarray  # int64, ENTRY per entry (fixed per table and peer: uploaded once)
+    ids: np.ndarray      # int64: the request's slots and ids (BlockCopy.ids)
+    count: int           # the most ids of a slot (the grid's first axis)
+    pieces: int          # CHUNK-byte pieces of the longest row (its third)
+    write: bool          # the local rows are the sources
+    wide: bool           # every base, stride and length a multiple of 8
+    vec: bool            # ... and of 16
+    kept: dict = field(default_factory=dict)  # device -> the entries there (shared by the launches of one table)
 
 
 @dataclass
@@ -136,6 +154,7 @@ class GpuCopy:
         self._caller: tuple = (None, None)  # (raw handle, Stream) of the caller's stream last seen
         self.direct = True  # launch the kept compiled kernels directly (off where warm finds that wrong)
         self._compiled: dict[tuple, Any] = {}
+        self.blocks = True  # parts in block form copy by their ids (off where warm finds that wrong)
 
     def start(self, src: np.ndarray, dst: np.ndarray, lens: np.ndarray) -> Launch:
         """Copy rows ``(src, dst, lens)`` (uint64 arrays): :meth:`start_rows` of their :func:`row_table`."""
@@ -143,20 +162,45 @@ class GpuCopy:
 
     def start_rows(self, g: Rows) -> Launch:
         """Launch the copy of a built row table (:func:`row_table`, or the route's native builder)."""
+        block = self.block_words if g.wide else 8 * self.block_words
+        consts = {"BLOCK": block, "WIDE": g.wide, "VEC": self.vec and g.vec}
+        return self._start(g.table, lambda table: self._go("copy_rows", (g.rows, 1, 1), (table, g.rows), consts))
+
+    def start_blocks(self, b: "BlockLaunch") -> Launch:
+        """Launch the copy of a part in block form (:class:`BlockLaunch`): only its ids go up; the entries went
+        once per table and peer (kept here)."""
+        entries = self._entries(b)
+        block = self.block_words if b.wide else 8 * self.block_words
+        consts = {"CHUNK": CHUNK, "BLOCK": block, "WIDE": b.wide, "VEC": self.vec and b.vec}
+        grid = (b.count, len(b.entries) // ENTRY, b.pieces)
+        return self._start(b.ids, lambda ids: self._go("copy_blocks", grid, (entries, ids, int(b.write)), consts),
+                           (entries,))
+
+    def _start(self, words: np.ndarray, launch, keep: tuple = ()) -> Launch:
+        """After the caller's queued work: ``words`` into the ring (or up), ``launch(table)`` on our stream, an
+        event after it."""
         torch = self.torch
         self._waited.record(self._caller_stream())  # what the engine queued before asking
         self.stream.wait_event(self._waited)
-        at, table, keep = self._upload(g.table)
-        if self._compiled.get(self._key(g)) is not None and self.direct and torch.cuda.current_device() == self.device:
-            self._launch(g, table)  # the stream is passed and the device is current: no context to enter
-        else:
-            with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-                self._launch(g, table)
+        at, table, kept = self._upload(words)
+        launch(table)
         ev = torch.cuda.Event()
         ev.record(self.stream)
         if at is not None:
-            self.ring.used(at, len(g.table), ev)
-        return Launch(ev, keep + (table,))
+            self.ring.used(at, len(words), ev)
+        return Launch(ev, kept + (table,) + keep)
+
+    def _entries(self, b: "BlockLaunch"):
+        """A block launch's entries on the device: uploaded on first use, kept in :attr:`BlockLaunch.kept` (which the
+        launches of one table and peer share: the route's cache, dropped with the peer)."""
+        got = b.kept.get(self.device)
+        if got is None:
+            torch = self.torch
+            with torch.cuda.device(self.device), torch.cuda.stream(self.stream):  # ordered before the launch
+                got = torch.empty(len(b.entries), dtype=torch.int64, device=f"cuda:{self.device}")
+                got.copy_(torch.from_numpy(np.ascontiguousarray(b.entries, dtype=np.int64)))
+            b.kept[self.device] = got
+        return got
 
     def _caller_stream(self):
         """The calling thread's current stream on this device: the Stream object is kept while the stream
@@ -170,19 +214,20 @@ class GpuCopy:
             self._caller = (handle, torch.cuda.current_stream(self.device))
         return self._caller[1]
 
-    def _key(self, g: Rows) -> tuple:
-        block = self.block_words if g.wide else 8 * self.block_words
-        return (block, g.wide, self.vec and g.vec, self.num_warps)
-
-    def _launch(self, g: Rows, table) -> None:
-        key = self._key(g)
-        block, wide, vec, _ = key
+    def _go(self, name: str, grid: tuple, args: tuple, consts: dict) -> None:
+        """Launch kernel ``name`` on our stream: its kept compiled form directly where there is one (constants
+        passed in order after the arguments), else through Triton's call, whose compiled kernel is kept."""
+        torch = self.torch
+        key = (name, *consts.values(), self.num_warps)
         compiled = self._compiled.get(key) if self.direct else None
-        if compiled is not None:
-            compiled[(g.rows, 1, 1)](table, g.rows, block, wide, vec, stream=self.stream.cuda_stream)
+        if compiled is not None and torch.cuda.current_device() == self.device:
+            compiled[grid](*args, *consts.values(), stream=self.stream.cuda_stream)  # no context to enter
             return
-        k = self.kernel.copy_rows[(g.rows,)](table, g.rows, BLOCK=block, WIDE=wide, VEC=vec,
-                                             num_warps=self.num_warps)
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            if compiled is not None:
+                compiled[grid](*args, *consts.values(), stream=self.stream.cuda_stream)
+                return
+            k = getattr(self.kernel, name)[grid](*args, **consts, num_warps=self.num_warps)
         if k is not None and hasattr(k, "__getitem__"):
             self._compiled[key] = k
 
@@ -235,15 +280,50 @@ class GpuCopy:
                 log.warning("the copy kernel does not copy right with the table in pinned host memory=%s and "
                             "16-byte hints=%s here; trying without", self.host_table, self.vec, exc_info=True)
         self.direct = direct
-        if not direct:
-            return
+        if direct:
+            try:
+                for length in lengths:
+                    self._warm_one(scratch, pattern, length)
+            except Exception:  # noqa: BLE001 - the direct launch is an optimisation
+                self.direct = False
+                log.warning("the copy kernel's direct launch does not copy right here; Triton's call it is",
+                            exc_info=True)
+        self._warm_blocks(scratch, pattern)
+
+    def _warm_blocks(self, scratch, pattern) -> None:
+        """Check the block kernel by content (16-byte and byte rows, both directions, rows over a piece); where
+        it does not copy right here, parts move by their rows (:attr:`blocks` off)."""
         try:
-            for length in lengths:
-                self._warm_one(scratch, pattern, length)
-        except Exception:  # noqa: BLE001 - the direct launch is an optimisation
-            self.direct = False
-            log.warning("the copy kernel's direct launch does not copy right here; Triton's call it is",
-                        exc_info=True)
+            for unit, write in ((16, True), (16, False), (1, True)):
+                for _ in range(2 if self.direct else 1):  # Triton's call (compiles), then the direct launch
+                    self._warm_blocks_one(scratch, pattern, unit, write)
+        except Exception:  # noqa: BLE001 - the block form is an optimisation: the rows copy the same bytes
+            self.blocks = False
+            log.warning("the block copy kernel does not copy right here; parts move by their rows", exc_info=True)
+
+    def _warm_blocks_one(self, scratch, pattern, unit: int, write: bool) -> None:
+        n = len(pattern)
+        scratch[:n].copy_(pattern)
+        scratch[n:].zero_()
+        stride, base = 5 * n // 16, scratch.data_ptr()
+        src, dst = base, base + n  # the sources: the pattern's half; the local side is either
+        first = CHUNK + 2 * unit if unit == 16 and write else 32 * unit  # two pieces (once: it is the same code)
+        lens = (first, 16 * unit if unit > 1 else 3)
+        offs = (0, CHUNK + 4 * unit)
+        ids = np.array([3, 5, 2, 2, 0, 1, 2], dtype=np.int64)         # one slot: local ids (2, 0), remote (1, 2)
+        local, remote = (src, dst) if write else (dst, src)
+        entries = np.array([[local + o, stride, remote + o, stride, ln, 0] for o, ln in zip(offs, lens)],
+                           dtype=np.int64).reshape(-1)
+        b = BlockLaunch(entries, ids, 2, 2, write, unit % 8 == 0, unit % 16 == 0)
+        self.start_blocks(b).event.synchronize()
+        want = np.zeros(n, dtype=np.uint8)
+        pat = pattern.cpu().numpy()
+        for o, ln in zip(offs, lens):
+            for il, ir in ((2, 1), (0, 2)):
+                s_at, d_at = (il, ir) if write else (ir, il)
+                want[d_at * stride + o:d_at * stride + o + ln] = pat[s_at * stride + o:s_at * stride + o + ln]
+        if not np.array_equal(scratch[n:].cpu().numpy(), want):
+            raise RuntimeError(f"the block copy kernel moved {unit}-byte rows wrong (write={write})")
 
     def _warm_one(self, scratch, pattern, length: int) -> None:
         n = len(pattern)

@@ -1,4 +1,6 @@
-"""The GPU copy of a request's rows: ONE Triton kernel, one program per row (rows cut at 256 KiB).
+"""The GPU copy of a request's rows: ONE Triton kernel, one program per row (rows cut at 256 KiB);
+or, for a part in block form, one program per piece of each entry's row of each block id
+(:func:`copy_blocks`: the addresses computed here, from ids, instead of read from a row table).
 
 The row table is one int64 tensor: source addresses, then destination addresses, then lengths in
 bytes, ``n`` of each. Addresses are plain device addresses (a peer's mapped through CUDA IPC, ours,
@@ -42,3 +44,45 @@ def copy_rows(table, n, BLOCK: tl.constexpr, WIDE: tl.constexpr, VEC: tl.constex
         o = start + offs
         m = o < size
         tl.store(d + o, tl.load(s + o, mask=m), mask=m)
+
+
+@triton.jit(do_not_specialize=["write"])  # (one compiled kernel for both directions: the direct launch keeps one)
+def copy_blocks(entries, ids, write, CHUNK: tl.constexpr, BLOCK: tl.constexpr, WIDE: tl.constexpr,
+                VEC: tl.constexpr):
+    """A part's rows computed from block ids (:mod:`kvlc.compiler.request.blocks`): program ``(k, e, c)``
+    moves piece ``c`` (``CHUNK`` bytes) of entry ``e``'s row of its slot's ``k``-th id.
+
+    ``entries``: six int64 per entry: local base and stride, the peer's base (in its mapped window) and
+    stride, the row's length, its id slot. ``ids``: three int64 per slot (where its local ids start, where
+    its remote ids start, how many), then the ids. ``write`` != 0: the local rows are the sources."""
+    k = tl.program_id(0)
+    e = tl.program_id(1)
+    start = tl.program_id(2).to(tl.int64) * CHUNK
+    ent = entries + 6 * e
+    slot = tl.load(ent + 5)
+    n = tl.load(ids + 3 * slot + 2)
+    size = tl.load(ent + 4)
+    if (k < n) & (start < size):
+        il = tl.load(ids + tl.load(ids + 3 * slot) + k)
+        ir = tl.load(ids + tl.load(ids + 3 * slot + 1) + k)
+        a = tl.load(ent) + il * tl.load(ent + 1) + start
+        b = tl.load(ent + 2) + ir * tl.load(ent + 3) + start
+        src = tl.where(write != 0, a, b)
+        dst = tl.where(write != 0, b, a)
+        size = tl.minimum(size - start, CHUNK)
+        offs = tl.arange(0, BLOCK)
+        if WIDE:
+            s = src.to(tl.pointer_type(tl.int64))
+            d = dst.to(tl.pointer_type(tl.int64))
+            size = size // 8
+            if VEC:
+                s = tl.multiple_of(s, 16)
+                d = tl.multiple_of(d, 16)
+                size = tl.multiple_of(size, 2)
+        else:
+            s = src.to(tl.pointer_type(tl.uint8))
+            d = dst.to(tl.pointer_type(tl.uint8))
+        for o0 in range(0, size, BLOCK):
+            o = o0 + offs
+            m = o < size
+            tl.store(d + o, tl.load(s + o, mask=m), mask=m)

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from kvlc.runtime.ipc import cuda, native
-from kvlc.runtime.ipc.copy import CHUNK, GpuCopy, HostCopy, Launch, Rows, launch_rows, row_table
+from kvlc.runtime.ipc.copy import CHUNK, BlockLaunch, GpuCopy, HostCopy, Launch, Rows, launch_rows, row_table
 from kvlc.runtime.ipc.cuda import IpcError
 from kvlc.runtime.ipc.memory import Mapped, Window
 from kvlc.runtime.nixl.core import XferState
@@ -33,6 +33,7 @@ from kvlc.runtime.staging.copy import Region, Regions, flat_bytes
 
 log = logging.getLogger(__name__)
 _U64 = (1 << 64) - 1  # a shift as the uint64 that adds it modulo 2**64
+GRID_YZ = 65535  # CUDA's limit on a grid's second and third axes (a block launch's entries and pieces)
 
 
 @dataclass
@@ -41,7 +42,7 @@ class IpcXfer:
 
     what: str
     peer: str
-    rows: Rows  # the launch's row table: sources, destinations (the peer's in its mapped window), lengths
+    rows: Rows | None  # the launch's row table: sources, destinations (the peer's in its mapped window), lengths
     mem: str  # this side's memory
     remote_mem: str  # the peer's ("VRAM" on either side: a kernel on ``device``; DRAM both: memmove on the CPU)
     device: int
@@ -52,6 +53,7 @@ class IpcXfer:
     released: bool = False
     posted: bool = False  # a copy was launched (the route counts it in flight until released)
     launch: Launch | None = field(repr=False, default=None)
+    blocks: BlockLaunch | None = field(repr=False, default=None)  # the part by its block ids instead of rows
 
     def release(self) -> None:
         if not self.released:
@@ -76,6 +78,7 @@ class _Windows:
         self.users = 0  # copies created and not released yet
         self.retired = False
         self._host: HostCopy | None = None
+        self._entries: dict = {}  # (block table, memory type, write) -> _Entries or None (no window holds it)
 
     def translate(self, rows: np.ndarray, mem: str, what: str) -> np.ndarray:
         """The peer's row addresses as this process sees them; IpcError if any row lies outside a window."""
@@ -108,6 +111,21 @@ class _Windows:
             raise _outside(remote_rows, got, mem, what)
         return launch_rows(table, got)
 
+    def blocks(self, form, mem: str, write: bool) -> BlockLaunch | None:
+        """A part's launch by block ids (``form``: its :class:`~kvlc.compiler.request.blocks.BlockCopy`), or None
+        where some entry's rows of this request do not lie in the window of the peer's ``mem`` that holds the
+        entry's first block (then its rows decide, and word any refusal: :meth:`table`)."""
+        key = (form.table, mem, write)
+        got = self._entries.get(key, False)
+        if got is False:
+            got = self._entries[key] = _Entries.of(self, form.table, mem, write)
+        if got is None:
+            return None
+        lo, hi = form.remote_span()
+        if not bool(((lo >= got.starts) & (hi <= got.stops)).all()):
+            return None
+        return BlockLaunch(got.entries, form.ids, form.count, got.pieces, write, got.wide, got.vec, got.kept)
+
     def _reference(self, local_rows, remote_rows, mem: str, write: bool, what: str, chunk: int) -> Rows:
         mapped = self.translate(remote_rows, mem, what)
         mine = np.ascontiguousarray(local_rows[:, 0], dtype=np.uint64)
@@ -121,6 +139,37 @@ class _Windows:
             regions += [Region(w.base, w.size, w.tensor) for w in self.windows if w.mem == "DRAM"]
             self._host = HostCopy(Regions(regions))
         return self._host
+
+
+@dataclass(frozen=True, eq=False)
+class _Entries:
+    """A block table's entries as the kernel reads them for one peer (its bases moved into the windows that
+    hold each entry's first block), with those windows' bounds per entry and the launch's constants."""
+
+    table: Any          # the BlockTable (kept: the cache is keyed by it)
+    entries: np.ndarray  # int64, ENTRY per entry
+    starts: np.ndarray  # uint64 per entry: its window's first byte and end
+    stops: np.ndarray
+    pieces: int
+    wide: bool
+    vec: bool
+    kept: dict = field(default_factory=dict)  # the entries on the device (GpuCopy uploads them once)
+
+    @classmethod
+    def of(cls, w: "_Windows", table, mem: str, write: bool) -> "_Entries | None":
+        base = table.remote_base.astype(np.uint64)
+        k = np.searchsorted(w.starts, base, side="right").astype(np.int64) - 1
+        j = np.maximum(k, 0)
+        if not len(base) or not bool(((k >= 0) & (base < w.stops[j]) & (w.mem_of[j] == mem)).all()):
+            return None
+        moved = (base + w.shifts[j].astype(np.uint64)).view(np.int64)  # (modulo 2**64)
+        cols = (table.local_base, table.local_stride, moved, table.remote_stride, table.length, table.slot)
+        entries = np.ascontiguousarray(np.stack(cols, axis=1).reshape(-1), dtype=np.int64)
+        low = int(np.bitwise_or.reduce(np.stack(cols[:5]).reshape(-1))) & 15
+        pieces = max(1, -(-int(table.length.max()) // CHUNK))
+        if max(table.entries, pieces) > GRID_YZ:  # the launch's grid could not hold them: the rows go
+            return None
+        return cls(table, entries, w.starts[j], w.stops[j], pieces, not low & 7, not low)
 
 
 def _outside(rows: np.ndarray, bad: int, mem: str, what: str) -> IpcError:
@@ -147,6 +196,7 @@ class IpcRoute:
         self.copies = 0  # parts moved here
         self.in_flight = 0  # copies posted and not released yet
         self.rung = 0  # notifications written into peers' doorbells (not sent through NIXL)
+        self.block_copies = 0  # parts a GPU copied by their block ids (no row table)
 
     # ------------------------------------------------------------------ peers
     def devices(self) -> dict[str, int]:
@@ -213,14 +263,21 @@ class IpcRoute:
 
     # ------------------------------------------------------------------ transfers
     def initialize(self, op: str, local_rows: np.ndarray, local_mem: str, remote_rows: np.ndarray,
-                   remote_mem: str, remote_agent: str, what: str = "transfer") -> Any:
+                   remote_mem: str, remote_agent: str, what: str = "transfer", blocks: Any = None) -> Any:
+        """A part's transfer (``blocks``: its block form, :attr:`~kvlc.compiler.pairing.program.Part.blocks`,
+        which a GPU's copy launches by ids where every row of it lies in the peer's windows)."""
         if not self.copies_part(remote_agent, local_mem, remote_mem, len(local_rows)):
             return self.nixl.initialize(op, local_rows, local_mem, remote_rows, remote_mem, remote_agent, what)
         w = self.peers[remote_agent]
-        rows = w.table(local_rows, remote_rows, remote_mem, op == "WRITE", f"{op} {what}")
+        launch = None
+        if blocks is not None and "VRAM" in (local_mem, remote_mem) and self._gpu().blocks:
+            launch = w.blocks(blocks, remote_mem, op == "WRITE")
+        rows = None if launch is not None else w.table(local_rows, remote_rows, remote_mem, op == "WRITE",
+                                                       f"{op} {what}")
         w.users += 1
+        self.block_copies += launch is not None
         return IpcXfer(f"{op} {what} to {remote_agent!r} (same host)", remote_agent, rows,
-                       local_mem, remote_mem, self.gpu or 0, route=self, windows=w)
+                       local_mem, remote_mem, self.gpu or 0, route=self, windows=w, blocks=launch)
 
     def make_prepped(self, *args, **kwargs) -> Any:
         return self.nixl.make_prepped(*args, **kwargs)
@@ -231,7 +288,7 @@ class IpcRoute:
         try:
             gpu = "VRAM" in (xfer.mem, xfer.remote_mem)
             copier = self._gpu() if gpu else xfer.windows.host_copy(self.local)
-            xfer.launch = copier.start_rows(xfer.rows)
+            xfer.launch = copier.start_blocks(xfer.blocks) if xfer.blocks is not None else copier.start_rows(xfer.rows)
         except Exception as exc:  # a launch that fails moved nothing of this part
             xfer.state, xfer.error = XferState.ERR, f"{xfer.what}: the copy could not start: {exc}"
             return xfer.state
