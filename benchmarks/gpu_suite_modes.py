@@ -398,11 +398,13 @@ class _Kvlc:
             self._r = self.connect(self.l_big, self.c_big, "READ", "pull_via_push")
         counter = (lambda: self.c_big.call("stats")) if pv else (lambda: self.l_big.stats)
         before = ipc_count(counter())
+        blocks0 = counter().get("ipc_block_copies", 0)
         bytes0, desc0 = self.l_big.stats["bytes"], self.l_big.stats["descriptors"]
         tag = f"{mode.replace(' ', '-')}-c{self.g.cases.index(c)}"
         seconds = [self._unit(c, b, tag, pv) for b in c.batches()]
         out = stats_row(c, seconds)
         out["ipc"] = ipc_delta(before, counter())
+        out["ipc_block_copies"] = counter().get("ipc_block_copies", 0) - blocks0  # parts copied by their block ids
         if not pv:
             moved = len(c.requests)
             out["kvlc_descriptors_per_request"] = (self.l_big.stats["descriptors"] - desc0) / moved

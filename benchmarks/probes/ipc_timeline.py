@@ -158,13 +158,15 @@ def run_mode(mode: str, args, plan, batches, stamps: Stamps) -> dict:
                 stamps.mark(req, "finished")
                 rows.append(stamps.at[req])
             faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / max(1, len(batches))
+            prod.poll()
             ipc = prod.stats.get("ipc_requests")
+            blocks = prod.stats.get("ipc_block_copies")
         finally:
             prod.close()
     finally:
         proc.stop()
     skip = min(args.warmup, len(rows) - 1)
-    return {"rows": rows[skip:], "ipc_requests": ipc, "faults": faults}
+    return {"rows": rows[skip:], "ipc_requests": ipc, "ipc_block_copies": blocks, "faults": faults}
 
 
 def _wait(agent, req: str, timeout: float = 60.0) -> None:
@@ -228,10 +230,12 @@ def main(argv=None) -> int:
     for mode in args.modes.split(","):
         got = run_mode(mode, args, plan, batches, stamps)
         doc["modes"][mode] = {"stages": summary(got["rows"]), "ipc_requests": got["ipc_requests"],
+                              "ipc_block_copies": got["ipc_block_copies"],
                               "page_faults_per_request": got["faults"]}
         st = doc["modes"][mode]["stages"]
         line = ", ".join(f"{s} {st[s]['p50_us']:,.0f}/{st[s]['p90_us']:,.0f}" for s in STAGES if s in st)
-        print(f"{mode:5s} ({args.tokens} tokens, {args.ids}; ipc requests {got['ipc_requests']}; "
+        print(f"{mode:5s} ({args.tokens} tokens, {args.ids}; ipc requests {got['ipc_requests']}, by block ids "
+              f"{got['ipc_block_copies']}; "
               f"{got['faults']:.1f} page faults per request in this process): us since write(), p50/p90: {line}",
               flush=True)
     if stamps.notif_s:
