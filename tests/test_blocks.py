@@ -3,8 +3,9 @@
 Hypothesis draws the engine pairs of test_pair_properties (TP, block sizes, dim orders, MLA, Mamba state,
 sliding windows, shared regions, fp4) and a request over a random token range; wherever a part has a
 block form, its rows (entry by entry, id by id) must move exactly the bytes of the part's rows as
-``emit`` writes them: both sorted and coalesced, row for row the same. Where a form is given, every
-entry's span must hold every one of its rows.
+``emit`` writes them: both sorted and coalesced, row for row the same; every row must lie in its entry's
+extent on the peer's side. Where every part has a form, ``emit(..., blocks=True)`` gives the parts lazily:
+their bytes and row counts without rows, their rows (when asked for) those of ``emit``.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import kvlc
 from kvlc import bind
 from kvlc.compiler.algebra.copies import coalesce_rows
 from kvlc.compiler.pairing.pair import pair
-from kvlc.compiler.request.blocks import block_copies, block_tables
+from kvlc.compiler.pairing.program import Part
+from kvlc.compiler.request.blocks import BlockPart, block_copies, block_tables
 from kvlc.compiler.request.check import check_request
 from kvlc.compiler.request.instantiate import emit
 
@@ -52,11 +54,20 @@ def _same_bytes(bound, req) -> int:
         bl, br = form.rows()
         want = _canonical(parts[key].local, parts[key].remote)
         assert np.array_equal(_canonical(bl, br), want), f"part {key}: the block form moves other bytes"
-        lo, hi = form.remote_span()
-        for e, (a, b) in enumerate(zip(lo.tolist(), hi.tolist())):
-            mine = br[np.repeat(np.arange(form.table.entries), form.counts()[form.table.slot]) == e]
-            if len(mine):
-                assert a <= int(mine[:, 0].min()) and int((mine[:, 0] + mine[:, 1]).max()) <= b
+        t = form.table
+        which = np.repeat(np.arange(t.entries), form.counts()[t.slot])  # each row's entry
+        assert (br[:, 0] >= t.remote_lo[which]).all() and (br[:, 0] + br[:, 1] <= t.remote_hi[which]).all()
+        assert form.nbytes == parts[key].nbytes
+        assert form.runs >= len(parts[key])  # (rows of different entries may continue one another)
+    lazy = emit(bound, req, blocks=True)
+    if set(forms) == set(bound.program.part_keys):
+        assert all(isinstance(p, BlockPart) and not p.built for p in lazy.values())
+        for key, p in lazy.items():
+            assert p.nbytes == parts[key].nbytes and len(p) == forms[key].runs and not p.built
+            assert np.array_equal(p.local, parts[key].local) and np.array_equal(p.remote, parts[key].remote)
+            assert p.built
+    else:
+        assert all(isinstance(p, Part) and (p.blocks is None) == (k not in forms) for k, p in lazy.items())
     return len(forms)
 
 
@@ -102,8 +113,9 @@ def test_whole_blocks_of_a_same_layout_pair_have_a_block_form(data):
     req = check_request(bound.program, {group.name: lids}, {group.name: rids}, n * bs)
     forms = block_copies(bound, req)
     assert set(forms) == set(block_tables(bound)) == set(emit(bound, req))
-    for form in forms.values():
+    for key, form in forms.items():
         assert form.count == n and (form.counts() == n).all()
+        assert form.runs == len(emit(bound, req)[key])  # separate regions: the estimate is exact
     assert _same_bytes(bound, req) == len(forms)
     if bs > 1:
         short = check_request(bound.program, {group.name: lids}, {group.name: rids}, n * bs - 1)

@@ -220,11 +220,20 @@ class Executor:
             x = self.agent.make_prepped(op, part.local, part.local_idx, part.remote, part.remote_idx,
                                         what=f"request '{req}' part {pk} (prepared)")
         else:
-            blocks = getattr(part, "blocks", None)  # a part's block form: only the same-host route takes it
-            form = {} if blocks is None else {"blocks": blocks}
-            x = self.agent.initialize(op, part.local, pk.local_mem, part.remote, pk.remote_mem, peer,
-                                      what=f"request '{req}' part {pk}", **form)
+            x = self._by_blocks(req, op, pk, part, peer)
+            if x is None:
+                x = self.agent.initialize(op, part.local, pk.local_mem, part.remote, pk.remote_mem, peer,
+                                          what=f"request '{req}' part {pk}")
         return PartRun(pk, x, len(part), int(part.nbytes), peer=peer)
+
+    def _by_blocks(self, req: str, op: str, pk, part, peer: str) -> Any:
+        """The same-host copy of a part by its block form (its rows are not built), where it has one and the
+        agent takes it; else None."""
+        blocks = getattr(part, "blocks", None)
+        by_blocks = getattr(self.agent, "initialize_blocks", None)
+        if blocks is None or by_blocks is None:
+            return None
+        return by_blocks(op, blocks, pk.local_mem, pk.remote_mem, peer, len(part), what=f"request '{req}' part {pk}")
 
     def _post(self, out: Outgoing, runs: list[PartRun]) -> None:
         """Post every part (a staged one is running already); after a failure, post no more."""

@@ -2,8 +2,9 @@
 
 The launch a GPU's block kernel gets (entries with the peer's bases moved into its mapped windows, and the
 request's ids) must stand for the same (source, destination, length) bytes as the row table the route builds
-from the part's rows; where a request's rows reach outside the windows, or the windows hold another memory
-type, there is no block launch (the rows decide, and word the refusal).
+from the part's rows; where an entry's extent (where any of its rows can lie) reaches outside the windows,
+or they hold another memory type, there is no block launch (checked once per table, for every entry's
+extent: the rows then decide, and word any refusal).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -22,6 +24,7 @@ from kvlc.compiler.request.blocks import block_copies
 from kvlc.compiler.request.check import check_request
 from kvlc.compiler.request.instantiate import emit
 from kvlc.runtime.ipc.copy import ENTRY
+from kvlc.runtime.ipc.cuda import IpcError
 from kvlc.runtime.ipc.memory import Mapped, Window
 from kvlc.runtime.ipc.route import _Windows
 
@@ -87,16 +90,59 @@ def test_block_launch_moves_the_bytes_of_the_row_table(data):
         assert w.blocks(form, "DRAM", write) is None  # the windows hold VRAM
 
 
-def test_no_block_launch_where_a_row_reaches_past_its_window():
-    """The last block of a region lies past a window cut short: requests that touch it get no block launch
-    (their rows are refused, in the route's words); the others get one."""
+def test_no_block_launch_where_an_extent_reaches_past_its_window():
+    """A window cut one byte short of its storage: the last block of a region lies past it, so no request of
+    that table gets a block launch (checked once, for the extents); the rows path then moves a request that
+    stays inside and refuses one that touches the last block, in its words."""
     plan, bound = _bound("layouts/llama-3.1-8b.yaml", "WRITE")
     group, region = plan.groups[0], plan.regions[0]
     w = _windows(plan, short=1)
     last = region.capacity - 1
     near = check_request(bound.program, {group.name: [0]}, {group.name: [1]}, group.block_size)
     far = check_request(bound.program, {group.name: [0]}, {group.name: [last]}, group.block_size)
-    (key, form), = block_copies(bound, near).items()
-    assert w.blocks(form, "VRAM", True) is not None
-    (key, form), = block_copies(bound, far).items()
-    assert w.blocks(form, "VRAM", True) is None
+    for req in (near, far):
+        (key, form), = block_copies(bound, req).items()
+        assert w.blocks(form, "VRAM", True) is None
+    (key, part), = emit(bound, near).items()
+    assert w.table(part.local, part.remote, "VRAM", True, "WRITE").rows
+    (key, part), = emit(bound, far).items()
+    with pytest.raises(IpcError, match="lies outside every storage it shared"):
+        w.table(part.local, part.remote, "VRAM", True, "WRITE")
+    assert _windows(plan).blocks(form, "VRAM", True) is not None  # whole windows: a launch
+
+
+class _Agent:
+    """The executor's agent, recording what it was handed: ``by_blocks`` says whether it takes a block form."""
+
+    def __init__(self, by_blocks: bool):
+        self.by_blocks, self.calls = by_blocks, []
+
+    def initialize_blocks(self, op, blocks, local_mem, remote_mem, peer, rows, what=""):
+        self.calls.append(("blocks", rows))
+        return "by-blocks" if self.by_blocks else None
+
+    def initialize(self, op, local, local_mem, remote, remote_mem, peer, what=""):
+        self.calls.append(("rows", len(local)))
+        return "by-rows"
+
+
+@pytest.mark.parametrize("by_blocks", [True, False])
+def test_the_executor_builds_rows_only_where_the_block_form_is_not_taken(by_blocks):
+    """Every part in block form: parts whose copy takes the form never build their rows; where it is not
+    taken (NIXL, DRAM, an extent outside the windows) the rows are built then, once for the request."""
+    from kvlc.compiler.request.blocks import BlockPart
+    from kvlc.runtime.transfer import Executor
+
+    plan, bound = _bound("layouts/llama-3.1-8b.yaml", "WRITE")
+    group = plan.groups[0]
+    req = check_request(bound.program, {group.name: [5, 9, 2]}, {group.name: [1, 2, 3]}, 3 * group.block_size)
+    parts = emit(bound, req, blocks=True)
+    assert parts and all(isinstance(p, BlockPart) and not p.built for p in parts.values())
+    agent = _Agent(by_blocks)
+    runs = [Executor(agent, 0)._one("r", "WRITE", key, p, "peer") for key, p in parts.items()]
+    rows = emit(bound, req)
+    assert [r.xfer for r in runs] == ["by-blocks" if by_blocks else "by-rows"] * len(parts)
+    assert [r.nbytes for r in runs] == [p.nbytes for p in rows.values()]
+    assert all(p.built is not by_blocks for p in parts.values())
+    want = [c for p in rows.values() for c in [("blocks", len(p))] + ([] if by_blocks else [("rows", len(p))])]
+    assert agent.calls == want

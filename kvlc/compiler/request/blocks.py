@@ -8,16 +8,23 @@ kernel that computes the addresses itself needs a few kilobytes per request wher
 each. The same rows as :func:`~kvlc.compiler.request.instantiate.emit` writes before it coalesces them
 (:meth:`BlockCopy.rows`; tests/test_blocks.py), for whole tiles only: a request with a partial tile in a
 part, or a part with a tile of several runs (another TP, another block size), has no block form and
-moves as rows.
+moves as rows. Where every part of a request has one, :class:`BlockPart` gives each part with its rows
+built only if something asks for them (NIXL, staging, a refusal's words).
+
+Every row of an entry lies in its regions' extents (:attr:`BlockTable.remote_lo` / ``remote_hi`` on the
+peer's side), for any ids :func:`~kvlc.compiler.request.check.check_request` lets through (each below its
+region's block count): a copier checks the extents once, not the rows of each request.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
+from typing import Callable
 
 import numpy as np
 
-from kvlc.compiler.pairing.program import PartKey
+from kvlc.compiler.pairing.program import Part, PartKey
 from kvlc.compiler.request.bind import BoundProgram
 from kvlc.compiler.request.check import Request, block_tiles
 from kvlc.compiler.request.index import Block, program_index
@@ -38,6 +45,11 @@ class BlockTable:
     length: np.ndarray
     slot: np.ndarray
     blocks: tuple[int, ...]  # positions in the program index's blocks
+    remote_lo: np.ndarray    # the peer's bytes each entry's rows can reach: its region's [first, end)
+    remote_hi: np.ndarray
+    slot_bytes: tuple[int, ...]    # bytes one id moves in each slot (its entries' lengths summed)
+    slot_merging: tuple[int, ...]  # entries of each slot whose rows of consecutive ids continue (stride = length)
+    slot_apart: tuple[int, ...]    # ... and the others
 
     @property
     def entries(self) -> int:
@@ -60,23 +72,23 @@ class BlockCopy:
         """Ids of each slot (int64)."""
         return self.ids[:HEADER * len(self.table.blocks)].reshape(-1, HEADER)[:, 2]
 
-    def remote_span(self) -> tuple[np.ndarray, np.ndarray]:
-        """Per entry, the peer's bytes its rows reach in this request: ``[lo, hi)`` (uint64; an entry whose slot
-        has no ids spans nothing at its base)."""
-        t = self.table
-        lo_id, hi_id, n = self._extremes(1)
-        lo = t.remote_base + lo_id[t.slot] * t.remote_stride
-        hi = t.remote_base + hi_id[t.slot] * t.remote_stride + np.where(n[t.slot] > 0, t.length, 0)
-        return lo.astype(np.uint64), hi.astype(np.uint64)
+    @cached_property
+    def nbytes(self) -> int:
+        """Bytes moved."""
+        return sum(b * int(n) for b, n in zip(self.table.slot_bytes, self.counts().tolist()))
 
-    def _extremes(self, side: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        head = self.ids[:HEADER * len(self.table.blocks)].reshape(-1, HEADER)
-        lo, hi = np.zeros(len(head), np.int64), np.zeros(len(head), np.int64)
-        for s, (at, n) in enumerate(zip(head[:, side].tolist(), head[:, 2].tolist())):
-            if n:
-                ids = self.ids[at:at + n]
-                lo[s], hi[s] = ids.min(), ids.max()
-        return lo, hi, head[:, 2]
+    @cached_property
+    def runs(self) -> int:
+        """Rows once consecutive ids (on both sides) merge within each entry: what ``emit`` gives for the part
+        unless rows of different entries continue one another (separate regions do not)."""
+        head = self.ids[:HEADER * len(self.table.blocks)].reshape(-1, HEADER).tolist()
+        out = 0
+        for (la, ra, n), merging, apart in zip(head, self.table.slot_merging, self.table.slot_apart):
+            out += apart * n
+            if n and merging:  # (a slot's remote ids follow its local ones: one diff for both sides)
+                step = np.diff(self.ids[la:la + 2 * n].reshape(2, n), axis=1) != 1
+                out += merging * (1 + int(np.count_nonzero(step[0] | step[1])))
+        return out
 
     def rows(self) -> tuple[np.ndarray, np.ndarray]:
         """The rows this form stands for, entry by entry, id by id (before any coalescing): local and remote
@@ -107,7 +119,8 @@ def block_tables(bound: BoundProgram) -> dict[PartKey, BlockTable]:
 
 
 def _tables(bound: BoundProgram) -> dict[PartKey, BlockTable]:
-    index = program_index(bound.program)
+    prog = bound.program
+    index = program_index(prog)
     per: dict[PartKey, list[int]] = {}
     for i, b in enumerate(index.blocks):
         per.setdefault(b.key, []).append(i)
@@ -117,20 +130,28 @@ def _tables(bound: BoundProgram) -> dict[PartKey, BlockTable]:
         blocks = [index.blocks[i] for i in which]
         if not all(_one_run(b) for b in blocks):
             continue
-        cols: dict[str, list] = {c: [] for c in ("lb", "ls", "rb", "rs", "len", "slot")}
+        cols: dict[str, list] = {c: [] for c in ("lb", "ls", "rb", "rs", "len", "slot", "lo", "hi")}
         for s, (i, b) in enumerate(zip(which, blocks)):
             g, r, e = geometries[i], b.runs, len(b.entries)
+            regions = [prog.remote.region(prog.entries[j].remote_region) for j in b.entries]
             cols["lb"].append(g.base[0, :, 0] + int(r.local_offset[0]))
             cols["rb"].append(g.base[1, :, 0] + int(r.remote_offset[0]))
             cols["ls"].append(g.stride[0, :, 0])
             cols["rs"].append(g.stride[1, :, 0])
             cols["len"].append(np.full(e, int(r.length[0]), np.int64))
             cols["slot"].append(np.full(e, s, np.int64))
+            cols["lo"].append(g.base[1, :, 0])  # (the base holds the region's offset in its storage)
+            cols["hi"].append(g.base[1, :, 0] + np.array([x.end - x.offset for x in regions], dtype=np.int64))
         arrays = {c: np.ascontiguousarray(np.concatenate(v), dtype=np.int64) for c, v in cols.items()}
         for a in arrays.values():
             a.setflags(write=False)
+        n = len(which)
+        per = np.bincount(arrays["slot"], weights=arrays["len"], minlength=n).astype(np.int64).tolist()
+        merging = (arrays["ls"] == arrays["len"]) & (arrays["rs"] == arrays["len"])
+        count = lambda m: tuple(np.bincount(arrays["slot"][m], minlength=n).tolist())  # noqa: E731
         out[key] = BlockTable(key, arrays["lb"], arrays["ls"], arrays["rb"], arrays["rs"], arrays["len"],
-                              arrays["slot"], tuple(which))
+                              arrays["slot"], tuple(which), arrays["lo"], arrays["hi"], tuple(per),
+                              count(merging), count(~merging))
     return out
 
 
@@ -169,3 +190,54 @@ def _copy(table: BlockTable, blocks: list[Block], req: Request) -> BlockCopy | N
         ids[pos:pos + len(c)] = c
         pos += len(c)
     return BlockCopy(table, ids, most)
+
+
+class BlockPart:
+    """A part given by its block form (:attr:`blocks`); its rows (:attr:`local`, :attr:`remote`) are built when
+    first asked for, by ``build`` (every part of the request at once: see :func:`block_parts`). Its length is
+    :attr:`BlockCopy.runs` (what its rows would be), its bytes the form's: neither builds rows."""
+
+    def __init__(self, key: PartKey, blocks: BlockCopy, build: Callable[[], dict]):
+        self._key, self.blocks, self._build = key, blocks, build
+
+    @property
+    def local(self) -> np.ndarray:
+        return self._part().local
+
+    @property
+    def remote(self) -> np.ndarray:
+        return self._part().remote
+
+    @property
+    def built(self) -> bool:
+        """Whether its rows were asked for."""
+        return self._build is None
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.nbytes
+
+    def __len__(self) -> int:
+        return self.blocks.runs
+
+    def _part(self) -> Part:
+        got = self.__dict__.get("_rows")
+        if got is None:
+            got = self._rows = self._build()[self._key]
+            self._build = None
+        return got
+
+
+def block_parts(bound: BoundProgram, req: Request, forms: dict[PartKey, BlockCopy], rows: Callable[[], dict]
+                ) -> dict[PartKey, BlockPart] | None:
+    """Every part of a request as a :class:`BlockPart`, or None unless each part it moves has a block form
+    (``forms``); ``rows()``: the request's parts as rows (called once, when a part's rows are first asked for)."""
+    if not forms or len(forms) != bound.memo.get("part_count", lambda: len(bound.program.part_keys)):
+        return None
+    made: dict = {}
+
+    def build() -> dict:
+        if not made:
+            made.update(rows())
+        return made
+    return {key: BlockPart(key, form, build) for key, form in forms.items()}

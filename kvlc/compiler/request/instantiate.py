@@ -17,7 +17,7 @@ from kvlc.compiler.pairing.program import Part, PartKey
 from kvlc.compiler.pairing.runs import Runs
 from kvlc.compiler.request import native
 from kvlc.compiler.request.bind import BoundProgram
-from kvlc.compiler.request.blocks import block_copies
+from kvlc.compiler.request.blocks import block_copies, block_parts
 from kvlc.compiler.request.check import Request, block_tiles, check_request
 from kvlc.compiler.request.index import Block, ProgramIndex, program_index
 from kvlc.compiler.request.native_rows import emit_native
@@ -55,10 +55,14 @@ def emit(bound: BoundProgram, req: Request, coalesce: str = "order", *, blocks: 
     """Descriptors of a checked request (:func:`check_request`), per part (see :func:`instantiate`).
 
     ``blocks``: each part that has a block form (:mod:`kvlc.compiler.request.blocks`) carries it as well
-    (:attr:`Part.blocks`), for a same-host copy kernel."""
+    (:attr:`Part.blocks`), for a same-host copy kernel; where every part has one, the parts are
+    :class:`~kvlc.compiler.request.blocks.BlockPart` s, whose rows are built only when first asked for."""
     if coalesce not in ("order", "sort"):
         raise ValueError(f"coalesce must be 'order' or 'sort', got {coalesce!r}")
     forms = block_copies(bound, req) if blocks else {}
+    lazy = block_parts(bound, req, forms, lambda: emit(bound, req, coalesce)) if forms else None
+    if lazy is not None:
+        return lazy  # type: ignore[return-value]  (parts whose rows come when asked for)
     if coalesce == "order" and native.library() is not None:
         return emit_native(bound, req, forms)
     # Pass 1: per block, its row pieces (no rows yet) and the rows per part. Pass 2 writes

@@ -113,16 +113,14 @@ class _Windows:
 
     def blocks(self, form, mem: str, write: bool) -> BlockLaunch | None:
         """A part's launch by block ids (``form``: its :class:`~kvlc.compiler.request.blocks.BlockCopy`), or None
-        where some entry's rows of this request do not lie in the window of the peer's ``mem`` that holds the
-        entry's first block (then its rows decide, and word any refusal: :meth:`table`)."""
+        unless every entry's extent on the peer's side (where any of its rows can lie) is inside the window of
+        the peer's ``mem`` that holds its start: checked once per table (then the rows decide, and word any
+        refusal: :meth:`table`)."""
         key = (form.table, mem, write)
         got = self._entries.get(key, False)
         if got is False:
             got = self._entries[key] = _Entries.of(self, form.table, mem, write)
         if got is None:
-            return None
-        lo, hi = form.remote_span()
-        if not bool(((lo >= got.starts) & (hi <= got.stops)).all()):
             return None
         return BlockLaunch(got.entries, form.ids, form.count, got.pieces, write, got.wide, got.vec, got.kept)
 
@@ -148,8 +146,6 @@ class _Entries:
 
     table: Any          # the BlockTable (kept: the cache is keyed by it)
     entries: np.ndarray  # int64, ENTRY per entry
-    starts: np.ndarray  # uint64 per entry: its window's first byte and end
-    stops: np.ndarray
     pieces: int
     wide: bool
     vec: bool
@@ -157,19 +153,19 @@ class _Entries:
 
     @classmethod
     def of(cls, w: "_Windows", table, mem: str, write: bool) -> "_Entries | None":
-        base = table.remote_base.astype(np.uint64)
-        k = np.searchsorted(w.starts, base, side="right").astype(np.int64) - 1
+        lo, hi = table.remote_lo.astype(np.uint64), table.remote_hi.astype(np.uint64)
+        k = np.searchsorted(w.starts, lo, side="right").astype(np.int64) - 1
         j = np.maximum(k, 0)
-        if not len(base) or not bool(((k >= 0) & (base < w.stops[j]) & (w.mem_of[j] == mem)).all()):
+        if not len(lo) or not bool(((k >= 0) & (hi <= w.stops[j]) & (hi > lo) & (w.mem_of[j] == mem)).all()):
             return None
-        moved = (base + w.shifts[j].astype(np.uint64)).view(np.int64)  # (modulo 2**64)
+        moved = (table.remote_base.astype(np.uint64) + w.shifts[j].astype(np.uint64)).view(np.int64)  # mod 2**64
         cols = (table.local_base, table.local_stride, moved, table.remote_stride, table.length, table.slot)
         entries = np.ascontiguousarray(np.stack(cols, axis=1).reshape(-1), dtype=np.int64)
         low = int(np.bitwise_or.reduce(np.stack(cols[:5]).reshape(-1))) & 15
         pieces = max(1, -(-int(table.length.max()) // CHUNK))
         if max(table.entries, pieces) > GRID_YZ:  # the launch's grid could not hold them: the rows go
             return None
-        return cls(table, entries, w.starts[j], w.stops[j], pieces, not low & 7, not low)
+        return cls(table, entries, pieces, not low & 7, not low)
 
 
 def _outside(rows: np.ndarray, bad: int, mem: str, what: str) -> IpcError:
@@ -263,20 +259,30 @@ class IpcRoute:
 
     # ------------------------------------------------------------------ transfers
     def initialize(self, op: str, local_rows: np.ndarray, local_mem: str, remote_rows: np.ndarray,
-                   remote_mem: str, remote_agent: str, what: str = "transfer", blocks: Any = None) -> Any:
-        """A part's transfer (``blocks``: its block form, :attr:`~kvlc.compiler.pairing.program.Part.blocks`,
-        which a GPU's copy launches by ids where every row of it lies in the peer's windows)."""
+                   remote_mem: str, remote_agent: str, what: str = "transfer") -> Any:
         if not self.copies_part(remote_agent, local_mem, remote_mem, len(local_rows)):
             return self.nixl.initialize(op, local_rows, local_mem, remote_rows, remote_mem, remote_agent, what)
         w = self.peers[remote_agent]
-        launch = None
-        if blocks is not None and "VRAM" in (local_mem, remote_mem) and self._gpu().blocks:
-            launch = w.blocks(blocks, remote_mem, op == "WRITE")
-        rows = None if launch is not None else w.table(local_rows, remote_rows, remote_mem, op == "WRITE",
-                                                       f"{op} {what}")
+        rows = w.table(local_rows, remote_rows, remote_mem, op == "WRITE", f"{op} {what}")
         w.users += 1
-        self.block_copies += launch is not None
         return IpcXfer(f"{op} {what} to {remote_agent!r} (same host)", remote_agent, rows,
+                       local_mem, remote_mem, self.gpu or 0, route=self, windows=w)
+
+    def initialize_blocks(self, op: str, blocks: Any, local_mem: str, remote_mem: str, remote_agent: str,
+                          rows: int, what: str = "transfer") -> IpcXfer | None:
+        """A part's copy by its block form (:attr:`~kvlc.compiler.pairing.program.Part.blocks`, ``rows``: the
+        part's length), without its rows; None where a GPU here does not copy it that way (the part is not
+        copied here, the block kernel is off, an entry's extent lies outside the peer's windows): then
+        :meth:`initialize` takes its rows."""
+        if "VRAM" not in (local_mem, remote_mem) or not self.copies_part(remote_agent, local_mem, remote_mem, rows):
+            return None
+        w = self.peers[remote_agent]
+        launch = w.blocks(blocks, remote_mem, op == "WRITE") if self._gpu().blocks else None
+        if launch is None:
+            return None
+        w.users += 1
+        self.block_copies += 1
+        return IpcXfer(f"{op} {what} to {remote_agent!r} (same host)", remote_agent, None,
                        local_mem, remote_mem, self.gpu or 0, route=self, windows=w, blocks=launch)
 
     def make_prepped(self, *args, **kwargs) -> Any:
