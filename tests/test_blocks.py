@@ -27,8 +27,7 @@ from kvlc.compiler.request.check import check_request
 from kvlc.compiler.request.instantiate import emit
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from memory_model import Engine  # noqa: E402
-from test_native import _ranged, _request  # noqa: E402
+from test_native import pair_requests  # noqa: E402
 from test_pair_properties import PROPS, pair_case  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,21 +74,9 @@ def _same_bytes(bound, req) -> int:
 @given(case=pair_case(), data=st.data())
 def test_block_form_moves_the_bytes_of_the_rows(case, data):
     """Every part with a block form, for every rank and both directions, with counts and token ranges."""
-    cons, prod = kvlc.compile_spec(case.cons.text), kvlc.compile_spec(case.prod.text)
-    ranged = data.draw(st.booleans()) and not isinstance(case.tokens_arg, dict)
-    start = data.draw(st.integers(0, case.tokens_arg - 1)) if ranged else 0
-    tokens = (start, case.tokens_arg) if ranged else case.tokens_arg
-    C, P = Engine(cons, 0, False), Engine(prod, 1, True)
     checked = 0
-    for local, remote, L, R, direction, lids, rids in (
-            (cons, prod, C, P, "READ", case.cids, case.pids), (prod, cons, P, C, "WRITE", case.pids, case.cids)):
-        lids, rids = (_ranged(local, lids, start), _ranged(remote, rids, start)) if ranged else (lids, rids)
-        for rank in range(local.parallel.tp_size):
-            prog = pair(local, remote, local_rank=rank, direction=direction)
-            bound = bind(prog, L.rank_bases(rank), {p: R.rank_bases(p) for p in prog.peer_ranks})
-            req = _request(prog, lids, rids, tokens)
-            if req is not None:
-                checked += 1 + _same_bytes(bound, req)
+    for bound, req, *_ in pair_requests(case, data):
+        checked += 1 + _same_bytes(bound, req)
     assume(checked)
 
 

@@ -89,17 +89,14 @@ def _request(prog, lids, rids, tokens):
         return None
 
 
-@needs_native
-@settings(PROPS, max_examples=150)
-@given(case=pair_case(), data=st.data())
-def test_native_rows_equal_the_reference(case, data):
-    """Every part's rows, for every rank and both directions, with counts and token ranges."""
+def pair_requests(case, data):
+    """Each rank's bound program of a drawn pair, both directions, with the case's request over a drawn
+    token range: (bound, checked request, local ids, remote ids, tokens); requests refused are left out."""
     cons, prod = kvlc.compile_spec(case.cons.text), kvlc.compile_spec(case.prod.text)
     ranged = data.draw(st.booleans()) and not isinstance(case.tokens_arg, dict)
     start = data.draw(st.integers(0, case.tokens_arg - 1)) if ranged else 0
     tokens = (start, case.tokens_arg) if ranged else case.tokens_arg
     C, P = Engine(cons, 0, False), Engine(prod, 1, True)
-    checked = 0
     for local, remote, L, R, direction, lids, rids in (
             (cons, prod, C, P, "READ", case.cids, case.pids), (prod, cons, P, C, "WRITE", case.pids, case.cids)):
         lids, rids = (_ranged(local, lids, start), _ranged(remote, rids, start)) if ranged else (lids, rids)
@@ -107,13 +104,22 @@ def test_native_rows_equal_the_reference(case, data):
             prog = pair(local, remote, local_rank=rank, direction=direction)
             bound = bind(prog, L.rank_bases(rank), {p: R.rank_bases(p) for p in prog.peer_ranks})
             req = _request(prog, lids, rids, tokens)
-            if req is None:
-                continue
-            _same(emit_native(bound, req), _reference(bound, req))
-            again = _request(prog, _reversed(lids), _reversed(rids), tokens)  # same shape: its cached layout
-            if again is not None:
-                _same(emit_native(bound, again), _reference(bound, again))
-            checked += 1
+            if req is not None:
+                yield bound, req, lids, rids, tokens
+
+
+@needs_native
+@settings(PROPS, max_examples=150)
+@given(case=pair_case(), data=st.data())
+def test_native_rows_equal_the_reference(case, data):
+    """Every part's rows, for every rank and both directions, with counts and token ranges."""
+    checked = 0
+    for bound, req, lids, rids, tokens in pair_requests(case, data):
+        _same(emit_native(bound, req), _reference(bound, req))
+        again = _request(bound.program, _reversed(lids), _reversed(rids), tokens)  # same shape: its cached layout
+        if again is not None:
+            _same(emit_native(bound, again), _reference(bound, again))
+        checked += 1
     assume(checked)
 
 

@@ -88,8 +88,9 @@ def test_cut_rows_cover_every_byte_once(lens, chunk):
     assert (s[1:] == s[:-1] + u[:-1]).all() and int(s[0]) == 1 << 40  # contiguous source, in order
 
 
+@pytest.mark.parametrize("name", ["copy_rows", "copy_blocks"])
 @pytest.mark.parametrize("wide, vec, want", [(True, True, "v2.b64"), (True, False, "b64"), (False, False, "b8")])
-def test_kernel_compiles_to_the_widest_accesses_its_rows_allow(wide, vec, want):
+def test_kernel_compiles_to_the_widest_accesses_its_rows_allow(wide, vec, want, name):
     """The kernel compiled for an H100/H200 (sm_90; PTX only, no GPU needed): rows whose addresses and
     lengths are multiples of 16 move 16 bytes per load and store, of 8 eight, else bytes. (The 16-byte
     hints once sat on the integer addresses only and the compiler emitted 8-byte accesses.)"""
@@ -101,16 +102,21 @@ def test_kernel_compiles_to_the_widest_accesses_its_rows_allow(wide, vec, want):
 
     from kvlc.runtime.ipc import kernel
 
-    src = ASTSource(fn=kernel.copy_rows, signature={"table": "*i64", "n": "i32", "BLOCK": "constexpr",
-                                                    "WIDE": "constexpr", "VEC": "constexpr"},
-                    constexprs={"BLOCK": 1024 if wide else 8192, "WIDE": wide, "VEC": vec},
-                    attrs={(0,): [["tt.divisibility", 16]]})
+    consts = {"BLOCK": 1024 if wide else 8192, "WIDE": wide, "VEC": vec}
+    if name == "copy_rows":
+        sig, attrs = {"table": "*i64", "n": "i32"}, {(0,): [["tt.divisibility", 16]]}
+    else:  # (the block kernel: both tables 16-byte aligned, the direction a plain int)
+        sig, attrs = {"entries": "*i64", "ids": "*i64", "write": "i32"}, {(0,): [["tt.divisibility", 16]],
+                                                                           (1,): [["tt.divisibility", 16]]}
+        sig["CHUNK"], consts["CHUNK"] = "constexpr", 1 << 18
+    sig.update({c: "constexpr" for c in ("BLOCK", "WIDE", "VEC")})
+    src = ASTSource(fn=getattr(kernel, name), signature=sig, constexprs=consts, attrs=attrs)
     try:
         ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
     except Exception as exc:  # noqa: BLE001 - a Triton build without its NVIDIA backend
         pytest.skip(f"Triton cannot compile for sm_90 here: {exc}")
     stores = set(re.findall(r"st\.global\.([\w.]+)", ptx))
-    loads = set(re.findall(r"ld\.global\.([\w.]+)", ptx)) - {"b64"}  # (the table's three entries are b64 loads)
+    loads = set(re.findall(r"ld\.global\.([\w.]+)", ptx)) - {"b64"}  # (the tables' entries are b64 loads)
     assert stores == {want}, stores
     assert loads <= {want}, loads
 

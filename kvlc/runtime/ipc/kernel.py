@@ -22,12 +22,10 @@ import triton
 import triton.language as tl
 
 
-@triton.jit(do_not_specialize=["n"])
-def copy_rows(table, n, BLOCK: tl.constexpr, WIDE: tl.constexpr, VEC: tl.constexpr):
-    r = tl.program_id(0)
-    src = tl.load(table + r)
-    dst = tl.load(table + n + r)
-    size = tl.load(table + 2 * n + r)
+@triton.jit
+def _move(src, dst, size, BLOCK: tl.constexpr, WIDE: tl.constexpr, VEC: tl.constexpr):
+    """Copy ``size`` bytes from address ``src`` to ``dst``, ``BLOCK`` units at a time (8-byte words where
+    ``WIDE``, 16-byte accesses told to the compiler where ``VEC``, else bytes)."""
     offs = tl.arange(0, BLOCK)
     if WIDE:
         s = src.to(tl.pointer_type(tl.int64))
@@ -44,6 +42,12 @@ def copy_rows(table, n, BLOCK: tl.constexpr, WIDE: tl.constexpr, VEC: tl.constex
         o = start + offs
         m = o < size
         tl.store(d + o, tl.load(s + o, mask=m), mask=m)
+
+
+@triton.jit(do_not_specialize=["n"])
+def copy_rows(table, n, BLOCK: tl.constexpr, WIDE: tl.constexpr, VEC: tl.constexpr):
+    r = tl.program_id(0)
+    _move(tl.load(table + r), tl.load(table + n + r), tl.load(table + 2 * n + r), BLOCK, WIDE, VEC)
 
 
 @triton.jit(do_not_specialize=["write"])  # (one compiled kernel for both directions: the direct launch keeps one)
@@ -67,22 +71,5 @@ def copy_blocks(entries, ids, write, CHUNK: tl.constexpr, BLOCK: tl.constexpr, W
         ir = tl.load(ids + tl.load(ids + 3 * slot + 1) + k)
         a = tl.load(ent) + il * tl.load(ent + 1) + start
         b = tl.load(ent + 2) + ir * tl.load(ent + 3) + start
-        src = tl.where(write != 0, a, b)
-        dst = tl.where(write != 0, b, a)
-        size = tl.minimum(size - start, CHUNK)
-        offs = tl.arange(0, BLOCK)
-        if WIDE:
-            s = src.to(tl.pointer_type(tl.int64))
-            d = dst.to(tl.pointer_type(tl.int64))
-            size = size // 8
-            if VEC:
-                s = tl.multiple_of(s, 16)
-                d = tl.multiple_of(d, 16)
-                size = tl.multiple_of(size, 2)
-        else:
-            s = src.to(tl.pointer_type(tl.uint8))
-            d = dst.to(tl.pointer_type(tl.uint8))
-        for o0 in range(0, size, BLOCK):
-            o = o0 + offs
-            m = o < size
-            tl.store(d + o, tl.load(s + o, mask=m), mask=m)
+        _move(tl.where(write != 0, a, b), tl.where(write != 0, b, a), tl.minimum(size - start, CHUNK),
+              BLOCK, WIDE, VEC)
