@@ -142,7 +142,7 @@ class _Windows:
 @dataclass(frozen=True, eq=False)
 class _Entries:
     """A block table's entries as the kernel reads them for one peer (its bases moved into the windows that
-    hold each entry's first block), with those windows' bounds per entry and the launch's constants."""
+    hold each entry's extent), and the launch's constants: CHUNK pieces of the longest row, the alignment."""
 
     table: Any          # the BlockTable (kept: the cache is keyed by it)
     entries: np.ndarray  # int64, ENTRY per entry
