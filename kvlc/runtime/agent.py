@@ -465,8 +465,7 @@ class KvAgent:
     def copies_blocks(self, peers: Iterable[str]) -> bool:
         """Whether a GPU here copies to and from every one of these NIXL agents (:meth:`copies_to`): its kernel
         reads a part's block form (:attr:`~kvlc.compiler.pairing.program.Part.blocks`) instead of its rows."""
-        with self._lock:
-            return self.route is not None and self.route.gpu is not None and all(p in self.route.peers for p in peers)
+        return self.copies_to(peers) and self.route.gpu is not None
 
     def _refuse(self, key, req: str, op: str, refuse: Mapping[Any, str] | None) -> None:
         self.check_open()

@@ -294,18 +294,19 @@ class Peer:
         it, not checked again)."""
         op = "READ" if self.direction is Direction.READ else "WRITE"
         bound = self.agent.bound_program(self.engine)
-        if self.mode is not ConnectionMode.PREPPED or self.agent.copies_to(agents_of(self._notify).values()):
-            blocks = self.agent.copies_blocks(agents_of(self._notify).values())  # a GPU's kernel reads ids
+        agents = agents_of(self._notify)
+        if self.mode is not ConnectionMode.PREPPED or self.agent.copies_to(agents.values()):
+            blocks = self.agent.copies_blocks(agents.values())  # a GPU's kernel reads ids
             parts = (instantiate(bound, local_block_ids, remote_block_ids, num_tokens, tokens=tokens, blocks=blocks)
                      if checked is None else emit(bound, checked, blocks=blocks))
-            return parts, self.agent.staged_parts(op, parts, agents_of(self._notify))
+            return parts, self.agent.staged_parts(op, parts, agents)
         req = prepared_indices(bound, local_block_ids, remote_block_ids, num_tokens, tokens=tokens)
         lists = self._prepared(bound)
         parts: dict = dict(req.tail)
         for key, (li, ri) in req.indices.items():
             local, remote = lists[key]
             parts[("prepped", key)] = PreparedPart(key, local, li, remote, ri, req.nbytes[key])
-        staged = self.agent.staged_parts(op, parts, agents_of(self._notify))
+        staged = self.agent.staged_parts(op, parts, agents)
         if staged:  # staged parts travel as rows (the bounce buffer gathers them), the rest stay prepared
             rows = instantiate(bound, local_block_ids, remote_block_ids, num_tokens, tokens=tokens)
             for rank, keys in staged.items():

@@ -68,9 +68,14 @@ class BlockCopy:
     ids: np.ndarray
     count: int
 
+    @property
+    def head(self) -> np.ndarray:
+        """The slots' words: (slots, :data:`HEADER`) int64 (local ids at, remote ids at, count)."""
+        return self.ids[:HEADER * len(self.table.blocks)].reshape(-1, HEADER)
+
     def counts(self) -> np.ndarray:
         """Ids of each slot (int64)."""
-        return self.ids[:HEADER * len(self.table.blocks)].reshape(-1, HEADER)[:, 2]
+        return self.head[:, 2]
 
     @cached_property
     def nbytes(self) -> int:
@@ -81,9 +86,8 @@ class BlockCopy:
     def runs(self) -> int:
         """Rows once consecutive ids (on both sides) merge within each entry: what ``emit`` gives for the part
         unless rows of different entries continue one another (separate regions do not)."""
-        head = self.ids[:HEADER * len(self.table.blocks)].reshape(-1, HEADER).tolist()
         out = 0
-        for (la, ra, n), merging, apart in zip(head, self.table.slot_merging, self.table.slot_apart):
+        for (la, ra, n), merging, apart in zip(self.head.tolist(), self.table.slot_merging, self.table.slot_apart):
             out += apart * n
             if n and merging:  # (a slot's remote ids follow its local ones: one diff for both sides)
                 step = np.diff(self.ids[la:la + 2 * n].reshape(2, n), axis=1) != 1
@@ -93,8 +97,7 @@ class BlockCopy:
     def rows(self) -> tuple[np.ndarray, np.ndarray]:
         """The rows this form stands for, entry by entry, id by id (before any coalescing): local and remote
         ``(N, 2)`` int64 (address, length). The reference the kernels are checked against."""
-        t = self.table
-        head = self.ids[:HEADER * len(t.blocks)].reshape(-1, HEADER)
+        t, head = self.table, self.head
         local, remote = [], []
         for e in range(t.entries):
             la, ra, n = head[t.slot[e]].tolist()
