@@ -12,7 +12,8 @@ Modes, side by side for each case (``--modes``):
   can; ``ipc`` counts ``agent.stats["ipc_requests"]``, "not available" where kvlc has no such counter).
 
 Cases (``--only``: handover, deepseek, bulk, mixed, flight, or 1-5): (1) Llama-3.1-8B handover of 1k, 2k and
-4k tokens, contiguous and random block ids, one request at a time: latency p50/p99 and GB/s at p50;
+4k tokens, contiguous and random block ids, and of a prompt's 2k - 1 tokens (last block partial), random ids,
+one request at a time: latency p50/p99 and GB/s at p50;
 (2) DeepSeek-V3 MLA handover, 4k tokens, random ids; (3) push and pull via push of 256 MiB and 2 GiB
 contiguous, rounds in flight: median GB/s; (4) DeepSeek-V3.2 HiSparse (latent in host memory) pushing
 into DeepSeek-V3.2 on the GPU, one request per round, every round counted (first round and overall);

@@ -132,6 +132,11 @@ def groups(sc: Scale, only: set[str]) -> list[Group]:
     llama = [Case(f"llama-8b handover {t} tokens {ids} ids", "handover", "handover", t, ids, rounds=sc.n,
                   warm=sc.warm)
              for ids in ("contiguous", "random") for t in sc.handover_tokens]
+    # What an engine hands over: a prompt's tokens less the one the decoder computes, so the last block is
+    # partial (its rows go with the block form as edge rows).
+    prompt = sc.handover_tokens[len(sc.handover_tokens) // 2] - 1
+    llama += [Case(f"llama-8b handover {prompt} tokens random ids (a prompt: last block partial)", "handover",
+                   "handover", prompt, "random", rounds=sc.n, warm=sc.warm)]
     llama += [Case(f"llama-8b {label}", "bulk", "bulk", t, direction=d, inflight=k, rounds=sc.rounds)
               for label, d, t, k in b]
     llama += _flight("llama-8b", sc, sc.handover_tokens)

@@ -54,8 +54,12 @@ def _same_bytes(bound, req) -> int:
         want = _canonical(parts[key].local, parts[key].remote)
         assert np.array_equal(_canonical(bl, br), want), f"part {key}: the block form moves other bytes"
         t = form.table
-        which = np.repeat(np.arange(t.entries), form.counts()[t.slot])  # each row's entry
-        assert (br[:, 0] >= t.remote_lo[which]).all() and (br[:, 0] + br[:, 1] <= t.remote_hi[which]).all()
+        which = np.repeat(np.arange(t.entries), form.counts()[t.slot])  # each tile row's entry
+        tiles, edge = br[:len(which)], br[len(which):]
+        assert (tiles[:, 0] >= t.remote_lo[which]).all() and (tiles[:, 0] + tiles[:, 1] <= t.remote_hi[which]).all()
+        inside = (edge[:, :1] >= t.remote_lo) & (edge[:, :1] + edge[:, 1:] <= t.remote_hi)  # (rows, entries)
+        assert inside.any(axis=1).all(), "an edge row outside every entry's extent"
+        assert len(edge) == (0 if form.edge is None else len(form.edge[0]))
         assert form.nbytes == parts[key].nbytes
         assert form.runs >= len(parts[key])  # (rows of different entries may continue one another)
     lazy = emit(bound, req, blocks=True)
@@ -90,7 +94,8 @@ def _llama(path: str = "layouts/llama-3.1-8b.yaml"):
 @given(data=st.data())
 def test_whole_blocks_of_a_same_layout_pair_have_a_block_form(data):
     """A same-layout pair (Llama-3.1-8B, DeepSeek-V3 MLA) moving whole blocks: one block form per part, one id
-    slot per index block, as many ids as blocks; a partial last block: no form (the rows move it)."""
+    slot per index block, as many ids as blocks; a partial last block: the same forms, one id fewer per slot
+    and the last block's tokens as edge rows (those of ``emit`` for them)."""
     plan, bound = _llama(data.draw(st.sampled_from(["layouts/llama-3.1-8b.yaml", "layouts/deepseek-v3-tp1.yaml"])))
     group = plan.groups[0]
     bs, cap = group.block_size, plan.regions[0].capacity
@@ -105,5 +110,13 @@ def test_whole_blocks_of_a_same_layout_pair_have_a_block_form(data):
         assert form.runs == len(emit(bound, req)[key])  # separate regions: the estimate is exact
     assert _same_bytes(bound, req) == len(forms)
     if bs > 1:
-        short = check_request(bound.program, {group.name: lids}, {group.name: rids}, n * bs - 1)
-        assert block_copies(bound, short) == {}
+        cut = data.draw(st.integers(1, bs - 1))
+        short = check_request(bound.program, {group.name: lids}, {group.name: rids}, n * bs - cut)
+        edged = block_copies(bound, short)
+        assert set(edged) == set(forms)
+        last = check_request(bound.program, {group.name: lids[-1:]}, {group.name: rids[-1:]}, bs - cut)
+        for key, form in edged.items():
+            assert form.count == n - 1 and (form.counts() == n - 1).all() and form.edge is not None
+            want = emit(bound, last)[key]  # the last block alone, as rows: the edge's bytes
+            assert _canonical(*form.edge).tolist() == _canonical(want.local, want.remote).tolist()
+        assert _same_bytes(bound, short) == len(forms)

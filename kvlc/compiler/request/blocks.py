@@ -6,14 +6,17 @@ remote stride[e]``, ``length[e]`` bytes (the run's offsets are in the bases). Th
 binding (:class:`BlockTable`, made once per part); a request adds only its ids (:class:`BlockCopy`), so a
 kernel that computes the addresses itself needs a few kilobytes per request where rows take 48 bytes
 each. The same rows as :func:`~kvlc.compiler.request.instantiate.emit` writes before it coalesces them
-(:meth:`BlockCopy.rows`; tests/test_blocks.py), for whole tiles only: a request with a partial tile in a
-part, or a part with a tile of several runs (another TP, another block size), has no block form and
-moves as rows. Where every part of a request has one, :class:`BlockPart` gives each part with its rows
-built only if something asks for them (NIXL, staging, a refusal's words).
+(:meth:`BlockCopy.rows`; tests/test_blocks.py). The partial tiles a token range cuts at its ends (a
+prompt's last block, a range that starts inside a block) come as a few rows of their own
+(:attr:`BlockCopy.edge`: per part and end at most one tile's runs per entry); a part with a tile of several
+runs (another TP, another block size) has no block form and moves as rows. Where every part of a request has
+one, :class:`BlockPart` gives each part with its rows built only if something asks for them (NIXL, staging,
+a refusal's words).
 
 Every row of an entry lies in its regions' extents (:attr:`BlockTable.remote_lo` / ``remote_hi`` on the
 peer's side), for any ids :func:`~kvlc.compiler.request.check.check_request` lets through (each below its
-region's block count): a copier checks the extents once, not the rows of each request.
+region's block count): a copier checks the extents once, not the rows of each request (the edge rows,
+few, it checks as rows).
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ import numpy as np
 from kvlc.compiler.pairing.program import Part, PartKey
 from kvlc.compiler.request.bind import BoundProgram
 from kvlc.compiler.request.check import Request, block_tiles
-from kvlc.compiler.request.index import Block, program_index
+from kvlc.compiler.request.index import Block, ProgramIndex, program_index
+from kvlc.compiler.request.rows import write_rows
+from kvlc.compiler.request.tiles import tile_rows
 
 HEADER = 3  # int64s per slot at the head of a request's ids: where its local ids start, its remote ids, how many
 
@@ -61,12 +66,15 @@ class BlockCopy:
     """One request's part in block form: the part's :class:`BlockTable` and the request's ids.
 
     ``ids`` (int64): :data:`HEADER` words per slot (offsets into ``ids`` of the slot's local ids and of its
-    remote ids, and their count), then the ids themselves. ``count``: the most ids of any slot.
+    remote ids, and their count), then the ids themselves: the request's whole tiles. ``count``: the most ids
+    of any slot. ``edge``: the rows of the partial tiles at the token range's ends, each side ``(N, 3)``
+    uint64 as ``emit`` writes rows (address, length, device; not coalesced), or None.
     """
 
     table: BlockTable
     ids: np.ndarray
     count: int
+    edge: tuple[np.ndarray, np.ndarray] | None = None
 
     @property
     def head(self) -> np.ndarray:
@@ -80,13 +88,15 @@ class BlockCopy:
     @cached_property
     def nbytes(self) -> int:
         """Bytes moved."""
-        return sum(b * int(n) for b, n in zip(self.table.slot_bytes, self.counts().tolist()))
+        tiles = sum(b * int(n) for b, n in zip(self.table.slot_bytes, self.counts().tolist()))
+        return tiles + (int(self.edge[0][:, 1].sum()) if self.edge is not None else 0)
 
     @cached_property
     def runs(self) -> int:
-        """Rows once consecutive ids (on both sides) merge within each entry: what ``emit`` gives for the part
-        unless rows of different entries continue one another (separate regions do not)."""
-        out = 0
+        """Rows once consecutive ids (on both sides) merge within each entry, and the edge rows: what ``emit``
+        gives for the part unless rows of different entries continue one another (separate regions do not) or
+        an edge row continues a tile's."""
+        out = len(self.edge[0]) if self.edge is not None else 0
         for (la, ra, n), merging, apart in zip(self.head.tolist(), self.table.slot_merging, self.table.slot_apart):
             out += apart * n
             if n and merging:  # (a slot's remote ids follow its local ones: one diff for both sides)
@@ -95,8 +105,8 @@ class BlockCopy:
         return out
 
     def rows(self) -> tuple[np.ndarray, np.ndarray]:
-        """The rows this form stands for, entry by entry, id by id (before any coalescing): local and remote
-        ``(N, 2)`` int64 (address, length). The reference the kernels are checked against."""
+        """The rows this form stands for, entry by entry, id by id, then the edge rows (before any coalescing):
+        local and remote ``(N, 2)`` int64 (address, length). The reference the kernels are checked against."""
         t, head = self.table, self.head
         local, remote = [], []
         for e in range(t.entries):
@@ -105,6 +115,9 @@ class BlockCopy:
             length = np.full(n, t.length[e], np.int64)
             local.append(np.stack([t.local_base[e] + il * t.local_stride[e], length], axis=1))
             remote.append(np.stack([t.remote_base[e] + ir * t.remote_stride[e], length], axis=1))
+        if self.edge is not None:
+            local.append(self.edge[0][:, :2].view(np.int64))
+            remote.append(self.edge[1][:, :2].view(np.int64))
         empty = np.zeros((0, 2), np.int64)
         return (np.concatenate(local) if local else empty), (np.concatenate(remote) if remote else empty)
 
@@ -164,27 +177,59 @@ def block_copies(bound: BoundProgram, req: Request) -> dict[PartKey, BlockCopy]:
     index = program_index(bound.program)
     out = {}
     for key, table in block_tables(bound).items():
-        got = _copy(table, [index.blocks[i] for i in table.blocks], req)
+        got = _copy(table, bound, index, req)
         if got is not None:
             out[key] = got
     return out
 
 
-def _copy(table: BlockTable, blocks: list[Block], req: Request) -> BlockCopy | None:
+@dataclass(frozen=True, eq=False)
+class _Edge:
+    """The rows of tokens ``[lo, hi)`` of one tile of an index block, for kernel id 0 on both sides (fixed per
+    binding): for ids ``(il, ir)`` each side's addresses move by its id times :attr:`stride`."""
+
+    rows: np.ndarray    # (2, N, 3) int64: each side's rows (address, length, device) for id 0
+    stride: np.ndarray  # (2, N) int64: each row's block stride on its side
+
+
+def _edge(bound: BoundProgram, index: ProgramIndex, i: int, lo: int, hi: int) -> _Edge:
+    """Index block ``i``'s partial tile ``[lo, hi)`` as rows for id 0 (kept in the binding's memo: a request
+    then moves them by its ids, a few numpy calls instead of building rows)."""
+    def make() -> _Edge:
+        b, g = index.blocks[i], bound.geometries()[i]
+        zero = np.zeros(1, dtype=np.int64)
+        runs = index.tail_runs(b, hi, lo)
+        piece = tile_rows(runs, 0, 1, b, zero, zero, g)  # (one-run tiles: every run in the tile's one block)
+        if piece is None:
+            return _Edge(np.zeros((2, 0, 3), np.int64), np.zeros((2, 0), np.int64))
+        lrows, rrows = write_rows(piece)
+        k = len(piece)
+        stride = np.repeat(g.stride[:, :, 0], k, axis=1)  # (2, E * K): entry e's stride for each of its runs
+        return _Edge(np.stack((lrows.reshape(-1, 3), rrows.reshape(-1, 3))), stride)
+    return bound.memo.get(("block_edge", i, lo, hi), make)
+
+
+def _copy(table: BlockTable, bound: BoundProgram, index: ProgramIndex, req: Request) -> BlockCopy | None:
     head: list[int] = []
     chunks: list[np.ndarray] = []
-    at, most = HEADER * len(blocks), 0
-    for b in blocks:
+    edges: list[np.ndarray] = []
+    at, most = HEADER * len(table.blocks), 0
+    for i in table.blocks:
+        b = index.blocks[i]
         ts, shift = block_tiles(b, req)
-        if ts.partial:
-            return None
+        for p in ts.partial:  # (a one-run tile is one kernel block: its ids are those of the tile)
+            e = _edge(bound, index, i, p.lo, p.hi)
+            got = e.rows.copy()
+            ids = np.array([[req.local[b.group][p.tile - shift[0]]], [req.remote[b.group][p.tile - shift[1]]]])
+            got[:, :, 0] += ids * e.stride
+            edges.append(got)
         n = ts.count
         ol, orr = ts.first - shift[0], ts.first - shift[1]
         chunks += (req.local[b.group][ol:ol + n], req.remote[b.group][orr:orr + n])
         head += (at, at + n, n)
         at += 2 * n
         most = max(most, n)
-    if not most:
+    if not most and not edges:
         return None
     ids = np.empty(at, dtype=np.int64)
     ids[:len(head)] = head
@@ -192,7 +237,11 @@ def _copy(table: BlockTable, blocks: list[Block], req: Request) -> BlockCopy | N
     for c in chunks:
         ids[pos:pos + len(c)] = c
         pos += len(c)
-    return BlockCopy(table, ids, most)
+    edge = None
+    if edges:
+        both = (edges[0] if len(edges) == 1 else np.concatenate(edges, axis=1)).view(np.uint64)
+        edge = (both[0], both[1])
+    return BlockCopy(table, ids, most, edge)
 
 
 class BlockPart:

@@ -14,7 +14,6 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from kvlc.compiler.pairing.program import Part, PartKey
-from kvlc.compiler.pairing.runs import Runs
 from kvlc.compiler.request import native
 from kvlc.compiler.request.bind import BoundProgram
 from kvlc.compiler.request.blocks import block_copies, block_parts
@@ -22,6 +21,7 @@ from kvlc.compiler.request.check import Request, block_tiles, check_request
 from kvlc.compiler.request.index import Block, ProgramIndex, program_index
 from kvlc.compiler.request.native_rows import emit_native
 from kvlc.compiler.request.rows import Geometry, RowPiece, coalesce, write_rows
+from kvlc.compiler.request.tiles import tile_rows
 
 
 def instantiate(bound: BoundProgram, local_block_ids: Mapping[str, Sequence[int]],
@@ -79,28 +79,13 @@ def emit(bound: BoundProgram, req: Request, coalesce: str = "order", *, blocks: 
     return _finish(_write(jobs, sizes), coalesce, forms)
 
 
-def tile_rows(runs: Runs, first: int, count: int, b: Block, kl, kr, geometry: Geometry,
-              shift: tuple[int, int] = (0, 0)) -> RowPiece | None:
-    """Rows of ``count`` tiles of block ``b`` from tile ``first`` with these runs (None without runs).
-
-    ``shift``: kernel block number of ``kl[0]`` and ``kr[0]`` (:func:`block_tiles`).
-    """
-    if not len(runs):
-        return None
-    t = np.arange(first, first + count, dtype=np.int64)[:, None]
-    il = kl[t * b.local_sub + runs.local_block[None, :] - shift[0]].ravel()          # (F*M,) kernel ids
-    ir = kr[t * b.remote_sub + runs.remote_block[None, :] - shift[1]].ravel()
-    offset = np.tile(np.stack((runs.local_offset, runs.remote_offset)), (1, count))
-    return RowPiece(geometry, np.stack((il, ir)), offset, np.tile(runs.length, count))
-
-
 def _block_pieces(index: ProgramIndex, b: Block, req: Request, segments: dict, geometry: Geometry
                   ) -> list[RowPiece]:
     """Row pieces of one block of a request in token order: partial first tile, whole tiles, partial last."""
     kl, kr = req.local[b.group], req.remote[b.group]
     ts, shift = block_tiles(b, req)
     partial = [tile_rows(index.tail_runs(b, p.hi, p.lo), p.tile, 1, b, kl, kr, geometry, shift)
-               for p in ts.partial]
+               for p in ts.partial]  # (not partial_pieces: an empty piece must keep its place here)
     head = 1 if ts.partial and ts.partial[0].tile < ts.first else 0
     pieces = partial[:head]                       # in token order: head, whole tiles, tail
     if ts.count and b.whole:   # whole, contiguous blocks: tile = kernel block on both sides

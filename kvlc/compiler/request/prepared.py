@@ -18,8 +18,8 @@ from kvlc.compiler.pairing.program import Part, PartKey, TransferProgram
 from kvlc.compiler.request.bind import BoundProgram
 from kvlc.compiler.request.check import Request, block_tiles, check_request
 from kvlc.compiler.request.index import program_index
-from kvlc.compiler.request.instantiate import tile_rows
-from kvlc.compiler.request.rows import coalesce, write_rows
+from kvlc.compiler.request.rows import coalesce
+from kvlc.compiler.request.tiles import partial_rows
 from kvlc.errors import TransferError
 
 INDEX_LIMIT = 1 << 31  # descriptors an expanded list may hold: make_prepped_xfer takes int32 indices
@@ -252,14 +252,10 @@ def prepared_request(bound: BoundProgram, req: Request) -> PreparedRequest:
             ir = kr[t * b.remote_sub + b.runs.remote_block[None, :] - shift[1]]
             jobs.setdefault(b.key, []).append((starts, il, ir))
             moved[b.key] = moved.get(b.key, 0) + b.runs.nbytes * ts.count * len(b.entries)
-        for p in ts.partial:
-            runs = index.tail_runs(b, p.hi, p.lo)
-            piece = tile_rows(runs, p.tile, 1, b, kl, kr, geometry, shift)
-            if piece is not None and len(piece):
-                lrows, rrows = write_rows(piece)
-                lt, rt = tails.setdefault(b.key, ([], []))
-                lt.append(lrows.reshape(-1, 3))
-                rt.append(rrows.reshape(-1, 3))
+        for lrows, rrows in partial_rows(index, b, req, geometry):
+            lt, rt = tails.setdefault(b.key, ([], []))
+            lt.append(lrows)
+            rt.append(rrows)
     indices = {key: _indices(js) for key, js in jobs.items()}
     tail_parts = {key: Part(*coalesce(np.concatenate(lt).view(np.uint64), np.concatenate(rt).view(np.uint64)))
                   for key, (lt, rt) in tails.items()}

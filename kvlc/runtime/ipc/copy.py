@@ -85,6 +85,11 @@ class BlockLaunch:
     wide: bool           # every base, stride and length a multiple of 8
     vec: bool            # ... and of 16
     kept: dict = field(default_factory=dict)  # device -> the entries there (shared by the launches of one table)
+    edge: Rows | None = None  # the partial tiles' rows (translated, cut at CHUNK), moved by the same launch
+
+    def words(self) -> np.ndarray:
+        """What goes up per request: the ids, then the edge's row table (if any)."""
+        return self.ids if self.edge is None else np.concatenate([self.ids, self.edge.table])
 
 
 @dataclass
@@ -167,14 +172,15 @@ class GpuCopy:
         return self._start(g.table, lambda table: self._go("copy_rows", (g.rows, 1, 1), (table, g.rows), consts))
 
     def start_blocks(self, b: "BlockLaunch") -> Launch:
-        """Launch the copy of a part in block form (:class:`BlockLaunch`): only its ids go up; the entries went
-        once per table and peer (kept here)."""
+        """Launch the copy of a part in block form (:class:`BlockLaunch`): only its ids (and its edge rows) go up;
+        the entries went once per table and peer (kept here). The edge rows are the grid's last entry."""
         entries = self._entries(b)
         block = self.block_words if b.wide else 8 * self.block_words
         consts = {"CHUNK": CHUNK, "BLOCK": block, "WIDE": b.wide, "VEC": self.vec and b.vec}
-        grid = (b.count, len(b.entries) // ENTRY, b.pieces)
-        return self._start(b.ids, lambda ids: self._go("copy_blocks", grid, (entries, ids, int(b.write)), consts),
-                           (entries,))
+        n, edge = len(b.entries) // ENTRY, b.edge.rows if b.edge is not None else 0
+        grid = (max(b.count, edge), n + (1 if edge else 0), b.pieces)
+        args = lambda ids: (entries, ids, int(b.write), n, len(b.ids), edge)  # noqa: E731
+        return self._start(b.words(), lambda ids: self._go("copy_blocks", grid, args(ids), consts), (entries,))
 
     def _start(self, words: np.ndarray, launch, keep: tuple = ()) -> Launch:
         """After the caller's queued work: ``words`` into the ring (or up), ``launch(table)`` on our stream, an
@@ -291,8 +297,8 @@ class GpuCopy:
         self._warm_blocks(scratch, pattern)
 
     def _warm_blocks(self, scratch, pattern) -> None:
-        """Check the block kernel by content (16-byte and byte rows, both directions, rows over a piece); where
-        it does not copy right here, parts move by their rows (:attr:`blocks` off)."""
+        """Check the block kernel by content (16-byte and byte rows, both directions, rows over a piece, an edge
+        row); where it does not copy right here, parts move by their rows (:attr:`blocks` off)."""
         try:
             for unit, write in ((16, True), (16, False), (1, True)):
                 for _ in range(2 if self.direct else 1):  # Triton's call (compiles), then the direct launch
@@ -314,10 +320,14 @@ class GpuCopy:
         local, remote = (src, dst) if write else (dst, src)
         entries = np.array([[local + o, stride, remote + o, stride, ln, 0] for o, ln in zip(offs, lens)],
                            dtype=np.int64).reshape(-1)
-        b = BlockLaunch(entries, ids, 2, 2, write, unit % 8 == 0, unit % 16 == 0)
+        at, size = 3 * stride, 3 * unit  # one edge row (a partial tile's), past every block row
+        one = lambda v: np.array([v], dtype=np.uint64)  # noqa: E731
+        edge = row_table(one(src + at), one(dst + at), one(size))
+        b = BlockLaunch(entries, ids, 2, 2, write, unit % 8 == 0, unit % 16 == 0, edge=edge)
         self.start_blocks(b).event.synchronize()
         want = np.zeros(n, dtype=np.uint8)
         pat = pattern.cpu().numpy()
+        want[at:at + size] = pat[at:at + size]
         for o, ln in zip(offs, lens):
             for il, ir in ((2, 1), (0, 2)):
                 s_at, d_at = (il, ir) if write else (ir, il)

@@ -111,18 +111,21 @@ class _Windows:
             raise _outside(remote_rows, got, mem, what)
         return launch_rows(table, got)
 
-    def blocks(self, form, mem: str, write: bool) -> BlockLaunch | None:
+    def blocks(self, form, mem: str, write: bool, what: str = "part") -> BlockLaunch | None:
         """A part's launch by block ids (``form``: its :class:`~kvlc.compiler.request.blocks.BlockCopy`), or None
         unless every entry's extent on the peer's side (where any of its rows can lie) is inside the window of
         the peer's ``mem`` that holds its start: checked once per table (then the rows decide, and word any
-        refusal: :meth:`table`)."""
+        refusal: :meth:`table`). The form's edge rows (partial tiles) go with it as a row table of their own,
+        checked row by row (:meth:`table`: IpcError where one lies outside)."""
         key = (form.table, mem, write)
         got = self._entries.get(key, False)
         if got is False:
             got = self._entries[key] = _Entries.of(self, form.table, mem, write)
         if got is None:
             return None
-        return BlockLaunch(got.entries, form.ids, form.count, got.pieces, write, got.wide, got.vec, got.kept)
+        edge = None if form.edge is None else self.table(form.edge[0], form.edge[1], mem, write, what)
+        wide, vec = (got.wide, got.vec) if edge is None else (got.wide and edge.wide, got.vec and edge.vec)
+        return BlockLaunch(got.entries, form.ids, form.count, got.pieces, write, wide, vec, got.kept, edge)
 
     def _reference(self, local_rows, remote_rows, mem: str, write: bool, what: str, chunk: int) -> Rows:
         mapped = self.translate(remote_rows, mem, what)
@@ -277,7 +280,7 @@ class IpcRoute:
         if "VRAM" not in (local_mem, remote_mem) or not self.copies_part(remote_agent, local_mem, remote_mem, rows):
             return None
         w = self.peers[remote_agent]
-        launch = w.blocks(blocks, remote_mem, op == "WRITE") if self._gpu().blocks else None
+        launch = w.blocks(blocks, remote_mem, op == "WRITE", f"{op} {what}") if self._gpu().blocks else None
         if launch is None:
             return None
         w.users += 1
