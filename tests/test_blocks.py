@@ -87,7 +87,8 @@ def test_block_form_moves_the_bytes_of_the_rows(case, data):
 def _llama(path: str = "layouts/llama-3.1-8b.yaml"):
     plan = kvlc.compile_spec(ROOT / path)
     prog = pair(plan, plan, local_rank=0, direction="WRITE")
-    return plan, bind(prog, {s.name: 1 << 40 for s in plan.storages}, {0: {s.name: 2 << 40 for s in plan.storages}})
+    at = lambda base: {s.name: base + i * (1 << 36) for i, s in enumerate(plan.storages)}  # noqa: E731
+    return plan, bind(prog, at(1 << 40), {0: at(2 << 40)})  # (each storage apart: no row continues another's)
 
 
 @settings(deadline=None, max_examples=40)
@@ -101,7 +102,11 @@ def test_whole_blocks_of_a_same_layout_pair_have_a_block_form(data):
     bs, cap = group.block_size, plan.regions[0].capacity
     n = data.draw(st.integers(1, 64))
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
-    lids, rids = rng.permutation(cap)[:n].tolist(), rng.permutation(cap)[:n].tolist()
+    if data.draw(st.booleans()):  # random ids, or runs of consecutive ones (rows that merge)
+        lids, rids = rng.permutation(cap)[:n].tolist(), rng.permutation(cap)[:n].tolist()
+    else:
+        lo, ro = int(rng.integers(0, cap - n)), int(rng.integers(0, cap - n))
+        lids, rids = list(range(lo, lo + n)), list(range(ro, ro + n))
     req = check_request(bound.program, {group.name: lids}, {group.name: rids}, n * bs)
     forms = block_copies(bound, req)
     assert set(forms) == set(block_tables(bound)) == set(emit(bound, req))
@@ -115,8 +120,10 @@ def test_whole_blocks_of_a_same_layout_pair_have_a_block_form(data):
         edged = block_copies(bound, short)
         assert set(edged) == set(forms)
         last = check_request(bound.program, {group.name: lids[-1:]}, {group.name: rids[-1:]}, bs - cut)
+        rows = emit(bound, short)
         for key, form in edged.items():
             assert form.count == n - 1 and (form.counts() == n - 1).all() and form.edge is not None
+            assert form.runs == len(rows[key])  # (an edge row that continues its entry's last tile counted once)
             want = emit(bound, last)[key]  # the last block alone, as rows: the edge's bytes
             assert _canonical(*form.edge).tolist() == _canonical(want.local, want.remote).tolist()
         assert _same_bytes(bound, short) == len(forms)

@@ -9,11 +9,12 @@ extent: the rows then decide, and word any refusal).
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import kvlc
@@ -26,7 +27,11 @@ from kvlc.compiler.request.instantiate import emit
 from kvlc.runtime.ipc.copy import ENTRY
 from kvlc.runtime.ipc.cuda import IpcError
 from kvlc.runtime.ipc.memory import Mapped, Window
-from kvlc.runtime.ipc.route import _Windows
+from kvlc.runtime.ipc.route import GRID_YZ, _Windows
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from test_native import pair_requests  # noqa: E402
+from test_pair_properties import PROPS, pair_case  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 LOCAL, REMOTE, MAPPED = 1 << 40, 2 << 40, 7 << 40
@@ -47,10 +52,11 @@ def _windows(plan, mem: str = "VRAM", short: int = 0) -> _Windows:
 def _launch_rows(b) -> np.ndarray:
     """(source, destination, length) of every row the block kernel moves, from its entries and ids."""
     ent, ids, out = b.entries.reshape(-1, ENTRY), b.ids, []
-    for lb, ls, rb, rs, length, slot in ent.tolist():
+    for lb, ls, rb, rs, length, slot, lsub, lblk, rsub, rblk in ent.tolist():
         la, ra, n = ids[3 * slot:3 * slot + 3].tolist()
-        a = lb + ids[la:la + n] * ls
-        r = rb + ids[ra:ra + n] * rs
+        k = np.arange(n)
+        a = lb + ids[la + k * lsub + lblk] * ls
+        r = rb + ids[ra + k * rsub + rblk] * rs
         s, d = (a, r) if b.write else (r, a)
         out.append(np.stack([s, d, np.full(n, length)], axis=1))
     if b.edge is not None:  # the partial tiles' rows, sources first already
@@ -93,6 +99,33 @@ def test_block_launch_moves_the_bytes_of_the_row_table(data):
         got = _launch_rows(b)
         assert np.array_equal(_canonical(got[:, 0], got[:, 1], got[:, 2]), _canonical(*table))
         assert w.blocks(form, "DRAM", write) is None  # the windows hold VRAM
+
+
+@settings(PROPS, max_examples=60)
+@given(case=pair_case(), data=st.data())
+def test_block_launch_of_random_pairs_moves_the_bytes_of_the_row_table(case, data):
+    """The engine pairs of test_pair_properties (TP, block sizes, dim orders, MLA, Mamba state, sliding windows;
+    tiles of several runs and kernel blocks), every rank, both directions, counts and token ranges: each part's
+    block launch (the peer's storages mapped at another address) moves the bytes of its row table."""
+    checked = 0
+    for bound, req, *_ in pair_requests(case, data):
+        parts, forms = emit(bound, req), block_copies(bound, req)
+        assert set(forms) == set(parts)
+        remote = bound.program.remote
+        for key, form in forms.items():
+            bases = bound.remote[key.peer_rank].addr.tolist()
+            w = _Windows(Mapped(f"peer{key.peer_rank}", [Window(st_.name, st_.mem, a, st_.size, a + MAPPED, 0)
+                                                          for st_, a in zip(remote.storages, bases)]))
+            write = bound.program.direction == "WRITE"
+            b = w.blocks(form, key.remote_mem, write)
+            if b is None:  # only where the grid could not hold the entries
+                assert form.table.entries > GRID_YZ
+                continue
+            t = w.table(parts[key].local, parts[key].remote, key.remote_mem, write, "part", chunk=1 << 62)
+            got = _launch_rows(b)
+            assert np.array_equal(_canonical(got[:, 0], got[:, 1], got[:, 2]), _canonical(*t.table.reshape(3, -1)))
+            checked += 1
+    assume(checked)
 
 
 def test_no_block_launch_where_an_extent_reaches_past_its_window():

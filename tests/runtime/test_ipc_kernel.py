@@ -287,25 +287,30 @@ def test_gpu_copy_keeps_the_callers_stream_object_while_the_stream_stays(interpr
 
 def _block_case(data, rng, size: int, cell: int):
     """A random part in block form over two buffers of ``size`` bytes: entries in cells of ``cell`` bytes (entry
-    ``e``, id ``i``: cell ``e * ids + i`` on each side, so no two rows overlap), one or two id slots; and up to
-    three edge rows (source offset, destination offset, length), each in its own quarter of the last cell."""
+    ``e``, id ``i``: cell ``e * ids + i`` on each side, so no two rows overlap), one or two id slots, each with
+    one or two kernel blocks per tile on each side (an entry reads one of them); and up to three edge rows
+    (source offset, destination offset, length), each in its own quarter of the last cell."""
     unit = data.draw(st.sampled_from([1, 8, 16]))
     entries = data.draw(st.integers(1, 3))
     nb = (size // cell - 1) // entries  # ids per side (the last cell holds the edge rows)
     slots = data.draw(st.integers(1, 2))
-    counts = [data.draw(st.integers(0, min(nb, 5))) for _ in range(slots)]
+    subs = [(data.draw(st.integers(1, 2)), data.draw(st.integers(1, 2))) for _ in range(slots)]
+    counts = [data.draw(st.integers(0, min(nb // 2, 5))) for _ in range(slots)]
     head, ids, at = [], [], 3 * slots
-    for n in counts:
-        loc, rem = rng.permutation(nb)[:n], rng.permutation(nb)[:n]
-        head += [at, at + n, n]
+    for n, (ls, rs) in zip(counts, subs):
+        loc, rem = rng.permutation(nb)[:n * ls], rng.permutation(nb)[:n * rs]
+        head += [at, at + n * ls, n]
         ids += [*loc.tolist(), *rem.tolist()]
-        at += 2 * n
+        at += n * (ls + rs)
     rows = []
     for e in range(entries):
         lo = unit * data.draw(st.integers(0, (cell // 2) // unit - 1))
         ro = unit * data.draw(st.integers(0, (cell // 2) // unit - 1))
         length = unit * data.draw(st.integers(1, (cell // 2) // unit))
-        rows.append((e * nb * cell + lo, cell, e * nb * cell + ro, cell, length, data.draw(st.integers(0, slots - 1))))
+        slot = data.draw(st.integers(0, slots - 1))
+        ls, rs = subs[slot]
+        rows.append((e * nb * cell + lo, cell, e * nb * cell + ro, cell, length, slot,
+                     ls, data.draw(st.integers(0, ls - 1)), rs, data.draw(st.integers(0, rs - 1))))
     quarter = cell // 4
     edge = []
     for q in range(data.draw(st.integers(0, 3))):
@@ -322,9 +327,10 @@ def _block_reference(src: np.ndarray, dst: np.ndarray, rows: np.ndarray, ids: np
     out = dst.copy()
     for s, d, length in edge.tolist():
         out[d:d + length] = src[s:s + length]
-    for lb, ls, rb, rs, length, slot in rows.tolist():
+    for lb, ls, rb, rs, length, slot, lsub, lblk, rsub, rblk in rows.tolist():
         la, ra, n = ids[3 * slot:3 * slot + 3].tolist()
-        for il, ir in zip(ids[la:la + n].tolist(), ids[ra:ra + n].tolist()):
+        for k in range(n):
+            il, ir = int(ids[la + k * lsub + lblk]), int(ids[ra + k * rsub + rblk])
             a, b = lb + il * ls, rb + ir * rs
             s, d = (a, b) if write else (b, a)
             out[d:d + length] = src[s:s + length]

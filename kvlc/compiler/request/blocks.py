@@ -1,17 +1,18 @@
 """Per request, a part as block ids over fixed geometry: what a copy kernel needs instead of rows.
 
-Where every tile of a part's entries is one run between one kernel block on each side, row ``k`` of
-entry ``e`` is ``local base[e] + local id[k] * local stride[e]`` ↔ ``remote base[e] + remote id[k] *
-remote stride[e]``, ``length[e]`` bytes (the run's offsets are in the bases). The geometry is fixed per
-binding (:class:`BlockTable`, made once per part); a request adds only its ids (:class:`BlockCopy`), so a
-kernel that computes the addresses itself needs a few kilobytes per request where rows take 48 bytes
-each. The same rows as :func:`~kvlc.compiler.request.instantiate.emit` writes before it coalesces them
-(:meth:`BlockCopy.rows`; tests/test_blocks.py). The partial tiles a token range cuts at its ends (a
-prompt's last block, a range that starts inside a block) come as a few rows of their own
-(:attr:`BlockCopy.edge`: per part and end at most one tile's runs per entry); a part with a tile of several
-runs (another TP, another block size) has no block form and moves as rows. Where every part of a request has
-one, :class:`BlockPart` gives each part with its rows built only if something asks for them (NIXL, staging,
-a refusal's words).
+A table entry is one run of a tile of one program entry: for tile ``k`` its row is ``local base[e] +
+local id * local stride[e]`` ↔ ``remote base[e] + remote id * remote stride[e]``, ``length[e]`` bytes (the
+run's offsets are in the bases; the ids: those of the run's kernel block in tile ``k`` on each side). A
+tile of several runs (another TP: a slice of each block's heads; another block size: a tile of several
+kernel blocks on one side) is one entry per run. The geometry is fixed per binding (:class:`BlockTable`,
+made once per part); a request adds only its ids (:class:`BlockCopy`), so a kernel that computes the
+addresses itself needs a few kilobytes per request where rows take 48 bytes each. The same rows as
+:func:`~kvlc.compiler.request.instantiate.emit` writes before it coalesces them (:meth:`BlockCopy.rows`;
+tests/test_blocks.py). The partial tiles a token range cuts at its ends (a prompt's last block, a range
+that starts inside a block) come as a few rows of their own (:attr:`BlockCopy.edge`: per part and end at
+most one tile's runs per entry). Where every part of a request has a form (every part that moves
+something), :class:`BlockPart` gives each part with its rows built only if something asks for them (NIXL,
+staging, a refusal's words).
 
 Every row of an entry lies in its regions' extents (:attr:`BlockTable.remote_lo` / ``remote_hi`` on the
 peer's side), for any ids :func:`~kvlc.compiler.request.check.check_request` lets through (each below its
@@ -30,7 +31,7 @@ import numpy as np
 from kvlc.compiler.pairing.program import Part, PartKey
 from kvlc.compiler.request.bind import BoundProgram
 from kvlc.compiler.request.check import Request, block_tiles
-from kvlc.compiler.request.index import Block, ProgramIndex, program_index
+from kvlc.compiler.request.index import ProgramIndex, program_index
 from kvlc.compiler.request.rows import write_rows
 from kvlc.compiler.request.tiles import tile_rows
 
@@ -39,8 +40,10 @@ HEADER = 3  # int64s per slot at the head of a request's ids: where its local id
 
 @dataclass(frozen=True, eq=False)
 class BlockTable:
-    """One part's entries, fixed per binding: each (E,) int64; ``slot[e]``: which of a request's id slots
-    entry ``e`` reads (one slot per index block of the part, in :attr:`blocks` order)."""
+    """One part's entries, fixed per binding: each (E,) int64, one entry per run of a tile of each program
+    entry; ``slot[e]``: which of a request's id slots entry ``e`` reads (one slot per index block of the part,
+    in :attr:`blocks` order). Tile ``k`` of a slot reads local id ``ids[k * local_sub[e] + local_block[e]]``
+    of the slot's local ids (a tile spans ``local_sub`` kernel blocks: another block size), remote alike."""
 
     key: PartKey
     local_base: np.ndarray
@@ -49,16 +52,33 @@ class BlockTable:
     remote_stride: np.ndarray
     length: np.ndarray
     slot: np.ndarray
+    local_sub: np.ndarray    # kernel blocks per tile on each side, and the run's block in its tile
+    local_block: np.ndarray
+    remote_sub: np.ndarray
+    remote_block: np.ndarray
     blocks: tuple[int, ...]  # positions in the program index's blocks
     remote_lo: np.ndarray    # the peer's bytes each entry's rows can reach: its region's [first, end)
     remote_hi: np.ndarray
     slot_bytes: tuple[int, ...]    # bytes one id moves in each slot (its entries' lengths summed)
-    slot_merging: tuple[int, ...]  # entries of each slot whose rows of consecutive ids continue (stride = length)
+    slot_merging: tuple[int, ...]  # entries of each slot whose rows of consecutive ids continue (a whole block each)
     slot_apart: tuple[int, ...]    # ... and the others
+    merging: np.ndarray            # bool per entry: it is one of its slot's merging entries
+    slot_start: tuple[int, ...]    # each slot's first entry (a slot's entries are consecutive)
 
     @property
     def entries(self) -> int:
         return len(self.length)
+
+
+@dataclass(frozen=True)
+class EdgePiece:
+    """One partial tile's rows in :attr:`BlockCopy.edge`: from row ``at``, ``rows`` of them; its id slot, and
+    whether it is the range's last tile (else its first)."""
+
+    slot: int
+    tail: bool
+    at: int
+    rows: int
 
 
 @dataclass(frozen=True, eq=False)
@@ -66,15 +86,17 @@ class BlockCopy:
     """One request's part in block form: the part's :class:`BlockTable` and the request's ids.
 
     ``ids`` (int64): :data:`HEADER` words per slot (offsets into ``ids`` of the slot's local ids and of its
-    remote ids, and their count), then the ids themselves: the request's whole tiles. ``count``: the most ids
-    of any slot. ``edge``: the rows of the partial tiles at the token range's ends, each side ``(N, 3)``
-    uint64 as ``emit`` writes rows (address, length, device; not coalesced), or None.
+    remote ids, and how many tiles), then the ids themselves (per tile ``local_sub`` local and ``remote_sub``
+    remote ones): the request's whole tiles. ``count``: the most tiles of any slot. ``edge``: the rows of the
+    partial tiles at the token range's ends, each side ``(N, 3)`` uint64 as ``emit`` writes rows (address,
+    length, device; not coalesced), or None.
     """
 
     table: BlockTable
     ids: np.ndarray
     count: int
     edge: tuple[np.ndarray, np.ndarray] | None = None
+    edge_pieces: tuple[EdgePiece, ...] = ()  # where each partial tile's rows lie in ``edge``
 
     @property
     def head(self) -> np.ndarray:
@@ -82,7 +104,7 @@ class BlockCopy:
         return self.ids[:HEADER * len(self.table.blocks)].reshape(-1, HEADER)
 
     def counts(self) -> np.ndarray:
-        """Ids of each slot (int64)."""
+        """Tiles of each slot (int64)."""
         return self.head[:, 2]
 
     @cached_property
@@ -97,12 +119,36 @@ class BlockCopy:
         gives for the part unless rows of different entries continue one another (separate regions do not) or
         an edge row continues a tile's."""
         out = len(self.edge[0]) if self.edge is not None else 0
-        for (la, ra, n), merging, apart in zip(self.head.tolist(), self.table.slot_merging, self.table.slot_apart):
+        head = self.head.tolist()
+        for (la, ra, n), merging, apart in zip(head, self.table.slot_merging, self.table.slot_apart):
             out += apart * n
-            if n and merging:  # (a slot's remote ids follow its local ones: one diff for both sides)
-                step = np.diff(self.ids[la:la + 2 * n].reshape(2, n), axis=1) != 1
-                out += merging * (1 + int(np.count_nonzero(step[0] | step[1])))
-        return out
+            if n and merging:  # (merging entries: one kernel block per tile on both sides)
+                step = (np.diff(self.ids[la:la + n]) != 1) | (np.diff(self.ids[ra:ra + n]) != 1)
+                out += merging * (1 + int(np.count_nonzero(step)))
+        return out - sum(self._continued(p, *head[p.slot]) for p in self.edge_pieces)
+
+    def _continued(self, p: EdgePiece, la: int, ra: int, n: int) -> int:
+        """How many rows of partial tile ``p`` continue (or are continued by) the row of the whole tile beside it,
+        on both sides, where that is a merging entry's (whole blocks: one run per tile; the piece's rows come
+        entry by entry, the same number each)."""
+        t = self.table
+        lo = t.slot_start[p.slot]
+        e = t.slot_merging[p.slot] + t.slot_apart[p.slot]
+        if not n or not t.slot_merging[p.slot] or p.rows % e:
+            return 0
+        k = n - 1 if p.tail else 0  # the whole tile beside it: the last (the tail follows it) or the first
+        il, ir = int(self.ids[la + k]), int(self.ids[ra + k])
+        sl = slice(lo, lo + e)
+        ln = t.length[sl]
+        tl, tr = t.local_base[sl] + il * t.local_stride[sl], t.remote_base[sl] + ir * t.remote_stride[sl]
+        el = self.edge[0][p.at:p.at + p.rows].view(np.int64).reshape(e, -1, 3)
+        er = self.edge[1][p.at:p.at + p.rows].view(np.int64).reshape(e, -1, 3)
+        # (emit writes an entry's rows in token order and merges neighbours: the row beside the tile's)
+        if p.tail:  # a tile's row ends where its entry's first edge row starts, on both sides
+            joined = (tl + ln == el[:, 0, 0]) & (tr + ln == er[:, 0, 0])
+        else:       # its entry's last edge row ends where the tile's row starts
+            joined = (el[:, -1, 0] + el[:, -1, 1] == tl) & (er[:, -1, 0] + er[:, -1, 1] == tr)
+        return int(np.count_nonzero(joined & t.merging[sl]))
 
     def rows(self) -> tuple[np.ndarray, np.ndarray]:
         """The rows this form stands for, entry by entry, id by id, then the edge rows (before any coalescing):
@@ -111,7 +157,9 @@ class BlockCopy:
         local, remote = [], []
         for e in range(t.entries):
             la, ra, n = head[t.slot[e]].tolist()
-            il, ir = self.ids[la:la + n], self.ids[ra:ra + n]
+            k = np.arange(n, dtype=np.int64)
+            il = self.ids[la + k * t.local_sub[e] + t.local_block[e]]
+            ir = self.ids[ra + k * t.remote_sub[e] + t.remote_block[e]]
             length = np.full(n, t.length[e], np.int64)
             local.append(np.stack([t.local_base[e] + il * t.local_stride[e], length], axis=1))
             remote.append(np.stack([t.remote_base[e] + ir * t.remote_stride[e], length], axis=1))
@@ -122,15 +170,8 @@ class BlockCopy:
         return (np.concatenate(local) if local else empty), (np.concatenate(remote) if remote else empty)
 
 
-def _one_run(b: Block) -> bool:
-    """Whether each tile of ``b`` is one run between one kernel block on each side."""
-    r = b.runs
-    return (len(r) == 1 and b.local_sub == 1 and b.remote_sub == 1 and not int(r.local_block[0])
-            and not int(r.remote_block[0]))
-
-
 def block_tables(bound: BoundProgram) -> dict[PartKey, BlockTable]:
-    """The block table of every part whose blocks all have one run per tile (kept in the binding's memo)."""
+    """The block table of every part (kept in the binding's memo)."""
     return bound.memo.get("block_tables", lambda: _tables(bound))
 
 
@@ -142,32 +183,41 @@ def _tables(bound: BoundProgram) -> dict[PartKey, BlockTable]:
         per.setdefault(b.key, []).append(i)
     geometries = bound.geometries()
     out = {}
+    names = ("lb", "ls", "rb", "rs", "len", "slot", "lsub", "lblk", "rsub", "rblk", "lo", "hi")
     for key, which in per.items():
-        blocks = [index.blocks[i] for i in which]
-        if not all(_one_run(b) for b in blocks):
-            continue
-        cols: dict[str, list] = {c: [] for c in ("lb", "ls", "rb", "rs", "len", "slot", "lo", "hi")}
-        for s, (i, b) in enumerate(zip(which, blocks)):
-            g, r, e = geometries[i], b.runs, len(b.entries)
+        cols: dict[str, list] = {c: [] for c in names}
+        for s, i in enumerate(which):  # entry-major: each program entry's runs of a tile in order
+            b, g = index.blocks[i], geometries[i]
+            r, m = b.runs, len(b.runs)
+            each = lambda a: np.repeat(np.asarray(a, dtype=np.int64), m)  # noqa: E731  (per entry, every run)
+            runs = lambda a: np.tile(a, len(b.entries))  # noqa: E731  (per run, every entry)
             regions = [prog.remote.region(prog.entries[j].remote_region) for j in b.entries]
-            cols["lb"].append(g.base[0, :, 0] + int(r.local_offset[0]))
-            cols["rb"].append(g.base[1, :, 0] + int(r.remote_offset[0]))
-            cols["ls"].append(g.stride[0, :, 0])
-            cols["rs"].append(g.stride[1, :, 0])
-            cols["len"].append(np.full(e, int(r.length[0]), np.int64))
-            cols["slot"].append(np.full(e, s, np.int64))
-            cols["lo"].append(g.base[1, :, 0])  # (the base holds the region's offset in its storage)
-            cols["hi"].append(g.base[1, :, 0] + np.array([x.end - x.offset for x in regions], dtype=np.int64))
-        arrays = {c: np.ascontiguousarray(np.concatenate(v), dtype=np.int64) for c, v in cols.items()}
-        for a in arrays.values():
-            a.setflags(write=False)
+            cols["lb"].append(each(g.base[0, :, 0]) + runs(r.local_offset))
+            cols["rb"].append(each(g.base[1, :, 0]) + runs(r.remote_offset))
+            cols["ls"].append(each(g.stride[0, :, 0]))
+            cols["rs"].append(each(g.stride[1, :, 0]))
+            cols["len"].append(runs(r.length))
+            cols["slot"].append(np.full(m * len(b.entries), s, np.int64))
+            cols["lsub"].append(np.full(m * len(b.entries), b.local_sub, np.int64))
+            cols["rsub"].append(np.full(m * len(b.entries), b.remote_sub, np.int64))
+            cols["lblk"].append(runs(r.local_block))
+            cols["rblk"].append(runs(r.remote_block))
+            cols["lo"].append(each(g.base[1, :, 0]))  # (the base holds the region's offset in its storage)
+            cols["hi"].append(each(g.base[1, :, 0] + np.array([x.end - x.offset for x in regions], dtype=np.int64)))
+        a = {c: np.ascontiguousarray(np.concatenate(v), dtype=np.int64) for c, v in cols.items()}
+        for v in a.values():
+            v.setflags(write=False)
         n = len(which)
-        per = np.bincount(arrays["slot"], weights=arrays["len"], minlength=n).astype(np.int64).tolist()
-        merging = (arrays["ls"] == arrays["len"]) & (arrays["rs"] == arrays["len"])
-        count = lambda m: tuple(np.bincount(arrays["slot"][m], minlength=n).tolist())  # noqa: E731
-        out[key] = BlockTable(key, arrays["lb"], arrays["ls"], arrays["rb"], arrays["rs"], arrays["len"],
-                              arrays["slot"], tuple(which), arrays["lo"], arrays["hi"], tuple(per),
-                              count(merging), count(~merging))
+        per = np.bincount(a["slot"], weights=a["len"], minlength=n).astype(np.int64).tolist()
+        merging = ((a["ls"] == a["len"]) & (a["rs"] == a["len"]) & (a["lsub"] == 1) & (a["rsub"] == 1)
+                   & (a["lblk"] == 0) & (a["rblk"] == 0))
+        merging.setflags(write=False)
+        count = lambda m: tuple(np.bincount(a["slot"][m], minlength=n).tolist())  # noqa: E731
+        sizes = np.bincount(a["slot"], minlength=n)
+        starts = tuple((np.cumsum(sizes) - sizes).tolist())
+        out[key] = BlockTable(key, a["lb"], a["ls"], a["rb"], a["rs"], a["len"], a["slot"], a["lsub"], a["lblk"],
+                              a["rsub"], a["rblk"], tuple(which), a["lo"], a["hi"], tuple(per), count(merging),
+                              count(~merging), merging, starts)
     return out
 
 
@@ -185,27 +235,31 @@ def block_copies(bound: BoundProgram, req: Request) -> dict[PartKey, BlockCopy]:
 
 @dataclass(frozen=True, eq=False)
 class _Edge:
-    """The rows of tokens ``[lo, hi)`` of one tile of an index block, for kernel id 0 on both sides (fixed per
-    binding): for ids ``(il, ir)`` each side's addresses move by its id times :attr:`stride`."""
+    """The rows of tokens ``[lo, hi)`` of one tile of an index block with kernel ids 0 (fixed per binding): a
+    request's ids move each side's row addresses by its id times :attr:`stride`, row ``j`` reading the id of
+    its run's block in the tile (:attr:`block`)."""
 
-    rows: np.ndarray    # (2, N, 3) int64: each side's rows (address, length, device) for id 0
+    rows: np.ndarray    # (2, N, 3) int64: each side's rows (address, length, device) for ids 0
     stride: np.ndarray  # (2, N) int64: each row's block stride on its side
+    block: np.ndarray   # (2, N) int64: each row's kernel block in its tile, on its side
 
 
 def _edge(bound: BoundProgram, index: ProgramIndex, i: int, lo: int, hi: int) -> _Edge:
-    """Index block ``i``'s partial tile ``[lo, hi)`` as rows for id 0 (kept in the binding's memo: a request
+    """Index block ``i``'s partial tile ``[lo, hi)`` as rows for ids 0 (kept in the binding's memo: a request
     then moves them by its ids, a few numpy calls instead of building rows)."""
     def make() -> _Edge:
         b, g = index.blocks[i], bound.geometries()[i]
-        zero = np.zeros(1, dtype=np.int64)
         runs = index.tail_runs(b, hi, lo)
-        piece = tile_rows(runs, 0, 1, b, zero, zero, g)  # (one-run tiles: every run in the tile's one block)
+        zl, zr = np.zeros(b.local_sub, dtype=np.int64), np.zeros(b.remote_sub, dtype=np.int64)
+        piece = tile_rows(runs, 0, 1, b, zl, zr, g)
         if piece is None:
-            return _Edge(np.zeros((2, 0, 3), np.int64), np.zeros((2, 0), np.int64))
+            empty = np.zeros((2, 0), np.int64)
+            return _Edge(np.zeros((2, 0, 3), np.int64), empty, empty)
         lrows, rrows = write_rows(piece)
         k = len(piece)
         stride = np.repeat(g.stride[:, :, 0], k, axis=1)  # (2, E * K): entry e's stride for each of its runs
-        return _Edge(np.stack((lrows.reshape(-1, 3), rrows.reshape(-1, 3))), stride)
+        block = np.tile(np.stack((runs.local_block, runs.remote_block)), (1, len(b.entries)))
+        return _Edge(np.stack((lrows.reshape(-1, 3), rrows.reshape(-1, 3))), stride, block)
     return bound.memo.get(("block_edge", i, lo, hi), make)
 
 
@@ -213,21 +267,30 @@ def _copy(table: BlockTable, bound: BoundProgram, index: ProgramIndex, req: Requ
     head: list[int] = []
     chunks: list[np.ndarray] = []
     edges: list[np.ndarray] = []
-    at, most = HEADER * len(table.blocks), 0
-    for i in table.blocks:
+    pieces: list[EdgePiece] = []
+    at, most, rows = HEADER * len(table.blocks), 0, 0
+    for slot, i in enumerate(table.blocks):
         b = index.blocks[i]
+        kl, kr = req.local[b.group], req.remote[b.group]
         ts, shift = block_tiles(b, req)
-        for p in ts.partial:  # (a one-run tile is one kernel block: its ids are those of the tile)
+        for p in ts.partial:
             e = _edge(bound, index, i, p.lo, p.hi)
             got = e.rows.copy()
-            ids = np.array([[req.local[b.group][p.tile - shift[0]]], [req.remote[b.group][p.tile - shift[1]]]])
-            got[:, :, 0] += ids * e.stride
+            got[0, :, 0] += kl[p.tile * b.local_sub - shift[0] + e.block[0]] * e.stride[0]
+            got[1, :, 0] += kr[p.tile * b.remote_sub - shift[1] + e.block[1]] * e.stride[1]
             edges.append(got)
-        n = ts.count
-        ol, orr = ts.first - shift[0], ts.first - shift[1]
-        chunks += (req.local[b.group][ol:ol + n], req.remote[b.group][orr:orr + n])
-        head += (at, at + n, n)
-        at += 2 * n
+            pieces.append(EdgePiece(slot, p.tile >= ts.first + ts.count, rows, got.shape[1]))
+            rows += got.shape[1]
+        n = ts.count if len(b.runs) else 0
+        if n:  # the tiles' ids on each side, from the first tile's first kernel block to the last's last run
+            ol, orr = ts.first * b.local_sub - shift[0], ts.first * b.remote_sub - shift[1]
+            nl = (n - 1) * b.local_sub + int(b.runs.local_block.max()) + 1
+            nr = (n - 1) * b.remote_sub + int(b.runs.remote_block.max()) + 1
+            chunks += (kl[ol:ol + nl], kr[orr:orr + nr])
+        else:
+            nl = nr = 0
+        head += (at, at + nl, n)
+        at += nl + nr
         most = max(most, n)
     if not most and not edges:
         return None
@@ -241,7 +304,7 @@ def _copy(table: BlockTable, bound: BoundProgram, index: ProgramIndex, req: Requ
     if edges:
         both = (edges[0] if len(edges) == 1 else np.concatenate(edges, axis=1)).view(np.uint64)
         edge = (both[0], both[1])
-    return BlockCopy(table, ids, most, edge)
+    return BlockCopy(table, ids, most, edge, tuple(pieces))
 
 
 class BlockPart:

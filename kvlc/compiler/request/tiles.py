@@ -35,7 +35,8 @@ def partial_pieces(index: ProgramIndex, b: Block, req: Request, geometry: Geomet
     return [p for p in pieces if p is not None and len(p)]
 
 
-def partial_rows(index: ProgramIndex, b: Block, req: Request, geometry: Geometry) -> list[tuple[np.ndarray, np.ndarray]]:
+def partial_rows(index: ProgramIndex, b: Block, req: Request, geometry: Geometry
+                 ) -> list[tuple[np.ndarray, np.ndarray]]:
     """The rows of :func:`partial_pieces`: per piece, each side's ``(E * K, 3)`` int64 rows (not coalesced)."""
     out = []
     for piece in partial_pieces(index, b, req, geometry):

@@ -69,7 +69,8 @@ def launch_rows(table: np.ndarray, low: int) -> Rows:
     return Rows(table, len(table) // 3, not low & 7, not low)
 
 
-ENTRY = 6  # int64s per entry of a block launch: local base, stride; peer base (mapped), stride; length; id slot
+ENTRY = 10  # int64s per entry of a block launch: local base, stride; peer base (mapped), stride; length; id slot;
+#             kernel blocks per tile and the run's block on each side (local, then the peer's)
 
 
 @dataclass(frozen=True, eq=False)
@@ -318,7 +319,7 @@ class GpuCopy:
         offs = (0, CHUNK + 4 * unit)
         ids = np.array([3, 5, 2, 2, 0, 1, 2], dtype=np.int64)         # one slot: local ids (2, 0), remote (1, 2)
         local, remote = (src, dst) if write else (dst, src)
-        entries = np.array([[local + o, stride, remote + o, stride, ln, 0] for o, ln in zip(offs, lens)],
+        entries = np.array([[local + o, stride, remote + o, stride, ln, 0, 1, 0, 1, 0] for o, ln in zip(offs, lens)],
                            dtype=np.int64).reshape(-1)
         at, size = 3 * stride, 3 * unit  # one edge row (a partial tile's), past every block row
         one = lambda v: np.array([v], dtype=np.uint64)  # noqa: E731

@@ -162,7 +162,8 @@ class _Entries:
         if not len(lo) or not bool(((k >= 0) & (hi <= w.stops[j]) & (hi > lo) & (w.mem_of[j] == mem)).all()):
             return None
         moved = (table.remote_base.astype(np.uint64) + w.shifts[j].astype(np.uint64)).view(np.int64)  # mod 2**64
-        cols = (table.local_base, table.local_stride, moved, table.remote_stride, table.length, table.slot)
+        cols = (table.local_base, table.local_stride, moved, table.remote_stride, table.length, table.slot,
+                table.local_sub, table.local_block, table.remote_sub, table.remote_block)
         entries = np.ascontiguousarray(np.stack(cols, axis=1).reshape(-1), dtype=np.int64)
         low = int(np.bitwise_or.reduce(np.stack(cols[:5]).reshape(-1))) & 15
         pieces = max(1, -(-int(table.length.max()) // CHUNK))
