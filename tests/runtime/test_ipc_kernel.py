@@ -245,6 +245,34 @@ def test_gpu_copy_moves_every_row_through_its_ring(interpreted, data):
         assert (dst.numpy() == want).all()
 
 
+class _FlatTiles(_Kernel):
+    """A block kernel that reads every tile as one kernel block (the sub-block fields of its entries ignored):
+    right for same-layout parts, wrong where a tile spans several blocks."""
+
+    @property
+    def copy_blocks(self):
+        inner = self._kernel("copy_blocks")
+
+        class _Grid:
+            def __getitem__(self, grid):
+                def run(entries, *args, **kw):
+                    flat = entries.clone().view(-1, 10)
+                    flat[:, 6:] = torch.tensor([1, 0, 1, 0])
+                    return inner[grid](flat.view(-1), *args, **kw)
+                return run
+        return _Grid()
+
+
+def test_gpu_copy_warm_up_turns_the_block_form_off_where_its_kernel_copies_wrong(interpreted):
+    """Warm-up checks the block kernel by content, a tile of two kernel blocks included: a kernel that gets
+    those wrong is not used (parts move by their rows); the row kernel stays."""
+    from kvlc.runtime.ipc.copy import GpuCopy
+
+    cp = GpuCopy(0, block_words=64, torch=_TorchStandIn(), kernel=_FlatTiles(interpreted))
+    cp.warm()
+    assert not cp.blocks and cp.host_table and cp.vec  # (the right kernel keeps it: the ring tests below)
+
+
 def test_gpu_copy_warm_up_drops_the_host_table_where_the_kernel_cannot_read_it(interpreted):
     """Where the kernel cannot read its table in pinned host memory, warm-up says so once and uploads
     tables instead; copies stay right."""

@@ -298,8 +298,9 @@ class GpuCopy:
         self._warm_blocks(scratch, pattern)
 
     def _warm_blocks(self, scratch, pattern) -> None:
-        """Check the block kernel by content (16-byte and byte rows, both directions, rows over a piece, an edge
-        row); where it does not copy right here, parts move by their rows (:attr:`blocks` off)."""
+        """Check the block kernel by content (16-byte and byte rows, both directions, rows over a piece, a tile of
+        two kernel blocks, an edge row); where it does not copy right here, parts move by their rows
+        (:attr:`blocks` off)."""
         try:
             for unit, write in ((16, True), (16, False), (1, True)):
                 for _ in range(2 if self.direct else 1):  # Triton's call (compiles), then the direct launch
@@ -317,10 +318,14 @@ class GpuCopy:
         first = CHUNK + 2 * unit if unit == 16 and write else 32 * unit  # two pieces (once: it is the same code)
         lens = (first, 16 * unit if unit > 1 else 3)
         offs = (0, CHUNK + 4 * unit)
-        ids = np.array([3, 5, 2, 2, 0, 1, 2], dtype=np.int64)         # one slot: local ids (2, 0), remote (1, 2)
+        # slot 0: two tiles, local ids (2, 0), remote (1, 2); slot 1: one tile of two local kernel blocks (5, 1)
+        # and one remote (0), read by an entry of the tile's second local block (another block size's tiles)
+        ids = np.array([6, 8, 2, 10, 12, 1, 2, 0, 1, 2, 5, 1, 0], dtype=np.int64)
         local, remote = (src, dst) if write else (dst, src)
-        entries = np.array([[local + o, stride, remote + o, stride, ln, 0, 1, 0, 1, 0] for o, ln in zip(offs, lens)],
-                           dtype=np.int64).reshape(-1)
+        sub = CHUNK + 1024  # the sub-block entry's offset: between the rows above (CHUNK + 20 units) and the next id's
+        rows = [(local + o, stride, remote + o, stride, ln, 0, 1, 0, 1, 0) for o, ln in zip(offs, lens)]
+        rows.append((local + sub, stride, remote + sub, stride, 16 * unit, 1, 2, 1, 1, 0))
+        entries = np.array(rows, dtype=np.int64).reshape(-1)
         at, size = 3 * stride, 3 * unit  # one edge row (a partial tile's), past every block row
         one = lambda v: np.array([v], dtype=np.uint64)  # noqa: E731
         edge = row_table(one(src + at), one(dst + at), one(size))
@@ -329,10 +334,10 @@ class GpuCopy:
         want = np.zeros(n, dtype=np.uint8)
         pat = pattern.cpu().numpy()
         want[at:at + size] = pat[at:at + size]
-        for o, ln in zip(offs, lens):
-            for il, ir in ((2, 1), (0, 2)):
-                s_at, d_at = (il, ir) if write else (ir, il)
-                want[d_at * stride + o:d_at * stride + o + ln] = pat[s_at * stride + o:s_at * stride + o + ln]
+        moves = [(o, ln, il, ir) for o, ln in zip(offs, lens) for il, ir in ((2, 1), (0, 2))] + [(sub, 16 * unit, 1, 0)]
+        for o, ln, il, ir in moves:
+            s_at, d_at = (il, ir) if write else (ir, il)
+            want[d_at * stride + o:d_at * stride + o + ln] = pat[s_at * stride + o:s_at * stride + o + ln]
         if not np.array_equal(scratch[n:].cpu().numpy(), want):
             raise RuntimeError(f"the block copy kernel moved {unit}-byte rows wrong (write={write})")
 
