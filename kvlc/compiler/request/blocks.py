@@ -73,12 +73,17 @@ class BlockTable:
 @dataclass(frozen=True)
 class EdgePiece:
     """One partial tile's rows in :attr:`BlockCopy.edge`: from row ``at``, ``rows`` of them; its id slot, and
-    whether it is the range's last tile (else its first)."""
+    whether it is the range's last tile (else its first). ``joins``: entries whose whole-block rows this tile's
+    rows continue (tail) or are continued by (head) where its kernel ids ``(il, ir)`` neighbour those of the
+    whole tile beside it on both sides."""
 
     slot: int
     tail: bool
     at: int
     rows: int
+    joins: int = 0
+    il: int = 0
+    ir: int = 0
 
 
 @dataclass(frozen=True, eq=False)
@@ -122,33 +127,19 @@ class BlockCopy:
         head = self.head.tolist()
         for (la, ra, n), merging, apart in zip(head, self.table.slot_merging, self.table.slot_apart):
             out += apart * n
-            if n and merging:  # (merging entries: one kernel block per tile on both sides)
-                step = (np.diff(self.ids[la:la + n]) != 1) | (np.diff(self.ids[ra:ra + n]) != 1)
-                out += merging * (1 + int(np.count_nonzero(step)))
-        return out - sum(self._continued(p, *head[p.slot]) for p in self.edge_pieces)
-
-    def _continued(self, p: EdgePiece, la: int, ra: int, n: int) -> int:
-        """How many rows of partial tile ``p`` continue (or are continued by) the row of the whole tile beside it,
-        on both sides, where that is a merging entry's (whole blocks: one run per tile; the piece's rows come
-        entry by entry, the same number each)."""
-        t = self.table
-        lo = t.slot_start[p.slot]
-        e = t.slot_merging[p.slot] + t.slot_apart[p.slot]
-        if not n or not t.slot_merging[p.slot] or p.rows % e:
-            return 0
-        k = n - 1 if p.tail else 0  # the whole tile beside it: the last (the tail follows it) or the first
-        il, ir = int(self.ids[la + k]), int(self.ids[ra + k])
-        sl = slice(lo, lo + e)
-        ln = t.length[sl]
-        tl, tr = t.local_base[sl] + il * t.local_stride[sl], t.remote_base[sl] + ir * t.remote_stride[sl]
-        el = self.edge[0][p.at:p.at + p.rows].view(np.int64).reshape(e, -1, 3)
-        er = self.edge[1][p.at:p.at + p.rows].view(np.int64).reshape(e, -1, 3)
-        # (emit writes an entry's rows in token order and merges neighbours: the row beside the tile's)
-        if p.tail:  # a tile's row ends where its entry's first edge row starts, on both sides
-            joined = (tl + ln == el[:, 0, 0]) & (tr + ln == er[:, 0, 0])
-        else:       # its entry's last edge row ends where the tile's row starts
-            joined = (el[:, -1, 0] + el[:, -1, 1] == tl) & (er[:, -1, 0] + er[:, -1, 1] == tr)
-        return int(np.count_nonzero(joined & t.merging[sl]))
+            if n > 1 and merging:  # (merging entries: one kernel block per tile, so the remote ids follow the local)
+                both = self.ids[la:la + 2 * n].reshape(2, n)
+                out += merging * (1 + int(np.count_nonzero((both[:, 1:] != both[:, :-1] + 1).any(axis=0))))
+            elif n and merging:
+                out += merging
+        for p in self.edge_pieces:  # an edge row that continues its entry's whole-block row: one row with it
+            la, ra, n = head[p.slot]
+            if p.joins and n:
+                k = n - 1 if p.tail else 0  # the whole tile beside it: the last (the tail follows it) or the first
+                step = 1 if p.tail else -1
+                if p.il == int(self.ids[la + k]) + step and p.ir == int(self.ids[ra + k]) + step:
+                    out -= p.joins
+        return out
 
     def rows(self) -> tuple[np.ndarray, np.ndarray]:
         """The rows this form stands for, entry by entry, id by id, then the edge rows (before any coalescing):
@@ -242,6 +233,8 @@ class _Edge:
     rows: np.ndarray    # (2, N, 3) int64: each side's rows (address, length, device) for ids 0
     stride: np.ndarray  # (2, N) int64: each row's block stride on its side
     block: np.ndarray   # (2, N) int64: each row's kernel block in its tile, on its side
+    joins: tuple[int, int] = (0, 0)  # whole-block entries whose first row starts / last row ends at the block's edge
+    flat: bool = False  # every row in the tile's first kernel block on both sides (one id a side)
 
 
 def _edge(bound: BoundProgram, index: ProgramIndex, i: int, lo: int, hi: int) -> _Edge:
@@ -259,8 +252,25 @@ def _edge(bound: BoundProgram, index: ProgramIndex, i: int, lo: int, hi: int) ->
         k = len(piece)
         stride = np.repeat(g.stride[:, :, 0], k, axis=1)  # (2, E * K): entry e's stride for each of its runs
         block = np.tile(np.stack((runs.local_block, runs.remote_block)), (1, len(b.entries)))
-        return _Edge(np.stack((lrows.reshape(-1, 3), rrows.reshape(-1, 3))), stride, block)
+        return _Edge(np.stack((lrows.reshape(-1, 3), rrows.reshape(-1, 3))), stride, block, _joins(b, g, lrows, rrows),
+                     not block.any())
     return bound.memo.get(("block_edge", i, lo, hi), make)
+
+
+def _joins(b, g, lrows: np.ndarray, rrows: np.ndarray) -> tuple[int, int]:
+    """Of a block's entries whose tile is one whole block on both sides (what ``emit`` merges across
+    consecutive ids), how many have a partial tile's first row at the block's start on both sides (it then
+    continues the row of the block before it: a tail) and its last row at the block's end (a head). ``lrows``
+    / ``rrows``: (E, K, 3) rows for ids 0."""
+    r = b.runs
+    if not (len(r) == 1 and b.local_sub == b.remote_sub == 1 and not r.local_offset[0] and not r.remote_offset[0]):
+        return 0, 0
+    whole = (g.stride[0, :, 0] == r.length[0]) & (g.stride[1, :, 0] == r.length[0])
+    base = g.base[:, :, 0]
+    first = (lrows[:, 0, 0] == base[0]) & (rrows[:, 0, 0] == base[1])
+    last = ((lrows[:, -1, 0] + lrows[:, -1, 1] == base[0] + g.stride[0, :, 0])
+            & (rrows[:, -1, 0] + rrows[:, -1, 1] == base[1] + g.stride[1, :, 0]))
+    return int(np.count_nonzero(whole & first)), int(np.count_nonzero(whole & last))
 
 
 def _copy(table: BlockTable, bound: BoundProgram, index: ProgramIndex, req: Request) -> BlockCopy | None:
@@ -276,10 +286,17 @@ def _copy(table: BlockTable, bound: BoundProgram, index: ProgramIndex, req: Requ
         for p in ts.partial:
             e = _edge(bound, index, i, p.lo, p.hi)
             got = e.rows.copy()
-            got[0, :, 0] += kl[p.tile * b.local_sub - shift[0] + e.block[0]] * e.stride[0]
-            got[1, :, 0] += kr[p.tile * b.remote_sub - shift[1] + e.block[1]] * e.stride[1]
+            l0, r0 = p.tile * b.local_sub - shift[0], p.tile * b.remote_sub - shift[1]
+            if e.flat:  # every run in the tile's first kernel block: one id a side
+                il, ir = int(kl[l0]), int(kr[r0])
+            else:
+                il, ir = kl[l0 + e.block[0]], kr[r0 + e.block[1]]
+            got[0, :, 0] += il * e.stride[0]
+            got[1, :, 0] += ir * e.stride[1]
             edges.append(got)
-            pieces.append(EdgePiece(slot, p.tile >= ts.first + ts.count, rows, got.shape[1]))
+            tail = p.tile >= ts.first + ts.count
+            joins = e.joins[0 if tail else 1]  # (only where the tile is one block: il, ir are ints then)
+            pieces.append(EdgePiece(slot, tail, rows, got.shape[1], joins, il if joins else 0, ir if joins else 0))
             rows += got.shape[1]
         n = ts.count if len(b.runs) else 0
         if n:  # the tiles' ids on each side, from the first tile's first kernel block to the last's last run
