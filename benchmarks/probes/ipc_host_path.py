@@ -15,7 +15,6 @@ Run:  python3 benchmarks/probes/ipc_host_path.py [--tokens 1024,1023,4096] [--re
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 import time
 import types
@@ -24,7 +23,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from common import LAYOUTS  # noqa: E402
+from testkit.gpu_standin import TorchStandIn  # noqa: E402
 
 import kvlc  # noqa: E402
 from kvlc import bind  # noqa: E402
@@ -33,55 +34,6 @@ from kvlc.compiler.request.check import check_request  # noqa: E402
 from kvlc.compiler.request.instantiate import emit  # noqa: E402
 
 LOCAL, REMOTE, MAPPED = 1 << 40, 2 << 40, 7 << 40
-
-
-class _Cuda:
-    """torch.cuda as GpuCopy uses it, doing nothing: every event has completed."""
-
-    class Stream:
-        cuda_stream = 0
-
-        def __init__(self, device=0):
-            pass
-
-        def wait_event(self, event):
-            pass
-
-    class Event:
-        def record(self, stream=None):
-            pass
-
-        def query(self):
-            return True
-
-        def synchronize(self):
-            pass
-
-    def current_stream(self, device=None):
-        return self.Stream()
-
-    def current_device(self):
-        return 0
-
-    def device(self, device):
-        return contextlib.nullcontext()
-
-    stream = device
-
-
-class _Torch:
-    """torch with ``cuda`` stubbed: "pinned" and device tensors are plain CPU ones."""
-
-    def __init__(self):
-        import torch
-
-        self._t, self.cuda = torch, _Cuda()
-
-    def __getattr__(self, name):
-        return getattr(self._t, name)
-
-    def empty(self, *shape, dtype=None, pin_memory=False, device=None):
-        return self._t.empty(*shape, dtype=dtype)
 
 
 class _Launch:
@@ -100,7 +52,7 @@ def _route(plan):
 
     storages = {s.name: types.SimpleNamespace(device=0, mem="VRAM", addr=LOCAL, nbytes=s.size) for s in plan.storages}
     route = IpcRoute(None, storages)
-    route._gpu_copy = GpuCopy(0, torch=_Torch(), kernel=_Kernel())  # (no warm-up: nothing runs)
+    route._gpu_copy = GpuCopy(0, torch=TorchStandIn(), kernel=_Kernel())  # (no warm-up: nothing runs)
     route.peers["peer"] = _Windows(Mapped("peer", [Window(s.name, "VRAM", REMOTE + i * (1 << 36), s.size,
                                                           MAPPED + i * (1 << 36), 0)
                                                    for i, s in enumerate(plan.storages)]))

@@ -20,6 +20,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
 from kvlc.runtime.ipc.copy import row_table  # noqa: E402
+from testkit.gpu_standin import TorchStandIn  # noqa: E402
 
 KERNEL = Path(__file__).resolve().parents[2] / "kvlc" / "runtime" / "ipc" / "kernel.py"
 
@@ -121,63 +122,6 @@ def test_kernel_compiles_to_the_widest_accesses_its_rows_allow(wide, vec, want, 
     assert loads <= {want}, loads
 
 
-class _CudaStandIn:
-    """What GpuCopy uses of ``torch.cuda``, on a CPU: streams and events of a device whose work is done
-    when launched (the interpreted kernel copies at once), so every event has completed."""
-
-    class Stream:
-        def __init__(self, device=0):
-            self.cuda_stream = 0
-
-        def wait_event(self, event):
-            pass
-
-    class Event:
-        def record(self, stream=None):
-            pass
-
-        def query(self):
-            return True
-
-        def synchronize(self):
-            pass
-
-    def __init__(self):
-        self.launches = 0
-
-    def current_stream(self, device=None):
-        return self.Stream()
-
-    def current_device(self):
-        return 0
-
-    def device(self, device):
-        import contextlib
-
-        return contextlib.nullcontext()
-
-    stream = device
-
-
-class _TorchStandIn:
-    """torch with ``cuda`` replaced (tensors stay real CPU tensors; "pinned" and "cuda" ones are plain)."""
-
-    def __init__(self):
-        self.cuda = _CudaStandIn()
-
-    def __getattr__(self, name):
-        return getattr(torch, name)
-
-    def empty(self, *shape, dtype=None, pin_memory=False, device=None):
-        return torch.empty(*shape, dtype=dtype)
-
-    def zeros(self, *shape, dtype=None, device=None):
-        return torch.zeros(*shape, dtype=dtype)
-
-    def arange(self, *args, dtype=None, device=None):
-        return torch.arange(*args, dtype=dtype)
-
-
 class _Kernel:
     """The interpreted kernel behind ``copy_rows[grid](...)``, counting launches; ``fail_host_table``:
     refuse tables that lie in the (stand-in) pinned ring, as a GPU that cannot read host memory would."""
@@ -222,7 +166,7 @@ def test_gpu_copy_moves_every_row_through_its_ring(interpreted, data):
         RING_WORDS = 256  # wraps after a few requests; a request of more than 85 rows gets its own table
 
     kern = _Kernel(interpreted)
-    cp = Small(0, block_words=64, torch=_TorchStandIn(), kernel=kern)
+    cp = Small(0, block_words=64, torch=TorchStandIn(), kernel=kern)
     cp.warm()
     # two passes over five warm-up lengths (Triton's call, then the direct launch, which the interpreter has
     # no compiled kernel for: Triton's call again), then the block kernel's three checks, twice
@@ -268,7 +212,7 @@ def test_gpu_copy_warm_up_turns_the_block_form_off_where_its_kernel_copies_wrong
     those wrong is not used (parts move by their rows); the row kernel stays."""
     from kvlc.runtime.ipc.copy import GpuCopy
 
-    cp = GpuCopy(0, block_words=64, torch=_TorchStandIn(), kernel=_FlatTiles(interpreted))
+    cp = GpuCopy(0, block_words=64, torch=TorchStandIn(), kernel=_FlatTiles(interpreted))
     cp.warm()
     assert not cp.blocks and cp.host_table and cp.vec  # (the right kernel keeps it: the ring tests below)
 
@@ -282,7 +226,7 @@ def test_gpu_copy_warm_up_drops_the_host_table_where_the_kernel_cannot_read_it(i
     kern = _Kernel(interpreted, ring_of=lambda: holder.get("cp"))
     cp = GpuCopy.__new__(GpuCopy)
     holder["cp"] = cp
-    GpuCopy.__init__(cp, 0, block_words=16, torch=_TorchStandIn(), kernel=kern)
+    GpuCopy.__init__(cp, 0, block_words=16, torch=TorchStandIn(), kernel=kern)
     cp.warm()
     assert not cp.host_table and cp.vec
     a = torch.arange(64, dtype=torch.uint8)
@@ -299,7 +243,7 @@ def test_gpu_copy_keeps_the_callers_stream_object_while_the_stream_stays(interpr
 
     from kvlc.runtime.ipc.copy import GpuCopy
 
-    t = _TorchStandIn()
+    t = TorchStandIn()
     handle = {"now": 7}
     t._C = SimpleNamespace(_cuda_getCurrentRawStream=lambda device: handle["now"])
     built = []
@@ -401,7 +345,7 @@ def test_gpu_copy_moves_block_forms_through_its_ring(interpreted, data):
     class Small(GpuCopy):
         RING_WORDS = 64
 
-    cp = Small(0, block_words=64, torch=_TorchStandIn(), kernel=_Kernel(interpreted))
+    cp = Small(0, block_words=64, torch=TorchStandIn(), kernel=_Kernel(interpreted))
     cp.warm()
     assert cp.blocks
     size, cell = 1 << 14, 1024
