@@ -119,7 +119,7 @@ def test_block_launch_of_random_pairs_moves_the_bytes_of_the_row_table(case, dat
             write = bound.program.direction == "WRITE"
             b = w.blocks(form, key.remote_mem, write)
             if b is None:  # only where the grid could not hold the entries
-                assert form.table.entries > GRID_YZ
+                assert form.table.entries >= GRID_YZ  # (one grid row kept for the edge rows)
                 continue
             t = w.table(parts[key].local, parts[key].remote, key.remote_mem, write, "part", chunk=1 << 62)
             got = _launch_rows(b)

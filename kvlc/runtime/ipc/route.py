@@ -167,7 +167,7 @@ class _Entries:
         entries = np.ascontiguousarray(np.stack(cols, axis=1).reshape(-1), dtype=np.int64)
         low = int(np.bitwise_or.reduce(np.stack(cols[:5]).reshape(-1))) & 15
         pieces = max(1, -(-int(table.length.max()) // CHUNK))
-        if max(table.entries, pieces) > GRID_YZ:  # the launch's grid could not hold them: the rows go
+        if max(table.entries + 1, pieces) > GRID_YZ:  # the grid could not hold them (and an edge row): the rows go
             return None
         return cls(table, entries, pieces, not low & 7, not low)
 
