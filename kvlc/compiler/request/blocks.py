@@ -70,18 +70,20 @@ class BlockTable:
         return len(self.length)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class EdgePiece:
     """One partial tile's rows in :attr:`BlockCopy.edge`: from row ``at``, ``rows`` of them; its id slot, and
-    whether it is the range's last tile (else its first). ``joins``: entries whose whole-block rows this tile's
-    rows continue (tail) or are continued by (head) where its kernel ids ``(il, ir)`` neighbour those of the
-    whole tile beside it on both sides."""
+    whether it is the range's last tile (else its first). ``joins`` (``mask``: which): entries whose
+    whole-block rows this tile's rows continue (tail: its first row at the block's start) or are continued by
+    (head: its last row at the block's end) where its kernel ids ``(il, ir)`` neighbour those of the tile
+    beside it on both sides."""
 
     slot: int
     tail: bool
     at: int
     rows: int
     joins: int = 0
+    mask: np.ndarray | None = None
     il: int = 0
     ir: int = 0
 
@@ -132,6 +134,7 @@ class BlockCopy:
                 out += merging * (1 + int(np.count_nonzero((both[:, 1:] != both[:, :-1] + 1).any(axis=0))))
             elif n and merging:
                 out += merging
+        first: dict[int, EdgePiece] = {}
         for p in self.edge_pieces:  # an edge row that continues its entry's whole-block row: one row with it
             la, ra, n = head[p.slot]
             if p.joins and n:
@@ -139,6 +142,12 @@ class BlockCopy:
                 step = 1 if p.tail else -1
                 if p.il == int(self.ids[la + k]) + step and p.ir == int(self.ids[ra + k]) + step:
                     out -= p.joins
+            elif p.joins and not p.tail:
+                first[p.slot] = p
+            elif p.joins and p.slot in first:  # no whole tile between: the head's last rows, the tail's first
+                h = first[p.slot]
+                if p.il == h.il + 1 and p.ir == h.ir + 1:
+                    out -= int(np.count_nonzero(h.mask & p.mask))
         return out
 
     def rows(self) -> tuple[np.ndarray, np.ndarray]:
@@ -233,7 +242,9 @@ class _Edge:
     rows: np.ndarray    # (2, N, 3) int64: each side's rows (address, length, device) for ids 0
     stride: np.ndarray  # (2, N) int64: each row's block stride on its side
     block: np.ndarray   # (2, N) int64: each row's kernel block in its tile, on its side
-    joins: tuple[int, int] = (0, 0)  # whole-block entries whose first row starts / last row ends at the block's edge
+    joins: tuple[np.ndarray, np.ndarray] | None = None  # whole-block entries whose first row starts / last row ends
+    #                                                     at the block's edge (bool per entry), and how many:
+    counts: tuple[int, int] = (0, 0)
     flat: bool = False  # every row in the tile's first kernel block on both sides (one id a side)
 
 
@@ -252,25 +263,27 @@ def _edge(bound: BoundProgram, index: ProgramIndex, i: int, lo: int, hi: int) ->
         k = len(piece)
         stride = np.repeat(g.stride[:, :, 0], k, axis=1)  # (2, E * K): entry e's stride for each of its runs
         block = np.tile(np.stack((runs.local_block, runs.remote_block)), (1, len(b.entries)))
-        return _Edge(np.stack((lrows.reshape(-1, 3), rrows.reshape(-1, 3))), stride, block, _joins(b, g, lrows, rrows),
+        joins = _joins(b, g, lrows, rrows)
+        counts = (0, 0) if joins is None else (int(np.count_nonzero(joins[0])), int(np.count_nonzero(joins[1])))
+        return _Edge(np.stack((lrows.reshape(-1, 3), rrows.reshape(-1, 3))), stride, block, joins, counts,
                      not block.any())
     return bound.memo.get(("block_edge", i, lo, hi), make)
 
 
-def _joins(b, g, lrows: np.ndarray, rrows: np.ndarray) -> tuple[int, int]:
+def _joins(b, g, lrows: np.ndarray, rrows: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
     """Of a block's entries whose tile is one whole block on both sides (what ``emit`` merges across
-    consecutive ids), how many have a partial tile's first row at the block's start on both sides (it then
-    continues the row of the block before it: a tail) and its last row at the block's end (a head). ``lrows``
-    / ``rrows``: (E, K, 3) rows for ids 0."""
+    consecutive ids), those whose partial tile's first row is at the block's start on both sides (it then
+    continues the row of the block before it: a tail) and those whose last row is at the block's end (a
+    head); None where the tile is not one block. ``lrows`` / ``rrows``: (E, K, 3) rows for ids 0."""
     r = b.runs
     if not (len(r) == 1 and b.local_sub == b.remote_sub == 1 and not r.local_offset[0] and not r.remote_offset[0]):
-        return 0, 0
+        return None
     whole = (g.stride[0, :, 0] == r.length[0]) & (g.stride[1, :, 0] == r.length[0])
     base = g.base[:, :, 0]
     first = (lrows[:, 0, 0] == base[0]) & (rrows[:, 0, 0] == base[1])
     last = ((lrows[:, -1, 0] + lrows[:, -1, 1] == base[0] + g.stride[0, :, 0])
             & (rrows[:, -1, 0] + rrows[:, -1, 1] == base[1] + g.stride[1, :, 0]))
-    return int(np.count_nonzero(whole & first)), int(np.count_nonzero(whole & last))
+    return whole & first, whole & last
 
 
 def _copy(table: BlockTable, bound: BoundProgram, index: ProgramIndex, req: Request) -> BlockCopy | None:
@@ -295,8 +308,10 @@ def _copy(table: BlockTable, bound: BoundProgram, index: ProgramIndex, req: Requ
             got[1, :, 0] += ir * e.stride[1]
             edges.append(got)
             tail = p.tile >= ts.first + ts.count
-            joins = e.joins[0 if tail else 1]  # (only where the tile is one block: il, ir are ints then)
-            pieces.append(EdgePiece(slot, tail, rows, got.shape[1], joins, il if joins else 0, ir if joins else 0))
+            joins = e.counts[0 if tail else 1]  # (only where the tile is one block: il, ir are ints then)
+            mask = e.joins[0 if tail else 1] if joins else None
+            pieces.append(EdgePiece(slot, tail, rows, got.shape[1], joins, mask, il if joins else 0,
+                                    ir if joins else 0))
             rows += got.shape[1]
         n = ts.count if len(b.runs) else 0
         if n:  # the tiles' ids on each side, from the first tile's first kernel block to the last's last run
