@@ -125,8 +125,8 @@ class BlockCopy:
         """Rows once consecutive ids (on both sides) merge within each entry, and the edge rows: what ``emit``
         gives for the part unless rows of different entries continue one another (separate regions do not) or
         an edge row continues a tile's."""
-        out = len(self.edge[0]) if self.edge is not None else 0
         head = self.head.tolist()
+        out = len(self.edge[0]) if self.edge is not None else 0
         for (la, ra, n), merging, apart in zip(head, self.table.slot_merging, self.table.slot_apart):
             out += apart * n
             if n > 1 and merging:  # (merging entries: one kernel block per tile, so the remote ids follow the local)
@@ -134,6 +134,12 @@ class BlockCopy:
                 out += merging * (1 + int(np.count_nonzero((both[:, 1:] != both[:, :-1] + 1).any(axis=0))))
             elif n and merging:
                 out += merging
+        return out - self._edge_merges(head)
+
+    def _edge_merges(self, head: list) -> int:
+        """Edge rows that continue their entry's whole-block row (or the head's last rows the tail's first, with no
+        whole tile between): each one row with it in ``emit``'s rows."""
+        out = 0
         first: dict[int, EdgePiece] = {}
         for p in self.edge_pieces:  # an edge row that continues its entry's whole-block row: one row with it
             la, ra, n = head[p.slot]
@@ -141,13 +147,13 @@ class BlockCopy:
                 k = n - 1 if p.tail else 0  # the whole tile beside it: the last (the tail follows it) or the first
                 step = 1 if p.tail else -1
                 if p.il == int(self.ids[la + k]) + step and p.ir == int(self.ids[ra + k]) + step:
-                    out -= p.joins
+                    out += p.joins
             elif p.joins and not p.tail:
                 first[p.slot] = p
             elif p.joins and p.slot in first:  # no whole tile between: the head's last rows, the tail's first
                 h = first[p.slot]
                 if p.il == h.il + 1 and p.ir == h.ir + 1:
-                    out -= int(np.count_nonzero(h.mask & p.mask))
+                    out += int(np.count_nonzero(h.mask & p.mask))
         return out
 
     def rows(self) -> tuple[np.ndarray, np.ndarray]:
@@ -286,6 +292,24 @@ def _joins(b, g, lrows: np.ndarray, rrows: np.ndarray) -> tuple[np.ndarray, np.n
     return whole & first, whole & last
 
 
+def _edge_rows(e: _Edge, b, req: Request, p, shift: tuple[int, int], slot: int, at: int, tail: bool
+               ) -> tuple[np.ndarray, EdgePiece]:
+    """Partial tile ``p``'s rows for the request's ids ((2, N, 3) int64), and where they lie in the form's edge."""
+    got = e.rows.copy()
+    l0, r0 = p.tile * b.local_sub - shift[0], p.tile * b.remote_sub - shift[1]
+    kl, kr = req.local[b.group], req.remote[b.group]
+    if e.flat:  # every run in the tile's first kernel block: one id a side
+        il, ir = int(kl[l0]), int(kr[r0])
+    else:
+        il, ir = kl[l0 + e.block[0]], kr[r0 + e.block[1]]
+    got[0, :, 0] += il * e.stride[0]
+    got[1, :, 0] += ir * e.stride[1]
+    joins = e.counts[0 if tail else 1]  # (only where the tile is one block: il, ir are ints then)
+    if not joins:
+        return got, EdgePiece(slot, tail, at, got.shape[1])
+    return got, EdgePiece(slot, tail, at, got.shape[1], joins, e.joins[0 if tail else 1], il, ir)
+
+
 def _copy(table: BlockTable, bound: BoundProgram, index: ProgramIndex, req: Request) -> BlockCopy | None:
     head: list[int] = []
     chunks: list[np.ndarray] = []
@@ -297,21 +321,10 @@ def _copy(table: BlockTable, bound: BoundProgram, index: ProgramIndex, req: Requ
         kl, kr = req.local[b.group], req.remote[b.group]
         ts, shift = block_tiles(b, req)
         for p in ts.partial:
-            e = _edge(bound, index, i, p.lo, p.hi)
-            got = e.rows.copy()
-            l0, r0 = p.tile * b.local_sub - shift[0], p.tile * b.remote_sub - shift[1]
-            if e.flat:  # every run in the tile's first kernel block: one id a side
-                il, ir = int(kl[l0]), int(kr[r0])
-            else:
-                il, ir = kl[l0 + e.block[0]], kr[r0 + e.block[1]]
-            got[0, :, 0] += il * e.stride[0]
-            got[1, :, 0] += ir * e.stride[1]
+            got, piece = _edge_rows(_edge(bound, index, i, p.lo, p.hi), b, req, p, shift, slot, rows,
+                                    p.tile >= ts.first + ts.count)
             edges.append(got)
-            tail = p.tile >= ts.first + ts.count
-            joins = e.counts[0 if tail else 1]  # (only where the tile is one block: il, ir are ints then)
-            mask = e.joins[0 if tail else 1] if joins else None
-            pieces.append(EdgePiece(slot, tail, rows, got.shape[1], joins, mask, il if joins else 0,
-                                    ir if joins else 0))
+            pieces.append(piece)
             rows += got.shape[1]
         n = ts.count if len(b.runs) else 0
         if n:  # the tiles' ids on each side, from the first tile's first kernel block to the last's last run
