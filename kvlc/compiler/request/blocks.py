@@ -62,8 +62,6 @@ class BlockTable:
     slot_bytes: tuple[int, ...]    # bytes one id moves in each slot (its entries' lengths summed)
     slot_merging: tuple[int, ...]  # entries of each slot whose rows of consecutive ids continue (a whole block each)
     slot_apart: tuple[int, ...]    # ... and the others
-    merging: np.ndarray            # bool per entry: it is one of its slot's merging entries
-    slot_start: tuple[int, ...]    # each slot's first entry (a slot's entries are consecutive)
 
     @property
     def entries(self) -> int:
@@ -73,16 +71,15 @@ class BlockTable:
 @dataclass(frozen=True, eq=False)
 class EdgePiece:
     """One partial tile's rows in :attr:`BlockCopy.edge`: from row ``at``, ``rows`` of them; its id slot, and
-    whether it is the range's last tile (else its first). ``joins`` (``mask``: which): entries whose
-    whole-block rows this tile's rows continue (tail: its first row at the block's start) or are continued by
-    (head: its last row at the block's end) where its kernel ids ``(il, ir)`` neighbour those of the tile
-    beside it on both sides."""
+    whether it is the range's last tile (else its first). ``mask``: the entries whose whole-block rows this
+    tile's rows continue (tail: its first row at the block's start) or are continued by (head: its last row at
+    the block's end) where its kernel ids ``(il, ir)`` neighbour those of the tile beside it on both sides
+    (None: no entry's)."""
 
     slot: int
     tail: bool
     at: int
     rows: int
-    joins: int = 0
     mask: np.ndarray | None = None
     il: int = 0
     ir: int = 0
@@ -143,14 +140,16 @@ class BlockCopy:
         first: dict[int, EdgePiece] = {}
         for p in self.edge_pieces:  # an edge row that continues its entry's whole-block row: one row with it
             la, ra, n = head[p.slot]
-            if p.joins and n:
+            if p.mask is None:
+                continue
+            if n:
                 k = n - 1 if p.tail else 0  # the whole tile beside it: the last (the tail follows it) or the first
                 step = 1 if p.tail else -1
                 if p.il == int(self.ids[la + k]) + step and p.ir == int(self.ids[ra + k]) + step:
-                    out += p.joins
-            elif p.joins and not p.tail:
+                    out += int(np.count_nonzero(p.mask))
+            elif not p.tail:
                 first[p.slot] = p
-            elif p.joins and p.slot in first:  # no whole tile between: the head's last rows, the tail's first
+            elif p.slot in first:  # no whole tile between: the head's last rows, the tail's first
                 h = first[p.slot]
                 if p.il == h.il + 1 and p.ir == h.ir + 1:
                     out += int(np.count_nonzero(h.mask & p.mask))
@@ -217,13 +216,10 @@ def _tables(bound: BoundProgram) -> dict[PartKey, BlockTable]:
         per = np.bincount(a["slot"], weights=a["len"], minlength=n).astype(np.int64).tolist()
         merging = ((a["ls"] == a["len"]) & (a["rs"] == a["len"]) & (a["lsub"] == 1) & (a["rsub"] == 1)
                    & (a["lblk"] == 0) & (a["rblk"] == 0))
-        merging.setflags(write=False)
         count = lambda m: tuple(np.bincount(a["slot"][m], minlength=n).tolist())  # noqa: E731
-        sizes = np.bincount(a["slot"], minlength=n)
-        starts = tuple((np.cumsum(sizes) - sizes).tolist())
         out[key] = BlockTable(key, a["lb"], a["ls"], a["rb"], a["rs"], a["len"], a["slot"], a["lsub"], a["lblk"],
                               a["rsub"], a["rblk"], tuple(which), a["lo"], a["hi"], tuple(per), count(merging),
-                              count(~merging), merging, starts)
+                              count(~merging))
     return out
 
 
@@ -248,9 +244,8 @@ class _Edge:
     rows: np.ndarray    # (2, N, 3) int64: each side's rows (address, length, device) for ids 0
     stride: np.ndarray  # (2, N) int64: each row's block stride on its side
     block: np.ndarray   # (2, N) int64: each row's kernel block in its tile, on its side
-    joins: tuple[np.ndarray, np.ndarray] | None = None  # whole-block entries whose first row starts / last row ends
-    #                                                     at the block's edge (bool per entry), and how many:
-    counts: tuple[int, int] = (0, 0)
+    joins: tuple = (None, None)  # whole-block entries whose first row starts / last row ends at the block's edge
+    #                               (bool per entry; None: no entry's)
     flat: bool = False  # every row in the tile's first kernel block on both sides (one id a side)
 
 
@@ -269,27 +264,25 @@ def _edge(bound: BoundProgram, index: ProgramIndex, i: int, lo: int, hi: int) ->
         k = len(piece)
         stride = np.repeat(g.stride[:, :, 0], k, axis=1)  # (2, E * K): entry e's stride for each of its runs
         block = np.tile(np.stack((runs.local_block, runs.remote_block)), (1, len(b.entries)))
-        joins = _joins(b, g, lrows, rrows)
-        counts = (0, 0) if joins is None else (int(np.count_nonzero(joins[0])), int(np.count_nonzero(joins[1])))
-        return _Edge(np.stack((lrows.reshape(-1, 3), rrows.reshape(-1, 3))), stride, block, joins, counts,
-                     not block.any())
+        return _Edge(np.stack((lrows.reshape(-1, 3), rrows.reshape(-1, 3))), stride, block,
+                     _joins(b, g, lrows, rrows), not block.any())
     return bound.memo.get(("block_edge", i, lo, hi), make)
 
 
-def _joins(b, g, lrows: np.ndarray, rrows: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+def _joins(b, g, lrows: np.ndarray, rrows: np.ndarray) -> tuple:
     """Of a block's entries whose tile is one whole block on both sides (what ``emit`` merges across
     consecutive ids), those whose partial tile's first row is at the block's start on both sides (it then
     continues the row of the block before it: a tail) and those whose last row is at the block's end (a
-    head); None where the tile is not one block. ``lrows`` / ``rrows``: (E, K, 3) rows for ids 0."""
+    head); each None where there are none. ``lrows`` / ``rrows``: (E, K, 3) rows for ids 0."""
     r = b.runs
     if not (len(r) == 1 and b.local_sub == b.remote_sub == 1 and not r.local_offset[0] and not r.remote_offset[0]):
-        return None
+        return None, None
     whole = (g.stride[0, :, 0] == r.length[0]) & (g.stride[1, :, 0] == r.length[0])
     base = g.base[:, :, 0]
     first = (lrows[:, 0, 0] == base[0]) & (rrows[:, 0, 0] == base[1])
     last = ((lrows[:, -1, 0] + lrows[:, -1, 1] == base[0] + g.stride[0, :, 0])
             & (rrows[:, -1, 0] + rrows[:, -1, 1] == base[1] + g.stride[1, :, 0]))
-    return whole & first, whole & last
+    return tuple(m if m.any() else None for m in (whole & first, whole & last))
 
 
 def _edge_rows(e: _Edge, b, req: Request, p, shift: tuple[int, int], slot: int, at: int, tail: bool
@@ -304,10 +297,10 @@ def _edge_rows(e: _Edge, b, req: Request, p, shift: tuple[int, int], slot: int, 
         il, ir = kl[l0 + e.block[0]], kr[r0 + e.block[1]]
     got[0, :, 0] += il * e.stride[0]
     got[1, :, 0] += ir * e.stride[1]
-    joins = e.counts[0 if tail else 1]  # (only where the tile is one block: il, ir are ints then)
-    if not joins:
+    mask = e.joins[0 if tail else 1]  # (only where the tile is one block: il, ir are ints then)
+    if mask is None:
         return got, EdgePiece(slot, tail, at, got.shape[1])
-    return got, EdgePiece(slot, tail, at, got.shape[1], joins, e.joins[0 if tail else 1], il, ir)
+    return got, EdgePiece(slot, tail, at, got.shape[1], mask, il, ir)
 
 
 def _copy(table: BlockTable, bound: BoundProgram, index: ProgramIndex, req: Request) -> BlockCopy | None:

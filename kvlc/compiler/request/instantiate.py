@@ -85,7 +85,7 @@ def _block_pieces(index: ProgramIndex, b: Block, req: Request, segments: dict, g
     kl, kr = req.local[b.group], req.remote[b.group]
     ts, shift = block_tiles(b, req)
     partial = [tile_rows(index.tail_runs(b, p.hi, p.lo), p.tile, 1, b, kl, kr, geometry, shift)
-               for p in ts.partial]  # (not partial_pieces: an empty piece must keep its place here)
+               for p in ts.partial]
     head = 1 if ts.partial and ts.partial[0].tile < ts.first else 0
     pieces = partial[:head]                       # in token order: head, whole tiles, tail
     if ts.count and b.whole:   # whole, contiguous blocks: tile = kernel block on both sides

@@ -27,19 +27,16 @@ def tile_rows(runs: Runs, first: int, count: int, b: Block, kl, kr, geometry: Ge
     return RowPiece(geometry, np.stack((il, ir)), offset, np.tile(runs.length, count))
 
 
-def partial_pieces(index: ProgramIndex, b: Block, req: Request, geometry: Geometry) -> list[RowPiece]:
-    """Row pieces of the partial tiles of block ``b`` that ``req`` moves (its first and last, in token order)."""
-    ts, shift = block_tiles(b, req)
-    kl, kr = req.local[b.group], req.remote[b.group]
-    pieces = (tile_rows(index.tail_runs(b, p.hi, p.lo), p.tile, 1, b, kl, kr, geometry, shift) for p in ts.partial)
-    return [p for p in pieces if p is not None and len(p)]
-
-
 def partial_rows(index: ProgramIndex, b: Block, req: Request, geometry: Geometry
                  ) -> list[tuple[np.ndarray, np.ndarray]]:
-    """The rows of :func:`partial_pieces`: per piece, each side's ``(E * K, 3)`` int64 rows (not coalesced)."""
+    """The rows of the partial tiles of block ``b`` that ``req`` moves (its first and last, in token order): per
+    tile, each side's ``(E * K, 3)`` int64 rows (not coalesced)."""
+    ts, shift = block_tiles(b, req)
+    kl, kr = req.local[b.group], req.remote[b.group]
     out = []
-    for piece in partial_pieces(index, b, req, geometry):
-        lrows, rrows = write_rows(piece)
-        out.append((lrows.reshape(-1, 3), rrows.reshape(-1, 3)))
+    for p in ts.partial:
+        piece = tile_rows(index.tail_runs(b, p.hi, p.lo), p.tile, 1, b, kl, kr, geometry, shift)
+        if piece is not None and len(piece):
+            lrows, rrows = write_rows(piece)
+            out.append((lrows.reshape(-1, 3), rrows.reshape(-1, 3)))
     return out
