@@ -44,16 +44,16 @@ class Scale:
     warm: int       # warm-up requests before them
     rounds: int     # timed rounds (bulk), after one warm round
     mixed_rounds: int
-    check_tokens: int
+    check_tokens: int  # the content check's request: not a multiple of a block (its last block partial)
 
 
 def scale(gpu: bool, quick: bool) -> Scale:
     if gpu:  # Llama-3.1-8B: 2,048 tokens are 256 MiB, 16,384 tokens 2 GiB
         return Scale(True, 8 * GiB, 4 * GiB, 1 * GiB, 64 * MiB, (1024, 2048, 4096), 4096,
                      ((2048, 8), (16384, 2)), 2048, 4, 20 if quick else 50, 3 if quick else 5,
-                     3 if quick else 7, 4 if quick else 8, 256)
+                     3 if quick else 7, 4 if quick else 8, 250)
     return Scale(False, 64 * MiB, 64 * MiB, 64 * MiB, 64 * MiB, (64, 128, 256), 256, ((64, 4), (256, 1)), 128, 2,
-                 6 if quick else 10, 2, 2 if quick else 3, 3, 64)
+                 6 if quick else 10, 2, 2 if quick else 3, 3, 60)
 
 
 @dataclass

@@ -234,7 +234,7 @@ def _raw_check(g, gpu: bool, mode: str, pair) -> dict:
 
 def _check_entry(g, mode: str, direction: str, ok: bool, checked: int, problems: list, **more) -> dict:
     return {"group": g.name, "mode": mode, "direction": direction, "verdict": "pass" if ok else "FAIL",
-            "checked_bytes": int(checked), "problems": problems, **more}
+            "tokens": g.check_tokens, "checked_bytes": int(checked), "problems": problems, **more}
 
 
 def _raw_case(pair, c) -> dict:
@@ -347,14 +347,15 @@ class _Kvlc:
     def _guard_check(self, mode: str, direction: str, fn) -> dict:
         t0 = time.time()
         try:
-            ok, checked, problems, ipc = fn()
-            entry = _check_entry(self.g, mode, direction, ok, checked, problems[:3], ipc=ipc)
+            ok, checked, problems, counts = fn()
+            entry = _check_entry(self.g, mode, direction, ok, checked, problems[:3], **counts)
         except Exception as exc:
             entry = _check_entry(self.g, mode, direction, False, 0, [f"{type(exc).__name__}: {exc}"[:400]],
                                  traceback=traceback.format_exc()[-2000:])
         entry["wall_s"] = round(time.time() - t0, 2)
         print(f"  [{mode}] check {self.g.name} {direction}: {entry['verdict']} ({entry['checked_bytes']:,} "
-              f"bytes; {entry['problems'][:1]}; ipc {entry.get('ipc')})", flush=True)
+              f"bytes; {entry['problems'][:1]}; ipc {entry.get('ipc')}, by block ids "
+              f"{entry.get('ipc_block_copies', '-')}; {entry['tokens']} tokens)", flush=True)
         return entry
 
     def _check_push(self):
@@ -365,14 +366,15 @@ class _Kvlc:
         _fill(prod, 0, self.tensors[id(self.l_chk)], "content", 0)
         rid, cids, pids, n = self.g.check_request
         peer = self.connect(self.l_chk, self.c_chk, "WRITE")
-        before = ipc_count(self.l_chk.stats)
+        before, blocks = ipc_count(self.l_chk.stats), self.l_chk.stats.get("ipc_block_copies", 0)
         peer.write(f"check-{rid}", pids, cids, n)
         wait_finished(self.l_chk, {f"check-{rid}"}, TIMEOUT)
-        ipc = ipc_delta(before, self.l_chk.stats)
+        counts = {"ipc": ipc_delta(before, self.l_chk.stats),  # parts by the same-host copy; of them by block ids
+                  "ipc_block_copies": self.l_chk.stats.get("ipc_block_copies", 0) - blocks}
         after = self.c_chk.call("dump")
         zeros = {k: np.zeros_like(v) for k, v in after.items()}
         checked, problems = verify(cons, 0, prod, zeros, after, [(rid, cids, pids, n)])
-        return not problems and checked > 0, checked, problems, ipc
+        return not problems and checked > 0, checked, problems, counts
 
     def _check_pull_via_push(self):
         from kvlc.demo.workload import verify
@@ -387,7 +389,7 @@ class _Kvlc:
         after = {k: t.cpu().numpy().copy() for k, t in self.tensors[id(self.l_chk)].items()}
         zeros = {k: np.zeros_like(v) for k, v in after.items()}
         checked, problems = verify(cons, 0, prod, zeros, after, [(rid, cids, pids, n)])
-        return not problems and checked > 0, checked, problems, ipc
+        return not problems and checked > 0, checked, problems, {"ipc": ipc}
 
     # ---- timed cases
     def case(self, c, mode: str) -> dict:
