@@ -2,9 +2,10 @@
 
 For checked-in engine pairs (same layout; Llama-3.1-70B TP 8 reading from TP 4, token-major and head-major;
 Gemma-3-27B block 32 reading from block 16, sliding windows; DeepSeek-V3 MLA), a 2,048-token and a
-2,047-token request (a prompt's: the last block partial, its tokens as the form's edge rows), contiguous and
-random block ids: ``block_copies`` (the forms: ids, edge rows) and ``emit`` (the rows, coalesced), called in
-turn in each timed round, with their sizes: rows, the forms' row estimate, ids and edge rows. The bytes of
+2,047-token request (a prompt's: the last block partial, its tokens as entries of the forms' partial-tile slots),
+contiguous and random block ids: ``block_copies`` (the forms: their ids) and ``emit`` (the rows, coalesced),
+called in turn in each timed round, with their sizes: rows, the forms' row estimate, ids, entries and those of
+the partial tiles. The bytes of
 both are checked equal once per case (tests/test_blocks.py checks them row for row).
 
 Run:  python3 benchmarks/bench_blocks.py [--quick]
@@ -63,7 +64,8 @@ def _case(name: str, local: kvlc.Plan, remote: kvlc.Plan, tokens: int, kind: str
     return {"pair": name, "tokens": tokens, "ids": kind, "forms_us": med(t_forms) * 1e6,
             "rows_us": med(t_rows) * 1e6, "rows": sum(len(p) for p in rows.values()),
             "rows_estimate": sum(f.runs for f in forms.values()), "ids_words": sum(len(f.ids) for f in forms.values()),
-            "edge_rows": sum(0 if f.edge is None else len(f.edge[0]) for f in forms.values()),
+            "partial_entries": sum(int(np.count_nonzero(f.table.slot >= len(f.table.blocks)))
+                                   for f in forms.values()),
             "entries": sum(f.table.entries for f in forms.values()), "bytes": sum(f.nbytes for f in forms.values())}
 
 
@@ -81,7 +83,7 @@ def main() -> None:
                 out.append(r)
                 print(f"{name:40s} {tokens:5d} {kind:10s} forms {r['forms_us']:8.1f} us  rows {r['rows_us']:9.1f} us"
                       f"  rows {r['rows']:7d} (estimate {r['rows_estimate']:7d})  ids {r['ids_words']:5d}"
-                      f"  edge rows {r['edge_rows']:5d}  entries {r['entries']:5d}")
+                      f"  entries {r['entries']:5d} (partial tiles' {r['partial_entries']:5d})")
     print(write_results("blocks", {"cases": out}))
 
 

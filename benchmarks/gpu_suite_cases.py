@@ -133,7 +133,7 @@ def groups(sc: Scale, only: set[str]) -> list[Group]:
                   warm=sc.warm)
              for ids in ("contiguous", "random") for t in sc.handover_tokens]
     # What an engine hands over: a prompt's tokens less the one the decoder computes, so the last block is
-    # partial (its rows go with the block form as edge rows).
+    # partial (its tokens: entries of a slot of one tile in the block form).
     prompt = sc.handover_tokens[len(sc.handover_tokens) // 2] - 1
     llama += [Case(f"llama-8b handover {prompt} tokens random ids (a prompt: last block partial)", "handover",
                    "handover", prompt, "random", rounds=sc.n, warm=sc.warm)]

@@ -54,12 +54,10 @@ def _same_bytes(bound, req) -> int:
         want = _canonical(parts[key].local, parts[key].remote)
         assert np.array_equal(_canonical(bl, br), want), f"part {key}: the block form moves other bytes"
         t = form.table
-        which = np.repeat(np.arange(t.entries), form.counts()[t.slot])  # each tile row's entry
-        tiles, edge = br[:len(which)], br[len(which):]
-        assert (tiles[:, 0] >= t.remote_lo[which]).all() and (tiles[:, 0] + tiles[:, 1] <= t.remote_hi[which]).all()
-        inside = (edge[:, :1] >= t.remote_lo) & (edge[:, :1] + edge[:, 1:] <= t.remote_hi)  # (rows, entries)
-        assert inside.any(axis=1).all(), "an edge row outside every entry's extent"
-        assert len(edge) == (0 if form.edge is None else len(form.edge[0]))
+        which = np.repeat(np.arange(t.entries), form.counts()[t.slot])  # each row's entry (partial tiles' last)
+        assert len(which) == len(br) and t.slots == len(t.blocks) + len(form.edge_pieces)
+        assert (br[:, 0] >= t.remote_lo[which]).all() and (br[:, 0] + br[:, 1] <= t.remote_hi[which]).all()
+        assert (form.counts()[len(t.blocks):] == 1).all()  # a partial tile: a slot of one tile
         assert form.nbytes == parts[key].nbytes
         assert form.runs >= len(parts[key])  # (rows of different entries may continue one another)
     lazy = emit(bound, req, blocks=True)
@@ -96,7 +94,7 @@ def _llama(path: str = "layouts/llama-3.1-8b.yaml"):
 def test_whole_blocks_of_a_same_layout_pair_have_a_block_form(data):
     """A same-layout pair (Llama-3.1-8B, DeepSeek-V3 MLA) moving whole blocks: one block form per part, one id
     slot per index block, as many ids as blocks; a partial last block: the same forms, one id fewer per slot
-    and the last block's tokens as edge rows (those of ``emit`` for them)."""
+    and a slot of one tile per index block whose entries move the last block's tokens (the rows ``emit`` gives)."""
     plan, bound = _llama(data.draw(st.sampled_from(["layouts/llama-3.1-8b.yaml", "layouts/deepseek-v3-tp1.yaml"])))
     group = plan.groups[0]
     bs, cap = group.block_size, plan.regions[0].capacity
@@ -122,10 +120,15 @@ def test_whole_blocks_of_a_same_layout_pair_have_a_block_form(data):
         last = check_request(bound.program, {group.name: lids[-1:]}, {group.name: rids[-1:]}, bs - cut)
         rows = emit(bound, short)
         for key, form in edged.items():
-            assert form.count == n - 1 and (form.counts() == n - 1).all() and form.edge is not None
-            assert form.runs == len(rows[key])  # (an edge row that continues its entry's last tile counted once)
-            want = emit(bound, last)[key]  # the last block alone, as rows: the edge's bytes
-            assert _canonical(*form.edge).tolist() == _canonical(want.local, want.remote).tolist()
+            t, whole = form.table, len(form.table.blocks)
+            assert form.count == max(n - 1, 1) and (form.counts()[:whole] == n - 1).all()
+            assert len(form.edge_pieces) == whole and (form.counts()[whole:] == 1).all()  # a slot per partial tile
+            assert form.runs == len(rows[key])  # (a partial tile's row that continues its entry's last tile: once)
+            want = emit(bound, last)[key]  # the last block alone, as rows: the partial tiles' entries' bytes
+            m = int(np.count_nonzero(t.slot >= whole))
+            bl, br = form.rows()
+            got = _canonical(bl[len(bl) - m:], br[len(br) - m:])
+            assert got.tolist() == _canonical(want.local, want.remote).tolist()
         assert _same_bytes(bound, short) == len(forms)
         if n * bs - cut >= 2:  # a range from inside the first block: a head edge as well
             start = data.draw(st.integers(1, min(bs, n * bs - cut) - 1))

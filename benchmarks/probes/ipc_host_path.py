@@ -3,7 +3,7 @@
 For Llama-3.1-8B (same layout, push), requests of random block ids of ``--tokens`` (default 1024, 1023: a
 prompt's, last block partial, and 4096): the time per request of ``emit(..., blocks=True)`` (the check is
 done before the clock), and of that plus what the executor and the same-host route do for its one part
-(``Executor._one``: the route's block launch, the edge rows translated; ``post``: the ids into the pinned
+(``Executor._one``: the route's block launch; ``post``: the ids into the pinned
 ring, the kernel's launch; ``state``; ``release``), with torch.cuda's streams and events and the kernel
 replaced by objects that do nothing. What is left is Python and numpy: the part of a request's host time
 that a CPU can measure and that a GPU host pays as well (faster there; benchmarks/README.md, runs 7-9 for

@@ -59,8 +59,6 @@ def _launch_rows(b) -> np.ndarray:
         r = rb + ids[ra + k * rsub + rblk] * rs
         s, d = (a, r) if b.write else (r, a)
         out.append(np.stack([s, d, np.full(n, length)], axis=1))
-    if b.edge is not None:  # the partial tiles' rows, sources first already
-        out.append(b.edge.table.reshape(3, -1).T)
     return np.concatenate(out)
 
 
@@ -84,7 +82,7 @@ def test_block_launch_moves_the_bytes_of_the_row_table(data):
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
     cap = plan.regions[0].capacity
     ids = {"local": rng.permutation(cap)[:n].tolist(), "remote": rng.permutation(cap)[:n].tolist()}
-    cut = data.draw(st.integers(0, group.block_size - 1))  # tokens short of the last block's end (its edge rows)
+    cut = data.draw(st.integers(0, group.block_size - 1))  # tokens short of the last block's end (a partial tile)
     req = check_request(bound.program, {group.name: ids["local"]}, {group.name: ids["remote"]},
                         n * group.block_size - cut)
     parts, forms = emit(bound, req), block_copies(bound, req)
@@ -93,7 +91,9 @@ def test_block_launch_moves_the_bytes_of_the_row_table(data):
     write = direction == "WRITE"
     for key, form in forms.items():
         b = w.blocks(form, key.remote_mem, write)
-        assert b is not None and b.write == write and b.vec and (b.edge is None) == (cut == 0)
+        assert b is not None and b.write == write and b.vec
+        assert (form.table.slots > len(form.table.blocks)) == (cut > 0)  # the partial tiles' slots
+        assert w.blocks(form, key.remote_mem, write).kept is b.kept  # the table's entries, once per peer
         t = w.table(parts[key].local, parts[key].remote, key.remote_mem, write, "part", chunk=1 << 62)
         table = t.table.reshape(3, -1)
         got = _launch_rows(b)
@@ -119,7 +119,7 @@ def test_block_launch_of_random_pairs_moves_the_bytes_of_the_row_table(case, dat
             write = bound.program.direction == "WRITE"
             b = w.blocks(form, key.remote_mem, write)
             if b is None:  # only where the grid could not hold the entries
-                assert form.table.entries >= GRID_YZ  # (one grid row kept for the edge rows)
+                assert form.table.entries > GRID_YZ
                 continue
             t = w.table(parts[key].local, parts[key].remote, key.remote_mem, write, "part", chunk=1 << 62)
             got = _launch_rows(b)
@@ -184,3 +184,36 @@ def test_the_executor_builds_rows_only_where_the_block_form_is_not_taken(by_bloc
     assert all(p.built is not by_blocks for p in parts.values())
     want = [c for p in rows.values() for c in [("blocks", len(p))] + ([] if by_blocks else [("rows", len(p))])]
     assert agent.calls == want
+
+
+def test_partial_tile_tables_are_made_once_per_span_and_kept_within_bounds(monkeypatch):
+    """A part's table with a request's partial tiles is made once per token span and shared by the requests
+    that end there; the binding keeps the last EDGE_TABLES of them and a peer's windows the entries of the last
+    ENTRIES_KEPT tables; one made again after it went moves the same bytes."""
+    from kvlc.compiler.request import blocks as blocks_mod
+    from kvlc.runtime.ipc import route as route_mod
+
+    monkeypatch.setattr(blocks_mod, "EDGE_TABLES", 3)
+    monkeypatch.setattr(route_mod, "ENTRIES_KEPT", 2)
+    plan, bound = _bound("layouts/llama-3.1-8b.yaml", "WRITE")
+    group = plan.groups[0]
+    w = _windows(plan)
+    first = []
+    for cut in range(1, 6):
+        lids, rids = list(range(cut, cut + 8)), list(range(100 - cut, 108 - cut))  # other ids, the same span
+        req = check_request(bound.program, {group.name: lids}, {group.name: rids}, 8 * group.block_size - cut)
+        (key, form), = block_copies(bound, req).items()
+        again = check_request(bound.program, {group.name: rids}, {group.name: lids}, 8 * group.block_size - cut)
+        assert block_copies(bound, again)[key].table is form.table
+        b = w.blocks(form, key.remote_mem, True)
+        t = w.table(emit(bound, req)[key].local, emit(bound, req)[key].remote, key.remote_mem, True, "part",
+                    chunk=1 << 62)
+        got = _launch_rows(b)
+        assert np.array_equal(_canonical(got[:, 0], got[:, 1], got[:, 2]), _canonical(*t.table.reshape(3, -1)))
+        first.append(form.table)
+        assert len(bound.memo.get("block_edge_tables", dict)) <= 3 and len(w._entries) <= 2
+    req = check_request(bound.program, {group.name: list(range(8))}, {group.name: list(range(8))},
+                        8 * group.block_size - 1)
+    (key, form), = block_copies(bound, req).items()
+    assert form.table is not first[0]  # (its span's table went: made again, the same entries)
+    assert all(np.array_equal(getattr(form.table, f), getattr(first[0], f)) for f in blocks_mod._FIELDS)

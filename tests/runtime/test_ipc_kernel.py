@@ -260,11 +260,11 @@ def test_gpu_copy_keeps_the_callers_stream_object_while_the_stream_stays(interpr
 def _block_case(data, rng, size: int, cell: int):
     """A random part in block form over two buffers of ``size`` bytes: entries in cells of ``cell`` bytes (entry
     ``e``, id ``i``: cell ``e * ids + i`` on each side, so no two rows overlap), one or two id slots, each with
-    one or two kernel blocks per tile on each side (an entry reads one of them); and up to three edge rows
-    (source offset, destination offset, length), each in its own quarter of the last cell."""
+    one or two kernel blocks per tile on each side (an entry reads one of them), of up to five tiles (one: as a
+    partial tile's slot at a range's end)."""
     unit = data.draw(st.sampled_from([1, 8, 16]))
     entries = data.draw(st.integers(1, 3))
-    nb = (size // cell - 1) // entries  # ids per side (the last cell holds the edge rows)
+    nb = size // cell // entries  # ids per side
     slots = data.draw(st.integers(1, 2))
     subs = [(data.draw(st.integers(1, 2)), data.draw(st.integers(1, 2))) for _ in range(slots)]
     counts = [data.draw(st.integers(0, min(nb // 2, 5))) for _ in range(slots)]
@@ -283,22 +283,14 @@ def _block_case(data, rng, size: int, cell: int):
         ls, rs = subs[slot]
         rows.append((e * nb * cell + lo, cell, e * nb * cell + ro, cell, length, slot,
                      ls, data.draw(st.integers(0, ls - 1)), rs, data.draw(st.integers(0, rs - 1))))
-    quarter = cell // 4
-    edge = []
-    for q in range(data.draw(st.integers(0, 3))):
-        at = [size - cell + q * quarter + unit * data.draw(st.integers(0, quarter // 2 // unit - 1)) for _ in "sd"]
-        edge.append((*at, unit * data.draw(st.integers(1, quarter // 2 // unit))))
-    return (unit, np.array(rows, dtype=np.int64), np.array(head + ids, dtype=np.int64),
-            np.array(edge, dtype=np.int64).reshape(-1, 3))
+    return unit, np.array(rows, dtype=np.int64), np.array(head + ids, dtype=np.int64)
 
 
-def _block_reference(src: np.ndarray, dst: np.ndarray, rows: np.ndarray, ids: np.ndarray, write: bool,
-                     edge: np.ndarray) -> np.ndarray:
+def _block_reference(src: np.ndarray, dst: np.ndarray, rows: np.ndarray, ids: np.ndarray, write: bool
+                     ) -> np.ndarray:
     """What the block kernel must leave in ``dst``: entry by entry, id by id (local side: offsets into the
-    written buffer when ``write`` is false), then the edge rows (source, destination offsets and length)."""
+    written buffer when ``write`` is false)."""
     out = dst.copy()
-    for s, d, length in edge.tolist():
-        out[d:d + length] = src[s:s + length]
     for lb, ls, rb, rs, length, slot, lsub, lblk, rsub, rblk in rows.tolist():
         la, ra, n = ids[3 * slot:3 * slot + 3].tolist()
         for k in range(n):
@@ -318,20 +310,19 @@ def test_block_kernel_copies_random_forms(interpreted, data):
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
     src = torch.from_numpy(rng.integers(0, 256, size, dtype=np.uint8))
     dst = torch.from_numpy(rng.integers(0, 256, size, dtype=np.uint8))
-    unit, rows, ids, edge = _block_case(data, rng, size, cell)
+    unit, rows, ids = _block_case(data, rng, size, cell)
     write = data.draw(st.booleans())
-    want = _block_reference(src.numpy(), dst.numpy(), rows, ids, write, edge)
+    want = _block_reference(src.numpy(), dst.numpy(), rows, ids, write)
     s_base, d_base = src.data_ptr(), dst.data_ptr()
     moved = rows.copy()
     moved[:, 0] += s_base if write else d_base   # the local side: the sources of a write
     moved[:, 2] += d_base if write else s_base
     chunk = data.draw(st.sampled_from([64, 256, 1 << 18]))
-    count = max(1, int(ids[2:ids[0]:3].max()), len(edge))
+    count = max(1, int(ids[2:ids[0]:3].max()))
     pieces = -(-int(rows[:, 4].max()) // chunk)
-    table = np.concatenate([edge[:, 0] + s_base, edge[:, 1] + d_base, edge[:, 2]])  # sources, destinations, lengths
-    interpreted.copy_blocks[(count, len(rows) + (1 if len(edge) else 0), pieces)](
-        torch.from_numpy(moved.reshape(-1)), torch.from_numpy(np.concatenate([ids, table])), int(write), len(rows),
-        len(ids), len(edge), CHUNK=chunk, BLOCK=16 if unit > 1 else 128, WIDE=unit > 1, VEC=unit == 16)
+    interpreted.copy_blocks[(count, len(rows), pieces)](
+        torch.from_numpy(moved.reshape(-1)), torch.from_numpy(ids), int(write), CHUNK=chunk,
+        BLOCK=16 if unit > 1 else 128, WIDE=unit > 1, VEC=unit == 16)
     assert (dst.numpy() == want).all()
 
 
@@ -340,7 +331,7 @@ def test_block_kernel_copies_random_forms(interpreted, data):
 def test_gpu_copy_moves_block_forms_through_its_ring(interpreted, data):
     """GpuCopy.start_blocks on a CPU (the interpreter as the GPU): warm-up checks the block kernel, the entries go
     up once per table, each request's ids through the ring; every byte as the numpy reference says."""
-    from kvlc.runtime.ipc.copy import ENTRY, BlockLaunch, GpuCopy, row_table
+    from kvlc.runtime.ipc.copy import ENTRY, BlockLaunch, GpuCopy
 
     class Small(GpuCopy):
         RING_WORDS = 64
@@ -352,19 +343,16 @@ def test_gpu_copy_moves_block_forms_through_its_ring(interpreted, data):
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
     src = torch.from_numpy(rng.integers(0, 256, size, dtype=np.uint8))
     dst = torch.from_numpy(rng.integers(0, 256, size, dtype=np.uint8))
-    unit, rows, ids, edge = _block_case(data, rng, size, cell)
+    unit, rows, ids = _block_case(data, rng, size, cell)
     moved = rows.copy()
     moved[:, 0] += src.data_ptr()
     moved[:, 2] += dst.data_ptr()
-    u64 = lambda a: np.asarray(a, dtype=np.uint64)  # noqa: E731
     assert rows.shape[1] == ENTRY
     kept: dict = {}  # what the route shares between the launches of one table and peer
     count = max(1, int(ids[2:ids[0]:3].max()))
     for _ in range(3):  # the same table again: its entries went up once
-        want = _block_reference(src.numpy(), dst.numpy(), rows, ids, True, edge)
-        rt = row_table(u64(edge[:, 0] + src.data_ptr()), u64(edge[:, 1] + dst.data_ptr()), u64(edge[:, 2])) \
-            if len(edge) else None
-        b = BlockLaunch(moved.reshape(-1), ids, count, 1, True, unit % 8 == 0, unit % 16 == 0, kept, rt)
+        want = _block_reference(src.numpy(), dst.numpy(), rows, ids, True)
+        b = BlockLaunch(moved.reshape(-1), ids, count, 1, True, unit % 8 == 0, unit % 16 == 0, kept)
         cp.start_blocks(b).event.synchronize()
         assert (dst.numpy() == want).all()
         assert list(kept) == [0]

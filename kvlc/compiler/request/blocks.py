@@ -9,19 +9,20 @@ made once per part); a request adds only its ids (:class:`BlockCopy`), so a kern
 addresses itself needs a few kilobytes per request where rows take 48 bytes each. The same rows as
 :func:`~kvlc.compiler.request.instantiate.emit` writes before it coalesces them (:meth:`BlockCopy.rows`;
 tests/test_blocks.py). The partial tiles a token range cuts at its ends (a prompt's last block, a range
-that starts inside a block) come as a few rows of their own (:attr:`BlockCopy.edge`: per part and end at
-most one tile's runs per entry). Where every part of a request has a form (every part that moves
-something), :class:`BlockPart` gives each part with its rows built only if something asks for them (NIXL,
-staging, a refusal's words).
+that starts inside a block) are entries too, each reading a slot of one tile: a part's table with the entries
+of the partial tiles a request has after its own is made once per binding, part and tiles' token spans (an
+engine's requests end at a few offsets), so a request adds only ids there as well. Where every part of a
+request has a form (every part that moves something), :class:`BlockPart` gives each part with its rows built
+only if something asks for them (NIXL, staging, a refusal's words).
 
 Every row of an entry lies in its regions' extents (:attr:`BlockTable.remote_lo` / ``remote_hi`` on the
 peer's side), for any ids :func:`~kvlc.compiler.request.check.check_request` lets through (each below its
-region's block count): a copier checks the extents once, not the rows of each request (the edge rows,
-few, it checks as rows).
+region's block count): a copier checks the extents once per table, not the rows of each request.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Callable
@@ -42,8 +43,9 @@ HEADER = 3  # int64s per slot at the head of a request's ids: where its local id
 class BlockTable:
     """One part's entries, fixed per binding: each (E,) int64, one entry per run of a tile of each program
     entry; ``slot[e]``: which of a request's id slots entry ``e`` reads (one slot per index block of the part,
-    in :attr:`blocks` order). Tile ``k`` of a slot reads local id ``ids[k * local_sub[e] + local_block[e]]``
-    of the slot's local ids (a tile spans ``local_sub`` kernel blocks: another block size), remote alike."""
+    in :attr:`blocks` order; in a table made for a request's partial tiles, then one per tile). Tile ``k`` of a
+    slot reads local id ``ids[k * local_sub[e] + local_block[e]]`` of the slot's local ids (a tile spans
+    ``local_sub`` kernel blocks: another block size), remote alike."""
 
     key: PartKey
     local_base: np.ndarray
@@ -67,19 +69,22 @@ class BlockTable:
     def entries(self) -> int:
         return len(self.length)
 
+    @property
+    def slots(self) -> int:
+        """Id slots: one per index block (:attr:`blocks`), then one per partial tile of a request's (if any)."""
+        return len(self.slot_bytes)
+
 
 @dataclass(frozen=True, eq=False)
 class EdgePiece:
-    """One partial tile's rows in :attr:`BlockCopy.edge`: from row ``at``, ``rows`` of them; its id slot, and
-    whether it is the range's last tile (else its first). ``mask``: the entries whose whole-block rows this
-    tile's rows continue (tail: its first row at the block's start) or are continued by (head: its last row at
-    the block's end) where its kernel ids ``(il, ir)`` neighbour those of the tile beside it on both sides
-    (None: no entry's)."""
+    """One partial tile of a request (a token range's end inside a tile): its slot among the index blocks' (where
+    the whole tiles beside it are), and whether it is the range's last tile (else its first). ``mask``: the
+    entries whose whole-block rows this tile's rows continue (tail: its first row at the block's start) or are
+    continued by (head: its last row at the block's end) where its kernel ids ``(il, ir)`` neighbour those of
+    the tile beside it on both sides (None: no entry's)."""
 
     slot: int
     tail: bool
-    at: int
-    rows: int
     mask: np.ndarray | None = None
     il: int = 0
     ir: int = 0
@@ -91,21 +96,20 @@ class BlockCopy:
 
     ``ids`` (int64): :data:`HEADER` words per slot (offsets into ``ids`` of the slot's local ids and of its
     remote ids, and how many tiles), then the ids themselves (per tile ``local_sub`` local and ``remote_sub``
-    remote ones): the request's whole tiles. ``count``: the most tiles of any slot. ``edge``: the rows of the
-    partial tiles at the token range's ends, each side ``(N, 3)`` uint64 as ``emit`` writes rows (address,
-    length, device; not coalesced), or None.
+    remote ones). ``count``: the most tiles of any slot. A partial tile at the token range's ends is a slot of
+    one tile after the index blocks' slots, read by entries of its own (:attr:`BlockTable.blocks` says how many
+    slots are index blocks'); ``edge_pieces``: those tiles, in slot order.
     """
 
     table: BlockTable
     ids: np.ndarray
     count: int
-    edge: tuple[np.ndarray, np.ndarray] | None = None
-    edge_pieces: tuple[EdgePiece, ...] = ()  # where each partial tile's rows lie in ``edge``
+    edge_pieces: tuple[EdgePiece, ...] = ()
 
     @property
     def head(self) -> np.ndarray:
         """The slots' words: (slots, :data:`HEADER`) int64 (local ids at, remote ids at, count)."""
-        return self.ids[:HEADER * len(self.table.blocks)].reshape(-1, HEADER)
+        return self.ids[:HEADER * self.table.slots].reshape(-1, HEADER)
 
     def counts(self) -> np.ndarray:
         """Tiles of each slot (int64)."""
@@ -114,16 +118,15 @@ class BlockCopy:
     @cached_property
     def nbytes(self) -> int:
         """Bytes moved."""
-        tiles = sum(b * int(n) for b, n in zip(self.table.slot_bytes, self.counts().tolist()))
-        return tiles + (int(self.edge[0][:, 1].sum()) if self.edge is not None else 0)
+        return sum(b * int(n) for b, n in zip(self.table.slot_bytes, self.counts().tolist()))
 
     @cached_property
     def runs(self) -> int:
-        """Rows once consecutive ids (on both sides) merge within each entry, and the edge rows: what ``emit``
-        gives for the part unless rows of different entries continue one another (separate regions do not) or
-        an edge row continues a tile's."""
+        """Rows once consecutive ids (on both sides) merge within each entry: what ``emit`` gives for the part
+        unless rows of different entries continue one another (separate regions do not) or a partial tile's
+        row continues a whole tile's."""
         head = self.head.tolist()
-        out = len(self.edge[0]) if self.edge is not None else 0
+        out = 0
         for (la, ra, n), merging, apart in zip(head, self.table.slot_merging, self.table.slot_apart):
             out += apart * n
             if n > 1 and merging:  # (merging entries: one kernel block per tile, so the remote ids follow the local)
@@ -134,11 +137,11 @@ class BlockCopy:
         return out - self._edge_merges(head)
 
     def _edge_merges(self, head: list) -> int:
-        """Edge rows that continue their entry's whole-block row (or the head's last rows the tail's first, with no
-        whole tile between): each one row with it in ``emit``'s rows."""
+        """Partial tiles' rows that continue their entry's whole-block row (or the head's last rows the tail's
+        first, with no whole tile between): each one row with it in ``emit``'s rows."""
         out = 0
         first: dict[int, EdgePiece] = {}
-        for p in self.edge_pieces:  # an edge row that continues its entry's whole-block row: one row with it
+        for p in self.edge_pieces:
             la, ra, n = head[p.slot]
             if p.mask is None:
                 continue
@@ -156,8 +159,9 @@ class BlockCopy:
         return out
 
     def rows(self) -> tuple[np.ndarray, np.ndarray]:
-        """The rows this form stands for, entry by entry, id by id, then the edge rows (before any coalescing):
-        local and remote ``(N, 2)`` int64 (address, length). The reference the kernels are checked against."""
+        """The rows this form stands for, entry by entry (the partial tiles' entries last), id by id (before any
+        coalescing): local and remote ``(N, 2)`` int64 (address, length). The reference the kernels are checked
+        against."""
         t, head = self.table, self.head
         local, remote = [], []
         for e in range(t.entries):
@@ -168,9 +172,6 @@ class BlockCopy:
             length = np.full(n, t.length[e], np.int64)
             local.append(np.stack([t.local_base[e] + il * t.local_stride[e], length], axis=1))
             remote.append(np.stack([t.remote_base[e] + ir * t.remote_stride[e], length], axis=1))
-        if self.edge is not None:
-            local.append(self.edge[0][:, :2].view(np.int64))
-            remote.append(self.edge[1][:, :2].view(np.int64))
         empty = np.zeros((0, 2), np.int64)
         return (np.concatenate(local) if local else empty), (np.concatenate(remote) if remote else empty)
 
@@ -178,6 +179,29 @@ class BlockCopy:
 def block_tables(bound: BoundProgram) -> dict[PartKey, BlockTable]:
     """The block table of every part (kept in the binding's memo)."""
     return bound.memo.get("block_tables", lambda: _tables(bound))
+
+
+_COLUMNS = ("lb", "ls", "rb", "rs", "len", "slot", "lsub", "lblk", "rsub", "rblk", "lo", "hi")
+
+
+def _extents(prog, b) -> np.ndarray:
+    """The bytes of each program entry of block ``b``'s region on the peer's side (its rows' reach past the base)."""
+    regions = [prog.remote.region(prog.entries[j].remote_region) for j in b.entries]
+    return np.array([x.end - x.offset for x in regions], dtype=np.int64)
+
+
+def _table(key: PartKey, cols: dict, blocks: tuple[int, ...], slots: int, merging_ok: bool = True) -> BlockTable:
+    """A :class:`BlockTable` of the columns ``cols`` (lists of int64 arrays, :data:`_COLUMNS`), ``slots`` id
+    slots; ``merging_ok`` False: no entry counts as merging across consecutive ids (a partial tile's)."""
+    a = {c: np.ascontiguousarray(np.concatenate(v), dtype=np.int64) for c, v in cols.items()}
+    for v in a.values():
+        v.setflags(write=False)
+    per = np.bincount(a["slot"], weights=a["len"], minlength=slots).astype(np.int64).tolist()
+    merging = ((a["ls"] == a["len"]) & (a["rs"] == a["len"]) & (a["lsub"] == 1) & (a["rsub"] == 1)
+               & (a["lblk"] == 0) & (a["rblk"] == 0) & (a["slot"] < len(blocks)))
+    count = lambda m: tuple(np.bincount(a["slot"][m], minlength=slots).tolist())  # noqa: E731
+    return BlockTable(key, a["lb"], a["ls"], a["rb"], a["rs"], a["len"], a["slot"], a["lsub"], a["lblk"],
+                      a["rsub"], a["rblk"], blocks, a["lo"], a["hi"], tuple(per), count(merging), count(~merging))
 
 
 def _tables(bound: BoundProgram) -> dict[PartKey, BlockTable]:
@@ -188,15 +212,13 @@ def _tables(bound: BoundProgram) -> dict[PartKey, BlockTable]:
         per.setdefault(b.key, []).append(i)
     geometries = bound.geometries()
     out = {}
-    names = ("lb", "ls", "rb", "rs", "len", "slot", "lsub", "lblk", "rsub", "rblk", "lo", "hi")
     for key, which in per.items():
-        cols: dict[str, list] = {c: [] for c in names}
+        cols: dict[str, list] = {c: [] for c in _COLUMNS}
         for s, i in enumerate(which):  # entry-major: each program entry's runs of a tile in order
             b, g = index.blocks[i], geometries[i]
             r, m = b.runs, len(b.runs)
             each = lambda a: np.repeat(np.asarray(a, dtype=np.int64), m)  # noqa: E731  (per entry, every run)
             runs = lambda a: np.tile(a, len(b.entries))  # noqa: E731  (per run, every entry)
-            regions = [prog.remote.region(prog.entries[j].remote_region) for j in b.entries]
             cols["lb"].append(each(g.base[0, :, 0]) + runs(r.local_offset))
             cols["rb"].append(each(g.base[1, :, 0]) + runs(r.remote_offset))
             cols["ls"].append(each(g.stride[0, :, 0]))
@@ -208,18 +230,8 @@ def _tables(bound: BoundProgram) -> dict[PartKey, BlockTable]:
             cols["lblk"].append(runs(r.local_block))
             cols["rblk"].append(runs(r.remote_block))
             cols["lo"].append(each(g.base[1, :, 0]))  # (the base holds the region's offset in its storage)
-            cols["hi"].append(each(g.base[1, :, 0] + np.array([x.end - x.offset for x in regions], dtype=np.int64)))
-        a = {c: np.ascontiguousarray(np.concatenate(v), dtype=np.int64) for c, v in cols.items()}
-        for v in a.values():
-            v.setflags(write=False)
-        n = len(which)
-        per = np.bincount(a["slot"], weights=a["len"], minlength=n).astype(np.int64).tolist()
-        merging = ((a["ls"] == a["len"]) & (a["rs"] == a["len"]) & (a["lsub"] == 1) & (a["rsub"] == 1)
-                   & (a["lblk"] == 0) & (a["rblk"] == 0))
-        count = lambda m: tuple(np.bincount(a["slot"][m], minlength=n).tolist())  # noqa: E731
-        out[key] = BlockTable(key, a["lb"], a["ls"], a["rb"], a["rs"], a["len"], a["slot"], a["lsub"], a["lblk"],
-                              a["rsub"], a["rblk"], tuple(which), a["lo"], a["hi"], tuple(per), count(merging),
-                              count(~merging))
+            cols["hi"].append(each(g.base[1, :, 0] + _extents(prog, b)))
+        out[key] = _table(key, cols, tuple(which), len(which))
     return out
 
 
@@ -237,35 +249,44 @@ def block_copies(bound: BoundProgram, req: Request) -> dict[PartKey, BlockCopy]:
 
 @dataclass(frozen=True, eq=False)
 class _Edge:
-    """The rows of tokens ``[lo, hi)`` of one tile of an index block with kernel ids 0 (fixed per binding): a
-    request's ids move each side's row addresses by its id times :attr:`stride`, row ``j`` reading the id of
-    its run's block in the tile (:attr:`block`)."""
+    """Tokens ``[lo, hi)`` of one tile of an index block as a table's entries (fixed per binding): one per row of
+    the tile for kernel ids 0, each reading its run's kernel block of the tile on each side (:attr:`cols`, slot
+    0: a table puts it where its slot is; blocks counted from :attr:`first`). ``first`` / ``need``: the tile's
+    kernel blocks whose ids a request gives each side, from the first any entry reads to the last."""
 
-    rows: np.ndarray    # (2, N, 3) int64: each side's rows (address, length, device) for ids 0
-    stride: np.ndarray  # (2, N) int64: each row's block stride on its side
-    block: np.ndarray   # (2, N) int64: each row's kernel block in its tile, on its side
+    cols: dict             # _COLUMNS -> (N,) int64
+    first: tuple[int, int]
+    need: tuple[int, int]
     joins: tuple = (None, None)  # whole-block entries whose first row starts / last row ends at the block's edge
     #                               (bool per entry; None: no entry's)
-    flat: bool = False  # every row in the tile's first kernel block on both sides (one id a side)
 
 
-def _edge(bound: BoundProgram, index: ProgramIndex, i: int, lo: int, hi: int) -> _Edge:
-    """Index block ``i``'s partial tile ``[lo, hi)`` as rows for ids 0 (kept in the binding's memo: a request
-    then moves them by its ids, a few numpy calls instead of building rows)."""
-    def make() -> _Edge:
+def _edge(bound: BoundProgram, index: ProgramIndex, i: int, lo: int, hi: int) -> _Edge | None:
+    """Index block ``i``'s partial tile ``[lo, hi)`` as entries (kept in the binding's memo), None if it moves
+    nothing."""
+    def make() -> _Edge | None:
         b, g = index.blocks[i], bound.geometries()[i]
         runs = index.tail_runs(b, hi, lo)
         zl, zr = np.zeros(b.local_sub, dtype=np.int64), np.zeros(b.remote_sub, dtype=np.int64)
         piece = tile_rows(runs, 0, 1, b, zl, zr, g)
-        if piece is None:
-            empty = np.zeros((2, 0), np.int64)
-            return _Edge(np.zeros((2, 0, 3), np.int64), empty, empty)
+        if piece is None or not len(piece):
+            return None
         lrows, rrows = write_rows(piece)
         k = len(piece)
-        stride = np.repeat(g.stride[:, :, 0], k, axis=1)  # (2, E * K): entry e's stride for each of its runs
+        n = k * len(b.entries)
         block = np.tile(np.stack((runs.local_block, runs.remote_block)), (1, len(b.entries)))
-        return _Edge(np.stack((lrows.reshape(-1, 3), rrows.reshape(-1, 3))), stride, block,
-                     _joins(b, g, lrows, rrows), not block.any())
+        first = block.min(axis=1)
+        block = block - first[:, None]
+        base = g.base[1, :, 0]
+        cols = {"lb": lrows.reshape(-1, 3)[:, 0], "ls": np.repeat(g.stride[0, :, 0], k),
+                "rb": rrows.reshape(-1, 3)[:, 0], "rs": np.repeat(g.stride[1, :, 0], k),
+                "len": lrows.reshape(-1, 3)[:, 1], "slot": np.zeros(n, np.int64),
+                "lsub": np.full(n, b.local_sub, np.int64), "lblk": block[0],
+                "rsub": np.full(n, b.remote_sub, np.int64), "rblk": block[1],
+                "lo": np.repeat(base, k), "hi": np.repeat(base + _extents(bound.program, b), k)}
+        cols = {c: np.asarray(v, dtype=np.int64) for c, v in cols.items()}
+        return _Edge(cols, (int(first[0]), int(first[1])), (int(block[0].max()) + 1, int(block[1].max()) + 1),
+                     _joins(b, g, lrows, rrows))
     return bound.memo.get(("block_edge", i, lo, hi), make)
 
 
@@ -285,52 +306,61 @@ def _joins(b, g, lrows: np.ndarray, rrows: np.ndarray) -> tuple:
     return tuple(m if m.any() else None for m in (whole & first, whole & last))
 
 
-def _edge_rows(e: _Edge, b, req: Request, p, shift: tuple[int, int], slot: int, at: int, tail: bool
-               ) -> tuple[np.ndarray, EdgePiece]:
-    """Partial tile ``p``'s rows for the request's ids ((2, N, 3) int64), and where they lie in the form's edge."""
-    got = e.rows.copy()
-    l0, r0 = p.tile * b.local_sub - shift[0], p.tile * b.remote_sub - shift[1]
-    kl, kr = req.local[b.group], req.remote[b.group]
-    if e.flat:  # every run in the tile's first kernel block: one id a side
-        il, ir = int(kl[l0]), int(kr[r0])
-    else:
-        il, ir = kl[l0 + e.block[0]], kr[r0 + e.block[1]]
-    got[0, :, 0] += il * e.stride[0]
-    got[1, :, 0] += ir * e.stride[1]
-    mask = e.joins[0 if tail else 1]  # (only where the tile is one block: il, ir are ints then)
-    if mask is None:
-        return got, EdgePiece(slot, tail, at, got.shape[1])
-    return got, EdgePiece(slot, tail, at, got.shape[1], mask, il, ir)
+EDGE_TABLES = 512  # tables with partial tiles a binding keeps (per part and partial tiles; the oldest goes first)
+
+
+def _with_edges(bound: BoundProgram, table: BlockTable, edges: tuple) -> BlockTable:
+    """``table`` with the entries of partial tiles ``edges`` ((index block, lo, hi) each, in slot order) after
+    its own, each in a slot of its own (kept in the binding's memo: an engine's requests end at a few offsets)."""
+    lock = bound.memo.get("block_edge_lock", threading.Lock)
+    kept: dict = bound.memo.get("block_edge_tables", dict)
+    key = (table.key, edges)
+    with lock:
+        got = kept.get(key)
+    if got is not None:
+        return got
+    index = program_index(bound.program)
+    cols = {c: [getattr(table, f)] for c, f in zip(_COLUMNS, _FIELDS)}
+    for n, (i, lo, hi) in enumerate(edges):
+        e = _edge(bound, index, i, lo, hi)
+        for c in _COLUMNS:
+            cols[c].append(np.full(len(e.cols["slot"]), table.slots + n, np.int64) if c == "slot" else e.cols[c])
+    got = _table(table.key, cols, table.blocks, table.slots + len(edges))
+    with lock:
+        if len(kept) >= EDGE_TABLES:
+            del kept[next(iter(kept))]
+        return kept.setdefault(key, got)
+
+
+_FIELDS = ("local_base", "local_stride", "remote_base", "remote_stride", "length", "slot", "local_sub",
+           "local_block", "remote_sub", "remote_block", "remote_lo", "remote_hi")
 
 
 def _copy(table: BlockTable, bound: BoundProgram, index: ProgramIndex, req: Request) -> BlockCopy | None:
-    head: list[int] = []
-    chunks: list[np.ndarray] = []
-    edges: list[np.ndarray] = []
-    pieces: list[EdgePiece] = []
-    at, most, rows = HEADER * len(table.blocks), 0, 0
+    """The request's form of one part: the whole tiles' ids per index block's slot, then one slot per partial
+    tile (its table: ``table`` with their entries)."""
+    slots, edges = [], []
     for slot, i in enumerate(table.blocks):
         b = index.blocks[i]
-        kl, kr = req.local[b.group], req.remote[b.group]
         ts, shift = block_tiles(b, req)
+        slots.append((b, ts, shift))
         for p in ts.partial:
-            got, piece = _edge_rows(_edge(bound, index, i, p.lo, p.hi), b, req, p, shift, slot, rows,
-                                    p.tile >= ts.first + ts.count)
-            edges.append(got)
-            pieces.append(piece)
-            rows += got.shape[1]
-        n = ts.count if len(b.runs) else 0
-        if n:  # the tiles' ids on each side, from the first tile's first kernel block to the last's last run
-            ol, orr = ts.first * b.local_sub - shift[0], ts.first * b.remote_sub - shift[1]
-            nl = (n - 1) * b.local_sub + int(b.runs.local_block.max()) + 1
-            nr = (n - 1) * b.remote_sub + int(b.runs.remote_block.max()) + 1
-            chunks += (kl[ol:ol + nl], kr[orr:orr + nr])
-        else:
-            nl = nr = 0
-        head += (at, at + nl, n)
-        at += nl + nr
-        most = max(most, n)
-    if not most and not edges:
+            e = _edge(bound, index, i, p.lo, p.hi)
+            if e is not None:
+                edges.append((slot, i, p, e, p.tile >= ts.first + ts.count))
+    at = HEADER * (len(slots) + len(edges))
+    head: list[int] = []
+    chunks: list[np.ndarray] = []
+    for b, ts, shift in slots:
+        at = _whole_tiles(head, chunks, b, ts, shift, req, at)
+    pieces = []
+    for slot, i, p, e, tail in edges:
+        b, _, shift = slots[slot]
+        got, at = _partial_tile(head, chunks, b, p.tile, shift, e, req, at)
+        mask = e.joins[0 if tail else 1]  # (only where the tile is one block on both sides: its ids are il, ir)
+        pieces.append(EdgePiece(slot, tail) if mask is None else EdgePiece(slot, tail, mask, *got))
+    most = max(head[2::HEADER], default=0)
+    if not most:
         return None
     ids = np.empty(at, dtype=np.int64)
     ids[:len(head)] = head
@@ -338,11 +368,38 @@ def _copy(table: BlockTable, bound: BoundProgram, index: ProgramIndex, req: Requ
     for c in chunks:
         ids[pos:pos + len(c)] = c
         pos += len(c)
-    edge = None
     if edges:
-        both = (edges[0] if len(edges) == 1 else np.concatenate(edges, axis=1)).view(np.uint64)
-        edge = (both[0], both[1])
-    return BlockCopy(table, ids, most, edge, tuple(pieces))
+        table = _with_edges(bound, table, tuple((i, p.lo, p.hi) for _, i, p, _, _ in edges))
+    return BlockCopy(table, ids, most, tuple(pieces))
+
+
+def _whole_tiles(head: list, chunks: list, b, ts, shift: tuple[int, int], req: Request, at: int) -> int:
+    """Block ``b``'s slot: its header words into ``head``, the ids of its whole tiles on each side into ``chunks``
+    (from the first tile's first kernel block to the last's last run), placed from word ``at``; the next word."""
+    n = ts.count if len(b.runs) else 0
+    nl = nr = 0
+    if n:
+        ol, orr = ts.first * b.local_sub - shift[0], ts.first * b.remote_sub - shift[1]
+        nl = (n - 1) * b.local_sub + int(b.runs.local_block.max()) + 1
+        nr = (n - 1) * b.remote_sub + int(b.runs.remote_block.max()) + 1
+        chunks += (req.local[b.group][ol:ol + nl], req.remote[b.group][orr:orr + nr])
+    head += (at, at + nl, n)
+    return at + nl + nr
+
+
+def _partial_tile(head: list, chunks: list, b, tile: int, shift: tuple[int, int], e: _Edge, req: Request, at: int
+                  ) -> tuple[tuple[int, int], int]:
+    """A partial tile's slot (one tile, the ids its entries read from word ``at``): its first ids on each side
+    and the next word."""
+    kl, kr = req.local[b.group], req.remote[b.group]
+    l0, r0 = tile * b.local_sub - shift[0] + e.first[0], tile * b.remote_sub - shift[1] + e.first[1]
+    nl, nr = e.need
+    cl, cr = kl[l0:l0 + nl], kr[r0:r0 + nr]
+    if len(cl) != nl or len(cr) != nr:
+        raise IndexError(f"a partial tile reads ids past the request's ({nl}, {nr} from {l0}, {r0})")
+    chunks += (cl, cr)
+    head += (at, at + nl, 1)
+    return (int(cl[0]), int(cr[0])), at + nl + nr
 
 
 class BlockPart:

@@ -86,11 +86,6 @@ class BlockLaunch:
     wide: bool           # every base, stride and length a multiple of 8
     vec: bool            # ... and of 16
     kept: dict = field(default_factory=dict)  # device -> the entries there (shared by the launches of one table)
-    edge: Rows | None = None  # the partial tiles' rows (translated, cut at CHUNK), moved by the same launch
-
-    def words(self) -> np.ndarray:
-        """What goes up per request: the ids, then the edge's row table (if any)."""
-        return self.ids if self.edge is None else np.concatenate([self.ids, self.edge.table])
 
 
 @dataclass
@@ -173,15 +168,14 @@ class GpuCopy:
         return self._start(g.table, lambda table: self._go("copy_rows", (g.rows, 1, 1), (table, g.rows), consts))
 
     def start_blocks(self, b: "BlockLaunch") -> Launch:
-        """Launch the copy of a part in block form (:class:`BlockLaunch`): only its ids (and its edge rows) go up;
-        the entries went once per table and peer (kept here). The edge rows are the grid's last entry."""
+        """Launch the copy of a part in block form (:class:`BlockLaunch`): only its ids go up; the entries went
+        once per table and peer (kept here)."""
         entries = self._entries(b)
         block = self.block_words if b.wide else 8 * self.block_words
         consts = {"CHUNK": CHUNK, "BLOCK": block, "WIDE": b.wide, "VEC": self.vec and b.vec}
-        n, edge = len(b.entries) // ENTRY, b.edge.rows if b.edge is not None else 0
-        grid = (max(b.count, edge), n + (1 if edge else 0), b.pieces)
-        args = lambda ids: (entries, ids, int(b.write), n, len(b.ids), edge)  # noqa: E731
-        return self._start(b.words(), lambda ids: self._go("copy_blocks", grid, args(ids), consts), (entries,))
+        grid = (b.count, len(b.entries) // ENTRY, b.pieces)
+        return self._start(b.ids, lambda ids: self._go("copy_blocks", grid, (entries, ids, int(b.write)), consts),
+                           (entries,))
 
     def _start(self, words: np.ndarray, launch, keep: tuple = ()) -> Launch:
         """After the caller's queued work: ``words`` into the ring (or up), ``launch(table)`` on our stream, an
@@ -299,7 +293,7 @@ class GpuCopy:
 
     def _warm_blocks(self, scratch, pattern) -> None:
         """Check the block kernel by content (16-byte and byte rows, both directions, rows over a piece, a tile of
-        two kernel blocks, an edge row); where it does not copy right here, parts move by their rows
+        two kernel blocks, a partial tile's entry); where it does not copy right here, parts move by their rows
         (:attr:`blocks` off)."""
         try:
             for unit, write in ((16, True), (16, False), (1, True)):
@@ -319,22 +313,22 @@ class GpuCopy:
         lens = (first, 16 * unit if unit > 1 else 3)
         offs = (0, CHUNK + 4 * unit)
         # slot 0: two tiles, local ids (2, 0), remote (1, 2); slot 1: one tile of two local kernel blocks (5, 1)
-        # and one remote (0), read by an entry of the tile's second local block (another block size's tiles)
-        ids = np.array([6, 8, 2, 10, 12, 1, 2, 0, 1, 2, 5, 1, 0], dtype=np.int64)
+        # and one remote (0), read by an entry of the tile's second local block (another block size's tiles);
+        # slot 2: one tile, ids 3 and 3, read by a short entry (a partial tile's, as a range's end gives)
+        ids = np.array([9, 11, 2, 13, 15, 1, 16, 17, 1, 2, 0, 1, 2, 5, 1, 0, 3, 3], dtype=np.int64)
         local, remote = (src, dst) if write else (dst, src)
         sub = CHUNK + 1024  # the sub-block entry's offset: between the rows above (CHUNK + 20 units) and the next id's
+        size = 3 * unit  # the partial tile's row
         rows = [(local + o, stride, remote + o, stride, ln, 0, 1, 0, 1, 0) for o, ln in zip(offs, lens)]
         rows.append((local + sub, stride, remote + sub, stride, 16 * unit, 1, 2, 1, 1, 0))
+        rows.append((local, stride, remote, stride, size, 2, 1, 0, 1, 0))
         entries = np.array(rows, dtype=np.int64).reshape(-1)
-        at, size = 3 * stride, 3 * unit  # one edge row (a partial tile's), past every block row
-        one = lambda v: np.array([v], dtype=np.uint64)  # noqa: E731
-        edge = row_table(one(src + at), one(dst + at), one(size))
-        b = BlockLaunch(entries, ids, 2, 2, write, unit % 8 == 0, unit % 16 == 0, edge=edge)
+        b = BlockLaunch(entries, ids, 2, 2, write, unit % 8 == 0, unit % 16 == 0)
         self.start_blocks(b).event.synchronize()
         want = np.zeros(n, dtype=np.uint8)
         pat = pattern.cpu().numpy()
-        want[at:at + size] = pat[at:at + size]
-        moves = [(o, ln, il, ir) for o, ln in zip(offs, lens) for il, ir in ((2, 1), (0, 2))] + [(sub, 16 * unit, 1, 0)]
+        moves = [(o, ln, il, ir) for o, ln in zip(offs, lens) for il, ir in ((2, 1), (0, 2))]
+        moves += [(sub, 16 * unit, 1, 0), (0, size, 3, 3)]
         for o, ln, il, ir in moves:
             s_at, d_at = (il, ir) if write else (ir, il)
             want[d_at * stride + o:d_at * stride + o + ln] = pat[s_at * stride + o:s_at * stride + o + ln]

@@ -1,7 +1,7 @@
 """The GPU copy of a request's rows: ONE Triton kernel, one program per row (rows cut at 256 KiB);
 or, for a part in block form, one program per piece of each entry's row of each block id
-(:func:`copy_blocks`: the addresses computed here, from ids, instead of read from a row table), and one
-per edge row (the partial tiles at a token range's ends) in the same launch.
+(:func:`copy_blocks`: the addresses computed here, from ids, instead of read from a row table; the
+partial tiles at a token range's ends are entries of their own, each reading a slot of one tile).
 
 The row table is one int64 tensor: source addresses, then destination addresses, then lengths in
 bytes, ``n`` of each. Addresses are plain device addresses (a peer's mapped through CUDA IPC, ours,
@@ -51,35 +51,29 @@ def copy_rows(table, n, BLOCK: tl.constexpr, WIDE: tl.constexpr, VEC: tl.constex
     _move(tl.load(table + r), tl.load(table + n + r), tl.load(table + 2 * n + r), BLOCK, WIDE, VEC)
 
 
-@triton.jit(do_not_specialize=["write", "n", "rows_at", "rows"])  # (one compiled kernel: the direct launch keeps it)
-def copy_blocks(entries, ids, write, n, rows_at, rows, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-                WIDE: tl.constexpr, VEC: tl.constexpr):
+@triton.jit(do_not_specialize=["write"])  # (one compiled kernel: the direct launch keeps it)
+def copy_blocks(entries, ids, write, CHUNK: tl.constexpr, BLOCK: tl.constexpr, WIDE: tl.constexpr,
+                VEC: tl.constexpr):
     """A part's rows computed from block ids (:mod:`kvlc.compiler.request.blocks`): program ``(k, e, c)``
-    moves piece ``c`` (``CHUNK`` bytes) of entry ``e``'s row of its slot's ``k``-th id; programs ``(k, n, 0)``
-    move row ``k`` of the edge's row table (the partial tiles: rows already cut at ``CHUNK``).
+    moves piece ``c`` (``CHUNK`` bytes) of entry ``e``'s row of its slot's ``k``-th tile.
 
-    ``entries``: ten int64 per entry (``n`` of them): local base and stride, the peer's base (in its mapped
+    ``entries``: ten int64 per entry (one grid row each): local base and stride, the peer's base (in its mapped
     window) and stride, the row's length, its id slot, then kernel blocks per tile and the run's block in
     its tile, local then remote (tile ``k`` reads the slot's local id ``k * sub + block``). ``ids``: three
-    int64 per slot (where its local ids start, where its remote ids start, how many tiles), then the ids;
-    from word ``rows_at``, ``rows`` edge rows as :func:`copy_rows` reads them (sources, destinations,
-    lengths). ``write`` != 0: the local rows are the sources."""
+    int64 per slot (where its local ids start, where its remote ids start, how many tiles), then the ids.
+    ``write`` != 0: the local rows are the sources."""
     k = tl.program_id(0)
     e = tl.program_id(1)
     c = tl.program_id(2)
-    if e < n:
-        start = c.to(tl.int64) * CHUNK
-        ent = entries + 10 * e
-        slot = tl.load(ent + 5)
-        count = tl.load(ids + 3 * slot + 2)
-        size = tl.load(ent + 4)
-        if (k < count) & (start < size):
-            il = tl.load(ids + tl.load(ids + 3 * slot) + k * tl.load(ent + 6) + tl.load(ent + 7))
-            ir = tl.load(ids + tl.load(ids + 3 * slot + 1) + k * tl.load(ent + 8) + tl.load(ent + 9))
-            a = tl.load(ent) + il * tl.load(ent + 1) + start
-            b = tl.load(ent + 2) + ir * tl.load(ent + 3) + start
-            _move(tl.where(write != 0, a, b), tl.where(write != 0, b, a), tl.minimum(size - start, CHUNK),
-                  BLOCK, WIDE, VEC)
-    elif (k < rows) & (c == 0):
-        t = ids + rows_at
-        _move(tl.load(t + k), tl.load(t + rows + k), tl.load(t + 2 * rows + k), BLOCK, WIDE, VEC)
+    start = c.to(tl.int64) * CHUNK
+    ent = entries + 10 * e
+    slot = tl.load(ent + 5)
+    count = tl.load(ids + 3 * slot + 2)
+    size = tl.load(ent + 4)
+    if (k < count) & (start < size):
+        il = tl.load(ids + tl.load(ids + 3 * slot) + k * tl.load(ent + 6) + tl.load(ent + 7))
+        ir = tl.load(ids + tl.load(ids + 3 * slot + 1) + k * tl.load(ent + 8) + tl.load(ent + 9))
+        a = tl.load(ent) + il * tl.load(ent + 1) + start
+        b = tl.load(ent + 2) + ir * tl.load(ent + 3) + start
+        _move(tl.where(write != 0, a, b), tl.where(write != 0, b, a), tl.minimum(size - start, CHUNK),
+              BLOCK, WIDE, VEC)

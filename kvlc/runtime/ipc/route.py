@@ -34,6 +34,7 @@ from kvlc.runtime.staging.copy import Region, Regions, flat_bytes
 log = logging.getLogger(__name__)
 _U64 = (1 << 64) - 1  # a shift as the uint64 that adds it modulo 2**64
 GRID_YZ = 65535  # CUDA's limit on a grid's second and third axes (a block launch's entries and pieces)
+ENTRIES_KEPT = 256  # block tables whose entries a peer's windows keep (a part's, per partial tiles at its ends)
 
 
 @dataclass
@@ -111,21 +112,21 @@ class _Windows:
             raise _outside(remote_rows, got, mem, what)
         return launch_rows(table, got)
 
-    def blocks(self, form, mem: str, write: bool, what: str = "part") -> BlockLaunch | None:
+    def blocks(self, form, mem: str, write: bool) -> BlockLaunch | None:
         """A part's launch by block ids (``form``: its :class:`~kvlc.compiler.request.blocks.BlockCopy`), or None
         unless every entry's extent on the peer's side (where any of its rows can lie) is inside the window of
         the peer's ``mem`` that holds its start: checked once per table (then the rows decide, and word any
-        refusal: :meth:`table`). The form's edge rows (partial tiles) go with it as a row table of their own,
-        checked row by row (:meth:`table`: IpcError where one lies outside)."""
+        refusal: :meth:`table`). The entries of the partial tiles at a range's ends are a table's like any other
+        (one table per binding, part and partial tiles: the last :data:`ENTRIES_KEPT` are kept per peer)."""
         key = (form.table, mem, write)
         got = self._entries.get(key, False)
         if got is False:
+            if len(self._entries) >= ENTRIES_KEPT:  # the oldest goes (its entries on the device with it)
+                del self._entries[next(iter(self._entries))]
             got = self._entries[key] = _Entries.of(self, form.table, mem, write)
         if got is None:
             return None
-        edge = None if form.edge is None else self.table(form.edge[0], form.edge[1], mem, write, what)
-        wide, vec = (got.wide, got.vec) if edge is None else (got.wide and edge.wide, got.vec and edge.vec)
-        return BlockLaunch(got.entries, form.ids, form.count, got.pieces, write, wide, vec, got.kept, edge)
+        return BlockLaunch(got.entries, form.ids, form.count, got.pieces, write, got.wide, got.vec, got.kept)
 
     def _reference(self, local_rows, remote_rows, mem: str, write: bool, what: str, chunk: int) -> Rows:
         mapped = self.translate(remote_rows, mem, what)
@@ -167,7 +168,7 @@ class _Entries:
         entries = np.ascontiguousarray(np.stack(cols, axis=1).reshape(-1), dtype=np.int64)
         low = int(np.bitwise_or.reduce(np.stack(cols[:5]).reshape(-1))) & 15
         pieces = max(1, -(-int(table.length.max()) // CHUNK))
-        if max(table.entries + 1, pieces) > GRID_YZ:  # the grid could not hold them (and an edge row): the rows go
+        if max(table.entries, pieces) > GRID_YZ:  # the grid could not hold them: the rows go
             return None
         return cls(table, entries, pieces, not low & 7, not low)
 
@@ -281,7 +282,7 @@ class IpcRoute:
         if "VRAM" not in (local_mem, remote_mem) or not self.copies_part(remote_agent, local_mem, remote_mem, rows):
             return None
         w = self.peers[remote_agent]
-        launch = w.blocks(blocks, remote_mem, op == "WRITE", f"{op} {what}") if self._gpu().blocks else None
+        launch = w.blocks(blocks, remote_mem, op == "WRITE") if self._gpu().blocks else None
         if launch is None:
             return None
         w.users += 1
