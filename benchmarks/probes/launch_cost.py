@@ -1,0 +1,133 @@
+"""What each host call of a same-host copy's start costs on a GPU host (``GpuCopy``: kvlc/runtime/ipc/copy.py).
+
+One process, one GPU, a scratch buffer of its own (no peer): the calls a request's ``post`` makes on the
+copy path, each timed alone as the median of ``--calls`` calls (the GPU drained between batches, so no
+queue fills), beside a torch op's launch on the same stream for scale:
+
+* ``event``: ``torch.cuda.Event()``; ``record``: ``Event.record(stream)``; ``wait_event``: ``Stream.wait_event``;
+  ``query``: ``Event.query()`` of a recorded event;
+* ``caller_stream``: ``GpuCopy._caller_stream()`` (the caller's current stream, kept while it stays);
+* ``ring``: ``_Ring.take`` and ``used`` of a 64-word span; ``upload``: ``GpuCopy._upload`` of 96 words;
+* ``launch``: the kept compiled kernel's direct launch of ``copy_rows`` (one 64-byte row);
+* ``start_rows``: all of it (``GpuCopy.start_rows`` of one 64-byte row: record, wait, upload, launch, event);
+* ``start_blocks``: ``GpuCopy.start_blocks`` of a Llama-3.1-8B-like part (32 entries of 32 KiB, 64 random ids a
+  side: 64 MiB a launch; the entries on the device already, as the route keeps them);
+* ``torch_add``: ``x.add_(1)`` of a one-element tensor (a torch op's launch, for scale).
+
+Run (a GPU host):  python3 benchmarks/probes/launch_cost.py [--calls 2000] [--out launch-cost.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+
+def _median_us(fn, calls: int, sync, batch: int = 50) -> float:
+    """Median µs of one ``fn()`` over ``calls`` calls, timed in batches of ``batch`` with ``sync()`` between."""
+    for _ in range(batch):
+        fn()
+    sync()
+    per = []
+    for _ in range(max(1, calls // batch)):
+        t0 = time.perf_counter()
+        for _ in range(batch):
+            fn()
+        per.append((time.perf_counter() - t0) / batch)
+        sync()
+    return statistics.median(per) * 1e6
+
+
+def _block_launch(base: int, size: int):
+    """A part in block form over the scratch buffer: 32 entries of 32 KiB rows, 64 ids a side (a permutation), the
+    local side in the first half, the peer's in the second."""
+    from kvlc.runtime.ipc.copy import BlockLaunch
+
+    entries, length, nb = 32, 32 << 10, 64
+    half = size // 2
+    assert entries * nb * length <= half
+    rng = np.random.default_rng(0)
+    rows = [(base + e * nb * length, length, base + half + e * nb * length, length, length, 0, 1, 0, 1, 0)
+            for e in range(entries)]
+    ids = np.concatenate([[3, 3 + nb, nb], rng.permutation(nb), rng.permutation(nb)]).astype(np.int64)
+    return BlockLaunch(np.array(rows, dtype=np.int64).reshape(-1), ids, nb, 1, True, True, True)
+
+
+def measure(calls: int) -> dict:
+    import torch
+
+    from kvlc.runtime.ipc.copy import GpuCopy, row_table
+
+    gpu = GpuCopy(0)
+    gpu.warm()
+    sync = torch.cuda.synchronize
+    buf = torch.zeros(128 << 20, dtype=torch.uint8, device="cuda:0")
+    base = buf.data_ptr()
+    g = row_table(np.array([base], np.uint64), np.array([base + 4096], np.uint64), np.array([64], np.uint64))
+    consts = {"BLOCK": gpu.block_words, "WIDE": g.wide, "VEC": gpu.vec and g.vec}
+    gpu.start_rows(g)  # the compiled kernel kept
+    sync()
+    key = ("copy_rows", *consts.values(), gpu.num_warps)
+    compiled = gpu._compiled.get(key)
+    table = torch.from_numpy(g.table.copy()).to("cuda:0")
+    ev = torch.cuda.Event()
+    ev.record(gpu.stream)
+    words = np.arange(96, dtype=np.int64)
+    x = torch.zeros(1, device="cuda:0")
+
+    def ring():
+        at = gpu.ring.take(64)
+        gpu.ring.used(at, 64, ev)
+
+    def upload():
+        at, _, _ = gpu._upload(words)
+        if at is not None:
+            gpu.ring.used(at, len(words), ev)
+
+    blocks = _block_launch(base, buf.numel())
+    gpu.start_blocks(blocks)
+    sync()
+    out = {
+        "event": _median_us(torch.cuda.Event, calls, sync),
+        "record": _median_us(lambda: ev.record(gpu.stream), calls, sync),
+        "wait_event": _median_us(lambda: gpu.stream.wait_event(ev), calls, sync),
+        "query": _median_us(ev.query, calls, sync),
+        "caller_stream": _median_us(gpu._caller_stream, calls, sync),
+        "ring": _median_us(ring, calls, sync),
+        "upload": _median_us(upload, calls, sync),
+        "launch": (_median_us(lambda: compiled[(1, 1, 1)](table, 1, *consts.values(), stream=gpu.stream.cuda_stream),
+                              calls, sync) if compiled is not None else None),
+        "start_rows": _median_us(lambda: gpu.start_rows(g), calls, sync),
+        "start_blocks": _median_us(lambda: gpu.start_blocks(blocks), calls // 4, sync, batch=10),
+        "torch_add": _median_us(lambda: x.add_(1), calls, sync),
+    }
+    sync()
+    out["direct"] = gpu.direct
+    out["gpu"] = torch.cuda.get_device_name(0)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args(argv)
+    doc = {"command": "launch_cost.py " + " ".join(sys.argv[1:]), "when": time.strftime("%Y-%m-%d %H:%M:%S UTC",
+                                                                                           time.gmtime()),
+           "us": measure(args.calls)}
+    print(json.dumps(doc, indent=1))
+    if args.out:
+        args.out.write_text(json.dumps(doc, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
