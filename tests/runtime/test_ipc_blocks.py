@@ -217,3 +217,29 @@ def test_partial_tile_tables_are_made_once_per_span_and_kept_within_bounds(monke
     (key, form), = block_copies(bound, req).items()
     assert form.table is not first[0]  # (its span's table went: made again, the same entries)
     assert all(np.array_equal(getattr(form.table, f), getattr(first[0], f)) for f in blocks_mod._FIELDS)
+
+
+def test_a_part_with_host_memory_goes_by_its_rows():
+    """The same-host route takes a part's block form only where both sides are VRAM: a part with host memory on
+    either side (the GPU reading or writing pinned DRAM) moves by its rows, whose merged rows cross PCIe in long
+    pieces (run 36: 0.49 of the pinned copy by block ids against 0.79-0.88 by rows)."""
+    import types
+
+    from kvlc.runtime.ipc.copy import GpuCopy
+    from kvlc.runtime.ipc.route import IpcRoute
+    from testkit.gpu_standin import TorchStandIn
+
+    plan, bound = _bound("layouts/llama-3.1-8b.yaml", "WRITE")
+    group = plan.groups[0]
+    req = check_request(bound.program, {group.name: [3, 9]}, {group.name: [4, 1]}, 2 * group.block_size)
+    (key, form), = block_copies(bound, req).items()
+    storages = {s.name: types.SimpleNamespace(device=0, mem="VRAM", addr=LOCAL, nbytes=s.size) for s in plan.storages}
+    route = IpcRoute(None, storages)
+    route._gpu_copy = GpuCopy(0, torch=TorchStandIn(), kernel=None)
+    route._dram_reach = True  # (this side's DRAM pinned and mapped: the GPU copies it)
+    route.peers["peer"] = _windows(plan)
+    assert route.copies_part("peer", "DRAM", "VRAM", 1 << 20)
+    assert route.initialize_blocks("WRITE", form, "DRAM", "VRAM", "peer", form.runs) is None
+    x = route.initialize_blocks("WRITE", form, "VRAM", "VRAM", "peer", form.runs)
+    assert x is not None and x.launch is None and route.block_copies == 1
+    x.release()

@@ -277,9 +277,12 @@ class IpcRoute:
                           rows: int, what: str = "transfer") -> IpcXfer | None:
         """A part's copy by its block form (:attr:`~kvlc.compiler.pairing.program.Part.blocks`, ``rows``: the
         part's length), without its rows; None where a GPU here does not copy it that way (the part is not
-        copied here, the block kernel is off, an entry's extent lies outside the peer's windows): then
-        :meth:`initialize` takes its rows."""
-        if "VRAM" not in (local_mem, remote_mem) or not self.copies_part(remote_agent, local_mem, remote_mem, rows):
+        copied here or not VRAM on both sides, the block kernel is off, an entry's extent lies outside the
+        peer's windows): then :meth:`initialize` takes its rows. Host memory on either side goes by rows: the
+        row kernel moves their merged rows, long where ids run on, across PCIe at 0.79-0.88 of the pinned copy,
+        where the block kernel, a program per block's row, moved 0.49 (benchmarks/README.md, run 36)."""
+        if local_mem != "VRAM" or remote_mem != "VRAM" or not self.copies_part(remote_agent, local_mem, remote_mem,
+                                                                               rows):
             return None
         w = self.peers[remote_agent]
         launch = w.blocks(blocks, remote_mem, op == "WRITE") if self._gpu().blocks else None
