@@ -10,6 +10,8 @@ time stamps (nothing else changes), so every request gives, from ``Peer.write``:
 * ``created``: until the first part was created (the copy path: the peer's rows translated into its
   mapped window; NIXL: its descriptor lists and ``initialize_xfer``);
 * ``posting``: until the first part's ``post`` began (checks, rows, NIXL create: kvlc's host work);
+* ``launching`` / ``launched``: on the GPU copy path, until ``GpuCopy`` began / ended starting the part's copy
+  (``start_blocks`` or ``start_rows``: the event record and wait, the ids or table into the ring, the launch);
 * ``post``: until that ``post`` returned (for the copy path: row table, upload, launch);
 * ``write``: until ``write()`` returned;
 * ``seen``: until a progress step first saw every part done (copy event or NIXL state);
@@ -50,7 +52,8 @@ for _p in (Path(__file__).resolve().parents[2], Path(__file__).resolve().parents
 
 from kvlc.demo.run import DEFAULT_LAYOUT, make_workload, scaled_plan  # noqa: E402
 
-STAGES = ("checked", "rows", "created", "posting", "post", "write", "seen", "told", "finished")
+STAGES = ("checked", "rows", "created", "posting", "launching", "launched", "post", "write", "seen", "told",
+          "finished")
 
 
 class Stamps:
@@ -104,6 +107,21 @@ def instrument(stamps: Stamps) -> None:
 
     wrap_post(IpcRoute)
     wrap_post(Agent)
+
+    from kvlc.runtime.ipc.copy import GpuCopy
+
+    def wrap_start(name: str) -> None:
+        orig = getattr(GpuCopy, name)
+
+        def start(self, *a, **k):
+            stamps.mark(stamps.current, "launching")
+            out = orig(self, *a, **k)
+            stamps.mark(stamps.current, "launched")
+            return out
+        setattr(GpuCopy, name, start)
+
+    wrap_start("start_blocks")
+    wrap_start("start_rows")
 
     orig_progress = transfer.Executor.progress
 
