@@ -306,7 +306,7 @@ def _joins(b, g, lrows: np.ndarray, rrows: np.ndarray) -> tuple:
     return tuple(m if m.any() else None for m in (whole & first, whole & last))
 
 
-EDGE_TABLES = 512  # tables with partial tiles a binding keeps (per part and partial tiles; the oldest goes first)
+EDGE_TABLES = 64  # tables with partial tiles a binding keeps (per part and tiles' spans; the oldest goes first)
 
 
 def _with_edges(bound: BoundProgram, table: BlockTable, edges: tuple) -> BlockTable:

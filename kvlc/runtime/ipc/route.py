@@ -34,7 +34,7 @@ from kvlc.runtime.staging.copy import Region, Regions, flat_bytes
 log = logging.getLogger(__name__)
 _U64 = (1 << 64) - 1  # a shift as the uint64 that adds it modulo 2**64
 GRID_YZ = 65535  # CUDA's limit on a grid's second and third axes (a block launch's entries and pieces)
-ENTRIES_KEPT = 256  # block tables whose entries a peer's windows keep (a part's, per partial tiles at its ends)
+ENTRIES_KEPT = 64  # block tables whose entries a peer's windows keep (a part's, per partial tiles at its ends)
 
 
 @dataclass
