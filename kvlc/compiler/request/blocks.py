@@ -182,6 +182,9 @@ def block_tables(bound: BoundProgram) -> dict[PartKey, BlockTable]:
 
 
 _COLUMNS = ("lb", "ls", "rb", "rs", "len", "slot", "lsub", "lblk", "rsub", "rblk", "lo", "hi")
+# the BlockTable field of each column
+_FIELDS = ("local_base", "local_stride", "remote_base", "remote_stride", "length", "slot", "local_sub",
+           "local_block", "remote_sub", "remote_block", "remote_lo", "remote_hi")
 
 
 def _extents(prog, b) -> np.ndarray:
@@ -190,9 +193,9 @@ def _extents(prog, b) -> np.ndarray:
     return np.array([x.end - x.offset for x in regions], dtype=np.int64)
 
 
-def _table(key: PartKey, cols: dict, blocks: tuple[int, ...], slots: int, merging_ok: bool = True) -> BlockTable:
+def _table(key: PartKey, cols: dict, blocks: tuple[int, ...], slots: int) -> BlockTable:
     """A :class:`BlockTable` of the columns ``cols`` (lists of int64 arrays, :data:`_COLUMNS`), ``slots`` id
-    slots; ``merging_ok`` False: no entry counts as merging across consecutive ids (a partial tile's)."""
+    slots (those past the index blocks' are partial tiles': their entries never count as merging across ids)."""
     a = {c: np.ascontiguousarray(np.concatenate(v), dtype=np.int64) for c, v in cols.items()}
     for v in a.values():
         v.setflags(write=False)
@@ -330,10 +333,6 @@ def _with_edges(bound: BoundProgram, table: BlockTable, edges: tuple) -> BlockTa
         if len(kept) >= EDGE_TABLES:
             del kept[next(iter(kept))]
         return kept.setdefault(key, got)
-
-
-_FIELDS = ("local_base", "local_stride", "remote_base", "remote_stride", "length", "slot", "local_sub",
-           "local_block", "remote_sub", "remote_block", "remote_lo", "remote_hi")
 
 
 def _copy(table: BlockTable, bound: BoundProgram, index: ProgramIndex, req: Request) -> BlockCopy | None:
