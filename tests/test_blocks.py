@@ -136,3 +136,20 @@ def test_whole_blocks_of_a_same_layout_pair_have_a_block_form(data):
             rows = emit(bound, ranged)
             for key, form in block_copies(bound, ranged).items():
                 assert form.runs == len(rows[key]) and form.nbytes == rows[key].nbytes
+
+
+def test_only_the_parts_a_caller_wants_get_a_block_form():
+    """``emit(blocks=wants)``: a form for the parts ``wants`` says yes to (a same-host GPU copy takes block forms
+    for VRAM on both sides only), none for the others, whose rows are built as without forms."""
+    plan, bound = _llama("layouts/deepseek-v3.2-hisparse-tp8.yaml")
+    tokens = 2 * max(g.block_size for g in plan.groups) + 1  # (the last block of each group partial)
+    n = {g.name: -(-tokens // g.block_size) for g in plan.groups}
+    req = check_request(bound.program, {g: [2 * i + 1 for i in range(k)] for g, k in n.items()},
+                        {g: [3 * i for i in range(k)][::-1] for g, k in n.items()}, tokens)
+    rows = emit(bound, req)
+    vram = lambda k: k.local_mem == k.remote_mem == "VRAM"  # noqa: E731
+    assert any(vram(k) for k in rows) and not all(vram(k) for k in rows)  # (a mixed pair: both kinds of part)
+    parts = emit(bound, req, blocks=vram)
+    assert {k for k, p in parts.items() if p.blocks is not None} == {k for k in rows if vram(k)}
+    assert all(np.array_equal(parts[k].local, rows[k].local) for k in rows)
+    assert all(p.blocks is None for p in emit(bound, req, blocks=lambda k: False).values())

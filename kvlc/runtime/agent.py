@@ -35,7 +35,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from kvlc.compiler.plan.model import Plan
@@ -462,10 +462,14 @@ class KvAgent:
         with self._lock:
             return self.route is not None and all(p in self.route.peers for p in peers)
 
-    def copies_blocks(self, peers: Iterable[str]) -> bool:
-        """Whether a GPU here copies to and from every one of these NIXL agents (:meth:`copies_to`): its kernel
-        reads a part's block form (:attr:`~kvlc.compiler.pairing.program.Part.blocks`) instead of its rows."""
-        return self.copies_to(peers) and self.route.gpu is not None
+    def copies_blocks(self, peers: Iterable[str]) -> Callable[[Any], bool] | bool:
+        """Which parts to these NIXL agents a GPU here copies by their block form
+        (:attr:`~kvlc.compiler.pairing.program.Part.blocks`; its kernel reads ids, not rows): a test of a part's
+        key (the route's :meth:`~kvlc.runtime.ipc.route.IpcRoute.by_blocks`) where it copies to every one of
+        them (:meth:`copies_to`), else False (no part: none gets a form)."""
+        if not (self.copies_to(peers) and self.route.gpu is not None):
+            return False
+        return lambda key: self.route.by_blocks(key.local_mem, key.remote_mem)
 
     def _refuse(self, key, req: str, op: str, refuse: Mapping[Any, str] | None) -> None:
         self.check_open()

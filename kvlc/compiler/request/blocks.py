@@ -181,8 +181,7 @@ def block_tables(bound: BoundProgram) -> dict[PartKey, BlockTable]:
     return bound.memo.get("block_tables", lambda: _tables(bound))
 
 
-_COLUMNS = ("lb", "ls", "rb", "rs", "len", "slot", "lsub", "lblk", "rsub", "rblk", "lo", "hi")
-# the BlockTable field of each column
+# a BlockTable's per-entry columns (its fields of that name)
 _FIELDS = ("local_base", "local_stride", "remote_base", "remote_stride", "length", "slot", "local_sub",
            "local_block", "remote_sub", "remote_block", "remote_lo", "remote_hi")
 
@@ -194,17 +193,18 @@ def _extents(prog, b) -> np.ndarray:
 
 
 def _table(key: PartKey, cols: dict, blocks: tuple[int, ...], slots: int) -> BlockTable:
-    """A :class:`BlockTable` of the columns ``cols`` (lists of int64 arrays, :data:`_COLUMNS`), ``slots`` id
+    """A :class:`BlockTable` of the columns ``cols`` (field -> list of int64 arrays, :data:`_FIELDS`), ``slots`` id
     slots (those past the index blocks' are partial tiles': their entries never count as merging across ids)."""
     a = {c: np.ascontiguousarray(np.concatenate(v), dtype=np.int64) for c, v in cols.items()}
     for v in a.values():
         v.setflags(write=False)
-    per = np.bincount(a["slot"], weights=a["len"], minlength=slots).astype(np.int64).tolist()
-    merging = ((a["ls"] == a["len"]) & (a["rs"] == a["len"]) & (a["lsub"] == 1) & (a["rsub"] == 1)
-               & (a["lblk"] == 0) & (a["rblk"] == 0) & (a["slot"] < len(blocks)))
+    per = np.bincount(a["slot"], weights=a["length"], minlength=slots).astype(np.int64).tolist()
+    merging = ((a["local_stride"] == a["length"]) & (a["remote_stride"] == a["length"]) & (a["local_sub"] == 1)
+               & (a["remote_sub"] == 1) & (a["local_block"] == 0) & (a["remote_block"] == 0)
+               & (a["slot"] < len(blocks)))
     count = lambda m: tuple(np.bincount(a["slot"][m], minlength=slots).tolist())  # noqa: E731
-    return BlockTable(key, a["lb"], a["ls"], a["rb"], a["rs"], a["len"], a["slot"], a["lsub"], a["lblk"],
-                      a["rsub"], a["rblk"], blocks, a["lo"], a["hi"], tuple(per), count(merging), count(~merging))
+    return BlockTable(key=key, blocks=blocks, slot_bytes=tuple(per), slot_merging=count(merging),
+                      slot_apart=count(~merging), **a)
 
 
 def _tables(bound: BoundProgram) -> dict[PartKey, BlockTable]:
@@ -216,35 +216,36 @@ def _tables(bound: BoundProgram) -> dict[PartKey, BlockTable]:
     geometries = bound.geometries()
     out = {}
     for key, which in per.items():
-        cols: dict[str, list] = {c: [] for c in _COLUMNS}
+        cols: dict[str, list] = {c: [] for c in _FIELDS}
         for s, i in enumerate(which):  # entry-major: each program entry's runs of a tile in order
             b, g = index.blocks[i], geometries[i]
             r, m = b.runs, len(b.runs)
             each = lambda a: np.repeat(np.asarray(a, dtype=np.int64), m)  # noqa: E731  (per entry, every run)
             runs = lambda a: np.tile(a, len(b.entries))  # noqa: E731  (per run, every entry)
-            cols["lb"].append(each(g.base[0, :, 0]) + runs(r.local_offset))
-            cols["rb"].append(each(g.base[1, :, 0]) + runs(r.remote_offset))
-            cols["ls"].append(each(g.stride[0, :, 0]))
-            cols["rs"].append(each(g.stride[1, :, 0]))
-            cols["len"].append(runs(r.length))
+            cols["local_base"].append(each(g.base[0, :, 0]) + runs(r.local_offset))
+            cols["remote_base"].append(each(g.base[1, :, 0]) + runs(r.remote_offset))
+            cols["local_stride"].append(each(g.stride[0, :, 0]))
+            cols["remote_stride"].append(each(g.stride[1, :, 0]))
+            cols["length"].append(runs(r.length))
             cols["slot"].append(np.full(m * len(b.entries), s, np.int64))
-            cols["lsub"].append(np.full(m * len(b.entries), b.local_sub, np.int64))
-            cols["rsub"].append(np.full(m * len(b.entries), b.remote_sub, np.int64))
-            cols["lblk"].append(runs(r.local_block))
-            cols["rblk"].append(runs(r.remote_block))
-            cols["lo"].append(each(g.base[1, :, 0]))  # (the base holds the region's offset in its storage)
-            cols["hi"].append(each(g.base[1, :, 0] + _extents(prog, b)))
+            cols["local_sub"].append(np.full(m * len(b.entries), b.local_sub, np.int64))
+            cols["remote_sub"].append(np.full(m * len(b.entries), b.remote_sub, np.int64))
+            cols["local_block"].append(runs(r.local_block))
+            cols["remote_block"].append(runs(r.remote_block))
+            cols["remote_lo"].append(each(g.base[1, :, 0]))  # (the base holds the region's offset in its storage)
+            cols["remote_hi"].append(each(g.base[1, :, 0] + _extents(prog, b)))
         out[key] = _table(key, cols, tuple(which), len(which))
     return out
 
 
-def block_copies(bound: BoundProgram, req: Request) -> dict[PartKey, BlockCopy]:
+def block_copies(bound: BoundProgram, req: Request, wants: Callable[[PartKey], bool] | None = None
+                 ) -> dict[PartKey, BlockCopy]:
     """The block form of each part of a checked request that has one (see the module docstring): parts
-    without one, or whose ids move nothing, are left out."""
+    without one, or whose ids move nothing, are left out; so are those ``wants`` says no to."""
     index = program_index(bound.program)
     out = {}
     for key, table in block_tables(bound).items():
-        got = _copy(table, bound, index, req)
+        got = _copy(table, bound, index, req) if wants is None or wants(key) else None
         if got is not None:
             out[key] = got
     return out
@@ -257,7 +258,7 @@ class _Edge:
     0: a table puts it where its slot is; blocks counted from :attr:`first`). ``first`` / ``need``: the tile's
     kernel blocks whose ids a request gives each side, from the first any entry reads to the last."""
 
-    cols: dict             # _COLUMNS -> (N,) int64
+    cols: dict             # _FIELDS -> (N,) int64
     first: tuple[int, int]
     need: tuple[int, int]
     joins: tuple = (None, None)  # whole-block entries whose first row starts / last row ends at the block's edge
@@ -281,12 +282,12 @@ def _edge(bound: BoundProgram, index: ProgramIndex, i: int, lo: int, hi: int) ->
         first = block.min(axis=1)
         block = block - first[:, None]
         base = g.base[1, :, 0]
-        cols = {"lb": lrows.reshape(-1, 3)[:, 0], "ls": np.repeat(g.stride[0, :, 0], k),
-                "rb": rrows.reshape(-1, 3)[:, 0], "rs": np.repeat(g.stride[1, :, 0], k),
-                "len": lrows.reshape(-1, 3)[:, 1], "slot": np.zeros(n, np.int64),
-                "lsub": np.full(n, b.local_sub, np.int64), "lblk": block[0],
-                "rsub": np.full(n, b.remote_sub, np.int64), "rblk": block[1],
-                "lo": np.repeat(base, k), "hi": np.repeat(base + _extents(bound.program, b), k)}
+        cols = {"local_base": lrows.reshape(-1, 3)[:, 0], "local_stride": np.repeat(g.stride[0, :, 0], k),
+                "remote_base": rrows.reshape(-1, 3)[:, 0], "remote_stride": np.repeat(g.stride[1, :, 0], k),
+                "length": lrows.reshape(-1, 3)[:, 1], "slot": np.zeros(n, np.int64),
+                "local_sub": np.full(n, b.local_sub, np.int64), "local_block": block[0],
+                "remote_sub": np.full(n, b.remote_sub, np.int64), "remote_block": block[1],
+                "remote_lo": np.repeat(base, k), "remote_hi": np.repeat(base + _extents(bound.program, b), k)}
         cols = {c: np.asarray(v, dtype=np.int64) for c, v in cols.items()}
         return _Edge(cols, (int(first[0]), int(first[1])), (int(block[0].max()) + 1, int(block[1].max()) + 1),
                      _joins(b, g, lrows, rrows))
@@ -323,10 +324,10 @@ def _with_edges(bound: BoundProgram, table: BlockTable, edges: tuple) -> BlockTa
     if got is not None:
         return got
     index = program_index(bound.program)
-    cols = {c: [getattr(table, f)] for c, f in zip(_COLUMNS, _FIELDS)}
+    cols = {c: [getattr(table, c)] for c in _FIELDS}
     for n, (i, lo, hi) in enumerate(edges):
         e = _edge(bound, index, i, lo, hi)
-        for c in _COLUMNS:
+        for c in _FIELDS:
             cols[c].append(np.full(len(e.cols["slot"]), table.slots + n, np.int64) if c == "slot" else e.cols[c])
     got = _table(table.key, cols, table.blocks, table.slots + len(edges))
     with lock:

@@ -9,7 +9,7 @@ vectorized with numpy (no Python loop per block). Address of run ``k`` of entry 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -27,7 +27,7 @@ from kvlc.compiler.request.tiles import tile_rows
 def instantiate(bound: BoundProgram, local_block_ids: Mapping[str, Sequence[int]],
                 remote_block_ids: Mapping[str, Sequence[int]],
                 num_tokens: int | Mapping[str, int] | None = None, *, tokens=None,
-                coalesce: str = "order", blocks: bool = False) -> dict[PartKey, Part]:
+                coalesce: str = "order", blocks: bool | Callable[[PartKey], bool] = False) -> dict[PartKey, Part]:
     """Descriptors of one request, per part: :func:`check_request` then :func:`emit` (``blocks``: as there).
 
     Block ids are logical, per group name; ``num_tokens=N`` (a count) moves tokens ``[0, N)``,
@@ -50,16 +50,17 @@ def instantiate(bound: BoundProgram, local_block_ids: Mapping[str, Sequence[int]
     return emit(bound, req, coalesce=coalesce, blocks=blocks)
 
 
-def emit(bound: BoundProgram, req: Request, coalesce: str = "order", *, blocks: bool = False
-         ) -> dict[PartKey, Part]:
+def emit(bound: BoundProgram, req: Request, coalesce: str = "order", *,
+         blocks: bool | Callable[[PartKey], bool] = False) -> dict[PartKey, Part]:
     """Descriptors of a checked request (:func:`check_request`), per part (see :func:`instantiate`).
 
     ``blocks``: each part that has a block form (:mod:`kvlc.compiler.request.blocks`) carries it as well
     (:attr:`Part.blocks`), for a same-host copy kernel; where every part has one, the parts are
-    :class:`~kvlc.compiler.request.blocks.BlockPart` s, whose rows are built only when first asked for."""
+    :class:`~kvlc.compiler.request.blocks.BlockPart` s, whose rows are built only when first asked for. A
+    callable: only the parts it says yes to (by key) get a form."""
     if coalesce not in ("order", "sort"):
         raise ValueError(f"coalesce must be 'order' or 'sort', got {coalesce!r}")
-    forms = block_copies(bound, req) if blocks else {}
+    forms = block_copies(bound, req, None if blocks is True else blocks) if blocks else {}
     lazy = block_parts(bound, req, forms, lambda: emit(bound, req, coalesce)) if forms else None
     if lazy is not None:
         return lazy  # type: ignore[return-value]  (parts whose rows come when asked for)

@@ -273,6 +273,11 @@ class IpcRoute:
         return IpcXfer(f"{op} {what} to {remote_agent!r} (same host)", remote_agent, rows,
                        local_mem, remote_mem, self.gpu or 0, route=self, windows=w)
 
+    @staticmethod
+    def by_blocks(local_mem: str, remote_mem: str) -> bool:
+        """Whether a part between these memory types may go by its block form (:meth:`initialize_blocks`)."""
+        return local_mem == remote_mem == "VRAM"
+
     def initialize_blocks(self, op: str, blocks: Any, local_mem: str, remote_mem: str, remote_agent: str,
                           rows: int, what: str = "transfer") -> IpcXfer | None:
         """A part's copy by its block form (:attr:`~kvlc.compiler.pairing.program.Part.blocks`, ``rows``: the
@@ -281,8 +286,7 @@ class IpcRoute:
         peer's windows): then :meth:`initialize` takes its rows. Host memory on either side goes by rows: the
         row kernel moves their merged rows, long where ids run on, across PCIe at 0.79-0.88 of the pinned copy,
         where the block kernel, a program per block's row, moved 0.49 (benchmarks/README.md, run 36)."""
-        if local_mem != "VRAM" or remote_mem != "VRAM" or not self.copies_part(remote_agent, local_mem, remote_mem,
-                                                                               rows):
+        if not self.by_blocks(local_mem, remote_mem) or not self.copies_part(remote_agent, local_mem, remote_mem, rows):
             return None
         w = self.peers[remote_agent]
         launch = w.blocks(blocks, remote_mem, op == "WRITE") if self._gpu().blocks else None
