@@ -12,7 +12,15 @@ queue fills), beside a torch op's launch on the same stream for scale:
 * ``start_rows``: all of it (``GpuCopy.start_rows`` of one 64-byte row: record, wait, upload, launch, event);
 * ``start_blocks``: ``GpuCopy.start_blocks`` of a Llama-3.1-8B-like part (32 entries of 32 KiB, 64 random ids a
   side: 64 MiB a launch; the entries on the device already, as the route keeps them);
-* ``torch_add``: ``x.add_(1)`` of a one-element tensor (a torch op's launch, for scale).
+* ``torch_add``: ``x.add_(1)`` of a one-element tensor (a torch op's launch, for scale);
+* ``events``: the event calls GpuCopy chose (``KeptEvents``: the CUDA driver's, the GIL kept; ``TorchEvents``);
+  ``kept_record``, ``kept_query``: the driver's event record (a new event) and query;
+* ``start_rows_<kind>``, with ``kind`` torch or kept: ``start_rows`` with that kind of event calls; ``_beside_waking``:
+  with a Python thread beside that wakes every 50 µs and runs a few µs of Python (what kvlc's progress thread does
+  while a copy is in flight), also ``start_blocks``; ``_beside_busy``: beside a thread that never blocks (an
+  engine's spinning loop), 40 calls, and ``query_<kind>_beside_busy`` (a start and one ask whether it ended): each
+  call that lets the GIL go (torch's event and stream calls, Triton's launch) may wait for that thread up to the
+  switch interval (5 ms).
 
 Run (a GPU host):  python3 benchmarks/probes/launch_cost.py [--calls 2000] [--out launch-cost.json]
 """
@@ -61,10 +69,39 @@ def _block_launch(base: int, size: int):
     return BlockLaunch(np.array(rows, dtype=np.int64).reshape(-1), ids, nb, 1, True, True, True)
 
 
+class _Beside:
+    """A Python thread that wakes every 50 µs (``Event.wait``, as kvlc's progress thread while a copy is in flight)
+    and runs a few µs of Python each time: every call of the copy's start that lets the GIL go may hand it over."""
+
+    def __init__(self, every: float | None = 50e-6):
+        import threading
+
+        self.every, self.stop = every, threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.turns = 0
+
+    def _run(self) -> None:
+        if self.every is None:  # busy: never blocks (an engine's loop that spins)
+            while not self.stop.is_set():
+                self.turns += 1
+            return
+        while not self.stop.wait(self.every):
+            self.turns += sum(1 for _ in range(100)) // 100
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
 def measure(calls: int) -> dict:
     import torch
 
     from kvlc.runtime.ipc.copy import GpuCopy, row_table
+    from kvlc.runtime.ipc.events import TorchEvents
 
     gpu = GpuCopy(0)
     gpu.warm()
@@ -109,6 +146,23 @@ def measure(calls: int) -> dict:
         "start_blocks": _median_us(lambda: gpu.start_blocks(blocks), calls // 4, sync, batch=10),
         "torch_add": _median_us(lambda: x.add_(1), calls, sync),
     }
+    out["events"] = type(gpu.events).__name__
+    kinds = {"torch": TorchEvents(torch, gpu._caller_stream)}
+    if gpu.events.kept_gil:
+        kinds["kept"] = gpu.events
+        out["kept_record"] = _median_us(lambda: gpu.events.recorded(gpu.stream), calls, sync)
+        out["kept_query"] = _median_us(lambda: gpu.events._waited.query(), calls, sync)
+    for name, events in kinds.items():  # a copy's start with each kind of event call, alone and beside a thread
+        gpu.events = events
+        out[f"start_rows_{name}"] = _median_us(lambda: gpu.start_rows(g), calls, sync)
+        with _Beside():
+            out[f"start_rows_{name}_beside_waking"] = _median_us(lambda: gpu.start_rows(g), calls, sync)
+            out[f"start_blocks_{name}_beside_waking"] = _median_us(lambda: gpu.start_blocks(blocks), calls // 4, sync,
+                                                                  batch=10)
+        with _Beside(every=None):
+            out[f"start_rows_{name}_beside_busy"] = _median_us(lambda: gpu.start_rows(g), 40, sync, batch=4)
+            out[f"query_{name}_beside_busy"] = _median_us(lambda: gpu.start_rows(g).done(), 40, sync, batch=4)
+    gpu.events = kinds.get("kept", kinds["torch"])
     sync()
     out["direct"] = gpu.direct
     out["gpu"] = torch.cuda.get_device_name(0)

@@ -24,6 +24,8 @@ import numpy as np
 
 from kvlc.clib import libc
 from kvlc.runtime.ipc import native
+from kvlc.runtime.ipc.cuda import IpcError
+from kvlc.runtime.ipc.events import KeptEvents, TorchEvents
 from kvlc.runtime.staging.copy import Regions
 
 log = logging.getLogger(__name__)
@@ -140,7 +142,8 @@ class GpuCopy:
 
     def __init__(self, device: int, block_words: int = BLOCK_WORDS, num_warps: int = NUM_WARPS, *,
                  torch: Any = None, kernel: Any = None):
-        if torch is None:  # (the tests pass stand-ins for torch.cuda and Triton's interpreted kernel on a CPU)
+        stand_in = torch is not None  # (the tests pass stand-ins for torch.cuda and Triton's interpreted kernel)
+        if torch is None:
             import torch
         if kernel is None:
             from kvlc.runtime.ipc import kernel  # Triton: only where a GPU copies
@@ -151,11 +154,23 @@ class GpuCopy:
         self.ring = _Ring(torch, device, self.RING_WORDS)
         self.vec = True  # 16-byte hints (off where this Triton cannot compile them: see warm)
         self.host_table = True  # the kernel reads the row table in the pinned ring (off where that fails: see warm)
-        self._waited = torch.cuda.Event()  # recorded on the caller's stream at each start, waited for by ours
         self._caller: tuple = (None, None)  # (raw handle, Stream) of the caller's stream last seen
+        self.events = self._events(stand_in)  # the start's and the end's ordering calls (see warm)
         self.direct = True  # launch the kept compiled kernels directly (off where warm finds that wrong)
         self._compiled: dict[tuple, Any] = {}
         self.blocks = True  # parts in block form copy by their ids (off where warm finds that wrong)
+
+    def _events(self, stand_in: bool) -> TorchEvents | KeptEvents:
+        """The CUDA driver's event calls with the GIL kept (:mod:`kvlc.runtime.ipc.events`) where the driver and
+        torch's raw stream handle can be reached; else torch's."""
+        raw = getattr(self.torch._C, "_cuda_getCurrentRawStream", None)
+        if not stand_in and raw is not None:
+            try:
+                return KeptEvents(self.device, raw)
+            except (IpcError, OSError, AttributeError) as exc:
+                log.warning("CUDA events through torch (they let the GIL go): the driver's cannot be used here: %s",
+                            exc)
+        return TorchEvents(self.torch, self._caller_stream)
 
     def start(self, src: np.ndarray, dst: np.ndarray, lens: np.ndarray) -> Launch:
         """Copy rows ``(src, dst, lens)`` (uint64 arrays): :meth:`start_rows` of their :func:`row_table`."""
@@ -180,13 +195,10 @@ class GpuCopy:
     def _start(self, words: np.ndarray, launch, keep: tuple = ()) -> Launch:
         """After the caller's queued work: ``words`` into the ring (or up), ``launch(table)`` on our stream, an
         event after it."""
-        torch = self.torch
-        self._waited.record(self._caller_stream())  # what the engine queued before asking
-        self.stream.wait_event(self._waited)
+        self.events.after_caller(self.stream)  # what the engine queued before asking
         at, table, kept = self._upload(words)
         launch(table)
-        ev = torch.cuda.Event()
-        ev.record(self.stream)
+        ev = self.events.recorded(self.stream)
         if at is not None:
             self.ring.used(at, len(words), ev)
         return Launch(ev, kept + (table,) + keep)
@@ -261,8 +273,10 @@ class GpuCopy:
         a scratch buffer of its own, not at the first request. Every copy is checked by content: first
         through Triton's call (which compiles), then through the direct launch. Each optimisation is
         dropped where its copies are not right here, in this order: the table read in place from
-        pinned host memory, the 16-byte hints, the direct launch."""
+        pinned host memory, the 16-byte hints, the direct launch. The driver's event calls are tried first: where
+        they fail here, torch's are used."""
         torch = self.torch
+        self._warm_events()
         n = 4 * CHUNK
         scratch = torch.zeros(2 * n, dtype=torch.uint8, device=f"cuda:{self.device}")
         pattern = torch.arange(n, dtype=torch.int64, device=scratch.device).remainder_(251).to(torch.uint8)
@@ -290,6 +304,19 @@ class GpuCopy:
                 log.warning("the copy kernel's direct launch does not copy right here; Triton's call it is",
                             exc_info=True)
         self._warm_blocks(scratch, pattern)
+
+    def _warm_events(self) -> None:
+        if not self.events.kept_gil:
+            return
+        try:
+            self.events.after_caller(self.stream)
+            ev = self.events.recorded(self.stream)
+            ev.synchronize()
+            if not ev.query():
+                raise IpcError("an event synchronized with is not complete")
+        except Exception:  # noqa: BLE001 - an optimisation: torch's calls order the copy the same
+            log.warning("the CUDA driver's event calls fail here; torch's it is (they let the GIL go)", exc_info=True)
+            self.events = TorchEvents(self.torch, self._caller_stream)
 
     def _warm_blocks(self, scratch, pattern) -> None:
         """Check the block kernel by content (16-byte and byte rows, both directions, rows over a piece, a tile of

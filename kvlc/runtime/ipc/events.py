@@ -1,0 +1,198 @@
+"""The ordering calls of a GPU copy's start and end: events recorded on streams, a stream that waits for one,
+the question whether one completed.
+
+A same-host copy on a GPU (:class:`~kvlc.runtime.ipc.copy.GpuCopy`) records an event on the engine's current
+stream, makes its own stream wait for it (so the copy reads what the engine wrote before asking), launches, and
+records an event after the launch, which every later progress turn asks (``query``). torch's calls for these let
+the GIL go around the driver call (pybind's ``gil_scoped_release``): where another Python thread of the engine is
+runnable, the caller then waits for it to give the GIL back, up to the interpreter's switch interval (5 ms) per
+call, five calls a copy's start and one each time its state is asked. None of these calls waits for the GPU, so
+:class:`KeptEvents` makes them through the CUDA driver (``libcuda.so.1``) loaded with :class:`ctypes.PyDLL`,
+which keeps the GIL; only :meth:`KeptEvent.synchronize`, which does wait, lets it go.
+:class:`TorchEvents` is the same interface through torch (where the driver cannot be reached, or a CPU's
+stand-ins for ``torch.cuda`` in the tests).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from kvlc.runtime.ipc.cuda import IpcError
+
+_NOT_READY = 600  # CUDA_ERROR_NOT_READY: the event's work has not completed yet
+_DISABLE_TIMING = 0x2  # CU_EVENT_DISABLE_TIMING (what torch.cuda.Event() creates)
+
+
+class TorchEvents:
+    """Events through ``torch.cuda`` (its calls let the GIL go). ``caller``: the calling thread's current stream
+    on the copy's device (a torch Stream)."""
+
+    kept_gil = False
+
+    def __init__(self, torch: Any, caller: Callable[[], Any]):
+        self.torch, self.caller = torch, caller
+        self._waited = torch.cuda.Event()
+
+    def after_caller(self, stream: Any) -> None:
+        """``stream`` runs what is queued next on it only after what the caller's current stream has queued now."""
+        self._waited.record(self.caller())
+        stream.wait_event(self._waited)
+
+    def recorded(self, stream: Any) -> Any:
+        """A new event recorded on ``stream`` now (``query()``: whether the work queued before it completed)."""
+        ev = self.torch.cuda.Event()
+        ev.record(stream)
+        return ev
+
+
+class _Lib:
+    """``libcuda.so.1``'s calls used here, twice: ``kept`` (PyDLL: the GIL stays) and ``free`` (CDLL: it goes,
+    for the one call that waits)."""
+
+    _made: _Lib | None = None
+    _lock = threading.Lock()
+
+    def __init__(self):
+        try:
+            self.kept, self.free = ctypes.PyDLL("libcuda.so.1"), ctypes.CDLL("libcuda.so.1")
+        except OSError as exc:
+            raise IpcError(f"no CUDA driver here (libcuda.so.1: {exc})") from exc
+        vp = ctypes.c_void_p
+        for lib in (self.kept, self.free):
+            for name, args in (("cuEventCreate", [ctypes.POINTER(vp), ctypes.c_uint]),
+                               ("cuEventRecord", [vp, vp]), ("cuStreamWaitEvent", [vp, vp, ctypes.c_uint]),
+                               ("cuEventQuery", [vp]), ("cuEventSynchronize", [vp]), ("cuEventDestroy_v2", [vp]),
+                               ("cuCtxGetCurrent", [ctypes.POINTER(vp)]), ("cuCtxPushCurrent_v2", [vp]),
+                               ("cuCtxPopCurrent_v2", [ctypes.POINTER(vp)]),
+                               ("cuDevicePrimaryCtxRetain", [ctypes.POINTER(vp), ctypes.c_int]),
+                               ("cuDevicePrimaryCtxRelease_v2", [ctypes.c_int]),
+                               ("cuGetErrorName", [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]),
+                               ("cuInit", [ctypes.c_uint])):
+                fn = getattr(lib, name)
+                fn.argtypes, fn.restype = args, ctypes.c_int
+
+    @classmethod
+    def get(cls) -> _Lib:
+        with cls._lock:
+            if cls._made is None:
+                cls._made = cls()
+            return cls._made
+
+
+class KeptEvent:
+    """A CUDA event of :class:`KeptEvents` (created with timing off); destroyed when collected."""
+
+    __slots__ = ("handle", "_owner", "__weakref__")
+
+    def __init__(self, handle: int, owner: KeptEvents):
+        self.handle, self._owner = handle, owner
+
+    def query(self) -> bool:
+        """Whether the work queued before its last record completed (the GIL kept)."""
+        return self._owner.query(self)
+
+    def synchronize(self) -> None:
+        """Wait until it completed (the GIL let go while waiting)."""
+        self._owner.synchronize(self)
+
+    def __del__(self):
+        try:
+            self._owner.destroy(self.handle)
+        except Exception:  # noqa: BLE001 - collected at exit: the driver may be gone already
+            pass
+
+
+class KeptEvents:
+    """The same interface as :class:`TorchEvents` through the CUDA driver with the GIL kept, on GPU ``device``'s
+    primary context (torch's), made current for each call where the thread has another one (or none) and
+    restored after. ``raw_stream(device)``: the calling thread's current stream handle (torch's
+    ``_cuda_getCurrentRawStream``). Raises :class:`IpcError` where the driver cannot be reached."""
+
+    kept_gil = True
+
+    def __init__(self, device: int, raw_stream: Callable[[int], int], lib: Any = None):
+        self.device, self.raw_stream = device, raw_stream
+        self.lib = lib if lib is not None else _Lib.get()
+        k = self.lib.kept
+        self._check(k.cuInit(0), "cuInit")
+        ctx = ctypes.c_void_p()
+        self._check(k.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), device), f"retain the context of GPU {device}")
+        self.ctx = ctx.value
+        self._waited = self._new()
+
+    def _check(self, code: int, what: str) -> None:
+        if code:
+            name = ctypes.c_char_p()
+            self.lib.kept.cuGetErrorName(code, ctypes.byref(name))
+            raise IpcError(f"{what}: {(name.value or b'CUDA error').decode()} ({code})")
+
+    def _enter(self) -> bool:
+        """Make the device's context current for a call; True where it was pushed (pop it after)."""
+        cur = ctypes.c_void_p()
+        k = self.lib.kept
+        if not k.cuCtxGetCurrent(ctypes.byref(cur)) and cur.value == self.ctx:
+            return False
+        self._check(k.cuCtxPushCurrent_v2(self.ctx), f"make the context of GPU {self.device} current")
+        return True
+
+    def _leave(self, pushed: bool) -> None:
+        if pushed:
+            self.lib.kept.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+
+    def _new(self) -> KeptEvent:
+        ev = ctypes.c_void_p()
+        pushed = self._enter()
+        try:
+            self._check(self.lib.kept.cuEventCreate(ctypes.byref(ev), _DISABLE_TIMING), "create a CUDA event")
+        finally:
+            self._leave(pushed)
+        return KeptEvent(ev.value, self)
+
+    def after_caller(self, stream: Any) -> None:
+        k = self.lib.kept
+        pushed = self._enter()
+        try:
+            self._check(k.cuEventRecord(self._waited.handle, self.raw_stream(self.device)),
+                        "record an event on the engine's stream")
+            self._check(k.cuStreamWaitEvent(stream.cuda_stream, self._waited.handle, 0),
+                        "make the copy's stream wait for the engine's")
+        finally:
+            self._leave(pushed)
+
+    def recorded(self, stream: Any) -> KeptEvent:
+        ev = self._new()
+        pushed = self._enter()
+        try:
+            self._check(self.lib.kept.cuEventRecord(ev.handle, stream.cuda_stream), "record an event after a copy")
+        finally:
+            self._leave(pushed)
+        return ev
+
+    def query(self, ev: KeptEvent) -> bool:
+        pushed = self._enter()
+        try:
+            code = self.lib.kept.cuEventQuery(ev.handle)
+        finally:
+            self._leave(pushed)
+        if code == _NOT_READY:
+            return False
+        self._check(code, "ask whether a copy ended")
+        return True
+
+    def synchronize(self, ev: KeptEvent) -> None:
+        pushed = self._enter()
+        try:
+            self._check(self.lib.free.cuEventSynchronize(ev.handle), "wait for a copy to end")
+        finally:
+            self._leave(pushed)
+
+    def destroy(self, handle: int) -> None:
+        """Destroy an event (one still pending is released once its work completed)."""
+        pushed = self._enter()
+        try:
+            self.lib.kept.cuEventDestroy_v2(handle)
+        finally:
+            self._leave(pushed)
