@@ -14,8 +14,11 @@ queue fills), beside a torch op's launch on the same stream for scale:
   side: 64 MiB a launch; the entries on the device already, as the route keeps them);
 * ``torch_add``: ``x.add_(1)`` of a one-element tensor (a torch op's launch, for scale);
 * ``events``: the event calls GpuCopy chose (``KeptEvents``: the CUDA driver's, the GIL kept; ``TorchEvents``);
-  ``kept_record``, ``kept_query``: the driver's event record (a new event) and query;
-* ``start_rows_<kind>``, with ``kind`` torch or kept: ``start_rows`` with that kind of event calls; ``_beside_waking``:
+  ``kept_record``, ``kept_query``: the driver's event record (a new event) and query; ``kept_launch``: whether the
+  kernel is launched through the driver (``cuLaunchKernel``, the GIL kept) after warm-up, ``kept_direct_launch``
+  that launch's cost;
+* ``start_rows_<kind>``, with ``kind`` torch (torch's events, Triton's launcher) or kept (the driver's events and
+  launch): ``start_rows`` with those calls; ``_beside_waking``:
   with a Python thread beside that wakes every 50 µs and runs a few µs of Python (what kvlc's progress thread does
   while a copy is in flight), also ``start_blocks``; ``_beside_busy``: beside a thread that never blocks (an
   engine's spinning loop), 40 calls, and ``query_<kind>_beside_busy`` (a start and one ask whether it ended): each
@@ -101,7 +104,7 @@ def measure(calls: int) -> dict:
     import torch
 
     from kvlc.runtime.ipc.copy import GpuCopy, row_table
-    from kvlc.runtime.ipc.events import TorchEvents
+    from kvlc.runtime.ipc.driver import TorchEvents
 
     gpu = GpuCopy(0)
     gpu.warm()
@@ -148,12 +151,18 @@ def measure(calls: int) -> dict:
     }
     out["events"] = type(gpu.events).__name__
     kinds = {"torch": TorchEvents(torch, gpu._caller_stream)}
+    kept = gpu._kept.get(key)
+    out["kept_launch"] = gpu.kept_launch and kept is not None
     if gpu.events.kept_gil:
         kinds["kept"] = gpu.events
         out["kept_record"] = _median_us(lambda: gpu.events.recorded(gpu.stream), calls, sync)
         out["kept_query"] = _median_us(lambda: gpu.events._waited.query(), calls, sync)
+    if out["kept_launch"]:
+        out["kept_direct_launch"] = _median_us(lambda: kept.launch((1, 1, 1), (table.data_ptr(), 1), gpu.stream.cuda_stream),
+                                               calls, sync)
     for name, events in kinds.items():  # a copy's start with each kind of event call, alone and beside a thread
         gpu.events = events
+        gpu.kept_launch = out["kept_launch"] and name == "kept"  # (torch's events: Triton's launcher too)
         out[f"start_rows_{name}"] = _median_us(lambda: gpu.start_rows(g), calls, sync)
         with _Beside():
             out[f"start_rows_{name}_beside_waking"] = _median_us(lambda: gpu.start_rows(g), calls, sync)
@@ -163,6 +172,7 @@ def measure(calls: int) -> dict:
             out[f"start_rows_{name}_beside_busy"] = _median_us(lambda: gpu.start_rows(g), 40, sync, batch=4)
             out[f"query_{name}_beside_busy"] = _median_us(lambda: gpu.start_rows(g).done(), 40, sync, batch=4)
     gpu.events = kinds.get("kept", kinds["torch"])
+    gpu.kept_launch = out["kept_launch"]
     sync()
     out["direct"] = gpu.direct
     out["gpu"] = torch.cuda.get_device_name(0)

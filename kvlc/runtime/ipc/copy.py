@@ -25,7 +25,7 @@ import numpy as np
 from kvlc.clib import libc
 from kvlc.runtime.ipc import native
 from kvlc.runtime.ipc.cuda import IpcError
-from kvlc.runtime.ipc.events import KeptEvents, TorchEvents
+from kvlc.runtime.ipc.driver import KeptEvents, KeptLaunch, TorchEvents
 from kvlc.runtime.staging.copy import Regions
 
 log = logging.getLogger(__name__)
@@ -158,10 +158,12 @@ class GpuCopy:
         self.events = self._events(stand_in)  # the start's and the end's ordering calls (see warm)
         self.direct = True  # launch the kept compiled kernels directly (off where warm finds that wrong)
         self._compiled: dict[tuple, Any] = {}
+        self.kept_launch = True  # the direct launch through the driver with the GIL kept, where it applies (see warm)
+        self._kept: dict[tuple, KeptLaunch | None] = {}
         self.blocks = True  # parts in block form copy by their ids (off where warm finds that wrong)
 
     def _events(self, stand_in: bool) -> TorchEvents | KeptEvents:
-        """The CUDA driver's event calls with the GIL kept (:mod:`kvlc.runtime.ipc.events`) where the driver and
+        """The CUDA driver's event calls with the GIL kept (:mod:`kvlc.runtime.ipc.driver`) where the driver and
         torch's raw stream handle can be reached; else torch's."""
         raw = getattr(self.torch._C, "_cuda_getCurrentRawStream", None)
         if not stand_in and raw is not None:
@@ -233,6 +235,11 @@ class GpuCopy:
         torch = self.torch
         key = (name, *consts.values(), self.num_warps)
         compiled = self._compiled.get(key) if self.direct else None
+        kept = self._kept_launch(key, compiled, args) if compiled is not None else None
+        if kept is not None:  # the driver's launch, the GIL kept
+            kept.launch(grid, tuple(a.data_ptr() if hasattr(a, "data_ptr") else int(a) for a in args),
+                        self.stream.cuda_stream)
+            return
         if compiled is not None and torch.cuda.current_device() == self.device:
             compiled[grid](*args, *consts.values(), stream=self.stream.cuda_stream)  # no context to enter
             return
@@ -243,6 +250,16 @@ class GpuCopy:
             k = getattr(self.kernel, name)[grid](*args, **consts, num_warps=self.num_warps)
         if k is not None and hasattr(k, "__getitem__"):
             self._compiled[key] = k
+
+    def _kept_launch(self, key: tuple, compiled: Any, args: tuple) -> KeptLaunch | None:
+        """The kept compiled kernel's launch through the driver with the GIL kept (:class:`KeptLaunch`), made at its
+        first direct launch; None where the events are torch's, :attr:`kept_launch` is off or it does not apply."""
+        if not (self.kept_launch and self.events.kept_gil):
+            return None
+        if key not in self._kept:
+            sizes = tuple(8 if hasattr(a, "data_ptr") else 4 for a in args)
+            self._kept[key] = KeptLaunch.of(self.events, compiled, sizes)
+        return self._kept[key]
 
     def _upload(self, rows: np.ndarray):
         """(ring offset or None, the table the kernel reads, what the copy keeps alive).
@@ -295,15 +312,26 @@ class GpuCopy:
                 log.warning("the copy kernel does not copy right with the table in pinned host memory=%s and "
                             "16-byte hints=%s here; trying without", self.host_table, self.vec, exc_info=True)
         self.direct = direct
-        if direct:
-            try:
-                for length in lengths:
-                    self._warm_one(scratch, pattern, length)
-            except Exception:  # noqa: BLE001 - the direct launch is an optimisation
-                self.direct = False
-                log.warning("the copy kernel's direct launch does not copy right here; Triton's call it is",
-                            exc_info=True)
+        if direct and not self._through_direct(lambda: [self._warm_one(scratch, pattern, n) for n in lengths]):
+            self.direct = False
+            log.warning("the copy kernel's direct launch does not copy right here; Triton's call it is")
         self._warm_blocks(scratch, pattern)
+
+    def _through_direct(self, check) -> bool:
+        """Whether ``check()`` passes through the direct launch: the driver's with the GIL kept where it applies
+        (where that fails, :attr:`kept_launch` goes off and ``check()`` runs again), else Triton's launcher."""
+        for _ in range(2):
+            try:
+                check()
+                return True
+            except Exception:  # noqa: BLE001 - each is an optimisation: Triton's call copies the same
+                if not (self.kept_launch and any(v is not None for v in self._kept.values())):
+                    log.warning("a copy through the direct launch was wrong here", exc_info=True)
+                    return False
+                self.kept_launch = False
+                log.warning("the copy kernel's launch through the driver does not copy right here; Triton's "
+                            "launcher it is", exc_info=True)
+        return False
 
     def _warm_events(self) -> None:
         if not self.events.kept_gil:
@@ -322,13 +350,22 @@ class GpuCopy:
         """Check the block kernel by content (16-byte and byte rows, both directions, rows over a piece, a tile of
         two kernel blocks, a partial tile's entry); where it does not copy right here, parts move by their rows
         (:attr:`blocks` off)."""
-        try:
+        def check() -> None:
             for unit, write in ((16, True), (16, False), (1, True)):
-                for _ in range(2 if self.direct else 1):  # Triton's call (compiles), then the direct launch
-                    self._warm_blocks_one(scratch, pattern, unit, write)
+                self._warm_blocks_one(scratch, pattern, unit, write)
+        direct, self.direct = self.direct, False
+        try:
+            check()  # Triton's call (compiles)
+            ok = True
         except Exception:  # noqa: BLE001 - the block form is an optimisation: the rows copy the same bytes
+            ok = False
+            log.warning("the block copy kernel does not copy right here", exc_info=True)
+        self.direct = direct
+        if ok and direct:
+            ok = self._through_direct(check)
+        if not ok:
             self.blocks = False
-            log.warning("the block copy kernel does not copy right here; parts move by their rows", exc_info=True)
+            log.warning("the block copy kernel does not copy right here; parts move by their rows")
 
     def _warm_blocks_one(self, scratch, pattern, unit: int, write: bool) -> None:
         n = len(pattern)

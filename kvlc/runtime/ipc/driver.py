@@ -1,5 +1,5 @@
-"""The ordering calls of a GPU copy's start and end: events recorded on streams, a stream that waits for one,
-the question whether one completed.
+"""A GPU copy's driver calls with the GIL kept: events recorded on streams, a stream that waits for one, the
+question whether one completed (:class:`KeptEvents`), and the kernel's launch (:class:`KeptLaunch`).
 
 A same-host copy on a GPU (:class:`~kvlc.runtime.ipc.copy.GpuCopy`) records an event on the engine's current
 stream, makes its own stream wait for it (so the copy reads what the engine wrote before asking), launches, and
@@ -11,6 +11,13 @@ call, five calls a copy's start and one each time its state is asked. None of th
 which keeps the GIL; only :meth:`KeptEvent.synchronize`, which does wait, lets it go.
 :class:`TorchEvents` is the same interface through torch (where the driver cannot be reached, or a CPU's
 stand-ins for ``torch.cuda`` in the tests).
+
+Triton's launcher lets the GIL go around its launch too. :class:`KeptLaunch` launches a kernel Triton compiled
+(and loaded) with ``cuLaunchKernel`` instead, its parameters packed here: only where the driver states the
+compiled function's parameters (``cuFuncGetParamInfo``) and they are exactly the kernel's arguments (8-byte
+pointers, 4-byte ints) followed by the pointers Triton appends for scratch memory, which these kernels do not
+use (NULL, as Triton passes them), on one CTA with no cooperative or dependent launch. Anything else keeps
+Triton's launcher.
 """
 
 from __future__ import annotations
@@ -70,9 +77,14 @@ class _Lib:
                                ("cuDevicePrimaryCtxRetain", [ctypes.POINTER(vp), ctypes.c_int]),
                                ("cuDevicePrimaryCtxRelease_v2", [ctypes.c_int]),
                                ("cuGetErrorName", [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]),
-                               ("cuInit", [ctypes.c_uint])):
+                               ("cuInit", [ctypes.c_uint]),
+                               ("cuLaunchKernel", [vp, *[ctypes.c_uint] * 7, vp, vp, vp])):
                 fn = getattr(lib, name)
                 fn.argtypes, fn.restype = args, ctypes.c_int
+            info = getattr(lib, "cuFuncGetParamInfo", None)  # (CUDA 12.4 on: without it, Triton's launcher)
+            if info is not None:
+                size_p = ctypes.POINTER(ctypes.c_size_t)
+                info.argtypes, info.restype = [vp, ctypes.c_size_t, size_p, size_p], ctypes.c_int
 
     @classmethod
     def get(cls) -> _Lib:
@@ -189,6 +201,29 @@ class KeptEvents:
         finally:
             self._leave(pushed)
 
+    def params(self, function: int, info: Any) -> list[int] | None:
+        """The byte size of each parameter of ``function`` (``cuFuncGetParamInfo``), None where it cannot say."""
+        out: list[int] = []
+        off, size = ctypes.c_size_t(), ctypes.c_size_t()
+        pushed = self._enter()
+        try:
+            for i in range(PARAMS_MOST + 1):
+                if info(function, i, ctypes.byref(off), ctypes.byref(size)):
+                    return out if i else None  # (past the last parameter: an invalid index)
+                out.append(int(size.value))
+        finally:
+            self._leave(pushed)
+        return None
+
+    def launch(self, function: int, grid: tuple[int, int, int], threads: int, shared: int, stream: int,
+               params: Any) -> None:
+        pushed = self._enter()
+        try:
+            self._check(self.lib.kept.cuLaunchKernel(function, grid[0], grid[1], grid[2], threads, 1, 1, shared,
+                                                     stream, params, None), "launch the copy kernel")
+        finally:
+            self._leave(pushed)
+
     def destroy(self, handle: int) -> None:
         """Destroy an event (one still pending is released once its work completed)."""
         pushed = self._enter()
@@ -196,3 +231,50 @@ class KeptEvents:
             self.lib.kept.cuEventDestroy_v2(handle)
         finally:
             self._leave(pushed)
+
+
+PARAMS_MOST = 64  # parameters asked of a function at most (these kernels have a handful)
+
+
+class KeptLaunch:
+    """One compiled Triton kernel launched through ``cuLaunchKernel`` with the GIL kept (see the module docstring).
+    ``sizes``: the bytes of each argument it is launched with (8: a pointer, 4: an int), then ``extra`` NULL
+    pointers. Made by :meth:`of`, which says None where that does not match the compiled function exactly."""
+
+    def __init__(self, owner: KeptEvents, function: int, sizes: tuple[int, ...], extra: int, threads: int,
+                 shared: int):
+        self.owner, self.function, self.sizes, self.extra = owner, function, sizes, extra
+        self.threads, self.shared = threads, shared
+
+    @classmethod
+    def of(cls, owner: KeptEvents, compiled: Any, sizes: tuple[int, ...]) -> KeptLaunch | None:
+        """The kept launch of ``compiled`` (a Triton CompiledKernel that ran once: loaded) for arguments of ``sizes``
+        bytes, or None: no ``cuFuncGetParamInfo`` here, the function's parameters not ``sizes`` and then only
+        8-byte ones (at most two), scratch memory, more than one CTA, a cooperative or dependent launch."""
+        md = getattr(compiled, "metadata", None)
+        function = getattr(compiled, "function", None)
+        info = getattr(owner.lib.kept, "cuFuncGetParamInfo", None)
+        if md is None or not function or info is None:
+            return None
+        plain = (getattr(md, "num_ctas", 1) == 1 and not getattr(md, "launch_cooperative_grid", False)
+                 and not getattr(md, "launch_pdl", False) and not getattr(md, "global_scratch_size", 0)
+                 and not getattr(md, "profile_scratch_size", 0)
+                 and tuple(getattr(md, "cluster_dims", (1, 1, 1))) in ((1, 1, 1), (0, 0, 0)))
+        if not plain:
+            return None
+        got = owner.params(function, info)
+        if got is None or tuple(got[:len(sizes)]) != tuple(sizes):
+            return None
+        extra = got[len(sizes):]
+        if len(extra) > 2 or any(n != 8 for n in extra):
+            return None
+        threads = int(md.num_warps) * int(getattr(md, "warp_size", 32))
+        return cls(owner, int(function), tuple(sizes), len(extra), threads, int(md.shared))
+
+    def launch(self, grid: tuple[int, int, int], args: tuple[int, ...], stream: int) -> None:
+        """Launch on ``grid`` with ``args`` (ints: addresses and values, in the kernel's order) on ``stream``."""
+        values = [ctypes.c_uint64(a & (1 << 64) - 1) if n == 8 else ctypes.c_int32(a)
+                  for a, n in zip(args, self.sizes)]
+        values += [ctypes.c_void_p(None) for _ in range(self.extra)]
+        params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
+        self.owner.launch(self.function, grid, self.threads, self.shared, stream, params)

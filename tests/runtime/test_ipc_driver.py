@@ -1,4 +1,4 @@
-"""A GPU copy's ordering calls through the CUDA driver with the GIL kept (kvlc.runtime.ipc.events).
+"""A GPU copy's ordering calls through the CUDA driver with the GIL kept (kvlc.runtime.ipc.driver).
 
 This machine has no GPU: the driver is stood in for by an object with libcuda's functions (each records its
 call and answers as the driver does), which KeptEvents takes instead of ``libcuda.so.1``. The GPU suite's content
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from kvlc.runtime.ipc.cuda import IpcError
-from kvlc.runtime.ipc.events import KeptEvents, TorchEvents
+from kvlc.runtime.ipc.driver import KeptEvents, TorchEvents
 
 PRIMARY, OTHER = 0x1000, 0x2000
 NOT_READY = 600
@@ -52,6 +52,8 @@ class FakeDriver:
         self.waits: list[tuple[int, int]] = []
         self.pending: set[int] = set()
         self.fail = 0
+        self.launches: list = []
+        self.params = {}
         self.kept, self.free = _Side(self, True), _Side(self, False)
 
     @staticmethod
@@ -112,9 +114,39 @@ class FakeDriver:
         self.live.discard(ev)
         return 0
 
+    params: dict = {}  # function -> its parameters' sizes (cuFuncGetParamInfo)
+    on_launch = None  # (function, grid, values) -> None: what a launch does
+
+    def do_cuFuncGetParamInfo(self, function, i, off, size):
+        got = self.params.get(function)
+        if got is None or i >= len(got):
+            return 1  # CUDA_ERROR_INVALID_VALUE: past the last parameter
+        self._set(off, sum(got[:i]))
+        self._set(size, got[i])
+        return 0
+
+    def do_cuLaunchKernel(self, function, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+        self._in_primary()
+        sizes = self.params[function]
+        values = [(ctypes.c_uint64 if n == 8 else ctypes.c_int32).from_address(params[i]).value
+                  for i, n in enumerate(sizes)]
+        self.launches.append((function, (gx, gy, gz), (bx, by, bz), shared, stream, values))
+        if self.on_launch is not None:
+            self.on_launch(function, (gx, gy, gz), values)
+        return 0
+
     def do_cuGetErrorName(self, code, ref):
         self._set(ref, b"CUDA_ERROR_LAUNCH_FAILED" if code == 719 else b"CUDA_ERROR_X")
         return 0
+
+
+class _NoParamInfo(FakeDriver):
+    """A driver before CUDA 12.4: no cuFuncGetParamInfo."""
+
+    def __init__(self):
+        super().__init__()
+        self.kept = type("NoInfo", (), {"__getattr__": lambda _, n: (_ for _ in ()).throw(AttributeError(n))
+                                        if n == "cuFuncGetParamInfo" else _Fn(self, n, True)})()
 
 
 class _Stream:
@@ -191,6 +223,61 @@ def test_no_driver_here_is_an_ipc_error():
             KeptEvents(0, lambda device: 0)
     else:  # pragma: no cover - a GPU host
         pytest.skip("this host has a CUDA driver")
+
+
+def _compiled(function: int = 0x51, **md):
+    from types import SimpleNamespace
+
+    meta = dict(num_warps=4, warp_size=32, shared=128, num_ctas=1, launch_cooperative_grid=False, launch_pdl=False,
+                global_scratch_size=0, profile_scratch_size=0)
+    meta.update(md)
+    return SimpleNamespace(function=function, metadata=SimpleNamespace(**meta))
+
+
+def test_a_kept_launch_packs_the_kernels_arguments_and_null_scratch_pointers():
+    """The driver says the function takes (8, 4) and Triton's two scratch pointers: the launch passes a pointer,
+    an int32 and two NULLs, on the grid, with num_warps x 32 threads and the kernel's shared memory."""
+    from kvlc.runtime.ipc.driver import KeptLaunch
+
+    drv = FakeDriver()
+    drv.params = {0x51: [8, 4, 8, 8]}
+    ev = KeptEvents(0, lambda device: 0, lib=drv)
+    kept = KeptLaunch.of(ev, _compiled(), (8, 4))
+    assert kept is not None and kept.extra == 2
+    kept.launch((7, 1, 1), (0xDEADBEEF000, 300), 0x99)
+    assert drv.launches == [(0x51, (7, 1, 1), (128, 1, 1), 128, 0x99, [0xDEADBEEF000, 300, 0, 0])]
+
+
+@pytest.mark.parametrize("params, md", [
+    ([8, 8, 8, 8], {}),          # an argument of another size than given
+    ([8, 4, 4], {}),             # an extra parameter that is not a pointer
+    ([8, 4, 8, 8, 8], {}),       # more extras than Triton's two scratch pointers
+    ([8], {}),                   # fewer parameters than arguments
+    ([8, 4, 8, 8], {"global_scratch_size": 64}),
+    ([8, 4, 8, 8], {"profile_scratch_size": 64}),
+    ([8, 4, 8, 8], {"num_ctas": 2}),
+    ([8, 4, 8, 8], {"launch_pdl": True}),
+    ([8, 4, 8, 8], {"launch_cooperative_grid": True}),
+    ([8, 4, 8, 8], {"cluster_dims": (2, 1, 1)}),
+    (None, {}),                  # the driver cannot say
+])
+def test_a_kept_launch_is_only_made_where_the_driver_states_exactly_the_kernels_parameters(params, md):
+    from kvlc.runtime.ipc.driver import KeptLaunch
+
+    drv = FakeDriver()
+    if params is not None:
+        drv.params = {0x51: params}
+    ev = KeptEvents(0, lambda device: 0, lib=drv)
+    assert KeptLaunch.of(ev, _compiled(**md), (8, 4)) is None
+    assert not drv.launches
+
+
+def test_no_kept_launch_without_cufuncgetparaminfo():
+    from kvlc.runtime.ipc.driver import KeptLaunch
+
+    drv = _NoParamInfo()
+    drv.params = {0x51: [8, 4, 8, 8]}
+    assert KeptLaunch.of(KeptEvents(0, lambda device: 0, lib=drv), _compiled(), (8, 4)) is None
 
 
 torch = pytest.importorskip("torch")
@@ -272,3 +359,74 @@ def test_gpu_copy_falls_back_to_torchs_events_where_the_drivers_fail(kernel):
 def test_a_gpu_copy_with_torch_stand_ins_takes_torchs_events(kernel):
     """The tests' stand-ins for torch.cuda have no driver behind them: torch's calls."""
     assert isinstance(_gpu_copy(kernel).events, TorchEvents)
+
+
+class _Compiling:
+    """Triton's call as the GPU copy sees it on a GPU: the interpreted kernel runs, and the call returns a compiled
+    kernel (a function handle per kernel, metadata) whose ``[grid](...)`` runs the interpreted kernel again (Triton's
+    direct launcher)."""
+
+    HANDLES = {"copy_rows": 0x51, "copy_blocks": 0x52}
+
+    def __init__(self, kernel):
+        self.kernel, self.direct = kernel, 0
+
+    def __getattr__(self, name):
+        inner = getattr(self.kernel, name)
+        outer = self
+
+        class _Grid:
+            def __getitem__(self, grid):
+                def run(*args, **kw):
+                    inner[grid](*args, **kw)
+                    return outer._compiled(name, kw)
+                return run
+        return _Grid()
+
+    def _compiled(self, name, kw):
+        consts = {k: v for k, v in kw.items() if k != "num_warps"}
+        outer, inner = self, getattr(self.kernel, name)
+
+        class _C:
+            function = self.HANDLES[name]
+            metadata = _compiled().metadata
+
+            def __getitem__(self, grid):
+                def run(*args, stream=None):
+                    outer.direct += 1
+                    n = len(args) - len(consts)
+                    inner[grid](*args[:n], **dict(zip(consts, args[n:])))
+                return run
+        return _C()
+
+
+def _rows_on_launch(function, grid, values):
+    """What copy_rows does, from its launch's parameters: the table's rows (sources, destinations, lengths) moved."""
+    table, n = values[0], values[1]
+    t = np.ctypeslib.as_array((ctypes.c_uint64 * (3 * n)).from_address(table))
+    for src, dst, ln in zip(t[:n], t[n:2 * n], t[2 * n:]):
+        ctypes.memmove(int(dst), int(src), int(ln))
+
+
+@pytest.mark.parametrize("moves", [True, False])
+def test_warm_up_keeps_the_drivers_launch_only_where_it_copies_right(kernel, moves):
+    """The row kernel's direct launch goes through the driver (the GIL kept) where its parameters are stated; warm-up
+    checks it by content: a launch that moves the rows is kept, one that does not is dropped for Triton's launcher
+    (the direct launch stays), and copies are right either way. The block kernel's parameters are not the ones
+    stated for it here: Triton's launcher."""
+    drv = FakeDriver()
+    drv.params = {0x51: [8, 4, 8, 8], 0x52: [8, 8, 8, 4]}  # (copy_blocks: entries, ids, write: not what is stated)
+    drv.on_launch = _rows_on_launch if moves else None
+    kern = _Compiling(kernel)
+    cp = _gpu_copy(kern)
+    cp.events = KeptEvents(0, lambda device: 0, lib=drv)
+    cp.warm()
+    assert cp.direct and cp.blocks and cp.kept_launch is moves
+    assert {f for f, *_ in drv.launches} == {0x51}
+    a = torch.arange(200, dtype=torch.uint8)
+    b = torch.zeros(200, dtype=torch.uint8)
+    one = lambda v: np.array([v], dtype=np.uint64)  # noqa: E731
+    launches, direct = len(drv.launches), kern.direct
+    cp.start(one(a.data_ptr()), one(b.data_ptr()), one(136))
+    assert (b.numpy()[:136] == a.numpy()[:136]).all() and not b.numpy()[136:].any()
+    assert (len(drv.launches), kern.direct) == ((launches + 1, direct) if moves else (launches, direct + 1))
