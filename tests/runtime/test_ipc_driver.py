@@ -295,27 +295,11 @@ def _gpu_copy(interpreted_kernel, events=None):
 
 
 @pytest.fixture(scope="module")
-def kernel():
+def kernel(interpreted):
     """The copy kernel run by Triton's interpreter, behind ``copy_rows[grid](...)`` (test_ipc_kernel's stand-in)."""
-    import importlib.util
-    import os
-    from pathlib import Path
-
     from tests.runtime.test_ipc_kernel import _Kernel
 
-    path = Path(__file__).resolve().parents[2] / "kvlc" / "runtime" / "ipc" / "kernel.py"
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        spec = importlib.util.spec_from_file_location("kvlc_ipc_kernel_events", path)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    finally:
-        if old is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = old
-    return _Kernel(mod)
+    return _Kernel(interpreted)
 
 
 def test_gpu_copy_orders_each_copy_with_the_drivers_events(kernel):

@@ -8,8 +8,6 @@ destination row must equal its source, every other byte stay as it was.
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from pathlib import Path
 
 import numpy as np
@@ -23,23 +21,6 @@ from kvlc.runtime.ipc.copy import row_table  # noqa: E402
 from testkit.gpu_standin import TorchStandIn  # noqa: E402
 
 KERNEL = Path(__file__).resolve().parents[2] / "kvlc" / "runtime" / "ipc" / "kernel.py"
-
-
-@pytest.fixture(scope="module")
-def interpreted():
-    """kernel.py loaded with TRITON_INTERPRET=1 (its @jit then runs on the CPU), under another name."""
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        spec = importlib.util.spec_from_file_location("kvlc_ipc_kernel_interpreted", KERNEL)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    finally:
-        if old is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = old
-    return mod
 
 
 @settings(max_examples=40, deadline=None)
