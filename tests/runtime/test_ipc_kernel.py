@@ -8,7 +8,6 @@ destination row must equal its source, every other byte stay as it was.
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,7 +19,6 @@ pytest.importorskip("triton")
 from kvlc.runtime.ipc.copy import row_table  # noqa: E402
 from testkit.gpu_standin import TorchStandIn  # noqa: E402
 
-KERNEL = Path(__file__).resolve().parents[2] / "kvlc" / "runtime" / "ipc" / "kernel.py"
 
 
 @settings(max_examples=40, deadline=None)
