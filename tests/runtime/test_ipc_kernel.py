@@ -8,7 +8,6 @@ destination row must equal its source, every other byte stay as it was.
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -18,7 +17,6 @@ pytest.importorskip("triton")
 
 from kvlc.runtime.ipc.copy import row_table  # noqa: E402
 from testkit.gpu_standin import TorchStandIn  # noqa: E402
-
 
 
 @settings(max_examples=40, deadline=None)
