@@ -106,7 +106,7 @@ def measure(calls: int) -> dict:
     from kvlc.runtime.ipc.copy import GpuCopy, row_table
     from kvlc.runtime.ipc.driver import TorchEvents
 
-    gpu = GpuCopy(0)
+    gpu = GpuCopy(0, calls="driver")  # (torch's calls are timed beside them below)
     gpu.warm()
     sync = torch.cuda.synchronize
     buf = torch.zeros(128 << 20, dtype=torch.uint8, device="cuda:0")

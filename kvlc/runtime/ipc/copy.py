@@ -136,12 +136,14 @@ class GpuCopy:
 
     The compiled kernel of each variant is kept and launched directly (Triton's launcher without its
     per-call argument binding); :meth:`warm` checks that path by content and falls back to Triton's
-    ordinary call where it does not hold."""
+    ordinary call where it does not hold. ``calls``: ``"torch"`` orders and launches through torch's events and
+    Triton's launcher; ``"driver"`` through the CUDA driver with the GIL kept (:mod:`kvlc.runtime.ipc.driver`),
+    where warm-up finds them right (``AgentSettings.ipc_gpu_calls``)."""
 
     RING_WORDS = 1 << 20  # 8 MiB of row tables (~350,000 rows) in flight at most before waiting
 
     def __init__(self, device: int, block_words: int = BLOCK_WORDS, num_warps: int = NUM_WARPS, *,
-                 torch: Any = None, kernel: Any = None):
+                 torch: Any = None, kernel: Any = None, calls: str = "torch"):
         stand_in = torch is not None  # (the tests pass stand-ins for torch.cuda and Triton's interpreted kernel)
         if torch is None:
             import torch
@@ -155,18 +157,18 @@ class GpuCopy:
         self.vec = True  # 16-byte hints (off where this Triton cannot compile them: see warm)
         self.host_table = True  # the kernel reads the row table in the pinned ring (off where that fails: see warm)
         self._caller: tuple = (None, None)  # (raw handle, Stream) of the caller's stream last seen
-        self.events = self._events(stand_in)  # the start's and the end's ordering calls (see warm)
+        self.events = self._events(calls == "driver" and not stand_in)  # the ordering calls (see warm)
         self.direct = True  # launch the kept compiled kernels directly (off where warm finds that wrong)
         self._compiled: dict[tuple, Any] = {}
         self.kept_launch = True  # the direct launch through the driver with the GIL kept, where it applies (see warm)
         self._kept: dict[tuple, KeptLaunch | None] = {}
         self.blocks = True  # parts in block form copy by their ids (off where warm finds that wrong)
 
-    def _events(self, stand_in: bool) -> TorchEvents | KeptEvents:
-        """The CUDA driver's event calls with the GIL kept (:mod:`kvlc.runtime.ipc.driver`) where the driver and
-        torch's raw stream handle can be reached; else torch's."""
+    def _events(self, driver: bool) -> TorchEvents | KeptEvents:
+        """With ``driver``, the CUDA driver's event calls with the GIL kept (:mod:`kvlc.runtime.ipc.driver`) where
+        the driver and torch's raw stream handle can be reached; else torch's."""
         raw = getattr(self.torch._C, "_cuda_getCurrentRawStream", None)
-        if not stand_in and raw is not None:
+        if driver and raw is not None:
             try:
                 return KeptEvents(self.device, raw)
             except (IpcError, OSError, AttributeError) as exc:

@@ -183,11 +183,13 @@ class IpcRoute:
     """The executor's agent: same-host copies for mapped peers, NIXL (``nixl``) for everything else.
 
     ``bindings``: this agent's bound storages (the local side of every copy); ``min_rows``: a part
-    between VRAM on both sides with fewer rows goes through NIXL (``AgentSettings.ipc_min_rows``)."""
+    between VRAM on both sides with fewer rows goes through NIXL (``AgentSettings.ipc_min_rows``);
+    ``gpu_calls``: :class:`~kvlc.runtime.ipc.copy.GpuCopy`'s ``calls`` (``AgentSettings.ipc_gpu_calls``)."""
 
-    def __init__(self, nixl: Any, bindings: dict, min_rows: int = 0):
+    def __init__(self, nixl: Any, bindings: dict, min_rows: int = 0, gpu_calls: str = "torch"):
         self.nixl = nixl
         self.min_rows = min_rows
+        self.gpu_calls = gpu_calls
         self.peers: dict[str, _Windows] = {}
         self.retired: list[_Windows] = []  # unmapped once no copy in flight uses them
         self.local = list(bindings.values())
@@ -346,5 +348,5 @@ class IpcRoute:
 
     def _gpu(self) -> GpuCopy:
         if self._gpu_copy is None:
-            self._gpu_copy = GpuCopy(self.gpu)
+            self._gpu_copy = GpuCopy(self.gpu, calls=self.gpu_calls)
         return self._gpu_copy
