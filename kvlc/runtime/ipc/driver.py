@@ -6,7 +6,7 @@ stream, makes its own stream wait for it (so the copy reads what the engine wrot
 records an event after the launch, which every later progress turn asks (``query``). torch's calls for these let
 the GIL go around the driver call (pybind's ``gil_scoped_release``): where another Python thread of the engine is
 runnable, the caller then waits for it to give the GIL back, up to the interpreter's switch interval (5 ms) per
-call, five calls a copy's start and one each time its state is asked. None of these calls waits for the GPU, so
+call: three calls a copy's start and one each time its state is asked. None of these calls waits for the GPU, so
 :class:`KeptEvents` makes them through the CUDA driver (``libcuda.so.1``) loaded with :class:`ctypes.PyDLL`,
 which keeps the GIL; only :meth:`KeptEvent.synchronize`, which does wait, lets it go.
 :class:`TorchEvents` is the same interface through torch (where the driver cannot be reached, or a CPU's
