@@ -105,7 +105,8 @@ class KvAgent:
             self.nixl.close()
             raise
         self.bases = {b.name: (b.addr, b.device) for b in self.bindings.values()}
-        self.route = self._res.route = IpcRoute(self.nixl, self.bindings, cfg.ipc_min_rows, cfg.ipc_gpu_calls) if cfg.ipc == "auto" else None
+        self.route = self._res.route = (IpcRoute(self.nixl, self.bindings, cfg.ipc_min_rows, cfg.ipc_gpu_calls)
+                                        if cfg.ipc == "auto" else None)
         self._shared: Any = False  # what same-host peers may map of this agent (made on first need)
         self.executor = self._res.executor = Executor(self.route or self.nixl, rank, stager=self.stager)
         self._res.stager = self.stager
