@@ -31,6 +31,7 @@ from kvlc.runtime.ipc.cuda import IpcError
 
 _NOT_READY = 600  # CUDA_ERROR_NOT_READY: the event's work has not completed yet
 _DISABLE_TIMING = 0x2  # CU_EVENT_DISABLE_TIMING (what torch.cuda.Event() creates)
+PARAMS_MOST = 64  # parameters asked of a function at most (these kernels have a handful)
 
 
 class TorchEvents:
@@ -97,7 +98,7 @@ class _Lib:
 class KeptEvent:
     """A CUDA event of :class:`KeptEvents` (created with timing off); destroyed when collected."""
 
-    __slots__ = ("handle", "_owner", "__weakref__")
+    __slots__ = ("handle", "_owner")
 
     def __init__(self, handle: int, owner: KeptEvents):
         self.handle, self._owner = handle, owner
@@ -141,99 +142,68 @@ class KeptEvents:
             self.lib.kept.cuGetErrorName(code, ctypes.byref(name))
             raise IpcError(f"{what}: {(name.value or b'CUDA error').decode()} ({code})")
 
-    def _enter(self) -> bool:
-        """Make the device's context current for a call; True where it was pushed (pop it after)."""
+    def _call(self, fn: Any, *args: Any) -> int:
+        """``fn(*args)``'s result code, with the device's context current for the call: pushed where the thread has
+        another one (or none) and popped after."""
         cur = ctypes.c_void_p()
         k = self.lib.kept
         if not k.cuCtxGetCurrent(ctypes.byref(cur)) and cur.value == self.ctx:
-            return False
+            return fn(*args)
         self._check(k.cuCtxPushCurrent_v2(self.ctx), f"make the context of GPU {self.device} current")
-        return True
+        try:
+            return fn(*args)
+        finally:
+            k.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
 
-    def _leave(self, pushed: bool) -> None:
-        if pushed:
-            self.lib.kept.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+    def _do(self, what: str, fn: Any, *args: Any) -> None:
+        self._check(self._call(fn, *args), what)
 
     def _new(self) -> KeptEvent:
         ev = ctypes.c_void_p()
-        pushed = self._enter()
-        try:
-            self._check(self.lib.kept.cuEventCreate(ctypes.byref(ev), _DISABLE_TIMING), "create a CUDA event")
-        finally:
-            self._leave(pushed)
+        self._do("create a CUDA event", self.lib.kept.cuEventCreate, ctypes.byref(ev), _DISABLE_TIMING)
         return KeptEvent(ev.value, self)
 
     def after_caller(self, stream: Any) -> None:
         k = self.lib.kept
-        pushed = self._enter()
-        try:
-            self._check(k.cuEventRecord(self._waited.handle, self.raw_stream(self.device)),
-                        "record an event on the engine's stream")
-            self._check(k.cuStreamWaitEvent(stream.cuda_stream, self._waited.handle, 0),
-                        "make the copy's stream wait for the engine's")
-        finally:
-            self._leave(pushed)
+        self._do("record an event on the engine's stream", k.cuEventRecord, self._waited.handle,
+                 self.raw_stream(self.device))
+        self._do("make the copy's stream wait for the engine's", k.cuStreamWaitEvent, stream.cuda_stream,
+                 self._waited.handle, 0)
 
     def recorded(self, stream: Any) -> KeptEvent:
         ev = self._new()
-        pushed = self._enter()
-        try:
-            self._check(self.lib.kept.cuEventRecord(ev.handle, stream.cuda_stream), "record an event after a copy")
-        finally:
-            self._leave(pushed)
+        self._do("record an event after a copy", self.lib.kept.cuEventRecord, ev.handle, stream.cuda_stream)
         return ev
 
     def query(self, ev: KeptEvent) -> bool:
-        pushed = self._enter()
-        try:
-            code = self.lib.kept.cuEventQuery(ev.handle)
-        finally:
-            self._leave(pushed)
+        code = self._call(self.lib.kept.cuEventQuery, ev.handle)
         if code == _NOT_READY:
             return False
         self._check(code, "ask whether a copy ended")
         return True
 
     def synchronize(self, ev: KeptEvent) -> None:
-        pushed = self._enter()
-        try:
-            self._check(self.lib.free.cuEventSynchronize(ev.handle), "wait for a copy to end")
-        finally:
-            self._leave(pushed)
+        self._do("wait for a copy to end", self.lib.free.cuEventSynchronize, ev.handle)
 
     def params(self, function: int, info: Any) -> list[int] | None:
         """The byte size of each parameter of ``function`` (``cuFuncGetParamInfo``), None where it cannot say."""
         out: list[int] = []
         off, size = ctypes.c_size_t(), ctypes.c_size_t()
-        pushed = self._enter()
-        try:
-            for i in range(PARAMS_MOST + 1):
-                if info(function, i, ctypes.byref(off), ctypes.byref(size)):
-                    return out if i else None  # (past the last parameter: an invalid index)
-                out.append(int(size.value))
-        finally:
-            self._leave(pushed)
+        for i in range(PARAMS_MOST + 1):
+            if self._call(info, function, i, ctypes.byref(off), ctypes.byref(size)):
+                return out if i else None  # (past the last parameter: an invalid index)
+            out.append(int(size.value))
         return None
 
     def launch(self, function: int, grid: tuple[int, int, int], threads: int, shared: int, stream: int,
                params: Any) -> None:
-        pushed = self._enter()
-        try:
-            self._check(self.lib.kept.cuLaunchKernel(function, grid[0], grid[1], grid[2], threads, 1, 1, shared,
-                                                     stream, params, None), "launch the copy kernel")
-        finally:
-            self._leave(pushed)
+        self._do("launch the copy kernel", self.lib.kept.cuLaunchKernel, function, grid[0], grid[1], grid[2],
+                 threads, 1, 1, shared, stream, params, None)
 
     def destroy(self, handle: int) -> None:
         """Destroy an event (one still pending is released once its work completed)."""
-        pushed = self._enter()
-        try:
-            self.lib.kept.cuEventDestroy_v2(handle)
-        finally:
-            self._leave(pushed)
+        self._call(self.lib.kept.cuEventDestroy_v2, handle)
 
-
-PARAMS_MOST = 64  # parameters asked of a function at most (these kernels have a handful)
 
 
 class KeptLaunch:
