@@ -125,7 +125,7 @@ def pull_request(agent, conn: Conn, msg: PullRequest) -> None:
             "when sent); nothing was written"
         )
     parts = instantiate(agent.bound_program(s.engine), msg.producer_blocks, msg.consumer_blocks,
-                        tokens=(msg.start, msg.stop))
+                        tokens=(msg.start, msg.stop), blocks=agent.copies_blocks([s.agent]))  # as a push's parts
     parts = {k: p for k, p in parts.items() if k.peer_rank == s.rank}  # this session's share only
     refuse = {("tomb", s.conn_id, msg.req): f"request '{msg.req}' was cancelled by this consumer; "
                                             "use a new request id",
