@@ -74,10 +74,11 @@ class AgentSettings(BaseSettings):
     moves a few large rows on the copy engines as fast as the copy kernel, without the kernel's start
     (measured on an H100 and an H200: contiguous handovers and bulk pushes of 32 rows per part were
     faster through NIXL; scattered blocks, thousands of rows, through the kernel); 0 copies every part.
-    ``ipc_gpu_calls``: how a same-host copy on a GPU orders and launches its kernel: ``"torch"`` (torch's
-    events, Triton's launcher: each call lets the GIL go) or ``"driver"`` (``KVLC_IPC_GPU_CALLS=driver``: the
-    CUDA driver's calls with the GIL kept, :mod:`kvlc.runtime.ipc.driver`; warm-up checks them by content and
-    falls back to torch's); torch's by default until the driver's have run on a GPU (benchmarks/README.md).
+    ``ipc_gpu_calls``: how a same-host copy on a GPU orders and launches its kernel: ``"driver"`` (the default:
+    the CUDA driver's calls with the GIL kept, :mod:`kvlc.runtime.ipc.driver`; warm-up checks them by content and
+    falls back to torch's) or ``"torch"`` (``KVLC_IPC_GPU_CALLS=torch``: torch's events and Triton's launcher, each
+    call letting the GIL go: beside an engine's busy Python thread a copy's start then took 34 ms, against 73 µs
+    with the driver's; benchmarks/README.md, run 38).
     ``agent_factory`` (tests only) builds the NIXL agent wrapper from a name.
     """
 
@@ -100,7 +101,7 @@ class AgentSettings(BaseSettings):
     telemetry: bool = False
     ipc: Literal["auto", "off"] = "auto"  # same-host peers: copy through their mapped memory (kvlc.runtime.ipc)
     ipc_min_rows: int = Field(64, ge=0)  # VRAM-to-VRAM parts of fewer rows go through NIXL (see above)
-    ipc_gpu_calls: Literal["torch", "driver"] = "torch"  # a GPU copy's ordering and launch calls (see above)
+    ipc_gpu_calls: Literal["torch", "driver"] = "driver"  # a GPU copy's ordering and launch calls (see above)
     limits: Limits = Field(default_factory=Limits)
     ucx: UcxOptions | None = None
     staging: StagingPolicy | None = None

@@ -417,20 +417,22 @@ def test_warm_up_keeps_the_drivers_launch_only_where_it_copies_right(kernel, mov
 
 
 def test_the_agents_setting_chooses_the_gpu_copys_calls(monkeypatch):
-    """``AgentSettings.ipc_gpu_calls`` (``KVLC_IPC_GPU_CALLS``) reaches the route's GpuCopy; torch's by default;
-    anything but torch or driver is refused where the settings are made."""
+    """``AgentSettings.ipc_gpu_calls`` (``KVLC_IPC_GPU_CALLS``) reaches the route's GpuCopy; the driver's by
+    default; anything but torch or driver is refused where the settings are made."""
     import pydantic
 
     from kvlc.runtime.ipc import route as route_mod
     from kvlc.runtime.settings import AgentSettings
 
-    assert AgentSettings(insecure=True).ipc_gpu_calls == "torch"
-    monkeypatch.setenv("KVLC_IPC_GPU_CALLS", "driver")
     assert AgentSettings(insecure=True).ipc_gpu_calls == "driver"
+    monkeypatch.setenv("KVLC_IPC_GPU_CALLS", "torch")
+    assert AgentSettings(insecure=True).ipc_gpu_calls == "torch"
     with pytest.raises(pydantic.ValidationError, match="ipc_gpu_calls"):
         AgentSettings(insecure=True, ipc_gpu_calls="cuda")
     made = []
     monkeypatch.setattr(route_mod, "GpuCopy", lambda device, **kw: made.append((device, kw)) or "copy")
-    r = route_mod.IpcRoute(None, {}, 64, "driver")
-    r.gpu = 0
-    assert r._gpu() == "copy" and made == [(0, {"calls": "driver"})]
+    for given, calls in ((("driver",), "driver"), (("torch",), "torch"), ((), "driver")):
+        made.clear()
+        r = route_mod.IpcRoute(None, {}, 64, *given)
+        r.gpu = 0
+        assert r._gpu() == "copy" and made == [(0, {"calls": calls})]

@@ -143,7 +143,7 @@ class GpuCopy:
     RING_WORDS = 1 << 20  # 8 MiB of row tables (~350,000 rows) in flight at most before waiting
 
     def __init__(self, device: int, block_words: int = BLOCK_WORDS, num_warps: int = NUM_WARPS, *,
-                 torch: Any = None, kernel: Any = None, calls: str = "torch"):
+                 torch: Any = None, kernel: Any = None, calls: str = "driver"):
         stand_in = torch is not None  # (the tests pass stand-ins for torch.cuda and Triton's interpreted kernel)
         if torch is None:
             import torch

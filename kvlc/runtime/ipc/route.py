@@ -186,7 +186,7 @@ class IpcRoute:
     between VRAM on both sides with fewer rows goes through NIXL (``AgentSettings.ipc_min_rows``);
     ``gpu_calls``: :class:`~kvlc.runtime.ipc.copy.GpuCopy`'s ``calls`` (``AgentSettings.ipc_gpu_calls``)."""
 
-    def __init__(self, nixl: Any, bindings: dict, min_rows: int = 0, gpu_calls: str = "torch"):
+    def __init__(self, nixl: Any, bindings: dict, min_rows: int = 0, gpu_calls: str = "driver"):
         self.nixl = nixl
         self.min_rows = min_rows
         self.gpu_calls = gpu_calls
