@@ -382,14 +382,16 @@ class _Kvlc:
         prod, cons = self.g.check_plans
         rid, cids, pids, n = self.g.check_request
         peer = self.connect(self.l_chk, self.src, "READ", "pull_via_push")
-        before = ipc_count(self.src.call("stats"))
+        stats = self.src.call("stats")
+        before, blocks = ipc_count(stats), stats.get("ipc_block_copies", 0)
         peer.read(f"check-pv-{rid}", cids, pids, n)
         wait_finished(self.l_chk, {f"check-pv-{rid}"}, TIMEOUT)
-        ipc = ipc_delta(before, self.src.call("stats"))
+        stats = self.src.call("stats")  # the producer's: it made the copies
+        counts = {"ipc": ipc_delta(before, stats), "ipc_block_copies": stats.get("ipc_block_copies", 0) - blocks}
         after = {k: t.cpu().numpy().copy() for k, t in self.tensors[id(self.l_chk)].items()}
         zeros = {k: np.zeros_like(v) for k, v in after.items()}
         checked, problems = verify(cons, 0, prod, zeros, after, [(rid, cids, pids, n)])
-        return not problems and checked > 0, checked, problems, {"ipc": ipc}
+        return not problems and checked > 0, checked, problems, counts
 
     # ---- timed cases
     def case(self, c, mode: str) -> dict:
