@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from kvlc.compiler.pairing.pair import pair
 from kvlc.compiler.pairing.program import TransferProgram
@@ -73,8 +74,9 @@ class RemoteEngine:
     current: dict[int, Record] = field(default_factory=dict)  # rank → record of its current epoch
     _bound: object = None
 
-    @property
+    @cached_property
     def key(self) -> tuple[str, str, str]:
+        """(engine id, plan digest, direction): fixed for this object (asked on every request)."""
         return (self.engine_id, self.plan.digest, self.direction.value)
 
     @property
