@@ -126,13 +126,14 @@ def _blocks(prog: TransferProgram, local: SideGeometry, remote: SideGeometry) ->
 
 
 def _group_regions(prog: TransferProgram) -> FrozenMap:
-    out: dict[str, tuple[list, list]] = {}
+    out: dict[str, tuple[dict, dict]] = {}  # per group: region name -> region, each side in first-seen order
     for e in prog.entries:  # each side on its own: a split region pairs one local region with several
-        lregs, rregs = out.setdefault(e.link, ([], []))
-        for regs, r in ((lregs, prog.local.region(e.region)), (rregs, prog.remote.region(e.remote_region))):
-            if r not in regs:
-                regs.append(r)
-    return FrozenMap((g, GroupRegions.of(tuple(a), tuple(b))) for g, (a, b) in out.items())
+        lregs, rregs = out.setdefault(e.link, ({}, {}))
+        if e.region not in lregs:  # (by name: a plan's region names are unique; comparing models cost O(n^2))
+            lregs[e.region] = prog.local.region(e.region)
+        if e.remote_region not in rregs:
+            rregs[e.remote_region] = prog.remote.region(e.remote_region)
+    return FrozenMap((g, GroupRegions.of(tuple(a.values()), tuple(b.values()))) for g, (a, b) in out.items())
 
 
 def program_index(prog: TransferProgram) -> "ProgramIndex":
