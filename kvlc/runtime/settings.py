@@ -25,6 +25,7 @@ from pydantic_settings import BaseSettings, EnvSettingsSource, PydanticBaseSetti
 from kvlc.errors import KvlcError
 from kvlc.runtime.channel.auth import read_secret_file, resolve_secret
 from kvlc.runtime.channel.tcp import Limits
+from kvlc.runtime.ipc.driver import DEFAULT_GPU_CALLS, GpuCalls
 from kvlc.runtime.nixl.ucx import UcxOptions
 from kvlc.runtime.staging.buffers import StagingPolicy
 
@@ -101,7 +102,7 @@ class AgentSettings(BaseSettings):
     telemetry: bool = False
     ipc: Literal["auto", "off"] = "auto"  # same-host peers: copy through their mapped memory (kvlc.runtime.ipc)
     ipc_min_rows: int = Field(64, ge=0)  # VRAM-to-VRAM parts of fewer rows go through NIXL (see above)
-    ipc_gpu_calls: Literal["torch", "driver"] = "driver"  # a GPU copy's ordering and launch calls (see above)
+    ipc_gpu_calls: GpuCalls = DEFAULT_GPU_CALLS  # a GPU copy's ordering and launch calls (see above)
     limits: Limits = Field(default_factory=Limits)
     ucx: UcxOptions | None = None
     staging: StagingPolicy | None = None

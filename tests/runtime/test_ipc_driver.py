@@ -436,3 +436,7 @@ def test_the_agents_setting_chooses_the_gpu_copys_calls(monkeypatch):
         r = route_mod.IpcRoute(None, {}, 64, *given)
         r.gpu = 0
         assert r._gpu() == "copy" and made == [(0, {"calls": calls})]
+    from kvlc.runtime.ipc.copy import GpuCopy
+
+    with pytest.raises(ValueError, match="calls must be one of torch, driver; got 'cuda'"):
+        GpuCopy(0, calls="cuda")  # (refused before anything is made)

@@ -25,7 +25,7 @@ import numpy as np
 from kvlc.clib import libc
 from kvlc.runtime.ipc import native
 from kvlc.runtime.ipc.cuda import IpcError
-from kvlc.runtime.ipc.driver import KeptEvents, KeptLaunch, TorchEvents
+from kvlc.runtime.ipc.driver import DEFAULT_GPU_CALLS, GPU_CALLS, GpuCalls, KeptEvents, KeptLaunch, TorchEvents
 from kvlc.runtime.staging.copy import Regions
 
 log = logging.getLogger(__name__)
@@ -143,7 +143,9 @@ class GpuCopy:
     RING_WORDS = 1 << 20  # 8 MiB of row tables (~350,000 rows) in flight at most before waiting
 
     def __init__(self, device: int, block_words: int = BLOCK_WORDS, num_warps: int = NUM_WARPS, *,
-                 torch: Any = None, kernel: Any = None, calls: str = "driver"):
+                 torch: Any = None, kernel: Any = None, calls: GpuCalls = DEFAULT_GPU_CALLS):
+        if calls not in GPU_CALLS:
+            raise ValueError(f"GpuCopy: calls must be one of {', '.join(GPU_CALLS)}; got {calls!r}")
         stand_in = torch is not None  # (the tests pass stand-ins for torch.cuda and Triton's interpreted kernel)
         if torch is None:
             import torch

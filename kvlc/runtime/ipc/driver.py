@@ -25,13 +25,17 @@ from __future__ import annotations
 import ctypes
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal, get_args
 
 from kvlc.runtime.ipc.cuda import IpcError
 
 _NOT_READY = 600  # CUDA_ERROR_NOT_READY: the event's work has not completed yet
 _DISABLE_TIMING = 0x2  # CU_EVENT_DISABLE_TIMING (what torch.cuda.Event() creates)
 PARAMS_MOST = 64  # parameters asked of a function at most (these kernels have a handful)
+
+GpuCalls = Literal["torch", "driver"]  # how a GPU copy orders and launches its kernel (AgentSettings.ipc_gpu_calls)
+GPU_CALLS: tuple[str, ...] = get_args(GpuCalls)
+DEFAULT_GPU_CALLS: GpuCalls = "driver"  # checked by content and measured on an H100 (benchmarks/README.md, run 38)
 
 
 class TorchEvents:
@@ -203,7 +207,6 @@ class KeptEvents:
     def destroy(self, handle: int) -> None:
         """Destroy an event (one still pending is released once its work completed)."""
         self._call(self.lib.kept.cuEventDestroy_v2, handle)
-
 
 
 class KeptLaunch:

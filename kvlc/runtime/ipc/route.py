@@ -27,6 +27,7 @@ import numpy as np
 from kvlc.runtime.ipc import cuda, native
 from kvlc.runtime.ipc.copy import CHUNK, BlockLaunch, GpuCopy, HostCopy, Launch, Rows, launch_rows, row_table
 from kvlc.runtime.ipc.cuda import IpcError
+from kvlc.runtime.ipc.driver import DEFAULT_GPU_CALLS, GpuCalls
 from kvlc.runtime.ipc.memory import Mapped, Window
 from kvlc.runtime.nixl.core import XferState
 from kvlc.runtime.staging.copy import Region, Regions, flat_bytes
@@ -186,7 +187,7 @@ class IpcRoute:
     between VRAM on both sides with fewer rows goes through NIXL (``AgentSettings.ipc_min_rows``);
     ``gpu_calls``: :class:`~kvlc.runtime.ipc.copy.GpuCopy`'s ``calls`` (``AgentSettings.ipc_gpu_calls``)."""
 
-    def __init__(self, nixl: Any, bindings: dict, min_rows: int = 0, gpu_calls: str = "driver"):
+    def __init__(self, nixl: Any, bindings: dict, min_rows: int = 0, gpu_calls: GpuCalls = DEFAULT_GPU_CALLS):
         self.nixl = nixl
         self.min_rows = min_rows
         self.gpu_calls = gpu_calls
