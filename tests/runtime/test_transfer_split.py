@@ -316,3 +316,55 @@ def test_parts_are_asked_oldest_first_and_per_peer_until_one_is_in_flight():
     for x in agent.created[-2:]:
         x.script = deque([ERR])
     assert ex.progress() == [timed] and timed.status == "failed" and "timed out" in timed.reason
+
+
+def test_done_is_built_while_the_bytes_move_and_sent_as_built():
+    """A request still in flight at a progress turn has its `done` built then, one per target: the bytes
+    Target.done builds; its end sends exactly those bytes (the same object), nothing built again."""
+    parts = _hetero()
+    agent = FakeAgent()
+    agent.states = {("peer2", "VRAM", "VRAM"): [PROC, PROC, DONE], ("peer3", "VRAM", "VRAM"): [PROC, PROC, DONE]}
+    ex = Executor(agent, rank=1)
+    out = _submit(ex, parts, req="moving")
+    assert out.ready is None  # nothing built at submit: the copy has not been seen in flight yet
+    assert ex.progress() == [] and agent.sent == []
+    assert sorted(t.agent for t in out.ready) == ["peer2", "peer3"]
+    assert all(msg == t.done(["moving"], 1) for t, msg in out.ready.items())
+    built = {t.agent: msg for t, msg in out.ready.items()}
+    assert ex.progress() == [out] and out.status == "done"
+    assert sorted(agent.sent) == sorted(built.items())
+    assert all(msg is built[name] for name, msg in agent.sent)
+
+
+def test_a_request_that_fails_after_its_done_was_built_never_sends_it():
+    """The `done` built in flight is kept back when a part then fails: only `failed` goes out."""
+    parts = _hetero()
+    agent = FakeAgent()
+    agent.states = {("peer2", "VRAM", "VRAM"): [PROC, PROC, ERR], ("peer3", "VRAM", "VRAM"): [PROC, PROC, DONE]}
+    ex = Executor(agent, rank=1)
+    out = _submit(ex, parts, req="breaks")
+    ex.progress()
+    assert out.ready  # built while in flight
+    assert ex.progress() == [out] and out.status == "failed"
+    assert {n["status"] for _, n in _notifs(agent)} == {"failed"}
+
+
+def test_members_of_a_batch_build_no_done_of_their_own():
+    """Requests that share their parts end together and are told in one batch notification: none builds a
+    single `done` while in flight."""
+    from kvlc.runtime.transfer import Member
+
+    parts = _hetero()
+    agent = FakeAgent()
+    moving = [PROC] * 8 + [DONE]  # the members share these parts: each asks them in a turn
+    agent.states = {("peer2", "VRAM", "VRAM"): moving, ("peer3", "VRAM", "VRAM"): moving}
+    ex = Executor(agent, rank=1)
+    agents = {k.peer_rank: f"peer{k.peer_rank}" for k in parts}
+    targets = {r: Target(name, KEY) for r, name in agents.items()}
+    members = [Member(("direct", f"b{i}"), f"b{i}", 1, 1) for i in range(3)]
+    outs = ex.submit_many(members, "READ", parts, agents, targets)
+    assert ex.progress() == [] and all(o.ready == {} for o in outs)
+    while ex.active:
+        ex.progress()
+    assert all(o.status == "done" and o.ready == {} for o in outs)
+    assert sorted(n["done"] for _, n in _notifs(agent)) == [["b0", "b1", "b2"]] * 2

@@ -208,7 +208,8 @@ def tell_done(agent: Any, rank: int, outs: list) -> None:
     :class:`Target`, ``reason``, ``notified``) from this agent's rank ``rank``: one notification
     per target for all of them, split to fit (:func:`batches`). Sets each request's ``notified``
     (the ranks told) and, where a send failed, its ``reason``; a request with a reason is not told
-    ``done`` by the targets after it."""
+    ``done`` by the targets after it. A request alone in its notification sends the bytes its ``ready`` holds for
+    that target where it has them (built while its bytes moved: the same bytes :meth:`Target.done` builds)."""
     told: dict[int, list[int]] = {id(o): [] for o in outs}
     for target, members in _by_target(outs).items():
         members = [(o, r) for o, r in members if not o.reason]
@@ -216,8 +217,9 @@ def tell_done(agent: Any, rank: int, outs: list) -> None:
         ids = [o.req for o, _ in members]
         for chunk in (batches(ids) if len(ids) > 1 else [ids] if ids else []):  # (one id: one notification)
             share, at = members[at:at + len(chunk)], at + len(chunk)
+            ready = getattr(share[0][0], "ready", None) if len(share) == 1 else None  # built while it moved
             try:
-                agent.send_notif(target.agent, target.done(chunk, rank))
+                agent.send_notif(target.agent, ready[target] if ready and target in ready else target.done(chunk, rank))
             except NixlError as exc:
                 for o, r in share:
                     o.reason = f"all parts done, but notifying rank {r} failed: {exc}"
