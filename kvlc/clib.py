@@ -69,6 +69,16 @@ def _open(folder: Path, stem: str, source: str, abi_symbol: str, abi: int, fallb
     return lib, f"native ({found[0].name})"
 
 
+def address(a) -> int:
+    """The address of a C-contiguous numpy array's first element, for a C call. Through the buffer protocol (0.3 µs
+    on this project's VM) where the array is writable and not empty; else numpy's ``ctypes.data``, which builds an
+    object on every call (1.2-2.1 µs; a request asks for three to five addresses)."""
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(a))
+    except (TypeError, ValueError, BufferError):
+        return a.ctypes.data
+
+
 # The process's C library through ctypes.PyDLL (the GIL held during a call: see the module docstring), for the
 # few calls kvlc makes of it on its hot paths: a non-blocking socket's write and peek, a row's memmove.
 libc = ctypes.PyDLL(None, use_errno=True)

@@ -313,3 +313,20 @@ def test_threads_sharing_a_binding_get_their_own_rows():
     for t in threads:
         t.join()
     assert problems == []
+
+
+@given(st.integers(0, 64), st.integers(0, 3), st.booleans(), st.sampled_from(["int64", "uint8", "uint64"]))
+def test_address_is_the_first_element_of_any_array(n, start, writable, dtype):
+    """kvlc.clib.address (the buffer protocol where it can, numpy's ctypes.data where not): the first element's
+    address for writable, read-only, empty and offset arrays alike."""
+    from kvlc.clib import address
+
+    base = np.arange(n + start, dtype=dtype)
+    a = base[start:]
+    if not writable:
+        a = np.frombuffer(a.tobytes(), dtype=dtype)
+    assert address(a) == a.ctypes.data
+    if len(a):
+        a_copy = np.array(a)
+        a_copy[:] = 0
+        assert address(a_copy) == a_copy.__array_interface__["data"][0]

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from kvlc.clib import libc
+from kvlc.clib import address, libc
 from kvlc.runtime.ipc import native
 from kvlc.runtime.ipc.cuda import IpcError
 from kvlc.runtime.ipc.driver import DEFAULT_GPU_CALLS, GPU_CALLS, GpuCalls, KeptEvents, KeptLaunch, TorchEvents
@@ -109,6 +109,7 @@ class _Ring:
     def __init__(self, torch, device: int, words: int):
         self.host = torch.empty(words, dtype=torch.int64, pin_memory=True)
         self.host_np = self.host.numpy()
+        self.host_addr = address(self.host_np)
         self.dev = torch.empty(words, dtype=torch.int64, device=f"cuda:{device}")
         self.words, self.head = words, 0
         self.spans: deque = deque()  # [start, stop, event] in use, oldest first
@@ -281,7 +282,7 @@ class GpuCopy:
             with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
                 return None, host.to(f"cuda:{self.device}", non_blocking=True), (host,)
         rows = np.ascontiguousarray(rows, dtype=np.int64)  # (numpy's copy of a large table lets the GIL go)
-        libc.memmove(self.ring.host_np.ctypes.data + 8 * at, rows.ctypes.data, 8 * len(rows))
+        libc.memmove(self.ring.host_addr + 8 * at, address(rows), 8 * len(rows))
         if self.host_table:
             return at, self.ring.host[at:at + len(rows)], ()
         table = self.ring.dev[at:at + len(rows)]

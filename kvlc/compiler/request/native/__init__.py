@@ -54,15 +54,13 @@ def seq_ids(seq, lo: int, hi: int | None, capacity: int, distinct: bool, count: 
         return None
     hi = len(seq) if hi is None else hi
     out = np.empty(len(seq), dtype=np.int64)
-    got = lib.kvlc_seq_ids(seq, kind, len(out), out.ctypes.data, lo, hi, capacity, 1 if distinct else 0)
+    got = lib.kvlc_seq_ids(seq, kind, len(out), address(out), lo, hi, capacity, 1 if distinct else 0)
     if got < 0:
         raise MemoryError(f"no memory for a bitmap of {capacity} block ids")
     return out if got == 0 else None
 
 
-def address(a: np.ndarray) -> int:
-    """The address of a C-contiguous array's first element (for the calls below)."""
-    return a.ctypes.data
+address = clib.address  # the address of a C-contiguous array's first element (for the calls below)
 
 
 def ids_ok(ids: np.ndarray, capacity: int, distinct: bool) -> bool:
