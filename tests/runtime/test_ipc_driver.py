@@ -248,6 +248,25 @@ def test_a_kept_launch_packs_the_kernels_arguments_and_null_scratch_pointers():
     assert drv.launches == [(0x51, (7, 1, 1), (128, 1, 1), 128, 0x99, [0xDEADBEEF000, 300, 0, 0])]
 
 
+def test_each_kept_launch_passes_its_own_arguments_through_the_one_parameter_block():
+    """The parameter block is made once and filled per launch: every launch carries exactly its own values (a
+    negative int32, an address with the top bit set), the scratch pointers stay NULL, a wrong count is refused."""
+    from kvlc.runtime.ipc.driver import KeptLaunch
+
+    drv = FakeDriver()
+    drv.params = {0x51: [8, 4, 8, 8]}
+    kept = KeptLaunch.of(KeptEvents(0, lambda device: 0, lib=drv), _compiled(), (8, 4))
+    calls = [(0xDEADBEEF000, 300), (1 << 63 | 0x10, -7), (0x1000, 0), (0xDEADBEEF000, 2**31 - 1)]
+    for i, args in enumerate(calls):
+        kept.launch((i + 1, 1, 1), args, 0x99)
+    assert [(grid[0], values) for _, grid, _, _, _, values in drv.launches] == [
+        (1, [0xDEADBEEF000, 300, 0, 0]), (2, [1 << 63 | 0x10, -7, 0, 0]), (3, [0x1000, 0, 0, 0]),
+        (4, [0xDEADBEEF000, 2**31 - 1, 0, 0])]
+    with pytest.raises(ValueError, match="takes 2 arguments, got 3"):
+        kept.launch((1, 1, 1), (1, 2, 3), 0x99)
+    assert len(drv.launches) == 4
+
+
 @pytest.mark.parametrize("params, md", [
     ([8, 8, 8, 8], {}),          # an argument of another size than given
     ([8, 4, 4], {}),             # an extra parameter that is not a pointer

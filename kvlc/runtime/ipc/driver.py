@@ -31,6 +31,7 @@ from kvlc.runtime.ipc.cuda import IpcError
 
 _NOT_READY = 600  # CUDA_ERROR_NOT_READY: the event's work has not completed yet
 _DISABLE_TIMING = 0x2  # CU_EVENT_DISABLE_TIMING (what torch.cuda.Event() creates)
+_U64 = (1 << 64) - 1
 PARAMS_MOST = 64  # parameters asked of a function at most (these kernels have a handful)
 
 GpuCalls = Literal["torch", "driver"]  # how a GPU copy orders and launches its kernel (AgentSettings.ipc_gpu_calls)
@@ -218,6 +219,12 @@ class KeptLaunch:
                  shared: int):
         self.owner, self.function, self.sizes, self.extra = owner, function, sizes, extra
         self.threads, self.shared = threads, shared
+        # The parameter block, made once: each launch sets the values (cuLaunchKernel copies them during the call).
+        # Building it per launch (ctypes values, an array type) cost 4.0 µs against 0.4 on this project's VM.
+        self._values = [ctypes.c_uint64() if n == 8 else ctypes.c_int32() for n in sizes]
+        self._values += [ctypes.c_void_p(None) for _ in range(extra)]
+        self._params = (ctypes.c_void_p * len(self._values))(*[ctypes.addressof(v) for v in self._values])
+        self._lock = threading.Lock()  # one launch at a time fills the block
 
     @classmethod
     def of(cls, owner: KeptEvents, compiled: Any, sizes: tuple[int, ...]) -> KeptLaunch | None:
@@ -246,8 +253,9 @@ class KeptLaunch:
 
     def launch(self, grid: tuple[int, int, int], args: tuple[int, ...], stream: int) -> None:
         """Launch on ``grid`` with ``args`` (ints: addresses and values, in the kernel's order) on ``stream``."""
-        values = [ctypes.c_uint64(a & (1 << 64) - 1) if n == 8 else ctypes.c_int32(a)
-                  for a, n in zip(args, self.sizes)]
-        values += [ctypes.c_void_p(None) for _ in range(self.extra)]
-        params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
-        self.owner.launch(self.function, grid, self.threads, self.shared, stream, params)
+        if len(args) != len(self.sizes):
+            raise ValueError(f"the copy kernel takes {len(self.sizes)} arguments, got {len(args)}")
+        with self._lock:
+            for v, a, n in zip(self._values, args, self.sizes):
+                v.value = a & _U64 if n == 8 else a
+            self.owner.launch(self.function, grid, self.threads, self.shared, stream, self._params)
