@@ -312,9 +312,7 @@ class Executor:
         if late and not out.settled:
             self._stop(out)
         if not out.settled:
-            if out.ready is None and not late:
-                self._ready(out)
-            return Step.HELD if late else Step.IN_FLIGHT
+            return Step.HELD if late else self._ready(out)
         if not all([self._release(r) for r in out.parts]):
             return Step.RELEASING  # a handle NIXL would not release yet: try again later
         failed = next((r for r in out.parts if r.state is XferState.ERR), None)
@@ -323,13 +321,16 @@ class Executor:
         self._finish(out, now)
         return Step.ENDED
 
-    def _ready(self, out: Outgoing) -> None:
+    def _ready(self, out: Outgoing) -> Step:
         """Build ``out``'s ``done`` notifications (one per target: its tag, its JSON) while its bytes still move, so
         that its end only sends them (:func:`tell_done` takes them where a notification carries ``out`` alone):
         the copy hides the work that otherwise came after it (a 1k-token same-host handover on an H100 host spent
         27 µs in ``tell_done`` after its copy ended: benchmarks/README.md, run 38). The bytes are those
-        :meth:`Target.done` builds at the end; a request that fails never sends them."""
-        out.ready = {t: t.done([out.req], self.rank) for t in set(out.notify.values())}
+        :meth:`Target.done` builds at the end; a request that fails never sends them. Once per request (a member of
+        a batch has ``{}``: it is told in the batch's notification). Returns :attr:`Step.IN_FLIGHT`."""
+        if out.ready is None:
+            out.ready = {t: t.done([out.req], self.rank) for t in set(out.notify.values())}
+        return Step.IN_FLIGHT
 
     def _poll(self, out: Outgoing, busy: set[str] | None) -> None:
         """Ask NIXL for the state of ``out``'s posted parts in flight (see :meth:`progress` for ``busy``)."""

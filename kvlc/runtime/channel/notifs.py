@@ -203,6 +203,14 @@ def _by_target(outs: list) -> dict[Target, list[tuple[Any, int]]]:
     return groups
 
 
+def _done_bytes(target: Target, share: list, chunk: list[str], rank: int) -> bytes:
+    """The ``done`` of ``chunk`` to ``target``: a request alone in it sends what its ``ready`` holds for the target
+    (built while its bytes moved), else it is built now."""
+    ready = getattr(share[0][0], "ready", None) if len(share) == 1 else None
+    got = ready.get(target) if ready else None
+    return got if got is not None else target.done(chunk, rank)
+
+
 def tell_done(agent: Any, rank: int, outs: list) -> None:
     """Send ``done`` for every request in ``outs`` (each with ``req``, ``notify``: remote rank →
     :class:`Target`, ``reason``, ``notified``) from this agent's rank ``rank``: one notification
@@ -217,9 +225,8 @@ def tell_done(agent: Any, rank: int, outs: list) -> None:
         ids = [o.req for o, _ in members]
         for chunk in (batches(ids) if len(ids) > 1 else [ids] if ids else []):  # (one id: one notification)
             share, at = members[at:at + len(chunk)], at + len(chunk)
-            ready = getattr(share[0][0], "ready", None) if len(share) == 1 else None  # built while it moved
             try:
-                agent.send_notif(target.agent, ready[target] if ready and target in ready else target.done(chunk, rank))
+                agent.send_notif(target.agent, _done_bytes(target, share, chunk, rank))
             except NixlError as exc:
                 for o, r in share:
                     o.reason = f"all parts done, but notifying rank {r} failed: {exc}"
