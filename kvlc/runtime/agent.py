@@ -39,6 +39,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from kvlc.compiler.plan.model import Plan
+from kvlc.compiler.request.instantiate import prepare_bound
 from kvlc.errors import TransferError
 import kvlc.runtime.server as _server
 from kvlc.runtime.arguments import check_agent_args, check_request_id, valid_name
@@ -331,7 +332,9 @@ class KvAgent:
             mine = self._staging_inbox_served(session, inbox)
             self.sessions.add(session)
             if load:
-                session.engine.bound(self.bases)
+                bound = session.engine.bound(self.bases)
+                if self.route is not None and self.copies_blocks([session.record.agent]):  # (block tables now)
+                    prepare_bound(bound, blocks=True)
             return mine
 
     def _staging_inbox_served(self, s: Session, inbox):

@@ -240,6 +240,23 @@ def test_out_of_range_block_ids_are_refused_before_any_request(producer, consume
     assert not producer.poll()
 
 
+def test_a_connection_builds_what_its_requests_use_before_the_first(producer, consumer):
+    """connect() binds the program and builds the packed table its requests' rows are written from (with the C
+    libraries loaded), so the first request does not: the same table object serves every request after."""
+    from kvlc.compiler.request import native
+    from kvlc.compiler.request.native_rows import native_table
+
+    peer = consumer.connect(producer.address)
+    bound = consumer.bound_program(peer.engine)
+    built = bound.memo.get("native_table", lambda: None)
+    if native.library() is None:
+        pytest.skip(f"no C rows here: {native.status()}")
+    assert built is not None and built.array is not None  # made and packed at connect
+    peer.read("first", {"full": [0, 1]}, {"full": [2, 3]}, 20)
+    assert native_table(bound) is built
+    assert list(_finish(consumer, producer, "first").finished) == ["first"]
+
+
 def _finish(consumer, producer, req, timeout=10.0):
     """Poll the consumer only: the producer, never polled here, progresses through its progress thread
     (UCX needs the target's worker to progress for a READ between two agents of one process)."""

@@ -22,6 +22,7 @@ from functools import cached_property
 from kvlc.compiler.pairing.pair import pair
 from kvlc.compiler.pairing.program import TransferProgram
 from kvlc.compiler.request.bind import bind
+from kvlc.compiler.request.instantiate import prepare_bound
 from kvlc.compiler.request.rules import prepare
 from kvlc.compiler.plan.model import Plan
 from kvlc.runtime.errors import HandshakeError
@@ -89,7 +90,7 @@ class RemoteEngine:
         if self._bound is None:
             placeholder = {s.name: (0, s.device) for s in self.plan.storages}
             remote = {r: (self.current[r].bases() if r in self.current else placeholder) for r in self.expected}
-            self._bound = bind(self.program, local_bases, remote)
+            self._bound = prepare_bound(bind(self.program, local_bases, remote))  # (not in the first request)
         return self._bound
 
 

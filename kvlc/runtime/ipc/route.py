@@ -215,6 +215,7 @@ class IpcRoute:
         compiled now, not at the first request; where it cannot be, this raises and nothing changes)."""
         if any(w.mem == "VRAM" for w in mapped.windows):
             self._gpu().warm()
+        native.library()  # table.c loaded now, not in the first copy's table
         old = self.peers.pop(mapped.peer, None)
         if old is not None:
             self._retire(old)
