@@ -52,6 +52,12 @@ for _p in (Path(__file__).resolve().parents[2], Path(__file__).resolve().parents
 
 from kvlc.demo.run import DEFAULT_LAYOUT, make_workload, scaled_plan  # noqa: E402
 
+ROOT = Path(__file__).resolve().parents[2]
+PAIRS = {  # --pair: (producer, consumer) layouts
+    "llama": (DEFAULT_LAYOUT, DEFAULT_LAYOUT),
+    # the GPU suite's mixed case: DeepSeek-V3.2 with its latent in host memory pushing into one all on the GPU
+    "mixed": (ROOT / "layouts" / "deepseek-v3.2-hisparse-tp8.yaml", ROOT / "layouts" / "deepseek-v3.2-tp8.yaml"),
+}
 STAGES = ("checked", "rows", "created", "posting", "launching", "launched", "post", "write", "seen", "told",
           "finished")
 
@@ -147,7 +153,7 @@ def instrument(stamps: Stamps) -> None:
     transfer.Executor._notify_done = notify_done
 
 
-def run_mode(mode: str, args, plan, batches, stamps: Stamps) -> dict:
+def run_mode(mode: str, args, plans, batches, stamps: Stamps) -> dict:
     from kvlc.demo.procs import EngineConfig, EngineProcess
     from kvlc.runtime.agent import KvAgent
     from kvlc.runtime.binding import allocate
@@ -158,10 +164,11 @@ def run_mode(mode: str, args, plan, batches, stamps: Stamps) -> dict:
     proc = EngineProcess()
     shared = {} if args.gpu else {"shared": True}
     try:
-        cons = proc.add(EngineConfig(plan.to_json(), 0, fill="zeros", secret=secret, engine_id=f"tl-cons-{mode}",
+        producer, consumer = plans
+        cons = proc.add(EngineConfig(consumer.to_json(), 0, fill="zeros", secret=secret, engine_id=f"tl-cons-{mode}",
                                      pin=args.gpu, **shared))
-        tensors = allocate(plan, pin=args.gpu, shared=not args.gpu)
-        prod = KvAgent(plan, 0, tensors, AgentSettings(secret=secret, engine_id=f"tl-prod-{mode}"))
+        tensors = allocate(producer, pin=args.gpu, shared=not args.gpu)
+        prod = KvAgent(producer, 0, tensors, AgentSettings(secret=secret, engine_id=f"tl-prod-{mode}"))
         try:
             peer = prod.connect(cons.address, direction="WRITE")
             rows = []
@@ -184,7 +191,8 @@ def run_mode(mode: str, args, plan, batches, stamps: Stamps) -> dict:
     finally:
         proc.stop()
     skip = min(args.warmup, len(rows) - 1)
-    return {"rows": rows[skip:], "ipc_requests": ipc, "ipc_block_copies": blocks, "faults": faults}
+    return {"rows": rows[skip:], "first": rows[:args.each], "ipc_requests": ipc, "ipc_block_copies": blocks,
+            "faults": faults}
 
 
 def _wait(agent, req: str, timeout: float = 60.0) -> None:
@@ -232,22 +240,30 @@ def main(argv=None) -> int:
     ap.add_argument("--modes", default="ipc,nixl")
     ap.add_argument("--batches", type=int, default=0, help="sets of ids to cycle (default: one per round)")
     ap.add_argument("--busy", action="store_true", help="a Python thread that never blocks runs beside the requests")
+    ap.add_argument("--pair", choices=tuple(PAIRS), default="llama",
+                    help="llama: Llama-3.1-8B both sides; mixed: the GPU suite's DRAM + VRAM -> VRAM pair")
+    ap.add_argument("--each", type=int, default=0, help="also print (and record) the stages of the first N requests "
+                    "one by one, warm-up included (a first request's own costs)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     if args.busy:
         threading.Thread(target=_busy, daemon=True).start()
 
-    plan = scaled_plan(DEFAULT_LAYOUT, args.pool_mib << 20, to_dram=not args.gpu)
-    sets = [make_workload(plan, plan, 1, args.tokens, ids=args.ids, seed=i)[0][0]
+    specs = PAIRS[args.pair]
+    plans = tuple(scaled_plan(s, args.pool_mib << 20, to_dram=not args.gpu) for s in specs)  # producer, consumer
+    sets = [make_workload(plans[1], plans[0], 1, args.tokens, ids=args.ids, seed=i)[0][0]
             for i in range(min(args.batches or args.rounds, args.rounds))]
     batches = [sets[i % len(sets)] for i in range(args.rounds)]
     stamps = Stamps()
     instrument(stamps)
-    doc = {"command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]), "gpu": args.gpu,
+    doc = {"command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]), "gpu": args.gpu, "pair": args.pair,
            "tokens": args.tokens, "ids": args.ids, "busy": args.busy, "modes": {}}
     for mode in args.modes.split(","):
-        got = run_mode(mode, args, plan, batches, stamps)
-        doc["modes"][mode] = {"stages": summary(got["rows"]), "ipc_requests": got["ipc_requests"],
+        got = run_mode(mode, args, plans, batches, stamps)
+        for k, r in enumerate(got["first"]):
+            print(f"{mode:5s} request {k}: " + ", ".join(f"{s} {r[s] * 1e6:,.0f}" for s in STAGES if s in r), flush=True)
+        doc["modes"][mode] = {"stages": summary(got["rows"]), "first_us": [{s: r[s] * 1e6 for s in r} for r in got["first"]],
+                              "ipc_requests": got["ipc_requests"],
                               "ipc_block_copies": got["ipc_block_copies"],
                               "page_faults_per_request": got["faults"]}
         st = doc["modes"][mode]["stages"]
