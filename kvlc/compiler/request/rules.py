@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from kvlc.compiler.pairing.program import TransferProgram
 from kvlc.compiler.plan.model import PlanRegion
+from kvlc.compiler.request import native
 from kvlc.compiler.request.index import program_index
 
 
@@ -77,8 +78,9 @@ def request_rules(prog: TransferProgram) -> RequestRules:
 
 
 def prepare(prog: TransferProgram) -> TransferProgram:
-    """Derive the per-request lookup structures now (the program's index and request rules), not in
-    the first request; returns the program. A runtime calls it when it pairs.
+    """Derive the per-request lookup structures now (the program's index and request rules) and load the C
+    reader of block ids, not in the first request (a pull-via-push consumer checks its requests but never
+    binds); returns the program. A runtime calls it when it pairs.
 
     >>> from kvlc import compile_spec, pair
     >>> p = compile_spec("layouts/llama-3.1-8b.yaml")
@@ -87,6 +89,7 @@ def prepare(prog: TransferProgram) -> TransferProgram:
     ('full',)
     """
     request_rules(prog)  # builds the index on the way
+    native.ids_library()  # the C reader of the engine's id lists that check_request uses, loaded now
     return prog
 
 
