@@ -326,9 +326,11 @@ class Executor:
         that its end only sends them (:func:`tell_done` takes them where a notification carries ``out`` alone):
         the copy hides the work that otherwise came after it (a 1k-token same-host handover on an H100 host spent
         27 µs in ``tell_done`` after its copy ended: benchmarks/README.md, run 38). The bytes are those
-        :meth:`Target.done` builds at the end; a request that fails never sends them. Once per request (a member of
-        a batch has ``{}``: it is told in the batch's notification). Returns :attr:`Step.IN_FLIGHT`."""
-        if out.ready is None:
+        :meth:`Target.done` builds at the end; a request that fails never sends them. Once per request, and only
+        while it is the one request in flight here: requests that end together share one batch notification, so a
+        single ``done`` built for each of many in flight would mostly go unused (a member of a batch has ``{}``: it
+        is told in the batch's). Returns :attr:`Step.IN_FLIGHT`."""
+        if out.ready is None and len(self.active) == 1:
             out.ready = {t: t.done([out.req], self.rank) for t in set(out.notify.values())}
         return Step.IN_FLIGHT
 

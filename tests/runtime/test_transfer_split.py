@@ -336,6 +336,26 @@ def test_done_is_built_while_the_bytes_move_and_sent_as_built():
     assert all(msg is built[name] for name, msg in agent.sent)
 
 
+def test_with_several_in_flight_only_the_last_one_left_builds_its_done():
+    """Requests in flight together may end together (one batch notification): none builds a single `done` while
+    another is in flight; once it is the only one left it does, and its end sends those bytes."""
+    parts = _hetero()
+    agent = FakeAgent()
+    agent.states = {("peer2", "VRAM", "VRAM"): [PROC, PROC, DONE], ("peer3", "VRAM", "VRAM"): [PROC, PROC, DONE]}
+    ex = Executor(agent, rank=1)
+    first = _submit(ex, parts, req="first")
+    agent.states = {("peer2", "VRAM", "VRAM"): [PROC] * 4 + [DONE], ("peer3", "VRAM", "VRAM"): [PROC] * 4 + [DONE]}
+    last = _submit(ex, parts, req="last")
+    assert ex.progress() == [] and first.ready is None and last.ready is None
+    assert ex.progress() == [first]  # first ends: from then on last is alone in flight
+    assert last.status == "active" and last.ready
+    built = {t.agent: msg for t, msg in last.ready.items()}
+    while ex.active:
+        ex.progress()
+    assert last.status == "done"
+    assert all(msg is built[name] for name, msg in agent.sent if json.loads(msg).get("req") == "last")
+
+
 def test_a_request_that_fails_after_its_done_was_built_never_sends_it():
     """The `done` built in flight is kept back when a part then fails: only `failed` goes out."""
     parts = _hetero()
