@@ -332,9 +332,7 @@ class KvAgent:
             mine = self._staging_inbox_served(session, inbox)
             self.sessions.add(session)
             if load:
-                bound = session.engine.bound(self.bases)
-                if self.route is not None and self.copies_blocks([session.record.agent]):  # (block tables now)
-                    prepare_bound(bound, blocks=True)
+                self.bound_program(session.engine, [session.record.agent])
             return mine
 
     def _staging_inbox_served(self, s: Session, inbox):
@@ -384,10 +382,15 @@ class KvAgent:
             for s in sessions:
                 self.sessions.add(s)
 
-    def bound_program(self, eng: RemoteEngine):
-        """``eng``'s program bound to both sides' storage bases (bound once, then shared)."""
+    def bound_program(self, eng: RemoteEngine, peers: Iterable[str] = ()):
+        """``eng``'s program bound to both sides' storage bases (bound once, then shared). ``peers``: the NIXL
+        agents a connection moves bytes with; where a GPU here copies parts to them by block ids
+        (:meth:`copies_blocks`), the block tables are built now too, not in the first request."""
         with self._lock:
-            return eng.bound(self.bases)
+            bound = eng.bound(self.bases)
+            if peers and self.copies_blocks(peers):
+                prepare_bound(bound, blocks=True)
+            return bound
 
     def load_remote(self, rec: Record) -> None:
         """Load ``rec``'s NIXL agent (once); HandshakeError when its metadata names another agent."""

@@ -19,7 +19,7 @@ import numpy as np
 
 from kvlc.compiler.pairing.program import TransferProgram
 from kvlc.compiler.request.check import Request, check_request
-from kvlc.compiler.request.instantiate import emit, instantiate, prepare_bound
+from kvlc.compiler.request.instantiate import emit, instantiate
 from kvlc.compiler.request.tokens import TokenRange
 from kvlc.compiler.request.prepared import prepared_indices, prepared_rows
 from kvlc.errors import KvlcError, TransferError
@@ -110,9 +110,7 @@ def connect(agent, addresses: Sequence[str], direction: str, mode: str, timeout:
         if mode is ConnectionMode.PREPPED:  # prepare the strided lists now: NIXL problems surface at connect
             peer.prepare()
         if mode is not ConnectionMode.PULL_VIA_PUSH:  # this side moves the bytes (else the producer does both)
-            bound = agent.bound_program(eng)  # bound to both sides' bases, before the first request
-            if agent.copies_blocks(agents_of(peer._targets()).values()):  # a GPU here copies parts by block ids
-                prepare_bound(bound, blocks=True)
+            agent.bound_program(eng, agents_of(peer._targets()).values())  # before the first request
             if warm:
                 agent.warm([got[r][0] for r in eng.program.peer_ranks])
         return peer

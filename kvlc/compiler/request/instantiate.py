@@ -52,7 +52,8 @@ def instantiate(bound: BoundProgram, local_block_ids: Mapping[str, Sequence[int]
 
 def prepare_bound(bound: BoundProgram, blocks: bool = False) -> BoundProgram:
     """Build now (a runtime calls it when a connection binds) what every request of ``bound`` uses, not in its first
-    request: the C libraries of the hot path loaded and the packed table its rows are written from, and with
+    request: the rows' C library loaded and the packed table its rows are written from (the ids' reader is loaded
+    when the program is paired: :func:`~kvlc.compiler.request.rules.prepare`), and with
     ``blocks`` the block table of every part (where a same-host GPU copies parts by their block ids). On this
     project's VM the first request of DeepSeek-V3.2 with its latent in host memory did ~3.0 ms of host work before
     its copy without this, 0.37 ms with it (later requests: 0.36). Returns ``bound``.
@@ -64,7 +65,6 @@ def prepare_bound(bound: BoundProgram, blocks: bool = False) -> BoundProgram:
     >>> prepare_bound(bound).memo.get("native_table", lambda: None) is not None or native.library() is None
     True
     """
-    native.ids_library()
     if native.library() is not None:
         native_table(bound).address()  # (packs it)
     if blocks:
