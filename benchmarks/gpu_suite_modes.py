@@ -355,7 +355,8 @@ class _Kvlc:
         entry["wall_s"] = round(time.time() - t0, 2)
         print(f"  [{mode}] check {self.g.name} {direction}: {entry['verdict']} ({entry['checked_bytes']:,} "
               f"bytes; {entry['problems'][:1]}; ipc {entry.get('ipc')}, by block ids "
-              f"{entry.get('ipc_block_copies', '-')}; {entry['tokens']} tokens)", flush=True)
+              f"{entry.get('ipc_block_copies', '-')}, on the copy engines {entry.get('ipc_engine_copies', '-')}; "
+              f"{entry['tokens']} tokens)", flush=True)
         return entry
 
     def _check_push(self):
@@ -366,11 +367,11 @@ class _Kvlc:
         _fill(prod, 0, self.tensors[id(self.l_chk)], "content", 0)
         rid, cids, pids, n = self.g.check_request
         peer = self.connect(self.l_chk, self.c_chk, "WRITE")
-        before, blocks = ipc_count(self.l_chk.stats), self.l_chk.stats.get("ipc_block_copies", 0)
+        before, moved0 = ipc_count(self.l_chk.stats), _paths(self.l_chk.stats)
         peer.write(f"check-{rid}", pids, cids, n)
         wait_finished(self.l_chk, {f"check-{rid}"}, TIMEOUT)
-        counts = {"ipc": ipc_delta(before, self.l_chk.stats),  # parts by the same-host copy; of them by block ids
-                  "ipc_block_copies": self.l_chk.stats.get("ipc_block_copies", 0) - blocks}
+        counts = {"ipc": ipc_delta(before, self.l_chk.stats),  # parts by the same-host copy; of them by block ids...
+                  **_paths(self.l_chk.stats, moved0)}
         after = self.c_chk.call("dump")
         zeros = {k: np.zeros_like(v) for k, v in after.items()}
         checked, problems = verify(cons, 0, prod, zeros, after, [(rid, cids, pids, n)])
@@ -383,11 +384,11 @@ class _Kvlc:
         rid, cids, pids, n = self.g.check_request
         peer = self.connect(self.l_chk, self.src, "READ", "pull_via_push")
         stats = self.src.call("stats")
-        before, blocks = ipc_count(stats), stats.get("ipc_block_copies", 0)
+        before, moved0 = ipc_count(stats), _paths(stats)
         peer.read(f"check-pv-{rid}", cids, pids, n)
         wait_finished(self.l_chk, {f"check-pv-{rid}"}, TIMEOUT)
         stats = self.src.call("stats")  # the producer's: it made the copies
-        counts = {"ipc": ipc_delta(before, stats), "ipc_block_copies": stats.get("ipc_block_copies", 0) - blocks}
+        counts = {"ipc": ipc_delta(before, stats), **_paths(stats, moved0)}
         after = {k: t.cpu().numpy().copy() for k, t in self.tensors[id(self.l_chk)].items()}
         zeros = {k: np.zeros_like(v) for k, v in after.items()}
         checked, problems = verify(cons, 0, prod, zeros, after, [(rid, cids, pids, n)])
@@ -402,13 +403,13 @@ class _Kvlc:
             self._r = self.connect(self.l_big, self.c_big, "READ", "pull_via_push")
         counter = (lambda: self.c_big.call("stats")) if pv else (lambda: self.l_big.stats)
         before = ipc_count(counter())
-        blocks0 = counter().get("ipc_block_copies", 0)
+        moved0 = _paths(counter())
         bytes0, desc0 = self.l_big.stats["bytes"], self.l_big.stats["descriptors"]
         tag = f"{mode.replace(' ', '-')}-c{self.g.cases.index(c)}"
         seconds = [self._unit(c, b, tag, pv) for b in c.batches()]
         out = stats_row(c, seconds)
         out["ipc"] = ipc_delta(before, counter())
-        out["ipc_block_copies"] = counter().get("ipc_block_copies", 0) - blocks0  # parts copied by their block ids
+        out.update(_paths(counter(), moved0))  # parts copied by their block ids, on the copy engines
         if not pv:
             moved = len(c.requests)
             out["kvlc_descriptors_per_request"] = (self.l_big.stats["descriptors"] - desc0) / moved
@@ -441,6 +442,12 @@ def ipc_count(stats: dict) -> int | None:
     """The agent's same-host copy counter (None: this kvlc has none)."""
     v = stats.get("ipc_requests")
     return None if v is None else int(v)
+
+
+def _paths(stats: dict, since: dict | None = None) -> dict:
+    """The same-host copy's parts by path (block ids, copy engines) in an agent's stats, less ``since``'s."""
+    keys = ("ipc_block_copies", "ipc_engine_copies")
+    return {k: stats.get(k, 0) - (since or {}).get(k, 0) for k in keys}
 
 
 def ipc_delta(before: int | None, stats: dict) -> str | int:

@@ -106,8 +106,9 @@ class KvAgent:
             self.nixl.close()
             raise
         self.bases = {b.name: (b.addr, b.device) for b in self.bindings.values()}
-        self.route = self._res.route = (IpcRoute(self.nixl, self.bindings, cfg.ipc_min_rows, cfg.ipc_gpu_calls)
-                                        if cfg.ipc == "auto" else None)
+        self.route = self._res.route = (
+            IpcRoute(self.nixl, self.bindings, cfg.ipc_min_rows, cfg.ipc_gpu_calls, cfg.ipc_copy_engine)
+            if cfg.ipc == "auto" else None)
         self._shared: Any = False  # what same-host peers may map of this agent (made on first need)
         self.executor = self._res.executor = Executor(self.route or self.nixl, rank, stager=self.stager)
         self._res.stager = self.stager
@@ -709,6 +710,7 @@ class KvAgent:
         if self.route is not None:
             self.stats["bell_rung"] = self.route.rung
             self.stats["ipc_block_copies"] = self.route.block_copies
+            self.stats["ipc_engine_copies"] = self.route.engine_copies
         _replies.notifs(self, got)
         _replies.drain(self, self.sender.replies)
         self._deadlines(time.monotonic())

@@ -8,6 +8,10 @@ moved into its mapped window): no layout arithmetic here.
   ring that the kernel reads in place (uploaded first where warm-up found that it cannot), and ONE
   Triton kernel (:mod:`kvlc.runtime.ipc.kernel`) moves every row, one program per row, on a stream of
   its own; an event recorded after it says when every byte landed.
+* GPU, long rows (:meth:`GpuCopy.start_engine`): one ``cuMemcpyAsync`` per row on the same stream, which the
+  GPU's copy engines move (the route's choice for parts whose rows average :data:`ENGINE_FROM` bytes or more:
+  across PCIe the copy engine reads pinned host memory at the pinned copy's rate, where the kernel's
+  loads fall short of it); the same event after them.
 * CPU (:class:`HostCopy`): the same rows, one ``memmove`` each, synchronously (every row checked
   against the regions first). Triton's interpreter runs the GPU kernel itself on the CPU in the tests.
 """
@@ -33,6 +37,8 @@ log = logging.getLogger(__name__)
 CHUNK = 256 << 10  # bytes one kernel program moves at most (long rows are cut so every SM gets work)
 BLOCK_WORDS = 1024  # 8-byte words one program moves per step
 NUM_WARPS = 4
+ENGINE_FROM = 256 << 10  # rows averaging this many bytes or more may go on the copy engine, one call each
+#                          (a call costs the host a few µs: shorter rows would wait for their calls)
 
 
 def split(src: np.ndarray, dst: np.ndarray, lens: np.ndarray, chunk: int = CHUNK
@@ -166,6 +172,7 @@ class GpuCopy:
         self.kept_launch = True  # the direct launch through the driver with the GIL kept, where it applies (see warm)
         self._kept: dict[tuple, KeptLaunch | None] = {}
         self.blocks = True  # parts in block form copy by their ids (off where warm finds that wrong)
+        self.engine = self.events.kept_gil  # long rows may go on the copy engine: the driver's calls (see warm)
 
     def _events(self, driver: bool) -> TorchEvents | KeptEvents:
         """With ``driver``, the CUDA driver's event calls with the GIL kept (:mod:`kvlc.runtime.ipc.driver`) where
@@ -198,6 +205,19 @@ class GpuCopy:
         grid = (b.count, len(b.entries) // ENTRY, b.pieces)
         return self._start(b.ids, lambda ids: self._go("copy_blocks", grid, (entries, ids, int(b.write)), consts),
                            (entries,))
+
+    def start_engine(self, g: Rows) -> Launch:
+        """Copy a built row table's rows on the GPU's copy engines: one ``cuMemcpyAsync`` per row (the table uncut:
+        each row one call) on our stream after the caller's queued work, the GIL kept; only where :attr:`engine`
+        (the driver's calls, checked by warm-up). Where the driver refuses a row, the rows before it are waited
+        for and :class:`~kvlc.runtime.ipc.cuda.IpcError` says which."""
+        if not self.engine:
+            raise IpcError("the copy engine's path is off here (torch's calls, or warm-up found it wrong): "
+                           "the rows go through the kernel (start_rows)")
+        t, n = g.table.view(np.uint64), g.rows
+        self.events.after_caller(self.stream)
+        self.events.copy_rows(t[:n].tolist(), t[n:2 * n].tolist(), t[2 * n:].tolist(), self.stream.cuda_stream)
+        return Launch(self.events.recorded(self.stream))
 
     def _start(self, words: np.ndarray, launch, keep: tuple = ()) -> Launch:
         """After the caller's queued work: ``words`` into the ring (or up), ``launch(table)`` on our stream, an
@@ -321,6 +341,35 @@ class GpuCopy:
             self.direct = False
             log.warning("the copy kernel's direct launch does not copy right here; Triton's call it is")
         self._warm_blocks(scratch, pattern)
+        self._warm_engine(scratch, pattern)
+
+    def _warm_engine(self, scratch, pattern) -> None:
+        """Check the copy engine's path by content (pinned host memory to the GPU and back, a long row and a short
+        one, odd lengths and offsets); where it does not copy right here, long rows go through the kernel."""
+        if not self.engine:
+            return
+        torch, n = self.torch, len(pattern)
+        host = torch.empty(2 * n, dtype=torch.uint8, pin_memory=True)
+        base, dev = host.data_ptr(), scratch.data_ptr()
+        rows = ((0, n - 40), (n - 37, 29))  # (offset, length): the first ends where the second starts, less 3
+        try:
+            host[:n].copy_(pattern.cpu())
+            host[n:].zero_()
+            scratch.zero_()
+            for src, dst in ((base, dev), (dev, base + n)):  # up, then back down
+                table = np.array([[src + o for o, _ in rows], [dst + o for o, _ in rows], [ln for _, ln in rows]],
+                                 dtype=np.uint64).reshape(-1)
+                self.start_engine(launch_rows(table.view(np.int64), 1)).event.synchronize()
+            want = np.zeros(n, dtype=np.uint8)
+            pat = pattern.cpu().numpy()
+            for o, ln in rows:
+                want[o:o + ln] = pat[o:o + ln]
+            if not np.array_equal(host[n:].numpy(), want):
+                raise RuntimeError("the copy engine's rows landed wrong")
+        except Exception:  # noqa: BLE001 - an optimisation: the kernel copies the same rows
+            self.engine = False
+            log.warning("the copy engine's path does not copy right here; long rows go through the kernel",
+                        exc_info=True)
 
     def _through_direct(self, check) -> bool:
         """Whether ``check()`` passes through the direct launch: the driver's with the GIL kept where it applies
@@ -350,6 +399,7 @@ class GpuCopy:
         except Exception:  # noqa: BLE001 - an optimisation: torch's calls order the copy the same
             log.warning("the CUDA driver's event calls fail here; torch's it is (they let the GIL go)", exc_info=True)
             self.events = TorchEvents(self.torch, self._caller_stream)
+            self.engine = False  # (its calls are the driver's)
 
     def _warm_blocks(self, scratch, pattern) -> None:
         """Check the block kernel by content (16-byte and byte rows, both directions, rows over a piece, a tile of

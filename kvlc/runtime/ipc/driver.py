@@ -1,5 +1,6 @@
 """A GPU copy's driver calls with the GIL kept: events recorded on streams, a stream that waits for one, the
-question whether one completed (:class:`KeptEvents`), and the kernel's launch (:class:`KeptLaunch`).
+question whether one completed, rows queued on the copy engines (:class:`KeptEvents`), and the kernel's launch
+(:class:`KeptLaunch`).
 
 A same-host copy on a GPU (:class:`~kvlc.runtime.ipc.copy.GpuCopy`) records an event on the engine's current
 stream, makes its own stream wait for it (so the copy reads what the engine wrote before asking), launches, and
@@ -84,7 +85,8 @@ class _Lib:
                                ("cuDevicePrimaryCtxRelease_v2", [ctypes.c_int]),
                                ("cuGetErrorName", [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]),
                                ("cuInit", [ctypes.c_uint]),
-                               ("cuLaunchKernel", [vp, *[ctypes.c_uint] * 7, vp, vp, vp])):
+                               ("cuLaunchKernel", [vp, *[ctypes.c_uint] * 7, vp, vp, vp]),
+                               ("cuMemcpyAsync", [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, vp])):
                 fn = getattr(lib, name)
                 fn.argtypes, fn.restype = args, ctypes.c_int
             info = getattr(lib, "cuFuncGetParamInfo", None)  # (CUDA 12.4 on: without it, Triton's launcher)
@@ -147,8 +149,8 @@ class KeptEvents:
             self.lib.kept.cuGetErrorName(code, ctypes.byref(name))
             raise IpcError(f"{what}: {(name.value or b'CUDA error').decode()} ({code})")
 
-    def _call(self, fn: Any, *args: Any) -> int:
-        """``fn(*args)``'s result code, with the device's context current for the call: pushed where the thread has
+    def _call(self, fn: Any, *args: Any) -> Any:
+        """``fn(*args)``'s result (a driver call's: its code), with the device's context current for the call: pushed where the thread has
         another one (or none) and popped after."""
         cur = ctypes.c_void_p()
         k = self.lib.kept
@@ -186,6 +188,28 @@ class KeptEvents:
             return False
         self._check(code, "ask whether a copy ended")
         return True
+
+    def copy_rows(self, src: list[int], dst: list[int], lens: list[int], stream: int) -> None:
+        """Queue one ``cuMemcpyAsync`` per row on ``stream`` (unified addresses: the GPU's copy engines move the
+        bytes, between its memory, a peer's mapped memory and pinned host memory alike), the GIL kept and the
+        device's context current once for all rows. Where the driver refuses a row, the rows queued before it
+        are waited for (none lands after the error is reported) and :class:`IpcError` names the row."""
+        bad = self._call(self._queue_rows, self.lib.kept.cuMemcpyAsync, src, dst, lens, stream)
+        if bad is not None:
+            row, code = bad
+            ev = self._new()
+            self._call(self.lib.kept.cuEventRecord, ev.handle, stream)
+            self.synchronize(ev)
+            self._check(code, f"queue the copy of row {row} ({lens[row]} bytes, {src[row]:#x} -> {dst[row]:#x}); "
+                              f"the {row} rows before it were copied")
+
+    @staticmethod
+    def _queue_rows(fn: Any, src: list[int], dst: list[int], lens: list[int], stream: int) -> tuple[int, int] | None:
+        for i, (s, d, n) in enumerate(zip(src, dst, lens)):
+            code = fn(d, s, n, stream)
+            if code:
+                return i, code
+        return None
 
     def synchronize(self, ev: KeptEvent) -> None:
         self._do("wait for a copy to end", self.lib.free.cuEventSynchronize, ev.handle)

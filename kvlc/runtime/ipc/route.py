@@ -4,9 +4,10 @@
 agent (``initialize``, ``make_prepped``, ``post``, ``state``, ``send_notif``). A part whose peer
 agent's storages are mapped here (:mod:`kvlc.runtime.ipc.memory`) and whose two memory types this
 side can copy between (VRAM ↔ VRAM with CUDA IPC, DRAM ↔ DRAM with shared files, and this side's
-pinned DRAM ↔ the peer's VRAM through unified addressing, one kernel reading host memory) becomes an
-:class:`IpcXfer`: created, posted (ONE copy launch), polled (done once its event says every byte
-landed) and released like a NIXL request, so the executor's rules hold unchanged: nothing is
+pinned DRAM ↔ the peer's VRAM through unified addressing) becomes an :class:`IpcXfer`: created,
+posted (ONE copy kernel launch; or, for long rows and few ones, a call per row on the GPU's copy
+engines: :meth:`IpcRoute.on_engine`), polled (done once its event says every byte landed) and
+released like a NIXL request, so the executor's rules hold unchanged: nothing is
 posted after a refusal or past the deadline, a copy in flight cannot be recalled and holds its
 request until it ends, the peer hears ``done`` only after every part ended: rung on the doorbell
 the peer offered for the session (:mod:`kvlc.runtime.ipc.bell`), or through NIXL's notifications
@@ -25,7 +26,8 @@ from typing import Any
 import numpy as np
 
 from kvlc.runtime.ipc import cuda, native
-from kvlc.runtime.ipc.copy import CHUNK, BlockLaunch, GpuCopy, HostCopy, Launch, Rows, launch_rows, row_table
+from kvlc.runtime.ipc.copy import (CHUNK, ENGINE_FROM, BlockLaunch, GpuCopy, HostCopy, Launch, Rows, launch_rows,
+                                   row_table)
 from kvlc.runtime.ipc.cuda import IpcError
 from kvlc.runtime.ipc.driver import DEFAULT_GPU_CALLS, GpuCalls
 from kvlc.runtime.ipc.memory import Mapped, Window
@@ -36,6 +38,7 @@ log = logging.getLogger(__name__)
 _U64 = (1 << 64) - 1  # a shift as the uint64 that adds it modulo 2**64
 GRID_YZ = 65535  # CUDA's limit on a grid's second and third axes (a block launch's entries and pieces)
 ENTRIES_KEPT = 64  # block tables whose entries a peer's windows keep (a part's, per partial tiles at its ends)
+UNCUT = 1 << 62  # the chunk of a table whose rows go on the copy engine: no row cut (each one call)
 
 
 @dataclass
@@ -56,6 +59,7 @@ class IpcXfer:
     posted: bool = False  # a copy was launched (the route counts it in flight until released)
     launch: Launch | None = field(repr=False, default=None)
     blocks: BlockLaunch | None = field(repr=False, default=None)  # the part by its block ids instead of rows
+    engine: bool = False  # its rows go on the GPU's copy engines (GpuCopy.start_engine), not the kernel
 
     def release(self) -> None:
         if not self.released:
@@ -184,13 +188,18 @@ class IpcRoute:
     """The executor's agent: same-host copies for mapped peers, NIXL (``nixl``) for everything else.
 
     ``bindings``: this agent's bound storages (the local side of every copy); ``min_rows``: a part
-    between VRAM on both sides with fewer rows goes through NIXL (``AgentSettings.ipc_min_rows``);
-    ``gpu_calls``: :class:`~kvlc.runtime.ipc.copy.GpuCopy`'s ``calls`` (``AgentSettings.ipc_gpu_calls``)."""
+    between VRAM on both sides with fewer rows is not the kernel's: it goes on the copy engines
+    (``copy_engine``) or else through NIXL (``AgentSettings.ipc_min_rows``); ``gpu_calls``:
+    :class:`~kvlc.runtime.ipc.copy.GpuCopy`'s ``calls`` (``AgentSettings.ipc_gpu_calls``); ``copy_engine``:
+    long rows go on the GPU's copy engines through kvlc's own calls where warm-up found them right
+    (:meth:`on_engine`; ``AgentSettings.ipc_copy_engine``)."""
 
-    def __init__(self, nixl: Any, bindings: dict, min_rows: int = 0, gpu_calls: GpuCalls = DEFAULT_GPU_CALLS):
+    def __init__(self, nixl: Any, bindings: dict, min_rows: int = 0, gpu_calls: GpuCalls = DEFAULT_GPU_CALLS,
+                 copy_engine: bool = True):
         self.nixl = nixl
         self.min_rows = min_rows
         self.gpu_calls = gpu_calls
+        self.copy_engine = copy_engine
         self.peers: dict[str, _Windows] = {}
         self.retired: list[_Windows] = []  # unmapped once no copy in flight uses them
         self.local = list(bindings.values())
@@ -201,6 +210,7 @@ class IpcRoute:
         self.in_flight = 0  # copies posted and not released yet
         self.rung = 0  # notifications written into peers' doorbells (not sent through NIXL)
         self.block_copies = 0  # parts a GPU copied by their block ids (no row table)
+        self.engine_copies = 0  # parts a GPU copied on its copy engines (a call per row)
 
     # ------------------------------------------------------------------ peers
     def devices(self) -> dict[str, int]:
@@ -245,10 +255,30 @@ class IpcRoute:
         return local_mem == "DRAM" and remote_mem == "VRAM" and self._gpu_reaches_dram()
 
     def copies_part(self, peer: str, local_mem: str, remote_mem: str, rows: int) -> bool:
-        """Whether a part of ``rows`` rows to ``peer`` is copied here (:meth:`covers`, and not a VRAM-to-VRAM
-        part of fewer than :attr:`min_rows` rows: NIXL moves those)."""
-        few = local_mem == remote_mem == "VRAM" and rows < self.min_rows
-        return not few and self.covers(peer, local_mem, remote_mem)
+        """Whether a part of ``rows`` rows to ``peer`` is copied here (:meth:`covers`; a VRAM-to-VRAM part of
+        fewer than :attr:`min_rows` rows only on the copy engines, else NIXL moves it)."""
+        return self.covers(peer, local_mem, remote_mem) and (not self._few(local_mem, remote_mem, rows)
+                                                             or self._engine())
+
+    def _few(self, local_mem: str, remote_mem: str, rows: int) -> bool:
+        return local_mem == remote_mem == "VRAM" and rows < self.min_rows
+
+    def _engine(self) -> bool:
+        """Whether long rows may go on the copy engines: on, and a GPU here whose warm-up found them right."""
+        return self.copy_engine and self.gpu is not None and self._gpu().engine
+
+    def on_engine(self, local_mem: str, remote_mem: str, local_rows: np.ndarray) -> bool:
+        """Whether a part copied here goes on the GPU's copy engines, a ``cuMemcpyAsync`` per row, instead of the
+        kernel: a VRAM-to-VRAM part of fewer than :attr:`min_rows` rows (what NIXL would do with it, without
+        NIXL's calls), and a part with host memory on one side whose rows average :data:`ENGINE_FROM` bytes or
+        more (the copy engine reads pinned host memory across PCIe at the pinned copy's rate, the kernel's
+        loads at 0.79 of it: benchmarks/README.md, run 43)."""
+        n = len(local_rows)
+        if not n or "VRAM" not in (local_mem, remote_mem) or not self._engine():
+            return False
+        if local_mem == remote_mem:
+            return n < self.min_rows
+        return int(np.asarray(local_rows)[:, 1].sum()) >= ENGINE_FROM * n
 
     def _gpu_reaches_dram(self) -> bool:
         """Whether this side's GPU copies its DRAM storages in place: each one pinned and mapped at its
@@ -272,10 +302,11 @@ class IpcRoute:
         if not self.copies_part(remote_agent, local_mem, remote_mem, len(local_rows)):
             return self.nixl.initialize(op, local_rows, local_mem, remote_rows, remote_mem, remote_agent, what)
         w = self.peers[remote_agent]
-        rows = w.table(local_rows, remote_rows, remote_mem, op == "WRITE", f"{op} {what}")
+        engine = self.on_engine(local_mem, remote_mem, local_rows)
+        rows = w.table(local_rows, remote_rows, remote_mem, op == "WRITE", f"{op} {what}", UNCUT if engine else CHUNK)
         w.users += 1
         return IpcXfer(f"{op} {what} to {remote_agent!r} (same host)", remote_agent, rows,
-                       local_mem, remote_mem, self.gpu or 0, route=self, windows=w)
+                       local_mem, remote_mem, self.gpu or 0, route=self, windows=w, engine=engine)
 
     @staticmethod
     def by_blocks(local_mem: str, remote_mem: str) -> bool:
@@ -287,10 +318,12 @@ class IpcRoute:
         """A part's copy by its block form (:attr:`~kvlc.compiler.pairing.program.Part.blocks`, ``rows``: the
         part's length), without its rows; None where a GPU here does not copy it that way (the part is not
         copied here or not VRAM on both sides, the block kernel is off, an entry's extent lies outside the
-        peer's windows): then :meth:`initialize` takes its rows. Host memory on either side goes by rows: the
-        row kernel moves their merged rows, long where ids run on, across PCIe at 0.79-0.88 of the pinned copy,
-        where the block kernel, a program per block's row, moved 0.49 (benchmarks/README.md, run 36)."""
-        if not self.by_blocks(local_mem, remote_mem) or not self.copies_part(remote_agent, local_mem, remote_mem, rows):
+        peer's windows, a part of fewer than :attr:`min_rows` rows): then :meth:`initialize` takes its rows.
+        Host memory on either side goes by rows: their merged rows, long where ids run on, cross PCIe on the
+        copy engines or through the row kernel (0.79-0.88 of the pinned copy), where the block kernel, a program
+        per block's row, moved 0.49 (benchmarks/README.md, run 36)."""
+        if (not self.by_blocks(local_mem, remote_mem) or self._few(local_mem, remote_mem, rows)
+                or not self.copies_part(remote_agent, local_mem, remote_mem, rows)):
             return None
         w = self.peers[remote_agent]
         launch = w.blocks(blocks, remote_mem, op == "WRITE") if self._gpu().blocks else None
@@ -310,7 +343,13 @@ class IpcRoute:
         try:
             gpu = "VRAM" in (xfer.mem, xfer.remote_mem)
             copier = self._gpu() if gpu else xfer.windows.host_copy(self.local)
-            xfer.launch = copier.start_blocks(xfer.blocks) if xfer.blocks is not None else copier.start_rows(xfer.rows)
+            if xfer.blocks is not None:
+                xfer.launch = copier.start_blocks(xfer.blocks)
+            elif xfer.engine:
+                xfer.launch = copier.start_engine(xfer.rows)
+                self.engine_copies += 1
+            else:
+                xfer.launch = copier.start_rows(xfer.rows)
         except Exception as exc:  # a launch that fails moved nothing of this part
             xfer.state, xfer.error = XferState.ERR, f"{xfer.what}: the copy could not start: {exc}"
             return xfer.state
@@ -349,6 +388,6 @@ class IpcRoute:
             w.mapped.close()
 
     def _gpu(self) -> GpuCopy:
-        if self._gpu_copy is None:
+        if self._gpu_copy is None:  # (made and warmed when a peer with VRAM is added)
             self._gpu_copy = GpuCopy(self.gpu, calls=self.gpu_calls)
         return self._gpu_copy
