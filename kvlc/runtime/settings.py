@@ -71,21 +71,19 @@ class AgentSettings(BaseSettings):
     ``ipc``: ``"auto"`` copies to and from a peer on the same host through its mapped memory
     (CUDA IPC for VRAM, shared files for DRAM; :mod:`kvlc.runtime.ipc`) where both sides can,
     NIXL for everything else; ``"off"`` (``KVLC_IPC=off``): NIXL only. ``ipc_min_rows``: a part
-    between two GPUs' memories (VRAM on both sides) with fewer rows does not go through the copy kernel:
-    a few large rows move on the copy engines as fast as the kernel, without its start (measured on an
-    H100 and an H200: contiguous handovers and bulk pushes of 32 rows per part were faster through NIXL,
-    which copies them so; scattered blocks, thousands of rows, through the kernel): with
-    ``ipc_copy_engine`` kvlc queues those copies itself, else NIXL moves the part; 0: the kernel takes
-    every part.
+    between two GPUs' memories (VRAM on both sides) with fewer rows goes through NIXL even so: UCX
+    moves a few large rows on the copy engines as fast as the copy kernel, without the kernel's start
+    (measured on an H100 and an H200: contiguous handovers and bulk pushes of 32 rows per part were
+    faster through NIXL; scattered blocks, thousands of rows, through the kernel); 0 copies every part.
     ``ipc_gpu_calls``: how a same-host copy on a GPU orders and launches its kernel: ``"driver"`` (the default:
     the CUDA driver's calls with the GIL kept, :mod:`kvlc.runtime.ipc.driver`; warm-up checks them by content and
     falls back to torch's) or ``"torch"`` (``KVLC_IPC_GPU_CALLS=torch``: torch's events and Triton's launcher, each
     call letting the GIL go: beside an engine's busy Python thread a copy's start then took 34 ms, against 73 µs
     with the driver's; benchmarks/README.md, run 38).
-    ``ipc_copy_engine``: on a GPU, long rows go on its copy engines through kvlc's own driver calls (a
-    ``cuMemcpyAsync`` per row, the GIL kept, checked by content at warm-up): a part with host memory on one
-    side whose rows average 256 KiB or more, and a VRAM-to-VRAM part of fewer than ``ipc_min_rows`` rows
-    (which otherwise goes through NIXL); ``KVLC_IPC_COPY_ENGINE=false``: the kernel and NIXL as before.
+    ``ipc_copy_engine``: on a GPU, a part with host memory on one side (this side's pinned DRAM, the peer's
+    VRAM) whose rows average 256 KiB or more goes on the GPU's copy engines through kvlc's own driver calls (a
+    ``cuMemcpyAsync`` per row, the GIL kept, checked by content at warm-up) instead of the copy kernel, whose
+    loads across PCIe fall short of the pinned copy; ``KVLC_IPC_COPY_ENGINE=false``: the kernel.
     ``agent_factory`` (tests only) builds the NIXL agent wrapper from a name.
     """
 
@@ -107,9 +105,9 @@ class AgentSettings(BaseSettings):
     backends: tuple[str, ...] = ("UCX",)
     telemetry: bool = False
     ipc: Literal["auto", "off"] = "auto"  # same-host peers: copy through their mapped memory (kvlc.runtime.ipc)
-    ipc_min_rows: int = Field(64, ge=0)  # VRAM-to-VRAM parts of fewer rows: copy engine or NIXL (see above)
+    ipc_min_rows: int = Field(64, ge=0)  # VRAM-to-VRAM parts of fewer rows go through NIXL (see above)
     ipc_gpu_calls: GpuCalls = DEFAULT_GPU_CALLS  # a GPU copy's ordering and launch calls (see above)
-    ipc_copy_engine: bool = True  # long and few rows on a GPU's copy engines (see above)
+    ipc_copy_engine: bool = True  # long rows with host memory on one side on a GPU's copy engines (see above)
     limits: Limits = Field(default_factory=Limits)
     ucx: UcxOptions | None = None
     staging: StagingPolicy | None = None

@@ -219,29 +219,29 @@ def test_host_rows_averaging_a_piece_go_on_the_engine_and_land(engine, op):
     assert torch.equal(untouched, src0 if op == "WRITE" else dst0)
 
 
-def test_the_route_chooses_the_engine_for_long_host_rows_and_few_vram_rows_only(engine, broken):
-    """Host rows averaging under ENGINE_FROM bytes: the kernel; VRAM-to-VRAM parts of fewer than min_rows rows: the
-    engine (not NIXL, and not their block form), more rows: the kernel; with the engine off (the setting, or
-    warm-up finding it wrong) few VRAM rows go through NIXL as before."""
+def test_the_route_chooses_the_engine_for_long_host_rows_only(engine, broken):
+    """Host rows averaging under ENGINE_FROM bytes: the kernel; VRAM on both sides: never the engine (few rows
+    still go through NIXL, many by the kernel); with the engine off (the setting, or warm-up finding it wrong)
+    long host rows go through the kernel."""
     theirs = torch.zeros(1 << 20, dtype=torch.uint8)
     route = _route(engine[0], theirs)
     short = _rows([0, 4096], [ENGINE_FROM // 2, ENGINE_FROM // 2 - 16])
+    long = _rows([0], [ENGINE_FROM])
     assert not route.on_engine("DRAM", "VRAM", short)
-    assert route.on_engine("DRAM", "VRAM", _rows([0], [ENGINE_FROM]))
-    assert route.on_engine("VRAM", "VRAM", _rows(range(63), [16] * 63))
-    assert not route.on_engine("VRAM", "VRAM", _rows(range(64), [1 << 20] * 64))
-    assert route.copies_part("peer", "VRAM", "VRAM", 63)
-    assert route.initialize_blocks("WRITE", object(), "VRAM", "VRAM", "peer", 63) is None  # few rows: not blocks
+    assert route.on_engine("DRAM", "VRAM", long) and route.on_engine("VRAM", "DRAM", long)
+    assert not route.on_engine("VRAM", "VRAM", _rows(range(3), [1 << 20] * 3))
+    assert not route.on_engine("DRAM", "DRAM", long)
+    assert not route.copies_part("peer", "VRAM", "VRAM", 63)
     x = route.initialize("WRITE", _rows([0], [64]), "VRAM", _rows([PEER], [64]), "VRAM", "peer")
-    assert x.engine and x.rows.rows == 1
-    x.release()
+    assert x == "nixl"
     x = route.initialize("WRITE", short, "DRAM", _rows([PEER, PEER + 8192], [ENGINE_FROM // 2, 64]), "VRAM", "peer")
-    assert not x.engine
+    assert not x.engine and x.rows.rows == 2
     x.release()
     for off in (_route(engine[0], theirs, copy_engine=False), _route(broken, theirs)):
-        assert not off.on_engine("DRAM", "VRAM", _rows([0], [ENGINE_FROM]))
-        assert not off.copies_part("peer", "VRAM", "VRAM", 63)
-        assert off.initialize("WRITE", _rows([0], [64]), "VRAM", _rows([PEER], [64]), "VRAM", "peer") == "nixl"
+        assert not off.on_engine("DRAM", "VRAM", long)
+        x = off.initialize("WRITE", long, "DRAM", _rows([PEER], [ENGINE_FROM]), "VRAM", "peer")
+        assert not x.engine and x.rows.rows == 1  # (the kernel's piece: ENGINE_FROM is CHUNK)
+        x.release()
 
 
 def test_the_agents_setting_reaches_the_route(monkeypatch):

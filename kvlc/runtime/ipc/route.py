@@ -5,8 +5,8 @@ agent (``initialize``, ``make_prepped``, ``post``, ``state``, ``send_notif``). A
 agent's storages are mapped here (:mod:`kvlc.runtime.ipc.memory`) and whose two memory types this
 side can copy between (VRAM ↔ VRAM with CUDA IPC, DRAM ↔ DRAM with shared files, and this side's
 pinned DRAM ↔ the peer's VRAM through unified addressing) becomes an :class:`IpcXfer`: created,
-posted (ONE copy kernel launch; or, for long rows and few ones, a call per row on the GPU's copy
-engines: :meth:`IpcRoute.on_engine`), polled (done once its event says every byte landed) and
+posted (ONE copy kernel launch; or, for long rows with host memory on one side, a call per row on
+the GPU's copy engines: :meth:`IpcRoute.on_engine`), polled (done once its event says every byte landed) and
 released like a NIXL request, so the executor's rules hold unchanged: nothing is
 posted after a refusal or past the deadline, a copy in flight cannot be recalled and holds its
 request until it ends, the peer hears ``done`` only after every part ended: rung on the doorbell
@@ -188,11 +188,10 @@ class IpcRoute:
     """The executor's agent: same-host copies for mapped peers, NIXL (``nixl``) for everything else.
 
     ``bindings``: this agent's bound storages (the local side of every copy); ``min_rows``: a part
-    between VRAM on both sides with fewer rows is not the kernel's: it goes on the copy engines
-    (``copy_engine``) or else through NIXL (``AgentSettings.ipc_min_rows``); ``gpu_calls``:
-    :class:`~kvlc.runtime.ipc.copy.GpuCopy`'s ``calls`` (``AgentSettings.ipc_gpu_calls``); ``copy_engine``:
-    long rows go on the GPU's copy engines through kvlc's own calls where warm-up found them right
-    (:meth:`on_engine`; ``AgentSettings.ipc_copy_engine``)."""
+    between VRAM on both sides with fewer rows goes through NIXL (``AgentSettings.ipc_min_rows``);
+    ``gpu_calls``: :class:`~kvlc.runtime.ipc.copy.GpuCopy`'s ``calls`` (``AgentSettings.ipc_gpu_calls``);
+    ``copy_engine``: long rows with host memory on one side go on the GPU's copy engines through kvlc's own
+    calls where warm-up found them right (:meth:`on_engine`; ``AgentSettings.ipc_copy_engine``)."""
 
     def __init__(self, nixl: Any, bindings: dict, min_rows: int = 0, gpu_calls: GpuCalls = DEFAULT_GPU_CALLS,
                  copy_engine: bool = True):
@@ -255,30 +254,21 @@ class IpcRoute:
         return local_mem == "DRAM" and remote_mem == "VRAM" and self._gpu_reaches_dram()
 
     def copies_part(self, peer: str, local_mem: str, remote_mem: str, rows: int) -> bool:
-        """Whether a part of ``rows`` rows to ``peer`` is copied here (:meth:`covers`; a VRAM-to-VRAM part of
-        fewer than :attr:`min_rows` rows only on the copy engines, else NIXL moves it)."""
-        return self.covers(peer, local_mem, remote_mem) and (not self._few(local_mem, remote_mem, rows)
-                                                             or self._engine())
-
-    def _few(self, local_mem: str, remote_mem: str, rows: int) -> bool:
-        return local_mem == remote_mem == "VRAM" and rows < self.min_rows
-
-    def _engine(self) -> bool:
-        """Whether long rows may go on the copy engines: on, and a GPU here whose warm-up found them right."""
-        return self.copy_engine and self.gpu is not None and self._gpu().engine
+        """Whether a part of ``rows`` rows to ``peer`` is copied here (:meth:`covers`, and not a VRAM-to-VRAM
+        part of fewer than :attr:`min_rows` rows: NIXL moves those)."""
+        few = local_mem == remote_mem == "VRAM" and rows < self.min_rows
+        return not few and self.covers(peer, local_mem, remote_mem)
 
     def on_engine(self, local_mem: str, remote_mem: str, local_rows: np.ndarray) -> bool:
         """Whether a part copied here goes on the GPU's copy engines, a ``cuMemcpyAsync`` per row, instead of the
-        kernel: a VRAM-to-VRAM part of fewer than :attr:`min_rows` rows (what NIXL would do with it, without
-        NIXL's calls), and a part with host memory on one side whose rows average :data:`ENGINE_FROM` bytes or
-        more (the copy engine reads pinned host memory across PCIe at the pinned copy's rate, the kernel's
-        loads at 0.79 of it: benchmarks/README.md, run 43)."""
+        kernel: host memory on one side and rows averaging :data:`ENGINE_FROM` bytes or more, where
+        :attr:`copy_engine` is on and warm-up found the engine's copies right. VRAM on both sides keeps the
+        kernel (or NIXL, under :attr:`min_rows` rows): a handover's 32-row parts took longer on kvlc's per-row
+        calls than through NIXL (benchmarks/README.md, run 44)."""
         n = len(local_rows)
-        if not n or "VRAM" not in (local_mem, remote_mem) or not self._engine():
+        if not n or {local_mem, remote_mem} != {"DRAM", "VRAM"} or not self.copy_engine or self.gpu is None:
             return False
-        if local_mem == remote_mem:
-            return n < self.min_rows
-        return int(np.asarray(local_rows)[:, 1].sum()) >= ENGINE_FROM * n
+        return int(np.asarray(local_rows)[:, 1].sum()) >= ENGINE_FROM * n and self._gpu().engine
 
     def _gpu_reaches_dram(self) -> bool:
         """Whether this side's GPU copies its DRAM storages in place: each one pinned and mapped at its
@@ -318,12 +308,11 @@ class IpcRoute:
         """A part's copy by its block form (:attr:`~kvlc.compiler.pairing.program.Part.blocks`, ``rows``: the
         part's length), without its rows; None where a GPU here does not copy it that way (the part is not
         copied here or not VRAM on both sides, the block kernel is off, an entry's extent lies outside the
-        peer's windows, a part of fewer than :attr:`min_rows` rows): then :meth:`initialize` takes its rows.
-        Host memory on either side goes by rows: their merged rows, long where ids run on, cross PCIe on the
-        copy engines or through the row kernel (0.79-0.88 of the pinned copy), where the block kernel, a program
-        per block's row, moved 0.49 (benchmarks/README.md, run 36)."""
-        if (not self.by_blocks(local_mem, remote_mem) or self._few(local_mem, remote_mem, rows)
-                or not self.copies_part(remote_agent, local_mem, remote_mem, rows)):
+        peer's windows): then :meth:`initialize` takes its rows. Host memory on either side goes by rows:
+        their merged rows, long where ids run on, cross PCIe on the copy engines or through the row kernel
+        (0.79-0.88 of the pinned copy), where the block kernel, a program per block's row, moved 0.49
+        (benchmarks/README.md, run 36)."""
+        if not self.by_blocks(local_mem, remote_mem) or not self.copies_part(remote_agent, local_mem, remote_mem, rows):
             return None
         w = self.peers[remote_agent]
         launch = w.blocks(blocks, remote_mem, op == "WRITE") if self._gpu().blocks else None
