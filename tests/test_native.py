@@ -269,6 +269,27 @@ def test_ids_bitmap_is_clear_between_calls():
 
 
 @needs_native
+@settings(deadline=None, max_examples=200)
+@given(data=st.data())
+def test_breaks_in_c_equal_the_reference(data):
+    """rows.c's count of a merging slot's row breaks (``BlockCopy.runs``) against its numpy reference, on runs of
+    consecutive ids broken at random places (and ids near int64's ends, where +1 wraps), at any offset."""
+    from kvlc.compiler.request.blocks import _breaks
+
+    n = data.draw(st.integers(0, 40))
+    at = data.draw(st.integers(0, 5))
+    start = data.draw(st.sampled_from([0, 7, (1 << 63) - 3, -(1 << 63)]))
+    wrap = lambda v: (v + (1 << 63)) % (1 << 64) - (1 << 63)  # noqa: E731 - int64 arithmetic
+    ids = [wrap(start + (i % n)) for i in range(2 * n)]
+    for i in data.draw(st.lists(st.integers(0, max(0, 2 * n - 1)), max_size=6)) if n else []:
+        ids[i] = data.draw(st.integers(-(1 << 63), (1 << 63) - 1))
+    arr = np.array([0] * at + ids + [0] * data.draw(st.integers(0, 3)), dtype=np.int64)
+    assert native.breaks(arr, at, n) == _breaks(arr, at, n)
+    with pytest.raises(ValueError, match="lie outside"):
+        native.breaks(arr, at, len(arr) + 1)
+
+
+@needs_native
 @pytest.mark.parametrize("n, cap, distinct, want", [
     (0, 1, True, True), (5, 5, True, True), (5, 4, False, False), (300, 1 << 20, True, True)])
 def test_ids_ok(n, cap, distinct, want):

@@ -32,6 +32,7 @@ import numpy as np
 from kvlc.compiler.pairing.program import Part, PartKey
 from kvlc.compiler.request.bind import BoundProgram
 from kvlc.compiler.request.check import Request, block_tiles
+from kvlc.compiler.request import native
 from kvlc.compiler.request.index import ProgramIndex, program_index
 from kvlc.compiler.request.rows import write_rows
 from kvlc.compiler.request.tiles import tile_rows
@@ -127,11 +128,11 @@ class BlockCopy:
         row continues a whole tile's."""
         head = self.head.tolist()
         out = 0
+        fast = native.library() is not None and self.ids.flags.c_contiguous and self.ids.dtype == np.int64
         for (la, ra, n), merging, apart in zip(head, self.table.slot_merging, self.table.slot_apart):
             out += apart * n
             if n > 1 and merging:  # (merging entries: one kernel block per tile, so the remote ids follow the local)
-                both = self.ids[la:la + 2 * n].reshape(2, n)
-                out += merging * (1 + int(np.count_nonzero((both[:, 1:] != both[:, :-1] + 1).any(axis=0))))
+                out += merging * (1 + (native.breaks(self.ids, la, n) if fast else _breaks(self.ids, la, n)))
             elif n and merging:
                 out += merging
         return out - self._edge_merges(head)
@@ -174,6 +175,13 @@ class BlockCopy:
             remote.append(np.stack([t.remote_base[e] + ir * t.remote_stride[e], length], axis=1))
         empty = np.zeros((0, 2), np.int64)
         return (np.concatenate(local) if local else empty), (np.concatenate(remote) if remote else empty)
+
+
+def _breaks(ids: np.ndarray, at: int, n: int) -> int:
+    """:func:`kvlc.compiler.request.native.breaks` in numpy (the reference): of ``n`` tiles (local ids at ``at``, the
+    remote ones after them), those after the first whose local or remote id does not follow the tile before."""
+    both = ids[at:at + 2 * n].reshape(2, n)
+    return int(np.count_nonzero((both[:, 1:] != both[:, :-1] + 1).any(axis=0)))
 
 
 def block_tables(bound: BoundProgram) -> dict[PartKey, BlockTable]:

@@ -107,6 +107,23 @@ class Launch:
         return self.event is None or bool(self.event.query())
 
 
+class _Span:
+    """Words of the pinned ring that a kernel reads in place: their address, which the driver's launch passes
+    (:meth:`data_ptr`), and the tensor over them, made only where Triton's launcher takes the table (a torch
+    slice per request cost more than the copy of its words into the ring)."""
+
+    __slots__ = ("addr", "ring", "at", "n")
+
+    def __init__(self, ring: "_Ring", at: int, n: int):
+        self.addr, self.ring, self.at, self.n = ring.host_addr + 8 * at, ring, at, n
+
+    def data_ptr(self) -> int:
+        return self.addr
+
+    def tensor(self):
+        return self.ring.host[self.at:self.at + self.n]
+
+
 class _Ring:
     """A pinned host buffer and a device buffer of int64 row tables, handed out in order and taken
     back once the copy that read a span ended (its event): no allocation per request. Spans start
@@ -265,6 +282,7 @@ class GpuCopy:
             kept.launch(grid, tuple(a.data_ptr() if hasattr(a, "data_ptr") else int(a) for a in args),
                         self.stream.cuda_stream)
             return
+        args = tuple(a.tensor() if isinstance(a, _Span) else a for a in args)  # Triton's launchers take tensors
         if compiled is not None and torch.cuda.current_device() == self.device:
             compiled[grid](*args, *consts.values(), stream=self.stream.cuda_stream)  # no context to enter
             return
@@ -304,7 +322,7 @@ class GpuCopy:
         rows = np.ascontiguousarray(rows, dtype=np.int64)  # (numpy's copy of a large table lets the GIL go)
         libc.memmove(self.ring.host_addr + 8 * at, address(rows), 8 * len(rows))
         if self.host_table:
-            return at, self.ring.host[at:at + len(rows)], ()
+            return at, _Span(self.ring, at, len(rows)), ()
         table = self.ring.dev[at:at + len(rows)]
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             table.copy_(self.ring.host[at:at + len(rows)], non_blocking=True)

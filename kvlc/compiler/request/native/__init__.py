@@ -18,7 +18,7 @@ import numpy as np
 
 from kvlc import clib
 
-ABI_VERSION = 3
+ABI_VERSION = 4
 PIECE = 14  # int64s per piece record (rows.c)
 
 _I64 = ctypes.c_int64
@@ -28,7 +28,8 @@ _PTR = ctypes.c_void_p
 _LIB = clib.Library(Path(__file__).resolve().parent, "_rows", "kvlc/compiler/request/native/rows.c",
                    "kvlc_abi_version", ABI_VERSION, "the Python reference runs",
                    {"kvlc_ids_ok": ((_PTR, _I64, _I64, ctypes.c_int), ctypes.c_int),
-                    "kvlc_emit": ((_PTR, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64), _I64)})
+                    "kvlc_emit": ((_PTR, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64), _I64),
+                    "kvlc_breaks": ((_PTR, _I64, _I64), _I64)})
 library = _LIB.library  # the loaded C library, or None (the Python reference runs; status() says why)
 status = _LIB.status    # one line: which per-request path runs, and why
 
@@ -70,6 +71,16 @@ def ids_ok(ids: np.ndarray, capacity: int, distinct: bool) -> bool:
     if got < 0:
         raise MemoryError(f"no memory for a bitmap of {capacity} block ids")
     return bool(got)
+
+
+def breaks(ids: np.ndarray, at: int, n: int) -> int:
+    """Of ``n`` tiles whose local ids are ``ids[at:at + n]`` and remote ids the ``n`` after them (a C-contiguous
+    int64 array holding all of them), those after the first whose local or remote id does not follow the tile
+    before it: ``rows.c``'s count, which :attr:`kvlc.compiler.request.blocks.BlockCopy.runs` takes where the
+    library is loaded (its numpy form is the reference)."""
+    if at < 0 or n < 0 or at + 2 * n > len(ids):
+        raise ValueError(f"breaks: tiles [{at}, {at} + 2 * {n}) lie outside {len(ids)} ids")
+    return int(library().kvlc_breaks(address(ids), at, n))
 
 
 def emit(table: int, buf: int, rows: int, pieces: int, npieces: int, ids: int, parts: int, nparts: int) -> None:

@@ -20,7 +20,19 @@
  * rows follow each other, as the reference lays out a block's (entries, runs) rows. */
 enum { PIECE = 14 };
 
-int kvlc_abi_version(void) { return 3; }
+int kvlc_abi_version(void) { return 4; }
+
+/* Of a slot's n tiles (local ids at ids[at..at+n), remote ids right after them), those k in [1, n) whose local or
+ * remote id does not follow the tile before it (id + 1, modulo 2**64 as numpy's int64 wraps): the breaks of its
+ * merged rows (kvlc.compiler.request.blocks.BlockCopy.runs). */
+int64_t kvlc_breaks(const int64_t *ids, int64_t at, int64_t n)
+{
+    const uint64_t *l = (const uint64_t *)ids + at, *r = l + n;
+    int64_t out = 0;
+    for (int64_t k = 1; k < n; k++)
+        out += (l[k] != l[k - 1] + 1u) | (r[k] != r[k - 1] + 1u);
+    return out;
+}
 
 /* 1: every id in [0, capacity) and, if distinct != 0, no id twice; 0 otherwise; -1: out of memory. */
 int kvlc_ids_ok(const int64_t *ids, int64_t n, int64_t capacity, int distinct)
