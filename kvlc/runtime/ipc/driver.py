@@ -150,8 +150,8 @@ class KeptEvents:
             raise IpcError(f"{what}: {(name.value or b'CUDA error').decode()} ({code})")
 
     def _call(self, fn: Any, *args: Any) -> Any:
-        """``fn(*args)``'s result (a driver call's: its code), with the device's context current for the call: pushed where the thread has
-        another one (or none) and popped after."""
+        """``fn(*args)``'s result (a driver call's: its code), with the device's context current for the call:
+        pushed where the thread has another one (or none) and popped after."""
         cur = ctypes.c_void_p()
         k = self.lib.kept
         if not k.cuCtxGetCurrent(ctypes.byref(cur)) and cur.value == self.ctx:
