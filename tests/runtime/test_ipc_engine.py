@@ -47,6 +47,20 @@ class CopyingDriver(FakeDriver):
         return 0
 
 
+COPY_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_void_p)
+
+
+class CDriver(CopyingDriver):
+    """The same, with ``cuMemcpyAsync`` a C function pointer (as libcuda's is): ``table.c``'s loop calls it."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.fn = COPY_FN(lambda d, s, n, stream: self.do_cuMemcpyAsync(d, s, n, stream or 0))
+        side, fn = self.kept, self.fn
+        self.kept = type("KeptC", (), {"__getattr__": lambda _, name: fn if name == "cuMemcpyAsync"
+                                       else getattr(side, name)})()
+
+
 @pytest.fixture(scope="module")
 def kernel(interpreted):
     from tests.runtime.test_ipc_kernel import _Kernel
@@ -74,6 +88,17 @@ def engine(kernel):
     """A warmed GpuCopy whose driver's copies land right (shared: each test reads the driver's records from its
     own start)."""
     drv = CopyingDriver()
+    return _copy(kernel, drv), drv
+
+
+@pytest.fixture(scope="module")
+def engine_c(kernel):
+    """A warmed GpuCopy whose rows are queued by table.c's loop (skipped where table.c is not built)."""
+    from kvlc.runtime.ipc import native
+
+    if native.library() is None:
+        pytest.skip(f"table.c: {native.status()}")
+    drv = CDriver()
     return _copy(kernel, drv), drv
 
 
@@ -137,6 +162,40 @@ def test_the_engine_lands_what_the_cpu_copy_lands(engine, data):
     cp.start_engine(_table(list(u(a.data_ptr(), src)), list(u(got.data_ptr(), dst)), lens))
     move_rows(u(a.data_ptr(), src), u(want.data_ptr(), dst), np.array(lens, dtype=np.uint64))
     assert torch.equal(got, want)
+
+
+def test_table_cs_loop_queues_the_same_rows_as_the_python_loop(engine_c):
+    """With the driver's function a C pointer and table.c loaded, the rows are queued by table.c's loop (warm-up
+    checked it by content): random tables land what the CPU's row copy lands, one call per row in order on the
+    copy's stream; a refused row is named after the rows before it landed."""
+    import random
+
+    cp, drv = engine_c
+    assert cp.engine and cp.events._queue_fn == ctypes.cast(drv.fn, ctypes.c_void_p).value
+    rng = random.Random(7)
+    size = 1 << 13
+    for _ in range(20):
+        n = rng.randint(1, 10)
+        cuts = sorted(rng.sample(range(size + 1), 2 * n))
+        dst, lens = cuts[0::2], [e - s for s, e in zip(cuts[0::2], cuts[1::2])]
+        src = [rng.randint(0, size - ln) for ln in lens]
+        a = torch.randint(0, 256, (size,), dtype=torch.uint8)
+        got, want = torch.zeros(size, dtype=torch.uint8), torch.zeros(size, dtype=torch.uint8)
+        u = lambda base, v: np.array(v, dtype=np.uint64) + np.uint64(base)  # noqa: E731
+        before = len(drv.copies)
+        cp.start_engine(_table(list(u(a.data_ptr(), src)), list(u(got.data_ptr(), dst)), lens))
+        move_rows(u(a.data_ptr(), src), u(want.data_ptr(), dst), np.array(lens, dtype=np.uint64))
+        assert torch.equal(got, want)
+        assert [(d, s_, ln) for d, s_, ln, _ in drv.copies[before:]] == [
+            (got.data_ptr() + d, a.data_ptr() + s_, ln) for s_, d, ln in zip(src, dst, lens)]
+        assert {st for *_, st in drv.copies[before:]} == {cp.stream.cuda_stream}
+    a = torch.arange(64, dtype=torch.uint8)
+    b = torch.zeros(64, dtype=torch.uint8)
+    drv.refuse = len(drv.copies) + 2
+    with pytest.raises(IpcError, match=r"row 2 \(8 bytes.*the 2 rows before it were copied"):
+        cp.start_engine(_table([a.data_ptr() + 8 * i for i in range(4)], [b.data_ptr() + 8 * i for i in range(4)],
+                               [8] * 4))
+    assert b.numpy()[:16].tolist() == list(range(16)) and not b.numpy()[16:].any()
 
 
 def test_a_row_the_driver_refuses_is_named_after_the_rows_before_it_ended(engine):

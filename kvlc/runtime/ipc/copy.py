@@ -231,9 +231,8 @@ class GpuCopy:
         if not self.engine:
             raise IpcError("the copy engine's path is off here (torch's calls, or warm-up found it wrong): "
                            "the rows go through the kernel (start_rows)")
-        t, n = g.table.view(np.uint64), g.rows
         self.events.after_caller(self.stream)
-        self.events.copy_rows(t[:n].tolist(), t[n:2 * n].tolist(), t[2 * n:].tolist(), self.stream.cuda_stream)
+        self.events.copy_rows(g.table, g.rows, self.stream.cuda_stream)
         return Launch(self.events.recorded(self.stream))
 
     def _start(self, words: np.ndarray, launch, keep: tuple = ()) -> Launch:

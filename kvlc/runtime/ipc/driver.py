@@ -28,12 +28,16 @@ import threading
 from collections.abc import Callable
 from typing import Any, Literal, get_args
 
+import numpy as np
+
+from kvlc.runtime.ipc import native
 from kvlc.runtime.ipc.cuda import IpcError
 
 _NOT_READY = 600  # CUDA_ERROR_NOT_READY: the event's work has not completed yet
 _DISABLE_TIMING = 0x2  # CU_EVENT_DISABLE_TIMING (what torch.cuda.Event() creates)
 _U64 = (1 << 64) - 1
 PARAMS_MOST = 64  # parameters asked of a function at most (these kernels have a handful)
+_UNSET = object()
 
 GpuCalls = Literal["torch", "driver"]  # how a GPU copy orders and launches its kernel (AgentSettings.ipc_gpu_calls)
 GPU_CALLS: tuple[str, ...] = get_args(GpuCalls)
@@ -142,6 +146,7 @@ class KeptEvents:
         self._check(k.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), device), f"retain the context of GPU {device}")
         self.ctx = ctx.value
         self._waited = self._new()
+        self._queue_fn: Any = _UNSET  # cuMemcpyAsync's address for table.c's loop (see _queue_at)
 
     def _check(self, code: int, what: str) -> None:
         if code:
@@ -189,19 +194,41 @@ class KeptEvents:
         self._check(code, "ask whether a copy ended")
         return True
 
-    def copy_rows(self, src: list[int], dst: list[int], lens: list[int], stream: int) -> None:
-        """Queue one ``cuMemcpyAsync`` per row on ``stream`` (unified addresses: the GPU's copy engines move the
-        bytes, between its memory, a peer's mapped memory and pinned host memory alike), the GIL kept and the
-        device's context current once for all rows. Where the driver refuses a row, the rows queued before it
-        are waited for (none lands after the error is reported) and :class:`IpcError` names the row."""
-        bad = self._call(self._queue_rows, self.lib.kept.cuMemcpyAsync, src, dst, lens, stream)
+    def copy_rows(self, table: np.ndarray, rows: int, stream: int) -> None:
+        """Queue one ``cuMemcpyAsync`` per row of a launch table (int64: sources, destinations, lengths, ``rows`` of
+        each) on ``stream`` (unified addresses: the GPU's copy engines move the bytes, between its memory, a peer's
+        mapped memory and pinned host memory alike), the GIL kept and the device's context current once for all
+        rows: in ``table.c``'s loop where it is loaded and the driver's function has an address, else here. Where
+        the driver refuses a row, the rows queued before it are waited for (none lands after the error is
+        reported) and :class:`IpcError` names the row."""
+        t = np.ascontiguousarray(table, dtype=np.int64)
+        fn = self.lib.kept.cuMemcpyAsync
+        at = self._queue_at(fn)
+        if at is not None:
+            bad = self._call(native.queue, at, t, rows, stream)
+        else:
+            u = t.view(np.uint64)
+            bad = self._call(self._queue_rows, fn, u[:rows].tolist(), u[rows:2 * rows].tolist(),
+                             u[2 * rows:3 * rows].tolist(), stream)
         if bad is not None:
             row, code = bad
             ev = self._new()
             self._call(self.lib.kept.cuEventRecord, ev.handle, stream)
             self.synchronize(ev)
-            self._check(code, f"queue the copy of row {row} ({lens[row]} bytes, {src[row]:#x} -> {dst[row]:#x}); "
-                              f"the {row} rows before it were copied")
+            u = t.view(np.uint64)
+            self._check(code, f"queue the copy of row {row} ({int(u[2 * rows + row])} bytes, {int(u[row]):#x} -> "
+                              f"{int(u[rows + row]):#x}); the {row} rows before it were copied")
+
+    def _queue_at(self, fn: Any) -> int | None:
+        """The address ``table.c``'s loop calls for ``fn``: None where that library is not loaded or ``fn`` is no
+        C function (then the loop runs here)."""
+        if self._queue_fn is _UNSET:
+            try:
+                at = ctypes.cast(fn, ctypes.c_void_p).value if native.library() is not None else None
+            except (ctypes.ArgumentError, TypeError):
+                at = None
+            self._queue_fn = at or None
+        return self._queue_fn
 
     @staticmethod
     def _queue_rows(fn: Any, src: list[int], dst: list[int], lens: list[int], stream: int) -> tuple[int, int] | None:

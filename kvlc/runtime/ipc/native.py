@@ -17,7 +17,7 @@ import numpy as np
 
 from kvlc import clib
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 
@@ -26,7 +26,8 @@ _LIB = clib.Library(Path(__file__).resolve().parent, "_table", "kvlc/runtime/ipc
                    ABI_VERSION, "numpy builds the row table",
                    {"kvlc_ipc_table": ((_PTR, _PTR, _I64, ctypes.c_int, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64,
                                         _PTR, _PTR), _I64),
-                    "kvlc_ipc_inside": ((_PTR, _PTR, _I64, _PTR, _PTR, _I64), _I64)})
+                    "kvlc_ipc_inside": ((_PTR, _PTR, _I64, _PTR, _PTR, _I64), _I64),
+                    "kvlc_ipc_queue": ((_PTR, _PTR, _I64, _PTR, _PTR), _I64)})
 library = _LIB.library  # the loaded C library, or None (numpy builds the table; status() says why)
 status = _LIB.status    # one line: which row-table builder runs, and why
 
@@ -83,3 +84,14 @@ def first_outside(addr: np.ndarray, lens: np.ndarray, starts: np.ndarray, stops:
     overlapping), else the index of the first that does not."""
     return int(library().kvlc_ipc_inside(addr.ctypes.data, lens.ctypes.data, len(addr), starts.ctypes.data,
                                          stops.ctypes.data, len(starts)))
+
+
+def queue(fn: int, table: np.ndarray, rows: int, stream: int) -> tuple[int, int] | None:
+    """``table.c``'s loop over a launch table (C-contiguous int64: sources, destinations, lengths, ``rows`` of
+    each): one call of the driver function at address ``fn`` (``cuMemcpyAsync``'s signature) per row on
+    ``stream``, the GIL held. None when every row was queued, else ``(row, code)`` of the row it refused."""
+    if table.dtype != np.int64 or not table.flags.c_contiguous or len(table) < 3 * rows:
+        raise ValueError(f"queue: a C-contiguous int64 table of 3 x {rows} words, got {table.dtype} x {len(table)}")
+    code = np.zeros(1, dtype=np.int64)
+    got = int(library().kvlc_ipc_queue(fn, table.ctypes.data, rows, stream, code.ctypes.data))
+    return None if got < 0 else (got, int(code[0]))

@@ -9,7 +9,27 @@
  */
 #include <stdint.h>
 
-int kvlc_ipc_abi_version(void) { return 2; }
+int kvlc_ipc_abi_version(void) { return 3; }
+
+/* A driver's asynchronous copy (cuMemcpyAsync's signature: destination, source, bytes, stream; 0 when queued). */
+typedef int (*kvlc_copy_fn)(uint64_t dst, uint64_t src, uint64_t n, void *stream);
+
+/* Queue one copy per row of a launch table (sources, destinations, lengths: `rows` of each) through `fn`, in
+ * order, on `stream`: -1 when every row was queued, else the index of the row `fn` refused (its code in *code;
+ * the rows before it are queued). Called with the GIL held and the device's context current (the caller's). */
+int64_t kvlc_ipc_queue(void *fn, const uint64_t *table, int64_t rows, void *stream, int64_t *code)
+{
+    kvlc_copy_fn copy = (kvlc_copy_fn)fn;
+    const uint64_t *src = table, *dst = table + rows, *len = table + 2 * rows;
+    for (int64_t i = 0; i < rows; i++) {
+        int got = copy(dst[i], src[i], len[i], stream);
+        if (got) {
+            *code = got;
+            return i;
+        }
+    }
+    return -1;
+}
 
 /* The window holding [addr, addr + len): its index, or -1. Windows sorted by start; `hint` is tried first
  * (consecutive rows mostly lie in one window); `ok` (NULL: every window) says which may hold it. */
