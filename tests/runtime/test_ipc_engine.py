@@ -144,6 +144,28 @@ def test_long_rows_go_one_call_each_after_the_callers_stream_with_the_gil_kept(e
     assert launch.done()
 
 
+def _lands_as_the_cpu_copy(cp, drv, src: list[int], dst: list[int], lens: list[int], size: int) -> None:
+    """Rows (offsets into a random source and a zeroed destination of ``size`` bytes) copied by ``cp.start_engine``
+    leave the destination as the CPU's row copy (``move_rows``) does; one call per row, in order, on the copy's
+    stream."""
+    a = torch.randint(0, 256, (size,), dtype=torch.uint8)
+    got, want = torch.zeros(size, dtype=torch.uint8), torch.zeros(size, dtype=torch.uint8)
+    u = lambda base, v: np.array(v, dtype=np.uint64) + np.uint64(base)  # noqa: E731
+    before = len(drv.copies)
+    cp.start_engine(_table(list(u(a.data_ptr(), src)), list(u(got.data_ptr(), dst)), lens))
+    move_rows(u(a.data_ptr(), src), u(want.data_ptr(), dst), np.array(lens, dtype=np.uint64))
+    assert torch.equal(got, want)
+    assert [(d, s_, ln) for d, s_, ln, _ in drv.copies[before:]] == [
+        (got.data_ptr() + d, a.data_ptr() + s_, ln) for s_, d, ln in zip(src, dst, lens)]
+    assert {st for *_, st in drv.copies[before:]} == {cp.stream.cuda_stream}
+
+
+def _random_rows(cuts: list[int], src_at) -> tuple[list[int], list[int], list[int]]:
+    """(sources, destinations, lengths): disjoint destinations between sorted ``cuts``, each source ``src_at(len)``."""
+    dst, lens = cuts[0::2], [e - s for s, e in zip(cuts[0::2], cuts[1::2])]
+    return [src_at(ln) for ln in lens], dst, lens
+
+
 @settings(deadline=None, max_examples=40)
 @given(data=st.data())
 def test_the_engine_lands_what_the_cpu_copy_lands(engine, data):
@@ -152,16 +174,7 @@ def test_the_engine_lands_what_the_cpu_copy_lands(engine, data):
     size = 1 << 14
     n = data.draw(st.integers(1, 12))
     cuts = sorted(data.draw(st.lists(st.integers(0, size), min_size=2 * n, max_size=2 * n, unique=True)))
-    dst = cuts[0::2]
-    lens = [e - s for s, e in zip(cuts[0::2], cuts[1::2])]
-    src = [data.draw(st.integers(0, size - ln)) for ln in lens]
-    a = torch.randint(0, 256, (size,), dtype=torch.uint8)
-    got, want = torch.zeros(size, dtype=torch.uint8), torch.zeros(size, dtype=torch.uint8)
-    cp = engine[0]
-    u = lambda base, v: np.array(v, dtype=np.uint64) + np.uint64(base)  # noqa: E731
-    cp.start_engine(_table(list(u(a.data_ptr(), src)), list(u(got.data_ptr(), dst)), lens))
-    move_rows(u(a.data_ptr(), src), u(want.data_ptr(), dst), np.array(lens, dtype=np.uint64))
-    assert torch.equal(got, want)
+    _lands_as_the_cpu_copy(*engine, *_random_rows(cuts, lambda ln: data.draw(st.integers(0, size - ln))), size)
 
 
 def test_table_cs_loop_queues_the_same_rows_as_the_python_loop(engine_c):
@@ -177,18 +190,7 @@ def test_table_cs_loop_queues_the_same_rows_as_the_python_loop(engine_c):
     for _ in range(20):
         n = rng.randint(1, 10)
         cuts = sorted(rng.sample(range(size + 1), 2 * n))
-        dst, lens = cuts[0::2], [e - s for s, e in zip(cuts[0::2], cuts[1::2])]
-        src = [rng.randint(0, size - ln) for ln in lens]
-        a = torch.randint(0, 256, (size,), dtype=torch.uint8)
-        got, want = torch.zeros(size, dtype=torch.uint8), torch.zeros(size, dtype=torch.uint8)
-        u = lambda base, v: np.array(v, dtype=np.uint64) + np.uint64(base)  # noqa: E731
-        before = len(drv.copies)
-        cp.start_engine(_table(list(u(a.data_ptr(), src)), list(u(got.data_ptr(), dst)), lens))
-        move_rows(u(a.data_ptr(), src), u(want.data_ptr(), dst), np.array(lens, dtype=np.uint64))
-        assert torch.equal(got, want)
-        assert [(d, s_, ln) for d, s_, ln, _ in drv.copies[before:]] == [
-            (got.data_ptr() + d, a.data_ptr() + s_, ln) for s_, d, ln in zip(src, dst, lens)]
-        assert {st for *_, st in drv.copies[before:]} == {cp.stream.cuda_stream}
+        _lands_as_the_cpu_copy(cp, drv, *_random_rows(cuts, lambda ln: rng.randint(0, size - ln)), size)
     a = torch.arange(64, dtype=torch.uint8)
     b = torch.zeros(64, dtype=torch.uint8)
     drv.refuse = len(drv.copies) + 2

@@ -37,7 +37,6 @@ _NOT_READY = 600  # CUDA_ERROR_NOT_READY: the event's work has not completed yet
 _DISABLE_TIMING = 0x2  # CU_EVENT_DISABLE_TIMING (what torch.cuda.Event() creates)
 _U64 = (1 << 64) - 1
 PARAMS_MOST = 64  # parameters asked of a function at most (these kernels have a handful)
-_UNSET = object()
 
 GpuCalls = Literal["torch", "driver"]  # how a GPU copy orders and launches its kernel (AgentSettings.ipc_gpu_calls)
 GPU_CALLS: tuple[str, ...] = get_args(GpuCalls)
@@ -146,7 +145,7 @@ class KeptEvents:
         self._check(k.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), device), f"retain the context of GPU {device}")
         self.ctx = ctx.value
         self._waited = self._new()
-        self._queue_fn: Any = _UNSET  # cuMemcpyAsync's address for table.c's loop (see _queue_at)
+        self._queue_fn = self._queue_at(self.lib.kept.cuMemcpyAsync)  # its address for table.c's loop, or None
 
     def _check(self, code: int, what: str) -> None:
         if code:
@@ -202,33 +201,30 @@ class KeptEvents:
         the driver refuses a row, the rows queued before it are waited for (none lands after the error is
         reported) and :class:`IpcError` names the row."""
         t = np.ascontiguousarray(table, dtype=np.int64)
-        fn = self.lib.kept.cuMemcpyAsync
-        at = self._queue_at(fn)
-        if at is not None:
-            bad = self._call(native.queue, at, t, rows, stream)
+        u = t.view(np.uint64)
+        if self._queue_fn is not None:
+            bad = self._call(native.queue, self._queue_fn, t, rows, stream)
         else:
-            u = t.view(np.uint64)
-            bad = self._call(self._queue_rows, fn, u[:rows].tolist(), u[rows:2 * rows].tolist(),
-                             u[2 * rows:3 * rows].tolist(), stream)
+            bad = self._call(self._queue_rows, self.lib.kept.cuMemcpyAsync, u[:rows].tolist(),
+                             u[rows:2 * rows].tolist(), u[2 * rows:3 * rows].tolist(), stream)
         if bad is not None:
             row, code = bad
             ev = self._new()
             self._call(self.lib.kept.cuEventRecord, ev.handle, stream)
             self.synchronize(ev)
-            u = t.view(np.uint64)
             self._check(code, f"queue the copy of row {row} ({int(u[2 * rows + row])} bytes, {int(u[row]):#x} -> "
                               f"{int(u[rows + row]):#x}); the {row} rows before it were copied")
 
-    def _queue_at(self, fn: Any) -> int | None:
+    @staticmethod
+    def _queue_at(fn: Any) -> int | None:
         """The address ``table.c``'s loop calls for ``fn``: None where that library is not loaded or ``fn`` is no
         C function (then the loop runs here)."""
-        if self._queue_fn is _UNSET:
-            try:
-                at = ctypes.cast(fn, ctypes.c_void_p).value if native.library() is not None else None
-            except (ctypes.ArgumentError, TypeError):
-                at = None
-            self._queue_fn = at or None
-        return self._queue_fn
+        if native.library() is None:
+            return None
+        try:
+            return ctypes.cast(fn, ctypes.c_void_p).value or None
+        except (ctypes.ArgumentError, TypeError):
+            return None
 
     @staticmethod
     def _queue_rows(fn: Any, src: list[int], dst: list[int], lens: list[int], stream: int) -> tuple[int, int] | None:
