@@ -17,6 +17,9 @@ queue fills), beside a torch op's launch on the same stream for scale:
   ``kept_record``, ``kept_query``: the driver's event record (a new event) and query; ``kept_launch``: whether the
   kernel is launched through the driver (``cuLaunchKernel``, the GIL kept) after warm-up, ``kept_direct_launch``
   that launch's cost;
+* ``one_call``: whether a start is one C call (``table.c``'s ``kvlc_ipc_start``, after warm-up); where it is,
+  ``start_rows_one_call_<r>`` / ``start_blocks_one_call_<r>`` and ``..._several_calls_<r>`` (the same start made
+  call by call from Python), alternated, ``r`` 1 and 2;
 * ``start_rows_<kind>``, with ``kind`` torch (torch's events, Triton's launcher) or kept (the driver's events and
   launch): ``start_rows`` with those calls; ``_beside_waking``:
   with a Python thread beside that wakes every 50 µs and runs a few µs of Python (what kvlc's progress thread does
@@ -150,6 +153,14 @@ def measure(calls: int) -> dict:
         "torch_add": _median_us(lambda: x.add_(1), calls, sync),
     }
     out["events"] = type(gpu.events).__name__
+    out["one_call"] = bool(gpu.one_call and getattr(gpu.events, "one_call", False) and gpu.kept_launch)
+    if out["one_call"]:  # the same starts, alternated twice: in one C call, then its calls one by one from Python
+        for r in (1, 2):
+            for gpu.one_call, tag in ((True, "one_call"), (False, "several_calls")):
+                out[f"start_rows_{tag}_{r}"] = _median_us(lambda: gpu.start_rows(g), calls, sync)
+                out[f"start_blocks_{tag}_{r}"] = _median_us(lambda: gpu.start_blocks(blocks), calls // 4, sync,
+                                                            batch=10)
+        gpu.one_call = True
     kinds = {"torch": TorchEvents(torch, gpu._caller_stream)}
     kept = gpu._kept.get(key)
     out["kept_launch"] = gpu.kept_launch and kept is not None

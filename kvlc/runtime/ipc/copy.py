@@ -22,6 +22,7 @@ import ctypes
 import logging
 from collections import deque
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -188,6 +189,7 @@ class GpuCopy:
         self._compiled: dict[tuple, Any] = {}
         self.kept_launch = True  # the direct launch through the driver with the GIL kept, where it applies (see warm)
         self._kept: dict[tuple, KeptLaunch | None] = {}
+        self.one_call = True  # a kept launch's whole start in one C call, where it applies (see warm)
         self.blocks = True  # parts in block form copy by their ids (off where warm finds that wrong)
         self.engine = self.events.kept_gil  # long rows may go on the copy engine: the driver's calls (see warm)
 
@@ -211,7 +213,7 @@ class GpuCopy:
         """Launch the copy of a built row table (:func:`row_table`, or the route's native builder)."""
         block = self.block_words if g.wide else 8 * self.block_words
         consts = {"BLOCK": block, "WIDE": g.wide, "VEC": self.vec and g.vec}
-        return self._start(g.table, lambda table: self._go("copy_rows", (g.rows, 1, 1), (table, g.rows), consts))
+        return self._start(g.table, "copy_rows", (g.rows, 1, 1), lambda table: (table, g.rows), consts)
 
     def start_blocks(self, b: "BlockLaunch") -> Launch:
         """Launch the copy of a part in block form (:class:`BlockLaunch`): only its ids go up; the entries went
@@ -220,8 +222,7 @@ class GpuCopy:
         block = self.block_words if b.wide else 8 * self.block_words
         consts = {"CHUNK": CHUNK, "BLOCK": block, "WIDE": b.wide, "VEC": self.vec and b.vec}
         grid = (b.count, len(b.entries) // ENTRY, b.pieces)
-        return self._start(b.ids, lambda ids: self._go("copy_blocks", grid, (entries, ids, int(b.write)), consts),
-                           (entries,))
+        return self._start(b.ids, "copy_blocks", grid, lambda ids: (entries, ids, int(b.write)), consts, (entries,))
 
     def start_engine(self, g: Rows) -> Launch:
         """Copy a built row table's rows on the GPU's copy engines: one ``cuMemcpyAsync`` per row (the table uncut:
@@ -235,12 +236,22 @@ class GpuCopy:
         self.events.copy_rows(g.table, g.rows, self.stream.cuda_stream)
         return Launch(self.events.recorded(self.stream))
 
-    def _start(self, words: np.ndarray, launch, keep: tuple = ()) -> Launch:
-        """After the caller's queued work: ``words`` into the ring (or up), ``launch(table)`` on our stream, an
-        event after it."""
+    def _start(self, words: np.ndarray, name: str, grid: tuple, args: Callable[[Any], tuple], consts: dict,
+               keep: tuple = ()) -> Launch:
+        """After the caller's queued work: ``words`` into the ring (or up), kernel ``name`` launched on our stream
+        with ``args(table)`` (``table``: where the kernel reads ``words``), an event after it. In one C call where
+        the kernel's launch through the driver is kept and the words fit the ring (:meth:`KeptLaunch.start`)."""
+        one = self._one_call(name, consts)
+        at = self.ring.take(len(words)) if one is not None else None
+        if at is not None:
+            span = _Span(self.ring, at, len(words))
+            words = np.ascontiguousarray(words, dtype=np.int64)
+            ev = one.start(grid, _ints(args(span)), self.stream.cuda_stream, span.addr, words)
+            self.ring.used(at, len(words), ev)
+            return Launch(ev, (span,) + keep)
         self.events.after_caller(self.stream)  # what the engine queued before asking
         at, table, kept = self._upload(words)
-        launch(table)
+        self._go(name, grid, args(table), consts)
         ev = self.events.recorded(self.stream)
         if at is not None:
             self.ring.used(at, len(words), ev)
@@ -274,12 +285,11 @@ class GpuCopy:
         """Launch kernel ``name`` on our stream: its kept compiled form directly where there is one (constants
         passed in order after the arguments), else through Triton's call, whose compiled kernel is kept."""
         torch = self.torch
-        key = (name, *consts.values(), self.num_warps)
+        key = self._key(name, consts)
         compiled = self._compiled.get(key) if self.direct else None
         kept = self._kept_launch(key, compiled, args) if compiled is not None else None
         if kept is not None:  # the driver's launch, the GIL kept
-            kept.launch(grid, tuple(a.data_ptr() if hasattr(a, "data_ptr") else int(a) for a in args),
-                        self.stream.cuda_stream)
+            kept.launch(grid, _ints(args), self.stream.cuda_stream)
             return
         args = tuple(a.tensor() if isinstance(a, _Span) else a for a in args)  # Triton's launchers take tensors
         if compiled is not None and torch.cuda.current_device() == self.device:
@@ -292,6 +302,18 @@ class GpuCopy:
             k = getattr(self.kernel, name)[grid](*args, **consts, num_warps=self.num_warps)
         if k is not None and hasattr(k, "__getitem__"):
             self._compiled[key] = k
+
+    def _key(self, name: str, consts: dict) -> tuple:
+        return (name, *consts.values(), self.num_warps)
+
+    def _one_call(self, name: str, consts: dict) -> KeptLaunch | None:
+        """The kept launch of kernel ``name`` whose whole start goes in one C call (:meth:`KeptEvents.start`): where
+        :attr:`one_call` is on, the driver's calls can (``table.c`` loaded), the kernel was launched directly through
+        the driver before (its :class:`KeptLaunch` made) and its table is read in place; else None."""
+        if not (self.one_call and self.direct and self.kept_launch and self.host_table
+                and getattr(self.events, "one_call", False)):
+            return None
+        return self._kept.get(self._key(name, consts))
 
     def _kept_launch(self, key: tuple, compiled: Any, args: tuple) -> KeptLaunch | None:
         """The kept compiled kernel's launch through the driver with the GIL kept (:class:`KeptLaunch`), made at its
@@ -389,20 +411,33 @@ class GpuCopy:
                         exc_info=True)
 
     def _through_direct(self, check) -> bool:
-        """Whether ``check()`` passes through the direct launch: the driver's with the GIL kept where it applies
-        (where that fails, :attr:`kept_launch` goes off and ``check()`` runs again), else Triton's launcher."""
-        for _ in range(2):
+        """Whether ``check()`` passes through the direct launch: the driver's with the GIL kept where it applies, its
+        whole start in one C call where that applies too (``check()`` runs twice then: the first makes the kept
+        launches, the second starts them in one call); where one fails, :attr:`one_call` goes off, then
+        :attr:`kept_launch`, and ``check()`` runs again; else Triton's launcher."""
+        for _ in range(3):
+            one_call = self.one_call and getattr(self.events, "one_call", False) and self.kept_launch
             try:
                 check()
+                if one_call and self._any_kept():
+                    check()  # the kept launches made by the pass above now start in one C call
                 return True
             except Exception:  # noqa: BLE001 - each is an optimisation: Triton's call copies the same
-                if not (self.kept_launch and any(v is not None for v in self._kept.values())):
+                if one_call and self._any_kept():
+                    self.one_call = False
+                    log.warning("a copy's start in one C call does not copy right here; its calls are made one by "
+                                "one", exc_info=True)
+                    continue
+                if not (self.kept_launch and self._any_kept()):
                     log.warning("a copy through the direct launch was wrong here", exc_info=True)
                     return False
                 self.kept_launch = False
                 log.warning("the copy kernel's launch through the driver does not copy right here; Triton's "
                             "launcher it is", exc_info=True)
         return False
+
+    def _any_kept(self) -> bool:
+        return any(v is not None for v in self._kept.values())
 
     def _warm_events(self) -> None:
         if not self.events.kept_gil:
@@ -481,6 +516,11 @@ class GpuCopy:
         got = scratch[n:]
         if not bool((got[:length] == pattern[:length]).all()) or bool(got[length:].any()):
             raise RuntimeError(f"the copy kernel moved {length} bytes wrong")
+
+
+def _ints(args: tuple) -> tuple[int, ...]:
+    """A kernel's arguments as the driver's launch takes them: a tensor's (or ring span's) address, else the int."""
+    return tuple(a.data_ptr() if hasattr(a, "data_ptr") else int(a) for a in args)
 
 
 class HostCopy:

@@ -13,6 +13,10 @@ which keeps the GIL; only :meth:`KeptEvent.synchronize`, which does wait, lets i
 :class:`TorchEvents` is the same interface through torch (where the driver cannot be reached, or a CPU's
 stand-ins for ``torch.cuda`` in the tests).
 
+Where ``table.c`` is loaded, a kept launch's whole start (the ordering after the engine's stream, the table into the
+pinned ring, the launch, the event after it) is one C call (:meth:`KeptEvents.start`) that calls the driver's functions
+by address, instead of eight calls through ctypes from Python.
+
 Triton's launcher lets the GIL go around its launch too. :class:`KeptLaunch` launches a kernel Triton compiled
 (and loaded) with ``cuLaunchKernel`` instead, its parameters packed here: only where the driver states the
 compiled function's parameters (``cuFuncGetParamInfo``) and they are exactly the kernel's arguments (8-byte
@@ -30,6 +34,7 @@ from typing import Any, Literal, get_args
 
 import numpy as np
 
+from kvlc.clib import address
 from kvlc.runtime.ipc import native
 from kvlc.runtime.ipc.cuda import IpcError
 
@@ -48,6 +53,7 @@ class TorchEvents:
     on the copy's device (a torch Stream)."""
 
     kept_gil = False
+    one_call = False  # (a copy's start is always several calls through torch)
 
     def __init__(self, torch: Any, caller: Callable[[], Any]):
         self.torch, self.caller = torch, caller
@@ -82,6 +88,7 @@ class _Lib:
             for name, args in (("cuEventCreate", [ctypes.POINTER(vp), ctypes.c_uint]),
                                ("cuEventRecord", [vp, vp]), ("cuStreamWaitEvent", [vp, vp, ctypes.c_uint]),
                                ("cuEventQuery", [vp]), ("cuEventSynchronize", [vp]), ("cuEventDestroy_v2", [vp]),
+                               ("cuStreamSynchronize", [vp]),
                                ("cuCtxGetCurrent", [ctypes.POINTER(vp)]), ("cuCtxPushCurrent_v2", [vp]),
                                ("cuCtxPopCurrent_v2", [ctypes.POINTER(vp)]),
                                ("cuDevicePrimaryCtxRetain", [ctypes.POINTER(vp), ctypes.c_int]),
@@ -146,6 +153,25 @@ class KeptEvents:
         self.ctx = ctx.value
         self._waited = self._new()
         self._queue_fn = self._queue_at(self.lib.kept.cuMemcpyAsync)  # its address for table.c's loop, or None
+        self._one = self._one_call()  # the driver's functions for table.c's one-call start, or None
+        self._start_block = native.Start(ctx=self.ctx, waited=self._waited.handle) if self._one else None
+        self._start_lock = threading.Lock()  # one start at a time fills the block
+
+    @property
+    def one_call(self) -> bool:
+        """Whether :meth:`start` runs (``table.c`` loaded, every driver function it calls a C function)."""
+        return self._one is not None
+
+    def _one_call(self) -> native.Driver | None:
+        """The driver's functions by address for ``table.c``'s copy start; None where that library is not loaded or
+        one of them is no C function (then a start is several calls from here)."""
+        k = self.lib.kept
+        names = {"ctx_get": "cuCtxGetCurrent", "ctx_push": "cuCtxPushCurrent_v2", "ctx_pop": "cuCtxPopCurrent_v2",
+                 "event_create": "cuEventCreate", "event_record": "cuEventRecord",
+                 "event_destroy": "cuEventDestroy_v2", "stream_wait": "cuStreamWaitEvent",
+                 "stream_sync": "cuStreamSynchronize", "launch": "cuLaunchKernel"}
+        got = {field: self._queue_at(getattr(k, name, None)) for field, name in names.items()}
+        return None if None in got.values() else native.Driver(**got)
 
     def _check(self, code: int, what: str) -> None:
         if code:
@@ -217,9 +243,9 @@ class KeptEvents:
 
     @staticmethod
     def _queue_at(fn: Any) -> int | None:
-        """The address ``table.c``'s loop calls for ``fn``: None where that library is not loaded or ``fn`` is no
-        C function (then the loop runs here)."""
-        if native.library() is None:
+        """The address ``table.c`` calls for ``fn``: None where that library is not loaded or ``fn`` is no C function
+        (then the calls are made from here)."""
+        if native.library() is None or fn is None:
             return None
         try:
             return ctypes.cast(fn, ctypes.c_void_p).value or None
@@ -236,6 +262,29 @@ class KeptEvents:
 
     def synchronize(self, ev: KeptEvent) -> None:
         self._do("wait for a copy to end", self.lib.free.cuEventSynchronize, ev.handle)
+
+    def start(self, function: int, grid: tuple[int, int, int], threads: int, shared: int, stream: int, params: Any,
+              ring: int, words: np.ndarray) -> KeptEvent:
+        """A copy's start in one call of ``table.c`` (only where :attr:`one_call`): ``words`` (C-contiguous int64,
+        the row table or ids the kernel reads in place) written at ``ring``, the copy's ``stream`` made to wait for
+        what the caller's current stream queued, ``function`` launched on ``grid`` with the parameter block
+        ``params``, and the new event recorded after it, which is returned: what :meth:`after_caller`, a
+        :class:`KeptLaunch`'s launch and :meth:`recorded` do, in one C call instead of eight through ctypes.
+        Raises :class:`IpcError` naming the step the driver refused; a refusal after the launch waits for the
+        copy's stream first (no byte lands after the error)."""
+        b = self._start_block
+        with self._start_lock:
+            b.caller, b.stream, b.ring = self.raw_stream(self.device), stream, ring
+            b.words, b.nbytes = (address(words), 8 * len(words)) if len(words) else (None, 0)
+            b.function, b.threads, b.shared, b.params = function, threads, shared, ctypes.addressof(params)
+            b.grid[0], b.grid[1], b.grid[2] = grid
+            got = native.start(self._one, b)
+        if got.step < 0:
+            return KeptEvent(got.event, self)
+        what = native.START_STEPS[got.step] + ("; the copy's stream was waited for" if got.step == native.START_AFTER
+                                                else "; nothing was launched")
+        self._check(got.code, what)
+        raise IpcError(f"{what}: the driver gave no error code")
 
     def params(self, function: int, info: Any) -> list[int] | None:
         """The byte size of each parameter of ``function`` (``cuFuncGetParamInfo``), None where it cannot say."""
@@ -300,9 +349,19 @@ class KeptLaunch:
 
     def launch(self, grid: tuple[int, int, int], args: tuple[int, ...], stream: int) -> None:
         """Launch on ``grid`` with ``args`` (ints: addresses and values, in the kernel's order) on ``stream``."""
+        with self._lock:
+            self._fill(args)
+            self.owner.launch(self.function, grid, self.threads, self.shared, stream, self._params)
+
+    def start(self, grid: tuple[int, int, int], args: tuple[int, ...], stream: int, ring: int,
+              words: np.ndarray) -> KeptEvent:
+        """The whole start of a copy with this launch in one C call (:meth:`KeptEvents.start`): its event."""
+        with self._lock:
+            self._fill(args)
+            return self.owner.start(self.function, grid, self.threads, self.shared, stream, self._params, ring, words)
+
+    def _fill(self, args: tuple[int, ...]) -> None:
         if len(args) != len(self.sizes):
             raise ValueError(f"the copy kernel takes {len(self.sizes)} arguments, got {len(args)}")
-        with self._lock:
-            for v, a, n in zip(self._values, args, self.sizes):
-                v.value = a & _U64 if n == 8 else a
-            self.owner.launch(self.function, grid, self.threads, self.shared, stream, self._params)
+        for v, a, n in zip(self._values, args, self.sizes):
+            v.value = a & _U64 if n == 8 else a

@@ -17,7 +17,7 @@ import numpy as np
 
 from kvlc import clib
 
-ABI_VERSION = 3
+ABI_VERSION = 4
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 
@@ -27,7 +27,8 @@ _LIB = clib.Library(Path(__file__).resolve().parent, "_table", "kvlc/runtime/ipc
                    {"kvlc_ipc_table": ((_PTR, _PTR, _I64, ctypes.c_int, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64,
                                         _PTR, _PTR), _I64),
                     "kvlc_ipc_inside": ((_PTR, _PTR, _I64, _PTR, _PTR, _I64), _I64),
-                    "kvlc_ipc_queue": ((_PTR, _PTR, _I64, _PTR, _PTR), _I64)})
+                    "kvlc_ipc_queue": ((_PTR, _PTR, _I64, _PTR, _PTR), _I64),
+                    "kvlc_ipc_start": ((_PTR, _PTR, _PTR, _PTR), _I64)})
 library = _LIB.library  # the loaded C library, or None (numpy builds the table; status() says why)
 status = _LIB.status    # one line: which row-table builder runs, and why
 
@@ -95,3 +96,43 @@ def queue(fn: int, table: np.ndarray, rows: int, stream: int) -> tuple[int, int]
     code = np.zeros(1, dtype=np.int64)
     got = int(library().kvlc_ipc_queue(fn, table.ctypes.data, rows, stream, code.ctypes.data))
     return None if got < 0 else (got, int(code[0]))
+
+
+class Driver(ctypes.Structure):
+    """``table.c``'s ``struct kvlc_driver``: the driver's functions a copy's start calls, by address."""
+
+    _fields_ = [(name, _PTR) for name in ("ctx_get", "ctx_push", "ctx_pop", "event_create", "event_record",
+                                           "event_destroy", "stream_wait", "stream_sync", "launch")]
+
+
+class Start(ctypes.Structure):
+    """``table.c``'s ``struct kvlc_start``: one copy's start (see :func:`start`)."""
+
+    _fields_ = [("ctx", _PTR), ("caller", _PTR), ("waited", _PTR), ("stream", _PTR), ("ring", _PTR),
+                ("words", _PTR), ("nbytes", _I64), ("function", _PTR), ("grid", ctypes.c_uint32 * 3),
+                ("threads", ctypes.c_uint32), ("shared", ctypes.c_uint32), ("params", _PTR)]
+
+
+START_STEPS = ("make the device's context current", "record an event on the engine's stream",
+               "make the copy's stream wait for the engine's", "create the copy's event", "launch the copy kernel",
+               "record an event after the copy")  # table.c's steps, in its order
+START_AFTER = len(START_STEPS) - 1  # the step after the launch: a failure there waited for the copy's stream
+
+
+@dataclass(frozen=True)
+class Started:
+    """What :func:`start` did: ``event`` (the new event's handle) where ``step`` is -1, else 0, the step that failed
+    (an index of :data:`START_STEPS`) and the driver's ``code``."""
+
+    event: int
+    step: int
+    code: int
+
+
+def start(driver: Driver, s: Start) -> Started:
+    """``table.c``'s copy start in one call, the GIL held. A failure before the launch launched nothing; after it,
+    the copy's stream was waited for and the new event destroyed."""
+    event, code = ctypes.c_void_p(), ctypes.c_int64()
+    step = int(library().kvlc_ipc_start(ctypes.byref(driver), ctypes.byref(s), ctypes.byref(event),
+                                        ctypes.byref(code)))
+    return Started(event.value or 0, step, int(code.value))

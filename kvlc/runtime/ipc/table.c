@@ -9,7 +9,9 @@
  */
 #include <stdint.h>
 
-int kvlc_ipc_abi_version(void) { return 3; }
+#include <string.h>
+
+int kvlc_ipc_abi_version(void) { return 4; }
 
 /* A driver's asynchronous copy (cuMemcpyAsync's signature: destination, source, bytes, stream; 0 when queued). */
 typedef int (*kvlc_copy_fn)(uint64_t dst, uint64_t src, uint64_t n, void *stream);
@@ -29,6 +31,100 @@ int64_t kvlc_ipc_queue(void *fn, const uint64_t *table, int64_t rows, void *stre
         }
     }
     return -1;
+}
+
+/* The CUDA driver's calls a copy's start makes, by address (libcuda's; the tests' stand-ins): their signatures. */
+struct kvlc_driver {
+    int (*ctx_get)(void **ctx);
+    int (*ctx_push)(void *ctx);
+    int (*ctx_pop)(void **ctx);
+    int (*event_create)(void **event, unsigned flags);
+    int (*event_record)(void *event, void *stream);
+    int (*event_destroy)(void *event);
+    int (*stream_wait)(void *stream, void *event, unsigned flags);
+    int (*stream_sync)(void *stream);
+    int (*launch)(void *function, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                  unsigned shared, void *stream, void **params, void **extra);
+};
+
+/* One copy's start: the engine's stream (`caller`) and the event recorded on it (`waited`), the copy's stream;
+ * `nbytes` of `words` written at `ring` first (the row table the kernel reads in place; 0: none); the kernel
+ * (`function` on `grid`, `threads` a block, `shared` bytes) with its parameter block `params`. */
+struct kvlc_start {
+    void *ctx, *caller, *waited, *stream;
+    void *ring;
+    const void *words;
+    int64_t nbytes;
+    void *function;
+    uint32_t grid[3];
+    uint32_t threads, shared;
+    void **params;
+};
+
+/* What kvlc_ipc_start did last: its steps, in order (a failed step's number is returned). */
+enum { KVLC_START_CONTEXT, KVLC_START_RECORD_CALLER, KVLC_START_WAIT, KVLC_START_EVENT, KVLC_START_LAUNCH,
+       KVLC_START_RECORD_AFTER };
+
+#define KVLC_EVENT_DISABLE_TIMING 0x2
+
+/* A copy's start in one call, with the GIL held (the caller's: no other Python thread runs between the driver's
+ * calls): the device's context made current where it is not (and given back after), `words` into the ring, an
+ * event recorded on the engine's stream and the copy's stream made to wait for it (the copy reads what the engine
+ * queued before), a new event created, the kernel launched, that event recorded after it. -1 with *event set when
+ * every step succeeded; else the step that failed (enum above), the driver's code in *code and no event: a step
+ * before the launch launched nothing; where recording after the launch fails, the copy's stream is waited for (no
+ * byte lands after the error is reported) and the new event destroyed. */
+int64_t kvlc_ipc_start(const struct kvlc_driver *d, const struct kvlc_start *s, void **event, int64_t *code)
+{
+    void *current = 0, *made = 0;
+    int pushed = 0, got;
+    int64_t step = -1;
+    *event = 0;
+    if ((got = d->ctx_get(&current)) != 0) {
+        step = KVLC_START_CONTEXT;
+        goto out;
+    }
+    if (current != s->ctx) {
+        if ((got = d->ctx_push(s->ctx)) != 0) {
+            step = KVLC_START_CONTEXT;
+            goto out;
+        }
+        pushed = 1;
+    }
+    if (s->nbytes > 0)
+        memcpy(s->ring, s->words, (size_t)s->nbytes);
+    if ((got = d->event_record(s->waited, s->caller)) != 0) {
+        step = KVLC_START_RECORD_CALLER;
+        goto out;
+    }
+    if ((got = d->stream_wait(s->stream, s->waited, 0)) != 0) {
+        step = KVLC_START_WAIT;
+        goto out;
+    }
+    if ((got = d->event_create(&made, KVLC_EVENT_DISABLE_TIMING)) != 0) {
+        step = KVLC_START_EVENT;
+        goto out;
+    }
+    if ((got = d->launch(s->function, s->grid[0], s->grid[1], s->grid[2], s->threads, 1, 1, s->shared, s->stream,
+                         s->params, 0)) != 0) {
+        d->event_destroy(made);
+        step = KVLC_START_LAUNCH;
+        goto out;
+    }
+    if ((got = d->event_record(made, s->stream)) != 0) {
+        d->stream_sync(s->stream);
+        d->event_destroy(made);
+        step = KVLC_START_RECORD_AFTER;
+        goto out;
+    }
+    *event = made;
+out:
+    if (pushed) {
+        void *popped = 0;
+        d->ctx_pop(&popped);
+    }
+    *code = got;
+    return step;
 }
 
 /* The window holding [addr, addr + len): its index, or -1. Windows sorted by start; `hint` is tried first
