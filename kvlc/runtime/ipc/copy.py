@@ -21,8 +21,8 @@ from __future__ import annotations
 import ctypes
 import logging
 from collections import deque
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
