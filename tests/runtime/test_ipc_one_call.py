@@ -28,7 +28,7 @@ if native.library() is None:
     pytest.skip(f"table.c: {native.status()}", allow_module_level=True)
 
 _VP, _U = ctypes.c_void_p, ctypes.c_uint
-_SIGNATURES = {  # the driver's functions table.c's start calls: (result, arguments)
+_SIGNATURES = {  # the driver's functions table.c's start calls: their arguments (each returns an int, CUresult)
     "cuCtxGetCurrent": (_VP,), "cuCtxPushCurrent_v2": (_VP,), "cuCtxPopCurrent_v2": (_VP,),
     "cuEventCreate": (_VP, _U), "cuEventRecord": (_VP, _VP), "cuEventDestroy_v2": (_VP,),
     "cuStreamWaitEvent": (_VP, _VP, _U), "cuStreamSynchronize": (_VP,),
@@ -63,8 +63,9 @@ class _FromPython:
 
 class CStartDriver(FakeDriver):
     """The stand-in driver with table.c's functions as C function pointers (the rest stay Python). ``refuse``: a
-    function name whose next call from ``table.c`` returns CUDA_ERROR_LAUNCH_FAILED (719); ``c_launch_moves``: whether a launch that
-    came from C (not through Python) moves the bytes (False: one-call starts go wrong)."""
+    function name whose next call from ``table.c`` returns CUDA_ERROR_LAUNCH_FAILED (719); ``c_launch_moves``:
+    whether a launch that came from C (not through Python) moves the bytes (False: one-call starts go wrong);
+    ``from_c``: the names of the calls that came from C, in order."""
 
     def __init__(self, current: int | None = PRIMARY):
         super().__init__(current)
@@ -73,6 +74,7 @@ class CStartDriver(FakeDriver):
         self.refuse: str | None = None
         self.c_launch_moves = True
         self.from_python: list[str] = []  # the names of the calls made from Python, in order
+        self.from_c: list[str] = []
         self.in_python, self.synced = 0, []
         self._fns = {name: ctypes.CFUNCTYPE(ctypes.c_int, *args)(self._adapter(name))
                      for name, args in _SIGNATURES.items()}
@@ -83,6 +85,8 @@ class CStartDriver(FakeDriver):
     def _adapter(self, name: str):
         def call(*args):
             args = [0 if a is None else a for a in args]
+            if not self.in_python:
+                self.from_c.append(name)
             if self.refuse == name and not self.in_python:
                 self.refuse = None
                 return 719
@@ -145,12 +149,15 @@ def test_warm_up_keeps_the_one_call_start_where_it_copies_right(one):
     a = torch.arange(256, dtype=torch.uint8)
     b = torch.zeros(256, dtype=torch.uint8)
     calls, launches, direct, waits = len(drv.from_python), len(drv.launches), kern.direct, len(drv.waits)
+    in_c = len(drv.from_c)
     launch = cp.start(_u([a.data_ptr(), a.data_ptr() + 100]), _u([b.data_ptr() + 8, b.data_ptr() + 200]),
                       _u([40, 17]))
     want = np.zeros(256, dtype=np.uint8)
     want[8:48], want[200:217] = np.arange(40), np.arange(100, 117)
     assert np.array_equal(b.numpy(), want)
     assert not _STARTS & set(drv.from_python[calls:]) and kern.direct == direct  # no ctypes call, not Triton's
+    assert drv.from_c[in_c:] == ["cuCtxGetCurrent", "cuEventRecord", "cuStreamWaitEvent", "cuEventCreate",
+                                 "cuLaunchKernel", "cuEventRecord"]  # in this order, the device's context current
     assert len(drv.launches) == launches + 1
     function, grid, _, _, stream, values = drv.launches[-1]
     assert (function, grid, stream) == (0x51, (2, 1, 1), cp.stream.cuda_stream)
@@ -189,8 +196,11 @@ def test_a_thread_without_the_devices_context_gets_it_for_the_start_and_its_own_
     cp, _ = _copy(kernel, drv)
     assert cp.one_call
     a, b = torch.arange(64, dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8)
+    in_c = len(drv.from_c)
     cp.start(_u([a.data_ptr()]), _u([b.data_ptr()]), _u([64]))
     assert torch.equal(a, b) and drv.stack == [0x2000]
+    calls = drv.from_c[in_c:]
+    assert calls[:2] == ["cuCtxGetCurrent", "cuCtxPushCurrent_v2"] and calls[-1] == "cuCtxPopCurrent_v2"
 
 
 @pytest.mark.parametrize("name, step", [
@@ -202,7 +212,8 @@ def test_a_thread_without_the_devices_context_gets_it_for_the_start_and_its_own_
 ])
 def test_a_step_the_driver_refuses_before_the_copy_is_named_and_nothing_lands(one, name, step):
     """A refusal before the launch (or of the launch): IpcError names the step and the driver's error, nothing was
-    launched or landed, no new event is left behind (ended copies' events may go), the context stack is as it was; the next start works."""
+    launched or landed, no new event is left behind (ended copies' events may go), the context stack is as it was;
+    the next start works."""
     cp, _, drv = one
     a, b = torch.arange(64, dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8)
     launches, live = len(drv.launches), set(drv.live)
