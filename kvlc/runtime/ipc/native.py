@@ -5,6 +5,10 @@ is the reference (``kvlc.runtime.ipc.route._Windows.translate``, then :func:`kvl
 extension) and loaded with ctypes, so one build loads on any CPython (a GPU host can carry it).
 :func:`library` is None when it is not built or when ``KVLC_NATIVE=0``; the reference then runs,
 with the same tables and refusals (``tests/runtime/test_ipc_table.py``).
+
+On a GPU, ``table.c`` also makes a copy's driver calls, by the functions' addresses: the copy engines' rows
+(:func:`queue`) and a kernel copy's whole start (:func:`start`); without it they are made one by one from Python
+(``kvlc.runtime.ipc.driver``).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ _PTR = ctypes.c_void_p
 
 
 _LIB = clib.Library(Path(__file__).resolve().parent, "_table", "kvlc/runtime/ipc/table.c", "kvlc_ipc_abi_version",
-                   ABI_VERSION, "numpy builds the row table",
+                   ABI_VERSION, "numpy builds the row table and a GPU copy's driver calls go one by one from Python",
                    {"kvlc_ipc_table": ((_PTR, _PTR, _I64, ctypes.c_int, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64,
                                         _PTR, _PTR), _I64),
                     "kvlc_ipc_inside": ((_PTR, _PTR, _I64, _PTR, _PTR, _I64), _I64),
