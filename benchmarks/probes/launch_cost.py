@@ -153,7 +153,7 @@ def measure(calls: int) -> dict:
         "torch_add": _median_us(lambda: x.add_(1), calls, sync),
     }
     out["events"] = type(gpu.events).__name__
-    out["one_call"] = bool(gpu.one_call and getattr(gpu.events, "one_call", False) and gpu.kept_launch)
+    out["one_call"] = gpu.one_call_on
     if out["one_call"]:  # the same starts, alternated twice: in one C call, then its calls one by one from Python
         for r in (1, 2):
             for gpu.one_call, tag in ((True, "one_call"), (False, "several_calls")):

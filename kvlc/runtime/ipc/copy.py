@@ -306,12 +306,17 @@ class GpuCopy:
     def _key(self, name: str, consts: dict) -> tuple:
         return (name, *consts.values(), self.num_warps)
 
+    @property
+    def one_call_on(self) -> bool:
+        """Whether a kept launch's start may go in one C call: :attr:`one_call` on, the driver's calls able to
+        (``table.c`` loaded) and the launch through the driver kept."""
+        return self.one_call and self.events.one_call and self.kept_launch
+
     def _one_call(self, name: str, consts: dict) -> KeptLaunch | None:
         """The kept launch of kernel ``name`` whose whole start goes in one C call (:meth:`KeptEvents.start`): where
-        :attr:`one_call` is on, the driver's calls can (``table.c`` loaded), the kernel was launched directly through
-        the driver before (its :class:`KeptLaunch` made) and its table is read in place; else None."""
-        if not (self.one_call and self.direct and self.kept_launch and self.host_table
-                and getattr(self.events, "one_call", False)):
+        :attr:`one_call_on`, the kernel was launched directly through the driver before (its :class:`KeptLaunch`
+        made) and its table is read in place; else None."""
+        if not (self.one_call_on and self.direct and self.host_table):
             return None
         return self._kept.get(self._key(name, consts))
 
@@ -416,7 +421,7 @@ class GpuCopy:
         launches, the second starts them in one call); where one fails, :attr:`one_call` goes off, then
         :attr:`kept_launch`, and ``check()`` runs again; else Triton's launcher."""
         for _ in range(3):
-            one_call = self.one_call and getattr(self.events, "one_call", False) and self.kept_launch
+            one_call = self.one_call_on
             try:
                 check()
                 if one_call and self._any_kept():

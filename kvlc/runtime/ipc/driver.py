@@ -152,8 +152,8 @@ class KeptEvents:
         self._check(k.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), device), f"retain the context of GPU {device}")
         self.ctx = ctx.value
         self._waited = self._new()
-        self._queue_fn = self._queue_at(self.lib.kept.cuMemcpyAsync)  # its address for table.c's loop, or None
-        self._one = self._one_call()  # the driver's functions for table.c's one-call start, or None
+        self._queue_fn = self._address(self.lib.kept.cuMemcpyAsync)  # its address for table.c's loop, or None
+        self._one = self._start_driver()  # the driver's functions for table.c's one-call start, or None
         self._start_block = native.Start(ctx=self.ctx, waited=self._waited.handle) if self._one else None
         self._start_lock = threading.Lock()  # one start at a time fills the block
 
@@ -162,7 +162,7 @@ class KeptEvents:
         """Whether :meth:`start` runs (``table.c`` loaded, every driver function it calls a C function)."""
         return self._one is not None
 
-    def _one_call(self) -> native.Driver | None:
+    def _start_driver(self) -> native.Driver | None:
         """The driver's functions by address for ``table.c``'s copy start; None where that library is not loaded or
         one of them is no C function (then a start is several calls from here)."""
         k = self.lib.kept
@@ -170,7 +170,7 @@ class KeptEvents:
                  "event_create": "cuEventCreate", "event_record": "cuEventRecord",
                  "event_destroy": "cuEventDestroy_v2", "stream_wait": "cuStreamWaitEvent",
                  "stream_sync": "cuStreamSynchronize", "launch": "cuLaunchKernel"}
-        got = {field: self._queue_at(getattr(k, name, None)) for field, name in names.items()}
+        got = {field: self._address(getattr(k, name, None)) for field, name in names.items()}
         return None if None in got.values() else native.Driver(**got)
 
     def _check(self, code: int, what: str) -> None:
@@ -242,7 +242,7 @@ class KeptEvents:
                               f"{int(u[rows + row]):#x}); the {row} rows before it were copied")
 
     @staticmethod
-    def _queue_at(fn: Any) -> int | None:
+    def _address(fn: Any) -> int | None:
         """The address ``table.c`` calls for ``fn``: None where that library is not loaded or ``fn`` is no C function
         (then the calls are made from here)."""
         if native.library() is None or fn is None:
