@@ -148,8 +148,9 @@ def _offline(model_dir: str, *, backend: str, block_size: int, num_blocks: int, 
               help="Shrink every storage pool to about this many MiB (layouts keep their geometry).")
 @click.option("--check", type=Choice(["all", "first", "none"]), default="all", show_default=True,
               help="Which rounds to verify byte by byte.")
-@click.option("--ids", type=Choice(["random", "contiguous"]), default="random", show_default=True,
-              help="Producer block ids: scattered over the pool, or contiguous runs (descriptors coalesce).")
+@click.option("--ids", type=Choice(["random", "scattered", "contiguous"]), default="random", show_default=True,
+              help="Block ids: the producer's scattered over its pool (random), both sides' (scattered), "
+                   "or contiguous runs on both (descriptors coalesce).")
 @click.option("--descriptors", type=Choice(["rows", "prepped"]), default="rows", show_default=True,
               help="rows: coalesced (N, 3) rows per request; prepped: strided lists prepared once, indices per request.")
 @click.option("--batch", type=click.IntRange(min=1), default=1, show_default=True,

@@ -16,6 +16,7 @@ from kvlc.compiler.plan.model import Plan
 from kvlc.errors import KvlcError
 
 MAX_TOKENS = 1 << 24
+ID_PATTERNS = ("random", "scattered", "contiguous")  # how make_workload draws block ids
 
 
 class DemoError(KvlcError):
@@ -91,8 +92,10 @@ def make_workload(consumer: Plan, producer: Plan, requests: int, tokens: int | N
                   ids: str = "random"):
     """Rounds of requests: (id, consumer ids, producer ids, tokens); destinations disjoint within a round.
 
-    ``ids``: producer block ids drawn at ``"random"`` (a fragmented pool), or ``"contiguous"``
-    runs on both sides (a fresh pool; descriptors coalesce across blocks).
+    ``ids`` (:data:`ID_PATTERNS`): producer block ids drawn at ``"random"`` (a fragmented prefill pool)
+    into contiguous runs of the consumer's; ``"scattered"``: random on both sides (a decode pool
+    fragmented as well: each round's consumer ids a random permutation's slices); ``"contiguous"``:
+    runs on both sides (fresh pools; descriptors coalesce across blocks).
     """
     _check_workload(requests, tokens, ids)
     rng = np.random.default_rng(seed)
@@ -102,18 +105,21 @@ def make_workload(consumer: Plan, producer: Plan, requests: int, tokens: int | N
     rounds, i = [], 0
     while i < requests:
         batch = []
+        order = {g: rng.permutation(pools.cap_c[g]) for g in pools.groups} if ids == "scattered" else None
         for j in range(min(per_round, requests - i)):
             pids = _run_of(pools.need_p, j) if ids == "contiguous" else {
                 g: rng.choice(pools.cap_p[g], pools.need_p[g], replace=False).tolist() for g in pools.groups}
-            batch.append((f"req-{i + j}", _run_of(pools.need_c, j), pids, pools.tokens))
+            cids = _run_of(pools.need_c, j) if order is None else {
+                g: order[g][j * n:(j + 1) * n].tolist() for g, n in pools.need_c.items()}
+            batch.append((f"req-{i + j}", cids, pids, pools.tokens))
         rounds.append(batch)
         i += len(batch)
     return rounds
 
 
 def _check_workload(requests, tokens, ids) -> None:
-    if ids not in ("random", "contiguous"):
-        raise DemoError(f"ids {ids!r}: use random or contiguous")
+    if ids not in ID_PATTERNS:
+        raise DemoError(f"ids {ids!r}: use one of {', '.join(ID_PATTERNS)}")
     if isinstance(requests, bool) or not isinstance(requests, int) or requests < 1:
         raise DemoError(f"requests {requests!r}: give a whole number of requests, at least 1")
     if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or not 1 <= tokens <= MAX_TOKENS):

@@ -9,7 +9,7 @@ from runtime_engines import LAYOUTS, TEST_LAYOUTS
 from kvlc import compile_spec
 from kvlc.demo.content import expected_bytes
 from kvlc.compiler.pairing.pair import pair
-from kvlc.demo.run import cpu_plan, make_workload, scaled_plan, verify
+from kvlc.demo.run import DemoError, cpu_plan, make_workload, scaled_plan, verify
 
 pytestmark = pytest.mark.runtime
 
@@ -36,16 +36,32 @@ def test_cpu_variant_keeps_layouts_ratios_and_pairing():
     assert kept.mem_types == ("DRAM", "VRAM")
 
 
-def test_workload_rounds_have_disjoint_destinations():
-    """Within a round no two requests share a destination block; every id fits its pool."""
-    c = cpu_plan(LAYOUTS / "gemma-3-27b-tp2-b32.yaml", 32 << 20)
-    p = cpu_plan(LAYOUTS / "gemma-3-27b-tp2-b16.yaml", 32 << 20)
-    rounds = make_workload(c, p, 10, 32)
+@pytest.mark.parametrize("pattern", ["random", "scattered", "contiguous"])
+def test_workload_rounds_have_disjoint_destinations(pattern):
+    """Within a round no two requests share a destination block; every id fits its pool; each pattern
+    draws the ids it says (runs where it says contiguous, scattered ones where it says random)."""
+    c = cpu_plan(LAYOUTS / "gemma-3-27b-tp2-b32.yaml", 128 << 20)
+    p = cpu_plan(LAYOUTS / "gemma-3-27b-tp2-b16.yaml", 128 << 20)
+    rounds = make_workload(c, p, 10, 96, ids=pattern)
     assert sum(len(b) for b in rounds) == 10
+    runs = {"consumer": [], "producer": []}
     for batch in rounds:
         for g in ("local", "global"):
             ids = [i for _, cids, _, _ in batch for i in cids[g]]
             assert len(ids) == len(set(ids))
+            assert all(0 <= i < c.group_capacity(g) for i in ids)
+            assert all(0 <= i < p.group_capacity(g) for _, _, pids, _ in batch for i in pids[g])
+            for _, cids, pids, _ in batch:
+                for side, got in (("consumer", cids[g]), ("producer", pids[g])):
+                    runs[side].append(got == list(range(got[0], got[0] + len(got))))
+    assert all(runs["consumer"]) == (pattern != "scattered")
+    assert all(runs["producer"]) == (pattern == "contiguous")
+
+
+def test_workload_refuses_an_unknown_pattern():
+    c = cpu_plan(LAYOUTS / "gemma-3-27b-tp2-b32.yaml", 32 << 20)
+    with pytest.raises(DemoError, match="ids 'striped': use one of random, scattered, contiguous"):
+        make_workload(c, c, 2, 32, ids="striped")
 
 
 def test_verify_catches_wrong_and_stray_bytes():

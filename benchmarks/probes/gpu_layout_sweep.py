@@ -1,0 +1,135 @@
+"""Content check of every checked-in layout pair on one GPU, through kvlc's default paths, with odd sizes.
+
+The GPU suite times Llama-3.1-8B and DeepSeek-V3 MLA only; the same-host copy's row and block kernels, the
+pinned ring and the copy engines also serve every other pair kvlc compiles (other block sizes either way,
+TP mismatches with every rank on one GPU, HND / NHD, split K / V, FP8 scales, NVFP4, Mamba state, sliding
+windows, compressed caches, DCP / PCP, host-resident DRAM regions). This probe moves requests of random
+block ids between two engine processes (``kvlc.demo.run.run_demo``, ``check="all"``: every destination
+byte compared with its content code, every other byte unchanged), one case after another:
+
+* ``pairs``: every pair of ``layouts/pairs/pairs.yaml`` by pull (the pool scaled to ``--pool-mib`` per
+  rank, the demo's default tokens: two requests share the smallest consumer pool), then a few of them by
+  push and pull via push (``--modes-pairs``);
+* ``sizes``: Llama-3.1-8B, one request after another of ``--tokens`` (1 token, a partial block, a prompt's
+  4,095, and larger), pushed and pulled via push; DeepSeek-V3 MLA at TP1 the same;
+
+Each case prints one JSON line (and appends it to ``--out``): the case, ``ok``, requests moved, how many
+went through the same-host copy (``copied``: the rest through NIXL), seconds, and the first mismatches or
+failures. ``--budget-s`` stops starting cases once spent (what ran is kept). ``--device cpu`` runs the same
+cases on DRAM (a dry run; the same-host copy is not used there).
+
+Run:  python3 benchmarks/probes/gpu_layout_sweep.py [--only pairs,sizes] [--out sweep.jsonl] [--budget-s 540]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+MiB = 1 << 20
+# pairs also moved by push and by pull via push: block sizes either way, TP, MLA, Mamba, mixed DRAM, split K / V
+MORE_MODES = ("gemma3-b16-to-b32", "llama70b-hnd-tp4-to-tp8", "deepseek-v3-tp8-to-tp1", "nemotron-h-tp4-to-tp2",
+              "deepseek-v3.2-to-hisparse", "llama8b-split-to-joint", "v4-compressed-b128-to-b256")
+SIZES = (("layouts/llama-3.1-8b.yaml", (1, 15, 17, 1023, 4095, 8192)),
+         ("layouts/deepseek-v3-tp1.yaml", (1, 63, 4097)))
+
+
+def _layout(name: str, device: str, tmp: Path) -> str:
+    """``layouts/<name>`` as run: on a GPU every VRAM storage on cuda:0 (all ranks on one GPU)."""
+    path = ROOT / "layouts" / name if "/" not in name else ROOT / name
+    if device == "cpu":
+        return str(path)
+    data = yaml.safe_load(path.read_text())
+
+    def move(entries):
+        for e in entries:
+            if "repeat" in e:
+                move(e["storages"])
+            elif e.get("mem") == "VRAM":
+                e["device"] = 0
+    move(data["storages"])
+    out = tmp / f"{path.stem}-cuda0.yaml"
+    out.write_text(yaml.safe_dump(data, sort_keys=False))
+    return str(out)
+
+
+def _case(case: dict, prod: str, cons: str, args, tmp: Path, **kw) -> dict:
+    from kvlc.demo.run import run_demo
+
+    t0 = time.perf_counter()
+    try:
+        r = run_demo(_layout(prod, args.device, tmp), _layout(cons, args.device, tmp), device=args.device,
+                     check="all", fill="content", ids="random", timeout=120.0, start_timeout=300.0, **kw)
+        case.update(ok=r.ok, requests=r.requests, copied=r.copied_requests, checked_bytes=r.checked_bytes,
+                    mismatches=r.mismatches[:3], failed=dict(list(r.failed.items())[:3]))
+    except Exception as exc:  # a case that cannot run is a result too (and a failure)
+        case.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:800],
+                    where=traceback.format_exc(limit=-3)[-1200:])
+    case["seconds"] = round(time.perf_counter() - t0, 2)
+    return case
+
+
+def cases(args) -> list[tuple[dict, str, str, dict]]:
+    pairs = yaml.safe_load((ROOT / "layouts" / "pairs" / "pairs.yaml").read_text())["pairs"]
+    out = []
+    if "pairs" in args.only:
+        for p in pairs:
+            out.append(({"set": "pairs", "pair": p["name"], "mode": "pull"}, p["producer"], p["consumer"],
+                        {"mode": "pull", "requests": 4, "max_bytes": args.pool_mib * MiB}))
+        for p in pairs:
+            if p["name"] in MORE_MODES:
+                for mode in ("push", "pull_via_push"):
+                    out.append(({"set": "pairs", "pair": p["name"], "mode": mode}, p["producer"], p["consumer"],
+                                {"mode": mode, "requests": 4, "max_bytes": args.pool_mib * MiB}))
+    if "sizes" in args.only:
+        for layout, tokens in SIZES:
+            for t in tokens:
+                for mode in ("push", "pull_via_push"):
+                    pool = max(64 * MiB, 3 * t * 160 * 1024 + 16 * MiB) if args.device == "gpu" else 64 * MiB
+                    if args.device == "cpu" and t > 1100:
+                        continue  # (the dry run keeps its pools small)
+                    out.append(({"set": "sizes", "layout": Path(layout).stem, "tokens": t, "mode": mode}, layout,
+                                layout, {"mode": mode, "requests": 3, "tokens": t, "max_bytes": pool}))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", choices=("gpu", "cpu"), default="gpu")
+    ap.add_argument("--only", default="pairs,sizes", help="comma-separated: pairs, sizes")
+    ap.add_argument("--pool-mib", type=int, default=32, help="pairs: pool per rank")
+    ap.add_argument("--budget-s", type=float, default=540.0, help="start no case after this many seconds")
+    ap.add_argument("--out", default="", help="append each case's JSON line here too")
+    args = ap.parse_args(argv)
+    args.only = set(args.only.split(","))
+    tmp = Path(tempfile.mkdtemp())
+    t0, bad, ran, todo = time.perf_counter(), 0, 0, cases(args)
+    for case, prod, cons, kw in todo:
+        if time.perf_counter() - t0 > args.budget_s:
+            print(json.dumps({"skipped": len(todo) - ran, "why": f"--budget-s {args.budget_s:g} spent"}), flush=True)
+            break
+        row = _case(case, prod, cons, args, tmp, **kw)
+        ran += 1
+        bad += not row["ok"]
+        line = json.dumps(row)
+        print(line, flush=True)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(line + "\n")
+    print(f"{ran} cases, {bad} failed, {time.perf_counter() - t0:.0f} s", flush=True)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
