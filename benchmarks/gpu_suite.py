@@ -22,6 +22,9 @@ into DeepSeek-V3.2 on the GPU, one request per round, every round counted (first
 round GB/s (kvlc's host work for one request overlaps the copies of the others).
 Every mode of every group first moves one request of content-coded bytes on small pools and checks
 every destination byte and every byte around them (pass/FAIL in the table and the JSON).
+Other sizes and block patterns: ``--tokens`` (the Llama handovers', e.g. ``512,8192``), ``--dsv3-tokens``, and
+``--ids scattered`` (the random-id cases and the content check draw both sides' ids at random, a decode pool
+as fragmented as the prefill's, instead of the producer's only); the pools grow to hold what is in flight.
 
 Writes the JSON (``--out``) and a plot next to it, prints a table and the targets (met/missed).
 Exits 1 when kvlc failed (a kvlc mode's error or failed row, or any content check that failed), 0
@@ -225,8 +228,8 @@ def _of_ceiling(name: str, k: dict | None, floor: float, missing: str, note) -> 
 
 def _t_ipc(rows, sc) -> list[dict]:
     wanted = [("llama-3.1-8b", t) for t in sc.handover_tokens] + [("deepseek-v3 mla", sc.dsv3_tokens)]
-    return [_of_ceiling(f"same-host path >= 0.7x d2d copy, {group} {t} tokens random ids (GB/s at p50)",
-                        _find(rows, group, "kvlc ipc", kind="handover", tokens=t, ids="random"), 0.7,
+    return [_of_ceiling(f"same-host path >= 0.7x d2d copy, {group} {t} tokens {sc.ids} ids (GB/s at p50)",
+                        _find(rows, group, "kvlc ipc", kind="handover", tokens=t, ids=sc.ids), 0.7,
                         "kvlc ipc row or d2d copy missing or failed",
                         lambda k: f" (ipc requests: {k.get('ipc')})")
             for group, t in wanted]
@@ -238,10 +241,10 @@ def _t_flight(rows, sc) -> list[dict]:
     out = []
     for group, t in wanted:
         for batched, how in ((False, "in flight, one write() each"), (True, "per write_many")):
-            k = _find(rows, group, "kvlc ipc", kind="bulk", tokens=t, ids="random", batched=batched)
+            k = _find(rows, group, "kvlc ipc", kind="bulk", tokens=t, ids=sc.ids, batched=batched)
             if k is None:  # case 5 not selected
                 continue
-            out.append(_of_ceiling(f"same-host path >= 0.7x d2d copy, {group} {t} tokens random ids, {sc.flight} "
+            out.append(_of_ceiling(f"same-host path >= 0.7x d2d copy, {group} {t} tokens {sc.ids} ids, {sc.flight} "
                                    f"{how} (median round GB/s)", k, 0.7, "kvlc ipc row or d2d copy missing or failed",
                                    lambda k: f" (ipc requests: {k.get('ipc')})"))
     return out
@@ -357,6 +360,12 @@ def main(argv=None) -> int:
                     help="comma-separated cases: handover, deepseek, bulk, mixed, flight (or 1-5)")
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of: {', '.join(MODES)}")
     ap.add_argument("--quick", action="store_true", help="fewer requests and rounds")
+    ap.add_argument("--tokens", default="",
+                    help="the Llama handovers' tokens, comma-separated (default 1024,2048,4096)")
+    ap.add_argument("--dsv3-tokens", type=int, default=0, help="the DeepSeek-V3 MLA handovers' tokens (default 4096)")
+    ap.add_argument("--ids", choices=("random", "scattered"), default="random",
+                    help="the scattered cases' block ids: the producer's at random (into runs of the consumer's), "
+                         "or both sides' at random")
     args = ap.parse_args(argv)
     only = {SELECT.get(w, w) for w in args.only.split(",") if w}
     selected = [m for m in args.modes.split(",") if m]
@@ -365,7 +374,13 @@ def main(argv=None) -> int:
         ap.error(f"unknown case or mode: {', '.join(sorted(bad))}")
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     t_start = time.time()
-    sc = cases.scale(args.device == "gpu", args.quick)
+    try:
+        tokens = tuple(int(t) for t in args.tokens.split(",") if t)
+    except ValueError:
+        ap.error(f"--tokens {args.tokens!r}: give whole numbers of tokens, comma-separated (e.g. 1024,8192)")
+    if any(t < 1 for t in tokens) or args.dsv3_tokens < 0:
+        ap.error("--tokens and --dsv3-tokens: give at least one token per request")
+    sc = cases.scale(args.device == "gpu", args.quick, tokens, args.dsv3_tokens, args.ids)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     command = " ".join(["python3", "benchmarks/gpu_suite.py", *sys.argv[1:]])

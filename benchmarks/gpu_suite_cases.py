@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import statistics
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +24,7 @@ LLAMA = ROOT / "layouts" / "llama-3.1-8b.yaml"
 DSV3 = ROOT / "layouts" / "deepseek-v3-tp1.yaml"
 MIXED = (ROOT / "layouts" / "deepseek-v3.2-hisparse-tp8.yaml", ROOT / "layouts" / "deepseek-v3.2-tp8.yaml")
 SPAN = 40  # offline bases: storage i at (i + 1) << SPAN
+LLAMA_TOKEN, DSV3_TOKEN = 128 << 10, 72 << 10  # KV-cache bytes of one token at most (bf16; MLA 70,272 and padding)
 
 
 @dataclass(frozen=True)
@@ -45,15 +46,28 @@ class Scale:
     rounds: int     # timed rounds (bulk), after one warm round
     mixed_rounds: int
     check_tokens: int  # the content check's request: not a multiple of a block (its last block partial)
+    ids: str = "random"  # how the scattered cases draw block ids (kvlc.demo.workload.ID_PATTERNS)
 
 
-def scale(gpu: bool, quick: bool) -> Scale:
+def scale(gpu: bool, quick: bool, tokens: tuple[int, ...] = (), dsv3_tokens: int = 0, ids: str = "random") -> Scale:
+    """The run's sizes; ``tokens`` (the Llama handovers'), ``dsv3_tokens`` and ``ids`` (the scattered cases'
+    pattern: ``random``, the producer's ids scattered, or ``scattered``, both sides') replace the defaults; for
+    tokens given, a pool grows where it would not hold ``flight`` requests at once (with a quarter to spare)."""
     if gpu:  # Llama-3.1-8B: 2,048 tokens are 256 MiB, 16,384 tokens 2 GiB
-        return Scale(True, 8 * GiB, 4 * GiB, 1 * GiB, 64 * MiB, (1024, 2048, 4096), 4096,
-                     ((2048, 8), (16384, 2)), 2048, 4, 20 if quick else 50, 3 if quick else 5,
-                     3 if quick else 7, 4 if quick else 8, 250)
-    return Scale(False, 64 * MiB, 64 * MiB, 64 * MiB, 64 * MiB, (64, 128, 256), 256, ((64, 4), (256, 1)), 128, 2,
-                 6 if quick else 10, 2, 2 if quick else 3, 3, 60)
+        sc = Scale(True, 8 * GiB, 4 * GiB, 1 * GiB, 64 * MiB, (1024, 2048, 4096), 4096,
+                   ((2048, 8), (16384, 2)), 2048, 4, 20 if quick else 50, 3 if quick else 5,
+                   3 if quick else 7, 4 if quick else 8, 250)
+    else:
+        sc = Scale(False, 64 * MiB, 64 * MiB, 64 * MiB, 64 * MiB, (64, 128, 256), 256, ((64, 4), (256, 1)), 128, 2,
+                   6 if quick else 10, 2, 2 if quick else 3, 3, 60)
+    sc = replace(sc, ids=ids)
+    if tokens:
+        need = sc.flight * max(tokens) * LLAMA_TOKEN * 5 // 4
+        sc = replace(sc, handover_tokens=tuple(tokens), llama_pool=max(sc.llama_pool, need))
+    if dsv3_tokens:
+        need = sc.flight * dsv3_tokens * DSV3_TOKEN * 5 // 4
+        sc = replace(sc, dsv3_tokens=dsv3_tokens, dsv3_pool=max(sc.dsv3_pool, need))
+    return sc
 
 
 @dataclass
@@ -131,17 +145,17 @@ def groups(sc: Scale, only: set[str]) -> list[Group]:
         [(f"pull_via_push {_mib(sc, t)}", "pull_via_push", t, k) for t, k in sc.bulk]
     llama = [Case(f"llama-8b handover {t} tokens {ids} ids", "handover", "handover", t, ids, rounds=sc.n,
                   warm=sc.warm)
-             for ids in ("contiguous", "random") for t in sc.handover_tokens]
+             for ids in ("contiguous", sc.ids) for t in sc.handover_tokens]
     # What an engine hands over: a prompt's tokens less the one the decoder computes, so the last block is
     # partial (its tokens: entries of a slot of one tile in the block form).
-    prompt = sc.handover_tokens[len(sc.handover_tokens) // 2] - 1
-    llama += [Case(f"llama-8b handover {prompt} tokens random ids (a prompt: last block partial)", "handover",
-                   "handover", prompt, "random", rounds=sc.n, warm=sc.warm)]
+    prompt = max(1, sc.handover_tokens[len(sc.handover_tokens) // 2] - 1)
+    llama += [Case(f"llama-8b handover {prompt} tokens {sc.ids} ids (a prompt: last block partial)", "handover",
+                   "handover", prompt, sc.ids, rounds=sc.n, warm=sc.warm)]
     llama += [Case(f"llama-8b {label}", "bulk", "bulk", t, direction=d, inflight=k, rounds=sc.rounds)
               for label, d, t, k in b]
     llama += _flight("llama-8b", sc, sc.handover_tokens)
-    dsv3 = [Case(f"deepseek-v3 mla handover {sc.dsv3_tokens} tokens random ids", "deepseek", "handover",
-                 sc.dsv3_tokens, "random", rounds=sc.n, warm=sc.warm), *_flight("deepseek-v3 mla", sc, (sc.dsv3_tokens,))]
+    dsv3 = [Case(f"deepseek-v3 mla handover {sc.dsv3_tokens} tokens {sc.ids} ids", "deepseek", "handover",
+                 sc.dsv3_tokens, sc.ids, rounds=sc.n, warm=sc.warm), *_flight("deepseek-v3 mla", sc, (sc.dsv3_tokens,))]
     out = [Group("llama-3.1-8b", LLAMA, LLAMA, sc.llama_pool, llama, sc.check_tokens),
            Group("deepseek-v3 mla", DSV3, DSV3, sc.dsv3_pool, dsv3, sc.check_tokens),
            Group("mixed dram->vram", *MIXED, sc.mixed_pool,
@@ -153,11 +167,12 @@ def groups(sc: Scale, only: set[str]) -> list[Group]:
 
 
 def _flight(model: str, sc: Scale, tokens: tuple[int, ...]) -> list[Case]:
-    """Handovers of random ids with ``sc.flight`` requests at once: each written as soon as the one before
+    """Handovers of scattered ids (``sc.ids``) with ``sc.flight`` requests at once: each written as soon as the one
+    before
     it was (one ``write()`` each, the engine not waiting in between), or all in one ``write_many``; GB/s
     per round, so kvlc's host work for one request overlaps the copies of the others."""
     k = sc.flight
-    return [Case(f"{model} handover {t} tokens random ids, {k} {how}", "flight", "bulk", t, "random",
+    return [Case(f"{model} handover {t} tokens {sc.ids} ids, {k} {how}", "flight", "bulk", t, sc.ids,
                  inflight=k, batched=batched, rounds=sc.rounds)
             for t in tokens for batched, how in ((False, "in flight"), (True, "per write_many"))]
 
@@ -187,7 +202,7 @@ def prepare(g: Group, sc: Scale) -> None:
     from kvlc.demo.run import make_workload
 
     g.check_request = make_workload(g.check_plans[1], g.check_plans[0], 1, g.check_tokens, seed=7,
-                                    ids="random")[0][0]
+                                    ids=sc.ids)[0][0]
     _, cids, pids, n = g.check_request
     g.check_ranges = push_ranges(offline_bound(*g.check_plans), pids, cids, n)
 
@@ -200,8 +215,8 @@ def _requests(g: Group, c: Case, seed: int) -> list:
     prod, cons = g.plans
     if c.kind == "handover":
         return [r for rnd in make_workload(cons, prod, c.warm + c.rounds, c.tokens, seed, c.ids) for r in rnd]
-    if c.kind == "bulk" and c.ids == "random":  # fresh random producer ids every round
-        got = [make_workload(cons, prod, c.inflight, c.tokens, seed + 1000 * r, "random")[0]
+    if c.kind == "bulk" and c.ids != "contiguous":  # fresh scattered ids every round
+        got = [make_workload(cons, prod, c.inflight, c.tokens, seed + 1000 * r, c.ids)[0]
                for r in range(c.rounds + 1)]
         if any(len(one) != c.inflight for one in got):
             raise RuntimeError(f"{c.name}: the pool holds fewer than {c.inflight} requests of {c.tokens} tokens")
