@@ -122,11 +122,43 @@ def _source_slot(p, t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return (t // period) * p.dcp_interleave + t % p.dcp_interleave, ((t // p.dcp_interleave) % p.dcp_size) * DCP_KEY
 
 
+def page_shares(plan: Plan) -> dict[str, tuple[int, int]]:
+    """Group → ``(k, i)``: where the regions of ``k`` groups share one page pool (declared aliases, a hybrid
+    engine's pool of pages; joined where they share any), the ``i``-th of them (in plan order) holds its
+    content on the pages ``p`` with ``p % k == i`` (:func:`fill`), so a request gives it those pages only
+    (:func:`kvlc.demo.workload.make_workload`): a page holds one group's blocks at a time, as in an engine.
+    ``(1, 0)`` for a group that shares none."""
+    from kvlc.compiler.plan.aliases import pools
+
+    pool = pools(plan.regions)
+    joined = {p for p in pool.values() if list(pool.values()).count(p) > 1}  # pools of several regions
+    names = [g.name for g in plan.groups]
+    # (a region in two groups codes alike for both: only other regions on its pages are in the way)
+    of = {g: {pool[r.name] for r in plan.regions if g in r.groups and pool[r.name] in joined} for g in names}
+    sets: list[list[str]] = []
+    for g in names:
+        meet = [s for s in sets if any(of[g] & of[h] for h in s)]
+        sets = [s for s in sets if s not in meet] + [[h for s in meet for h in s] + [g]]
+    return {g: (len(s), sorted(s, key=names.index).index(g)) for s in sets for g in s}
+
+
+def own_pages(plan: Plan, group: str) -> np.ndarray:
+    """The block ids a request may give ``group`` (:func:`page_shares`): all of its pool's, or its share."""
+    k, i = page_shares(plan)[group]
+    return np.arange(i, plan.group_capacity(group), k, dtype=np.int64)
+
+
 def fill(plan: Plan, rank: int, buffers: Mapping[str, np.ndarray]) -> None:
-    """Write content codes into every block of every region (buffers: storage → uint8 array)."""
+    """Write content codes into every block of every region (buffers: storage → uint8 array); a region of a
+    shared page pool into its group's pages only (:func:`page_shares`)."""
+    shares = page_shares(plan)
     for r in plan.regions:
         buf = buffers[r.storage]
         blocks = np.arange(r.num_blocks, dtype=np.int64)
+        k, i = max(shares[g] for g in r.groups)
+        if k > 1:  # kernel block b is on page b // m
+            m = 1 if r.is_state else plan.group(r.groups[0]).kernel_blocks_per_block
+            blocks = blocks[(blocks // m) % k == i]
         for f in r.fields:
             el = field_elements(f, _head_start(plan, rank, f))
             # every DCP rank holds the whole state (and a replicated group's every token)

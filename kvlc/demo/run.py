@@ -303,14 +303,14 @@ def _move(engines: _Engines, batch: list, result: DemoResult, timeout: float) ->
     reqs = [(r, p, c, n) for r, c, p, n in batch] if engines.mode == "push" else batch
     method, size = (engines.method, 0) if engines.batch == 1 else (f"{engines.method}_many", engines.batch)
     out = engines.proc.call("batch", -1, [(h.aid, "default", method, reqs, size) for h in engines.active], timeout)
-    ids = [b[0] for b in batch]
+    for a in out["agents"].values():
+        result.failed.update(a["failed"])
+        result.failed.update(a["errors"])
+    ids = [b[0] for b in batch if b[0] not in result.failed]  # (a refused request is not waited for)
     for h in engines.cons:  # every consumer rank: every request landed (push: notified)
         got = h.call("wait", ids, timeout)
         result.failed.update(got["failed"])
         result.failed.update({r: "still open" for r in got["open"]})
-    for a in out["agents"].values():
-        result.failed.update(a["failed"])
-        result.failed.update(a["errors"])
     result.seconds += out["seconds"]
     result.round_seconds.append(out["seconds"])
 

@@ -24,7 +24,11 @@ class DemoError(KvlcError):
 
 
 def _capacities(plan: Plan) -> dict[str, int]:
-    return {g.name: plan.group_capacity(g.name) for g in plan.groups
+    """Per group, the block ids a request may give it: its pool's, or its share of a page pool that groups
+    share (:func:`kvlc.demo.content.page_shares`)."""
+    from kvlc.demo.content import own_pages
+
+    return {g.name: len(own_pages(plan, g.name)) for g in plan.groups
             if any(g.name in r.groups for r in plan.regions)}
 
 
@@ -56,36 +60,79 @@ def check_pair(consumer: Plan, producer: Plan) -> None:
 
 
 @dataclass(frozen=True)
+class _Side:
+    """One engine's pools for a request: the ids each group may be given (``pages``: all of its pool's, or its
+    share of a pool it shares) and how many one request needs."""
+
+    pages: dict[str, np.ndarray]
+    need: dict[str, int]
+
+    @classmethod
+    def of(cls, plan: Plan, groups: list[str], tokens: int) -> _Side:
+        from kvlc.demo.content import own_pages
+
+        return cls({g: own_pages(plan, g) for g in groups}, {g: plan.blocks_for(g, tokens) for g in groups})
+
+    def cap(self, g: str) -> int:
+        return len(self.pages[g])
+
+    def per_round(self) -> int:
+        return max(1, min(self.cap(g) // self.need[g] for g in self.need))
+
+    def runs(self, j: int) -> dict[str, list[int]]:
+        """Request ``j``'s ids: the ``j``-th run of each group's ids."""
+        return {g: self.pages[g][j * n:(j + 1) * n].tolist() for g, n in self.need.items()}
+
+    def drawn(self, rng: np.random.Generator) -> dict[str, list[int]]:
+        """One request's ids, drawn at random."""
+        return {g: self.pages[g][rng.choice(self.cap(g), n, replace=False)].tolist() for g, n in self.need.items()}
+
+    def orders(self, rng: np.random.Generator) -> dict[str, np.ndarray]:
+        """One round's random order of each group's ids."""
+        return {g: rng.permutation(self.cap(g)) for g in self.need}
+
+    def sliced(self, order: dict[str, np.ndarray], j: int) -> dict[str, list[int]]:
+        """Request ``j``'s ids in a round's ``order``."""
+        return {g: self.pages[g][order[g][j * n:(j + 1) * n]].tolist() for g, n in self.need.items()}
+
+
+@dataclass(frozen=True)
 class _Pools:
-    """What one request of ``tokens`` tokens needs of each shared group's pools, and what they hold."""
+    """What one request of ``tokens`` tokens needs of each shared group's pools, on each side."""
 
     groups: list[str]
     tokens: int
-    cap_c: dict[str, int]
-    cap_p: dict[str, int]
-    need_c: dict[str, int]
-    need_p: dict[str, int]
+    consumer: _Side
+    producer: _Side
 
     @classmethod
     def of(cls, consumer: Plan, producer: Plan, tokens: int) -> _Pools:
         groups = [g.name for g in consumer.groups if g.name in {x.name for x in producer.groups}]
-        return cls(groups, tokens, _capacities(consumer), _capacities(producer),
-                   {g: consumer.blocks_for(g, tokens) for g in groups},
-                   {g: producer.blocks_for(g, tokens) for g in groups})
+        return cls(groups, tokens, _Side.of(consumer, groups, tokens), _Side.of(producer, groups, tokens))
 
     def check_fit(self, consumer: Plan, producer: Plan) -> None:
+        c, p = self.consumer, self.producer
         for g in self.groups:
-            if self.need_c[g] > self.cap_c[g] or self.need_p[g] > self.cap_p[g]:
+            if c.need[g] > c.cap(g) or p.need[g] > p.cap(g):
                 raise DemoError(
-                    f"--tokens {self.tokens}: group '{g}': {self.tokens} tokens need {self.need_c[g]} consumer / "
-                    f"{self.need_p[g]} producer blocks; the pools hold {self.cap_c[g]} / {self.cap_p[g]}: use at "
-                    f"most {max_fit(consumer, producer, g)} tokens or a larger pool (--pool-mib)"
+                    f"--tokens {self.tokens}: group '{g}': {self.tokens} tokens need {c.need[g]} consumer / "
+                    f"{p.need[g]} producer blocks; the pools hold {c.cap(g)} / {p.cap(g)}"
+                    f"{_shared(g, consumer, producer)}: use at most {max_fit(consumer, producer, g)} tokens or a "
+                    "larger pool (--pool-mib)"
                 )
 
     def per_round(self, contiguous: bool) -> int:
         """Requests a round holds: disjoint consumer blocks (contiguous ids: producer blocks too)."""
-        n = max(1, min(self.cap_c[g] // self.need_c[g] for g in self.groups))
-        return max(1, min(n, *(self.cap_p[g] // self.need_p[g] for g in self.groups))) if contiguous else n
+        n = self.consumer.per_round()
+        return max(1, min(n, self.producer.per_round())) if contiguous else n
+
+
+def _shared(group: str, *plans: Plan) -> str:
+    """Where ``group`` shares a page pool: which share the counts are."""
+    from kvlc.demo.content import page_shares
+
+    k = max(page_shares(p)[group][0] for p in plans)
+    return f" (its share of a page pool that {k} groups share)" if k > 1 else ""
 
 
 def make_workload(consumer: Plan, producer: Plan, requests: int, tokens: int | None = None, seed: int = 0,
@@ -95,22 +142,23 @@ def make_workload(consumer: Plan, producer: Plan, requests: int, tokens: int | N
     ``ids`` (:data:`ID_PATTERNS`): producer block ids drawn at ``"random"`` (a fragmented prefill pool)
     into contiguous runs of the consumer's; ``"scattered"``: random on both sides (a decode pool
     fragmented as well: each round's consumer ids a random permutation's slices); ``"contiguous"``:
-    runs on both sides (fresh pools; descriptors coalesce across blocks).
+    runs on both sides (fresh pools; descriptors coalesce across blocks). Groups whose regions share one
+    page pool (declared aliases, a hybrid engine's pool) get their own pages of it on each side
+    (:func:`kvlc.demo.content.page_shares`: the pages holding their content).
     """
     _check_workload(requests, tokens, ids)
     rng = np.random.default_rng(seed)
     pools = _Pools.of(consumer, producer, default_tokens(consumer, producer) if tokens is None else tokens)
     pools.check_fit(consumer, producer)
     per_round = pools.per_round(ids == "contiguous")
+    c, p = pools.consumer, pools.producer
     rounds, i = [], 0
     while i < requests:
         batch = []
-        order = {g: rng.permutation(pools.cap_c[g]) for g in pools.groups} if ids == "scattered" else None
+        order = c.orders(rng) if ids == "scattered" else None
         for j in range(min(per_round, requests - i)):
-            pids = _run_of(pools.need_p, j) if ids == "contiguous" else {
-                g: rng.choice(pools.cap_p[g], pools.need_p[g], replace=False).tolist() for g in pools.groups}
-            cids = _run_of(pools.need_c, j) if order is None else {
-                g: order[g][j * n:(j + 1) * n].tolist() for g, n in pools.need_c.items()}
+            pids = p.runs(j) if ids == "contiguous" else p.drawn(rng)
+            cids = c.runs(j) if order is None else c.sliced(order, j)
             batch.append((f"req-{i + j}", cids, pids, pools.tokens))
         rounds.append(batch)
         i += len(batch)
@@ -124,11 +172,6 @@ def _check_workload(requests, tokens, ids) -> None:
         raise DemoError(f"requests {requests!r}: give a whole number of requests, at least 1")
     if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or not 1 <= tokens <= MAX_TOKENS):
         raise DemoError(f"tokens {tokens!r}: give a whole number of tokens per request, 1 to {MAX_TOKENS}")
-
-
-def _run_of(need: dict[str, int], j: int) -> dict[str, list[int]]:
-    """Request ``j``'s block ids of each group: the ``j``-th run of ``need[group]`` blocks."""
-    return {g: list(range(j * n, (j + 1) * n)) for g, n in need.items()}
 
 
 def verify(

@@ -117,3 +117,60 @@ def test_pcp_engines_move_every_byte(prod, cons, mode):
     # 4 ranks are 4 replicas, each filled and checked; every byte moved was checked
     ranks = 4 if cons == "mla-tp2-pcp2" else 1
     assert res.checked_bytes == res.nbytes and res.nbytes % (ranks * 6 * 2 * 64) == 0
+
+
+def _shared_pool_plans():
+    """A TP2 producer and a TP1 consumer whose attention blocks and two Mamba groups' states share each
+    layer's pages (declared aliases: a hybrid engine's one pool)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from test_alias_properties import pool_spec
+
+    return (compile_spec(pool_spec("p", 2, 4, 12, 6)), compile_spec(pool_spec("c", 1, 8, 9, 6)))
+
+
+def test_shared_page_pools_hold_each_groups_content_on_its_own_pages():
+    """fill() puts a group's codes on the pages page_shares gives it (nothing else there), and the workload
+    gives each group only those: three groups share each pool, so group i gets the pages p % 3 == i."""
+    from kvlc.demo.content import fill, own_pages, page_shares
+
+    prod, cons = _shared_pool_plans()
+    assert page_shares(prod) == {"full": (3, 0), "ssm_a": (3, 1), "ssm_b": (3, 2)}
+    assert own_pages(prod, "ssm_b").tolist() == [2, 5, 8, 11]
+    whole = {s.name: np.zeros(s.size, np.uint8) for s in prod.storages}
+    fill(prod, 0, whole)
+    for r in prod.regions:  # each region alone, on a scratch copy: its group's pages must match the whole fill
+        alone = {s.name: np.zeros(s.size, np.uint8) for s in prod.storages}
+        fill(prod.model_copy(update={"regions": (r,)}), 0, alone)
+        (group,) = r.groups
+        m = 1 if r.is_state else prod.group(group).kernel_blocks_per_block
+        for page in own_pages(prod, group).tolist():
+            for k in range(page * m, page * m + m):
+                lo = r.offset + k * r.block_stride
+                assert np.array_equal(whole[r.storage][lo:lo + r.block_bytes], alone[r.storage][lo:lo + r.block_bytes])
+    for ids in ("random", "scattered", "contiguous"):
+        for batch in make_workload(cons, prod, 6, 9, ids=ids):
+            for _, cids, pids, _ in batch:
+                for side, plan, got in (("consumer", cons, cids), ("producer", prod, pids)):
+                    for g, blocks in got.items():
+                        assert set(blocks) <= set(own_pages(plan, g).tolist()), (ids, side, g, blocks)
+
+
+@pytest.mark.parametrize("mode", ["pull", "push", "pull_via_push"])
+def test_run_demo_checks_shared_page_pools(tmp_path, mode):
+    """Two processes, hybrid pools on both sides (TP2 -> TP1, 4- and 8-token blocks), every byte checked:
+    the demo's own check of such layouts (each group's pages hold its content) passes in every mode."""
+    pytest.importorskip("nixl")
+    from kvlc.demo.run import run_demo
+
+    from test_alias_properties import pool_spec  # (on the path: _shared_pool_plans)
+
+    _shared_pool_plans()
+    (tmp_path / "p.yaml").write_text(pool_spec("p", 2, 4, 12, 6))
+    (tmp_path / "c.yaml").write_text(pool_spec("c", 1, 8, 9, 6))
+    res = run_demo(tmp_path / "p.yaml", tmp_path / "c.yaml", mode=mode, requests=4, tokens=13, ids="scattered",
+                   check="all", timeout=30.0)
+    assert res.ok, (res.failed, res.mismatches[:3])
+    assert res.requests == 4 and res.verified_requests == 4 and res.checked_bytes > 0
