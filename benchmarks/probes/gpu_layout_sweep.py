@@ -8,8 +8,9 @@ block ids between two engine processes (``kvlc.demo.run.run_demo``, ``check="all
 byte compared with its content code, every other byte unchanged), one case after another:
 
 * ``pairs``: every pair of ``layouts/pairs/pairs.yaml`` by pull (the pool scaled to ``--pool-mib`` per
-  rank, the demo's default tokens: two requests share the smallest consumer pool), then a few of them by
-  push and pull via push (``--modes-pairs``);
+  rank, more where a pair needs it; the demo's default tokens: two requests share the smallest consumer
+  pool; ``--ids``: both sides' ids at random by default), then a few of them (``MORE_MODES``) by push and
+  pull via push;
 * ``sizes``: Llama-3.1-8B, one request after another of ``--tokens`` (1 token, a partial block, a prompt's
   4,095, and larger), pushed and pulled via push; DeepSeek-V3 MLA at TP1 the same;
 
@@ -40,7 +41,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 MiB = 1 << 20
 # pairs also moved by push and by pull via push: block sizes either way, TP, MLA, Mamba, mixed DRAM, split K / V
 MORE_MODES = ("gemma3-b16-to-b32", "llama70b-hnd-tp4-to-tp8", "deepseek-v3-tp8-to-tp1", "nemotron-h-tp4-to-tp2",
-              "deepseek-v3.2-to-hisparse", "llama8b-split-to-joint", "v4-compressed-b128-to-b256")
+              "deepseek-v3.2-to-hisparse", "llama8b-split-to-joint", "v4-compressed-b128-to-b256",
+              "qwen3-next-pool-tp4-to-tp2")
+# pools a pair needs larger than --pool-mib: four groups share each page pool (a hybrid engine's), each its pages
+POOL_MIB = {"qwen3-next-pool-tp4-to-tp2": 128, "qwen3-next-pool-tp2-to-tp4": 128}
 SIZES = (("layouts/llama-3.1-8b.yaml", (1, 15, 17, 1023, 4095, 8192)),
          ("layouts/deepseek-v3-tp1.yaml", (1, 63, 4097)))
 
@@ -64,13 +68,13 @@ def _layout(name: str, device: str, tmp: Path) -> str:
     return str(out)
 
 
-def _case(case: dict, prod: str, cons: str, args, tmp: Path, **kw) -> dict:
+def _case(case: dict, prod: str, cons: str, args, tmp: Path, ids: str, **kw) -> dict:
     from kvlc.demo.run import run_demo
 
     t0 = time.perf_counter()
     try:
         r = run_demo(_layout(prod, args.device, tmp), _layout(cons, args.device, tmp), device=args.device,
-                     check="all", fill="content", ids="random", timeout=120.0, start_timeout=300.0, **kw)
+                     check="all", fill="content", ids=ids, timeout=120.0, start_timeout=300.0, **kw)
         case.update(ok=r.ok, requests=r.requests, copied=r.copied_requests, checked_bytes=r.checked_bytes,
                     mismatches=r.mismatches[:3], failed=dict(list(r.failed.items())[:3]))
     except Exception as exc:  # a case that cannot run is a result too (and a failure)
@@ -85,13 +89,11 @@ def cases(args) -> list[tuple[dict, str, str, dict]]:
     out = []
     if "pairs" in args.only:
         for p in pairs:
-            out.append(({"set": "pairs", "pair": p["name"], "mode": "pull"}, p["producer"], p["consumer"],
-                        {"mode": "pull", "requests": 4, "max_bytes": args.pool_mib * MiB}))
-        for p in pairs:
-            if p["name"] in MORE_MODES:
-                for mode in ("push", "pull_via_push"):
-                    out.append(({"set": "pairs", "pair": p["name"], "mode": mode}, p["producer"], p["consumer"],
-                                {"mode": mode, "requests": 4, "max_bytes": args.pool_mib * MiB}))
+            for mode in ("pull", "push", "pull_via_push"):
+                if mode == "pull" or p["name"] in MORE_MODES:
+                    pool = max(args.pool_mib, POOL_MIB.get(p["name"], 0)) * MiB
+                    out.append(({"set": "pairs", "pair": p["name"], "mode": mode, "ids": args.ids}, p["producer"],
+                                p["consumer"], {"mode": mode, "requests": 4, "max_bytes": pool, "ids": args.ids}))
     if "sizes" in args.only:
         for layout, tokens in SIZES:
             for t in tokens:
@@ -99,8 +101,9 @@ def cases(args) -> list[tuple[dict, str, str, dict]]:
                     pool = max(64 * MiB, 3 * t * 160 * 1024 + 16 * MiB) if args.device == "gpu" else 64 * MiB
                     if args.device == "cpu" and t > 1100:
                         continue  # (the dry run keeps its pools small)
-                    out.append(({"set": "sizes", "layout": Path(layout).stem, "tokens": t, "mode": mode}, layout,
-                                layout, {"mode": mode, "requests": 3, "tokens": t, "max_bytes": pool}))
+                    out.append(({"set": "sizes", "layout": Path(layout).stem, "tokens": t, "mode": mode,
+                                 "ids": args.ids}, layout, layout,
+                                {"mode": mode, "requests": 3, "tokens": t, "max_bytes": pool, "ids": args.ids}))
     return out
 
 
@@ -109,6 +112,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", choices=("gpu", "cpu"), default="gpu")
     ap.add_argument("--only", default="pairs,sizes", help="comma-separated: pairs, sizes")
     ap.add_argument("--pool-mib", type=int, default=32, help="pairs: pool per rank")
+    ap.add_argument("--ids", choices=("random", "scattered", "contiguous"), default="scattered",
+                    help="block ids: both sides' at random (scattered), the producer's (random), or runs")
     ap.add_argument("--budget-s", type=float, default=540.0, help="start no case after this many seconds")
     ap.add_argument("--out", default="", help="append each case's JSON line here too")
     args = ap.parse_args(argv)
