@@ -32,23 +32,38 @@ def _capacities(plan: Plan) -> dict[str, int]:
             if any(g.name in r.groups for r in plan.regions)}
 
 
+def linked_groups(consumer: Plan, producer: Plan) -> tuple[list[str], list[str]]:
+    """The groups a request gives ids of on each side, as pairing links them (every consumer rank): the
+    consumer's, then the producer's (a region may be in another group on each side, e.g. an MTP layer in its
+    own group on one engine and in the main one on the other). In each plan's group order."""
+    from kvlc.compiler.pairing.pair import pair
+    from kvlc.compiler.request.rules import request_rules
+
+    cg: set[str] = set()
+    pg: set[str] = set()
+    for r in range(consumer.parallel.ranks):
+        rules = request_rules(pair(consumer, producer, local_rank=r, direction="READ"))
+        cg |= rules.local_names
+        pg |= rules.remote_names
+    return [g.name for g in consumer.groups if g.name in cg], [g.name for g in producer.groups if g.name in pg]
+
+
 def default_tokens(consumer: Plan, producer: Plan, limit: int = 128) -> int:
-    """Tokens per request so that at least two requests fit each consumer pool (at most ``limit``)."""
+    """Tokens per request so that at least two requests fit each consumer pool (at most ``limit``) and one
+    each producer pool."""
     cap_c, cap_p = _capacities(consumer), _capacities(producer)
+    cg, pg = linked_groups(consumer, producer)
     best = limit
-    for g in consumer.groups:
-        if g.is_state or g.name not in cap_p:
-            continue
-        best = min(
-            best, max(1, cap_c[g.name] // 2) * g.block_size, cap_p[g.name] * producer.group(g.name).block_size
-        )
+    for plan, groups, cap, k in ((consumer, cg, cap_c, 2), (producer, pg, cap_p, 1)):
+        for g in groups:
+            if not plan.group(g).is_state:
+                best = min(best, max(1, cap[g] // k) * plan.group(g).block_size)
     return max(1, best)
 
 
-def max_fit(consumer: Plan, producer: Plan, group: str) -> int:
-    """The most tokens one request of ``group`` can carry in both pools."""
-    cap_c, cap_p = _capacities(consumer), _capacities(producer)
-    return min(cap_c[group] * consumer.group(group).block_size, cap_p[group] * producer.group(group).block_size)
+def max_fit(plan: Plan, group: str) -> int:
+    """The most tokens one request of ``group`` can carry in ``plan``'s pool."""
+    return _capacities(plan)[group] * plan.group(group).block_size
 
 
 def check_pair(consumer: Plan, producer: Plan) -> None:
@@ -98,28 +113,27 @@ class _Side:
 
 @dataclass(frozen=True)
 class _Pools:
-    """What one request of ``tokens`` tokens needs of each shared group's pools, on each side."""
+    """What one request of ``tokens`` tokens needs of each linked group's pools (:func:`linked_groups`), on each
+    side."""
 
-    groups: list[str]
     tokens: int
     consumer: _Side
     producer: _Side
 
     @classmethod
     def of(cls, consumer: Plan, producer: Plan, tokens: int) -> _Pools:
-        groups = [g.name for g in consumer.groups if g.name in {x.name for x in producer.groups}]
-        return cls(groups, tokens, _Side.of(consumer, groups, tokens), _Side.of(producer, groups, tokens))
+        cg, pg = linked_groups(consumer, producer)
+        return cls(tokens, _Side.of(consumer, cg, tokens), _Side.of(producer, pg, tokens))
 
     def check_fit(self, consumer: Plan, producer: Plan) -> None:
-        c, p = self.consumer, self.producer
-        for g in self.groups:
-            if c.need[g] > c.cap(g) or p.need[g] > p.cap(g):
-                raise DemoError(
-                    f"--tokens {self.tokens}: group '{g}': {self.tokens} tokens need {c.need[g]} consumer / "
-                    f"{p.need[g]} producer blocks; the pools hold {c.cap(g)} / {p.cap(g)}"
-                    f"{_shared(g, consumer, producer)}: use at most {max_fit(consumer, producer, g)} tokens or a "
-                    "larger pool (--pool-mib)"
-                )
+        for side, plan, name in ((self.consumer, consumer, "consumer"), (self.producer, producer, "producer")):
+            for g, n in side.need.items():
+                if n > side.cap(g):
+                    raise DemoError(
+                        f"--tokens {self.tokens}: {name} group '{g}': {self.tokens} tokens need {n} blocks; the pool "
+                        f"holds {side.cap(g)}{_shared(g, plan)}: use at most {max_fit(plan, g)} tokens or a larger "
+                        "pool (--pool-mib)"
+                    )
 
     def per_round(self, contiguous: bool) -> int:
         """Requests a round holds: disjoint consumer blocks (contiguous ids: producer blocks too)."""
@@ -127,11 +141,11 @@ class _Pools:
         return max(1, min(n, self.producer.per_round())) if contiguous else n
 
 
-def _shared(group: str, *plans: Plan) -> str:
-    """Where ``group`` shares a page pool: which share the counts are."""
+def _shared(group: str, plan: Plan) -> str:
+    """Where ``group`` shares a page pool: which share the count is."""
     from kvlc.demo.content import page_shares
 
-    k = max(page_shares(p)[group][0] for p in plans)
+    k = page_shares(plan)[group][0]
     return f" (its share of a page pool that {k} groups share)" if k > 1 else ""
 
 

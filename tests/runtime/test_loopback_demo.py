@@ -174,3 +174,28 @@ def test_run_demo_checks_shared_page_pools(tmp_path, mode):
                    check="all", timeout=30.0)
     assert res.ok, (res.failed, res.mismatches[:3])
     assert res.requests == 4 and res.verified_requests == 4 and res.checked_bytes > 0
+
+
+def test_workload_gives_each_side_the_groups_pairing_links():
+    """An MTP layer in its own group on the TP8 producer and in the main group on the TP1 consumer: a request
+    carries the consumer's 'mla' ids and the producer's 'mla' and 'mtp' ids (as many as the tokens need)."""
+    from kvlc.demo.workload import linked_groups
+
+    prod = cpu_plan(LAYOUTS / "deepseek-v3-tp8-mtp.yaml", 16 << 20)
+    cons = cpu_plan(LAYOUTS / "deepseek-v3-tp1-mtp.yaml", 16 << 20)
+    assert linked_groups(cons, prod) == (["mla"], ["mla", "mtp"])
+    assert linked_groups(prod, cons) == (["mla", "mtp"], ["mla"])
+    for _, cids, pids, n in make_workload(cons, prod, 3, 100, ids="scattered")[0]:
+        assert set(cids) == {"mla"} and set(pids) == {"mla", "mtp"}
+        assert len(pids["mtp"]) == prod.blocks_for("mtp", n) and len(cids["mla"]) == cons.blocks_for("mla", n)
+
+
+def test_run_demo_checks_a_layer_in_another_group():
+    """The same pair end to end (pull): every byte of the MTP layer checked against the producer's 'mtp' blocks."""
+    pytest.importorskip("nixl")
+    from kvlc.demo.run import run_demo
+
+    res = run_demo(LAYOUTS / "deepseek-v3-tp8-mtp.yaml", LAYOUTS / "deepseek-v3-tp1-mtp.yaml", mode="pull",
+                   requests=2, max_bytes=16 << 20, ids="scattered", check="all", timeout=30.0)
+    assert res.ok, (res.failed, res.mismatches[:3])
+    assert res.verified_requests == 2 and res.checked_bytes > 0
