@@ -19,7 +19,8 @@ went through the same-host copy (``copied``: the rest through NIXL), seconds, an
 failures. ``--budget-s`` stops starting cases once spent (what ran is kept). ``--device cpu`` runs the same
 cases on DRAM (a dry run; the same-host copy is not used there).
 
-Run:  python3 benchmarks/probes/gpu_layout_sweep.py [--only pairs,sizes] [--out sweep.jsonl] [--budget-s 540]
+Run:  python3 benchmarks/probes/gpu_layout_sweep.py [--only pairs,sizes] [--select PAIR,...] [--out sweep.jsonl]
+           [--budget-s 540]
 """
 
 from __future__ import annotations
@@ -88,7 +89,13 @@ def cases(args) -> list[tuple[dict, str, str, dict]]:
     pairs = yaml.safe_load((ROOT / "layouts" / "pairs" / "pairs.yaml").read_text())["pairs"]
     out = []
     if "pairs" in args.only:
-        for p in pairs:
+        chosen = [n for n in args.select.split(",") if n]
+        unknown = set(chosen) - {p["name"] for p in pairs}
+        if unknown:
+            raise SystemExit(f"--select: no pair named {', '.join(sorted(unknown))} in layouts/pairs/pairs.yaml")
+        for p in sorted(pairs, key=lambda p: chosen.index(p["name"]) if p["name"] in chosen else 0):
+            if chosen and p["name"] not in chosen:
+                continue
             for mode in ("pull", "push", "pull_via_push"):
                 if mode == "pull" or p["name"] in MORE_MODES:
                     pool = max(args.pool_mib, POOL_MIB.get(p["name"], 0)) * MiB
@@ -112,6 +119,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", choices=("gpu", "cpu"), default="gpu")
     ap.add_argument("--only", default="pairs,sizes", help="comma-separated: pairs, sizes")
     ap.add_argument("--pool-mib", type=int, default=32, help="pairs: pool per rank")
+    ap.add_argument("--select", default="", help="pairs: only these (names in layouts/pairs/pairs.yaml), in this order")
     ap.add_argument("--ids", choices=("random", "scattered", "contiguous"), default="scattered",
                     help="block ids: both sides' at random (scattered), the producer's (random), or runs")
     ap.add_argument("--budget-s", type=float, default=540.0, help="start no case after this many seconds")
