@@ -192,7 +192,7 @@ def _cited_result_files() -> dict[str, set[str]]:
         prose = re.sub(r"```.*?```", "", readme.read_text(), flags=re.S)
         names = set()
         for quoted in re.findall(r"`([^`]+)`", prose):
-            names |= set(re.findall(r"(?:^|[\s/])([\w.-]+\.(?:json|log|png|txt))\b", quoted))
+            names |= set(re.findall(r"(?:^|[\s/])([\w.-]+\.(?:jsonl|json|log|png|txt))\b", quoted))
         out[str(readme.relative_to(BENCHMARKS.parent))] = names
     return out
 

@@ -97,7 +97,7 @@ def cases(args) -> list[tuple[dict, str, str, dict]]:
             if chosen and p["name"] not in chosen:
                 continue
             for mode in ("pull", "push", "pull_via_push"):
-                if mode == "pull" or p["name"] in MORE_MODES:
+                if mode in args.modes if args.modes else (mode == "pull" or p["name"] in MORE_MODES):
                     pool = max(args.pool_mib, POOL_MIB.get(p["name"], 0)) * MiB
                     out.append(({"set": "pairs", "pair": p["name"], "mode": mode, "ids": args.ids}, p["producer"],
                                 p["consumer"], {"mode": mode, "requests": 4, "max_bytes": pool, "ids": args.ids}))
@@ -120,12 +120,17 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default="pairs,sizes", help="comma-separated: pairs, sizes")
     ap.add_argument("--pool-mib", type=int, default=32, help="pairs: pool per rank")
     ap.add_argument("--select", default="", help="pairs: only these (names in layouts/pairs/pairs.yaml), in this order")
+    ap.add_argument("--modes", default="", help="pairs: these modes for every pair (default: pull, and push and pull "
+                                                "via push for MORE_MODES)")
     ap.add_argument("--ids", choices=("random", "scattered", "contiguous"), default="scattered",
                     help="block ids: both sides' at random (scattered), the producer's (random), or runs")
     ap.add_argument("--budget-s", type=float, default=540.0, help="start no case after this many seconds")
     ap.add_argument("--out", default="", help="append each case's JSON line here too")
     args = ap.parse_args(argv)
     args.only = set(args.only.split(","))
+    args.modes = {m for m in args.modes.split(",") if m}
+    if args.modes - {"pull", "push", "pull_via_push"}:
+        ap.error(f"--modes: use pull, push, pull_via_push (got {args.modes})")
     tmp = Path(tempfile.mkdtemp())
     t0, bad, ran, todo = time.perf_counter(), 0, 0, cases(args)
     for case, prod, cons, kw in todo:
