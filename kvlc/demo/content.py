@@ -16,6 +16,7 @@ the compiler. Pure numpy.
 from __future__ import annotations
 
 import zlib
+from collections import Counter
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -131,7 +132,7 @@ def page_shares(plan: Plan) -> dict[str, tuple[int, int]]:
     from kvlc.compiler.plan.aliases import pools
 
     pool = pools(plan.regions)
-    joined = {p for p in pool.values() if list(pool.values()).count(p) > 1}  # pools of several regions
+    joined = {p for p, n in Counter(pool.values()).items() if n > 1}  # pools of several regions
     names = [g.name for g in plan.groups]
     # (a region in two groups codes alike for both: only other regions on its pages are in the way)
     of = {g: {pool[r.name] for r in plan.regions if g in r.groups and pool[r.name] in joined} for g in names}
