@@ -143,3 +143,35 @@ def test_the_exit_status_counts_kvlc_failures_not_a_baselines_error():
                 {"rows": [{"mode": "kvlc nixl", "ok": False}]},
                 {"checks": [passed, {"verdict": "FAIL"}]}):
         assert gpu_suite.exit_status({**doc, **bad}) == 1, bad
+
+
+def test_other_sizes_and_block_patterns():
+    """--tokens / --dsv3-tokens replace the handovers' sizes (the pools grow to hold the requests in flight)
+    and --ids scattered draws both sides' ids at random in the scattered cases, the content check and the
+    targets' names; without them the run is as before."""
+    base = cases.scale(gpu=True, quick=True)
+    sc = cases.scale(gpu=True, quick=True, tokens=(512, 32768), dsv3_tokens=16384, ids="scattered")
+    assert sc.handover_tokens == (512, 32768) and sc.dsv3_tokens == 16384 and sc.ids == "scattered"
+    assert sc.llama_pool >= sc.flight * 32768 * (128 << 10) > base.llama_pool
+    assert sc.dsv3_pool >= sc.flight * 16384 * 70272 > base.dsv3_pool
+    assert cases.scale(gpu=True, quick=True, tokens=(1024,)).llama_pool == base.llama_pool  # fits already
+    names = [c.name for g in cases.groups(sc, set()) for c in g.cases]
+    assert "llama-8b handover 32768 tokens scattered ids" in names
+    assert not any("random ids" in n for n in names)
+    cpu = cases.scale(gpu=False, quick=True, ids="scattered")
+    (g,) = [g for g in cases.groups(cpu, {"flight"}) if g.name == "llama-3.1-8b"]
+    cases.prepare(g, cpu)
+    c = g.cases[0]
+    assert c.ids == "scattered"
+    runs = [ids == list(range(ids[0], ids[0] + len(ids))) for _, cids, _, _ in c.requests for ids in cids.values()]
+    assert not all(runs)  # the consumer's ids scattered too
+    got = [v["target"] for v in gpu_suite.targets({"rows": [], "checks": []}, sc) if "same-host" in v["target"]]
+    assert got and all("scattered ids" in t for t in got)
+
+
+def test_bad_sizes_are_refused_with_the_option_named():
+    for argv, word in ((["--tokens", "1k"], "--tokens '1k'"), (["--tokens", "0"], "at least one token"),
+                       (["--ids", "striped"], "invalid choice")):
+        r = subprocess.run([sys.executable, str(BENCHMARKS / "gpu_suite.py"), *argv], capture_output=True,
+                           text=True, timeout=60)
+        assert r.returncode == 2 and word in r.stderr, (argv, r.stderr[-300:])
