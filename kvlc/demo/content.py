@@ -129,18 +129,24 @@ def page_shares(plan: Plan) -> dict[str, tuple[int, int]]:
     content on the pages ``p`` with ``p % k == i`` (:func:`fill`), so a request gives it those pages only
     (:func:`kvlc.demo.workload.make_workload`): a page holds one group's blocks at a time, as in an engine.
     ``(1, 0)`` for a group that shares none."""
-    from kvlc.compiler.plan.aliases import pools
-
-    pool = pools(plan.regions)
-    joined = {p for p, n in Counter(pool.values()).items() if n > 1}  # pools of several regions
     names = [g.name for g in plan.groups]
-    # (a region in two groups codes alike for both: only other regions on its pages are in the way)
-    of = {g: {pool[r.name] for r in plan.regions if g in r.groups and pool[r.name] in joined} for g in names}
+    of = _shared_pools(plan)
     sets: list[list[str]] = []
     for g in names:
         meet = [s for s in sets if any(of[g] & of[h] for h in s)]
         sets = [s for s in sets if s not in meet] + [[h for s in meet for h in s] + [g]]
     return {g: (len(s), sorted(s, key=names.index).index(g)) for s in sets for g in s}
+
+
+def _shared_pools(plan: Plan) -> dict[str, set[str]]:
+    """Group → the page pools of several regions (declared aliases) that its regions are in. (A region in two
+    groups codes alike for both: only other regions on its pages are in the way.)"""
+    from kvlc.compiler.plan.aliases import pools
+
+    pool = pools(plan.regions)
+    joined = {p for p, n in Counter(pool.values()).items() if n > 1}
+    return {g.name: {pool[r.name] for r in plan.regions if g.name in r.groups and pool[r.name] in joined}
+            for g in plan.groups}
 
 
 def own_pages(plan: Plan, group: str) -> np.ndarray:
