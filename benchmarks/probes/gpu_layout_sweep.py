@@ -10,17 +10,17 @@ byte compared with its content code, every other byte unchanged), one case after
 * ``pairs``: every pair of ``layouts/pairs/pairs.yaml`` by pull (the pool scaled to ``--pool-mib`` per
   rank, more where a pair needs it; the demo's default tokens: two requests share the smallest consumer
   pool; ``--ids``: both sides' ids at random by default), then a few of them (``MORE_MODES``) by push and
-  pull via push;
-* ``sizes``: Llama-3.1-8B, one request after another of ``--tokens`` (1 token, a partial block, a prompt's
-  4,095, and larger), pushed and pulled via push; DeepSeek-V3 MLA at TP1 the same;
+  pull via push (``--modes``: these modes for every pair instead; ``--select``: these pairs only);
+* ``sizes``: Llama-3.1-8B requests of the tokens in ``SIZES`` (1 token, partial blocks, a prompt's 1,023 and
+  4,095, 8,192), pushed and pulled via push; DeepSeek-V3 MLA at TP1 the same.
 
 Each case prints one JSON line (and appends it to ``--out``): the case, ``ok``, requests moved, how many
 went through the same-host copy (``copied``: the rest through NIXL), seconds, and the first mismatches or
 failures. ``--budget-s`` stops starting cases once spent (what ran is kept). ``--device cpu`` runs the same
 cases on DRAM (a dry run; the same-host copy is not used there).
 
-Run:  python3 benchmarks/probes/gpu_layout_sweep.py [--only pairs,sizes] [--select PAIR,...] [--out sweep.jsonl]
-           [--budget-s 540]
+Run:  python3 benchmarks/probes/gpu_layout_sweep.py [--only pairs,sizes] [--select PAIR,...] [--modes MODE,...]
+           [--ids scattered] [--pool-mib 32] [--out sweep.jsonl] [--budget-s 540] [--device cpu]
 """
 
 from __future__ import annotations
