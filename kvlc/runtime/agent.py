@@ -42,7 +42,7 @@ from kvlc.compiler.plan.model import Plan
 from kvlc.compiler.request.instantiate import prepare_bound
 from kvlc.errors import TransferError
 import kvlc.runtime.server as _server
-from kvlc.runtime.arguments import check_agent_args, check_request_id, valid_name
+from kvlc.runtime.arguments import check_agent_args, check_request_id, request_timeout, valid_name
 from kvlc.runtime.binding import Bound, bind
 from kvlc.runtime.channel.client import ChannelClient
 from kvlc.runtime.channel.tcp import ChannelServer
@@ -569,8 +569,9 @@ class KvAgent:
         poll() may have shown that end if it ran in between: expect before asking the producer). Without it the request is bound to the first engine that
         answers, so a holder of the secret could end it first: name the producer where it is known."""
         check_request_id(request_id)
+        timeout = request_timeout(timeout, self.timeout)
         with self._lock:
-            deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+            deadline = time.monotonic() + timeout
             inc = self.incoming.get(request_id)
             if inc is None:
                 if request_id not in self.events.ended or self._reopened(request_id, producer):

@@ -1,4 +1,4 @@
-"""Checks of what callers hand a :class:`~kvlc.runtime.agent.KvAgent`: names, request ids, settings.
+"""Checks of what callers hand a :class:`~kvlc.runtime.agent.KvAgent`: names, request ids, timeouts, settings.
 
 Each raises a :mod:`kvlc.errors` error that names the value and says what is accepted.
 """
@@ -6,6 +6,7 @@ Each raises a :mod:`kvlc.errors` error that names the value and says what is acc
 from __future__ import annotations
 
 import re
+from numbers import Real
 
 from kvlc.compiler.plan.model import Plan
 from kvlc.errors import KvlcError, TransferError
@@ -13,6 +14,7 @@ from kvlc.errors import KvlcError, TransferError
 _NAME_OK = re.compile(r"^[A-Za-z0-9_.:@\-]{1,128}$")
 _REQ_OK = re.compile(r"^[\x21-\x7e]{1,128}$")
 PROGRESS = ("thread", "nixl", "manual")
+MAX_SECONDS = 86400  # an agent's timeout and lease, and a request's timeout, at most (a day)
 
 
 def valid_name(name: str, what: str = "agent name") -> str:
@@ -29,13 +31,25 @@ def check_request_id(req: str) -> str:
     return req
 
 
+def request_timeout(timeout, default: float) -> float:
+    """A request's seconds: ``default`` (the agent's) for None, else a number more than 0 and at most
+    :data:`MAX_SECONDS`, as an agent's own timeout (a pull-via-push request carries it to the producer, whose frame
+    takes no more; NaN, infinity, zero or less never make a request that cannot end or has ended)."""
+    if timeout is None:
+        return default
+    if isinstance(timeout, bool) or not isinstance(timeout, Real) or not 0 < timeout <= MAX_SECONDS:
+        raise TransferError(f"timeout {timeout!r}: give seconds, more than 0 and at most {MAX_SECONDS} (None: the "
+                            f"agent's {default:g} s); nothing was moved")
+    return float(timeout)
+
+
 def check_agent_args(plan: Plan, rank, progress, timeout, lease) -> None:
     """The rank, progress mode, timeout and lease an agent of ``plan`` is made with."""
     if progress not in PROGRESS:
         raise KvlcError(f"progress {progress!r}: use 'thread', 'nixl' or 'manual'")
     for what, v in (("timeout", timeout), ("lease", lease)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 86400:
-            raise KvlcError(f"{what} {v!r}: give seconds, more than 0 and at most 86400")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= MAX_SECONDS:
+            raise KvlcError(f"{what} {v!r}: give seconds, more than 0 and at most {MAX_SECONDS}")
     n = plan.parallel.ranks  # tp_size x pcp_size
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < n:
         raise KvlcError(f"rank {rank} outside plan '{plan.name}' ({_ranks_text(plan)}); use 0..{n - 1}")

@@ -30,7 +30,7 @@ from typing import Any
 from kvlc.compiler.pairing.program import join_parts
 from kvlc.compiler.request.check import check_request
 from kvlc.errors import TransferError
-from kvlc.runtime.arguments import check_request_id
+from kvlc.runtime.arguments import check_request_id, request_timeout
 from kvlc.runtime.channel.notifs import agents_of
 from kvlc.runtime.kinds import Direction, ConnectionMode
 from kvlc.runtime.transfer import Member
@@ -102,7 +102,7 @@ def submit(peer, requests: Iterable[BlockRequest], direction: Direction, timeout
     if not items:  # an engine step with nothing to move
         return
     a = peer.agent
-    timeout = a.timeout if timeout is None else float(timeout)
+    timeout = request_timeout(timeout, a.timeout)
     if peer.mode is ConnectionMode.PULL_VIA_PUSH:
         _ask_each(peer, items, timeout)
         return

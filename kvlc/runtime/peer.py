@@ -24,7 +24,7 @@ from kvlc.compiler.request.tokens import TokenRange
 from kvlc.compiler.request.prepared import prepared_indices, prepared_rows
 from kvlc.errors import KvlcError, TransferError
 import kvlc.runtime.batch as _batch
-from kvlc.runtime.arguments import check_request_id
+from kvlc.runtime.arguments import check_request_id, request_timeout
 from kvlc.runtime.batch import BlockRequest
 from kvlc.runtime.channel.client import ChannelClient
 from kvlc.runtime.errors import HandshakeError
@@ -371,7 +371,7 @@ class Peer:
             raise TransferError("read() needs a connection made with direction='READ' (this side consumes)")
         check_request_id(request_id)
         a = self.agent
-        timeout = a.timeout if timeout is None else float(timeout)
+        timeout = request_timeout(timeout, a.timeout)
         self._live()
         if produced_at is not None:
             self._still_held(request_id, produced_at)
@@ -416,10 +416,11 @@ class Peer:
             raise TransferError("write() needs a connection made with direction='WRITE' (this side produces)")
         check_request_id(request_id)
         a = self.agent
+        timeout = request_timeout(timeout, a.timeout)
         self._live()
         parts, staged = self.parts(local_block_ids, remote_block_ids, num_tokens, tokens)
-        a.submit(("write", request_id), request_id, "WRITE", parts, self._targets(),
-                 a.timeout if timeout is None else timeout, staged=staged, refuse=self.cancelled(request_id))
+        a.submit(("write", request_id), request_id, "WRITE", parts, self._targets(), timeout, staged=staged,
+                 refuse=self.cancelled(request_id))
 
     def cancelled(self, request_id: str) -> dict:
         """The tombstones that refuse a write of ``request_id`` (a consumer rank cancelled it), each with why."""

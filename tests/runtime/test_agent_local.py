@@ -13,7 +13,7 @@ from runtime_engines import KEY, LAYOUTS, SECRET, TEST_LAYOUTS, signed_hello
 from kvlc import compile_spec
 from kvlc.errors import CompatError, TransferError
 from kvlc.runtime.settings import AgentSettings
-from kvlc.runtime import BindingError, HandshakeError, KvAgent, allocate
+from kvlc.runtime import BindingError, BlockRequest, HandshakeError, KvAgent, allocate
 from kvlc.runtime.channel.client import ChannelClient
 from kvlc.runtime.channel.tcp import ChannelServer
 from kvlc.runtime.errors import ChannelError
@@ -261,6 +261,24 @@ def _finish(consumer, producer, req, timeout=10.0):
     """Poll the consumer only: the producer, never polled here, progresses through its progress thread
     (UCX needs the target's worker to progress for a READ between two agents of one process)."""
     return consumer.wait([req], timeout=timeout)
+
+
+@pytest.mark.parametrize("mode", ["direct", "pull_via_push"])
+def test_a_timeout_that_cannot_end_or_has_ended_is_refused_at_once(producer, consumer, mode):
+    """NaN, infinity, more than a day, zero, less, a bool or a string: TransferError naming the value, from the
+    call (a pull-via-push ask's frame carries at most a day; NaN would never time out), nothing asked, moved or
+    kept in flight; the same id then moves with a good timeout."""
+    peer = consumer.connect(producer.address, mode=mode)
+    for bad in (float("nan"), float("inf"), 86401, 1e9, 0, -1.0, True, "5"):
+        with pytest.raises(TransferError, match=r"timeout .*: give seconds, more than 0 and at most 86400"):
+            peer.read("t", {"full": [0, 1]}, {"full": [2, 3]}, 20, timeout=bad)
+        with pytest.raises(TransferError, match=r"timeout .*: give seconds"):
+            consumer.expect("t", timeout=bad)
+        with pytest.raises(TransferError, match=r"timeout .*: give seconds"):
+            peer.read_many([BlockRequest("t", {"full": [0, 1]}, {"full": [2, 3]}, 20)], timeout=bad)
+    assert consumer.in_flight == 0 and consumer.stats["requests"] == 0 and not consumer.incoming
+    peer.read("t", {"full": [0, 1]}, {"full": [2, 3]}, 20, timeout=86400)
+    assert list(_finish(consumer, producer, "t").finished) == ["t"]
 
 
 def test_same_request_id_twice_in_flight_is_refused(producer, plans):
