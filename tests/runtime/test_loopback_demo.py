@@ -119,16 +119,20 @@ def test_pcp_engines_move_every_byte(prod, cons, mode):
     assert res.checked_bytes == res.nbytes and res.nbytes % (ranks * 6 * 2 * 64) == 0
 
 
-def _shared_pool_plans():
+def _shared_pool_specs() -> tuple[str, str]:
     """A TP2 producer and a TP1 consumer whose attention blocks and two Mamba groups' states share each
-    layer's pages (declared aliases: a hybrid engine's one pool)."""
+    layer's pages (declared aliases: a hybrid engine's one pool), as YAML."""
     import sys
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from test_alias_properties import pool_spec
 
-    return (compile_spec(pool_spec("p", 2, 4, 12, 6)), compile_spec(pool_spec("c", 1, 8, 9, 6)))
+    return pool_spec("p", 2, 4, 12, 6), pool_spec("c", 1, 8, 9, 6)
+
+
+def _shared_pool_plans():
+    return tuple(compile_spec(text) for text in _shared_pool_specs())
 
 
 def test_shared_page_pools_hold_each_groups_content_on_its_own_pages():
@@ -165,11 +169,9 @@ def test_run_demo_checks_shared_page_pools(tmp_path, mode):
     pytest.importorskip("nixl")
     from kvlc.demo.run import run_demo
 
-    from test_alias_properties import pool_spec  # (on the path: _shared_pool_plans)
-
-    _shared_pool_plans()
-    (tmp_path / "p.yaml").write_text(pool_spec("p", 2, 4, 12, 6))
-    (tmp_path / "c.yaml").write_text(pool_spec("c", 1, 8, 9, 6))
+    prod, cons = _shared_pool_specs()
+    (tmp_path / "p.yaml").write_text(prod)
+    (tmp_path / "c.yaml").write_text(cons)
     res = run_demo(tmp_path / "p.yaml", tmp_path / "c.yaml", mode=mode, requests=4, tokens=13, ids="scattered",
                    check="all", timeout=30.0)
     assert res.ok, (res.failed, res.mismatches[:3])
