@@ -168,8 +168,7 @@ def groups(sc: Scale, only: set[str]) -> list[Group]:
 
 def _flight(model: str, sc: Scale, tokens: tuple[int, ...]) -> list[Case]:
     """Handovers of scattered ids (``sc.ids``) with ``sc.flight`` requests at once: each written as soon as the one
-    before
-    it was (one ``write()`` each, the engine not waiting in between), or all in one ``write_many``; GB/s
+    before it was (one ``write()`` each, the engine not waiting in between), or all in one ``write_many``; GB/s
     per round, so kvlc's host work for one request overlaps the copies of the others."""
     k = sc.flight
     return [Case(f"{model} handover {t} tokens {sc.ids} ids, {k} {how}", "flight", "bulk", t, sc.ids,

@@ -39,6 +39,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from gpu_transfer import on_device  # noqa: E402
+
 MiB = 1 << 20
 # pairs also moved by push and by pull via push: block sizes either way, TP, MLA, Mamba, mixed DRAM, split K / V
 MORE_MODES = ("gemma3-b16-to-b32", "llama70b-hnd-tp4-to-tp8", "deepseek-v3-tp8-to-tp1", "nemotron-h-tp4-to-tp2",
@@ -52,21 +54,8 @@ SIZES = (("layouts/llama-3.1-8b.yaml", (1, 15, 17, 1023, 4095, 8192)),
 
 def _layout(name: str, device: str, tmp: Path) -> str:
     """``layouts/<name>`` as run: on a GPU every VRAM storage on cuda:0 (all ranks on one GPU)."""
-    path = ROOT / "layouts" / name if "/" not in name else ROOT / name
-    if device == "cpu":
-        return str(path)
-    data = yaml.safe_load(path.read_text())
-
-    def move(entries):
-        for e in entries:
-            if "repeat" in e:
-                move(e["storages"])
-            elif e.get("mem") == "VRAM":
-                e["device"] = 0
-    move(data["storages"])
-    out = tmp / f"{path.stem}-cuda0.yaml"
-    out.write_text(yaml.safe_dump(data, sort_keys=False))
-    return str(out)
+    path = name if "/" in name else f"layouts/{name}"
+    return str(ROOT / path) if device == "cpu" else on_device(path, 0, tmp)
 
 
 def _case(case: dict, prod: str, cons: str, args, tmp: Path, ids: str, **kw) -> dict:

@@ -149,9 +149,10 @@ def _shared_pools(plan: Plan) -> dict[str, set[str]]:
             for g in plan.groups}
 
 
-def own_pages(plan: Plan, group: str) -> np.ndarray:
-    """The block ids a request may give ``group`` (:func:`page_shares`): all of its pool's, or its share."""
-    k, i = page_shares(plan)[group]
+def own_pages(plan: Plan, group: str, shares: Mapping[str, tuple[int, int]] | None = None) -> np.ndarray:
+    """The block ids a request may give ``group`` (:func:`page_shares`, or ``shares`` where the caller has them): all
+    of its pool's, or its share."""
+    k, i = (page_shares(plan) if shares is None else shares)[group]
     return np.arange(i, plan.group_capacity(group), k, dtype=np.int64)
 
 
@@ -161,11 +162,9 @@ def fill(plan: Plan, rank: int, buffers: Mapping[str, np.ndarray]) -> None:
     shares = page_shares(plan)
     for r in plan.regions:
         buf = buffers[r.storage]
-        blocks = np.arange(r.num_blocks, dtype=np.int64)
-        k, i = max(shares[g] for g in r.groups)
-        if k > 1:  # kernel block b is on page b // m
-            m = 1 if r.is_state else plan.group(r.groups[0]).kernel_blocks_per_block
-            blocks = blocks[(blocks // m) % k == i]
+        shared = [g for g in r.groups if shares[g][0] > 1]
+        blocks = (_kernel_ids(plan, shared[0], own_pages(plan, shared[0], shares)) if shared
+                  else np.arange(r.num_blocks, dtype=np.int64))
         for f in r.fields:
             el = field_elements(f, _head_start(plan, rank, f))
             # every DCP rank holds the whole state (and a replicated group's every token)

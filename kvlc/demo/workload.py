@@ -26,9 +26,10 @@ class DemoError(KvlcError):
 def _capacities(plan: Plan) -> dict[str, int]:
     """Per group, the block ids a request may give it: its pool's, or its share of a page pool that groups
     share (:func:`kvlc.demo.content.page_shares`)."""
-    from kvlc.demo.content import own_pages
+    from kvlc.demo.content import own_pages, page_shares
 
-    return {g.name: len(own_pages(plan, g.name)) for g in plan.groups
+    shares = page_shares(plan)
+    return {g.name: len(own_pages(plan, g.name, shares)) for g in plan.groups
             if any(g.name in r.groups for r in plan.regions)}
 
 
@@ -48,11 +49,12 @@ def linked_groups(consumer: Plan, producer: Plan) -> tuple[list[str], list[str]]
     return [g.name for g in consumer.groups if g.name in cg], [g.name for g in producer.groups if g.name in pg]
 
 
-def default_tokens(consumer: Plan, producer: Plan, limit: int = 128) -> int:
+def default_tokens(consumer: Plan, producer: Plan, limit: int = 128,
+                   linked: tuple[list[str], list[str]] | None = None) -> int:
     """Tokens per request so that at least two requests fit each consumer pool (at most ``limit``) and one
-    each producer pool."""
+    each producer pool (``linked``: :func:`linked_groups`, where the caller has them)."""
     cap_c, cap_p = _capacities(consumer), _capacities(producer)
-    cg, pg = linked_groups(consumer, producer)
+    cg, pg = linked_groups(consumer, producer) if linked is None else linked
     best = limit
     for plan, groups, cap, k in ((consumer, cg, cap_c, 2), (producer, pg, cap_p, 1)):
         for g in groups:
@@ -84,9 +86,10 @@ class _Side:
 
     @classmethod
     def of(cls, plan: Plan, groups: list[str], tokens: int) -> _Side:
-        from kvlc.demo.content import own_pages
+        from kvlc.demo.content import own_pages, page_shares
 
-        return cls({g: own_pages(plan, g) for g in groups}, {g: plan.blocks_for(g, tokens) for g in groups})
+        shares = page_shares(plan)
+        return cls({g: own_pages(plan, g, shares) for g in groups}, {g: plan.blocks_for(g, tokens) for g in groups})
 
     def cap(self, g: str) -> int:
         return len(self.pages[g])
@@ -121,8 +124,8 @@ class _Pools:
     producer: _Side
 
     @classmethod
-    def of(cls, consumer: Plan, producer: Plan, tokens: int) -> _Pools:
-        cg, pg = linked_groups(consumer, producer)
+    def of(cls, consumer: Plan, producer: Plan, tokens: int, linked: tuple[list[str], list[str]]) -> _Pools:
+        cg, pg = linked
         return cls(tokens, _Side.of(consumer, cg, tokens), _Side.of(producer, pg, tokens))
 
     def check_fit(self, consumer: Plan, producer: Plan) -> None:
@@ -162,7 +165,10 @@ def make_workload(consumer: Plan, producer: Plan, requests: int, tokens: int | N
     """
     _check_workload(requests, tokens, ids)
     rng = np.random.default_rng(seed)
-    pools = _Pools.of(consumer, producer, default_tokens(consumer, producer) if tokens is None else tokens)
+    linked = linked_groups(consumer, producer)  # (pairs every consumer rank: once a workload)
+    if tokens is None:
+        tokens = default_tokens(consumer, producer, linked=linked)
+    pools = _Pools.of(consumer, producer, tokens, linked)
     pools.check_fit(consumer, producer)
     per_round = pools.per_round(ids == "contiguous")
     c, p = pools.consumer, pools.producer

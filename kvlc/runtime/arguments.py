@@ -37,10 +37,15 @@ def request_timeout(timeout, default: float) -> float:
     takes no more; NaN, infinity, zero or less never make a request that cannot end or has ended)."""
     if timeout is None:
         return default
-    if isinstance(timeout, bool) or not isinstance(timeout, Real) or not 0 < timeout <= MAX_SECONDS:
+    if not _seconds(timeout):
         raise TransferError(f"timeout {timeout!r}: give seconds, more than 0 and at most {MAX_SECONDS} (None: the "
                             f"agent's {default:g} s); nothing was moved")
     return float(timeout)
+
+
+def _seconds(v) -> bool:
+    """Whether ``v`` is a number of seconds an agent takes: more than 0 and at most :data:`MAX_SECONDS` (NaN is not)."""
+    return not isinstance(v, bool) and isinstance(v, Real) and 0 < v <= MAX_SECONDS
 
 
 def check_agent_args(plan: Plan, rank, progress, timeout, lease) -> None:
@@ -48,7 +53,7 @@ def check_agent_args(plan: Plan, rank, progress, timeout, lease) -> None:
     if progress not in PROGRESS:
         raise KvlcError(f"progress {progress!r}: use 'thread', 'nixl' or 'manual'")
     for what, v in (("timeout", timeout), ("lease", lease)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= MAX_SECONDS:
+        if not _seconds(v):
             raise KvlcError(f"{what} {v!r}: give seconds, more than 0 and at most {MAX_SECONDS}")
     n = plan.parallel.ranks  # tp_size x pcp_size
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < n:
