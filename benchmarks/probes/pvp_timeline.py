@@ -7,16 +7,18 @@ sides stamp ``time.perf_counter()``, the host's monotonic clock, so the stages l
 processes. Per request, microseconds since ``Peer.read`` began:
 
 * ``asked``: ``read()`` returned (the ask is written, or queued for the sender);
-* ``arrived``: the producer's server thread began handling the ask;
+* ``framed``: the producer's server thread had the ask's frame read off its socket (before it is decoded);
+* ``arrived``: the producer's server thread began handling the ask (decoded);
 * ``instantiated``: its rows were made (the check again, rows);
 * ``submitted``: its WRITE was started (``KvAgent.submit`` returned);
+* ``replied``: the server thread's reply to the ask was written (it reads the next ask after this);
 * ``seen``: a progress step of the producer saw every part done;
 * ``told``: the ``done`` notification went out;
 * ``finished``: this engine's ``poll()`` handed the request back as finished.
 
 ``push``: the same blocks pushed from this process into the engine process (``Peer.write``, polled the
 same way), write() to finished. Llama-3.1-8B scaled to ``--pool-mib`` per side, ``--tokens`` per request,
-one request at a time; VRAM on ``cuda:0`` with ``--gpu``, shared DRAM otherwise.
+``--inflight`` requests a round (default one at a time); VRAM on ``cuda:0`` with ``--gpu``, shared DRAM otherwise.
 
 Run:  python3 benchmarks/probes/pvp_timeline.py [--gpu] [--tokens 2048] [--rounds 60] [--nap 0]
 """
@@ -28,6 +30,7 @@ import json
 import multiprocessing as mp
 import secrets
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -40,7 +43,7 @@ for _p in (Path(__file__).resolve().parents[2], Path(__file__).resolve().parent)
 from kvlc.demo.run import DEFAULT_LAYOUT, make_workload, scaled_plan  # noqa: E402
 from ipc_timeline import workload_args  # noqa: E402
 
-REMOTE = ("arrived", "instantiated", "submitted", "seen", "told")
+REMOTE = ("framed", "arrived", "instantiated", "submitted", "replied", "seen", "told")
 STAGES = ("asked", *REMOTE, "finished")
 
 
@@ -54,11 +57,27 @@ def _instrumented_main(conn) -> None:  # pragma: no cover - runs in the engine p
     def stamp(req: str, stage: str) -> None:
         at.setdefault(req, {}).setdefault(stage, time.perf_counter())
 
+    from kvlc.runtime.channel import tcp
+
     pull, inst, submit = server.pull_request, server.instantiate, agent.KvAgent.submit
-    current = [""]
+    read, write_frame = tcp.FrameReader.read, tcp.write_frame
+    current, framed = [""], threading.local()
+
+    def read_frame(self, *args, **kw):
+        out = read(self, *args, **kw)
+        framed.at = time.perf_counter()
+        return out
+
+    def replied(*args, **kw):
+        out = write_frame(*args, **kw)
+        if getattr(framed, "req", None):
+            stamp(framed.req, "replied")
+            framed.req = None
+        return out
 
     def pull_request(a, c, msg):
-        current[0] = msg.req
+        current[0] = framed.req = msg.req
+        at.setdefault(msg.req, {}).setdefault("framed", getattr(framed, "at", time.perf_counter()))
         stamp(msg.req, "arrived")
         return pull(a, c, msg)
 
@@ -87,6 +106,7 @@ def _instrumented_main(conn) -> None:  # pragma: no cover - runs in the engine p
             stamp(req, "told")
 
     server.pull_request, server.instantiate, agent.KvAgent.submit = pull_request, instantiate, submitted
+    tcp.FrameReader.read, tcp.write_frame = read_frame, replied
     transfer.Executor.progress, transfer.Executor._notify_done = progressed, notified
     procs_child._AGENT_COMMANDS["stamps"] = lambda child, h, aid, args: {k: dict(v) for k, v in at.items()}
     procs_child._main(conn)
@@ -127,7 +147,13 @@ def run(args) -> dict:
     from kvlc.runtime.settings import AgentSettings
 
     plan = scaled_plan(DEFAULT_LAYOUT, args.pool_mib << 20, to_dram=not args.gpu)
-    work = [make_workload(plan, plan, 1, args.tokens, ids=args.ids, seed=i)[0][0] for i in range(args.rounds)]
+    k = args.inflight
+    if k > 1:  # rounds of k requests in flight, destinations disjoint within a round
+        rounds = [make_workload(plan, plan, k, args.tokens, ids=args.ids, seed=i)[0] for i in range(args.rounds)]
+        if any(len(r) != k for r in rounds):
+            raise SystemExit(f"--pool-mib {args.pool_mib} holds fewer than {k} requests of {args.tokens} tokens")
+    else:
+        rounds = [make_workload(plan, plan, 1, args.tokens, ids=args.ids, seed=i)[0] for i in range(args.rounds)]
     secret = secrets.token_hex(32)
     proc = _engine()
     shared = {} if args.gpu else {"shared": True}
@@ -141,15 +167,8 @@ def run(args) -> dict:
             pull = me.connect(prod.address, direction="READ", mode="pull_via_push")
             push = me.connect(prod.address, direction="WRITE")
             for mode in args.order.split(","):
-                for i, (_, cids, pids, n) in enumerate(work):
-                    req = f"{mode}-{i}"
-                    t0 = time.perf_counter()
-                    if mode == "pvp":
-                        pull.read(req, cids, pids, n)
-                    else:
-                        push.write(req, pids, cids, n)
-                    asked = time.perf_counter()
-                    out[mode].append({"t0": t0, "asked": asked, "finished": _wait(me, req, args.nap)})
+                for r, batch in enumerate(rounds):
+                    out[mode].extend(_round(me, pull if mode == "pvp" else push, mode, r, batch, args.nap))
             stamps = prod.call("stamps")
         finally:
             me.close()
@@ -158,21 +177,58 @@ def run(args) -> dict:
     return _stages(out, stamps, args.warmup)
 
 
+def _round(me, peer, mode: str, r: int, batch: list, nap: float) -> list[dict]:
+    """One round: its requests issued back to back (each as soon as the call before returned), then
+    waited for; each row's stamps, microseconds since the round's first call (``t0``)."""
+    rows, t0 = [], time.perf_counter()
+    for j, (_, cids, pids, n) in enumerate(batch):
+        req = f"{mode}-{r}-{j}"
+        called = time.perf_counter()
+        if mode == "pvp":
+            peer.read(req, cids, pids, n)
+        else:
+            peer.write(req, pids, cids, n)
+        rows.append({"req": req, "t0": t0, "called": called, "asked": time.perf_counter()})
+    left = {row["req"]: row for row in rows}
+    deadline = time.monotonic() + 60
+    while left and time.monotonic() < deadline:
+        c = me.poll()
+        if c.failed:
+            raise RuntimeError(f"failed: {dict(c.failed)}")
+        now = time.perf_counter()
+        for req in c.finished:
+            if req in left:
+                left.pop(req)["finished"] = now
+        if not c:
+            time.sleep(nap)
+    if left:
+        raise RuntimeError(f"{sorted(left)} not finished in 60 s")
+    return rows
+
+
 def _stages(out: dict, stamps: dict, warmup: int) -> dict:
     """p50 / p90 of each stage, microseconds since read() (or write()) began."""
     doc = {}
     for mode, rows in out.items():
         if not rows:
             continue
-        per = {s: [] for s in STAGES}
-        for i, row in enumerate(rows[warmup:], start=warmup):
-            remote = stamps.get(f"{mode}-{i}", {}) if mode == "pvp" else {}
-            for s in STAGES:
+        per: dict[str, list[float]] = {}
+        for row in rows:
+            if int(row["req"].split("-")[1]) < warmup:
+                continue
+            j = int(row["req"].rsplit("-", 1)[1])
+            remote = stamps.get(row["req"], {}) if mode == "pvp" else {}
+            for s in ("called", *STAGES):
                 t = row.get(s, remote.get(s))
                 if t is not None:
-                    per[s].append((t - row["t0"]) * 1e6)
+                    per.setdefault(f"{s}" if j == 0 else f"{s}#{j}", []).append((t - row["t0"]) * 1e6)
         doc[mode] = {s: {"p50_us": float(np.percentile(v, 50)), "p90_us": float(np.percentile(v, 90)), "n": len(v)}
-                     for s, v in per.items() if v}
+                     for s, v in per.items()}
+        ends = [max(r["finished"] for r in rows if r["req"].split("-")[1] == rr) - min(
+            r["t0"] for r in rows if r["req"].split("-")[1] == rr)
+            for rr in sorted({r["req"].split("-")[1] for r in rows}, key=int) if int(rr) >= warmup]
+        doc[mode]["round"] = {"p50_us": float(np.percentile(ends, 50) * 1e6),
+                              "p90_us": float(np.percentile(ends, 90) * 1e6), "n": len(ends)}
     return doc
 
 
@@ -181,13 +237,21 @@ def main(argv=None) -> int:
     workload_args(ap)
     ap.add_argument("--nap", type=float, default=0.0, help="seconds the engine thread sleeps after an empty poll")
     ap.add_argument("--order", default="push,pvp", help="modes, in the order they run")
+    ap.add_argument("--inflight", type=int, default=1,
+                    help="requests issued back to back a round, then waited for (stages #j: the round's j-th)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     doc = {"command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]), "gpu": args.gpu,
            "tokens": args.tokens, "ids": args.ids, "nap": args.nap, "modes": run(args)}
     for mode, st in doc["modes"].items():
-        line = ", ".join(f"{s} {st[s]['p50_us']:,.0f}/{st[s]['p90_us']:,.0f}" for s in STAGES if s in st)
-        print(f"{mode:5s} ({args.tokens} tokens, {args.ids}): us since the call, p50/p90: {line}", flush=True)
+        for j in range(args.inflight):
+            names = [s if j == 0 else f"{s}#{j}" for s in ("called", *STAGES)]
+            line = ", ".join(f"{n.split('#')[0]} {st[n]['p50_us']:,.0f}/{st[n]['p90_us']:,.0f}"
+                             for n in names if n in st)
+            print(f"{mode:5s} #{j} ({args.tokens} tokens, {args.ids}): us since the round began, p50/p90: {line}",
+                  flush=True)
+        print(f"{mode:5s} round of {args.inflight}: {st['round']['p50_us']:,.0f}/{st['round']['p90_us']:,.0f} us",
+              flush=True)
     if args.out:
         args.out.write_text(json.dumps(doc, indent=1))
     return 0
