@@ -108,6 +108,25 @@ def test_progress_turn_while_busy_fills_only_the_gaps_between_polls(kv_agent, mo
     assert kv_agent.progress_turn() is True and len(calls) == 2  # the engine went quiet: the thread takes over
 
 
+def test_progress_turn_leaves_a_served_ask_alone_for_a_while(kv_agent, monkeypatch):
+    """A server thread serving a pull-via-push ask (KvAgent.serving; the ask's serve_pull advances everything
+    itself): the thread skips its turns meanwhile, even where work in flight waits on its turns, for at most
+    PUMP_SKIP_S since the ask came (a serve that long no longer holds the turns back); after the block, it
+    takes its turns again."""
+    calls = _counting(kv_agent, monkeypatch)
+    monkeypatch.setattr(kv_agent, "_hot", lambda: True)
+    monkeypatch.setattr(kv_agent, "PUMP_BUSY_S", 0.001)
+    monkeypatch.setattr(kv_agent, "PUMP_SKIP_S", 0.3)  # (the default is 1 ms: too short for a loaded test host)
+    time.sleep(0.01)  # the engine has not polled for ten busy intervals: a turn would run
+    with kv_agent.serving():
+        assert kv_agent._serving
+        assert kv_agent.progress_turn() is True and calls == []  # an ask is being served: skipped
+        time.sleep(0.35)
+        assert kv_agent.progress_turn() is True and calls == [1]  # served for longer than PUMP_SKIP_S: runs
+    assert not kv_agent._serving
+    assert kv_agent.progress_turn() is True and calls == [1, 1]
+
+
 def test_pump_waits_what_its_method_returns():
     """Pump: True waits busy_interval, False the interval, a number that long (at most the interval)."""
     from kvlc.runtime.pump import Pump
