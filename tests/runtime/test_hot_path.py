@@ -108,23 +108,28 @@ def test_progress_turn_while_busy_fills_only_the_gaps_between_polls(kv_agent, mo
     assert kv_agent.progress_turn() is True and len(calls) == 2  # the engine went quiet: the thread takes over
 
 
-def test_progress_turn_leaves_a_served_ask_alone_for_a_while(kv_agent, monkeypatch):
-    """A server thread serving a pull-via-push ask (KvAgent.serving; the ask's serve_pull advances everything
-    itself): the thread skips its turns meanwhile, even where work in flight waits on its turns, for at most
-    PUMP_SKIP_S since the ask came (a serve that long no longer holds the turns back); after the block, it
-    takes its turns again."""
+def test_progress_turn_leaves_served_asks_alone_once_a_skip_interval(kv_agent, monkeypatch):
+    """While server threads serve pull-via-push asks (KvAgent.serving; an ask's serve_pull advances everything
+    itself), the thread takes at most one turn per PUMP_SKIP_S, even where work in flight waits on its turns
+    (asks served back to back never starve its deadlines and notifications); after the block, it takes its
+    turns at the busy cadence again."""
     calls = _counting(kv_agent, monkeypatch)
     monkeypatch.setattr(kv_agent, "_hot", lambda: True)
     monkeypatch.setattr(kv_agent, "PUMP_BUSY_S", 0.001)
     monkeypatch.setattr(kv_agent, "PUMP_SKIP_S", 0.3)  # (the default is 1 ms: too short for a loaded test host)
     time.sleep(0.01)  # the engine has not polled for ten busy intervals: a turn would run
+    assert kv_agent.progress_turn() is True and calls == [1]
     with kv_agent.serving():
         assert kv_agent._serving
-        assert kv_agent.progress_turn() is True and calls == []  # an ask is being served: skipped
+        time.sleep(0.01)
+        assert kv_agent.progress_turn() is True and calls == [1]  # an ask is being served: skipped
         time.sleep(0.35)
-        assert kv_agent.progress_turn() is True and calls == [1]  # served for longer than PUMP_SKIP_S: runs
+        assert kv_agent.progress_turn() is True and calls == [1, 1]  # no turn for PUMP_SKIP_S: this one runs
+        time.sleep(0.01)
+        assert kv_agent.progress_turn() is True and calls == [1, 1]  # and the next within it is skipped again
     assert not kv_agent._serving
-    assert kv_agent.progress_turn() is True and calls == [1, 1]
+    time.sleep(0.01)
+    assert kv_agent.progress_turn() is True and calls == [1, 1, 1]
 
 
 def test_pump_waits_what_its_method_returns():
