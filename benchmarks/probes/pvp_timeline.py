@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import secrets
 import sys
 import threading
@@ -63,15 +64,19 @@ def _instrumented_main(conn) -> None:  # pragma: no cover - runs in the engine p
     read, write_frame = tcp.FrameReader.read, tcp.write_frame
     current, framed = [""], threading.local()
 
+    cpu: dict[str, float] = {}  # req -> the server thread's CPU seconds from its frame read to its reply written
+    polls: list[tuple[float, float]] = []  # the engine thread's poll() calls: (began, ended)
+
     def read_frame(self, *args, **kw):
         out = read(self, *args, **kw)
-        framed.at = time.perf_counter()
+        framed.at, framed.cpu = time.perf_counter(), time.thread_time()
         return out
 
     def replied(*args, **kw):
         out = write_frame(*args, **kw)
         if getattr(framed, "req", None):
             stamp(framed.req, "replied")
+            cpu[framed.req] = time.thread_time() - framed.cpu
             framed.req = None
         return out
 
@@ -80,6 +85,19 @@ def _instrumented_main(conn) -> None:  # pragma: no cover - runs in the engine p
         at.setdefault(msg.req, {}).setdefault("framed", getattr(framed, "at", time.perf_counter()))
         stamp(msg.req, "arrived")
         return pull(a, c, msg)
+
+    step = float(os.environ.get("PVP_TIMELINE_ENGINE_STEP_MS", "0")) / 1e3
+    pump_all = procs_child._Child.pump_all
+
+    def stepped(child):  # the engine thread's polls, timed; with a step, at most one per step
+        t = time.perf_counter()
+        if step and polls and t - polls[-1][0] < step:
+            return False
+        busy = pump_all(child)
+        polls.append((t, time.perf_counter()))
+        return busy
+
+    procs_child._Child.pump_all = stepped
 
     def instantiate(*args, **kw):
         out = inst(*args, **kw)
@@ -108,7 +126,8 @@ def _instrumented_main(conn) -> None:  # pragma: no cover - runs in the engine p
     server.pull_request, server.instantiate, agent.KvAgent.submit = pull_request, instantiate, submitted
     tcp.FrameReader.read, tcp.write_frame = read_frame, replied
     transfer.Executor.progress, transfer.Executor._notify_done = progressed, notified
-    procs_child._AGENT_COMMANDS["stamps"] = lambda child, h, aid, args: {k: dict(v) for k, v in at.items()}
+    procs_child._AGENT_COMMANDS["stamps"] = lambda child, h, aid, args: {
+        "at": {k: dict(v) for k, v in at.items()}, "cpu": dict(cpu), "polls": list(polls)}
     procs_child._main(conn)
 
 
@@ -155,6 +174,7 @@ def run(args) -> dict:
     else:
         rounds = [make_workload(plan, plan, 1, args.tokens, ids=args.ids, seed=i)[0] for i in range(args.rounds)]
     secret = secrets.token_hex(32)
+    os.environ["PVP_TIMELINE_ENGINE_STEP_MS"] = str(args.engine_step_ms)  # (the spawned engine reads it)
     proc = _engine()
     shared = {} if args.gpu else {"shared": True}
     out: dict = {"pvp": [], "push": []}
@@ -169,12 +189,44 @@ def run(args) -> dict:
             for mode in args.order.split(","):
                 for r, batch in enumerate(rounds):
                     out[mode].extend(_round(me, pull if mode == "pvp" else push, mode, r, batch, args.nap))
-            stamps = prod.call("stamps")
+            got = prod.call("stamps")
         finally:
             me.close()
     finally:
         proc.stop()
-    return _stages(out, stamps, args.warmup)
+    doc = _stages(out, got["at"], args.warmup)
+    doc["host"] = _host_time(out, got, args.warmup)
+    return doc
+
+
+def _host_time(out: dict, got: dict, warmup: int) -> dict:
+    """Per request, p50 microseconds: the wall and the thread's own CPU time of the initiating call (push:
+    ``write()`` on this thread; pull via push: the producer's server thread from the ask's frame read to its
+    reply written; a wall well over the CPU time is a wait: the GIL, the agent's lock); and the share of each
+    round's wall that the producer's engine thread spent inside ``poll()``."""
+    doc: dict = {}
+    for mode, rows in out.items():
+        rows = [r for r in rows if int(r["req"].split("-")[1]) >= warmup]
+        if not rows:
+            continue
+        if mode == "push":
+            wall = [(r["asked"] - r["called"]) * 1e6 for r in rows]
+            own = [r["cpu"] * 1e6 for r in rows]
+        else:
+            at = got["at"]
+            wall = [(at[r["req"]]["replied"] - at[r["req"]]["framed"]) * 1e6 for r in rows if r["req"] in got["cpu"]]
+            own = [got["cpu"][r["req"]] * 1e6 for r in rows if r["req"] in got["cpu"]]
+        spans = {}
+        for r in rows:
+            k = r["req"].split("-")[1]
+            a, b = spans.get(k, (r["t0"], r["finished"]))
+            spans[k] = (min(a, r["t0"]), max(b, r["finished"]))
+        share = [sum(max(0.0, min(e, b) - max(s, a)) for s, e in got["polls"]) / (b - a) for a, b in spans.values()]
+        doc[mode] = {"call_wall_p50_us": float(np.percentile(wall, 50)), "call_cpu_p50_us": float(np.percentile(own, 50)),
+                     "engine_poll_share_p50": float(np.percentile(share, 50)),
+                     "engine_polls_per_round_p50": float(np.percentile(
+                         [sum(1 for s, _ in got["polls"] if a <= s <= b) for a, b in spans.values()], 50))}
+    return doc
 
 
 def _round(me, peer, mode: str, r: int, batch: list, nap: float) -> list[dict]:
@@ -183,12 +235,13 @@ def _round(me, peer, mode: str, r: int, batch: list, nap: float) -> list[dict]:
     rows, t0 = [], time.perf_counter()
     for j, (_, cids, pids, n) in enumerate(batch):
         req = f"{mode}-{r}-{j}"
-        called = time.perf_counter()
+        called, cpu = time.perf_counter(), time.thread_time()
         if mode == "pvp":
             peer.read(req, cids, pids, n)
         else:
             peer.write(req, pids, cids, n)
-        rows.append({"req": req, "t0": t0, "called": called, "asked": time.perf_counter()})
+        rows.append({"req": req, "t0": t0, "called": called, "asked": time.perf_counter(),
+                     "cpu": time.thread_time() - cpu})
     left = {row["req"]: row for row in rows}
     deadline = time.monotonic() + 60
     while left and time.monotonic() < deadline:
@@ -237,12 +290,17 @@ def main(argv=None) -> int:
     workload_args(ap)
     ap.add_argument("--nap", type=float, default=0.0, help="seconds the engine thread sleeps after an empty poll")
     ap.add_argument("--order", default="push,pvp", help="modes, in the order they run")
+    ap.add_argument("--engine-step-ms", type=float, default=0.0,
+                    help="the producer's engine thread polls at most once this often (0: as the demo engine does)")
     ap.add_argument("--inflight", type=int, default=1,
                     help="requests issued back to back a round, then waited for (stages #j: the round's j-th)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     doc = {"command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]), "gpu": args.gpu,
-           "tokens": args.tokens, "ids": args.ids, "nap": args.nap, "modes": run(args)}
+           "tokens": args.tokens, "ids": args.ids, "nap": args.nap, "inflight": args.inflight,
+           "engine_step_ms": args.engine_step_ms, "modes": run(args)}
+    host = doc["modes"].pop("host")
+    doc["host"] = host
     for mode, st in doc["modes"].items():
         for j in range(args.inflight):
             names = [s if j == 0 else f"{s}#{j}" for s in ("called", *STAGES)]
@@ -252,6 +310,11 @@ def main(argv=None) -> int:
                   flush=True)
         print(f"{mode:5s} round of {args.inflight}: {st['round']['p50_us']:,.0f}/{st['round']['p90_us']:,.0f} us",
               flush=True)
+        h = host.get(mode)
+        if h:
+            print(f"{mode:5s} host, p50: the call {h['call_wall_p50_us']:,.0f} us wall, {h['call_cpu_p50_us']:,.0f} us "
+                  f"its thread's CPU; the engine thread in poll() {h['engine_poll_share_p50']:.0%} of a round "
+                  f"({h['engine_polls_per_round_p50']:.0f} polls)", flush=True)
     if args.out:
         args.out.write_text(json.dumps(doc, indent=1))
     return 0
