@@ -222,7 +222,8 @@ def _host_time(out: dict, got: dict, warmup: int) -> dict:
             a, b = spans.get(k, (r["t0"], r["finished"]))
             spans[k] = (min(a, r["t0"]), max(b, r["finished"]))
         share = [sum(max(0.0, min(e, b) - max(s, a)) for s, e in got["polls"]) / (b - a) for a, b in spans.values()]
-        doc[mode] = {"call_wall_p50_us": float(np.percentile(wall, 50)), "call_cpu_p50_us": float(np.percentile(own, 50)),
+        doc[mode] = {"call_wall_p50_us": float(np.percentile(wall, 50)),
+                     "call_cpu_p50_us": float(np.percentile(own, 50)),
                      "engine_poll_share_p50": float(np.percentile(share, 50)),
                      "engine_polls_per_round_p50": float(np.percentile(
                          [sum(1 for s, _ in got["polls"] if a <= s <= b) for a, b in spans.values()], 50))}
