@@ -36,7 +36,6 @@ import time
 import uuid
 import weakref
 from collections.abc import Callable, Iterable, Mapping
-from contextlib import contextmanager
 from typing import Any
 
 from kvlc.compiler.plan.model import Plan
@@ -123,7 +122,6 @@ class KvAgent:
         self.retiring: set[str] = set()              # NIXL agents of ended sessions a request still uses
         self.sender = self._res.sender = Sender(decode, self._res.stop, f"kvlc-sender-{self.name}")
         self._cancel_clients: dict = {}              # push consumer: producer address → client
-        self._serving: set[int] = set()              # server threads serving a pull-via-push ask now
         self.stats = {"dropped_notifs": 0, "fenced_chunks": 0, "requests": 0, "bytes": 0, "descriptors": 0,
                       "nixl_requests": 0, "refused_hellos": 0, "ipc_requests": 0, "ipc_copies": 0, "ipc_peers": 0,
                       "bell_rung": 0, "bell_taken": 0, "bells": 0}
@@ -502,21 +500,6 @@ class KvAgent:
             self._res.pump.wake()
         return out
 
-    @contextmanager
-    def serving(self):
-        """A server thread serves pull-via-push asks in this block: the progress thread takes at most one turn
-        per :attr:`PUMP_SKIP_S` meanwhile (:meth:`progress_turn`; asks served back to back never starve its
-        deadlines, leases and notifications). The ask's :meth:`serve_pull` advances every transfer itself and
-        wakes the thread when it is done; a turn in between only takes the GIL and the agent's lock from the
-        ask (the serial part of a producer's round of asks: a consumer's next ask waits on the reply to this
-        one)."""
-        me = threading.get_ident()
-        self._serving.add(me)  # (one member per thread: a set's add and discard are atomic here)
-        try:
-            yield
-        finally:
-            self._serving.discard(me)
-
     def session_on(self, conn_id: str) -> Session | None:
         """The session introduced on side-channel connection ``conn_id`` (None: none, or it ended)."""
         with self._lock:
@@ -678,7 +661,6 @@ class KvAgent:
 
     _polled = 0.0  # when poll() last advanced everything, or the engine submitted a request (monotonic s)
     _heard = float("-inf")  # when a pump last fetched a NIXL notification (monotonic s)
-    _turned = float("-inf")  # when the progress thread last took its turn (monotonic s)
     channels_looked = float("-inf")  # when the asked pulls' side channels were last looked at (replies.sever_turn)
     PUMP_SKIP_S = 0.001  # the progress thread skips a turn when the engine was this recently active
     PUMP_BUSY_S = 0.00005  # its interval while staged chunks are in flight (each waits on a turn here)
@@ -707,20 +689,14 @@ class KvAgent:
         ``done``) it comes at that cadence. An engine poll does what a turn does, so a turn is skipped
         within one cadence of the engine's last poll (:attr:`PUMP_SKIP_S` when nothing waits on this
         side): an engine that polls that often leaves no gap to fill, and a turn then only contends for
-        the agent's lock and the GIL (run 12: 30-50 µs of a 4k same-host request). So is a turn while a
-        server thread serves a pull-via-push ask (:meth:`serving`), which advances everything itself,
-        within :attr:`PUMP_SKIP_S` of the thread's last turn."""
+        the agent's lock and the GIL (run 12: 30-50 µs of a 4k same-host request)."""
         hot = self._hot()
         cadence = self.PUMP_SKIP_S if hot is False else self.PUMP_BUSY_S if hot is True else hot
-        now = time.monotonic()
-        if now - self._polled < cadence or (self._serving and now - self._turned < self.PUMP_SKIP_S):
-            return hot
-        if not self._lock.acquire(blocking=False):
+        if time.monotonic() - self._polled < cadence or not self._lock.acquire(blocking=False):
             return hot
         try:
             if not self.closed:
                 self._pump()
-                self._turned = now
         finally:
             self._lock.release()
         return self._hot()

@@ -44,12 +44,10 @@ def handle(agent, conn: Conn, frame: bytes) -> bytes:
         if isinstance(msg, Introduce):
             return encode(introduce(agent, conn, msg))
         if isinstance(msg, PullRequest):
-            with agent.serving():
-                pull_request(agent, conn, msg)
-                return encode(Reply(ok=True))
+            pull_request(agent, conn, msg)
+            return encode(Reply(ok=True))
         if isinstance(msg, Pulls):
-            with agent.serving():
-                return encode(Replies(items=tuple(_pull_one(agent, conn, m) for m in msg.items)))
+            return encode(Replies(items=tuple(_pull_one(agent, conn, m) for m in msg.items)))
         if isinstance(msg, Cancel):
             return encode(Reply(ok=True, status=cancel(agent, conn, msg).value))
         return error_reply(f"unexpected '{msg.t}' message on a server")

@@ -6,8 +6,6 @@ These agents are real NIXL (UCX) agents in this process; transfers run in the mu
 
 from __future__ import annotations
 
-import threading
-
 import msgpack
 import pytest
 from runtime_engines import KEY, LAYOUTS, SECRET, TEST_LAYOUTS, signed_hello
@@ -281,27 +279,6 @@ def test_a_timeout_that_cannot_end_or_has_ended_is_refused_at_once(producer, con
     assert consumer.in_flight == 0 and consumer.stats["requests"] == 0 and not consumer.incoming
     peer.read("t", {"full": [0, 1]}, {"full": [2, 3]}, 20, timeout=86400)
     assert list(_finish(consumer, producer, "t").finished) == ["t"]
-
-
-def test_a_producer_serves_each_ask_inside_its_serving_block(producer, consumer, monkeypatch):
-    """Pull via push: the producer's server thread serves every ask (alone, or in a batch's frame) marked as
-    being served (KvAgent.serving: its progress thread leaves it the GIL and the lock), and unmarks it after."""
-    seen = []
-    real = producer.serve_pull
-
-    def serve_pull(s, req, *args, **kw):
-        seen.append((req, threading.get_ident() in producer._serving))
-        return real(s, req, *args, **kw)
-
-    monkeypatch.setattr(producer, "serve_pull", serve_pull)
-    peer = consumer.connect(producer.address, mode="pull_via_push")
-    peer.read("served-1", {"full": [0, 1]}, {"full": [2, 3]}, 20)
-    peer.read_many([BlockRequest("served-2", {"full": [4]}, {"full": [5]}, 16),
-                    BlockRequest("served-3", {"full": [6]}, {"full": [7]}, 16)])
-    done = consumer.wait(["served-1", "served-2", "served-3"], timeout=10)
-    assert sorted(done.finished) == ["served-1", "served-2", "served-3"]
-    assert sorted(seen) == [("served-1", True), ("served-2", True), ("served-3", True)]
-    assert _wait(lambda: not producer._serving)
 
 
 def test_same_request_id_twice_in_flight_is_refused(producer, plans):

@@ -108,30 +108,6 @@ def test_progress_turn_while_busy_fills_only_the_gaps_between_polls(kv_agent, mo
     assert kv_agent.progress_turn() is True and len(calls) == 2  # the engine went quiet: the thread takes over
 
 
-def test_progress_turn_leaves_served_asks_alone_once_a_skip_interval(kv_agent, monkeypatch):
-    """While server threads serve pull-via-push asks (KvAgent.serving; an ask's serve_pull advances everything
-    itself), the thread takes at most one turn per PUMP_SKIP_S, even where work in flight waits on its turns
-    (asks served back to back never starve its deadlines and notifications); after the block, it takes its
-    turns at the busy cadence again."""
-    calls = _counting(kv_agent, monkeypatch)
-    monkeypatch.setattr(kv_agent, "_hot", lambda: True)
-    monkeypatch.setattr(kv_agent, "PUMP_BUSY_S", 0.001)
-    monkeypatch.setattr(kv_agent, "PUMP_SKIP_S", 0.3)  # (the default is 1 ms: too short for a loaded test host)
-    time.sleep(0.01)  # the engine has not polled for ten busy intervals: a turn would run
-    assert kv_agent.progress_turn() is True and calls == [1]
-    with kv_agent.serving():
-        assert kv_agent._serving
-        time.sleep(0.01)
-        assert kv_agent.progress_turn() is True and calls == [1]  # an ask is being served: skipped
-        time.sleep(0.35)
-        assert kv_agent.progress_turn() is True and calls == [1, 1]  # no turn for PUMP_SKIP_S: this one runs
-        time.sleep(0.01)
-        assert kv_agent.progress_turn() is True and calls == [1, 1]  # and the next within it is skipped again
-    assert not kv_agent._serving
-    time.sleep(0.01)
-    assert kv_agent.progress_turn() is True and calls == [1, 1, 1]
-
-
 def test_pump_waits_what_its_method_returns():
     """Pump: True waits busy_interval, False the interval, a number that long (at most the interval)."""
     from kvlc.runtime.pump import Pump
