@@ -1,10 +1,12 @@
-"""Where one pull-via-push request's time goes, on both sides, against a push of the same blocks.
+"""Where a pull-via-push request's time goes, on both sides, against a push of the same blocks.
 
 The consumer KvAgent runs in this process, on one thread that asks and polls as the GPU suite's does
 (``--nap`` seconds after an empty poll; 0: it spins); the producer runs in a spawned engine process
 (:mod:`kvlc.demo.procs`) whose own methods are wrapped with time stamps (nothing else changes). Both
 sides stamp ``time.perf_counter()``, the host's monotonic clock, so the stages line up across the two
-processes. Per request, microseconds since ``Peer.read`` began:
+processes. Per request, microseconds since its round's first call began (``--inflight K``: K requests a round,
+each issued as soon as the call before returned, then all waited for; stage ``x#j`` is the round's j-th
+request's; default one request a round):
 
 * ``asked``: ``read()`` returned (the ask is written, or queued for the sender);
 * ``framed``: the producer's server thread had the ask's frame read off its socket (before it is decoded);
@@ -17,10 +19,14 @@ processes. Per request, microseconds since ``Peer.read`` began:
 * ``finished``: this engine's ``poll()`` handed the request back as finished.
 
 ``push``: the same blocks pushed from this process into the engine process (``Peer.write``, polled the
-same way), write() to finished. Llama-3.1-8B scaled to ``--pool-mib`` per side, ``--tokens`` per request,
-``--inflight`` requests a round (default one at a time); VRAM on ``cuda:0`` with ``--gpu``, shared DRAM otherwise.
+same way), write() to finished. Per mode a host line: the initiating call's wall against its thread's CPU time
+(push: ``write()``; pull via push: the producer's server thread from the ask's frame read to its reply
+written; a wall well over the CPU time is a wait, for the GIL or a lock), and the share of a round the
+producer's engine thread spent in ``poll()`` (``--engine-step-ms``: it polls at most once so often).
+Llama-3.1-8B scaled to ``--pool-mib`` per side, ``--tokens`` per request, ``--inflight`` requests a round;
+VRAM on ``cuda:0`` with ``--gpu``, shared DRAM otherwise.
 
-Run:  python3 benchmarks/probes/pvp_timeline.py [--gpu] [--tokens 2048] [--rounds 60] [--nap 0]
+Run:  python3 benchmarks/probes/pvp_timeline.py [--gpu] [--tokens 2048] [--rounds 60] [--nap 0] [--inflight 8]
 """
 
 from __future__ import annotations
@@ -145,20 +151,6 @@ def _engine():
     return proc
 
 
-def _wait(agent, req: str, nap: float) -> float:
-    """Poll as an engine's thread does (nap only after an empty poll) until ``req`` finished; when it did."""
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        c = agent.poll()
-        if c.failed:
-            raise RuntimeError(f"failed: {dict(c.failed)}")
-        if req in c.finished:
-            return time.perf_counter()
-        if not c:
-            time.sleep(nap)
-    raise RuntimeError(f"{req} not finished in 60 s")
-
-
 def run(args) -> dict:
     from kvlc.demo.procs import EngineConfig
     from kvlc.runtime.agent import KvAgent
@@ -166,13 +158,10 @@ def run(args) -> dict:
     from kvlc.runtime.settings import AgentSettings
 
     plan = scaled_plan(DEFAULT_LAYOUT, args.pool_mib << 20, to_dram=not args.gpu)
-    k = args.inflight
-    if k > 1:  # rounds of k requests in flight, destinations disjoint within a round
-        rounds = [make_workload(plan, plan, k, args.tokens, ids=args.ids, seed=i)[0] for i in range(args.rounds)]
-        if any(len(r) != k for r in rounds):
-            raise SystemExit(f"--pool-mib {args.pool_mib} holds fewer than {k} requests of {args.tokens} tokens")
-    else:
-        rounds = [make_workload(plan, plan, 1, args.tokens, ids=args.ids, seed=i)[0] for i in range(args.rounds)]
+    k = args.inflight  # rounds of k requests in flight, destinations disjoint within a round
+    rounds = [make_workload(plan, plan, k, args.tokens, ids=args.ids, seed=i)[0] for i in range(args.rounds)]
+    if any(len(r) != k for r in rounds):
+        raise SystemExit(f"--pool-mib {args.pool_mib} holds fewer than {k} requests of {args.tokens} tokens")
     secret = secrets.token_hex(32)
     os.environ["PVP_TIMELINE_ENGINE_STEP_MS"] = str(args.engine_step_ms)  # (the spawned engine reads it)
     proc = _engine()
