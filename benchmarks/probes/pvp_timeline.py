@@ -151,7 +151,7 @@ def _engine():
     return proc
 
 
-def run(args) -> dict:
+def run(args) -> tuple[dict, dict]:
     from kvlc.demo.procs import EngineConfig
     from kvlc.runtime.agent import KvAgent
     from kvlc.runtime.binding import allocate
@@ -183,45 +183,13 @@ def run(args) -> dict:
             me.close()
     finally:
         proc.stop()
-    doc = _stages(out, got["at"], args.warmup)
-    doc["host"] = _host_time(out, got, args.warmup)
-    return doc
-
-
-def _host_time(out: dict, got: dict, warmup: int) -> dict:
-    """Per request, p50 microseconds: the wall and the thread's own CPU time of the initiating call (push:
-    ``write()`` on this thread; pull via push: the producer's server thread from the ask's frame read to its
-    reply written; a wall well over the CPU time is a wait: the GIL, the agent's lock); and the share of each
-    round's wall that the producer's engine thread spent inside ``poll()``."""
-    doc: dict = {}
-    for mode, rows in out.items():
-        rows = [r for r in rows if int(r["req"].split("-")[1]) >= warmup]
-        if not rows:
-            continue
-        if mode == "push":
-            wall = [(r["asked"] - r["called"]) * 1e6 for r in rows]
-            own = [r["cpu"] * 1e6 for r in rows]
-        else:
-            at = got["at"]
-            wall = [(at[r["req"]]["replied"] - at[r["req"]]["framed"]) * 1e6 for r in rows if r["req"] in got["cpu"]]
-            own = [got["cpu"][r["req"]] * 1e6 for r in rows if r["req"] in got["cpu"]]
-        spans = {}
-        for r in rows:
-            k = r["req"].split("-")[1]
-            a, b = spans.get(k, (r["t0"], r["finished"]))
-            spans[k] = (min(a, r["t0"]), max(b, r["finished"]))
-        share = [sum(max(0.0, min(e, b) - max(s, a)) for s, e in got["polls"]) / (b - a) for a, b in spans.values()]
-        doc[mode] = {"call_wall_p50_us": float(np.percentile(wall, 50)),
-                     "call_cpu_p50_us": float(np.percentile(own, 50)),
-                     "engine_poll_share_p50": float(np.percentile(share, 50)),
-                     "engine_polls_per_round_p50": float(np.percentile(
-                         [sum(1 for s, _ in got["polls"] if a <= s <= b) for a, b in spans.values()], 50))}
-    return doc
+    timed = {mode: [r for r in rows if r["round"] >= args.warmup] for mode, rows in out.items() if rows}
+    return _stages(timed, got["at"]), _host_time(timed, got)
 
 
 def _round(me, peer, mode: str, r: int, batch: list, nap: float) -> list[dict]:
     """One round: its requests issued back to back (each as soon as the call before returned), then
-    waited for; each row's stamps, microseconds since the round's first call (``t0``)."""
+    waited for; a row per request (its round, its place in it, and when its round began: ``t0``)."""
     rows, t0 = [], time.perf_counter()
     for j, (_, cids, pids, n) in enumerate(batch):
         req = f"{mode}-{r}-{j}"
@@ -230,7 +198,7 @@ def _round(me, peer, mode: str, r: int, batch: list, nap: float) -> list[dict]:
             peer.read(req, cids, pids, n)
         else:
             peer.write(req, pids, cids, n)
-        rows.append({"req": req, "t0": t0, "called": called, "asked": time.perf_counter(),
+        rows.append({"req": req, "round": r, "pos": j, "t0": t0, "called": called, "asked": time.perf_counter(),
                      "cpu": time.thread_time() - cpu})
     left = {row["req"]: row for row in rows}
     deadline = time.monotonic() + 60
@@ -249,29 +217,57 @@ def _round(me, peer, mode: str, r: int, batch: list, nap: float) -> list[dict]:
     return rows
 
 
-def _stages(out: dict, stamps: dict, warmup: int) -> dict:
-    """p50 / p90 of each stage, microseconds since read() (or write()) began."""
+def _spans(rows: list[dict]) -> list[tuple[float, float]]:
+    """Each round's (began, its last request finished), perf_counter seconds."""
+    spans: dict[int, tuple[float, float]] = {}
+    for r in rows:
+        began, ended = spans.get(r["round"], (r["t0"], r["finished"]))
+        spans[r["round"]] = (began, max(ended, r["finished"]))
+    return list(spans.values())
+
+
+def _p50(values) -> float:
+    return float(np.percentile(values, 50))
+
+
+def _stages(timed: dict, stamps: dict) -> dict:
+    """p50 / p90 of each stage (``x#j``: of a round's j-th request), microseconds since the round's first call
+    began, and of the whole round."""
     doc = {}
-    for mode, rows in out.items():
-        if not rows:
-            continue
+    for mode, rows in timed.items():
         per: dict[str, list[float]] = {}
         for row in rows:
-            if int(row["req"].split("-")[1]) < warmup:
-                continue
-            j = int(row["req"].rsplit("-", 1)[1])
             remote = stamps.get(row["req"], {}) if mode == "pvp" else {}
             for s in ("called", *STAGES):
                 t = row.get(s, remote.get(s))
                 if t is not None:
-                    per.setdefault(f"{s}" if j == 0 else f"{s}#{j}", []).append((t - row["t0"]) * 1e6)
-        doc[mode] = {s: {"p50_us": float(np.percentile(v, 50)), "p90_us": float(np.percentile(v, 90)), "n": len(v)}
+                    per.setdefault(s if row["pos"] == 0 else f"{s}#{row['pos']}", []).append((t - row["t0"]) * 1e6)
+        per["round"] = [(b - a) * 1e6 for a, b in _spans(rows)]
+        doc[mode] = {s: {"p50_us": _p50(v), "p90_us": float(np.percentile(v, 90)), "n": len(v)}
                      for s, v in per.items()}
-        ends = [max(r["finished"] for r in rows if r["req"].split("-")[1] == rr) - min(
-            r["t0"] for r in rows if r["req"].split("-")[1] == rr)
-            for rr in sorted({r["req"].split("-")[1] for r in rows}, key=int) if int(rr) >= warmup]
-        doc[mode]["round"] = {"p50_us": float(np.percentile(ends, 50) * 1e6),
-                              "p90_us": float(np.percentile(ends, 90) * 1e6), "n": len(ends)}
+    return doc
+
+
+def _host_time(timed: dict, got: dict) -> dict:
+    """Per request, p50 microseconds: the wall and the thread's own CPU time of the initiating call (push:
+    ``write()`` on this thread; pull via push: the producer's server thread from the ask's frame read to its
+    reply written; a wall well over the CPU time is a wait: the GIL, the agent's lock); and the share of each
+    round's wall that the producer's engine thread spent inside ``poll()``."""
+    doc: dict = {}
+    polls = got["polls"]
+    for mode, rows in timed.items():
+        if mode == "push":
+            wall = [(r["asked"] - r["called"]) * 1e6 for r in rows]
+            own = [r["cpu"] * 1e6 for r in rows]
+        else:
+            served = [r["req"] for r in rows if r["req"] in got["cpu"]]
+            wall = [(got["at"][q]["replied"] - got["at"][q]["framed"]) * 1e6 for q in served]
+            own = [got["cpu"][q] * 1e6 for q in served]
+        spans = _spans(rows)
+        doc[mode] = {"call_wall_p50_us": _p50(wall), "call_cpu_p50_us": _p50(own),
+                     "engine_poll_share_p50": _p50([sum(max(0.0, min(e, b) - max(s, a)) for s, e in polls) / (b - a)
+                                                    for a, b in spans]),
+                     "engine_polls_per_round_p50": _p50([sum(a <= s <= b for s, _ in polls) for a, b in spans])}
     return doc
 
 
@@ -288,9 +284,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     doc = {"command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]), "gpu": args.gpu,
            "tokens": args.tokens, "ids": args.ids, "nap": args.nap, "inflight": args.inflight,
-           "engine_step_ms": args.engine_step_ms, "modes": run(args)}
-    host = doc["modes"].pop("host")
-    doc["host"] = host
+           "engine_step_ms": args.engine_step_ms}
+    doc["modes"], doc["host"] = run(args)
+    host = doc["host"]
     for mode, st in doc["modes"].items():
         for j in range(args.inflight):
             names = [s if j == 0 else f"{s}#{j}" for s in ("called", *STAGES)]
