@@ -13,7 +13,8 @@ request's; default one request a round):
 * ``arrived``: the producer's server thread began handling the ask (decoded);
 * ``instantiated``: its rows were made (the check again, rows);
 * ``submitted``: its WRITE was started (``KvAgent.submit`` returned);
-* ``replied``: the server thread's reply to the ask was written (it reads the next ask after this);
+* ``replied``: the server thread's reply to the ask was written (asks that came in together are answered
+  one after another, then their replies written at once; it reads the next asks after this);
 * ``seen``: a progress step of the producer saw every part done;
 * ``told``: the ``done`` notification went out;
 * ``finished``: this engine's ``poll()`` handed the request back as finished.
@@ -21,7 +22,7 @@ request's; default one request a round):
 ``push``: the same blocks pushed from this process into the engine process (``Peer.write``, polled the
 same way), write() to finished. Per mode a host line: the initiating call's wall against its thread's CPU time
 (push: ``write()``; pull via push: the producer's server thread from the ask's frame read to its reply
-written; a wall well over the CPU time is a wait, for the GIL or a lock), and the share of a round the
+written, asks read together sharing their batch's wall and CPU evenly; a wall well over the CPU time is a wait, for the GIL or a lock), and the share of a round the
 producer's engine thread spent in ``poll()`` (``--engine-step-ms``: it polls at most once so often).
 Llama-3.1-8B scaled to ``--pool-mib`` per side, ``--tokens`` per request, ``--inflight`` requests a round;
 VRAM on ``cuda:0`` with ``--gpu``, shared DRAM otherwise.
@@ -67,27 +68,40 @@ def _instrumented_main(conn) -> None:  # pragma: no cover - runs in the engine p
     from kvlc.runtime.channel import tcp
 
     pull, inst, submit = server.pull_request, server.instantiate, agent.KvAgent.submit
-    read, write_frame = tcp.FrameReader.read, tcp.write_frame
+    read, answer, write_frames = tcp.FrameReader.read, tcp.ChannelServer._answer, tcp.write_frames
     current, framed = [""], threading.local()
 
     cpu: dict[str, float] = {}  # req -> the server thread's CPU seconds from its frame read to its reply written
     polls: list[tuple[float, float]] = []  # the engine thread's poll() calls: (began, ended)
 
+    # A server thread reads the frames that came in together, answers each, then writes their replies at once:
+    # per thread, the read times not yet answered, the asks answered since the last write, and the CPU time
+    # at the first read after that write (an ask's CPU: its batch's, shared evenly).
     def read_frame(self, *args, **kw):
         out = read(self, *args, **kw)
-        framed.at, framed.cpu = time.perf_counter(), time.thread_time()
+        if self._chunk:  # an authenticated connection's frames (the handshake's are read exactly)
+            if not getattr(framed, "reads", None) and not getattr(framed, "asks", None):
+                framed.cpu = time.thread_time()
+            framed.reads = [*getattr(framed, "reads", []), time.perf_counter()]
+            framed.asks = getattr(framed, "asks", [])
         return out
 
+    def answered(self, conn, frame):
+        framed.at = framed.reads.pop(0) if getattr(framed, "reads", None) else time.perf_counter()
+        return answer(self, conn, frame)
+
     def replied(*args, **kw):
-        out = write_frame(*args, **kw)
-        if getattr(framed, "req", None):
-            stamp(framed.req, "replied")
-            cpu[framed.req] = time.thread_time() - framed.cpu
-            framed.req = None
+        out = write_frames(*args, **kw)
+        asks, framed.asks = getattr(framed, "asks", []), []
+        spent, t = time.thread_time() - getattr(framed, "cpu", time.thread_time()), time.perf_counter()
+        for req in asks:  # one time for the batch: its asks are told apart by it
+            at.setdefault(req, {}).setdefault("replied", t)
+            cpu[req] = spent / len(asks)
         return out
 
     def pull_request(a, c, msg):
-        current[0] = framed.req = msg.req
+        current[0] = msg.req
+        framed.asks.append(msg.req)
         at.setdefault(msg.req, {}).setdefault("framed", getattr(framed, "at", time.perf_counter()))
         stamp(msg.req, "arrived")
         return pull(a, c, msg)
@@ -130,7 +144,7 @@ def _instrumented_main(conn) -> None:  # pragma: no cover - runs in the engine p
             stamp(req, "told")
 
     server.pull_request, server.instantiate, agent.KvAgent.submit = pull_request, instantiate, submitted
-    tcp.FrameReader.read, tcp.write_frame = read_frame, replied
+    tcp.FrameReader.read, tcp.ChannelServer._answer, tcp.write_frames = read_frame, answered, replied
     transfer.Executor.progress, transfer.Executor._notify_done = progressed, notified
     procs_child._AGENT_COMMANDS["stamps"] = lambda child, h, aid, args: {
         "at": {k: dict(v) for k, v in at.items()}, "cpu": dict(cpu), "polls": list(polls)}
@@ -251,7 +265,8 @@ def _stages(timed: dict, stamps: dict) -> dict:
 def _host_time(timed: dict, got: dict) -> dict:
     """Per request, p50 microseconds: the wall and the thread's own CPU time of the initiating call (push:
     ``write()`` on this thread; pull via push: the producer's server thread from the ask's frame read to its
-    reply written; a wall well over the CPU time is a wait: the GIL, the agent's lock); and the share of each
+    reply written, asks read together sharing their batch's evenly; a wall well over the CPU time is a wait:
+    the GIL, the agent's lock); and the share of each
     round's wall that the producer's engine thread spent inside ``poll()``."""
     doc: dict = {}
     polls = got["polls"]
@@ -260,9 +275,12 @@ def _host_time(timed: dict, got: dict) -> dict:
             wall = [(r["asked"] - r["called"]) * 1e6 for r in rows]
             own = [r["cpu"] * 1e6 for r in rows]
         else:
-            served = [r["req"] for r in rows if r["req"] in got["cpu"]]
-            wall = [(got["at"][q]["replied"] - got["at"][q]["framed"]) * 1e6 for q in served]
-            own = [got["cpu"][q] * 1e6 for q in served]
+            batches: dict[float, list[str]] = {}  # asks whose replies went out in one write: one batch
+            for q in (r["req"] for r in rows if r["req"] in got["cpu"]):
+                batches.setdefault(got["at"][q]["replied"], []).append(q)
+            wall = [(end - min(got["at"][q]["framed"] for q in qs)) * 1e6 / len(qs)
+                    for end, qs in batches.items() for _ in qs]
+            own = [got["cpu"][q] * 1e6 for qs in batches.values() for q in qs]
         spans = _spans(rows)
         doc[mode] = {"call_wall_p50_us": _p50(wall), "call_cpu_p50_us": _p50(own),
                      "engine_poll_share_p50": _p50([sum(max(0.0, min(e, b) - max(s, a)) for s, e in polls) / (b - a)

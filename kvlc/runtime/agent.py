@@ -36,6 +36,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Callable, Iterable, Mapping
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 from kvlc.compiler.plan.model import Plan
@@ -90,6 +91,7 @@ class KvAgent:
         self._identity = Identity.generate()  # this epoch's key: introductions prove it (channel.identity)
         self.name = valid_name(cfg.name or f"kvlc-{default}-r{rank}-{uuid.uuid4().hex[:8]}")
         self._lock = threading.RLock()
+        self._frames = threading.local()  # a server thread's batch of frames (:meth:`serving`): pulls served in it
         self.closed = False
         self.nixl = self._make_nixl(cfg, any(s.mem == "VRAM" for s in plan.storages))
         self._res = Resources(self.nixl, self.name)
@@ -166,7 +168,12 @@ class KvAgent:
             if agent is not None and conn.session is not None:
                 agent.drop_session(conn.session, "its side-channel connection closed")
 
-        return ChannelServer(handler, _server.error_reply, self._key, host, port, limits=self.limits, on_close=closed)
+        def serving(conn, ref=ref):
+            agent = ref()
+            return nullcontext() if agent is None else agent.serving()
+
+        return ChannelServer(handler, _server.error_reply, self._key, host, port, limits=self.limits, on_close=closed,
+                             serving=serving)
 
     _advertised = ""
 
@@ -495,10 +502,36 @@ class KvAgent:
             out = self.submit(("pvp", s.conn_id, req), req, "WRITE", parts, {s.rank: Target(s.agent, s.notif_key)},
                               timeout, ("pvp", s), refuse=refuse, engine=False)
             self.tally(s.engine, req)
-            self.advance()  # a copy that ended inside its post (host memory on one host) is told done now
-        if self._res.pump is not None:  # no engine call follows this one: its end is seen on the next turn
-            self._res.pump.wake()
+        served = getattr(self._frames, "served", None)
+        if served is None:
+            self._served()
+        else:  # one of several asks read together: its step comes after the last of them
+            self._frames.served = served + 1
         return out
+
+    @contextmanager
+    def serving(self):
+        """The side-channel server thread handles, in this context, frames that came in together
+        (:class:`~kvlc.runtime.channel.tcp.ChannelServer`): the pull requests among them take one progress step
+        and one wake of the progress thread at its end, for all of them (a copy that ended inside its post is told
+        done then), not one each while the next ask waits behind it."""
+        self._frames.served = 0
+        try:
+            yield
+        finally:
+            served, self._frames.served = self._frames.served, None
+            if served:
+                self._served()
+
+    def _served(self) -> None:
+        """After pull requests were served: a copy that ended inside its post (host memory on one host) is told
+        done now; the progress thread sees the rest end (no engine call follows a served ask)."""
+        with self._lock:
+            if self.closed:
+                return
+            self.advance()
+        if self._res.pump is not None:
+            self._res.pump.wake()
 
     def session_on(self, conn_id: str) -> Session | None:
         """The session introduced on side-channel connection ``conn_id`` (None: none, or it ended)."""

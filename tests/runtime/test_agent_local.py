@@ -6,6 +6,8 @@ These agents are real NIXL (UCX) agents in this process; transfers run in the mu
 
 from __future__ import annotations
 
+import time
+
 import msgpack
 import pytest
 from runtime_engines import KEY, LAYOUTS, SECRET, TEST_LAYOUTS, signed_hello
@@ -292,6 +294,31 @@ def test_same_request_id_twice_in_flight_is_refused(producer, plans):
     peer.read("dup", {"full": [3]}, {"full": [4]}, 16)
     assert _finish(consumer, producer, "dup").finished == ("dup",)
     assert consumer.nixl.live(Xfer) == []
+    consumer.close()
+
+
+def test_pull_via_push_asks_that_come_in_together_take_one_progress_step(producer, plans, monkeypatch):
+    """Asks written while the producer is busy come in together: its server thread serves them one after
+    another and takes one progress step (and one wake of its progress thread) after the last, not one each;
+    every request still finishes (the bytes of pull via push: tests/runtime/test_e2e_modes.py)."""
+    consumer = KvAgent(plans["dense-tp1"], 0, allocate(plans["dense-tp1"]), AgentSettings(secret=SECRET))
+    steps = []
+    served = producer._served
+    monkeypatch.setattr(producer, "_served", lambda: (steps.append(1), served())[1])
+    peer = consumer.connect(producer.address, mode="pull_via_push")
+    reqs = [f"together-{i}" for i in range(6)]
+    with producer._lock:  # the server thread waits at the first ask; the others queue behind it
+        for i, req in enumerate(reqs):
+            peer.read(req, {"full": [i]}, {"full": [10 + i]}, 16)
+        time.sleep(0.2)
+    got = consumer.wait(reqs, timeout=10)
+    assert sorted(got.finished) == reqs and not got.failed
+    assert 1 <= len(steps) <= 2  # the first ask alone (or with some of the rest), then every other one at once
+    before = len(steps)
+    for i in range(3):  # one at a time: a step each
+        peer.read(f"alone-{i}", {"full": [i]}, {"full": [20 + i]}, 16)
+        assert consumer.wait([f"alone-{i}"], timeout=10).finished == (f"alone-{i}",)
+    assert len(steps) == before + 3
     consumer.close()
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from kvlc.runtime.channel import auth
 from kvlc.runtime.channel.client import ChannelClient
-from kvlc.runtime.channel.tcp import ChannelServer, Limits, parse_address, read_frame, write_frame
+from kvlc.runtime.channel.tcp import ChannelServer, Limits, frame_bytes, parse_address, read_frame, write_frame
 from kvlc.runtime.errors import AuthError, ChannelError
 
 pytestmark = pytest.mark.runtime
@@ -258,6 +258,64 @@ def test_pipelined_frames_get_their_own_replies_in_any_wait_order(echo):
         assert c.request(b"between") == b"echo:between"
         for i in (4, 0, 2, 3, 1):
             assert c.wait(tickets[i]) == b"echo:p%d" % i
+
+
+def _together(n: int, *, max_batch: int = 16, bad_at: int | None = None):
+    """``n`` frames written in one send on an authenticated connection (they come in together), the frame
+    at ``bad_at`` with a flipped byte; returns the replies read back (until the server ends the
+    connection), the batches the server handled in one ``serving`` context, and the server's stats."""
+    batches: list[list[bytes]] = []
+
+    class Serving:
+        def __init__(self, conn):
+            self.conn = conn
+
+        def __enter__(self):
+            batches.append([])
+
+        def __exit__(self, *exc):
+            batches[-1] = tuple(batches[-1])
+
+    def handler(conn, frame: bytes) -> bytes:
+        batches[-1].append(frame)
+        return b"echo:" + frame
+
+    server = ChannelServer(handler, lambda text: b"error:" + text.encode(), KEY, serving=Serving,
+                           limits=Limits(max_frame=1024, max_batch=max_batch))
+    try:
+        c = ChannelClient(server.address, KEY)
+        assert c.request(b"hello") == b"echo:hello"
+        sealed = [bytearray(c.sealed.seal(b"f%d" % i)) for i in range(n)]
+        if bad_at is not None:
+            sealed[bad_at][10] ^= 1
+        sock = c._link.sock
+        sock.sendall(b"".join(frame_bytes(bytes(f)) for f in sealed))
+        replies = []
+        while len(replies) < n:
+            try:
+                replies.append(c.sealed.open(read_frame(sock, 1024, 2.0, 2.0)))
+            except ChannelError:
+                break
+        c.close()
+        return replies, batches[1:], server.stats
+    finally:
+        server.close()
+
+
+def test_frames_that_come_in_together_are_handled_in_one_context_and_answered_in_order():
+    """Frames written back to back are handled one after another inside one serving context (at most
+    max_batch a context), each answered, in order; a frame that fails authentication among them ends
+    the connection after the frames before it were answered, and nothing after it is handled."""
+    replies, batches, stats = _together(10)
+    assert replies == [b"echo:f%d" % i for i in range(10)]
+    assert [f for b in batches for f in b] == [b"f%d" % i for i in range(10)]
+    assert len(batches) == 1 and stats["frames"] == 11  # one send on loopback arrives in one read
+    replies, batches, _ = _together(10, max_batch=4)
+    assert replies == [b"echo:f%d" % i for i in range(10)]
+    assert [len(b) for b in batches] == [4, 4, 2]
+    replies, batches, stats = _together(6, bad_at=3)
+    assert replies == [b"echo:f0", b"echo:f1", b"echo:f2"]
+    assert [f for b in batches for f in b] == [b"f0", b"f1", b"f2"] and stats["errors"] == 1
 
 
 def test_a_post_that_must_not_wait_refuses_rather_than_waits(echo):

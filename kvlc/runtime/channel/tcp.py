@@ -5,8 +5,11 @@ A frame is a 4-byte big-endian length followed by that many bytes (at most
 before it completes the server keeps nothing but the connection's nonces, accepts only
 frames of the handshake's exact sizes, and ends the connection at ``handshake_timeout``.
 After it, every frame is sealed (sequence number + HMAC) and the server answers each
-request frame with one reply frame, on a thread per connection; what the bytes mean is
-the handler's business (:mod:`kvlc.runtime.channel.wire`).
+request frame with one reply frame, in order, on a thread per connection; what the bytes mean is
+the handler's business (:mod:`kvlc.runtime.channel.wire`). Frames a client wrote back to back and
+that came in together (up to ``max_batch``) are handled one after another inside one ``serving(conn)``
+context (the handler's owner ends there what they started: a producer's progress step after
+several pull requests, :meth:`kvlc.runtime.agent.KvAgent.serving`) and their replies go out in one write.
 
 Bounds against a hostile or broken client: a whole frame must arrive within
 ``frame_timeout`` of its first byte (a byte every few seconds does not keep a frame
@@ -36,6 +39,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,6 +111,13 @@ class FrameReader:
         del self._buf[:end]
         return frame
 
+    def complete(self) -> bool:
+        """Whether a whole frame was read ahead already (:meth:`read` then returns it without waiting)."""
+        if len(self._buf) < _HEADER.size:
+            return False
+        (n,) = _HEADER.unpack_from(self._buf)
+        return len(self._buf) >= _HEADER.size + n
+
     def _recv(self, limit: float | None, have: int, of: int, want: int, idle: bool = False) -> None:
         """Read what has come, up to ``want`` bytes (the rest of the piece being read) or a chunk ahead if
         more; ``limit``: the idle wait, or the deadline."""
@@ -137,6 +148,11 @@ def frame_bytes(payload: bytes, max_frame: int = MAX_FRAME_BYTES) -> bytes:
 
 def write_frame(sock: socket.socket, payload: bytes, max_frame: int = MAX_FRAME_BYTES) -> None:
     sock.sendall(frame_bytes(payload, max_frame))
+
+
+def write_frames(sock: socket.socket, payloads: list[bytes], max_frame: int = MAX_FRAME_BYTES) -> None:
+    """Several frames in one write (a batch's replies, in order)."""
+    sock.sendall(b"".join(frame_bytes(p, max_frame) for p in payloads))
 
 
 def keep_alive(sock: socket.socket, seconds: float | None) -> None:
@@ -183,6 +199,7 @@ class Limits:
     idle_timeout: float | None = None  # authenticated connections are capped per address instead
     max_connections: int = 256
     max_per_address: int = 64
+    max_batch: int = 16  # frames that came in together, handled in one serving context, replies in one write
     max_pending_per_address: int = 8
     peer_timeout: float | None = 30.0  # a silent peer host's connections end after this (keep_alive)
 
@@ -192,7 +209,8 @@ class ChannelServer:
 
     ``key``: the channel key (:func:`kvlc.runtime.channel.auth.resolve_secret`). ``on_error(text) -> bytes``
     encodes an error reply for handler exceptions; ``on_close(conn)`` runs when an authenticated
-    connection ends.
+    connection ends; ``serving(conn)`` (a context manager) is entered around each batch of frames that
+    came in together (module docstring).
     """
 
     def __init__(
@@ -205,8 +223,10 @@ class ChannelServer:
         *,
         limits: Limits = Limits(),
         on_close: Callable[[Conn], None] | None = None,
+        serving: Callable[[Conn], AbstractContextManager] | None = None,
     ):
         self.handler, self.on_error, self.on_close = handler, on_error, on_close
+        self.serving = serving or (lambda conn: nullcontext())
         self.limits = limits
         self._key = key
         self._lock = threading.Lock()
@@ -333,23 +353,34 @@ class ChannelServer:
         lim = self.limits
         frames = FrameReader(sock)
         while not self.closed:
+            batch, ended = [], False
             try:
-                frame = conn.sealed.open(frames.read(lim.max_frame, lim.frame_timeout, lim.idle_timeout))
+                batch.append(conn.sealed.open(frames.read(lim.max_frame, lim.frame_timeout, lim.idle_timeout)))
+                while len(batch) < lim.max_batch and frames.complete():  # came in together: no wait
+                    batch.append(conn.sealed.open(frames.read(lim.max_frame)))
             except (ChannelError, OSError) as exc:
                 if "after 0 of 4" not in str(exc):
                     self.stats["errors"] += 1
+                ended = True  # the frames before it are still answered
+            if not batch:
                 return
-            self.stats["frames"] += 1
+            self.stats["frames"] += len(batch)
+            with self.serving(conn):
+                replies = [self._answer(conn, frame) for frame in batch]
             try:
-                reply = self.handler(conn, frame)
-            except Exception as exc:  # a handler bug must not kill the server
-                self.stats["errors"] += 1
-                log.exception("side-channel handler failed")
-                reply = self.on_error(f"internal error: {type(exc).__name__}: {exc}")
-            try:
-                write_frame(sock, conn.sealed.seal(reply), lim.max_frame)
+                write_frames(sock, [conn.sealed.seal(r) for r in replies], lim.max_frame)
             except (OSError, ChannelError):
                 return
+            if ended:
+                return
+
+    def _answer(self, conn: Conn, frame: bytes) -> bytes:
+        try:
+            return self.handler(conn, frame)
+        except Exception as exc:  # a handler bug must not kill the server
+            self.stats["errors"] += 1
+            log.exception("side-channel handler failed")
+            return self.on_error(f"internal error: {type(exc).__name__}: {exc}")
 
     def close(self) -> None:
         """Stop serving and cut every open connection (idempotent); returns once their handlers ended
