@@ -22,8 +22,9 @@ request's; default one request a round):
 ``push``: the same blocks pushed from this process into the engine process (``Peer.write``, polled the
 same way), write() to finished. Per mode a host line: the initiating call's wall against its thread's CPU time
 (push: ``write()``; pull via push: the producer's server thread from the ask's frame read to its reply
-written, asks read together sharing their batch's wall and CPU evenly; a wall well over the CPU time is a wait, for the GIL or a lock), and the share of a round the
-producer's engine thread spent in ``poll()`` (``--engine-step-ms``: it polls at most once so often).
+written, asks read together sharing their batch's wall and CPU evenly; a wall well over the CPU time is a
+wait, for the GIL or a lock), and the share of a round the producer's engine thread spent in ``poll()``
+(``--engine-step-ms``: it polls at most once so often).
 Llama-3.1-8B scaled to ``--pool-mib`` per side, ``--tokens`` per request, ``--inflight`` requests a round;
 VRAM on ``cuda:0`` with ``--gpu``, shared DRAM otherwise.
 
