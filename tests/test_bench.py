@@ -208,3 +208,28 @@ def test_every_result_file_is_cited_and_every_citation_exists():
     dangling = {readme: sorted(names - files) for readme, names in cited.items() if names - files}
     assert dangling == {}
     assert not [p for p in results.iterdir() if p.is_dir()]  # results/ is flat
+
+
+def test_the_device_carry_drops_only_the_unused_part_of_a_wheel(tmp_path):
+    """device_carry.py repacks nixl-cu13 without its nixl_ep_cu13 part: those files and their RECORD lines go,
+    every other file stays byte for byte (a wheel pip then installs)."""
+    import zipfile
+
+    import device_carry
+
+    whl = tmp_path / "nixl_cu13-1.5.1-cp312-cp312-manylinux_2_28_x86_64.whl"
+    files = {"nixl_cu13/_bindings.so": b"\x7fELF core", "nixl_ep_cu13/ep.so": b"\x7fELF ep" * 100,
+             "nixl_ep_cu13/__init__.py": b"", "nixl_cu13.libs/libucx.so": b"ucx"}
+    record = "".join(f"{n},sha256=x,{len(b)}\n" for n, b in files.items()) + "nixl_cu13-1.5.1.dist-info/RECORD,,\n"
+    with zipfile.ZipFile(whl, "w") as z:
+        for n, b in files.items():
+            z.writestr(n, b)
+        z.writestr("nixl_cu13-1.5.1.dist-info/RECORD", record)
+    device_carry._drop_part(whl, device_carry.DROPPED)
+    with zipfile.ZipFile(whl) as z:
+        kept = {n: z.read(n) for n in z.namelist()}
+    assert {n: b for n, b in kept.items() if "dist-info" not in n} == {
+        n: b for n, b in files.items() if not n.startswith("nixl_ep_cu13/")}
+    lines = kept["nixl_cu13-1.5.1.dist-info/RECORD"].decode().splitlines()
+    assert [ln.split(",")[0] for ln in lines] == ["nixl_cu13/_bindings.so", "nixl_cu13.libs/libucx.so",
+                                                  "nixl_cu13-1.5.1.dist-info/RECORD"]
