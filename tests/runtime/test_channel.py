@@ -278,6 +278,8 @@ def _together(n: int, *, max_batch: int = 16, bad_at: int | None = None):
 
     def handler(conn, frame: bytes) -> bytes:
         batches[-1].append(frame)
+        if frame == b"f4":
+            raise RuntimeError("handler bug")
         return b"echo:" + frame
 
     server = ChannelServer(handler, lambda text: b"error:" + text.encode(), KEY, serving=Serving,
@@ -305,13 +307,15 @@ def _together(n: int, *, max_batch: int = 16, bad_at: int | None = None):
 def test_frames_that_come_in_together_are_handled_in_one_context_and_answered_in_order():
     """Frames written back to back are handled one after another inside one serving context (at most
     max_batch a context), each answered, in order; a frame that fails authentication among them ends
-    the connection after the frames before it were answered, and nothing after it is handled."""
+    the connection after the frames before it were answered, and nothing after it is handled; a handler that
+    raises on one of them answers that one with an error and the rest as usual."""
+    want = [b"echo:f%d" % i if i != 4 else b"error:internal error: RuntimeError: handler bug" for i in range(10)]
     replies, batches, stats = _together(10)
-    assert replies == [b"echo:f%d" % i for i in range(10)]
+    assert replies == want
     assert [f for b in batches for f in b] == [b"f%d" % i for i in range(10)]
     assert len(batches) == 1 and stats["frames"] == 11  # one send on loopback arrives in one read
     replies, batches, _ = _together(10, max_batch=4)
-    assert replies == [b"echo:f%d" % i for i in range(10)]
+    assert replies == want
     assert [len(b) for b in batches] == [4, 4, 2]
     replies, batches, stats = _together(6, bad_at=3)
     assert replies == [b"echo:f0", b"echo:f1", b"echo:f2"]
