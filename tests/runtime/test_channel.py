@@ -322,6 +322,34 @@ def test_frames_that_come_in_together_are_handled_in_one_context_and_answered_in
     assert [f for b in batches for f in b] == [b"f0", b"f1", b"f2"] and stats["errors"] == 1
 
 
+@pytest.mark.parametrize("where", ["enter", "exit"])
+def test_a_serving_context_that_fails_is_logged_and_every_frame_still_answered(where):
+    """A serving context that raises on entering (no frame handled: each gets an error reply) or on leaving
+    (the replies made stand) is counted as an error; the connection and the server carry on."""
+    class Failing:
+        def __init__(self, conn):
+            pass
+
+        def __enter__(self):
+            if where == "enter":
+                raise RuntimeError("enter bug")
+
+        def __exit__(self, *exc):
+            if where == "exit":
+                raise RuntimeError("exit bug")
+
+    server = ChannelServer(lambda conn, f: b"echo:" + f, lambda text: b"error:" + text.encode(), KEY,
+                           serving=Failing, limits=LIMITS)
+    try:
+        with ChannelClient(server.address, KEY) as c:
+            for i in range(3):
+                want = b"echo:x%d" % i if where == "exit" else b"error:internal error: RuntimeError: enter bug"
+                assert c.request(b"x%d" % i) == want
+        assert server.stats["errors"] == 3
+    finally:
+        server.close()
+
+
 def test_a_post_that_must_not_wait_refuses_rather_than_waits(echo):
     """block=False never waits: not connected, or another writer busy -> None (nothing written)."""
     c = ChannelClient(echo.address, KEY)

@@ -365,14 +365,28 @@ class ChannelServer:
             if not batch:
                 return
             self.stats["frames"] += len(batch)
-            with self.serving(conn):
-                replies = [self._answer(conn, frame) for frame in batch]
+            replies = self._answer_all(conn, batch)
             try:
                 write_frames(sock, [conn.sealed.seal(r) for r in replies], lim.max_frame)
             except (OSError, ChannelError):
                 return
             if ended:
                 return
+
+    def _answer_all(self, conn: Conn, batch: list[bytes]) -> list[bytes]:
+        """Every frame of ``batch`` answered, in order, inside one ``serving`` context; a context that fails to
+        open or close is logged and counted (a bug there must not kill the server), and the frames it left
+        unanswered get an error reply each."""
+        replies: list[bytes] = []
+        try:
+            with self.serving(conn):
+                for frame in batch:
+                    replies.append(self._answer(conn, frame))
+        except Exception as exc:
+            self.stats["errors"] += 1
+            log.exception("side-channel serving context failed")
+            replies += [self.on_error(f"internal error: {type(exc).__name__}: {exc}")] * (len(batch) - len(replies))
+        return replies
 
     def _answer(self, conn: Conn, frame: bytes) -> bytes:
         try:
