@@ -94,7 +94,11 @@ def tree(name: str, rev: str, folder: Path) -> Path:
     tar = folder / f"{name}.tgz"
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp) / "tree"
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(work), rev], check=True)
+        made = subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(work), rev],
+                              capture_output=True, text=True)
+        if made.returncode:
+            raise SystemExit(f"--tree {name}={rev}: git cannot check out {rev!r} ({made.stderr.strip()}); give a "
+                             "commit, branch or tag of this repository")
         try:
             built = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], cwd=work,
                                    capture_output=True, text=True)

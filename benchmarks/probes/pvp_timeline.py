@@ -267,8 +267,8 @@ def _host_time(timed: dict, got: dict) -> dict:
     """Per request, p50 microseconds: the wall and the thread's own CPU time of the initiating call (push:
     ``write()`` on this thread; pull via push: the producer's server thread from the ask's frame read to its
     reply written, asks read together sharing their batch's evenly; a wall well over the CPU time is a wait:
-    the GIL, the agent's lock); and the share of each
-    round's wall that the producer's engine thread spent inside ``poll()``."""
+    the GIL, the agent's lock); and the share of each round's wall that the producer's engine thread spent
+    inside ``poll()``."""
     doc: dict = {}
     polls = got["polls"]
     for mode, rows in timed.items():
