@@ -70,31 +70,39 @@ def _instrumented_main(conn) -> None:  # pragma: no cover - runs in the engine p
 
     pull, inst, submit = server.pull_request, server.instantiate, agent.KvAgent.submit
     read, answer, write_frames = tcp.FrameReader.read, tcp.ChannelServer._answer, tcp.write_frames
-    current, framed = [""], threading.local()
+    current = [""]
 
+    class Batch(threading.local):
+        """A server thread reads the frames that came in together, answers each, then writes their replies at
+        once: per thread, the read times not yet answered, the asks answered since the last write, the CPU time
+        at the first read after that write (an ask's CPU: its batch's, shared evenly), and when the frame being
+        answered was read."""
+
+        def __init__(self):
+            self.reads: list[float] = []
+            self.asks: list[str] = []
+            self.cpu = self.at = 0.0
+
+    framed = Batch()
     cpu: dict[str, float] = {}  # req -> the server thread's CPU seconds from its frame read to its reply written
     polls: list[tuple[float, float]] = []  # the engine thread's poll() calls: (began, ended)
 
-    # A server thread reads the frames that came in together, answers each, then writes their replies at once:
-    # per thread, the read times not yet answered, the asks answered since the last write, and the CPU time
-    # at the first read after that write (an ask's CPU: its batch's, shared evenly).
     def read_frame(self, *args, **kw):
         out = read(self, *args, **kw)
         if self._chunk:  # an authenticated connection's frames (the handshake's are read exactly)
-            if not getattr(framed, "reads", None) and not getattr(framed, "asks", None):
+            if not framed.reads and not framed.asks:
                 framed.cpu = time.thread_time()
-            framed.reads = [*getattr(framed, "reads", []), time.perf_counter()]
-            framed.asks = getattr(framed, "asks", [])
+            framed.reads.append(time.perf_counter())
         return out
 
     def answered(self, conn, frame):
-        framed.at = framed.reads.pop(0) if getattr(framed, "reads", None) else time.perf_counter()
+        framed.at = framed.reads.pop(0) if framed.reads else time.perf_counter()
         return answer(self, conn, frame)
 
     def replied(*args, **kw):
         out = write_frames(*args, **kw)
-        asks, framed.asks = getattr(framed, "asks", []), []
-        spent, t = time.thread_time() - getattr(framed, "cpu", time.thread_time()), time.perf_counter()
+        asks, framed.asks = framed.asks, []
+        spent, t = time.thread_time() - framed.cpu, time.perf_counter()
         for req in asks:  # one time for the batch: its asks are told apart by it
             at.setdefault(req, {}).setdefault("replied", t)
             cpu[req] = spent / len(asks)
@@ -103,7 +111,7 @@ def _instrumented_main(conn) -> None:  # pragma: no cover - runs in the engine p
     def pull_request(a, c, msg):
         current[0] = msg.req
         framed.asks.append(msg.req)
-        at.setdefault(msg.req, {}).setdefault("framed", getattr(framed, "at", time.perf_counter()))
+        at.setdefault(msg.req, {}).setdefault("framed", framed.at)
         stamp(msg.req, "arrived")
         return pull(a, c, msg)
 
