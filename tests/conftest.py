@@ -30,7 +30,7 @@ def lane(path: Path) -> str:
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        item.add_marker(pytest.mark.xdist_group(lane(Path(str(item.fspath)))))
+        item.add_marker(pytest.mark.xdist_group(lane(item.path)))
 
 
 @pytest.fixture(autouse=True)
