@@ -62,8 +62,10 @@ def test_producer_killed_mid_transfer(plan):
         failed = set(out["failed"]) | set(errors)
         print(f"finished {len(out['finished'])}, failed {len(failed)}")
         assert any(r.startswith("pull-") for r in failed) and all(r[0] in failed for r in pvp)
+        # the loss is told in whichever words saw it first: NIXL's DISCONNECT, a refusal, the timeout, or
+        # the session ended when a later request found the side channel closed (under load that comes first)
         reasons = " ".join(out["failed"].values())
-        assert "DISCONNECT" in reasons or "refused" in reasons or "timed out" in reasons
+        assert any(k in reasons for k in ("DISCONNECT", "refused", "timed out", "session lost")), reasons[:400]
         stats = cons.call("stats")
         assert stats["xfers"] == 0 and stats["in_flight"] == 0
         closed = cons.call("close")
