@@ -55,7 +55,7 @@ class _Hosted:
         self.held: dict[str, str] = {}
         self.freeable: list[str] = []
         self.flips: list[str] = []  # contract breaks seen: a request finished after it had failed/held
-        self.reserved: list[Any] = []  # asleep: the freed memory's addresses, kept from the next allocation
+        self.reserved: list[Any] = []  # asleep: the memory its tensors let go, held until the wake-up allocated
 
     def _agent(self):
         """A new agent (a new epoch) over the tensors as they are now."""
@@ -81,13 +81,16 @@ class _Hosted:
                 staging=None if cfg.staging is None else StagingPolicy(**cfg.staging),
                 limits=Limits(**(cfg.limits or {})),
                 **({"ipc": cfg.ipc} if cfg.ipc else {}),
+                **({"notes_agent": cfg.notes_agent} if cfg.notes_agent is not None else {}),
             ),
         )
 
     def sleep(self) -> dict:
         """What an engine's sleep does to kvlc (the vLLM connector's unregister_kv_caches): the agent
         closes (NIXL deregisters the memory; sessions, connections and transfers end, reported by the
-        next poll), then the memory is freed, its addresses held so that the wake-up allocates elsewhere."""
+        next poll), then the tensors let their memory go; it stays allocated, unused, until the wake-up has
+        allocated the new memory, so that the wake-up lands elsewhere (freed and reserved again at once, malloc
+        may hand a reservation other addresses and the wake-up the old ones)."""
         import torch
 
         ptrs = {n: t.data_ptr() for n, t in self.tensors.items()}
@@ -95,9 +98,9 @@ class _Hosted:
         self.pump()
         self.peers.clear()
         sizes = {n: t.numel() for n, t in self.tensors.items()}
+        self.reserved = [t.untyped_storage() for t in self.tensors.values()]  # the old memory, held
         for t in self.tensors.values():
-            t.set_(torch.empty(0, dtype=t.dtype, device=t.device))  # the old memory goes
-        self.reserved = [torch.empty(n, dtype=torch.uint8) for n in sizes.values()]
+            t.set_(torch.empty(0, dtype=t.dtype, device=t.device))
         self.sizes = sizes
         return {"ptrs": ptrs}
 
