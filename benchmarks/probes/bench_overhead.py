@@ -224,7 +224,7 @@ KINDS = ("raw", "raw+notif", "kvlc")
 
 
 class _NoNixl:
-    """The executor's NIXL agent with create, post, state, release and send_notif doing nothing (every
+    """The executor's NIXL agent with create, post, state, release, send_notif and send_done doing nothing (every
     transfer DONE at once): what is left of a request is kvlc's own host work (``--host``)."""
 
     class Xfer:
@@ -252,6 +252,9 @@ class _NoNixl:
         return xfer.state
 
     def send_notif(self, agent_name: str, message: bytes) -> None:
+        pass
+
+    def send_done(self, agent_name: str, message: bytes) -> None:
         pass
 
     def __getattr__(self, name):

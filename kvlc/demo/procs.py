@@ -45,6 +45,7 @@ class EngineConfig:
     pin: bool = False  # pin DRAM storages (page-locked host memory, for GPU machines)
     shared: bool = False  # DRAM storages in shared-memory files: a same-host peer maps them (kvlc.runtime.ipc)
     ipc: str | None = None  # AgentSettings.ipc ("auto" | "off"; None: $KVLC_IPC, else auto)
+    notes_agent: bool | None = None  # AgentSettings.notes_agent (None: $KVLC_NOTES_AGENT, else on)
     timeout: float = 30.0
     telemetry: bool = False
     progress: str = "thread"  # KvAgent progress: "thread" | "nixl" | "manual"

@@ -103,7 +103,8 @@ class KvAgent:
             self.staging = cfg.staging_policy()
             self.stager = make_stager(self.nixl, self.bindings, self.staging)
             self.record = make_record(self.name, self.nixl.metadata(), plan, rank, storages,
-                                      self.engine_id, self.epoch, self._identity.public, self.started_at)
+                                      self.engine_id, self.epoch, self._identity.public, self.started_at,
+                                      notes_md=self.nixl.notes_metadata() if cfg.notes_agent else None)
         except BaseException:
             self.nixl.close()
             raise
@@ -137,7 +138,7 @@ class KvAgent:
         if cfg.agent_factory is not None:
             return cfg.agent_factory(self.name)
         return Agent(self.name, cfg.backends, telemetry=cfg.telemetry, ucx=cfg.ucx_options(vram),
-                     progress_thread=cfg.progress == "nixl")
+                     progress_thread=cfg.progress == "nixl", notes=cfg.notes_agent)
 
     # ------------------------------------------------------------------ side channel
     def serve(self, host: str | None = None, port: int | None = None, advertise: str | None = None) -> str:
@@ -409,6 +410,16 @@ class KvAgent:
             if name != rec.agent:
                 self.nixl.remove_remote(name)
                 raise HandshakeError(f"record says agent '{rec.agent}' but its NIXL metadata is agent '{name}'")
+            if rec.notes_md is not None and self.settings.notes_agent:
+                self._load_notes(rec)
+
+    def _load_notes(self, rec: Record) -> None:
+        """Send ``done`` to ``rec``'s notes agent from now on; where it cannot be loaded, it goes as before."""
+        try:
+            self.nixl.add_remote_notes(rec.agent, rec.notes_md)
+        except NixlError as exc:
+            log.warning("agent '%s': its notes agent was not loaded, its `done` goes with its bytes: %s",
+                        rec.agent, exc)
 
     def drop_session(self, s: Session, why: str) -> None:
         """End a session: its in-flight transfers stop, what waited on it ends, its NIXL agent goes."""

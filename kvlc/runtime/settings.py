@@ -84,6 +84,9 @@ class AgentSettings(BaseSettings):
     VRAM) whose rows average 256 KiB or more goes on the GPU's copy engines through kvlc's own driver calls (a
     ``cuMemcpyAsync`` per row, the GIL kept, checked by content at warm-up) instead of the copy kernel, whose
     loads across PCIe fall short of the pinned copy; ``KVLC_IPC_COPY_ENGINE=false``: the kernel.
+    ``notes_agent``: a second NIXL agent carries this agent's ``done`` notifications to peers that have one too
+    (:mod:`kvlc.runtime.nixl.notes`), so that a WRITE's flush never waits for the peer to take the ``done`` sent
+    before it; ``KVLC_NOTES_AGENT=false``: none (``done`` goes through the agent that moved the bytes).
     ``agent_factory`` (tests only) builds the NIXL agent wrapper from a name.
     """
 
@@ -108,6 +111,7 @@ class AgentSettings(BaseSettings):
     ipc_min_rows: int = Field(64, ge=0)  # VRAM-to-VRAM parts of fewer rows go through NIXL (see above)
     ipc_gpu_calls: GpuCalls = DEFAULT_GPU_CALLS  # a GPU copy's ordering and launch calls (see above)
     ipc_copy_engine: bool = True  # long rows with host memory on one side on a GPU's copy engines (see above)
+    notes_agent: bool = True  # `done` through a NIXL agent of its own (see above)
     limits: Limits = Field(default_factory=Limits)
     ucx: UcxOptions | None = None
     staging: StagingPolicy | None = None

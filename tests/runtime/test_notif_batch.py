@@ -39,8 +39,8 @@ def test_pushes_ending_in_one_turn_arrive_as_one_batch_with_their_bytes():
         peer = prod.connect(cons.serve(), direction="WRITE")
         sent = []
         door = prod.executor.agent  # what the executor tells through: NIXL, or the same-host route (its doorbells)
-        real = door.send_notif
-        door.send_notif = lambda to, m: (sent.append(decode_notif(m)), real(to, m))[1]
+        real = door.send_done  # (how a `done` leaves: the doorbell, the notes agent or the data agent)
+        door.send_done = lambda to, m: (sent.append(decode_notif(m)), real(to, m))[1]
         reqs = {f"b{i}": ([2 * i, 2 * i + 1], [40 + 2 * i, 41 + 2 * i]) for i in range(8)}
         for req in reqs:
             cons.expect(req, 30.0)

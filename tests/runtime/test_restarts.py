@@ -275,12 +275,13 @@ def test_a_nixl_agent_kept_for_a_request_in_flight_goes_once_it_ends(plan):
     stopped, SIGSTOP): the read is held and the producer's NIXL agent stays while NIXL may still land its
     bytes; once the read ends (SIGCONT), it is reported failed once and that NIXL agent is removed too."""
     pproc, prod = start_one(plan, "content", "busy-p")
-    # The consumer tells done through NIXL, not the producer's same-host doorbell: its READs from the stopped
-    # producer then stay in flight (UCX's flush at a READ's end waits on the notifications sent on that
-    # endpoint before, which the stopped producer does not take); after doorbell dones, UCX reads the stopped
-    # process's memory and the READ ends well at once (seen here: finished within 0.3 s).
+    # The consumer tells done through NIXL's data endpoint, not the producer's same-host doorbell nor a notes
+    # agent of its own: its READs from the stopped producer then stay in flight (UCX's flush at a READ's end
+    # waits on the notifications sent on that endpoint before, which the stopped producer does not take); with
+    # nothing pending there, UCX reads the stopped process's memory and the READ ends well at once (seen here:
+    # finished within 0.3 s).
     cproc = EngineProcess()
-    cons = cproc.add(config(plan, 0, "random", seed=4, engine_id="busy-c", ipc="off"))
+    cons = cproc.add(config(plan, 0, "random", seed=4, engine_id="busy-c", ipc="off", notes_agent=False))
     try:
         bare = cons.call("resources")
         cons.connect([prod.address], "READ", "direct", "p")

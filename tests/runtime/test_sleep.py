@@ -102,11 +102,11 @@ def test_a_consumer_that_sleeps_with_a_read_in_flight_fails_it_once_and_nothing_
     read is reported failed once (never finished). After SIGCONT and the wake-up, nothing changes in the
     consumer's new memory, and its next read (connected again) moves every byte."""
     pproc, prod = start_one(plan, "content", "flight-p")
-    # The consumer tells done through NIXL, not on the producer's same-host doorbell, so its read from the
-    # stopped producer stays in flight (as in test_restarts' held read: after doorbell dones nothing is
-    # pending on the endpoint and UCX reads the stopped process's memory at once; seen in CI: the read
-    # finished within 0.3 s).
-    cproc, cons = start_one(plan, "random", "flight-c", seed=9, port=free_port(), ipc="off")
+    # The consumer tells done through NIXL's data endpoint (not the producer's same-host doorbell, nor a notes
+    # agent of its own), so its read from the stopped producer stays in flight (as in test_restarts' held read:
+    # with nothing pending on that endpoint UCX reads the stopped process's memory at once; seen in CI: the
+    # read finished within 0.3 s).
+    cproc, cons = start_one(plan, "random", "flight-c", seed=9, port=free_port(), ipc="off", notes_agent=False)
     try:
         cons.connect([prod.address], "READ", "direct", "p")
         move(cons, "p", "read", two_requests("f0"))

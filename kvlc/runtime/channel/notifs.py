@@ -214,10 +214,12 @@ def _done_bytes(target: Target, share: list, chunk: list[str], rank: int) -> byt
 def tell_done(agent: Any, rank: int, outs: list) -> None:
     """Send ``done`` for every request in ``outs`` (each with ``req``, ``notify``: remote rank →
     :class:`Target`, ``reason``, ``notified``) from this agent's rank ``rank``: one notification
-    per target for all of them, split to fit (:func:`batches`). Sets each request's ``notified``
-    (the ranks told) and, where a send failed, its ``reason``; a request with a reason is not told
-    ``done`` by the targets after it. A request alone in its notification sends the bytes its ``ready`` holds for
-    that target where it has them (built while its bytes moved: the same bytes :meth:`Target.done` builds)."""
+    per target for all of them, split to fit (:func:`batches`), through ``agent.send_done`` (every byte
+    they speak of landed: the agent may take a path of its own for them, :mod:`kvlc.runtime.nixl.notes`).
+    Sets each request's ``notified`` (the ranks told) and, where a send failed, its ``reason``; a request
+    with a reason is not told ``done`` by the targets after it. A request alone in its notification sends the
+    bytes its ``ready`` holds for that target where it has them (built while its bytes moved: the same bytes
+    :meth:`Target.done` builds)."""
     told: dict[int, list[int]] = {id(o): [] for o in outs}
     for target, members in _by_target(outs).items():
         members = [(o, r) for o, r in members if not o.reason]
@@ -226,7 +228,7 @@ def tell_done(agent: Any, rank: int, outs: list) -> None:
         for chunk in (batches(ids) if len(ids) > 1 else [ids] if ids else []):  # (one id: one notification)
             share, at = members[at:at + len(chunk)], at + len(chunk)
             try:
-                agent.send_notif(target.agent, _done_bytes(target, share, chunk, rank))
+                agent.send_done(target.agent, _done_bytes(target, share, chunk, rank))
             except NixlError as exc:
                 for o, r in share:
                     o.reason = f"all parts done, but notifying rank {r} failed: {exc}"

@@ -102,6 +102,8 @@ class Record(_Strict):
     key: Annotated[bytes, Field(min_length=PUBLIC_BYTES, max_length=PUBLIC_BYTES)]  # Ed25519, this epoch's
     # when this epoch started (the sender's time.time()): its memory holds nothing produced before (0: unknown)
     started_at: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
+    # the metadata of its notes agent (kvlc.runtime.nixl.notes), where `done` notifications to it go and come from
+    notes_md: Annotated[bytes, Field(min_length=1, max_length=MAX_METADATA_BYTES)] | None = None
     _plan: Plan | None = PrivateAttr(default=None)
 
     @property
@@ -326,7 +328,7 @@ def check_record(rec: Record) -> Plan:
 
 def make_record(
     agent: str, nixl_md: bytes, plan: Plan, rank: int, storages, engine_id: str, epoch: str, key: bytes,
-    started_at: float = 0.0,
+    started_at: float = 0.0, notes_md: bytes | None = None,
 ) -> Record:
     """Build and check a record (``storages``: :class:`StorageBase` in plan order; ``key``: the
     epoch's Ed25519 public key, :class:`~kvlc.runtime.channel.identity.Identity`; ``started_at``: when
@@ -342,6 +344,7 @@ def make_record(
         storages=tuple(storages),
         key=key,
         started_at=started_at,
+        notes_md=notes_md,
     )
     check_record(rec)
     return rec

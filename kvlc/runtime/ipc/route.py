@@ -366,6 +366,16 @@ class IpcRoute:
             return
         self.nixl.send_notif(agent_name, message)
 
+    def send_done(self, agent_name: str, message: bytes) -> None:
+        """A ``done``: into the doorbell ``agent_name`` offered (as :meth:`send_notif`), else through NIXL's path
+        for them (:meth:`kvlc.runtime.nixl.core.Agent.send_done`)."""
+        w = self.peers.get(agent_name)
+        bell = w.mapped.bell if w is not None else None
+        if bell is not None and bell.ring(message):
+            self.rung += 1
+            return
+        self.nixl.send_done(agent_name, message)
+
     def ended(self, xfer: IpcXfer) -> None:
         """A copy was released: a retired peer none uses any more is unmapped now."""
         if xfer.posted:

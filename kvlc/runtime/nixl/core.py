@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from kvlc.runtime.errors import NixlError
+from kvlc.runtime.nixl.notes import SUFFIX, Notes
 from kvlc.runtime.nixl.status import MEM_TYPES, OPS, XferState, _rows, _state, _status_of, call, check, run
 from kvlc.runtime.nixl.ucx import UcxOptions, create_backends
 
@@ -111,6 +112,9 @@ class Agent:
     (:class:`~kvlc.runtime.nixl.ucx.UcxOptions`; default: from ``KVLC_UCX_*`` variables, else
     NIXL's defaults); the backend is created here, after :func:`~kvlc.runtime.nixl.ucx.apply_env`
     set ``UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y`` on a CUDA machine where the user had not set it.
+    ``notes=True`` also creates the agent that carries ``done`` notifications (:mod:`kvlc.runtime.nixl.notes`):
+    :meth:`send_done` goes through it to a peer whose notes agent was loaded (:meth:`add_remote_notes`), and
+    :meth:`notifs` returns what came through both.
     """
 
     def __init__(
@@ -121,6 +125,7 @@ class Agent:
         telemetry: bool = False,
         progress_thread: bool = False,
         ucx: UcxOptions | None = None,
+        notes: bool = False,
     ):
         _quiet_nixl()
         from nixl._api import nixl_agent, nixl_agent_config  # the only import of nixl in kvlc
@@ -136,6 +141,12 @@ class Agent:
         self.ucx = ucx or UcxOptions.from_env()
         self.backend_params = create_backends(self._nixl, name, backends, self.ucx, run)
         self.backends = tuple(backends)
+        self.notes: Notes | None = None
+        if notes:  # (no progress thread: its sends complete in the call, and every poll fetches what came)
+            raw = call(f"create agent {name + SUFFIX!r}", nixl_agent, name + SUFFIX,
+                       nixl_agent_config(enable_prog_thread=False, backends=[]))
+            create_backends(raw, name + SUFFIX, ("UCX",), UcxOptions(), run)
+            self.notes = Notes(raw, name + SUFFIX)
         self.closed = False
 
     @property
@@ -165,9 +176,25 @@ class Agent:
             self._remotes.add(name)
             return name
 
-    def remove_remote(self, name: str) -> None:
-        """Forget a peer (idempotent)."""
+    def notes_metadata(self) -> bytes | None:
+        """The metadata of this agent's notes agent (None: it has none)."""
         with self._lock:
+            return None if self.notes is None else self.notes.metadata()
+
+    def add_remote_notes(self, name: str, metadata: bytes) -> None:
+        """Load the notes agent of peer ``name`` (loaded with :meth:`add_remote`): its ``done`` goes there from now
+        on. Raises :class:`NixlError` (nothing loaded) when NIXL refuses it or it names another agent."""
+        with self._lock:
+            if self.notes is None or name not in self._remotes:
+                why = "this agent has no notes agent" if self.notes is None else "its data agent is not loaded"
+                raise NixlError(f"add the notes agent of {name!r}", "not loaded", why)
+            self.notes.add(name, metadata)
+
+    def remove_remote(self, name: str) -> None:
+        """Forget a peer (idempotent), its notes agent too."""
+        with self._lock:
+            if self.notes is not None:
+                self.notes.remove(name)
             if name in self._remotes:
                 self._remotes.discard(name)
                 run(f"remove remote agent {name!r}", self._n.remove_remote_agent, name)
@@ -305,13 +332,25 @@ class Agent:
         with self._lock:
             run(f"send notification to {agent_name!r}", self._n.send_notif, agent_name, message)
 
+    def send_done(self, agent_name: str, message: bytes) -> None:
+        """A ``done`` (every byte it speaks of landed already): through the notes agents where both sides have
+        one, so that the next WRITE's flush does not wait for the peer to take it; else as :meth:`send_notif`."""
+        with self._lock:
+            if self.notes is not None and self.notes.reaches(agent_name):
+                self.notes.send(agent_name, message)
+            else:
+                run(f"send notification to {agent_name!r}", self._n.send_notif, agent_name, message)
+
     def notifs(self) -> dict[str, list[bytes]]:
-        """New notifications since the last call: sender agent name → messages."""
+        """New notifications since the last call: sender agent name → messages (what a peer's notes agent sent
+        comes under the peer's agent name, after what its agent sent)."""
         with self._lock:
             got = call("get notifications", self._n.get_new_notifs)
-        return {
-            (k.decode() if isinstance(k, bytes) else str(k)): [bytes(m) for m in v] for k, v in got.items()
-        }
+            noted = self.notes.fetch() if self.notes is not None else {}
+        out = {(k.decode() if isinstance(k, bytes) else str(k)): [bytes(m) for m in v] for k, v in got.items()}
+        for k, v in noted.items():
+            out.setdefault(k, []).extend(v)
+        return out
 
     # ------------------------------------------------------------------ lifetime
     @property
@@ -343,6 +382,8 @@ class Agent:
                     self.remove_remote(name)
                 except NixlError as exc:
                     problems.append(str(exc))
+            if self.notes is not None:
+                self.notes.close()
             self.closed = True
             if not self._live:
                 self._nixl = None  # drop NIXL's agent (its UCX worker) now, not at interpreter exit
