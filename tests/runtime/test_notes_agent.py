@@ -148,6 +148,17 @@ def test_pushes_finish_with_every_byte_whichever_side_has_a_notes_agent(prod_not
     assert all_finished and right and lost == 0
 
 
+def _pushed(prod, cons, peer, req: str) -> bool:
+    """Push ``req`` (blocks 0, 1 to 2, 3) and poll both sides until the consumer finished it (True) or 20 s."""
+    peer.write(req, {"full": [0, 1]}, {"full": [2, 3]}, 32)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        prod.poll()
+        if req in cons.poll().finished:
+            return True
+    return False
+
+
 def test_a_record_whose_notes_agent_is_another_agent_is_connected_without_it(caplog):
     """A record whose ``notes_md`` is not its agent's notes agent (here: its data agent's metadata again) is
     still connected: the notes agent is not loaded (a warning says why) and `done` goes through the data agents;
@@ -164,12 +175,7 @@ def test_a_record_whose_notes_agent_is_another_agent_is_connected_without_it(cap
         assert not prod.nixl.notes.reaches(cons.name)
         assert any("notes agent was not loaded" in r.getMessage() for r in caplog.records)
         cons.expect("w", 30.0)
-        peer.write("w", {"full": [0, 1]}, {"full": [2, 3]}, 32)
-        deadline, done = time.monotonic() + 20, False
-        while not done and time.monotonic() < deadline:
-            prod.poll()
-            done = "w" in cons.poll().finished
-        assert done
+        assert _pushed(prod, cons, peer, "w")
     finally:
         prod.close()
         cons.close()
@@ -198,12 +204,7 @@ def test_a_forged_done_to_the_notes_agent_is_dropped_and_ends_nothing():
             stranger.notifs()
             assert "r1" not in cons.poll().finished
         assert cons.stats["dropped_notifs"] == dropped + 1 and "r1" in cons.incoming
-        peer.write("r1", {"full": [0, 1]}, {"full": [2, 3]}, 32)
-        deadline, done = time.monotonic() + 20, False
-        while not done and time.monotonic() < deadline:
-            prod.poll()
-            done = "r1" in cons.poll().finished
-        assert done
+        assert _pushed(prod, cons, peer, "r1")
     finally:
         stranger.close()
         prod.close()

@@ -357,24 +357,25 @@ class IpcRoute:
     def telemetry(self, xfer: Any) -> dict[str, int] | None:
         return None if isinstance(xfer, IpcXfer) else self.nixl.telemetry(xfer)
 
-    def send_notif(self, agent_name: str, message: bytes) -> None:
-        """Into the doorbell ``agent_name`` offered this side (if it did and the ring has room), else through NIXL."""
+    def _ring(self, agent_name: str, message: bytes) -> bool:
+        """Into the doorbell ``agent_name`` offered this side, if it did and the ring has room."""
         w = self.peers.get(agent_name)
         bell = w.mapped.bell if w is not None else None
         if bell is not None and bell.ring(message):
             self.rung += 1
-            return
-        self.nixl.send_notif(agent_name, message)
+            return True
+        return False
+
+    def send_notif(self, agent_name: str, message: bytes) -> None:
+        """Into the doorbell ``agent_name`` offered this side (if it did and the ring has room), else through NIXL."""
+        if not self._ring(agent_name, message):
+            self.nixl.send_notif(agent_name, message)
 
     def send_done(self, agent_name: str, message: bytes) -> None:
         """A ``done``: into the doorbell ``agent_name`` offered (as :meth:`send_notif`), else through NIXL's path
         for them (:meth:`kvlc.runtime.nixl.core.Agent.send_done`)."""
-        w = self.peers.get(agent_name)
-        bell = w.mapped.bell if w is not None else None
-        if bell is not None and bell.ring(message):
-            self.rung += 1
-            return
-        self.nixl.send_done(agent_name, message)
+        if not self._ring(agent_name, message):
+            self.nixl.send_done(agent_name, message)
 
     def ended(self, xfer: IpcXfer) -> None:
         """A copy was released: a retired peer none uses any more is unmapped now."""
