@@ -756,6 +756,9 @@ class KvAgent:
             self.stats["bell_rung"] = self.route.rung
             self.stats["ipc_block_copies"] = self.route.block_copies
             self.stats["ipc_engine_copies"] = self.route.engine_copies
+        notes = getattr(self.nixl, "notes", None)
+        if notes is not None:  # `done` sent and taken through the notes agent (kvlc.runtime.nixl.notes)
+            self.stats["notes_sent"], self.stats["notes_taken"] = notes.sent, notes.taken
         _replies.notifs(self, got)
         _replies.drain(self, self.sender.replies)
         self._deadlines(time.monotonic())

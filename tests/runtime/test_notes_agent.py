@@ -72,6 +72,24 @@ def test_a_notes_agent_that_is_not_the_peers_is_refused_and_nothing_is_loaded(pa
     assert _notes_until(b, a, 1) == [b"done-plain"]
 
 
+def test_a_peer_whose_notes_metadata_is_another_peers_leaves_that_peers_notes_agent_loaded(pair):
+    """Peer C's record naming B's notes agent as its own is refused, and B's notes agent, loaded for B, stays:
+    B is still told through it."""
+    a, b = pair
+    c = Agent("notes-c", notes=True)
+    try:
+        a.add_remote(b.metadata())
+        a.add_remote_notes("notes-b", b.notes_metadata())
+        a.add_remote(c.metadata())
+        with pytest.raises(NixlError, match=r"its metadata is agent 'notes-b\.notes', expected 'notes-c\.notes'"):
+            a.add_remote_notes("notes-c", b.notes_metadata())
+        assert a.notes.reaches("notes-b") and not a.notes.reaches("notes-c")
+        a.send_done("notes-b", b"done-b")
+        assert _notes_until(b, a, 1) == [b"done-b"] and b.notes.taken == 1
+    finally:
+        c.close()
+
+
 def test_removing_a_peer_forgets_its_notes_agent(pair):
     """remove_remote forgets the peer's notes agent too: a later done to it fails like any send to an unknown
     agent (NIXL's error, the operation named), nothing sent."""
@@ -130,6 +148,8 @@ def _push(prod_notes: bool, cons_notes: bool):
                 untouched[storage][idx] = False
         right &= all(bool((t.numpy()[untouched[n]] == 0x5A).all()) for n, t in tc.items())
         taken = (cons.nixl.notes.taken if cons.nixl.notes is not None else 0) - taken
+        if reached:  # (what an operator sees of it)
+            assert prod.stats["notes_sent"] >= 6 and cons.stats["notes_taken"] >= 6
         return reached, taken, finished == set(reqs), right, prod.stats.get("sessions_lost", 0)
     finally:
         prod.close()

@@ -49,13 +49,14 @@ class Notes:
         """Load the notes agent of peer ``data_name`` (its record's ``notes_md``) and connect to it now, so that the
         first ``done`` does not pay UCX's set-up; returns its name. Raises NixlError when NIXL refuses it or it
         is not ``data_name`` + :data:`SUFFIX`."""
+        self.remove(data_name)  # (a peer restarted under the same name: its new agent replaces the old)
         name = call(f"add the notes agent of {data_name!r}", self._n.add_remote_agent, metadata)
         name = name.decode() if isinstance(name, bytes) else str(name)
         if name != data_name + SUFFIX:
-            run(f"remove remote agent {name!r}", self._n.remove_remote_agent, name)
+            if name not in self._notes_of.values():  # (never another peer's, loaded for it)
+                run(f"remove remote agent {name!r}", self._n.remove_remote_agent, name)
             raise NixlError(f"add the notes agent of {data_name!r}", "wrong agent",
                             f"its metadata is agent {name!r}, expected {data_name + SUFFIX!r}")
-        self.remove(data_name)  # (a peer restarted under the same name: its new agent replaces the old)
         try:
             run(f"connect to {name!r}", self._n.make_connection, name)
         except Exception as exc:  # the first `done` sets the connection up instead
