@@ -104,7 +104,7 @@ class KvAgent:
             self.stager = make_stager(self.nixl, self.bindings, self.staging)
             self.record = make_record(self.name, self.nixl.metadata(), plan, rank, storages,
                                       self.engine_id, self.epoch, self._identity.public, self.started_at,
-                                      notes_md=self.nixl.notes_metadata() if cfg.notes_agent else None)
+                                      notes_md=self.nixl.notes_metadata())
         except BaseException:
             self.nixl.close()
             raise
@@ -410,7 +410,7 @@ class KvAgent:
             if name != rec.agent:
                 self.nixl.remove_remote(name)
                 raise HandshakeError(f"record says agent '{rec.agent}' but its NIXL metadata is agent '{name}'")
-            if rec.notes_md is not None and self.settings.notes_agent:
+            if rec.notes_md is not None and self.record.notes_md is not None:  # (both sides have one)
                 self._load_notes(rec)
 
     def _load_notes(self, rec: Record) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from kvlc.runtime.errors import NixlError
-from kvlc.runtime.nixl.notes import SUFFIX, Notes
+from kvlc.runtime.nixl.notes import SUFFIX, Notes, by_sender
 from kvlc.runtime.nixl.status import MEM_TYPES, OPS, XferState, _rows, _state, _status_of, call, check, run
 from kvlc.runtime.nixl.ucx import UcxOptions, create_backends
 
@@ -339,7 +339,7 @@ class Agent:
             if self.notes is not None and self.notes.reaches(agent_name):
                 self.notes.send(agent_name, message)
             else:
-                run(f"send notification to {agent_name!r}", self._n.send_notif, agent_name, message)
+                self.send_notif(agent_name, message)
 
     def notifs(self) -> dict[str, list[bytes]]:
         """New notifications since the last call: sender agent name → messages (what a peer's notes agent sent
@@ -347,7 +347,7 @@ class Agent:
         with self._lock:
             got = call("get notifications", self._n.get_new_notifs)
             noted = self.notes.fetch() if self.notes is not None else {}
-        out = {(k.decode() if isinstance(k, bytes) else str(k)): [bytes(m) for m in v] for k, v in got.items()}
+        out = by_sender(got)
         for k, v in noted.items():
             out.setdefault(k, []).extend(v)
         return out

@@ -32,6 +32,14 @@ log = logging.getLogger("kvlc.runtime.nixl.notes")
 SUFFIX = ".notes"  # the notes agent's NIXL name: the data agent's, then this
 
 
+def by_sender(got: dict, name=lambda sender: sender) -> dict[str, list[bytes]]:
+    """NIXL's ``get_new_notifs`` answer as sender name (``name`` of the decoded one) → messages as bytes."""
+    out: dict[str, list[bytes]] = {}
+    for k, v in got.items():
+        out.setdefault(name(k.decode() if isinstance(k, bytes) else str(k)), []).extend(bytes(m) for m in v)
+    return out
+
+
 class Notes:
     """The notification agent of one data agent (see the module docstring)."""
 
@@ -82,12 +90,8 @@ class Notes:
     def fetch(self) -> dict[str, list[bytes]]:
         """New notifications, keyed by the sender's DATA agent name (a name without :data:`SUFFIX` stays as it is)."""
         got = call("get notifications", self._n.get_new_notifs)
-        out: dict[str, list[bytes]] = {}
-        for k, v in got.items():
-            k = k.decode() if isinstance(k, bytes) else str(k)
-            out.setdefault(k[:-len(SUFFIX)] if k.endswith(SUFFIX) else k, []).extend(bytes(m) for m in v)
-            self.taken += len(v)
-        return out
+        self.taken += sum(len(v) for v in got.values())
+        return by_sender(got, lambda k: k[:-len(SUFFIX)] if k.endswith(SUFFIX) else k)
 
     def close(self) -> None:
         for data_name in list(self._notes_of):
